@@ -1,0 +1,48 @@
+# Two commands on a fresh machine with Python 3.11+ and make:  `make run`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install run up down status test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; sys.exit("Python 3.11+ is required, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## run: install, start the whole stack on embedded defaults, print demo assemblies, stop it again
+run: install
+	$(PY) -m client.cli demo
+
+## up / down: the stack in the background under supervisord (state in .run/)
+up: install
+	$(PY) -m client.cli up
+
+down: install
+	$(PY) -m client.cli down
+
+status: install
+	$(PY) -m client.cli status
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+pytest: install
+	$(VENV)/bin/pytest
+
+## test: install and run every check: ruff, mypy --strict, the whole pytest suite
+test: lint typecheck pytest
+
+bench: install
+	$(PY) -m bench.packer_bench
+
+clean:
+	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache

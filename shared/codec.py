@@ -1,0 +1,141 @@
+"""The one msgpack codec. Decoding never raises: bad bytes become an ``ErrorReply`` value.
+
+Limits are applied inside the unpacker (``max_buffer_size`` and friends) so a giant or deeply
+nested payload is refused before Python objects are built for it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+
+from shared.errors import ErrorCode, IbexError
+from shared.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+
+DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB; settings.max_request_bytes overrides
+MAX_DEPTH = 32
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(model: BaseModel) -> bytes:
+    """Serialize a wire model to msgpack (exclude nothing: the wire is explicit)."""
+    return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def encode_error(exc: IbexError | ErrorReply, request_id: str | None = None) -> bytes:
+    if isinstance(exc, ErrorReply):
+        return encode(exc)
+    return encode(
+        ErrorReply(request_id=request_id or exc.request_id, code=exc.code, message=exc.message, field=exc.field)
+    )
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth, stopping early past ``limit`` (iterative: no recursion on hostile input)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    deepest = 0
+    while stack:
+        cur, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(cur, dict):
+            stack.extend((v, d + 1) for v in cur.values())
+        elif isinstance(cur, list):
+            stack.extend((v, d + 1) for v in cur)
+    return deepest
+
+
+def _first_nonfinite(obj: Any, path: str = "") -> str | None:
+    stack: list[tuple[Any, str]] = [(obj, path)]
+    while stack:
+        cur, p = stack.pop()
+        if isinstance(cur, float) and not math.isfinite(cur):
+            return p or "<root>"
+        if isinstance(cur, dict):
+            stack.extend((v, f"{p}.{k}" if p else str(k)) for k, v in cur.items())
+        elif isinstance(cur, list):
+            stack.extend((v, f"{p}[{i}]") for i, v in enumerate(cur))
+    return None
+
+
+def unpack(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any | ErrorReply:
+    """msgpack bytes -> Python object, or an INVALID_REQUEST reply naming what was wrong."""
+    if len(data) > max_bytes:
+        return ErrorReply(
+            code=ErrorCode.INVALID_REQUEST,
+            message=f"payload of {len(data)} bytes exceeds the limit of {max_bytes} bytes",
+            field="<payload>",
+        )
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_ext_len=0,
+        )
+    except UnicodeDecodeError as exc:
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=f"text is not valid UTF-8: {exc.reason}",
+                          field="<payload>")
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        return ErrorReply(
+            code=ErrorCode.INVALID_REQUEST,
+            message=f"payload is not valid msgpack ({type(exc).__name__}: {exc})"[:300],
+            field="<payload>",
+        )
+    if _depth(obj, MAX_DEPTH) > MAX_DEPTH:
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST,
+                          message=f"payload nests deeper than {MAX_DEPTH} levels", field="<payload>")
+    return obj
+
+
+def _validation_reply(exc: ValidationError, request_id: str | None) -> ErrorReply:
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "<root>"
+    more = exc.error_count() - 1
+    message = f"{field}: {first['msg']}"[:500] + (f" (+{more} more)" if more else "")
+    return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=message, field=field)
+
+
+def validate(obj: Any, model: type[M]) -> M | ErrorReply:
+    """Validate a decoded object against a wire model; errors name the first bad field."""
+    request_id = obj.get("request_id") if isinstance(obj, dict) else None
+    if not isinstance(request_id, str) or len(request_id) > 128:
+        request_id = None
+    if not isinstance(obj, dict):
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST,
+                          message=f"payload must be a map, got {type(obj).__name__}", field="<root>")
+    bad = _first_nonfinite(obj)
+    if bad is not None:
+        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
+                          message=f"{bad}: NaN and infinity are not accepted", field=bad)
+    version = obj.get("v", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
+                          message=f"unsupported protocol version {version!r}; this service speaks "
+                                  f"{PROTOCOL_VERSION}", field="v")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        return _validation_reply(exc, request_id)
+
+
+def decode_request(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> AssembleRequest | ErrorReply:
+    obj = unpack(data, max_bytes=max_bytes)
+    if isinstance(obj, ErrorReply):
+        return obj
+    return validate(obj, AssembleRequest)
+
+
+def decode_reply(data: bytes, *, max_bytes: int = 64 << 20) -> AssembleResponse | ErrorReply:
+    """Replies are either a response or an error reply; the ``code`` key tells them apart."""
+    obj = unpack(data, max_bytes=max_bytes)
+    if isinstance(obj, ErrorReply):
+        return obj
+    if isinstance(obj, dict) and "code" in obj:
+        return validate(obj, ErrorReply)
+    return validate(obj, AssembleResponse)

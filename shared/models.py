@@ -1,0 +1,157 @@
+"""Wire models shared by broker, worker and client (pydantic v2, strict).
+
+Strict mode is deliberate: msgpack already gives us native types, so a string where an int
+belongs is a caller bug to report, not something to coerce. NaN and infinity are refused
+everywhere (``allow_inf_nan=False``). Identifiers are restricted to a safe alphabet because
+they become parts of Redis keys (``{org_id}:directive:{agent_id}``) and must never smuggle a
+separator into another tenant's namespace.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from shared.errors import ErrorCode
+
+PROTOCOL_VERSION = 1
+
+# Identifiers that end up inside Redis keys and URLs: no ':' or whitespace, bounded length.
+Ident = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Message(_Wire):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, StringConstraints(max_length=2_000_000)]
+
+
+class AssemblyOptions(_Wire):
+    """Per-request switches. Weight fields are a forward contract (spec: not wired yet)."""
+
+    include_directive: bool = True
+    include_hot: bool = True
+    include_cold: bool = True
+    max_memories: Annotated[int, Field(ge=0, le=70)] | None = None
+    min_score: Unit = 0.0
+
+
+class AssembleRequest(_Wire):
+    v: Annotated[int, Field(ge=1)] = PROTOCOL_VERSION
+    request_id: RequestId
+    org_id: Ident
+    agent_id: Ident
+    model: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    query: Annotated[str, StringConstraints(max_length=100_000)]
+    recent_messages: Annotated[list[Message], Field(max_length=1000)] = Field(default_factory=list)
+    tool_schemas: Annotated[list[dict[str, Any]], Field(max_length=256)] = Field(default_factory=list)
+    options: AssemblyOptions = Field(default_factory=AssemblyOptions)
+    # Absolute deadline, Unix epoch nanoseconds (clocks across hosts are assumed NTP-synced).
+    deadline_ns: Annotated[int, Field(gt=0)]
+
+
+# ---------------------------------------------------------------------------------------- response
+
+BranchName = Literal["directive", "hot", "cold"]
+BranchStatus = Literal["success", "timeout", "error", "skipped"]
+DecisionKind = Literal[
+    "packed", "excluded_budget", "invalid_score", "duplicate", "below_floor", "over_cap", "over_limit"
+]
+SectionName = Literal["directive", "history", "memories", "tools"]
+
+
+class Section(_Wire):
+    name: SectionName
+    text: str
+    tokens: NonNegInt
+
+
+class PackedMemory(_Wire):
+    memory_id: str
+    category: str
+    tokens: NonNegInt
+    score: Unit
+    source: Literal["hot", "cold"]
+
+
+class Decision(_Wire):
+    """What happened to one candidate, and why, so "where did my memory go?" has an answer."""
+
+    memory_id: str
+    source: Literal["hot", "cold"]
+    decision: DecisionKind
+    reason: str
+    tokens: NonNegInt | None = None
+    score: Unit | None = None
+
+
+class BudgetBreakdown(_Wire):
+    """Every term of the spec's usable-budget formula, plus the inputs that produced them."""
+
+    model: str
+    tokenizer_family: str
+    estimate_kind: Literal["exact", "estimate"]
+    context_window: NonNegInt
+    max_output: NonNegInt
+    response_reserve: NonNegInt
+    safety_buffer: NonNegInt
+    directive_tokens: NonNegInt
+    messages_tokens: NonNegInt
+    tool_schema_tokens: NonNegInt
+    formatter_overhead_tokens: NonNegInt
+    usable: NonNegInt
+    unclamped: int
+    constrained: bool
+
+
+class BranchOutcome(_Wire):
+    status: BranchStatus
+    elapsed_ms: Annotated[float, Field(ge=0.0)]
+    error_class: str | None = None
+    detail: str | None = None
+    count: NonNegInt = 0
+
+
+class PackerStats(_Wire):
+    path: Literal["dp", "greedy", "all_fit", "empty"]
+    evaluated: NonNegInt
+    excluded_for_budget: NonNegInt
+    budget_reached: bool
+    total_tokens: NonNegInt
+    total_score: Annotated[float, Field(ge=0.0)]
+    token_budget: int
+
+
+class AssembleResponse(_Wire):
+    v: int = PROTOCOL_VERSION
+    request_id: RequestId
+    rendered: str
+    sections: list[Section]
+    packed: list[PackedMemory]
+    decisions: list[Decision]
+    budget: BudgetBreakdown
+    constrained: bool
+    branches: dict[BranchName, BranchOutcome]
+    packer: PackerStats
+    degraded: bool
+    degraded_reasons: list[str]
+    # Per-stage timings in microseconds: queue_wait, worker_wait, retrieval, budget, scoring,
+    # packing, formatting, total (worker-side). Missing keys mean the stage did not run.
+    timings_us: dict[str, NonNegInt]
+    nonce: str
+    worker_id: str = ""
+
+
+class ErrorReply(_Wire):
+    v: int = PROTOCOL_VERSION
+    request_id: str | None = None
+    code: Annotated[ErrorCode, Field(strict=False)]  # arrives as a plain string off the wire
+    message: str
+    field: str | None = None

@@ -1,0 +1,156 @@
+"""Token counting: exact for OpenAI encodings (offline ``bpe-openai``), a conservative estimate elsewhere.
+
+Counts carry their tokenizer family and kind. Adding counts from different families or kinds
+raises ``TokenizerMismatch``: the spec wants mixed assumptions to fail, not to be averaged.
+
+The estimate is built to over-count: it charges each run of characters by its class (common
+words, mixed identifiers, digits, punctuation, non-ASCII) at or above what the BPE encodings
+charge in the worst case we measured (tests/test_tokens.py checks it on a varied corpus).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from shared.errors import TokenizerMismatch
+
+EstimateKind = Literal["exact", "estimate"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    n: int
+    family: str
+    kind: EstimateKind
+
+    def __add__(self, other: TokenCount) -> TokenCount:
+        if not isinstance(other, TokenCount):
+            return NotImplemented
+        if other.family != self.family or other.kind != self.kind:
+            raise TokenizerMismatch(
+                f"cannot combine {self.family}/{self.kind} tokens with {other.family}/{other.kind} tokens"
+            )
+        return TokenCount(self.n + other.n, self.family, self.kind)
+
+
+class Counter(Protocol):
+    family: str
+    kind: EstimateKind
+
+    def count(self, text: str) -> int: ...
+
+
+# Character classes, in the order the regex tries them.
+_RUNS = re.compile(
+    r"(?P<word>[A-Z]?[a-z]+)"  # ordinary word, optionally capitalised
+    r"|(?P<alnum>[A-Za-z0-9]+)"  # identifiers, hex, CamelCase, mixed
+    r"|(?P<space>[ \t]+)"
+    r"|(?P<nl>[\r\n]+)"
+    r"|(?P<punct>[\x21-\x2f\x3a-\x40\x5b-\x60\x7b-\x7e])"
+    r"|(?P<ctrl>[\x00-\x08\x0b\x0c\x0e-\x1f\x7f])"
+    r"|(?P<other>[^\x00-\x7f]+)"
+)
+
+
+def estimate_tokens(text: str, *, factor: float = 1.0) -> int:
+    """Conservative token estimate; ``factor`` scales it for families with denser tokenizers."""
+    total = 0.0
+    for m in _RUNS.finditer(text):
+        kind = m.lastgroup
+        run = m.group()
+        if kind == "word":  # common words are one token; long ones look like gibberish
+            total += 1 if len(run) <= 6 else 2 if len(run) <= 12 else math.ceil(len(run) / 2.5)
+        elif kind == "alnum":
+            total += math.ceil(len(run) / 1.4)
+        elif kind == "space":  # a single space merges into the next word
+            total += 0 if len(run) == 1 else 1
+        elif kind in ("nl", "punct", "ctrl"):
+            total += 1
+        else:  # non-ASCII run: measured worst case ~0.8 tokens per UTF-8 byte
+            total += math.ceil(0.8 * len(run.encode("utf-8", "surrogatepass")))
+    return math.ceil(total * factor)
+
+
+class EstimateCounter:
+    """Conservative estimate for families without an offline exact tokenizer."""
+
+    kind: EstimateKind = "estimate"
+
+    def __init__(self, family: str, factor: float = 1.0) -> None:
+        self.family = family
+        self.factor = factor
+
+    def count(self, text: str) -> int:
+        return estimate_tokens(text, factor=self.factor)
+
+
+_ENCODINGS: dict[str, Any] = {}
+
+
+def _encoding(name: str) -> Any:
+    """Load an offline BPE encoding once per process (vocabularies ship inside the wheel)."""
+    enc = _ENCODINGS.get(name)
+    if enc is None:
+        import bpe_openai
+
+        enc = _ENCODINGS[name] = bpe_openai.get_encoding(name)
+    return enc
+
+
+class ExactCounter:
+    """Exact counts with the model's own BPE encoding (o200k_base, cl100k_base)."""
+
+    kind: EstimateKind = "exact"
+
+    def __init__(self, family: str, encoding: str) -> None:
+        self.family = family
+        self.encoding_name = encoding
+        self._enc = _encoding(encoding)
+
+    def count(self, text: str) -> int:
+        # Lone surrogates cannot be encoded; count them as the replacement they will become.
+        try:
+            return len(self._enc.encode_ordinary(text))
+        except (UnicodeEncodeError, ValueError):
+            return len(self._enc.encode_ordinary(text.encode("utf-8", "replace").decode("utf-8")))
+
+
+class CachedCounter:
+    """Per-worker LRU cache in front of a counter, keyed by a hash of the content.
+
+    Memories repeat across requests for the same agent, so a warm cache turns counting into a
+    hash and a dict lookup. Keys are 16-byte BLAKE2b digests so the cache never holds memory text.
+    """
+
+    def __init__(self, inner: Counter, max_entries: int = 65536) -> None:
+        self.inner = inner
+        self.family = inner.family
+        self.kind: EstimateKind = inner.kind
+        self.max_entries = max_entries
+        self._cache: OrderedDict[bytes, int] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def count(self, text: str) -> int:
+        if self.max_entries <= 0:
+            return self.inner.count(text)
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        n = self._cache.get(key)
+        if n is not None:
+            self.hits += 1
+            self._cache.move_to_end(key)
+            return n
+        self.misses += 1
+        n = self.inner.count(text)
+        self._cache[key] = n
+        if len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)
+        return n
+
+    def measure(self, text: str) -> TokenCount:
+        return TokenCount(self.count(text), self.family, self.kind)

@@ -1,0 +1,108 @@
+"""The wire contract: round trips, and every kind of bad input decoding to INVALID_REQUEST."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.codec import decode_reply, decode_request, encode, encode_error, unpack
+from shared.errors import ErrorCode, Overloaded
+from shared.models import AssembleRequest, ErrorReply, Message
+
+
+def _req(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "v": 1,
+        "request_id": "r-1",
+        "org_id": "acme",
+        "agent_id": "support-bot",
+        "model": "gpt-4o",
+        "query": "where is my invoice?",
+        "recent_messages": [{"role": "user", "content": "hi"}],
+        "tool_schemas": [{"name": "lookup", "parameters": {"type": "object"}}],
+        "options": {},
+        "deadline_ns": time.time_ns() + 50_000_000,
+    }
+    base.update(over)
+    return base
+
+
+def _pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def test_round_trip() -> None:
+    req = AssembleRequest.model_validate(_req())
+    back = decode_request(encode(req))
+    assert back == req
+    assert isinstance(back, AssembleRequest)
+    assert back.recent_messages[0] == Message(role="user", content="hi")
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"org_id": 5}, "org_id"),
+        ({"org_id": "a:b"}, "org_id"),  # a ':' would escape the tenant key namespace
+        ({"deadline_ns": "soon"}, "deadline_ns"),
+        ({"deadline_ns": -1}, "deadline_ns"),
+        ({"recent_messages": [{"role": "wizard", "content": "x"}]}, "recent_messages.0.role"),
+        ({"options": {"max_memories": -3}}, "options.max_memories"),
+        ({"options": {"min_score": math.nan}}, "options.min_score"),
+        ({"options": {"min_score": math.inf}}, "options.min_score"),
+        ({"tool_schemas": [{"x": math.nan}]}, "tool_schemas[0].x"),
+        ({"v": 2}, "v"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_fields_are_named(over: dict[str, object], field: str) -> None:
+    out = decode_request(_pack(_req(**over)))
+    assert isinstance(out, ErrorReply)
+    assert out.code == ErrorCode.INVALID_REQUEST
+    assert out.field == field, out.message
+    assert out.request_id == "r-1"
+
+
+@pytest.mark.parametrize("missing", ["request_id", "org_id", "agent_id", "model", "query", "deadline_ns"])
+def test_missing_fields(missing: str) -> None:
+    body = _req()
+    del body[missing]
+    out = decode_request(_pack(body))
+    assert isinstance(out, ErrorReply) and out.field == missing
+
+
+def test_garbage_and_limits() -> None:
+    for data in [b"", b"\xc1", b"\x92\x01", b"\xd9\x05abc", _pack([1, 2, 3]), _pack("str")]:
+        out = decode_request(data)
+        assert isinstance(out, ErrorReply) and out.code == ErrorCode.INVALID_REQUEST
+    big = _pack(_req(query="x" * 5000))
+    out = decode_request(big, max_bytes=1024)
+    assert isinstance(out, ErrorReply) and "exceeds" in out.message
+    # non-UTF-8 text in a str field
+    raw = _pack(_req()).replace(b"acme", b"\xff\xfe\xfd\xfc")
+    out = decode_request(raw)
+    assert isinstance(out, ErrorReply) and out.code == ErrorCode.INVALID_REQUEST
+    nested: object = 1
+    for _ in range(200):
+        nested = [nested]
+    out = decode_request(_pack(_req(tool_schemas=[{"deep": nested}])))
+    assert isinstance(out, ErrorReply) and "nest" in out.message
+
+
+@given(st.binary(max_size=512))
+def test_decode_never_raises(data: bytes) -> None:
+    out = decode_request(data)
+    assert isinstance(out, (AssembleRequest, ErrorReply))
+    assert isinstance(unpack(data), object)
+
+
+def test_error_reply_round_trip() -> None:
+    data = encode_error(Overloaded("queue full (1024)"), request_id="r-9")
+    out = decode_reply(data)
+    assert isinstance(out, ErrorReply)
+    assert out.code == ErrorCode.OVERLOADED and out.request_id == "r-9" and "queue full" in out.message

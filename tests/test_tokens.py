@@ -1,0 +1,70 @@
+"""Token counting: exact BPE offline, conservative estimates, caching, and family mixing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.catalog import Catalog
+from shared.errors import TokenizerMismatch
+from shared.tokens import CachedCounter, ExactCounter, TokenCount, estimate_tokens
+
+CORPUS = json.loads((Path(__file__).parent / "data" / "token_corpus.json").read_text("utf-8"))
+
+
+@pytest.mark.parametrize(("family", "encoding"), [("o200k", "o200k_base"), ("cl100k", "cl100k_base")])
+def test_estimate_never_undercounts_exact(family: str, encoding: str) -> None:
+    exact = ExactCounter(family, encoding)
+    kinds = {"prose", "code", "json", "cjk", "emoji"}
+    assert len(CORPUS) >= len(kinds)
+    for text in CORPUS:
+        assert estimate_tokens(text) >= exact.count(text), text[:60]
+    # and every corpus text joined: long mixed documents too
+    joined = "\n\n".join(CORPUS)
+    assert estimate_tokens(joined) >= exact.count(joined)
+
+
+def test_exact_counts_known_values() -> None:
+    exact = ExactCounter("cl100k", "cl100k_base")
+    assert exact.count("hello world") == 2
+    assert exact.count("") == 0
+    assert exact.count("lone \ud800 surrogate") > 0  # never raises
+
+
+@given(st.text(max_size=200))
+def test_cache_agrees_with_inner(text: str) -> None:
+    inner = ExactCounter("o200k", "o200k_base")
+    cached = CachedCounter(inner, max_entries=8)
+    assert cached.count(text) == inner.count(text)
+    assert cached.count(text) == inner.count(text)
+    assert cached.hits >= 1
+
+
+def test_cache_is_bounded_lru() -> None:
+    cached = CachedCounter(ExactCounter("o200k", "o200k_base"), max_entries=3)
+    for t in ["a", "b", "c", "d"]:
+        cached.count(t)
+    assert len(cached._cache) == 3
+    cached.count("a")
+    assert cached.misses == 5
+
+
+def test_counts_refuse_to_mix() -> None:
+    a = TokenCount(3, "o200k", "exact")
+    assert (a + TokenCount(4, "o200k", "exact")).n == 7
+    with pytest.raises(TokenizerMismatch):
+        _ = a + TokenCount(4, "cl100k", "exact")
+    with pytest.raises(TokenizerMismatch):
+        _ = a + TokenCount(4, "o200k", "estimate")
+
+
+def test_catalog_counter_per_family() -> None:
+    cat = Catalog.load()
+    c1 = cat.counter("o200k")
+    assert c1 is cat.counter("o200k") and c1.kind == "exact"
+    c2 = cat.counter("claude")
+    assert c2.kind == "estimate" and c2.count("hello world") >= 2

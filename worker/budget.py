@@ -1,0 +1,69 @@
+"""BudgetCalculator: the spec's subtraction, as a pure function (ranking-and-packing.md, Budget).
+
+    usable = context_window - response_reserve - safety_buffer - directive - messages
+             - tool_schemas - formatter_overhead          (clamped at 0; < 256 is "constrained")
+
+Every term arrives as a ``TokenCount`` so counts of different tokenizer families or estimate kinds
+cannot be combined by accident (``TokenizerMismatch``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from shared.catalog import ModelSpec
+from shared.errors import TokenizerMismatch
+from shared.models import BudgetBreakdown
+from shared.tokens import TokenCount
+
+RESERVE_MIN = 500
+RESERVE_MAX = 4096
+
+
+def response_reserve(spec: ModelSpec, fraction: float = 0.15) -> int:
+    """15 % of the window by default, bounded to [500, 4096], never above the model's max output."""
+    reserve = max(RESERVE_MIN, min(RESERVE_MAX, math.ceil(spec.context_window * fraction)))
+    return min(reserve, spec.max_output)
+
+
+def safety_buffer(spec: ModelSpec) -> int:
+    return math.ceil(spec.context_window * spec.family.safety_buffer_fraction)
+
+
+def compute_budget(
+    spec: ModelSpec,
+    *,
+    directive: TokenCount,
+    messages: TokenCount,
+    tool_schemas: TokenCount,
+    formatter_overhead: TokenCount,
+    reserve_fraction: float = 0.15,
+    constrained_below: int = 256,
+) -> BudgetBreakdown:
+    """Usable memory budget for one assembly, with every term kept for the response."""
+    fam = spec.family
+    spent = directive + messages + tool_schemas + formatter_overhead  # raises on mixed kinds
+    if spent.family != fam.name or spent.kind != fam.estimate_kind:
+        raise TokenizerMismatch(
+            f"counts are {spent.family}/{spent.kind} but model {spec.name} uses {fam.name}/{fam.estimate_kind}"
+        )
+    reserve = response_reserve(spec, reserve_fraction)
+    buffer = safety_buffer(spec)
+    unclamped = spec.context_window - reserve - buffer - spent.n
+    usable = max(0, unclamped)
+    return BudgetBreakdown(
+        model=spec.name,
+        tokenizer_family=fam.name,
+        estimate_kind=fam.estimate_kind,
+        context_window=spec.context_window,
+        max_output=spec.max_output,
+        response_reserve=reserve,
+        safety_buffer=buffer,
+        directive_tokens=directive.n,
+        messages_tokens=messages.n,
+        tool_schema_tokens=tool_schemas.n,
+        formatter_overhead_tokens=formatter_overhead.n,
+        usable=usable,
+        unclamped=unclamped,
+        constrained=usable < constrained_below,
+    )
