@@ -18,3 +18,7 @@ settings.load_profile("ci")
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+# Real backing services (redis-server, the reference memory service) as session fixtures.
+pytest_plugins = ["tests.fixtures_services"]

@@ -1,0 +1,1 @@
+"""Fixtures that start real backing services (filled in by the backing-services work)."""
