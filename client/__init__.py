@@ -1,0 +1,30 @@
+"""Python client library for ibex-context (see ``client.client`` for the contract)."""
+
+from client.client import AsyncClient, SyncClient, degraded_response
+from shared.errors import (
+    DeadlineExceeded,
+    Forbidden,
+    IbexError,
+    Internal,
+    InvalidRequest,
+    Overloaded,
+    Unauthenticated,
+    Unavailable,
+)
+from shared.models import AssembleRequest, AssembleResponse
+
+__all__ = [
+    "AssembleRequest",
+    "AssembleResponse",
+    "AsyncClient",
+    "DeadlineExceeded",
+    "Forbidden",
+    "IbexError",
+    "Internal",
+    "InvalidRequest",
+    "Overloaded",
+    "SyncClient",
+    "Unauthenticated",
+    "Unavailable",
+    "degraded_response",
+]

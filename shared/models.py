@@ -62,7 +62,7 @@ class AssembleRequest(_Wire):
 BranchName = Literal["directive", "hot", "cold"]
 BranchStatus = Literal["success", "timeout", "error", "skipped"]
 DecisionKind = Literal[
-    "packed", "excluded_budget", "invalid_score", "duplicate", "below_floor", "over_cap", "over_limit"
+    "packed", "excluded_budget", "invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"
 ]
 SectionName = Literal["directive", "history", "memories", "tools"]
 

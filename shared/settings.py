@@ -51,6 +51,8 @@ class Settings(BaseSettings):
         "ibex-dev-secret-change-me", min_length=8,
         description="HMAC key shared by workers and the memory service to mint per-org tokens.",
     )
+    memory_max_response_bytes: int = Field(8 << 20, ge=1024, description="Larger memory replies are an error.")
+    cold_min_similarity: float = Field(0.70, ge=0.0, le=1.0, description="Retrieval-time cosine cutoff sent to search.")
     memory_host: str = "127.0.0.1"
     memory_port: int = Field(8765, ge=0, le=65535)
 

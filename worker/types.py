@@ -7,7 +7,7 @@ from typing import Literal
 
 Source = Literal["hot", "cold"]
 PackPath = Literal["dp", "greedy", "all_fit", "empty"]
-RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit"]
+RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,81 @@
+"""Frame layout and control commands for client <-> broker <-> worker (one home for the wire).
+
+Every message starts with the protocol tag, then a one-byte command (zguide Majordomo style):
+
+client  -> broker   [IBX1, REQUEST, payload]
+broker  -> client   [IBX1, REPLY | ERROR, request_id, payload]
+client  -> broker   [IBX1, STATUS]   ->   [IBX1, REPLY, b"", msgpack snapshot]   (ops and tests)
+
+worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
+worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
+worker  -> broker   [IBX1, REPLY | ERROR, client_id, request_id, payload]
+worker  -> broker   [IBX1, DISCONNECT]                       stop sending me work (SIGTERM drain)
+broker  -> worker   [IBX1, REQUEST, client_id, request_id, stamp, payload]
+broker  -> worker   [IBX1, HEARTBEAT]
+
+(ROUTER sockets add and strip the peer's routing id in front.) ``stamp`` is msgpack
+{deadline_ns, queued_us, sent_ns, attempt}: the broker's queue wait and dispatch time travel with the
+request so the reply can carry them. Payloads are the codec's msgpack models.
+
+Liveness (zguide Paranoid Pirate): both sides send HEARTBEAT every interval and declare the peer dead
+after ``liveness`` silent intervals. Socket disconnect events make a killed peer visible at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+TAG = b"IBX1"
+
+REQUEST = b"\x01"
+REPLY = b"\x02"
+ERROR = b"\x03"
+READY = b"\x04"
+HEARTBEAT = b"\x05"
+DISCONNECT = b"\x06"
+STATUS = b"\x07"
+
+COMMAND_NAMES = {REQUEST: "REQUEST", REPLY: "REPLY", ERROR: "ERROR", READY: "READY",
+                 HEARTBEAT: "HEARTBEAT", DISCONNECT: "DISCONNECT", STATUS: "STATUS"}
+
+# High-water marks: set before bind/connect. The broker's own queue (queue_max) is the real
+# backlog bound; socket buffers only absorb bursts.
+SNDHWM = 10_000
+RCVHWM = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    deadline_ns: int  # absolute, Unix epoch ns (as on the wire)
+    queued_us: int  # time spent in the broker's queue
+    sent_ns: int  # epoch ns when the broker dispatched
+    attempt: int  # 1 for the first dispatch, 2+ after a worker died
+
+    def pack(self) -> bytes:
+        return msgpack.packb([self.deadline_ns, self.queued_us, self.sent_ns, self.attempt])  # type: ignore[no-any-return]
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Stamp:
+        raw: Any = msgpack.unpackb(data)
+        if not (isinstance(raw, list) and len(raw) == 4 and all(type(x) is int for x in raw)):
+            raise ValueError("malformed stamp frame")
+        return cls(*raw)
+
+
+def pack_info(capacity: int, worker_id: str, pid: int, *, stats: dict[str, int] | None = None,
+              draining: bool = False) -> bytes:
+    info = {"capacity": capacity, "worker_id": worker_id, "pid": pid, "stats": stats or {}, "draining": draining}
+    return msgpack.packb(info)  # type: ignore[no-any-return]
+
+
+def unpack_info(data: bytes) -> tuple[int, str, int]:
+    raw: Any = msgpack.unpackb(data)
+    if not isinstance(raw, dict):
+        raise ValueError("READY info must be a map")
+    cap, wid, pid = raw.get("capacity"), raw.get("worker_id"), raw.get("pid")
+    if type(cap) is not int or not 1 <= cap <= 100_000 or not isinstance(wid, str) or type(pid) is not int:
+        raise ValueError("READY info needs capacity (1..100000), worker_id and pid")
+    return cap, wid, pid

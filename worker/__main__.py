@@ -1,0 +1,72 @@
+"""``python -m worker [--cpu N]``: one pinned uvloop worker process (run N of them per host)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+from shared.settings import Settings, usable_cpus
+
+
+def pin(cpu: int | None) -> int | None:
+    """Pin this process to one CPU before any ZeroMQ context (and its I/O thread) exists."""
+    if cpu is None:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    chosen = cpus[cpu % len(cpus)]
+    os.sched_setaffinity(0, {chosen})
+    return chosen
+
+
+async def serve(settings: Settings, worker_id: str, mode: str) -> None:
+    import zmq.asyncio
+
+    from shared.catalog import Catalog
+    from worker.assemble import Assembler
+    from worker.retrieve import Retriever
+    from worker.server import WorkerServer
+
+    if settings.redis_url is None:
+        raise SystemExit("IBEX_REDIS_URL is not set; `ibex-context up` sets it (or start an embedded Redis)")
+    retriever = Retriever.create(settings, settings.redis_url)
+    catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
+    assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id)
+    ctx = zmq.asyncio.Context()
+    server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
+                          respond_immediately=(mode == "transport"))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+    try:
+        await server.run()
+    finally:
+        await retriever.aclose()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    ap.add_argument("--cpu", type=int, default=None, help="pin to the Nth usable CPU (modulo their count)")
+    ap.add_argument("--worker-id", default=None)
+    ap.add_argument("--mode", choices=["full", "transport"], default="full",
+                    help="transport: answer at once without assembling (bench: isolates broker overhead)")
+    args = ap.parse_args(argv)
+    settings = Settings()
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s worker[%(process)d] %(name)s: %(message)s")
+    chosen = pin(args.cpu if settings.pin_cpus else None)
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    logging.getLogger(__name__).info("worker %s pinned to cpu %s of %d", worker_id, chosen, usable_cpus())
+    import uvloop
+
+    uvloop.run(serve(settings, worker_id, args.mode))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The whole pipeline in one call: retrieve -> budget -> score -> pack -> format -> response.
+
+Deadlines: the wire's absolute epoch deadline is converted once (by the transport) into a local
+monotonic ``deadline_ns``. The deadline is checked before every CPU stage: numpy cannot be
+interrupted, so expired work must simply not be started (STYLE: "check the deadline before each
+CPU stage"). An expired request raises ``DeadlineExceeded`` and spends no more CPU.
+
+The retrieval wall is min(IBEX_CONTEXT_TIMEOUT, IBEX_CONTEXT_DEADLINE_MS) and never later than the
+request deadline minus the measured p99 of the post-retrieval stages (``StageCostTracker``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from shared.catalog import Catalog
+from shared.errors import DeadlineExceeded
+from shared.models import (
+    AssembleRequest,
+    AssembleResponse,
+    Decision,
+    PackedMemory,
+    PackerStats,
+    SectionName,
+)
+from shared.settings import Settings
+from shared.tokens import TokenCount
+from worker import format as fmt
+from worker.budget import compute_budget
+from worker.pack import pack
+from worker.retrieve import RetrievalResult, Retriever
+from worker.score import score_candidates
+from worker.types import Rejection, ScoredMemory
+
+
+class StageCostTracker:
+    """Recent post-retrieval CPU times; the reserve kept back from the wall is their p99."""
+
+    def __init__(self, initial_ms: float, window: int = 512) -> None:
+        self._samples: deque[int] = deque(maxlen=window)
+        self._initial_ns = int(initial_ms * 1e6)
+        self._p99_ns = self._initial_ns
+        self._since = 0
+
+    def observe(self, ns: int) -> None:
+        self._samples.append(ns)
+        self._since += 1
+        if self._since >= 32 or len(self._samples) < 32:
+            self._since = 0
+            ordered = sorted(self._samples)
+            measured = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+            # Never trust fewer than 32 samples below the configured floor.
+            self._p99_ns = measured if len(ordered) >= 32 else max(measured, self._initial_ns)
+
+    @property
+    def reserve_ns(self) -> int:
+        return self._p99_ns
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """Deadline checks for one request (monotonic ns)."""
+
+    deadline_ns: int
+
+    def check(self, stage: str, request_id: str) -> int:
+        now = time.monotonic_ns()
+        if now >= self.deadline_ns:
+            raise DeadlineExceeded(
+                f"deadline passed {(now - self.deadline_ns) / 1e6:.2f} ms before {stage} could start",
+                request_id=request_id,
+            )
+        return now
+
+
+def _us(a: int, b: int) -> int:
+    return max(0, (b - a) // 1000)
+
+
+class Assembler:
+    """Runs assemblies for one worker process (or in-process for ``explain`` and the bench)."""
+
+    def __init__(self, *, settings: Settings, catalog: Catalog, retriever: Retriever | None,
+                 worker_id: str = "") -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.retriever = retriever
+        self.worker_id = worker_id
+        self.post_cost = StageCostTracker(settings.post_retrieval_reserve_ms)
+
+    async def assemble(
+        self, req: AssembleRequest, *, deadline_ns: int, nonce: str | None = None,
+        timings_us: dict[str, int] | None = None,
+    ) -> AssembleResponse:
+        """Run the pipeline against the live backing services."""
+        if self.retriever is None:
+            raise RuntimeError("this Assembler has no retriever; use build_response for offline work")
+        clock = Clock(deadline_ns)
+        t_start = clock.check("retrieval", req.request_id)
+        spec = self.catalog.model(req.model)  # unknown model: INVALID_REQUEST before any I/O
+        wall_end = min(
+            t_start + int(self.settings.retrieval_wall_ms * 1e6),
+            deadline_ns - self.post_cost.reserve_ns,
+        )
+        wait = self.retriever.start(req, wall_end_ns=wall_end)
+        counter = self.catalog.counter(spec.family.name)
+        # Count what needs no I/O while the branches are in flight.
+        history = fmt.history_section(req.recent_messages)
+        tools = fmt.tools_section(req.tool_schemas)
+        pre = (history, counter.count(history), tools, counter.count(tools))
+        retrieval = await wait()
+        t_retrieved = time.monotonic_ns()
+        timings = dict(timings_us or {})
+        timings["retrieval"] = _us(t_start, t_retrieved)
+        resp = self.build_response(req, retrieval, clock=clock, nonce=nonce, timings_us=timings, precounted=pre)
+        self.post_cost.observe(time.monotonic_ns() - t_retrieved)
+        return resp
+
+    def build_response(
+        self, req: AssembleRequest, retrieval: RetrievalResult, *, clock: Clock | None = None,
+        nonce: str | None = None, timings_us: dict[str, int] | None = None,
+        precounted: tuple[str, int, str, int] | None = None,
+    ) -> AssembleResponse:
+        """The pure CPU half of the pipeline: budget, score, pack, format (no I/O)."""
+        check: Callable[[str], int] = (
+            (lambda stage: clock.check(stage, req.request_id)) if clock else (lambda _s: time.monotonic_ns())
+        )
+        timings = dict(timings_us or {})
+        nonce = fmt.check_nonce(nonce) if nonce else fmt.new_nonce()
+        spec = self.catalog.model(req.model)
+        counter = self.catalog.counter(spec.family.name)
+        fam, kind = counter.family, counter.kind
+
+        t = check("budget")
+        if precounted is None:
+            history = fmt.history_section(req.recent_messages)
+            tools = fmt.tools_section(req.tool_schemas)
+            precounted = (history, counter.count(history), tools, counter.count(tools))
+        history, history_n, tools, tools_n = precounted
+        directive = fmt.directive_section(retrieval.directive)
+        directive_n = counter.count(directive)
+        joins = sum(1 for s in (directive, history, tools) if s)
+        join_n = counter.count(fmt.SECTION_JOIN) * max(0, joins - 1)
+        overhead_n = fmt.memory_overhead(counter, nonce) + join_n
+        budget = compute_budget(
+            spec,
+            directive=TokenCount(directive_n, fam, kind),
+            messages=TokenCount(history_n, fam, kind),
+            tool_schemas=TokenCount(tools_n, fam, kind),
+            formatter_overhead=TokenCount(overhead_n, fam, kind),
+            reserve_fraction=self.settings.response_reserve_fraction,
+            constrained_below=self.settings.constrained_below_tokens,
+        )
+        t2 = check("scoring")
+        timings["budget"] = _us(t, t2)
+
+        scored, rejected = score_candidates(
+            list(retrieval.candidates), lambda h: fmt.memory_cost(counter, h), min_score=req.options.min_score
+        )
+        limit = req.options.max_memories
+        if limit is not None and len(scored) > limit:
+            ranked = sorted(scored, key=lambda m: (-m.composite_score, m.memory_id))
+            scored = ranked[:limit]
+            rejected = [*rejected, *(
+                Rejection(m.memory_id, m.hit.source, "over_limit",
+                          f"request allows at most {limit} memories; this one ranked lower",
+                          tokens=m.tokens, score=m.composite_score)
+                for m in ranked[limit:]
+            )]
+        t3 = check("packing")
+        timings["scoring"] = _us(t2, t3)
+
+        result = pack(scored, budget.usable)
+        t4 = check("formatting")
+        timings["packing"] = _us(t3, t4)
+
+        mem_limit = result.total_tokens + fmt.memory_overhead(counter, nonce)
+        mem_text, kept, dropped = fmt.fit_memory_section(counter, result.packed, nonce, mem_limit)
+        parts: list[tuple[SectionName, str, int]] = [
+            ("directive", directive, directive_n), ("history", history, history_n),
+            ("memories", mem_text, counter.count(mem_text) if mem_text else 0), ("tools", tools, tools_n),
+        ]
+        rendered = fmt.assemble_text(parts)
+        t5 = time.monotonic_ns()
+        timings["formatting"] = _us(t4, t5)
+        timings["total"] = sum(timings.get(k, 0) for k in ("retrieval", "budget", "scoring", "packing", "formatting"))
+
+        decisions = self._decisions(retrieval, rejected, kept, [*result.excluded, *dropped], budget.usable,
+                                    sum(m.tokens for m in kept))
+        degraded_reasons = retrieval.degraded_reasons
+        return AssembleResponse(
+            request_id=req.request_id,
+            rendered=rendered.text,
+            sections=list(rendered.sections),
+            packed=[PackedMemory(memory_id=m.memory_id, category=m.hit.category, tokens=m.tokens,
+                                 score=m.composite_score, source=m.hit.source) for m in kept],
+            decisions=decisions,
+            budget=budget,
+            constrained=budget.constrained,
+            branches=retrieval.outcomes,
+            packer=PackerStats(
+                path=result.path, evaluated=result.evaluated,
+                excluded_for_budget=result.excluded_for_budget + len(dropped),
+                budget_reached=result.budget_reached or bool(dropped),
+                total_tokens=sum(m.tokens for m in kept),
+                total_score=sum(m.composite_score for m in kept), token_budget=budget.usable,
+            ),
+            degraded=bool(degraded_reasons),
+            degraded_reasons=degraded_reasons,
+            timings_us=timings,
+            nonce=nonce,
+            worker_id=self.worker_id,
+        )
+
+    @staticmethod
+    def _decisions(
+        retrieval: RetrievalResult, rejected: list[Rejection], kept: list[ScoredMemory],
+        excluded: list[ScoredMemory], usable: int, used: int,
+    ) -> list[Decision]:
+        out = [Decision(memory_id=r.memory_id, source=r.source, decision=r.decision, reason=r.reason,
+                        tokens=r.tokens, score=_unit(r.score))
+               for r in [*retrieval.rejections, *rejected]]
+        out += [Decision(memory_id=m.memory_id, source=m.hit.source, decision="packed",
+                         reason=f"packed: {m.tokens} tokens, interim score {m.composite_score:.4f}",
+                         tokens=m.tokens, score=m.composite_score) for m in kept]
+        left = usable - used
+        out += [Decision(memory_id=m.memory_id, source=m.hit.source, decision="excluded_budget",
+                         reason=(f"needs {m.tokens} tokens but only {max(0, left)} of {usable} were left "
+                                 f"after higher-value memories (short by {max(0, m.tokens - left)})"),
+                         tokens=m.tokens, score=m.composite_score) for m in excluded]
+        return out
+
+
+def _unit(v: float | None) -> float | None:
+    """Scores echoed in decisions must be valid numbers; an invalid one is described in the reason."""
+    if v is None or not (0.0 <= v <= 1.0):
+        return None
+    return v
+
+
+Runner = Callable[[AssembleRequest], Awaitable[AssembleResponse]]

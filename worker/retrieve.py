@@ -1,0 +1,358 @@
+"""Retrieval: exactly three concurrent branches under one wall (spec: milestone-parallel-retrieval).
+
+    directive  Redis  {org_id}:directive:{agent_id}          5 ms
+    hot        GET  /v1/memories/hot     (memory service)   15 ms
+    cold       POST /v1/memories/search  (embeds inside)    45 ms
+
+There is no history branch: recent messages arrive in the request. Each branch gets
+``min(its own timeout, the wall)``; a late branch is cancelled and recorded as ``timeout``,
+completed branches are kept. Cancelled tasks are not awaited (their cleanup could overrun the
+wall); they are parked in a set and reaped by a done-callback.
+
+Security: every call is scoped to the request's org (the Redis key, and an org-bound bearer token
+for the memory service). A failed branch yields nothing: no fallback query, no other tenant's data,
+no invented memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+from redis.asyncio import Redis
+
+from shared.directives import get_directive
+from shared.models import AssembleRequest, BranchName, BranchOutcome
+from shared.settings import Settings
+from shared.tenancy import mint_org_token
+from worker.types import MemoryHit, Rejection, Source
+
+log = logging.getLogger(__name__)
+
+MAX_ID_LEN = 256
+MAX_CATEGORY_LEN = 64
+
+
+class MalformedResponse(Exception):
+    """The memory service answered, but not with the contract's JSON."""
+
+
+class ResponseTooLarge(MalformedResponse):
+    pass
+
+
+class MemoryServiceStatus(Exception):
+    """The memory service answered with a non-2xx status."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievalResult:
+    directive: str | None
+    directive_version: int | None
+    hot: tuple[MemoryHit, ...]
+    cold: tuple[MemoryHit, ...]
+    candidates: tuple[MemoryHit, ...]  # hot + cold, merged and de-duplicated
+    rejections: tuple[Rejection, ...]  # duplicates, over-cap and malformed hits
+    outcomes: dict[BranchName, BranchOutcome]
+    sources_available: frozenset[str]
+    wall_ms: float
+
+    @property
+    def degraded_reasons(self) -> list[str]:
+        return [
+            f"{name} {o.status}" + (f": {o.error_class}" if o.error_class else "")
+            for name, o in self.outcomes.items()
+            if o.status in ("timeout", "error")
+        ]
+
+
+@dataclass
+class _Branch:
+    name: BranchName
+    status: Literal["success", "timeout", "error", "skipped"] = "skipped"
+    elapsed_ms: float = 0.0
+    error_class: str | None = None
+    detail: str | None = None
+    value: Any = None
+    rejects: list[Rejection] = field(default_factory=list)
+
+    def outcome(self, count: int) -> BranchOutcome:
+        return BranchOutcome(status=self.status, elapsed_ms=round(self.elapsed_ms, 3),
+                             error_class=self.error_class, detail=self.detail, count=count)
+
+
+def _error_class(exc: BaseException) -> str:
+    if isinstance(exc, MemoryServiceStatus):
+        return f"HTTP {exc.args[0]}"
+    return type(exc).__name__
+
+
+def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], list[Rejection]]:
+    """Parse the memory service's ``{"memories": [...]}``; bad hits are rejected, not guessed."""
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise MalformedResponse(f"body is not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("memories"), list):
+        raise MalformedResponse("body has no 'memories' list")
+    hits: list[MemoryHit] = []
+    rejects: list[Rejection] = []
+    for i, raw in enumerate(doc["memories"]):
+        mid = raw.get("memory_id") if isinstance(raw, dict) else None
+        mid_s = mid if isinstance(mid, str) and 0 < len(mid) <= MAX_ID_LEN else f"<{source}#{i}>"
+        problem = _hit_problem(raw)
+        if problem:
+            rejects.append(Rejection(mid_s, source, "malformed", f"{source} hit {i}: {problem}"))
+            continue
+        if len(hits) >= cap:
+            rejects.append(Rejection(mid_s, source, "over_cap", f"beyond the {source} cap of {cap} hits"))
+            continue
+        hits.append(MemoryHit(
+            memory_id=raw["memory_id"], content=raw["content"], category=raw["category"],
+            similarity=float(raw["similarity"]), confidence=float(raw["confidence"]),
+            rank=int(raw["rank"]), source=source,
+        ))
+    return hits, rejects
+
+
+def _hit_problem(raw: object) -> str | None:
+    if not isinstance(raw, dict):
+        return "not an object"
+    mid = raw.get("memory_id")
+    if not isinstance(mid, str) or not 0 < len(mid) <= MAX_ID_LEN:
+        return "memory_id must be a non-empty string"
+    if not isinstance(raw.get("content"), str):
+        return "content must be a string"
+    cat = raw.get("category")
+    if not isinstance(cat, str) or len(cat) > MAX_CATEGORY_LEN:
+        return "category must be a short string"
+    for key in ("similarity", "confidence"):
+        v = raw.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"{key} must be a number"
+    rank = raw.get("rank")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        return "rank must be an integer"
+    return None
+
+
+def merge_hits(hot: list[MemoryHit], cold: list[MemoryHit]) -> tuple[list[MemoryHit], list[Rejection]]:
+    """Merge by memory_id; the copy with the better similarity wins (hot on ties)."""
+    best: dict[str, MemoryHit] = {}
+    rejects: list[Rejection] = []
+    for hit in [*hot, *cold]:
+        prev = best.get(hit.memory_id)
+        if prev is None:
+            best[hit.memory_id] = hit
+            continue
+        keep, drop = (hit, prev) if _better(hit, prev) else (prev, hit)
+        best[hit.memory_id] = keep
+        rejects.append(Rejection(
+            drop.memory_id, drop.source, "duplicate",
+            f"also returned by {keep.source} with similarity {keep.similarity:.4g}; that copy was kept",
+        ))
+    return list(best.values()), rejects
+
+
+def _better(a: MemoryHit, b: MemoryHit) -> bool:
+    sa = a.similarity if math.isfinite(a.similarity) else -1.0
+    sb = b.similarity if math.isfinite(b.similarity) else -1.0
+    return sa > sb
+
+
+class Retriever:
+    """One per worker process: one pooled HTTP client and one Redis pool, created once."""
+
+    def __init__(self, *, settings: Settings, redis: Redis, http: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.http = http
+        self._tokens: dict[str, str] = {}
+        self._orphans: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    def create(cls, settings: Settings, redis_url: str) -> Retriever:
+        wall_s = settings.retrieval_wall_ms / 1000
+        redis = Redis.from_url(
+            redis_url, socket_timeout=max(wall_s, 0.05), socket_connect_timeout=max(wall_s, 0.05),
+            max_connections=settings.worker_concurrency * 2, decode_responses=False,
+        )
+        http = httpx.AsyncClient(
+            base_url=settings.memory_url,
+            timeout=httpx.Timeout(max(wall_s, 0.05)),
+            limits=httpx.Limits(max_connections=settings.worker_concurrency * 2,
+                                max_keepalive_connections=settings.worker_concurrency),
+            headers={"user-agent": "ibex-context-worker"},
+        )
+        return cls(settings=settings, redis=redis, http=http)
+
+    async def aclose(self) -> None:
+        for t in list(self._orphans):
+            t.cancel()
+        if self._orphans:
+            await asyncio.gather(*self._orphans, return_exceptions=True)
+        await self.http.aclose()
+        await self.redis.aclose()
+
+    def _token(self, org_id: str) -> str:
+        tok = self._tokens.get(org_id)
+        if tok is None:
+            tok = self._tokens[org_id] = mint_org_token(self.settings.memory_secret, org_id)
+        return tok
+
+    # ------------------------------------------------------------------------------- branches
+
+    async def _directive(self, req: AssembleRequest) -> tuple[str | None, int | None]:
+        env = await get_directive(self.redis, req.org_id, req.agent_id)
+        return (env.text, env.version) if env is not None else (None, None)
+
+    async def _fetch(self, method: str, path: str, org_id: str, **kw: Any) -> bytes:
+        limit = self.settings.memory_max_response_bytes
+        headers = {"authorization": f"Bearer {self._token(org_id)}"}
+        async with self.http.stream(method, path, headers=headers, **kw) as resp:
+            if resp.status_code != 200:
+                raise MemoryServiceStatus(resp.status_code)
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in resp.aiter_raw():
+                size += len(chunk)
+                if size > limit:
+                    raise ResponseTooLarge(f"response exceeds {limit} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    async def _hot(self, req: AssembleRequest) -> tuple[list[MemoryHit], list[Rejection]]:
+        cap = self.settings.hot_limit
+        body = await self._fetch("GET", "/v1/memories/hot", req.org_id,
+                                 params={"agent_id": req.agent_id, "limit": cap})
+        return parse_hits(body, "hot", cap)
+
+    async def _cold(self, req: AssembleRequest) -> tuple[list[MemoryHit], list[Rejection]]:
+        cap = self.settings.cold_limit
+        payload = {"query": req.query, "agent_id": req.agent_id, "limit": cap,
+                   "min_similarity": self.settings.cold_min_similarity}
+        body = await self._fetch("POST", "/v1/memories/search", req.org_id, json=payload)
+        return parse_hits(body, "cold", cap)
+
+    # ---------------------------------------------------------------------------- orchestration
+
+    def start(self, req: AssembleRequest, *, wall_end_ns: int) -> Callable[[], Awaitable[RetrievalResult]]:
+        """Launch the branches now; the returned coroutine function waits for them (up to the wall).
+
+        Splitting start from wait lets the caller count history tokens while the I/O is in flight.
+        """
+        s = self.settings
+        t0 = time.monotonic_ns()
+        opts = req.options
+        plan: list[tuple[BranchName, bool, float, Callable[[AssembleRequest], Awaitable[Any]]]] = [
+            ("directive", opts.include_directive, s.directive_timeout_ms, self._directive),
+            ("hot", opts.include_hot and s.hot_limit > 0, s.hot_timeout_ms, self._hot),
+            ("cold", opts.include_cold and s.cold_limit > 0, s.cold_timeout_ms, self._cold),
+        ]
+        branches: dict[BranchName, _Branch] = {}
+        tasks: dict[BranchName, asyncio.Task[None]] = {}
+        for name, enabled, timeout_ms, fn in plan:
+            br = branches[name] = _Branch(name)
+            if not enabled:
+                br.detail = "disabled by request options or settings"
+                continue
+            end_ns = min(t0 + int(timeout_ms * 1e6), wall_end_ns)
+            if end_ns <= t0:
+                br.detail = "no time left before the deadline"
+                br.status = "timeout"
+                continue
+            tasks[name] = asyncio.create_task(self._run(br, fn, req, t0, end_ns), name=f"retrieve-{name}")
+
+        async def wait() -> RetrievalResult:
+            pending = set(tasks.values())
+            if pending:
+                remaining = max(0.0, (wall_end_ns - time.monotonic_ns()) / 1e9)
+                _, late = await asyncio.wait(pending, timeout=remaining)
+                for task in late:  # backstop: each branch already has its own timeout
+                    task.cancel()
+                    self._orphans.add(task)
+                    task.add_done_callback(self._reap)
+                    br = branches[_task_branch(task)]
+                    br.status, br.error_class = "timeout", "WallExceeded"
+                    br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
+            return self._result(branches, (time.monotonic_ns() - t0) / 1e6)
+
+        return wait
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
+        self._orphans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("late branch %s ended with %r", task.get_name(), task.exception())
+
+    async def _run(
+        self, br: _Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
+        t0: int, end_ns: int,
+    ) -> None:
+        try:
+            async with asyncio.timeout(max(0.0, (end_ns - time.monotonic_ns()) / 1e9)):
+                br.value = await fn(req)
+            br.status = "success"
+        except TimeoutError:
+            br.status, br.error_class = "timeout", "TimeoutError"
+        except asyncio.CancelledError:
+            br.status, br.error_class = "timeout", "Cancelled"
+            raise
+        except Exception as exc:  # every failure of one branch degrades that branch only
+            br.status, br.error_class = "error", _error_class(exc)
+            br.detail = str(exc)[:200] or None
+        finally:
+            br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
+
+    def _result(self, branches: dict[BranchName, _Branch], wall_ms: float) -> RetrievalResult:
+        d = branches["directive"]
+        directive, version = d.value if d.status == "success" else (None, None)
+        hot, hot_rej = branches["hot"].value if branches["hot"].status == "success" else ([], [])
+        cold, cold_rej = branches["cold"].value if branches["cold"].status == "success" else ([], [])
+        merged, dup_rej = merge_hits(hot, cold)
+        counts = {"directive": int(directive is not None), "hot": len(hot), "cold": len(cold)}
+        outcomes: dict[BranchName, BranchOutcome] = {
+            name: br.outcome(counts[name]) for name, br in branches.items()
+        }
+        return RetrievalResult(
+            directive=directive, directive_version=version, hot=tuple(hot), cold=tuple(cold),
+            candidates=tuple(merged), rejections=tuple([*hot_rej, *cold_rej, *dup_rej]),
+            outcomes=outcomes,
+            sources_available=frozenset(n for n, br in branches.items() if br.status == "success"),
+            wall_ms=wall_ms,
+        )
+
+
+def _task_branch(task: asyncio.Task[Any]) -> BranchName:
+    name = task.get_name().removeprefix("retrieve-")
+    assert name in ("directive", "hot", "cold")
+    return name  # type: ignore[return-value]
+
+
+def offline_result(
+    *, directive: str | None, hot: list[MemoryHit], cold: list[MemoryHit],
+    hot_cap: int = 20, cold_cap: int = 50,
+) -> RetrievalResult:
+    """A RetrievalResult from given hits, for ``ibex-context explain`` (no I/O happens)."""
+    rejects: list[Rejection] = []
+    for hits, cap in ((hot, hot_cap), (cold, cold_cap)):
+        for extra in hits[cap:]:
+            rejects.append(Rejection(extra.memory_id, extra.source, "over_cap",
+                                     f"beyond the {extra.source} cap of {cap} hits"))
+    hot, cold = hot[:hot_cap], cold[:cold_cap]
+    merged, dup = merge_hits(hot, cold)
+    ok = BranchOutcome(status="success", elapsed_ms=0.0)
+    return RetrievalResult(
+        directive=directive, directive_version=None, hot=tuple(hot), cold=tuple(cold),
+        candidates=tuple(merged), rejections=tuple([*rejects, *dup]),
+        outcomes={"directive": ok.model_copy(update={"count": int(directive is not None)}),
+                  "hot": ok.model_copy(update={"count": len(hot)}),
+                  "cold": ok.model_copy(update={"count": len(cold)})},
+        sources_available=frozenset({"directive", "hot", "cold"}), wall_ms=0.0,
+    )

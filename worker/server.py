@@ -1,0 +1,207 @@
+"""The worker process: one uvloop event loop running many assemblies concurrently.
+
+It connects a DEALER to each broker backend, announces its credit (``worker_concurrency``) in
+READY and in every heartbeat, rejects requests whose deadline already passed before starting
+them, and replies with per-stage timings. SIGTERM drains: DISCONNECT to every broker, finish what
+is in flight, exit 0.
+
+CPU pinning happens in ``worker.__main__`` before any ZeroMQ context exists, so the context's I/O
+thread inherits the mask (STYLE: "pin CPUs before the context exists").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from shared import protocol as P
+from shared.codec import decode_request, encode, encode_error
+from shared.errors import DeadlineExceeded, IbexError, Internal
+from shared.models import ErrorReply
+from shared.settings import Settings
+from worker.assemble import Assembler
+
+log = logging.getLogger(__name__)
+
+
+class BrokerLink:
+    """One DEALER connection to one broker backend, with its own liveness."""
+
+    def __init__(self, server: WorkerServer, endpoint: str) -> None:
+        self.server = server
+        self.endpoint = endpoint
+        self.sock: zmq.asyncio.Socket = server.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"{server.worker_id}.{secrets.token_hex(4)}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, P.SNDHWM)
+        self.sock.setsockopt(zmq.RCVHWM, P.RCVHWM)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, server.settings.max_request_bytes + 4096)
+        if server.configure_socket is not None:
+            server.configure_socket(self.sock)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.sock.connect(endpoint)
+        self.broker_seen_ns = time.monotonic_ns()
+
+    def send(self, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.server.stats["send_failed"] += 1
+            log.debug("send to %s failed: %s", self.endpoint, exc)
+
+    async def watch(self) -> None:
+        """Announce READY on every (re)connect: a restarted broker learns us at once."""
+        while True:
+            msg = await self.monitor.recv_multipart()
+            ev = parse_monitor_message(msg)
+            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.server.draining:
+                self.send([P.TAG, P.READY, self.server.info()])
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                log.warning("lost broker %s; reconnecting", self.endpoint)
+
+    async def receive(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()  # decode after the await: nothing is lost
+            self.broker_seen_ns = time.monotonic_ns()
+            self.server.on_frames(self, frames)
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class WorkerServer:
+    def __init__(self, *, settings: Settings, assembler: Assembler, worker_id: str,
+                 endpoints: list[str] | None = None, ctx: zmq.asyncio.Context | None = None,
+                 configure_socket: Any = None, respond_immediately: bool = False) -> None:
+        self.settings = settings
+        self.assembler = assembler
+        self.worker_id = worker_id
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.configure_socket = configure_socket
+        self.endpoints = endpoints or settings.backends()
+        self.capacity = settings.worker_concurrency
+        self.respond_immediately = respond_immediately  # bench "transport" mode
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.inflight: set[asyncio.Task[None]] = set()
+        self.draining = False
+        self.links: list[BrokerLink] = []
+        self._stopped = asyncio.Event()
+
+    def info(self) -> bytes:
+        return P.pack_info(self.capacity, self.worker_id, os.getpid(), stats=dict(self.stats),
+                           draining=self.draining)
+
+    async def run(self) -> None:
+        self.links = [BrokerLink(self, ep) for ep in self.endpoints]
+        tasks = [asyncio.create_task(coro) for link in self.links for coro in (link.receive(), link.watch())]
+        tasks.append(asyncio.create_task(self._heartbeats()))
+        log.info("worker %s (pid %d) serving %s with capacity %d", self.worker_id, os.getpid(),
+                 ",".join(self.endpoints), self.capacity)
+        try:
+            await self._stopped.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for link in self.links:
+                link.close()
+
+    async def drain(self) -> None:
+        """SIGTERM: stop taking work, finish what is in flight, then stop."""
+        if self.draining:
+            return
+        self.draining = True
+        for link in self.links:
+            link.send([P.TAG, P.DISCONNECT])
+        if self.inflight:
+            await asyncio.gather(*list(self.inflight), return_exceptions=True)
+        self._stopped.set()
+
+    async def _heartbeats(self) -> None:
+        interval = self.settings.heartbeat_interval_ms / 1000
+        silent_ns = self.settings.heartbeat_interval_ms * 1_000_000 * self.settings.heartbeat_liveness
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic_ns()
+            for link in self.links:
+                link.send([P.TAG, P.HEARTBEAT, self.info()])
+                if now - link.broker_seen_ns > silent_ns:
+                    self.stats["broker_silent"] += 1
+                    log.warning("broker %s silent for %d intervals", link.endpoint, self.settings.heartbeat_liveness)
+                    link.broker_seen_ns = now
+
+    # ------------------------------------------------------------------------------ requests
+
+    def on_frames(self, link: BrokerLink, frames: list[bytes]) -> None:
+        if len(frames) < 2 or frames[0] != P.TAG:
+            self.stats["malformed_frames"] += 1
+            return
+        cmd = frames[1]
+        if cmd == P.HEARTBEAT:
+            return
+        if cmd != P.REQUEST or len(frames) != 6:
+            self.stats["malformed_frames"] += 1
+            return
+        received_ns = time.monotonic_ns()
+        _, _, client, rid, stamp_b, payload = frames
+        self.stats["received"] += 1
+        try:
+            stamp = P.Stamp.unpack(stamp_b)
+        except Exception:
+            self.stats["malformed_frames"] += 1
+            self._reply_error(link, client, rid, Internal("broker sent a malformed stamp"))
+            return
+        remaining = stamp.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
+        if remaining <= 0:
+            self.stats["expired_before_start"] += 1
+            self._reply_error(link, client, rid, DeadlineExceeded(
+                f"deadline passed {-remaining / 1e6:.2f} ms before the worker could start"))
+            return
+        task = asyncio.create_task(
+            self._handle(link, client, rid, stamp, payload, received_ns, received_ns + remaining))
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+
+    async def _handle(self, link: BrokerLink, client: bytes, rid: bytes, stamp: P.Stamp, payload: bytes,
+                      received_ns: int, deadline_ns: int) -> None:
+        started = time.monotonic_ns()
+        req = decode_request(payload, max_bytes=self.settings.max_request_bytes)
+        if isinstance(req, ErrorReply):
+            self.stats["invalid"] += 1
+            link.send([P.TAG, P.ERROR, client, rid, encode(req)])
+            return
+        timings = {"queue_wait": stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
+        try:
+            if self.respond_immediately:
+                link.send([P.TAG, P.REPLY, client, rid, b""])
+                self.stats["replied"] += 1
+                return
+            resp = await self.assembler.assemble(req, deadline_ns=deadline_ns, timings_us=timings)
+            if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
+                self.stats["finished_after_deadline"] += 1
+                raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)
+            link.send([P.TAG, P.REPLY, client, rid, encode(resp)])
+            self.stats["replied"] += 1
+            if resp.degraded:
+                self.stats["degraded"] += 1
+        except IbexError as exc:
+            self.stats[f"error_{exc.code.value.lower()}"] += 1
+            self._reply_error(link, client, rid, exc)
+        except Exception as exc:
+            self.stats["error_internal"] += 1
+            log.exception("request %s failed", req.request_id)
+            self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"))
+
+    def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError) -> None:
+        link.send([P.TAG, P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None)])
