@@ -1,0 +1,158 @@
+"""``ibex-context explain``: the whole CPU pipeline offline, to answer "why was my memory left out?".
+
+Reads the request (an ``AssembleRequest`` as JSON) and what retrieval would have returned
+(``{"directive": str|null, "hot": [hit], "cold": [hit]}``), runs budget -> scoring -> packing ->
+formatting in-process with no network, and prints the ``AssembleResponse`` as JSON or a table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import ValidationError
+
+from shared.catalog import Catalog
+from shared.errors import IbexError
+from shared.models import AssembleRequest, AssembleResponse
+from shared.settings import Settings
+from worker.assemble import Assembler
+from worker.retrieve import offline_result
+from worker.types import MemoryHit, Source
+
+HIT_FIELDS = ("memory_id", "content", "category", "similarity", "confidence", "rank")
+
+
+class ExplainInputError(Exception):
+    """A bad input file; the message says which file and what is wrong."""
+
+
+def _load_json(path: str, what: str) -> Any:
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as exc:
+        raise ExplainInputError(f"{what} file {path!r}: {exc.strerror}") from exc
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ExplainInputError(f"{what} file {path!r} is not valid JSON: {exc}") from exc
+
+
+def load_request(path: str) -> AssembleRequest:
+    doc = _load_json(path, "request")
+    if isinstance(doc, dict) and "deadline_ns" not in doc:
+        doc["deadline_ns"] = time.time_ns() + 60_000_000_000  # offline: no deadline to honour
+    try:
+        return AssembleRequest.model_validate_json(json.dumps(doc))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ExplainInputError(f"request file {path!r}: {loc}: {first['msg']}") from exc
+
+
+def load_candidates(path: str) -> tuple[str | None, list[MemoryHit], list[MemoryHit]]:
+    doc = _load_json(path, "candidates")
+    if not isinstance(doc, dict):
+        raise ExplainInputError(f"candidates file {path!r}: expected an object with directive, hot, cold")
+    unknown = set(doc) - {"directive", "hot", "cold"}
+    if unknown:
+        raise ExplainInputError(f"candidates file {path!r}: unknown key(s) {sorted(unknown)}")
+    directive = doc.get("directive")
+    if directive is not None and not isinstance(directive, str):
+        raise ExplainInputError(f"candidates file {path!r}: directive must be a string or null")
+    lists: dict[Source, list[MemoryHit]] = {"hot": [], "cold": []}
+    for source in ("hot", "cold"):
+        raw = doc.get(source, [])
+        if not isinstance(raw, list):
+            raise ExplainInputError(f"candidates file {path!r}: {source} must be a list")
+        for i, hit in enumerate(raw):
+            lists[source].append(_hit(path, source, i, hit))
+    return directive, lists["hot"], lists["cold"]
+
+
+def _hit(path: str, source: Source, i: int, hit: Any) -> MemoryHit:
+    where = f"candidates file {path!r}: {source}[{i}]"
+    if not isinstance(hit, dict):
+        raise ExplainInputError(f"{where} must be an object")
+    missing = [f for f in HIT_FIELDS if f not in hit]
+    if missing:
+        raise ExplainInputError(f"{where} is missing {', '.join(missing)}")
+    for f in ("memory_id", "content", "category"):
+        if not isinstance(hit[f], str):
+            raise ExplainInputError(f"{where}.{f} must be a string")
+    for f in ("similarity", "confidence"):
+        v = hit[f]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ExplainInputError(f"{where}.{f} must be a number")
+    if isinstance(hit["rank"], bool) or not isinstance(hit["rank"], int):
+        raise ExplainInputError(f"{where}.rank must be an integer")
+    # Out-of-range or NaN scores are not an input error: the scorer rejects them with a reason.
+    return MemoryHit(hit["memory_id"], hit["content"], hit["category"], float(hit["similarity"]),
+                     float(hit["confidence"]), hit["rank"], source)
+
+
+def explain(request: AssembleRequest, directive: str | None, hot: list[MemoryHit], cold: list[MemoryHit],
+            *, nonce: str | None = None, settings: Settings | None = None,
+            catalog: Catalog | None = None) -> AssembleResponse:
+    settings = settings or Settings()
+    catalog = catalog or Catalog.load(settings.catalog_path)
+    retrieval = offline_result(directive=directive if request.options.include_directive else None,
+                               hot=hot if request.options.include_hot else [],
+                               cold=cold if request.options.include_cold else [],
+                               hot_cap=settings.hot_limit, cold_cap=settings.cold_limit)
+    return Assembler(settings=settings, catalog=catalog, retriever=None).build_response(
+        request, retrieval, nonce=nonce)
+
+
+def render_table(resp: AssembleResponse, out: TextIO) -> None:
+    b = resp.budget
+    w = out.write
+    w(f"request {resp.request_id}   model {b.model} ({b.tokenizer_family}, {b.estimate_kind} counts)\n\n")
+    w("Budget\n")
+    rows = [("context window", b.context_window), ("- response reserve", b.response_reserve),
+            ("- safety buffer", b.safety_buffer), ("- directive", b.directive_tokens),
+            ("- recent messages", b.messages_tokens), ("- tool schemas", b.tool_schema_tokens),
+            ("- formatter overhead", b.formatter_overhead_tokens), ("= usable for memories", b.usable)]
+    for label, n in rows:
+        w(f"  {label:<24}{n:>10}\n")
+    if b.constrained:
+        w("  CONSTRAINED: less than 256 tokens left for memories\n")
+    p = resp.packer
+    w(f"\nPacker: path={p.path} evaluated={p.evaluated} packed={len(resp.packed)} "
+      f"excluded_for_budget={p.excluded_for_budget} tokens={p.total_tokens}/{p.token_budget} "
+      f"budget_reached={p.budget_reached}\n\n")
+    w(f"{'decision':<16}{'source':<7}{'tokens':>8}{'score':>8}  {'memory_id':<28} reason\n")
+    order = {"packed": 0, "excluded_budget": 1}
+    for d in sorted(resp.decisions, key=lambda d: (order.get(d.decision, 2), -(d.score or 0.0), d.memory_id)):
+        tokens = "" if d.tokens is None else str(d.tokens)
+        score = "" if d.score is None or math.isnan(d.score) else f"{d.score:.3f}"
+        w(f"{d.decision:<16}{d.source:<7}{tokens:>8}{score:>8}  {d.memory_id[:28]:<28} {d.reason}\n")
+    if resp.degraded:
+        w(f"\nDEGRADED: {'; '.join(resp.degraded_reasons)}\n")
+    w(f"\nsections: {', '.join(f'{s.name} ({s.tokens} tokens)' for s in resp.sections) or 'none'}   "
+      f"nonce {resp.nonce}\n")
+
+
+def run(args: Any, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    try:
+        request = load_request(args.request)
+        directive, hot, cold = load_candidates(args.candidates)
+        resp = explain(request, directive, hot, cold, nonce=args.nonce)
+    except ExplainInputError as exc:
+        err.write(f"ibex-context explain: {exc}\n")
+        return 2
+    except ValueError as exc:  # bad --nonce
+        err.write(f"ibex-context explain: {exc}\n")
+        return 2
+    except IbexError as exc:  # unknown model and friends
+        err.write(f"ibex-context explain: {exc.code.value}: {exc.message}\n")
+        return 2
+    if args.format == "json":
+        out.write(resp.model_dump_json(indent=2) + "\n")
+    else:
+        render_table(resp, out)
+    return 0
