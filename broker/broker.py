@@ -313,6 +313,7 @@ class Broker:
         try:
             while True:
                 ev = recv_monitor_message(self.back_monitor, zmq.NOBLOCK)
+                log.debug("backend event %s", ev)
                 if ev["event"] == zmq.EVENT_DISCONNECTED:
                     self.stats["backend_disconnects"] += 1
                     self._probe_workers()

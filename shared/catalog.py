@@ -83,6 +83,12 @@ class Catalog:
             )
         return spec
 
+    def warm_up(self) -> None:
+        """Build every family's counter now (loading BPE vocabularies takes ~100 ms each), so the
+        first request does not pay for it inside its deadline."""
+        for family in self.families:
+            self.counter(family).inner.count("warm up")
+
     def counter(self, family: str) -> CachedCounter:
         """The family's counter, built once per process (exact BPE or conservative estimate)."""
         c = self._counters.get(family)

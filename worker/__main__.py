@@ -35,13 +35,19 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
         raise SystemExit("IBEX_REDIS_URL is not set; `ibex-context up` sets it (or start an embedded Redis)")
     retriever = Retriever.create(settings, settings.redis_url)
     catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
+    catalog.warm_up()
     assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id)
+    await retriever.warm_up()
     ctx = zmq.asyncio.Context()
     server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
                           respond_immediately=(mode == "transport"))
     loop = asyncio.get_running_loop()
+    def on_signal(sig: signal.Signals) -> None:
+        logging.getLogger(__name__).info("%s: draining", sig.name)
+        asyncio.ensure_future(server.drain())
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await server.run()
     finally:

@@ -193,6 +193,17 @@ class Retriever:
         )
         return cls(settings=settings, redis=redis, http=http)
 
+    async def warm_up(self) -> None:
+        """Open the Redis and HTTP connections now, not inside the first request's 5 ms budget."""
+        try:
+            await self.redis.ping()
+        except Exception as exc:  # the service must still start; requests will report the branch error
+            log.warning("redis not reachable at start-up: %r", exc)
+        try:
+            await self.http.get("/healthz", timeout=2.0)
+        except httpx.HTTPError as exc:
+            log.warning("memory service not reachable at start-up: %r", exc)
+
     async def aclose(self) -> None:
         for t in list(self._orphans):
             t.cancel()
