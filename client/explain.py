@@ -104,7 +104,7 @@ def explain(request: AssembleRequest, directive: str | None, hot: list[MemoryHit
                                hot=hot if request.options.include_hot else [],
                                cold=cold if request.options.include_cold else [],
                                hot_cap=settings.hot_limit, cold_cap=settings.cold_limit)
-    return Assembler(settings=settings, catalog=catalog, retriever=None).build_response(
+    return Assembler(settings=settings, catalog=catalog, retriever=None, verify_format=True).build_response(
         request, retrieval, nonce=nonce)
 
 

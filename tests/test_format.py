@@ -115,8 +115,8 @@ def test_overhead_is_an_upper_bound(counter, items: list[str]) -> None:  # type:
 def test_fit_memory_section_enforces_the_limit() -> None:
     counter = CATALOG.counter("o200k")
     mems = [_mem(i, "word " * 20, score=0.1 * i) for i in range(5)]
-    full = sum(fmt.memory_cost(counter, m.hit) for m in mems) + fmt.memory_overhead(counter, NONCE)
-    text, kept, dropped = fmt.fit_memory_section(counter, mems, NONCE, full)
+    exact = counter.count(fmt.SECTION_JOIN) + counter.count(fmt.memory_section(mems, NONCE))
+    text, kept, dropped = fmt.fit_memory_section(counter, mems, NONCE, exact)
     assert len(kept) == 5 and not dropped
-    text, kept, dropped = fmt.fit_memory_section(counter, mems, NONCE, full - 5)
-    assert dropped == [mems[0]] and counter.count(fmt.SECTION_JOIN + text) <= full - 5
+    text, kept, dropped = fmt.fit_memory_section(counter, mems, NONCE, exact - 1)
+    assert dropped == [mems[0]] and counter.count(fmt.SECTION_JOIN + text) <= exact - 1

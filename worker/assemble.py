@@ -11,6 +11,7 @@ request deadline minus the measured p99 of the post-retrieval stages (``StageCos
 
 from __future__ import annotations
 
+import collections
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -84,18 +85,28 @@ class Assembler:
     """Runs assemblies for one worker process (or in-process for ``explain`` and the bench)."""
 
     def __init__(self, *, settings: Settings, catalog: Catalog, retriever: Retriever | None,
-                 worker_id: str = "") -> None:
+                 worker_id: str = "", verify_format: bool = False) -> None:
         self.settings = settings
+        self.verify_format = verify_format
         self.catalog = catalog
         self.retriever = retriever
         self.worker_id = worker_id
         self.post_cost = StageCostTracker(settings.post_retrieval_reserve_ms)
+        # One-way broker -> worker transit; the reply crosses two such hops (worker -> broker -> client).
+        self.transit = StageCostTracker(1.0)
+        self.stats: collections.Counter[str] = collections.Counter()  # stage entries, for metrics/tests
+
+    def reserve_ns(self) -> int:
+        """Time kept back after retrieval: measured p99 of the CPU stages plus the reply's two hops."""
+        return self.post_cost.reserve_ns + 2 * self.transit.reserve_ns + 1_000_000
 
     async def assemble(
         self, req: AssembleRequest, *, deadline_ns: int, nonce: str | None = None,
-        timings_us: dict[str, int] | None = None,
+        timings_us: dict[str, int] | None = None, transit_ns: int | None = None,
     ) -> AssembleResponse:
         """Run the pipeline against the live backing services."""
+        if transit_ns is not None:
+            self.transit.observe(max(0, transit_ns))
         if self.retriever is None:
             raise RuntimeError("this Assembler has no retriever; use build_response for offline work")
         clock = Clock(deadline_ns)
@@ -103,7 +114,7 @@ class Assembler:
         spec = self.catalog.model(req.model)  # unknown model: INVALID_REQUEST before any I/O
         wall_end = min(
             t_start + int(self.settings.retrieval_wall_ms * 1e6),
-            deadline_ns - self.post_cost.reserve_ns,
+            deadline_ns - self.reserve_ns(),
         )
         wait = self.retriever.start(req, wall_end_ns=wall_end)
         counter = self.catalog.counter(spec.family.name)
@@ -171,17 +182,25 @@ class Assembler:
                 for m in ranked[limit:]
             )]
         t3 = check("packing")
+        self.stats["packing"] += 1
         timings["scoring"] = _us(t2, t3)
 
         result = pack(scored, budget.usable)
         t4 = check("formatting")
         timings["packing"] = _us(t3, t4)
 
-        mem_limit = result.total_tokens + fmt.memory_overhead(counter, nonce)
-        mem_text, kept, dropped = fmt.fit_memory_section(counter, result.packed, nonce, mem_limit)
+        overhead_mem = fmt.memory_overhead(counter, nonce)
+        if self.verify_format:  # exact re-count of the rendered section (explain; costs a full BPE pass)
+            mem_text, kept, dropped = fmt.fit_memory_section(
+                counter, result.packed, nonce, result.total_tokens + overhead_mem)
+            mem_tokens = counter.count(mem_text) if mem_text else 0
+        else:  # the additive bound (tested for every family in tests/test_format.py)
+            kept, dropped = list(result.packed), []
+            mem_text = fmt.memory_section(kept, nonce)
+            mem_tokens = result.total_tokens + overhead_mem - counter.count(fmt.SECTION_JOIN) if kept else 0
         parts: list[tuple[SectionName, str, int]] = [
             ("directive", directive, directive_n), ("history", history, history_n),
-            ("memories", mem_text, counter.count(mem_text) if mem_text else 0), ("tools", tools, tools_n),
+            ("memories", mem_text, mem_tokens), ("tools", tools, tools_n),
         ]
         rendered = fmt.assemble_text(parts)
         t5 = time.monotonic_ns()

@@ -125,9 +125,16 @@ def memory_cost(counter: Counter, hit: MemoryHit) -> int:
 
 
 def memory_overhead(counter: Counter, nonce: str) -> int:
-    """Fixed cost of the memories section: the join before it, the safety sentence and the frame."""
-    head, tail = memory_frame(nonce)
-    return counter.count(SECTION_JOIN) + counter.count(head) + counter.count(tail)
+    """Fixed cost of the memories section: the join before it, the safety sentence and the frame.
+
+    An upper bound that does not depend on the nonce's value (so it is cached per family): the
+    frame's constant pieces are counted separately and each nonce occurrence is charged one token
+    per character, the most a hex string can cost.
+    """
+    head, tail = memory_frame("\x00")
+    pieces = [SECTION_JOIN, *head.split("\x00"), *tail.split("\x00")]
+    occurrences = head.count("\x00") + tail.count("\x00")
+    return sum(counter.count(p) for p in pieces if p) + occurrences * len(nonce)
 
 
 def memory_section(memories: Sequence[ScoredMemory], nonce: str) -> str:

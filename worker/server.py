@@ -99,7 +99,7 @@ class WorkerServer:
         self._stopped = asyncio.Event()
 
     def info(self) -> bytes:
-        return P.pack_info(self.capacity, self.worker_id, os.getpid(), stats=dict(self.stats),
+        return P.pack_info(self.capacity, self.worker_id, os.getpid(), stats={**self.stats, **self.assembler.stats},
                            draining=self.draining)
 
     async def run(self) -> None:
@@ -187,7 +187,8 @@ class WorkerServer:
                 link.send([P.TAG, P.REPLY, client, rid, b""])
                 self.stats["replied"] += 1
                 return
-            resp = await self.assembler.assemble(req, deadline_ns=deadline_ns, timings_us=timings)
+            resp = await self.assembler.assemble(req, deadline_ns=deadline_ns, timings_us=timings,
+                                                 transit_ns=time.time_ns() - stamp.sent_ns)
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)
