@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.cmd == "assemble":
         return asyncio.run(_assemble(args))
-    from client import stack
+    import client.stack as stack
 
     if args.cmd == "up":
         return stack.up()

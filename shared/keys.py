@@ -10,6 +10,7 @@ separator and name a key in another tenant's namespace. A bad identifier raises 
     {org}:memories:{agent}                  HASH    memory_id -> JSON memory record
     {org}:memory_terms:{agent}              HASH    memory_id -> space-joined full-text terms
     {org}:memory_vectors:{agent}:{embedder} HASH    memory_id -> float32 unit vector bytes
+    {org}:memory_rev:{agent}                STRING  random token, replaced on every memory write
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def memories_key(org_id: str, agent_id: str) -> str:
 
 def terms_key(org_id: str, agent_id: str) -> str:
     return f"{check_ident(org_id, 'org_id')}:memory_terms:{check_ident(agent_id, 'agent_id')}"
+
+
+def rev_key(org_id: str, agent_id: str) -> str:
+    """Changes whenever the agent's memories do, so readers can keep a derived index cached."""
+    return f"{check_ident(org_id, 'org_id')}:memory_rev:{check_ident(agent_id, 'agent_id')}"
 
 
 def vectors_key(org_id: str, agent_id: str, embedder: str) -> str:

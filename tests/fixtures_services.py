@@ -1,26 +1,42 @@
 """Real backing services as pytest fixtures: a redis-server and the reference memory service.
 
-    redis_server    session   EmbeddedRedis: .url .port .stop() .start() .running .log_tail()
-    redis_url       function  the session server's URL, restarted if a test stopped it, FLUSHALLed
-    memory_service  session   MemoryService handle (below): `python -m memory.server --enable-faults`
-    memory          function  the same handle, running, faults cleared, Redis flushed
+    redis_server    session   EmbeddedRedis: .url .port .running .stop() .start() .log_tail()
+    redis_url       function  the session server's URL; restarted if a test stopped it; FLUSHALLed
+    memory_service  session   MemoryServiceHandle for `python -m memory.server --enable-faults`
+    memory          function  the same handle: running, faults cleared, Redis flushed
 
 A service that cannot start FAILS the test (never skips): CI must not go green without it.
+Subprocess output goes to a temp log file whose tail is included in every failure message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import concurrent.futures
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import redis
+from redis.asyncio import Redis as AsyncRedis
 
 from memory.redis_server import EmbeddedRedis, RedisStartError
+from memory.seed import SeedStats, seed_records
+from shared.tenancy import mint_org_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_SECRET = "test-secret-for-ibex-memory"
 SERVICE_START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
 
 
 def flush_redis(url: str) -> None:
@@ -33,6 +49,167 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "<no log>"
+
+
+class ServiceStartError(RuntimeError):
+    pass
+
+
+class MemoryServiceHandle:
+    """A `python -m memory.server` subprocess on 127.0.0.1 with faults enabled.
+
+    ``url``/``port`` stay the same across ``stop()``/``start()``/``kill()``/``restart()`` so
+    clients configured once keep working. Faults and seeding go through the real service/Redis.
+    """
+
+    def __init__(self, *, redis_url: str, secret: str = TEST_SECRET, enable_faults: bool = True,
+                 workdir: Path, extra_env: Mapping[str, str] | None = None) -> None:
+        self.redis_url = redis_url
+        self.secret = secret
+        self.enable_faults = enable_faults
+        self.log_path = workdir / "memory-service.log"
+        self._port_file = workdir / "memory-service.port"
+        self._extra_env = dict(extra_env or {})
+        self._port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # ------------------------------------------------------------------------------ addresses
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("memory service has not been started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def token(self, org_id: str) -> str:
+        return mint_org_token(self.secret, org_id)
+
+    def headers(self, org_id: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token(org_id)}"}
+
+    def log_tail(self, lines: int = 40) -> str:
+        return _tail(self.log_path, lines)
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> MemoryServiceHandle:
+        """Start (a no-op if running) and wait until /healthz answers; ServiceStartError if not."""
+        if self.running:
+            return self
+        self._port_file.unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+        env.update({"IBEX_MEMORY_SECRET": self.secret, "PYTHONUNBUFFERED": "1", **self._extra_env})
+        cmd = [sys.executable, "-m", "memory.server", "--host", "127.0.0.1", "--port", str(self._port or 0),
+               "--port-file", str(self._port_file), "--redis-url", self.redis_url]
+        if self.enable_faults:
+            cmd.append("--enable-faults")
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start {' '.join(cmd)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
+        while self._port is None or not self._port_file.exists():
+            self._check_alive(deadline)
+            if self._port_file.exists():
+                self._port = int(self._port_file.read_text().strip())
+                break
+            time.sleep(0.02)
+        with httpx.Client(timeout=1.0) as client:
+            while True:
+                self._check_alive(deadline)
+                try:
+                    client.get(f"{self.url}/healthz")  # 200, or 503 while Redis is down: up either way
+                    return self
+                except httpx.TransportError:
+                    time.sleep(0.02)
+
+    def _check_alive(self, deadline: float) -> None:
+        assert self._proc is not None
+        if self._proc.poll() is not None:
+            code = self._proc.returncode
+            self._proc = None
+            raise ServiceStartError(f"memory service exited with status {code}\n--- log tail ---\n"
+                                    f"{self.log_tail()}")
+        if time.monotonic() > deadline:
+            self.kill()
+            raise ServiceStartError(f"memory service not up within {SERVICE_START_TIMEOUT_S}s\n"
+                                    f"--- log tail ---\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM and wait (graceful shutdown), SIGKILL after a timeout. Safe to call twice."""
+        self._end(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL: the service dies mid-whatever, as in a crash."""
+        self._end(signal.SIGKILL)
+
+    def restart(self) -> MemoryServiceHandle:
+        self.stop()
+        return self.start()
+
+    def _end(self, sig: signal.Signals) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # --------------------------------------------------------------------------------- faults
+
+    def set_fault(self, endpoint: str = "all", **spec: Any) -> dict[str, Any]:
+        """PUT /_faults: endpoint hot|search|all; latency_ms, status, malformed, drop, huge(_bytes)."""
+        with httpx.Client(timeout=5.0) as client:
+            resp = client.put(f"{self.url}/_faults", json={"endpoint": endpoint, **spec})
+        if resp.status_code != 200:
+            raise AssertionError(f"set_fault refused: {resp.status_code} {resp.text}")
+        faults: dict[str, Any] = resp.json()["faults"]
+        return faults
+
+    def clear_faults(self, endpoint: str = "all") -> None:
+        with httpx.Client(timeout=5.0) as client:
+            resp = client.delete(f"{self.url}/_faults", params={"endpoint": endpoint})
+        if resp.status_code != 200:
+            raise AssertionError(f"clear_faults refused: {resp.status_code} {resp.text}")
+
+    # ---------------------------------------------------------------------------------- data
+
+    def seed(self, records: Iterable[Mapping[str, Any]]) -> SeedStats:
+        """Write memories / directives (the ``memory.seed`` JSONL record format) into Redis.
+
+        Runs on a private event loop in a helper thread, so it works from sync and async tests.
+        """
+        recs = list(records)
+
+        async def run() -> SeedStats:
+            client = AsyncRedis.from_url(self.redis_url)
+            try:
+                return await seed_records(client, recs)
+            finally:
+                await client.aclose()
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, run()).result(timeout=60)
+
+    def flush(self) -> None:
+        flush_redis(self.redis_url)
 
 
 @pytest.fixture(scope="session")
@@ -48,9 +225,43 @@ def redis_server() -> Iterator[EmbeddedRedis]:
         server.close()
 
 
+def _ensure_redis(server: EmbeddedRedis) -> None:
+    if not server.running:  # an earlier test stopped it on purpose
+        try:
+            server.start()
+        except RedisStartError as exc:
+            pytest.fail(f"embedded redis-server did not restart: {exc}", pytrace=False)
+
+
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> str:
-    if not redis_server.running:  # an earlier test stopped it on purpose
-        redis_server.start()
+    _ensure_redis(redis_server)
     flush_redis(redis_server.url)
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def memory_service(redis_server: EmbeddedRedis) -> Iterator[MemoryServiceHandle]:
+    workdir = Path(tempfile.mkdtemp(prefix="ibex-memsvc-"))
+    handle = MemoryServiceHandle(redis_url=redis_server.url, workdir=workdir)
+    try:
+        handle.start()
+    except ServiceStartError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def memory(memory_service: MemoryServiceHandle, redis_url: str) -> MemoryServiceHandle:
+    """The session's memory service, running, with no faults and an empty Redis."""
+    if not memory_service.running:  # an earlier test stopped or killed it
+        try:
+            memory_service.start()
+        except ServiceStartError as exc:
+            pytest.fail(str(exc), pytrace=False)
+    memory_service.clear_faults()
+    return memory_service

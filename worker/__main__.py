@@ -42,9 +42,13 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
                           respond_immediately=(mode == "transport"))
     loop = asyncio.get_running_loop()
+    draining: set[asyncio.Task[None]] = set()
+
     def on_signal(sig: signal.Signals) -> None:
         logging.getLogger(__name__).info("%s: draining", sig.name)
-        asyncio.ensure_future(server.drain())
+        task = asyncio.ensure_future(server.drain())
+        draining.add(task)
+        task.add_done_callback(draining.discard)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
