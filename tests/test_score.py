@@ -113,7 +113,9 @@ def test_cost_that_raises_rejects_only_that_hit() -> None:
     assert "RuntimeError" in r.reason and "formatter exploded" in r.reason
 
 
-@pytest.mark.parametrize(("value", "shown"), [(-1, "int -1"), (2.5, "float 2.5"), (True, "bool True"), ("7", "str '7'")])
+@pytest.mark.parametrize(
+    ("value", "shown"), [(-1, "int -1"), (2.5, "float 2.5"), (True, "bool True"), ("7", "str '7'")]
+)
 def test_bad_cost_values_rejected(value: Any, shown: str) -> None:
     scored, rejected = score_candidates([_hit()], lambda _h: value)
     assert scored == []
