@@ -21,7 +21,7 @@ def usable_cpus() -> int:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="IBEX_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="IBEX_", extra="ignore", frozen=True, populate_by_name=True)
 
     # -- deadlines (spec: ranking-and-packing.md, Retrieval) --------------------------------
     context_timeout_ms: float = Field(
