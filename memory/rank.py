@@ -1,0 +1,216 @@
+"""The memory-service composite ranking (spec: ranking-and-packing.md, "Memory-service composite").
+
+Pure functions, no I/O, no clock: ``now_s`` is always passed in.
+
+Order of operations for search, and why each step sits where it does:
+
+1. Retrieval-time cosine cutoff (``min_similarity``, default 0.70): vector candidates below it are
+   dropped before hydration, so we never load records we would not rank.
+2. Full-text hits that have no cosine at or above the cutoff get the relevance *sentinel* 0.5.
+3. Scoring-time relevance floor (default 0.15) after hydration, before the composite. A floor at
+   or above 0.5 would silently exclude every full-text sentinel hit, so it is refused.
+4. Composite = 0.40 relevance + 0.25 recency + 0.20 usefulness + 0.10 confidence + 0.05 access
+   frequency; recency halves every category-specific half-life. Ties break on ``memory_id``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+from numpy.typing import NDArray
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    relevance: float = 0.40
+    recency: float = 0.25
+    usefulness: float = 0.20
+    confidence: float = 0.10
+    access: float = 0.05
+
+    def total(self) -> float:
+        return self.relevance + self.recency + self.usefulness + self.confidence + self.access
+
+
+WEIGHTS = Weights()
+
+# Days until a memory's recency score halves. Preferences and facts age slowly; events and
+# tasks are mostly useful while they are fresh.
+HALF_LIFE_DAYS: Mapping[str, float] = MappingProxyType(
+    {
+        "fact": 365.0,
+        "preference": 180.0,
+        "relationship": 180.0,
+        "skill": 120.0,
+        "note": 30.0,
+        "event": 14.0,
+        "task": 7.0,
+    }
+)
+CATEGORIES = frozenset(HALF_LIFE_DAYS)
+DEFAULT_HALF_LIFE_DAYS = 30.0
+
+FULLTEXT_SENTINEL = 0.5
+DEFAULT_MIN_SIMILARITY = 0.70
+DEFAULT_RELEVANCE_FLOOR = 0.15
+ACCESS_SATURATION = 100  # this many accesses (or more) scores 1.0 on access frequency
+_DAY_S = 86_400.0
+
+
+def check_relevance_floor(floor: float) -> float:
+    """Validate the scoring-time floor: finite, in [0, 0.5). Raises ``ValueError`` otherwise."""
+    if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not math.isfinite(floor):
+        raise ValueError(f"relevance floor must be a finite number, got {floor!r}")
+    if floor < 0.0:
+        raise ValueError(f"relevance floor must be >= 0, got {floor}")
+    if floor >= FULLTEXT_SENTINEL:
+        raise ValueError(
+            f"relevance floor {floor} refused: values at or above {FULLTEXT_SENTINEL} would exclude "
+            f"every full-text hit (they carry the {FULLTEXT_SENTINEL} relevance sentinel); use < 0.5"
+        )
+    return float(floor)
+
+
+def half_life_days(category: str) -> float:
+    return HALF_LIFE_DAYS.get(category, DEFAULT_HALF_LIFE_DAYS)
+
+
+def recency_score(age_s: float, category: str) -> float:
+    """0.5 ** (age / half-life); 1.0 for a memory from "now" (or the future: clock skew)."""
+    if not math.isfinite(age_s):
+        return 0.0
+    return float(0.5 ** (max(age_s, 0.0) / (half_life_days(category) * _DAY_S)))
+
+
+def access_score(access_count: int) -> float:
+    """Log-scaled access frequency in [0, 1]: the first accesses matter most."""
+    if access_count <= 0:
+        return 0.0
+    return min(1.0, math.log1p(access_count) / math.log1p(ACCESS_SATURATION))
+
+
+def composite(
+    *, relevance: float, recency: float, usefulness: float, confidence: float, access: float,
+    weights: Weights = WEIGHTS,
+) -> float:
+    return (
+        weights.relevance * relevance
+        + weights.recency * recency
+        + weights.usefulness * usefulness
+        + weights.confidence * confidence
+        + weights.access * access
+    )
+
+
+def retrieval_relevance(cosine: float | None, keyword_hit: bool, min_similarity: float) -> float | None:
+    """Relevance a candidate enters ranking with, or ``None`` if retrieval drops it.
+
+    A cosine at or above the cutoff is the relevance (clipped to [0, 1]); otherwise a full-text
+    hit gets the sentinel; otherwise the memory was not retrieved.
+    """
+    if cosine is not None and math.isfinite(cosine) and cosine >= min_similarity:
+        return min(max(cosine, 0.0), 1.0)
+    if keyword_hit:
+        return FULLTEXT_SENTINEL
+    return None
+
+
+def cosine_scores(matrix: NDArray[np.float32], query: NDArray[np.float32]) -> NDArray[np.float32]:
+    """Cosine of each (unit) row with the (unit) query; zero rows and queries score 0."""
+    if matrix.size == 0:
+        return np.zeros(matrix.shape[0], dtype=np.float32)
+    return np.asarray(matrix @ query, dtype=np.float32)
+
+
+def keyword_hit(query_terms: frozenset[str], doc_terms: Iterable[str]) -> bool:
+    """Full-text match: the memory contains at least half of the query's distinct content terms.
+
+    Stricter than OR (one shared word is noise for long queries), looser than AND (a question
+    rarely repeats every word of the memory that answers it).
+    """
+    if not query_terms:
+        return False
+    need = max(1, math.ceil(len(query_terms) / 2))
+    have = len(query_terms.intersection(doc_terms))
+    return have >= need
+
+
+def select_candidates(
+    ids: Sequence[str],
+    cosines: Sequence[float] | NDArray[np.float32],
+    keyword_ids: frozenset[str],
+    *,
+    min_similarity: float,
+    max_candidates: int,
+) -> dict[str, float]:
+    """Retrieval stage: memory_id -> relevance for everything that survives the cutoff.
+
+    ``cosines[i]`` belongs to ``ids[i]``; ids only found by full text get the sentinel. At most
+    ``max_candidates`` are kept (highest relevance, then memory_id) to bound hydration.
+    """
+    found: dict[str, float] = {}
+    seen: set[str] = set()
+    for mid, cos in zip(ids, cosines, strict=True):
+        seen.add(mid)
+        rel = retrieval_relevance(float(cos), mid in keyword_ids, min_similarity)
+        if rel is not None:
+            found[mid] = rel
+    for mid in keyword_ids - seen:
+        found[mid] = FULLTEXT_SENTINEL
+    if len(found) > max_candidates:
+        keep = sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))[:max_candidates]
+        found = dict(keep)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A hydrated memory with the relevance retrieval gave it."""
+
+    memory_id: str
+    relevance: float
+    category: str
+    created_at_s: float
+    usefulness: float
+    confidence: float
+    access_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    candidate: Candidate
+    score: float
+    recency: float
+    rank: int  # 1-based position in the returned list
+
+
+def rank_hydrated_hits(
+    candidates: Iterable[Candidate],
+    *,
+    now_s: float,
+    relevance_floor: float = DEFAULT_RELEVANCE_FLOOR,
+    limit: int,
+    weights: Weights = WEIGHTS,
+) -> list[Ranked]:
+    """Apply the relevance floor, score the composite, sort (score desc, memory_id) and cut."""
+    floor = check_relevance_floor(relevance_floor)
+    scored: list[tuple[float, float, Candidate]] = []
+    for c in candidates:
+        numbers = (c.relevance, c.usefulness, c.confidence, c.created_at_s)
+        if not all(math.isfinite(x) for x in numbers) or c.relevance < floor:
+            continue
+        rec = recency_score(now_s - c.created_at_s, c.category)
+        score = composite(
+            relevance=c.relevance, recency=rec, usefulness=c.usefulness, confidence=c.confidence,
+            access=access_score(c.access_count), weights=weights,
+        )
+        scored.append((score, rec, c))
+    scored.sort(key=lambda t: (-t[0], t[2].memory_id))
+    return [
+        Ranked(candidate=c, score=score, recency=rec, rank=i + 1)
+        for i, (score, rec, c) in enumerate(scored[: max(limit, 0)])
+    ]

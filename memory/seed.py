@@ -1,0 +1,206 @@
+"""Load memories and directives from JSONL straight into Redis (an admin tool, not an API client).
+
+    python -m memory.seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder hash|minilm]
+
+Without ``--file`` the bundled demo dataset (``memory/data/demo.jsonl``) is loaded. One JSON
+object per line; blank lines and lines starting with ``#`` are skipped:
+
+    {"kind": "memory", "org_id": "acme", "agent_id": "support-bot", "content": "...",
+     "category": "preference", "confidence": 0.9, "usefulness": 0.6, "access_count": 3,
+     "age_days": 12.5, "hot": true, "salience": 0.8, "memory_id": "optional"}
+    {"kind": "directive", "org_id": "acme", "agent_id": "support-bot", "text": "..."}
+
+``kind`` defaults to ``memory``. ``age_days`` (relative to the moment of seeding, so a demo never
+goes stale) or an ISO ``created_at``; without either, now. Without ``memory_id`` one is derived
+from org, agent and content, so seeding the same file twice overwrites rather than duplicates.
+Every line is validated before anything is written. Vectors are computed with the configured
+embedder (``IBEX_MEMORY_EMBEDDER``); the service backfills any it lacks. Directives get the next
+version at every seed. ``--flush-orgs`` first deletes every key of the orgs named in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from memory.config import MemoryConfig
+from memory.embed import Embedder, Vectors, load_embedder
+from memory.models import Ident, MemoryRecord, StrictModel, WriteMemory
+from memory.store import NewMemory, write_memories
+from shared.directives import MAX_DIRECTIVE_CHARS, set_directive
+from shared.keys import org_prefix
+from shared.settings import Settings
+
+DEMO_FILE = Path(__file__).resolve().parent / "data" / "demo.jsonl"
+
+
+class SeedMemory(WriteMemory):
+    kind: Literal["memory"] = "memory"
+    org_id: Ident
+    age_days: Annotated[float, Field(ge=0.0, le=36_500.0, allow_inf_nan=False)] | None = None
+
+
+class SeedDirective(StrictModel):
+    kind: Literal["directive"]
+    org_id: Ident
+    agent_id: Ident
+    text: Annotated[str, Field(max_length=MAX_DIRECTIVE_CHARS)]
+
+
+class SeedError(ValueError):
+    """A record that cannot be seeded; ``where`` names its line."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}")
+        self.where = where
+
+
+@dataclass(frozen=True, slots=True)
+class SeedStats:
+    memories: int
+    hot: int
+    directives: int
+    orgs: tuple[str, ...]
+
+
+def derived_memory_id(org_id: str, agent_id: str, content: str) -> str:
+    digest = hashlib.sha256(f"{org_id}\0{agent_id}\0{content}".encode()).hexdigest()[:20]
+    return f"m-{digest}"
+
+
+def parse_records(
+    records: Iterable[tuple[str, Mapping[str, Any]]], *, now: datetime
+) -> tuple[list[NewMemory], list[SeedDirective]]:
+    """Validate every ``(where, record)`` pair; ``SeedError`` on the first bad one."""
+    memories: list[NewMemory] = []
+    directives: list[SeedDirective] = []
+    for where, raw in records:
+        if not isinstance(raw, Mapping):
+            raise SeedError(where, "each record must be a JSON object")
+        try:
+            if raw.get("kind") == "directive":
+                directives.append(SeedDirective.model_validate(dict(raw)))
+                continue
+            m = SeedMemory.model_validate(dict(raw))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise SeedError(where, f"{'.'.join(map(str, first['loc'])) or 'record'}: {first['msg']}") from exc
+        if m.age_days is not None and m.created_at is not None:
+            raise SeedError(where, "give age_days or created_at, not both")
+        created = m.created_at or (now - timedelta(days=m.age_days or 0.0))
+        record = MemoryRecord(
+            memory_id=m.memory_id or derived_memory_id(m.org_id, m.agent_id, m.content),
+            content=m.content, category=m.category, confidence=m.confidence, usefulness=m.usefulness,
+            access_count=m.access_count, created_at=created,
+            salience=m.salience if m.salience is not None else m.confidence,
+        )
+        memories.append(NewMemory(m.org_id, m.agent_id, record, m.hot))
+    return memories, directives
+
+
+def read_jsonl(path: Path) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    with path.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                out.append((f"{path.name}:{n}", json.loads(line, parse_constant=_no_nan)))
+            except ValueError as exc:
+                raise SeedError(f"{path.name}:{n}", f"not JSON ({exc})") from exc
+    return out
+
+
+def _no_nan(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+async def flush_orgs(redis: Redis, orgs: Iterable[str]) -> int:
+    """Delete every key of each org (SCAN, not KEYS: safe on a shared server)."""
+    removed = 0
+    for org in orgs:
+        batch: list[bytes] = []
+        async for key in redis.scan_iter(match=f"{org_prefix(org)}*", count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                removed += int(await redis.delete(*batch))
+                batch = []
+        if batch:
+            removed += int(await redis.delete(*batch))
+    return removed
+
+
+async def seed_records(
+    redis: Redis,
+    records: Iterable[Mapping[str, Any]] | Iterable[tuple[str, Mapping[str, Any]]],
+    *,
+    embedder: Embedder | None = None,
+    now: datetime | None = None,
+    flush: bool = False,
+) -> SeedStats:
+    """Validate then write memories and directives; records may be bare or ``(where, record)``."""
+    pairs = [r if isinstance(r, tuple) else (f"record {i + 1}", r) for i, r in enumerate(records)]
+    memories, directives = parse_records(pairs, now=now or datetime.now(UTC))
+    orgs = tuple(sorted({m.org_id for m in memories} | {d.org_id for d in directives}))
+    emb = embedder or load_embedder(MemoryConfig().embedder)  # IBEX_MEMORY_EMBEDDER, as the service
+
+    async def embed(texts: Any) -> Vectors:
+        if emb.blocking:
+            return await asyncio.to_thread(emb.embed, texts)
+        return emb.embed(texts)
+
+    if flush:
+        await flush_orgs(redis, orgs)
+    await write_memories(redis, memories, embedder_name=emb.name, embed=embed)
+    for d in directives:
+        await set_directive(redis, d.org_id, d.agent_id, d.text, now=now)
+    return SeedStats(len(memories), sum(m.hot for m in memories), len(directives), orgs)
+
+
+async def _main(path: Path, url: str, *, flush: bool, embedder: str | None) -> SeedStats:
+    client = Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+    try:
+        emb = load_embedder(embedder) if embedder else None
+        return await seed_records(client, read_jsonl(path), embedder=emb, flush=flush)
+    finally:
+        await client.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memory.seed", description="Seed memories and directives.")
+    ap.add_argument("--file", type=Path, default=DEMO_FILE, help=f"JSONL to load (default: {DEMO_FILE.name})")
+    ap.add_argument("--redis-url", default=None, help="default: $IBEX_REDIS_URL")
+    ap.add_argument("--flush-orgs", action="store_true", help="first delete all keys of the orgs in the file")
+    ap.add_argument("--embedder", choices=["hash", "minilm"], default=None)
+    args = ap.parse_args(argv)
+    url = args.redis_url or Settings().redis_url
+    if not url:
+        print("error: no Redis to seed: pass --redis-url or set IBEX_REDIS_URL", file=sys.stderr)
+        return 2
+    try:
+        stats = asyncio.run(_main(args.file, url, flush=args.flush_orgs, embedder=args.embedder))
+    except (SeedError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RedisError as exc:
+        print(f"error: Redis at {url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"memories": stats.memories, "hot": stats.hot, "directives": stats.directives,
+                      "orgs": list(stats.orgs)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Run the reference memory service under uvicorn.
+
+    python -m memory.server [--host H] [--port N] [--port-file F] [--redis-url URL] [--enable-faults]
+
+``--port 0`` binds a free port; the bound port is logged and, with ``--port-file``, written to
+that file (atomically, once the socket listens) so a supervisor or test can find it. Without
+``--redis-url`` or ``IBEX_REDIS_URL`` an embedded redis-server is started for the process's
+lifetime (empty: seed it with ``python -m memory.seed``). The token secret is read from
+``IBEX_MEMORY_SECRET`` only, never from the command line (it would show in ``ps``).
+Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+
+from memory.app import create_app
+from memory.config import MemoryConfig
+from memory.embed import EmbedderUnavailable, load_embedder
+from memory.faults import TrackingH11Protocol
+from memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
+from shared.settings import Settings
+
+log = logging.getLogger("memory.server")
+
+
+def _parser(settings: Settings) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m memory.server", description="Reference memory service.")
+    ap.add_argument("--host", default=settings.memory_host)
+    ap.add_argument("--port", type=int, default=settings.memory_port, help="0 picks a free port")
+    ap.add_argument("--port-file", default=None, help="write the bound port to this file")
+    ap.add_argument("--redis-url", default=None, help="default: $IBEX_REDIS_URL, else an embedded server")
+    ap.add_argument("--enable-faults", action="store_true", help="expose PUT/DELETE /_faults")
+    ap.add_argument("--embedder", choices=["hash", "minilm"], default=None, help="default: $IBEX_MEMORY_EMBEDDER")
+    ap.add_argument("--relevance-floor", type=float, default=None, help="default: $IBEX_MEMORY_RELEVANCE_FLOOR")
+    ap.add_argument("--log-level", default=settings.log_level)
+    return ap
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (we bind it ourselves so port 0 can be reported before serving)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = Settings()
+    args = _parser(settings).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    overrides: dict[str, Any] = {"redis_url": args.redis_url, "embedder": args.embedder,
+                                 "relevance_floor": args.relevance_floor}
+    try:
+        config = MemoryConfig(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for err in exc.errors():
+            print(f"error: {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
+        return 2
+    try:
+        embedder = load_embedder(config.embedder)
+    except EmbedderUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    embedded: EmbeddedRedis | None = None
+    try:
+        url, embedded = resolve_redis_url(config.redis_url)
+    except RedisStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    app = create_app(config.model_copy(update={"redis_url": url}), enable_faults=args.enable_faults,
+                     embedder=embedder)
+    try:
+        try:
+            sock = bind_socket(args.host, args.port)
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            return 1
+        port = int(sock.getsockname()[1])
+        if args.port_file:
+            write_port_file(args.port_file, port)
+        log.info("memory service on http://%s:%d (redis %s%s, embedder %s, faults %s)", args.host, port,
+                 url, " embedded" if embedded else "", config.embedder, "on" if args.enable_faults else "off")
+        uv_config = uvicorn.Config(
+            app, http=TrackingH11Protocol, ws="none", lifespan="on", access_log=False,
+            log_level=args.log_level.lower(), timeout_graceful_shutdown=3,
+        )
+        uvicorn.Server(uv_config).run(sockets=[sock])
+        return 0
+    finally:
+        if embedded is not None:
+            embedded.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Redis I/O of the memory service; every key comes from ``shared.keys`` (org first).
+
+Per (org, agent), written together in one MULTI so readers never see half a memory:
+
+    {org}:memories:{agent}                  HASH  memory_id -> MemoryRecord JSON
+    {org}:memory_terms:{agent}              HASH  memory_id -> full-text terms, space-joined
+    {org}:memory_vectors:{agent}:{embedder} HASH  memory_id -> float32 unit vector
+    {org}:hot_memories:{agent}              ZSET  memory_id -> salience (only memories marked hot)
+    {org}:memory_rev:{agent}                STRING random token, replaced by every write
+
+Search needs every vector and term set of the agent, and decoding hundreds of RESP strings costs
+milliseconds in redis-py's pure-Python parser, so ``IndexCache`` keeps the decoded index per
+agent, tagged with the revision token and the record count it was built from; a search pays
+one small round trip to check the tag. (Records written to Redis by hand, bypassing this module,
+are noticed through the record count only.)
+
+Vectors are per embedder; a search that finds records without a vector for the current embedder
+(seeded with another embedder, or written straight to Redis) computes and stores them once.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import cast
+
+import numpy as np
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from memory.embed import Vectors, content_terms
+from memory.models import MemoryRecord
+from shared.keys import hot_key, memories_key, rev_key, terms_key, vectors_key
+
+log = logging.getLogger(__name__)
+
+EmbedFn = Callable[[Sequence[str]], Awaitable[Vectors]]
+_WRITE_CHUNK = 256
+
+
+@dataclass(frozen=True, slots=True)
+class NewMemory:
+    org_id: str
+    agent_id: str
+    record: MemoryRecord
+    hot: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SearchIndex:
+    """What retrieval needs before hydration: ids, their vectors (rows) and their terms."""
+
+    ids: list[str]
+    matrix: Vectors
+    terms: dict[str, frozenset[str]]
+
+
+@lru_cache(maxsize=65536)
+def _terms_of(joined: bytes) -> frozenset[str]:
+    return frozenset(joined.decode("utf-8", "replace").split())
+
+
+def _joined_terms(text: str) -> str:
+    return " ".join(sorted(content_terms(text)))
+
+
+async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_name: str, embed: EmbedFn) -> None:
+    """Store memories (record, terms, vector, hot flag) in chunks of MULTI/EXEC transactions."""
+    for start in range(0, len(items), _WRITE_CHUNK):
+        chunk = items[start : start + _WRITE_CHUNK]
+        vectors = await embed([m.record.content for m in chunk])
+        async with redis.pipeline(transaction=True) as pipe:
+            for org_id, agent_id in {(m.org_id, m.agent_id) for m in chunk}:
+                pipe.set(rev_key(org_id, agent_id), uuid.uuid4().hex)
+            for m, vec in zip(chunk, vectors, strict=True):
+                rec = m.record
+                pipe.hset(memories_key(m.org_id, m.agent_id), rec.memory_id, rec.model_dump_json())
+                pipe.hset(terms_key(m.org_id, m.agent_id), rec.memory_id, _joined_terms(rec.content))
+                pipe.hset(vectors_key(m.org_id, m.agent_id, embedder_name), rec.memory_id,
+                          np.asarray(vec, dtype=np.float32).tobytes())
+                if m.hot:
+                    pipe.zadd(hot_key(m.org_id, m.agent_id), {rec.memory_id: rec.salience})
+                else:
+                    pipe.zrem(hot_key(m.org_id, m.agent_id), rec.memory_id)
+            await pipe.execute()
+
+
+def parse_record(raw: bytes | str | None, where: str) -> MemoryRecord | None:
+    """A stored record, or ``None`` (logged) if the bytes at ``where`` are damaged."""
+    if raw is None:
+        return None
+    try:
+        return MemoryRecord.model_validate_json(raw)
+    except ValidationError as exc:
+        log.warning("skipping malformed memory record at %s: %s", where, exc.errors()[0]["msg"])
+        return None
+
+
+async def hydrate(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str]) -> dict[str, MemoryRecord]:
+    """Load full records for ``ids``; missing or damaged ones are left out."""
+    if not ids:
+        return {}
+    key = memories_key(org_id, agent_id)
+    raws = await redis.hmget(key, list(ids))
+    out: dict[str, MemoryRecord] = {}
+    for mid, raw in zip(ids, raws, strict=True):
+        rec = parse_record(raw, f"{key}/{mid}")
+        if rec is not None and rec.memory_id == mid:
+            out[mid] = rec
+    return out
+
+
+async def load_hot(redis: Redis, org_id: str, agent_id: str, limit: int) -> list[tuple[MemoryRecord, float]]:
+    """The ``limit`` most salient hot memories, salience desc then memory_id."""
+    if limit <= 0:
+        return []
+    pairs = cast(list[tuple[bytes, float]],
+                 await redis.zrevrange(hot_key(org_id, agent_id), 0, limit - 1, withscores=True))
+    ids = [m.decode() for m, _ in pairs]
+    records = await hydrate(redis, org_id, agent_id, ids)
+    found = [(records[mid], float(score)) for mid, (_, score) in zip(ids, pairs, strict=True) if mid in records]
+    found.sort(key=lambda rs: (-rs[1], rs[0].memory_id))
+    return found
+
+
+IndexTag = tuple[bytes | None, int]
+
+
+class IndexCache:
+    """Decoded search indexes per (org, agent, embedder), least recently used evicted."""
+
+    def __init__(self, max_agents: int = 256) -> None:
+        self._max = max_agents
+        self._entries: OrderedDict[tuple[str, str, str], tuple[IndexTag, SearchIndex]] = OrderedDict()
+
+    def get(self, key: tuple[str, str, str], tag: IndexTag) -> SearchIndex | None:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != tag:
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: tuple[str, str, str], tag: IndexTag, index: SearchIndex) -> None:
+        self._entries[key] = (tag, index)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+async def load_index(
+    redis: Redis, org_id: str, agent_id: str, *, embedder_name: str, dim: int, embed: EmbedFn,
+    cache: IndexCache | None = None,
+) -> SearchIndex:
+    """Vectors and terms of every memory of the agent, backfilling any that are missing."""
+    vkey, tkey, mkey, rkey = (vectors_key(org_id, agent_id, embedder_name), terms_key(org_id, agent_id),
+                              memories_key(org_id, agent_id), rev_key(org_id, agent_id))
+    cache_key = (org_id, agent_id, embedder_name)
+    if cache is not None:
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.get(rkey)
+            pipe.hlen(mkey)
+            rev, count = await pipe.execute()
+        cached = cache.get(cache_key, (rev, count))
+        if cached is not None:
+            return cached
+    # One MULTI: the tag is read atomically with the data it describes.
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.get(rkey)
+        pipe.hlen(mkey)
+        pipe.hgetall(vkey)
+        pipe.hgetall(tkey)
+        rev, count, vectors, terms = await pipe.execute()
+    row_bytes = dim * 4
+    if len(vectors) < count or len(terms) < count:
+        await _backfill(redis, org_id, agent_id, vectors, terms, embedder_name=embedder_name, embed=embed)
+    ids: list[str] = []
+    rows: list[bytes] = []
+    term_map: dict[str, frozenset[str]] = {}
+    for raw_id, joined in terms.items():
+        term_map[raw_id.decode()] = _terms_of(joined)
+    for raw_id, vec in vectors.items():
+        if len(vec) == row_bytes:
+            ids.append(raw_id.decode())
+            rows.append(vec)
+    matrix = (np.frombuffer(b"".join(rows), dtype=np.float32).reshape(len(rows), dim) if rows
+              else np.zeros((0, dim), dtype=np.float32))
+    index = SearchIndex(ids=ids, matrix=matrix, terms=term_map)
+    if cache is not None:
+        cache.put(cache_key, (rev, count), index)
+    return index
+
+
+async def _backfill(
+    redis: Redis, org_id: str, agent_id: str, vectors: dict[bytes, bytes], terms: dict[bytes, bytes],
+    *, embedder_name: str, embed: EmbedFn,
+) -> None:
+    """Compute vectors/terms for records that lack them (mutates the two dicts in place)."""
+    mkey = memories_key(org_id, agent_id)
+    all_ids = [m if isinstance(m, bytes) else m.encode() for m in await redis.hkeys(mkey)]
+    missing = [m for m in all_ids if m not in vectors or m not in terms]
+    if not missing:
+        return
+    raws = await redis.hmget(mkey, missing)
+    fixed: list[tuple[bytes, MemoryRecord]] = []
+    for mid, raw in zip(missing, raws, strict=True):
+        rec = parse_record(raw, f"{mkey}/{mid!r}")
+        if rec is not None:
+            fixed.append((mid, rec))
+    if not fixed:
+        return
+    new_vecs = await embed([rec.content for _, rec in fixed])
+    vmap = {mid: np.asarray(v, dtype=np.float32).tobytes() for (mid, _), v in zip(fixed, new_vecs, strict=True)}
+    tmap = {mid: _joined_terms(rec.content).encode() for mid, rec in fixed}
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hset(vectors_key(org_id, agent_id, embedder_name), mapping=vmap)  # type: ignore[arg-type]
+        pipe.hset(terms_key(org_id, agent_id), mapping=tmap)  # type: ignore[arg-type]
+        await pipe.execute()
+    vectors.update(vmap)
+    terms.update(tmap)
+    log.info("backfilled %d vectors/terms for %s (embedder %s)", len(fixed), mkey, embedder_name)

@@ -1,0 +1,230 @@
+"""Pure ranking and embedding math of the reference memory service (no I/O)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from memory.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
+from memory.rank import (
+    ACCESS_SATURATION,
+    DEFAULT_RELEVANCE_FLOOR,
+    FULLTEXT_SENTINEL,
+    HALF_LIFE_DAYS,
+    WEIGHTS,
+    Candidate,
+    access_score,
+    check_relevance_floor,
+    composite,
+    cosine_scores,
+    keyword_hit,
+    rank_hydrated_hits,
+    recency_score,
+    retrieval_relevance,
+    select_candidates,
+)
+
+DAY = 86_400.0
+NOW = 1_800_000_000.0
+unit = st.floats(0.0, 1.0, allow_nan=False)
+
+
+def _cand(mid: str, rel: float = 0.8, *, cat: str = "fact", age_days: float = 0.0, useful: float = 0.5,
+          conf: float = 0.5, access: int = 0) -> Candidate:
+    return Candidate(mid, rel, cat, NOW - age_days * DAY, useful, conf, access)
+
+
+# ------------------------------------------------------------------------------------ weights
+
+
+def test_weights_are_the_spec_weights() -> None:
+    assert (WEIGHTS.relevance, WEIGHTS.recency, WEIGHTS.usefulness, WEIGHTS.confidence, WEIGHTS.access) == (
+        0.40, 0.25, 0.20, 0.10, 0.05,
+    )
+    assert math.isclose(WEIGHTS.total(), 1.0)
+
+
+def test_each_component_carries_its_weight() -> None:
+    zero = dict(relevance=0.0, recency=0.0, usefulness=0.0, confidence=0.0, access=0.0)
+    for name, w in [("relevance", 0.40), ("recency", 0.25), ("usefulness", 0.20), ("confidence", 0.10),
+                    ("access", 0.05)]:
+        assert math.isclose(composite(**{**zero, name: 1.0}), w)
+    assert math.isclose(composite(**{k: 1.0 for k in zero}), 1.0)
+
+
+@given(r=unit, rec=unit, u=unit, c=unit, a=unit)
+def test_composite_is_a_convex_combination(r: float, rec: float, u: float, c: float, a: float) -> None:
+    s = composite(relevance=r, recency=rec, usefulness=u, confidence=c, access=a)
+    assert 0.0 <= s <= 1.0 + 1e-12
+    assert composite(relevance=min(r + 0.1, 1.0), recency=rec, usefulness=u, confidence=c, access=a) >= s
+
+
+# -------------------------------------------------------------------------------- half-lives
+
+
+@pytest.mark.parametrize("cat,days", [("preference", 180), ("fact", 365), ("event", 14), ("task", 7)])
+def test_half_lives(cat: str, days: float) -> None:
+    assert HALF_LIFE_DAYS[cat] == days
+    assert math.isclose(recency_score(days * DAY, cat), 0.5)
+    assert math.isclose(recency_score(2 * days * DAY, cat), 0.25)
+    assert recency_score(0.0, cat) == 1.0
+
+
+def test_recency_edge_cases() -> None:
+    assert recency_score(-5 * DAY, "task") == 1.0  # clock skew: not "more recent than now"
+    assert recency_score(math.inf, "task") == 0.0
+    assert math.isclose(recency_score(30 * DAY, "unknown-category"), 0.5)  # default half-life
+    assert recency_score(30 * DAY, "task") < recency_score(30 * DAY, "event") < recency_score(30 * DAY, "fact")
+
+
+@given(age=st.floats(0, 3650 * DAY), cat=st.sampled_from(sorted(HALF_LIFE_DAYS)))
+def test_recency_is_monotone_and_bounded(age: float, cat: str) -> None:
+    r = recency_score(age, cat)
+    assert 0.0 <= r <= 1.0
+    assert recency_score(age + DAY, cat) <= r
+
+
+def test_access_score() -> None:
+    assert access_score(0) == 0.0 and access_score(-3) == 0.0
+    assert access_score(ACCESS_SATURATION) == 1.0 and access_score(10**9) == 1.0
+    assert 0 < access_score(1) < access_score(10) < 1
+
+
+# ----------------------------------------------------------------------- floor, sentinel, cutoff
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.51, 1.0, 7.0, -0.01, math.nan, math.inf])
+def test_floor_at_or_above_half_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError):
+        check_relevance_floor(bad)
+    with pytest.raises(ValueError):
+        rank_hydrated_hits([_cand("a")], now_s=NOW, relevance_floor=bad, limit=5)
+
+
+def test_floor_refusal_says_why() -> None:
+    with pytest.raises(ValueError, match=r"full-text hit .*sentinel"):
+        check_relevance_floor(0.5)
+    assert check_relevance_floor(0.49) == 0.49 and check_relevance_floor(0) == 0.0
+    assert DEFAULT_RELEVANCE_FLOOR == 0.15
+
+
+def test_retrieval_relevance_cutoff_and_sentinel() -> None:
+    assert retrieval_relevance(0.71, False, 0.70) == pytest.approx(0.71)
+    assert retrieval_relevance(0.70, False, 0.70) == pytest.approx(0.70)  # cutoff is inclusive
+    assert retrieval_relevance(0.69, False, 0.70) is None  # below the cutoff: not retrieved
+    assert retrieval_relevance(0.69, True, 0.70) == FULLTEXT_SENTINEL == 0.5  # full text rescues it
+    assert retrieval_relevance(None, True, 0.70) == 0.5
+    assert retrieval_relevance(0.9, True, 0.70) == pytest.approx(0.9)  # a real cosine wins
+    assert retrieval_relevance(math.nan, False, 0.0) is None
+    assert retrieval_relevance(1.0000001, False, 0.7) == 1.0
+
+
+def test_sentinel_hits_survive_the_default_floor_but_weak_cosines_do_not() -> None:
+    cands = [_cand("sentinel", FULLTEXT_SENTINEL), _cand("weak", 0.10), _cand("edge", 0.15)]
+    ranked = rank_hydrated_hits(cands, now_s=NOW, limit=10)
+    assert {r.candidate.memory_id for r in ranked} == {"sentinel", "edge"}
+
+
+def test_select_candidates() -> None:
+    got = select_candidates(
+        ["a", "b", "c", "d"], np.array([0.9, 0.5, 0.71, 0.2], dtype=np.float32), frozenset({"b", "e"}),
+        min_similarity=0.7, max_candidates=10,
+    )
+    assert got == {"a": pytest.approx(0.9), "b": 0.5, "c": pytest.approx(0.71), "e": 0.5}
+    capped = select_candidates(["a", "b", "c"], [0.9, 0.8, 0.95], frozenset(), min_similarity=0.1, max_candidates=2)
+    assert set(capped) == {"a", "c"}
+
+
+def test_cosine_scores() -> None:
+    m = np.eye(3, dtype=np.float32)
+    q = np.array([0.6, 0.8, 0.0], dtype=np.float32)
+    assert cosine_scores(m, q).tolist() == pytest.approx([0.6, 0.8, 0.0])
+    assert cosine_scores(np.zeros((0, 3), dtype=np.float32), q).shape == (0,)
+
+
+# ------------------------------------------------------------------------------------ ranking
+
+
+def test_rank_orders_by_composite_then_id_and_cuts() -> None:
+    cands = [
+        _cand("old-task", 0.9, cat="task", age_days=60),
+        _cand("fresh-task", 0.9, cat="task", age_days=0),
+        _cand("twin-b", 0.8), _cand("twin-a", 0.8),
+        _cand("useful", 0.8, useful=1.0, conf=1.0, access=1000),
+    ]
+    ranked = rank_hydrated_hits(cands, now_s=NOW, limit=4)
+    assert [r.candidate.memory_id for r in ranked] == ["useful", "fresh-task", "twin-a", "twin-b"]
+    assert [r.rank for r in ranked] == [1, 2, 3, 4]
+    assert ranked[0].score == pytest.approx(0.4 * 0.8 + 0.25 + 0.2 + 0.1 + 0.05)
+    assert rank_hydrated_hits(cands, now_s=NOW, limit=0) == []
+
+
+def test_non_finite_candidates_are_dropped() -> None:
+    bad = [_cand("nan", math.nan), Candidate("inf", 0.8, "fact", math.inf, 0.5, 0.5, 0)]
+    assert rank_hydrated_hits([*bad, _cand("ok")], now_s=NOW, limit=5)[0].candidate.memory_id == "ok"
+    assert len(rank_hydrated_hits([*bad, _cand("ok")], now_s=NOW, limit=5)) == 1
+
+
+@given(st.lists(st.tuples(st.floats(0.15, 1.0), unit, unit, st.floats(0, 400), st.integers(0, 500)),
+                max_size=30), st.integers(0, 40))
+def test_ranking_invariants(rows: list[tuple[float, float, float, float, int]], limit: int) -> None:
+    cands = [_cand(f"m{i}", rel, useful=u, conf=c, age_days=age, access=n)
+             for i, (rel, u, c, age, n) in enumerate(rows)]
+    ranked = rank_hydrated_hits(cands, now_s=NOW, limit=limit)
+    assert len(ranked) == min(limit, len(cands))
+    assert [r.rank for r in ranked] == list(range(1, len(ranked) + 1))
+    keys = [(-r.score, r.candidate.memory_id) for r in ranked]
+    assert keys == sorted(keys)
+    assert all(0.0 <= r.score <= 1.0 + 1e-9 for r in ranked)
+
+
+# ---------------------------------------------------------------------------------- embedding
+
+
+def test_hashing_embedder_is_deterministic_and_unit() -> None:
+    e = HashingEmbedder()
+    a = e.embed(["User prefers dark mode", "User prefers dark mode", ""])
+    assert a.dtype == np.float32 and a.shape == (3, e.dim)
+    assert np.array_equal(a[0], a[1])
+    assert math.isclose(float(np.linalg.norm(a[0])), 1.0, rel_tol=1e-5)
+    assert not a[2].any()  # no features: a zero vector, cosine 0 with everything
+    assert e.name == "hash1-256"
+
+
+def test_hashing_embedder_ranks_overlap_above_unrelated() -> None:
+    e = HashingEmbedder()
+    q, near, far = e.embed(["refund policy for annual plans",
+                            "Annual plans can be refunded within 30 days",
+                            "The customer likes dark mode"])
+    assert float(q @ near) > 0.3 > float(q @ far)
+
+
+@given(st.text(max_size=300))
+def test_embedding_any_text_is_finite(text: str) -> None:
+    v = HashingEmbedder(dim=64).embed_one(text)
+    assert np.isfinite(v).all()
+    n = float(np.linalg.norm(v))
+    assert n == 0.0 or math.isclose(n, 1.0, rel_tol=1e-4)
+
+
+def test_content_terms_and_keyword_hits() -> None:
+    assert content_terms("The user's Invoices were PAID") >= {"invoice", "paid"}
+    assert "the" not in content_terms("The the THE")
+    assert {"中文", "回复"} <= content_terms("用户偏好使用中文回复 🇨🇳")
+    doc = content_terms("Invoices are emailed monthly as PDF attachments")
+    assert keyword_hit(content_terms("where is my invoice pdf"), doc)  # 2 of 2 terms
+    assert not keyword_hit(content_terms("invoice shipping address phone"), doc)  # 1 of 4
+    assert not keyword_hit(frozenset(), doc)
+
+
+def test_unknown_or_missing_embedders_fail_clearly() -> None:
+    with pytest.raises(EmbedderUnavailable, match="unknown embedder"):
+        load_embedder("word2vec")
+    try:
+        load_embedder("minilm")
+    except EmbedderUnavailable as exc:  # the optional extra is not installed in CI
+        assert "pip install" in str(exc)
