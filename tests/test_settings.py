@@ -40,3 +40,13 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, var: str, value
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError):
         Settings()
+
+
+def test_every_setting_is_documented_in_the_readme() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+    names = {"context_timeout_ms": "IBEX_CONTEXT_TIMEOUT"}
+    for field in Settings.model_fields:
+        var = names.get(field, f"IBEX_{field.upper()}")
+        assert var in readme, f"{var} is not documented in README.md"
