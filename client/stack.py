@@ -308,7 +308,7 @@ def status() -> dict[str, Any] | None:
 DEMO_REQUESTS = [
     ("acme", "support-bot", "gpt-4o", "The customer asks where their invoice from October is."),
     ("acme", "support-bot", "claude-sonnet-4", "What do we know about the customer's contact preferences?"),
-    ("globex", "sales-assistant", "gpt-4.1-mini", "Prepare a renewal call: what matters to this account?"),
+    ("globex", "research-agent", "gpt-4.1-mini", "Summarise what we know about the literature review."),
 ]
 
 
