@@ -219,7 +219,8 @@ class MemoryService:
         if spec.drop:
             client = (request.client.host, request.client.port) if request.client else None
             if await drop_connection(client):
-                return Response(status_code=500)  # never sent: the connection is gone
+                log.info("fault: dropped the connection of %s without a response", client)
+                return Response(status_code=499)  # never sent: the connection is gone
             return _error(500, "injected drop (connection not found; in-process app?)")
         if spec.status is not None:
             return _error(spec.status, f"injected fault: status {spec.status}")
