@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+from typing import Any
 
 from shared.settings import Settings
 
@@ -18,12 +19,47 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s broker[%(process)d] %(name)s: %(message)s")
-    from broker.broker import Broker
+    import zmq
 
-    broker = Broker(settings=settings, frontend=args.frontend, backend=args.backend)
+    from broker.broker import Broker
+    from shared import auth
+
+    frontend = args.frontend or settings.broker_frontend
+    backend = args.backend or settings.broker_backend
+    ctx = zmq.Context()
+    authenticator = None
+    kw: dict[str, Any] = {}
+    try:
+        if settings.auth_keys_file:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            if not settings.broker_key_file:
+                raise auth.AuthConfigError("IBEX_AUTH_KEYS_FILE is set but IBEX_BROKER_KEY_FILE is not")
+            keyring = auth.KeyRing.load(settings.auth_keys_file)
+            keypair = auth.load_keypair(settings.broker_key_file)
+            authenticator = ThreadAuthenticator(ctx)
+            authenticator.start()
+            authenticator.configure_curve_callback(auth.FRONT_DOMAIN, keyring)
+            authenticator.configure_curve_callback(auth.BACK_DOMAIN, keyring)
+            kw = {"authorizer": keyring.authorize,
+                  "configure_frontend": auth.curve_server(keypair, auth.FRONT_DOMAIN),
+                  "configure_backend": auth.curve_server(keypair, auth.BACK_DOMAIN)}
+            logging.getLogger(__name__).info("CURVE auth on: %d client key(s), %d worker key(s)",
+                                             len(keyring.clients), len(keyring.workers))
+        else:
+            auth.require_auth_or_loopback([frontend, backend], auth_on=False)
+    except auth.AuthConfigError as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        return 2
+    broker = Broker(settings=settings, frontend=frontend, backend=backend, ctx=ctx, **kw)
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     signal.signal(signal.SIGINT, lambda *_: broker.stop())
-    broker.serve_forever()
+    try:
+        broker.serve_forever()
+    finally:
+        if authenticator is not None:
+            authenticator.stop()
+        ctx.term()
     return 0
 
 

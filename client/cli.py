@@ -50,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="start the stack, seed demo data and print demo assemblies")
     d.add_argument("--keep", action="store_true", default=True, help="leave the stack running (default)")
     d.add_argument("--stop", dest="keep", action="store_false", help="stop the stack afterwards")
+    k = sub.add_parser("keys", help="CURVE keys: generate keypairs, register them in the keys file")
+    ksub = k.add_subparsers(dest="keys_cmd", required=True)
+    g = ksub.add_parser("generate", help="write NAME.key (secret, 0600) and NAME.pub")
+    g.add_argument("--dir", required=True)
+    g.add_argument("--name", required=True)
+    r = ksub.add_parser("register", help="add a public key to the broker's keys file")
+    r.add_argument("--keys-file", required=True)
+    r.add_argument("--public", required=True, help="z85 public key, or a .pub/.key file")
+    r.add_argument("--role", choices=["client", "worker"], required=True)
+    r.add_argument("--name", required=True)
+    r.add_argument("--org", default=None, help="client keys: the org this caller acts for")
+    r.add_argument("--agents", default="*", help="client keys: comma-separated agent ids, or * (default)")
     sub.add_parser("directive", help="set/show/delete a directive (see: ibex-context directive -h)", add_help=False)
     sub.add_parser("seed", help="load memories and directives from JSONL", add_help=False)
     return ap
@@ -99,6 +111,26 @@ async def _assemble(args: Any) -> int:
     return 0
 
 
+def _keys(args: Any) -> int:
+    from pathlib import Path
+
+    from shared import auth
+
+    try:
+        if args.keys_cmd == "generate":
+            key, pub = auth.write_keypair(Path(args.dir), args.name)
+            print(f"wrote {key} (secret, mode 0600) and {pub}")
+        else:
+            agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+            auth.register(Path(args.keys_file), public_key=auth.load_public_key(args.public), role=args.role,
+                          name=args.name, org_id=args.org, agents=agents)
+            print(f"registered {args.role} {args.name} in {args.keys_file}")
+    except auth.AuthConfigError as exc:
+        print(f"ibex-context keys: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "directive":
@@ -116,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.cmd == "assemble":
         return asyncio.run(_assemble(args))
+    if args.cmd == "keys":
+        return _keys(args)
     import client.stack as stack
 
     if args.cmd == "up":

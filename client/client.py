@@ -41,6 +41,7 @@ from shared.errors import (
     ErrorCode,
     IbexError,
     Internal,
+    Unauthenticated,
     Unavailable,
 )
 from shared.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
@@ -48,7 +49,7 @@ from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE}
+RETRYABLE = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.UNAUTHENTICATED}
 CALLER_FAULTS = {ErrorCode.INVALID_REQUEST, ErrorCode.FORBIDDEN, ErrorCode.UNAUTHENTICATED}
 MIN_RETRY_S = 0.002
 T = TypeVar("T")
@@ -60,6 +61,7 @@ class _Conn:
     sock: zmq.asyncio.Socket
     monitor: zmq.asyncio.Socket
     connected: bool = False
+    auth_failed: bool = False
     waiting: dict[str, asyncio.Future[AssembleResponse | ErrorReply]] = field(default_factory=dict)
     status_waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
 
@@ -82,6 +84,13 @@ class AsyncClient:
         self.default_timeout = default_timeout
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
+        if configure_socket is None and settings.client_key_file:
+            from shared import auth
+
+            if not settings.broker_public_key:
+                raise ValueError("IBEX_CLIENT_KEY_FILE is set but IBEX_BROKER_PUBLIC_KEY is not")
+            configure_socket = auth.curve_client(auth.load_keypair(settings.client_key_file),
+                                                 auth.load_public_key(settings.broker_public_key))
         self.configure_socket = configure_socket
         self.conns: list[_Conn] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -111,7 +120,8 @@ class AsyncClient:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             if self.configure_socket is not None:
                 self.configure_socket(sock)
-            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             sock.connect(ep)
             conn = _Conn(ep, sock, mon)
             self.conns.append(conn)
@@ -168,7 +178,10 @@ class AsyncClient:
         while True:
             ev = parse_monitor_message(await conn.monitor.recv_multipart())
             if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                conn.connected = True
+                conn.connected, conn.auth_failed = True, False
+            elif ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                conn.connected, conn.auth_failed = False, True
+                self._fail_all(conn, Unauthenticated(f"broker {conn.endpoint} refused this client's key"))
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 conn.connected = False
                 self.stats["disconnects"] += 1
@@ -213,20 +226,24 @@ class AsyncClient:
         payload = encode(req)
         tried: set[int] = set()
         last: ErrorReply | None = None
+        unsent = False  # every attempt so far failed to send (not connected yet, or reconnecting)
         while True:
             conn = self._pick(tried)
             remaining = end - time.monotonic()
+            if conn is None and unsent and remaining > MIN_RETRY_S and not all(c.auth_failed for c in self.conns):
+                await asyncio.sleep(min(0.005, remaining - MIN_RETRY_S))  # wait for a (re)connect
+                tried.clear()
+                continue
             if conn is None or remaining <= (MIN_RETRY_S if last else 0):
                 break
             fut: asyncio.Future[AssembleResponse | ErrorReply] = asyncio.get_running_loop().create_future()
             conn.waiting[req.request_id] = fut
-            try:
-                conn.sock.send_multipart([P.TAG, P.REQUEST, payload], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # not connected (IMMEDIATE) or pipe full
+            exc = P.send_nowait(conn.sock, [P.TAG, P.REQUEST, payload])
+            if exc is not None:  # not connected (IMMEDIATE) or pipe full
                 conn.waiting.pop(req.request_id, None)
                 last = ErrorReply(request_id=req.request_id, code=ErrorCode.UNAVAILABLE,
                                   message=f"cannot send to broker {conn.endpoint}: {exc}")
-                self.stats["failovers"] += 1
+                unsent = True
                 continue
             try:
                 async with asyncio.timeout(remaining):
@@ -238,10 +255,13 @@ class AsyncClient:
                     request_id=req.request_id) from None
             if isinstance(reply, AssembleResponse):
                 return reply
-            last = reply
+            last, unsent = reply, False
             if reply.code not in RETRYABLE:
                 break
             self.stats["failovers"] += 1
+        if self.conns and all(c.auth_failed for c in self.conns):
+            raise Unauthenticated("every broker refused this client's key (CURVE handshake failed)",
+                                  request_id=req.request_id)
         if last is None:
             raise Unavailable("no broker endpoint could take the request", request_id=req.request_id)
         raise _to_exc(last, req.request_id)

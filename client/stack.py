@@ -46,11 +46,14 @@ def port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def broker_status(endpoint: str, timeout_s: float = 1.0, ctx: zmq.Context[Any] | None = None) -> dict[str, Any] | None:
+def broker_status(endpoint: str, timeout_s: float = 1.0, ctx: zmq.Context[Any] | None = None,
+                  configure: Callable[[zmq.Socket[Any]], None] | None = None) -> dict[str, Any] | None:
     """The broker's STATUS snapshot, or None if it does not answer in time."""
     ctx = ctx or zmq.Context.instance()
     with ctx.socket(zmq.DEALER) as s:
         s.setsockopt(zmq.LINGER, 0)
+        if configure is not None:
+            configure(s)
         s.connect(endpoint)
         s.send_multipart([P.TAG, P.STATUS])
         if not s.poll(int(timeout_s * 1000)):
@@ -89,8 +92,10 @@ class LocalStack:
 
     def __init__(self, *, workers: int = 2, redis_url: str | None = None, mode: str = "full",
                  enable_faults: bool = False, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None, secret: str | None = None) -> None:
+                 log_dir: Path | None = None, secret: str | None = None,
+                 status_socket: Callable[[zmq.Socket[Any]], None] | None = None) -> None:
         self.n_workers = workers
+        self.status_socket = status_socket
         self.mode = mode
         self.enable_faults = enable_faults
         self.extra_env = dict(env or {})
@@ -159,7 +164,7 @@ class LocalStack:
                                            "--mode", "transport" if self.mode == "transport" else "full"])
 
     def status(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
-        return broker_status(self.frontend, timeout_s)
+        return broker_status(self.frontend, timeout_s, configure=self.status_socket)
 
     def wait_workers(self, n: int, timeout_s: float = 30.0) -> None:
         def ready() -> bool:

@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     heartbeat_interval_ms: int = Field(1000, ge=10)
     heartbeat_liveness: int = Field(3, ge=1)
     pin_cpus: bool = True
+
+    # -- authentication (CURVE + ZAP; see shared/auth.py) -------------------------------------
+    auth_keys_file: str | None = Field(None, description="Broker: keys file mapping client keys to orgs.")
+    broker_key_file: str | None = Field(None, description="Broker: its own CURVE keypair file.")
+    broker_public_key: str | None = Field(None, description="Clients and workers: broker public key or file.")
+    worker_key_file: str | None = Field(None, description="Worker: its CURVE keypair file.")
+    client_key_file: str | None = Field(None, description="Client library and CLI: the caller's keypair file.")
     metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the Prometheus endpoint.")
     log_level: str = "INFO"
 

@@ -39,8 +39,16 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id)
     await retriever.warm_up()
     ctx = zmq.asyncio.Context()
+    configure = None
+    if settings.worker_key_file:
+        from shared import auth
+
+        if not settings.broker_public_key:
+            raise SystemExit("IBEX_WORKER_KEY_FILE is set but IBEX_BROKER_PUBLIC_KEY is not")
+        configure = auth.curve_client(auth.load_keypair(settings.worker_key_file),
+                                      auth.load_public_key(settings.broker_public_key))
     server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
-                          respond_immediately=(mode == "transport"))
+                          respond_immediately=(mode == "transport"), configure_socket=configure)
     loop = asyncio.get_running_loop()
     draining: set[asyncio.Task[None]] = set()
 

@@ -52,9 +52,8 @@ class BrokerLink:
         self.broker_seen_ns = time.monotonic_ns()
 
     def send(self, frames: list[bytes]) -> None:
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        exc = P.send_nowait(self.sock, frames)
+        if exc is not None:
             self.server.stats["send_failed"] += 1
             log.debug("send to %s failed: %s", self.endpoint, exc)
 
