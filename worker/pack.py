@@ -31,7 +31,7 @@ scores outside [0, 1]) are a caller bug, caught by ``worker.score``; here they r
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import compress
 from operator import attrgetter
 from typing import Final
@@ -51,6 +51,8 @@ MAX_CONSECUTIVE_SKIPS: Final = 8  # spec step 4: greedy stops after this many mi
 _SCORE_SCALE: Final = 1 << 20
 _MAX_COLUMNS: Final = 6250
 _INT32_MAX: Final = 2**31 - 1
+# From this many knapsack rows on, reducing first pays: it costs about as much as 20 DP rows.
+_REDUCE_FROM: Final = 20
 # A move must gain more than this much score: float noise must never cause swap cycles.
 _MIN_GAIN: Final = 1e-12
 
@@ -105,18 +107,23 @@ def pack(
     if int(tokens.sum()) <= token_budget:
         return _result(order, np.ones(n, dtype=np.bool_), "all_fit", token_budget)
 
-    chosen = tokens == 0  # free memories always go in; oversized ones never can
-    knap = np.flatnonzero(~chosen & (tokens <= token_budget))
+    # Zero-token memories always go in; oversized ones never can. Neither needs a DP row.
+    knap = ((tokens > 0) & (tokens <= token_budget)).nonzero()[0]
     t, v = tokens[knap], scores[knap]
-    capacity = min(token_budget // bucket_size, int(_ceil_div(t, bucket_size).sum()))
+    capacity = token_budget // bucket_size  # the spec's table width, capped below when all fit
+    if int(t.sum()) <= token_budget:
+        capacity = min(capacity, int(_ceil_div(t, bucket_size).sum()))
     path: PackPath
     if knap.size * (capacity + 1) <= cell_ceiling:  # Step 3, else step 4
         path, sub = "dp", _solve_dp(t, v, token_budget, bucket_size)
     else:
-        path, sub = "greedy", _greedy(t, token_budget, max_consecutive_skips)
+        path = "greedy"
+        sub = np.zeros(knap.size, dtype=np.bool_)
+        sub[_greedy(t.tolist(), range(knap.size), token_budget, max_consecutive_skips)] = True
         _repair(sub, t, v, token_budget)  # Step 5 (a no-op: greedy counts exact tokens)
-        # Step 6, with each swap search bounded by the same ceiling as the DP table.
+        # Step 6, its swap searches bounded in total by the same ceiling as the DP table.
         _improve(sub, t, v, token_budget, max_work=cell_ceiling)
+    chosen = tokens == 0
     chosen[knap[sub]] = True
     return _result(order, chosen, path, token_budget)
 
@@ -137,65 +144,91 @@ def _ceil_div(a: IntArray, b: int) -> IntArray:
     return -(-a // b)
 
 
-def _greedy(tokens: IntArray, budget: int, max_consecutive_skips: int) -> BoolArray:
-    """Take each memory that still fits, in the given order; stop after that many misses in a row.
+def _greedy(t: list[int], order: Iterable[int], budget: int, max_consecutive_skips: int) -> list[int]:
+    """Take each memory that still fits, in ``order``; stop after that many misses in a row.
 
-    In score order this is spec step 4 (and the "never below greedy" floor); in
-    score-per-token order it is the classic ratio greedy used as the DP's first lower bound.
+    In score order this is spec step 4, and with no skip limit the "never below greedy" floor.
     """
-    chosen = np.zeros(tokens.size, dtype=np.bool_)
-    remaining = budget
-    skips = 0
-    for i, t in enumerate(tokens.tolist()):
-        if t <= remaining:
-            chosen[i] = True
-            remaining -= t
+    taken: list[int] = []
+    remaining, skips = budget, 0
+    for i in order:
+        if t[i] <= remaining:
+            taken.append(i)
+            remaining -= t[i]
             skips = 0
         else:
             skips += 1
             if skips >= max_consecutive_skips:
                 break
-    return chosen
+    return taken
 
 
 def _solve_dp(t: IntArray, v: FloatArray, budget: int, bucket_size: int) -> BoolArray:
     """Steps 2, 3, 5, 6 for memories that each fit (``0 < t <= budget``); returns the taken mask.
 
-    1. A good packing first: the score-per-token greedy, improved by the step-6 moves. It is often
-       already optimal, and it is the lower bound that lets ``_reduce`` decide most memories.
-    2. The bucketed DP over the undecided core, then repair and improvement of its answer.
-    3. The best of the two, and of the plain score-desc greedy (so never below greedy).
+    1. Lower bounds: the score-desc greedy, and (from ``_REDUCE_FROM`` rows) the score-per-token
+       greedy improved by one round of one-for-one swaps, often optimal already. The better one
+       lets ``_reduce`` decide most memories without a DP row.
+    2. The DP over the undecided core. With 1-token buckets it is exact; otherwise its answer is
+       repaired and improved on exact tokens (steps 5 and 6).
+    3. The best of the DP answer and the lower bounds: never below greedy.
     """
     n = t.size
-    if int(t.sum()) <= budget:
+    t_l, v_l = t.tolist(), v.tolist()
+    if sum(t_l) <= budget:
         return np.ones(n, dtype=np.bool_)
-    by_ratio = np.argsort(-(v / t), kind="stable")
-    incumbent = np.zeros(n, dtype=np.bool_)
-    incumbent[by_ratio[_greedy(t[by_ratio], budget, n)]] = True
-    _improve(incumbent, t, v, budget, pairs=False, max_rounds=1)  # cheap, bounds well
-    floor = _greedy(t, budget, n)  # score desc: t, v arrive in score order
-    if float(v[floor].sum()) > float(v[incumbent].sum()) + _MIN_GAIN:
-        incumbent = floor
+    best = np.zeros(n, dtype=np.bool_)
+    best[_greedy(t_l, range(n), budget, n)] = True  # score desc: t, v arrive in score order
+    best_value = float(v[best].sum())
+    if n < _REDUCE_FROM:  # the reduction would cost more than the DP rows it saves
+        fixed_in, core = np.zeros(0, dtype=np.int64), np.arange(n)
+    else:
+        by_ratio = np.argsort(-(v / t), kind="stable").tolist()
+        taken, lp_bound, ratio = _ratio_greedy(t_l, v_l, by_ratio, budget)
+        incumbent = np.zeros(n, dtype=np.bool_)
+        incumbent[taken] = True
+        _improve(incumbent, t, v, budget, pairs=False, max_rounds=1)
+        value = float(v[incumbent].sum())
+        if value > best_value + _MIN_GAIN:
+            best, best_value = incumbent, value
+        fixed_in, core = _reduce(t, v, lp_bound, ratio, best_value)
 
-    fixed_in, core = _reduce(t, v, budget, by_ratio, float(v[incumbent].sum()))
     found = np.zeros(n, dtype=np.bool_)
     found[fixed_in] = True
     residual = budget - int(t[fixed_in].sum())
     core = core[t[core] <= residual]
+    bucket = 1
     if core.size:
-        # Finer buckets when the residual is small: the DP cost is per row, not per column.
+        # Finer buckets when the residual is small: the DP costs per row far more than per column.
         bucket = min(bucket_size, max(1, -(-residual // _MAX_COLUMNS)))
         weights = _ceil_div(t[core], bucket)  # ceil: the answer fits in exact tokens too
         values = np.rint(v[core] * _SCORE_SCALE).astype(np.int64)
         found[core[_knapsack(weights, values, residual // bucket)]] = True
-    if np.array_equal(found, incumbent):
-        return incumbent
     _repair(found, t, v, budget)  # Step 5
-    _improve(found, t, v, budget)  # Step 6
-    return found if float(v[found].sum()) > float(v[incumbent].sum()) + _MIN_GAIN else incumbent
+    # Step 6. 1-token buckets: the DP is exact, only refill (memories of score 0 that fit).
+    _improve(found, t, v, budget, max_rounds=None if bucket > 1 else 0)
+    return found if float(v[found].sum()) > best_value - _MIN_GAIN else best
 
 
-def _reduce(t: IntArray, v: FloatArray, budget: int, by_ratio: IntArray, lower: float) -> tuple[IntArray, IntArray]:
+def _ratio_greedy(t: list[int], v: list[float], by_ratio: list[int], budget: int) -> tuple[list[int], float, float]:
+    """Greedy in score-per-token order, and from the same pass the LP relaxation's bound and
+    critical ratio (the ratio of the first memory that does not fit whole)."""
+    taken: list[int] = []
+    remaining = budget
+    lp_bound, ratio, critical = 0.0, 0.0, False
+    for i in by_ratio:
+        if t[i] <= remaining:
+            taken.append(i)
+            remaining -= t[i]
+            if not critical:
+                lp_bound += v[i]
+        elif not critical:
+            critical, ratio = True, v[i] / t[i]
+            lp_bound += remaining * ratio
+    return taken, lp_bound, ratio
+
+
+def _reduce(t: IntArray, v: FloatArray, lp_bound: float, ratio: float, lower: float) -> tuple[IntArray, IntArray]:
     """Memories in every optimal packing, and the undecided core (the DP's rows).
 
     Dembo-Hammer reduction: with r the LP relaxation's critical score-per-token ratio, forcing a
@@ -204,14 +237,9 @@ def _reduce(t: IntArray, v: FloatArray, budget: int, by_ratio: IntArray, lower: 
     choice, so the memory needs no DP row. Memories far from the cutoff ratio, usually most of
     them, are decided this way.
     """
-    fits = np.cumsum(t[by_ratio]) <= budget
-    split = int(np.count_nonzero(fits))  # the ratio-sorted prefix that fits whole (< n here)
-    prefix, crit = by_ratio[:split], int(by_ratio[split])
-    ratio = float(v[crit]) / float(t[crit])
-    lp_bound = float(v[prefix].sum()) + (budget - int(t[prefix].sum())) * ratio
     excess = v - ratio * t
-    decided = lp_bound - np.abs(excess) < lower - 1e-9 * max(1.0, lower)  # margin: float error
-    return np.flatnonzero(decided & (excess > 0)), np.flatnonzero(~decided)
+    decided = np.abs(excess) > lp_bound - lower + 1e-9 * max(1.0, lower)  # margin: float error
+    return (decided & (excess > 0)).nonzero()[0], (~decided).nonzero()[0]
 
 
 def _knapsack(weights: IntArray, values: IntArray, capacity: int) -> BoolArray:
@@ -292,14 +320,9 @@ def _improve(
     whole call (greedy path, where n may be large: the searches are O(n^2) and O(n^3) per round).
     """
     work_left = math.inf if max_work is None else max_work
-    slack = budget - int(t[chosen].sum())
+    slack = _refill(chosen, t, budget - int(t[chosen].sum()))
     for _ in range(t.size + 1 if max_rounds is None else max_rounds):
-        for i in np.flatnonzero(~chosen & (t <= slack)).tolist():  # refill, score order
-            ti = int(t[i])
-            if ti <= slack:
-                chosen[i] = True
-                slack -= ti
-        ins, outs = np.flatnonzero(chosen), np.flatnonzero(~chosen)
+        ins, outs = chosen.nonzero()[0], (~chosen).nonzero()[0]
         if ins.size == 0 or outs.size == 0:
             return
         move, work = _best_swap(t, v, ins, outs, slack, work_left, pairs)
@@ -309,7 +332,17 @@ def _improve(
         leaving, entering = move
         chosen[leaving] = False
         chosen[entering] = True
-        slack += int(t[leaving].sum()) - int(t[entering].sum())
+        slack = _refill(chosen, t, slack + int(t[leaving].sum()) - int(t[entering].sum()))
+
+
+def _refill(chosen: BoolArray, t: IntArray, slack: int) -> int:
+    """Add, in score order, every memory that still fits; return the slack left."""
+    for i in (~chosen & (t <= slack)).nonzero()[0].tolist():
+        ti = int(t[i])
+        if ti <= slack:
+            chosen[i] = True
+            slack -= ti
+    return slack
 
 
 def _best_swap(
