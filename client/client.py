@@ -128,11 +128,12 @@ class AsyncClient:
             self._tasks.append(asyncio.create_task(self._read(conn)))
             self._tasks.append(asyncio.create_task(self._watch(conn)))
 
-    async def wait_connected(self, timeout: float = 5.0) -> None:
-        """Wait until every endpoint has completed a handshake (useful at start-up)."""
+    async def wait_connected(self, timeout: float = 5.0, *, require_all: bool = True) -> None:
+        """Wait until every endpoint (or, with ``require_all=False``, any) has completed a handshake."""
         await self.start()
         end = time.monotonic() + timeout
-        while not all(c.connected for c in self.conns):
+        ready = all if require_all else any
+        while not ready(c.connected for c in self.conns):
             if time.monotonic() > end:
                 down = [c.endpoint for c in self.conns if not c.connected]
                 raise Unavailable(f"could not connect to broker(s) {', '.join(down)} within {timeout}s")
@@ -365,8 +366,8 @@ class SyncClient:
     def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:
         return self._call(self._client.status(endpoint, timeout))
 
-    def wait_connected(self, timeout: float = 5.0) -> None:
-        self._call(self._client.wait_connected(timeout))
+    def wait_connected(self, timeout: float = 5.0, *, require_all: bool = True) -> None:
+        self._call(self._client.wait_connected(timeout, require_all=require_all))
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -93,7 +93,7 @@ class LocalStack:
     def __init__(self, *, workers: int = 2, redis_url: str | None = None, mode: str = "full",
                  enable_faults: bool = False, env: dict[str, str] | None = None,
                  log_dir: Path | None = None, secret: str | None = None,
-                 status_socket: Callable[[zmq.Socket[Any]], None] | None = None) -> None:
+                 status_socket: Callable[[zmq.Socket[Any]], None] | None = None, brokers: int = 1) -> None:
         self.n_workers = workers
         self.status_socket = status_socket
         self.mode = mode
@@ -105,10 +105,11 @@ class LocalStack:
         self.embedded: Any = None
         self.memory_port = free_port()
         self.memory_url = f"http://127.0.0.1:{self.memory_port}"
-        self.frontend = f"tcp://127.0.0.1:{free_port()}"
-        self.backend = f"tcp://127.0.0.1:{free_port()}"
+        self.frontends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
+        self.backends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
+        self.frontend, self.backend = self.frontends[0], self.backends[0]
         self.memory: subprocess.Popen[bytes] | None = None
-        self.broker: subprocess.Popen[bytes] | None = None
+        self.brokers: list[subprocess.Popen[bytes] | None] = [None] * brokers
         self.workers: list[subprocess.Popen[bytes] | None] = []
 
     def env(self) -> dict[str, str]:
@@ -119,7 +120,8 @@ class LocalStack:
             "IBEX_MEMORY_SECRET": self.secret,
             "IBEX_BROKER_FRONTEND": self.frontend,
             "IBEX_BROKER_BACKEND": self.backend,
-            "IBEX_BROKER_ENDPOINTS": self.frontend,
+            "IBEX_BROKER_ENDPOINTS": ",".join(self.frontends),
+            "IBEX_BROKER_BACKENDS": ",".join(self.backends),
             "PYTHONUNBUFFERED": "1",
         })
         env.update(self.extra_env)
@@ -141,7 +143,8 @@ class LocalStack:
             self.embedded.start()
             self.redis_url = self.embedded.url
         self.start_memory(timeout_s)
-        self.start_broker()
+        for i in range(len(self.brokers)):
+            self.start_broker(i)
         for i in range(self.n_workers):
             self.workers.append(self.start_worker(i))
         self.wait_workers(self.n_workers, timeout_s)
@@ -156,22 +159,36 @@ class LocalStack:
         wait_for("memory service", lambda: _http_ok(self.memory_url + "/healthz"), timeout_s,
                  self.log_dir / "memory.log")
 
-    def start_broker(self) -> None:
-        self.broker = self._spawn("broker", ["-m", "broker", "--frontend", self.frontend, "--backend", self.backend])
+    @property
+    def broker(self) -> subprocess.Popen[bytes] | None:
+        return self.brokers[0]
+
+    def start_broker(self, i: int = 0) -> None:
+        self.brokers[i] = self._spawn(f"broker-{i}", ["-m", "broker", "--frontend", self.frontends[i],
+                                                      "--backend", self.backends[i]])
+
+    def stop_broker(self, i: int = 0, sig: int = signal.SIGKILL) -> None:
+        p = self.brokers[i]
+        assert p is not None
+        p.send_signal(sig)
+        p.wait(10)
 
     def start_worker(self, i: int) -> subprocess.Popen[bytes]:
         return self._spawn(f"worker-{i}", ["-m", "worker", "--cpu", str(i), "--worker-id", f"w{i}",
                                            "--mode", "transport" if self.mode == "transport" else "full"])
 
-    def status(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
-        return broker_status(self.frontend, timeout_s, configure=self.status_socket)
+    def status(self, timeout_s: float = 1.0, broker: int = 0) -> dict[str, Any] | None:
+        return broker_status(self.frontends[broker], timeout_s, configure=self.status_socket)
 
-    def wait_workers(self, n: int, timeout_s: float = 30.0) -> None:
+    def wait_workers(self, n: int, timeout_s: float = 30.0, brokers: list[int] | None = None) -> None:
         def ready() -> bool:
-            st = self.status(0.5)
-            return st is not None and len(st["workers"]) >= n
+            for b in brokers if brokers is not None else range(len(self.brokers)):
+                st = self.status(0.5, b)
+                if st is None or len(st["workers"]) < n:
+                    return False
+            return True
 
-        wait_for(f"broker with {n} worker(s)", ready, timeout_s, self.log_dir / "broker.log")
+        wait_for(f"broker(s) with {n} worker(s)", ready, timeout_s, self.log_dir / "broker-0.log")
 
     def signal_worker(self, i: int, sig: int) -> None:
         p = self.workers[i]
@@ -180,14 +197,12 @@ class LocalStack:
         if sig == signal.SIGKILL:
             p.wait(5)
 
-    def restart_broker(self) -> None:
-        assert self.broker is not None
-        self.broker.send_signal(signal.SIGKILL)
-        self.broker.wait(5)
-        self.start_broker()
+    def restart_broker(self, i: int = 0) -> None:
+        self.stop_broker(i)
+        self.start_broker(i)
 
     def stop(self) -> None:
-        procs = [p for p in [*self.workers, self.broker, self.memory] if p is not None]
+        procs = [p for p in [*self.workers, *self.brokers, self.memory] if p is not None]
         for p in procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

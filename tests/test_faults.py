@@ -1,0 +1,164 @@
+"""Faults survived with real processes: every request ends in exactly one terminal outcome.
+
+Under each fault the test sends a burst of requests, injects the fault while they are in flight,
+and checks that sent == responses + typed errors, that nothing came back after its deadline, and
+that nothing was answered twice. Time bounds carry generous margins; counts are printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from client.client import AsyncClient
+from client.stack import DEMO_DATA, LocalStack
+from shared.errors import IbexError
+from shared.models import AssembleResponse
+
+ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16", "IBEX_DIRECTIVE_TIMEOUT_MS": "300",
+       "IBEX_HOT_TIMEOUT_MS": "600", "IBEX_COLD_TIMEOUT_MS": "600", "IBEX_CONTEXT_TIMEOUT": "800",
+       "IBEX_CONTEXT_DEADLINE_MS": "800"}
+SLACK_S = 0.02
+
+
+def _start(tmp: Path, **kw: Any) -> LocalStack:
+    stack = LocalStack(log_dir=tmp, enable_faults=True, env=ENV, **kw)
+    try:
+        stack.start()
+        seeded = subprocess.run([sys.executable, "-m", "memory.seed", "--file", str(DEMO_DATA),
+                                 "--redis-url", str(stack.redis_url)], capture_output=True, text=True, timeout=120)
+        assert seeded.returncode == 0, seeded.stderr
+    except BaseException as exc:
+        stack.stop()
+        pytest.fail(f"stack did not start: {exc}", pytrace=False)
+    return stack
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[LocalStack]:
+    s = _start(tmp_path, workers=2)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def fault(stack: LocalStack, **spec: Any) -> None:
+    assert httpx.put(stack.memory_url + "/_faults", json=spec, timeout=5).status_code == 200
+
+
+async def load(stack: LocalStack, n: int, timeout: float, inject: Callable[[], Any] | None = None,
+               at: float = 0.15, endpoints: list[str] | None = None) -> collections.Counter[str]:
+    """Send n requests at once, inject a fault after ``at`` seconds, return outcome counts."""
+    async with AsyncClient(endpoints or stack.frontends) as c:
+        await c.wait_connected(require_all=False)
+
+        async def one(i: int) -> tuple[str, Any, float]:
+            t0 = time.monotonic()
+            try:
+                r: Any = await c.assemble(org_id="acme", agent_id="support-bot", model="gpt-4o",
+                                          query="invoice email", request_id=f"f-{i}", timeout=timeout)
+                return f"f-{i}", r, time.monotonic() - t0
+            except IbexError as exc:
+                return f"f-{i}", exc, time.monotonic() - t0
+
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        if inject is not None:
+            await asyncio.sleep(at)
+            await asyncio.to_thread(inject)
+        results = await asyncio.gather(*tasks)
+        late_dropped = c.stats["late_replies_dropped"]
+    outcomes: collections.Counter[str] = collections.Counter()
+    for rid, r, elapsed in results:
+        assert elapsed <= timeout + SLACK_S, (rid, r, elapsed)  # nothing after the deadline
+        if isinstance(r, AssembleResponse):
+            assert r.request_id == rid
+            outcomes["degraded" if r.degraded else "ok"] += 1
+        else:
+            outcomes[r.code.value] += 1
+    assert sum(outcomes.values()) == n  # exactly one terminal outcome each
+    print(f"\n  outcomes {dict(outcomes)}; late replies dropped by the client: {late_dropped}")
+    return outcomes
+
+
+async def test_hung_worker_is_declared_dead_and_its_work_redone(stack: LocalStack) -> None:
+    fault(stack, endpoint="search", latency_ms=100)
+    victim = stack.workers[0]
+    assert victim is not None
+    outcomes = await load(stack, 60, timeout=4.0, inject=lambda: stack.signal_worker(0, signal.SIGSTOP))
+    try:
+        st = stack.status()
+        assert st is not None
+        print(f"  broker: {st['stats']}")
+        assert st["stats"].get("workers_lost", 0) >= 1  # heartbeat expiry (3 x 200 ms)
+        assert outcomes["ok"] + outcomes["degraded"] >= 50, outcomes
+    finally:
+        stack.signal_worker(0, signal.SIGCONT)
+    await asyncio.sleep(1.0)  # the woken worker's late replies are dropped, never delivered twice
+    st = stack.status()
+    assert st is not None and st["pending"] == 0
+
+
+async def test_broker_restart_ends_inflight_with_errors_then_recovers(stack: LocalStack) -> None:
+    fault(stack, endpoint="search", latency_ms=400)
+    t0 = time.monotonic()
+    outcomes = await load(stack, 30, timeout=3.0, inject=lambda: stack.stop_broker(0), at=0.2)
+    assert outcomes["UNAVAILABLE"] >= 1, outcomes  # in flight on the dead broker: told at once
+    assert time.monotonic() - t0 < 3.0  # ...before their deadline
+    fault(stack, endpoint="search", latency_ms=0)
+    stack.start_broker(0)
+    stack.wait_workers(2, 15)  # workers re-announce themselves to the new broker
+    again = await load(stack, 20, timeout=3.0)
+    assert again["ok"] + again["degraded"] == 20
+
+
+async def test_redis_stopped_degrades_without_losing_requests(stack: LocalStack) -> None:
+    assert stack.embedded is not None
+    outcomes = await load(stack, 40, timeout=3.0, inject=stack.embedded.stop, at=0.05)
+    stack.embedded.start()
+    assert sum(outcomes.values()) == 40
+    assert outcomes["degraded"] >= 1, outcomes
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"latency_ms": 2000}, {"status": 500}, {"malformed": True}, {"drop": True}],
+    ids=["slow", "erroring", "garbage", "dropping"],
+)
+async def test_memory_service_faults(stack: LocalStack, spec: dict[str, Any]) -> None:
+    fault(stack, endpoint="all", **spec)
+    outcomes = await load(stack, 30, timeout=2.0)
+    assert outcomes["degraded"] == 30, outcomes  # directive + history, reason recorded
+
+
+async def test_memory_service_down(stack: LocalStack) -> None:
+    assert stack.memory is not None
+    stack.memory.kill()
+    stack.memory.wait(10)
+    outcomes = await load(stack, 30, timeout=2.0)
+    assert outcomes["degraded"] == 30, outcomes
+
+
+async def test_two_brokers_one_stopped_service_keeps_answering(tmp_path: Path) -> None:
+    stack = _start(tmp_path, workers=2, brokers=2)
+    try:
+        stack.wait_workers(2, 15)  # every worker is connected to both brokers
+        both = await load(stack, 40, timeout=3.0)
+        assert both["ok"] + both["degraded"] == 40
+        stack.stop_broker(0)
+        after = await load(stack, 40, timeout=3.0)
+        assert after["ok"] + after["degraded"] == 40, after
+        st = stack.status(broker=1)
+        assert st is not None and st["stats"].get("replies", 0) >= 40
+    finally:
+        stack.stop()
