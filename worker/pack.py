@@ -1,17 +1,17 @@
 """Packing stage: choose the memories that fit the token budget with the most total score.
 
 Spec, ranking-and-packing.md "Packing" (and milestone-packer-v2.md): a 0/1 knapsack under the
-usable token budget, in seven steps. Each step below is marked ``# Step N``.
+usable token budget, in seven steps (marked ``Step N`` in the code).
 
 1. Sort by score desc, then ``memory_id`` (deterministic ties).
 2. Discretize into ``bucket_size``-token buckets. Weights are rounded UP (ceil), unlike the
    milestone sketch's ``max(1, t // 16)``: a ceil-bucketed answer can never exceed the budget in
    exact tokens, so step 5 has nothing to undo, and the up to ``bucket_size - 1`` tokens per
    memory that ceil leaves unused are won back by step 6. ``bucket_size`` is the coarsest
-   bucket: when the budget left for the DP is under 100K tokens, buckets shrink (to 1 token at
-   6,250 or less) so the table never has more columns than the spec's 100K / 16. The DP's cost
-   is per row far more than per column, and 16-token buckets lost up to 2.4 % of the optimum
-   at a 4K budget in our measurements (bench/packer_bench.py).
+   bucket: when the budget left for the DP allows, buckets shrink (to 1 token at 12,500 tokens
+   or less) so the table has at most 12,500 columns. A DP row costs about the same at 12,500
+   columns as at 100K / 16 = 6,250 (numpy per-call overhead dominates), and 16-token buckets
+   lost up to 2.4 % of the optimum at 4K budgets in our measurements (bench/packer_bench.py).
 3. Numpy DP when ``rows x (buckets + 1)`` is within ``cell_ceiling`` (rows: the memories that
    fit the budget on their own). A Dembo-Hammer reduction (LP bound against a good greedy
    packing) first fixes the memories that provably are in, or out of, every optimal packing,
@@ -49,7 +49,10 @@ MAX_CONSECUTIVE_SKIPS: Final = 8  # spec step 4: greedy stops after this many mi
 # independent of float summation order) and int32 arithmetic, about 2x faster than float32 here.
 # Resolution 2**-20 ~ 1e-6 per memory; the exact float scores decide in step 6.
 _SCORE_SCALE: Final = 1 << 20
-_MAX_COLUMNS: Final = 6250
+# Most columns the DP uses: buckets shrink below ``bucket_size`` (down to 1 token) while the
+# budget left for the DP needs no more. A row costs about the same at 3,125 or 12,500 int32
+# columns (per-call overhead dominates) and twice as much at 25,000 (cache).
+_MAX_COLUMNS: Final = 12_500
 _INT32_MAX: Final = 2**31 - 1
 # From this many knapsack rows on, reducing first pays: it costs about as much as 20 DP rows.
 _REDUCE_FROM: Final = 20
