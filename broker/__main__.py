@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default=None, help="bind address for workers (default IBEX_BROKER_BACKEND)")
     args = ap.parse_args(argv)
     settings = Settings()
-    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s broker[%(process)d] %(name)s: %(message)s")
+    from shared.observability import setup_logging
+
+    setup_logging(settings.log_level, "broker")
     import zmq
 
     from broker.broker import Broker
@@ -52,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"broker: {exc}", file=sys.stderr)
         return 2
     broker = Broker(settings=settings, frontend=frontend, backend=backend, ctx=ctx, **kw)
+    if settings.metrics_port:
+        from shared.observability import broker_registry, serve
+
+        registry, metrics = broker_registry(broker.snapshot)
+        broker.observe_queue_wait = metrics.queue_wait.observe
+        serve(registry, settings.metrics_port)
+        logging.getLogger(__name__).info("metrics on http://127.0.0.1:%d/metrics", settings.metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     signal.signal(signal.SIGINT, lambda *_: broker.stop())
     try:

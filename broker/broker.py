@@ -104,6 +104,7 @@ class Broker:
         self.stats: collections.Counter[str] = collections.Counter()
         self.next_hb_ns = time.monotonic_ns() + self.hb_ns
         self.running = True
+        self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
 
     def _socket(self, configure: Callable[[zmq.Socket[bytes]], None] | None) -> zmq.Socket[bytes]:
         s = self.ctx.socket(zmq.ROUTER)
@@ -239,6 +240,8 @@ class Broker:
             p.worker = w.ident
             w.inflight.add(key)
             self.stats["dispatched"] += 1
+            if self.observe_queue_wait is not None:
+                self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
 
     # ------------------------------------------------------------------------------- backend
 

@@ -34,6 +34,15 @@ RUN_DIR = REPO / ".run"
 DEMO_DATA = REPO / "memory" / "data" / "demo.jsonl"
 
 
+def _die_with_parent() -> None:
+    """Child processes of a LocalStack get SIGTERM if their parent dies (no leaked stacks)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,7 +140,7 @@ class LocalStack:
         log = open(self.log_dir / f"{name}.log", "ab")  # the child owns it
         try:
             return subprocess.Popen([sys.executable, *args], cwd=REPO, env=self.env(), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             log.close()
 
@@ -248,6 +257,8 @@ def _supervisor_env(settings: Settings) -> dict[str, str]:
         port = env.get("IBEX_REDIS_PORT", "6479")
         env.update({"IBEX_EMBEDDED_REDIS": "true", "IBEX_REDIS_PORT": port,
                     "IBEX_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(RUN_DIR / "prometheus")
+    env["IBEX_METRICS_PORT"] = str(settings.metrics_port or 9464)
     env["IBEX_MEMORY_HOST"] = settings.memory_host
     env["IBEX_MEMORY_PORT"] = str(settings.memory_port)
     env.setdefault("IBEX_MEMORY_URL", f"http://{settings.memory_host}:{settings.memory_port}")
@@ -287,6 +298,9 @@ def up(timeout_s: float = 60.0) -> int:
               "(see README, Settings) or stop what holds them", file=sys.stderr)
         return 1
     (RUN_DIR / "logs").mkdir(parents=True, exist_ok=True)
+    prom = Path(env["PROMETHEUS_MULTIPROC_DIR"])  # multiprocess metrics start empty with each stack
+    shutil.rmtree(prom, ignore_errors=True)
+    prom.mkdir(parents=True, exist_ok=True)
     exe = shutil.which("supervisord", path=str(Path(sys.executable).parent)) or "supervisord"
     subprocess.run([exe, "-c", str(CONF)], env=env, check=True, cwd=REPO)
     print(f"ibex-context: starting redis ({'embedded' if env['IBEX_EMBEDDED_REDIS'] == 'true' else 'external'}), "
@@ -305,7 +319,8 @@ def up(timeout_s: float = 60.0) -> int:
         down()
         return 1
     print(f"ibex-context: up. broker {settings.endpoints()[0]}, memory {env['IBEX_MEMORY_URL']}, "
-          f"redis {env['IBEX_REDIS_URL']}; logs in {RUN_DIR / 'logs'}")
+          f"redis {env['IBEX_REDIS_URL']}, metrics http://127.0.0.1:{env['IBEX_METRICS_PORT']}/metrics; "
+          f"logs in {RUN_DIR / 'logs'}")
     return 0
 
 

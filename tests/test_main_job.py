@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from client.client import AsyncClient, SyncClient
-from client.stack import DEMO_DATA, LocalStack
+from client.stack import DEMO_DATA, LocalStack, free_port
 from shared import protocol as P
 from shared.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
 from shared.models import AssembleResponse
@@ -51,9 +51,14 @@ def _start(tmp: Path, **kw: Any) -> LocalStack:
     return stack
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = _start(tmp_path_factory.mktemp("stack"), workers=2, env=FAST_HEARTBEAT)
+    prom = tmp_path_factory.mktemp("prometheus")
+    env = {**FAST_HEARTBEAT, "IBEX_METRICS_PORT": str(METRICS_PORT), "PROMETHEUS_MULTIPROC_DIR": str(prom)}
+    s = _start(tmp_path_factory.mktemp("stack"), workers=2, env=env)
     try:
         yield s
     finally:
@@ -250,3 +255,18 @@ async def test_overloaded_when_queue_full(tmp_path: Path) -> None:
         assert over.code == ErrorCode.OVERLOADED and "queue is full" in over.message
     finally:
         stack.stop()
+
+
+async def test_metrics_endpoint_aggregates_broker_and_workers(stack: LocalStack) -> None:
+    clear_faults(stack)
+    async with AsyncClient(stack.frontend) as c:
+        await c.wait_connected()
+        for i in range(5):
+            await c.assemble(timeout=5.0, **_req(4000 + i))
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+    for name in ("ibex_broker_queue_depth", "ibex_broker_workers 2.0", 'ibex_broker_events_total{event="replies"}',
+                 "ibex_broker_queue_wait_seconds_count", 'ibex_worker_stage_seconds_count{stage="packing"}',
+                 'ibex_worker_branch_outcomes_total{branch="cold",status=', 'ibex_worker_packer_path_total{path='):
+        assert name in text, name
+    packing = [line for line in text.splitlines() if line.startswith('ibex_worker_stage_seconds_count{stage="packing"}')]
+    assert float(packing[0].split()[-1]) >= 5

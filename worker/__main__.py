@@ -47,8 +47,11 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
             raise SystemExit("IBEX_WORKER_KEY_FILE is set but IBEX_BROKER_PUBLIC_KEY is not")
         configure = auth.curve_client(auth.load_keypair(settings.worker_key_file),
                                       auth.load_public_key(settings.broker_public_key))
+    from shared.observability import WorkerMetrics
+
     server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
-                          respond_immediately=(mode == "transport"), configure_socket=configure)
+                          respond_immediately=(mode == "transport"), configure_socket=configure,
+                          metrics=WorkerMetrics())
     loop = asyncio.get_running_loop()
     draining: set[asyncio.Task[None]] = set()
 
@@ -75,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="transport: answer at once without assembling (bench: isolates broker overhead)")
     args = ap.parse_args(argv)
     settings = Settings()
-    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s worker[%(process)d] %(name)s: %(message)s")
+    from shared.observability import setup_logging
+
+    setup_logging(settings.log_level, "worker")
     chosen = pin(args.cpu if settings.pin_cpus else None)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     logging.getLogger(__name__).info("worker %s pinned to cpu %s of %d", worker_id, chosen, usable_cpus())

@@ -27,6 +27,7 @@ from shared import protocol as P
 from shared.codec import decode_request, encode, encode_error
 from shared.errors import DeadlineExceeded, IbexError, Internal
 from shared.models import ErrorReply
+from shared.observability import WorkerMetrics
 from shared.settings import Settings
 from worker.assemble import Assembler
 
@@ -82,7 +83,8 @@ class BrokerLink:
 class WorkerServer:
     def __init__(self, *, settings: Settings, assembler: Assembler, worker_id: str,
                  endpoints: list[str] | None = None, ctx: zmq.asyncio.Context | None = None,
-                 configure_socket: Any = None, respond_immediately: bool = False) -> None:
+                 configure_socket: Any = None, respond_immediately: bool = False,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
         self.assembler = assembler
         self.worker_id = worker_id
@@ -91,6 +93,7 @@ class WorkerServer:
         self.endpoints = endpoints or settings.backends()
         self.capacity = settings.worker_concurrency
         self.respond_immediately = respond_immediately  # bench "transport" mode
+        self.metrics = metrics
         self.stats: collections.Counter[str] = collections.Counter()
         self.inflight: set[asyncio.Task[None]] = set()
         self.draining = False
@@ -164,6 +167,8 @@ class WorkerServer:
         remaining = stamp.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
         if remaining <= 0:
             self.stats["expired_before_start"] += 1
+            if self.metrics is not None:
+                self.metrics.outcome.labels("expired_before_start").inc()
             self._reply_error(link, client, rid, DeadlineExceeded(
                 f"deadline passed {-remaining / 1e6:.2f} ms before the worker could start"))
             return
@@ -195,8 +200,20 @@ class WorkerServer:
             self.stats["replied"] += 1
             if resp.degraded:
                 self.stats["degraded"] += 1
+            if self.metrics is not None:
+                self.metrics.observe(resp.timings_us, {k: v.status for k, v in resp.branches.items()},
+                                     resp.packer.path, resp.degraded)
+            log.info("assembled", extra={
+                "request_id": req.request_id, "org_id": req.org_id, "agent_id": req.agent_id,
+                "packed": len(resp.packed), "tokens": resp.packer.total_tokens, "degraded": resp.degraded,
+                "branches": ",".join(f"{k}:{v.status}" for k, v in resp.branches.items()),
+                "timings_us": resp.timings_us})
         except IbexError as exc:
             self.stats[f"error_{exc.code.value.lower()}"] += 1
+            if self.metrics is not None:
+                self.metrics.outcome.labels(exc.code.value).inc()
+            log.warning("request failed", extra={"request_id": req.request_id, "code": exc.code.value,
+                                                 "error": exc.message})
             self._reply_error(link, client, rid, exc)
         except Exception as exc:
             self.stats["error_internal"] += 1
