@@ -263,10 +263,12 @@ async def test_metrics_endpoint_aggregates_broker_and_workers(stack: LocalStack)
         await c.wait_connected()
         for i in range(5):
             await c.assemble(timeout=5.0, **_req(4000 + i))
-    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5)).text
     for name in ("ibex_broker_queue_depth", "ibex_broker_workers 2.0", 'ibex_broker_events_total{event="replies"}',
                  "ibex_broker_queue_wait_seconds_count", 'ibex_worker_stage_seconds_count{stage="packing"}',
                  'ibex_worker_branch_outcomes_total{branch="cold",status=', 'ibex_worker_packer_path_total{path='):
         assert name in text, name
-    packing = [line for line in text.splitlines() if line.startswith('ibex_worker_stage_seconds_count{stage="packing"}')]
+    key = 'ibex_worker_stage_seconds_count{stage="packing"}'
+    packing = [line for line in text.splitlines() if line.startswith(key)]
     assert float(packing[0].split()[-1]) >= 5
