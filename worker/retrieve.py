@@ -201,8 +201,14 @@ class Retriever:
             log.warning("redis not reachable at start-up: %r", exc)
         try:
             await self.http.get("/healthz", timeout=2.0)
-        except httpx.HTTPError as exc:
-            log.warning("memory service not reachable at start-up: %r", exc)
+            # Exercise both memory routes once (a throwaway org with no data) so neither this
+            # process nor the service pays first-call costs inside a live request's budget.
+            warm = AssembleRequest(request_id="warm-up", org_id="ibex-warmup", agent_id="warmup", model="-",
+                                   query="warm up", deadline_ns=1)
+            await self._hot(warm)
+            await self._cold(warm)
+        except (httpx.HTTPError, MalformedResponse, MemoryServiceStatus) as exc:
+            log.warning("memory service not ready at start-up: %r", exc)
 
     async def aclose(self) -> None:
         for t in list(self._orphans):
