@@ -119,7 +119,8 @@ def test_small_n_matches_brute_force(problem: tuple[list[ScoredMemory], int]) ->
 def test_small_n_coarse_buckets_near_brute_force() -> None:
     """Budgets above 12,500 tokens use buckets of up to 16 tokens, so the DP can miss packings
     that fit only to the token (hypothesis finds those: 24209 + 2116 = 26325 exactly). On
-    realistic memories: >= 99 % of the brute-force optimum every time, equal almost always."""
+    realistic memories: >= 99 % of the brute-force optimum every time, equal almost always
+    (the DP's over-capacity answers are checked on exact tokens)."""
     rng = np.random.default_rng(11)
     equal = trials = 0
     while trials < 120:
@@ -137,7 +138,7 @@ def test_small_n_coarse_buckets_near_brute_force() -> None:
         assert res.path == "dp"
         assert best * 0.99 <= res.total_score <= best + 1e-9, trials
         equal += res.total_score >= best - 1e-9
-    assert equal >= 0.95 * trials
+    assert equal >= trials - 2
 
 
 @given(problems(max_n=30))

@@ -12,6 +12,8 @@ usable token budget, in seven steps (marked ``Step N`` in the code).
    or less) so the table has at most 12,500 columns. A DP row costs about the same at 12,500
    columns as at 100K / 16 = 6,250 (numpy per-call overhead dominates), and 16-token buckets
    lost up to 2.4 % of the optimum at 4K budgets in our measurements (bench/packer_bench.py).
+   Because ceil overstates each memory by less than a bucket, the table also runs one bucket
+   per row past the capacity, and the best few answers there are checked on exact tokens.
 3. Numpy DP when ``rows x (buckets + 1)`` is within ``cell_ceiling`` (rows: the memories that
    fit the budget on their own). A Dembo-Hammer reduction (LP bound against a good greedy
    packing) first fixes the memories that provably are in, or out of, every optimal packing,
@@ -54,6 +56,8 @@ _SCORE_SCALE: Final = 1 << 20
 # columns (per-call overhead dominates) and twice as much at 25,000 (cache).
 _MAX_COLUMNS: Final = 12_500
 _INT32_MAX: Final = 2**31 - 1
+# How many over-capacity DP answers to check on exact tokens (see _knapsack).
+_OVER_CAPACITY_TRIES: Final = 8
 # From this many knapsack rows on, reducing first pays: it costs about as much as 20 DP rows.
 _REDUCE_FROM: Final = 20
 # A move must gain more than this much score: float noise must never cause swap cycles.
@@ -206,7 +210,8 @@ def _solve_dp(t: IntArray, v: FloatArray, budget: int, bucket_size: int) -> Bool
         bucket = min(bucket_size, max(1, -(-residual // _MAX_COLUMNS)))
         weights = _ceil_div(t[core], bucket)  # ceil: the answer fits in exact tokens too
         values = np.rint(v[core] * _SCORE_SCALE).astype(np.int64)
-        found[core[_knapsack(weights, values, residual // bucket)]] = True
+        exact = t[core] if bucket > 1 else None  # 1-token buckets are exact already
+        found[core[_knapsack(weights, values, residual // bucket, exact, residual)]] = True
     _repair(found, t, v, budget)  # Step 5
     # Step 6. 1-token buckets: the DP is exact, only refill (memories of score 0 that fit).
     _improve(found, t, v, budget, max_rounds=None if bucket > 1 else 0)
@@ -245,47 +250,64 @@ def _reduce(t: IntArray, v: FloatArray, lp_bound: float, ratio: float, lower: fl
     return (decided & (excess > 0)).nonzero()[0], (~decided).nonzero()[0]
 
 
-def _knapsack(weights: IntArray, values: IntArray, capacity: int) -> BoolArray:
+def _knapsack(
+    weights: IntArray, values: IntArray, capacity: int, tokens: IntArray | None = None, limit: int = 0
+) -> BoolArray:
     """Exact 0/1 knapsack over positive integer weights; returns the taken mask.
 
     One value row updated in place per memory (``a[c] = max(a[c], a[c - w] + v)``, numpy over
     all columns at once) and a flat bool decision table. Row i only needs the columns at or above
     ``capacity - R_i`` (R_i = weight of the rows after it), so later rows are narrower. Ties keep
     the earlier choice (strict ``>``): the answer is a deterministic function of the input order.
+
+    With ``tokens`` (exact sizes) and ``limit`` (exact budget), the table also runs up to one
+    bucket per memory past ``capacity``: rounding up overstates each memory by less than a
+    bucket, so such a set may still fit exactly. Where the best value rises past ``capacity``,
+    the best few sets are checked on exact tokens; the set at ``capacity`` always fits.
     """
     m = weights.size
-    taken = np.zeros(m, dtype=np.bool_)
     w_l, v_l = weights.tolist(), values.tolist()
     left = sum(w_l)
-    capacity = min(capacity, left)
-    if capacity <= 0:
-        return taken
+    low = min(capacity, left)
+    high = min(capacity + (m if tokens is not None else 0), left)
+    if high <= 0:
+        return np.zeros(m, dtype=np.bool_)
     # Plain Python for the per-row bookkeeping: at <= 70 rows it beats a dozen numpy calls.
     plan: list[tuple[int, int, int, int, int]] = []  # (memory, weight, first column, width, offset)
     size = 0
     for i in sorted(range(m), key=w_l.__getitem__, reverse=True):  # heaviest first: R_i falls fastest
         w = w_l[i]
         left -= w  # R_i: the weight of the rows after this one
-        first = max(w, capacity - left)
-        width = max(0, capacity + 1 - first)
+        first = max(w, low - left)
+        width = max(0, high + 1 - first)
         plan.append((i, w, first, width, size))
         size += width
     vals = np.array(v_l, dtype=np.int32 if sum(v_l) <= _INT32_MAX else np.int64)
-    best = np.zeros(capacity + 1, dtype=vals.dtype)
+    best = np.zeros(high + 1, dtype=vals.dtype)
     keep = np.empty(size, dtype=np.bool_)
-    end = capacity + 1
+    end = high + 1
     for i, w, first, width, at in plan:
         if width:
             take = best[first - w : end - w] + vals[i, ...]  # 0-d operand: the cheapest ufunc call
             seg = best[first:]
             np.greater(take, seg, out=keep[at : at + width])
             np.maximum(seg, take, out=seg)
-    c = capacity
-    for i, w, first, width, at in reversed(plan):
-        if width and c >= first and keep[at + c - first]:
-            taken[i] = True
-            c -= w
-    return taken
+
+    def backtrack(c: int) -> BoolArray:
+        taken = np.zeros(m, dtype=np.bool_)
+        for i, w, first, width, at in reversed(plan):
+            if width and c >= first and keep[at + c - first]:
+                taken[i] = True
+                c -= w
+        return taken
+
+    if tokens is not None and high > low:
+        rises = (best[low + 1 :] > best[low:-1]).nonzero()[0] + (low + 1)  # best value rises here
+        for c in reversed(rises[-_OVER_CAPACITY_TRIES:].tolist()):  # best value first
+            taken = backtrack(c)
+            if int(tokens[taken].sum()) <= limit:
+                return taken
+    return backtrack(low)
 
 
 def _repair(chosen: BoolArray, t: IntArray, v: FloatArray, budget: int) -> None:
