@@ -15,6 +15,7 @@ from client.client import AsyncClient
 from client.stack import LocalStack, free_port
 from shared import auth
 from shared.errors import DeadlineExceeded, Forbidden, Unauthenticated, Unavailable
+from tests.helpers import start_stack
 
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "500", "IBEX_HOT_TIMEOUT_MS": "1000",
             "IBEX_COLD_TIMEOUT_MS": "1000", "IBEX_CONTEXT_TIMEOUT": "1500", "IBEX_CONTEXT_DEADLINE_MS": "1500"}
@@ -50,15 +51,7 @@ def secured(keys: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     env = {**ENV_FAST, "IBEX_AUTH_KEYS_FILE": str(keys["keys"]), "IBEX_BROKER_KEY_FILE": str(d / "broker.key"),
            "IBEX_BROKER_PUBLIC_KEY": str(d / "broker.pub"), "IBEX_WORKER_KEY_FILE": str(d / "worker.key")}
     ops = auth.curve_client(auth.load_keypair(d / "globex-proxy.key"), auth.load_public_key(str(d / "broker.pub")))
-    stack = LocalStack(workers=1, env=env, log_dir=tmp_path_factory.mktemp("stack"), status_socket=ops)
-    try:
-        stack.start()
-        seeded = subprocess.run([sys.executable, "-m", "memory.seed", "--redis-url", str(stack.redis_url)],
-                                capture_output=True, text=True, timeout=120, check=False)
-        assert seeded.returncode == 0, seeded.stderr
-    except BaseException as exc:
-        stack.stop()
-        pytest.fail(f"secured stack did not start: {exc}", pytrace=False)
+    stack = start_stack(tmp_path_factory.mktemp("stack"), workers=1, env=env, status_socket=ops)
     try:
         yield stack
     finally:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,9 +19,10 @@ import httpx
 import pytest
 
 from client.client import AsyncClient
-from client.stack import DEMO_DATA, LocalStack
+from client.stack import LocalStack
 from shared.errors import IbexError
 from shared.models import AssembleResponse
+from tests.helpers import start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16", "IBEX_DIRECTIVE_TIMEOUT_MS": "300",
        "IBEX_HOT_TIMEOUT_MS": "600", "IBEX_COLD_TIMEOUT_MS": "600", "IBEX_CONTEXT_TIMEOUT": "800",
@@ -32,16 +31,7 @@ SLACK_S = 0.02
 
 
 def _start(tmp: Path, **kw: Any) -> LocalStack:
-    stack = LocalStack(log_dir=tmp, enable_faults=True, env=ENV, **kw)
-    try:
-        stack.start()
-        seeded = subprocess.run([sys.executable, "-m", "memory.seed", "--file", str(DEMO_DATA),
-                                 "--redis-url", str(stack.redis_url)], capture_output=True, text=True, timeout=120)
-        assert seeded.returncode == 0, seeded.stderr
-    except BaseException as exc:
-        stack.stop()
-        pytest.fail(f"stack did not start: {exc}", pytrace=False)
-    return stack
+    return start_stack(tmp, enable_faults=True, env=ENV, **kw)
 
 
 @pytest.fixture

@@ -21,18 +21,14 @@ from hypothesis import strategies as st
 from client.stack import LocalStack, free_port, wait_for
 from memory.redis_server import EmbeddedRedis
 from shared import protocol as P
+from tests.helpers import start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_MAX_REQUEST_BYTES": "65536"}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = LocalStack(workers=1, env=ENV, log_dir=tmp_path_factory.mktemp("fuzz"))
-    try:
-        s.start()
-    except BaseException as exc:
-        s.stop()
-        pytest.fail(f"stack did not start: {exc}", pytrace=False)
+    s = start_stack(tmp_path_factory.mktemp("fuzz"), seed=False, workers=1, env=ENV)
     try:
         yield s
     finally:

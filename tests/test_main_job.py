@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +21,11 @@ import zmq
 import zmq.asyncio
 
 from client.client import AsyncClient, SyncClient
-from client.stack import DEMO_DATA, LocalStack, free_port
+from client.stack import LocalStack, free_port
 from shared import protocol as P
 from shared.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
 from shared.models import AssembleResponse
+from tests.helpers import start_stack
 
 # Functional tests: branch timeouts far above the spec's 5/15/45 ms so a loaded CI box does not turn
 # every assertion into a timeout; the request's own deadline still bounds everything.
@@ -39,16 +38,7 @@ SLACK_S = 0.015  # event-loop scheduling slack allowed when checking "nothing af
 
 
 def _start(tmp: Path, **kw: Any) -> LocalStack:
-    stack = LocalStack(log_dir=tmp, enable_faults=True, **kw)
-    try:
-        stack.start()
-        seeded = subprocess.run([sys.executable, "-m", "memory.seed", "--file", str(DEMO_DATA),
-                                 "--redis-url", str(stack.redis_url)], capture_output=True, text=True, timeout=120)
-        assert seeded.returncode == 0, seeded.stderr
-    except BaseException as exc:
-        stack.stop()
-        pytest.fail(f"stack did not start: {exc}", pytrace=False)
-    return stack
+    return start_stack(tmp, enable_faults=True, **kw)
 
 
 METRICS_PORT = free_port()

@@ -1,0 +1,28 @@
+"""Helpers shared by the tests that run a whole stack as child processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.stack import DEMO_DATA, LocalStack
+
+
+def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
+    """Start a LocalStack (and seed the demo data); a stack that cannot start fails the test."""
+    stack = LocalStack(log_dir=log_dir, **kw)
+    try:
+        stack.start()
+        if seed:
+            seeded = subprocess.run([sys.executable, "-m", "memory.seed", "--file", str(DEMO_DATA),
+                                     "--redis-url", str(stack.redis_url)],
+                                    capture_output=True, text=True, timeout=120, check=False)
+            assert seeded.returncode == 0, seeded.stderr
+    except BaseException as exc:
+        stack.stop()
+        pytest.fail(f"stack did not start: {exc}", pytrace=False)
+    return stack
