@@ -57,7 +57,7 @@ _SCORE_SCALE: Final = 1 << 20
 _MAX_COLUMNS: Final = 12_500
 _INT32_MAX: Final = 2**31 - 1
 # How many over-capacity DP answers to check on exact tokens (see _knapsack).
-_OVER_CAPACITY_TRIES: Final = 8
+_OVER_CAPACITY_TRIES: Final = 3
 # From this many knapsack rows on, reducing first pays: it costs about as much as 20 DP rows.
 _REDUCE_FROM: Final = 20
 # A move must gain more than this much score: float noise must never cause swap cycles.
@@ -211,7 +211,8 @@ def _solve_dp(t: IntArray, v: FloatArray, budget: int, bucket_size: int) -> Bool
         weights = _ceil_div(t[core], bucket)  # ceil: the answer fits in exact tokens too
         values = np.rint(v[core] * _SCORE_SCALE).astype(np.int64)
         exact = t[core] if bucket > 1 else None  # 1-token buckets are exact already
-        found[core[_knapsack(weights, values, residual // bucket, exact, residual)]] = True
+        in_core = _knapsack(weights, values, residual // bucket, tokens=exact, limit=residual, bucket=bucket)
+        found[core[in_core]] = True
     _repair(found, t, v, budget)  # Step 5
     # Step 6. 1-token buckets: the DP is exact, only refill (memories of score 0 that fit).
     _improve(found, t, v, budget, max_rounds=None if bucket > 1 else 0)
@@ -251,7 +252,13 @@ def _reduce(t: IntArray, v: FloatArray, lp_bound: float, ratio: float, lower: fl
 
 
 def _knapsack(
-    weights: IntArray, values: IntArray, capacity: int, tokens: IntArray | None = None, limit: int = 0
+    weights: IntArray,
+    values: IntArray,
+    capacity: int,
+    *,
+    tokens: IntArray | None = None,
+    limit: int = 0,
+    bucket: int = 1,
 ) -> BoolArray:
     """Exact 0/1 knapsack over positive integer weights; returns the taken mask.
 
@@ -260,16 +267,19 @@ def _knapsack(
     ``capacity - R_i`` (R_i = weight of the rows after it), so later rows are narrower. Ties keep
     the earlier choice (strict ``>``): the answer is a deterministic function of the input order.
 
-    With ``tokens`` (exact sizes) and ``limit`` (exact budget), the table also runs up to one
-    bucket per memory past ``capacity``: rounding up overstates each memory by less than a
-    bucket, so such a set may still fit exactly. Where the best value rises past ``capacity``,
-    the best few sets are checked on exact tokens; the set at ``capacity`` always fits.
+    With ``tokens`` (exact sizes), ``limit`` (exact budget) and the ``bucket`` that turned
+    tokens into ``weights``, the table also runs past ``capacity`` by up to the rows' total
+    rounding (at most a bucket each): such a set may still fit exactly. Where the best value
+    rises past ``capacity``, the best few sets are checked on exact tokens; the set at
+    ``capacity`` always fits.
     """
     m = weights.size
     w_l, v_l = weights.tolist(), values.tolist()
     left = sum(w_l)
     low = min(capacity, left)
-    high = min(capacity + (m if tokens is not None else 0), left)
+    high = low
+    if tokens is not None:  # a set can overshoot by at most the rows' total rounding
+        high = min(left, capacity + m, (limit + int((weights * bucket - tokens).sum())) // bucket)
     if high <= 0:
         return np.zeros(m, dtype=np.bool_)
     # Plain Python for the per-row bookkeeping: at <= 70 rows it beats a dozen numpy calls.
@@ -293,21 +303,32 @@ def _knapsack(
             np.greater(take, seg, out=keep[at : at + width])
             np.maximum(seg, take, out=seg)
 
-    def backtrack(c: int) -> BoolArray:
-        taken = np.zeros(m, dtype=np.bool_)
+    sizes = tokens.tolist() if tokens is not None else w_l
+
+    def backtrack(c: int, room: int) -> list[int] | None:
+        """The rows taken for capacity ``c``, or None once their exact size passes ``room``."""
+        taken: list[int] = []
         for i, w, first, width, at in reversed(plan):
             if width and c >= first and keep[at + c - first]:
-                taken[i] = True
+                taken.append(i)
                 c -= w
+                room -= sizes[i]
+                if room < 0:
+                    return None
         return taken
 
+    chosen = None
     if tokens is not None and high > low:
         rises = (best[low + 1 :] > best[low:-1]).nonzero()[0] + (low + 1)  # best value rises here
         for c in reversed(rises[-_OVER_CAPACITY_TRIES:].tolist()):  # best value first
-            taken = backtrack(c)
-            if int(tokens[taken].sum()) <= limit:
-                return taken
-    return backtrack(low)
+            chosen = backtrack(c, limit)
+            if chosen is not None:
+                break
+    if chosen is None:
+        chosen = backtrack(low, sum(sizes))  # fits: ceil weights never understate
+    taken = np.zeros(m, dtype=np.bool_)
+    taken[chosen] = True
+    return taken
 
 
 def _repair(chosen: BoolArray, t: IntArray, v: FloatArray, budget: int) -> None:
@@ -389,21 +410,27 @@ def _best_swap(
             best_gain, move = float(gain.flat[k]), ([int(ins[a])], [int(outs[b])])
     else:
         work = 0
-    if not pairs:
+    if not pairs or outs.size < 2:
         return move, work
-    pool = outs[t_out <= int(room.max())]  # entering memories that fit at all
+    # One for two: only a chosen memory whose room holds the two smallest others can leave, and
+    # only memories that fit beside the smallest other in the largest room can enter.
+    smallest = np.partition(t_out, 1)[:2]
+    leave = (room >= int(smallest.sum())).nonzero()[0]
+    if leave.size == 0:
+        return move, work
+    pool = outs[t_out <= int(room[leave].max()) - int(smallest[0])]
     p = pool.size
-    if p >= 2 and work + ins.size * p * p <= work_left:  # one for two
-        work += ins.size * p * p
+    if p >= 2 and work + leave.size * p * p <= work_left:
+        work += leave.size * p * p
         tp, vp = t[pool], v[pool]
         pair_t = tp[:, None] + tp
         pair_v = np.triu(vp[:, None] + vp, 1)  # 0 on and below the diagonal: never a gain
-        gain = np.where(pair_t <= room[:, None, None], pair_v - v_in[:, None, None], -np.inf)
+        gain = np.where(pair_t <= room[leave, None, None], pair_v - v_in[leave, None, None], -np.inf)
         k = int(np.argmax(gain))
         if gain.flat[k] > best_gain:
             a, rest = divmod(k, p * p)
             b, c = divmod(rest, p)
-            move = ([int(ins[a])], [int(pool[b]), int(pool[c])])
+            move = ([int(ins[leave[a]])], [int(pool[b]), int(pool[c])])
     return move, work
 
 
