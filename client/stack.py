@@ -35,7 +35,11 @@ DEMO_DATA = REPO / "memory" / "data" / "demo.jsonl"
 
 
 def _die_with_parent() -> None:
-    """Child processes of a LocalStack get SIGTERM if their parent dies (no leaked stacks)."""
+    """Child processes of a LocalStack get SIGTERM if their parent dies (no leaked stacks).
+
+    Linux ties PDEATHSIG to the *thread* that forked: start LocalStack processes from a thread
+    that outlives them (the main thread), never from a short-lived executor thread.
+    """
     import ctypes
 
     pr_set_pdeathsig = 1

@@ -34,13 +34,23 @@ def _start(tmp: Path, **kw: Any) -> LocalStack:
     return start_stack(tmp, enable_faults=True, env=ENV, **kw)
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[LocalStack]:
-    s = _start(tmp_path, workers=2)
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    s = _start(tmp_path_factory.mktemp("faults"), workers=2)
     try:
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture
+def stack(shared_stack: LocalStack) -> LocalStack:
+    """The module's stack, healed: faults cleared, Redis up, both workers registered."""
+    assert httpx.delete(shared_stack.memory_url + "/_faults", timeout=5).status_code == 200
+    if shared_stack.embedded is not None and not shared_stack.embedded.running:
+        shared_stack.embedded.start()
+    shared_stack.wait_workers(2, 20)
+    return shared_stack
 
 
 def fault(stack: LocalStack, **spec: Any) -> None:
@@ -135,7 +145,10 @@ async def test_memory_service_down(stack: LocalStack) -> None:
     assert stack.memory is not None
     stack.memory.kill()
     stack.memory.wait(10)
-    outcomes = await load(stack, 30, timeout=2.0)
+    try:
+        outcomes = await load(stack, 30, timeout=2.0)
+    finally:
+        stack.start_memory()  # from this thread: PDEATHSIG ties children to the spawning thread
     assert outcomes["degraded"] == 30, outcomes
 
 
