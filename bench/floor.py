@@ -1,0 +1,228 @@
+"""The transport floor (issue 9): bare pyzmq, no application code, measured in the same run.
+
+Absolute times on these shared machines drift from run to run, so the broker's overhead is judged
+against a floor measured minutes apart on the same box:
+
+* relay: client DEALER -> ``zmq.proxy`` (ROUTER/DEALER, C code) in its own process -> an echo
+  process (ROUTER that sends every message straight back). Driven open-loop at the same offered
+  rate as the transport-mode run, by the same generator, and also closed-loop (one in flight).
+* ping-pong: client DEALER <-> the echo process directly, closed-loop (two processes, one hop).
+
+Child processes: ``python -m bench.floor relay FRONT BACK`` and ``python -m bench.floor echo
+[--bind EP] [--connect EP]``; both run until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from bench.loadgen import OK, Reply, RunResult, open_loop
+from bench.stats import Histograms
+from client.stack import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------ child processes
+
+
+def serve_relay(front: str, back: str) -> None:
+    ctx = zmq.Context()
+    fe, be = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for s in (fe, be):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+    fe.bind(front)
+    be.bind(back)
+    zmq.proxy(fe, be)  # returns only when the context terminates; SIGTERM ends the process
+
+
+def serve_echo(bind: str | None, connect: str | None) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 100_000)
+    s.setsockopt(zmq.RCVHWM, 100_000)
+    if bind:
+        s.bind(bind)
+    if connect:
+        s.connect(connect)
+    while True:
+        s.send_multipart(s.recv_multipart(copy=False), copy=False)
+
+
+@dataclass
+class FloorProcs:
+    relay_front: str
+    direct: str
+    procs: list[subprocess.Popen[bytes]]
+
+
+@contextlib.contextmanager
+def floor_processes() -> Iterator[FloorProcs]:
+    """Start the relay and the echo process on free loopback ports; stop and reap them after."""
+    front, back, direct = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for args in (["relay", front, back], ["echo", "--bind", direct, "--connect", back]):
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.floor", *args], cwd=REPO,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        fp = FloorProcs(front, direct, procs)
+        _wait_echo(fp.relay_front)
+        _wait_echo(fp.direct)
+        yield fp
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def _wait_echo(endpoint: str, timeout_s: float = 15.0) -> None:
+    """Block until a message sent to ``endpoint`` comes back (children take a moment to import)."""
+    end = time.monotonic() + timeout_s
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        while time.monotonic() < end:
+            s.send_multipart([b"probe", b""])
+            if s.poll(200):
+                s.recv_multipart()
+                while s.poll(50):  # earlier probes that came back late
+                    s.recv_multipart()
+                return
+        raise RuntimeError(f"floor echo via {endpoint} did not answer within {timeout_s:.0f}s")
+
+
+# ---------------------------------------------------------------------------------- measurements
+
+
+def pingpong(endpoint: str, n: int, payload: bytes, *, warmup: int = 50) -> Histograms:
+    """Closed-loop round trips (one in flight), blocking sockets, µs into the ``rtt`` histogram."""
+    hs = Histograms()
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        for i in range(warmup + n):
+            t0 = time.perf_counter_ns()
+            s.send_multipart([b"p", payload])
+            s.recv_multipart()
+            if i >= warmup:
+                hs.record("rtt", (time.perf_counter_ns() - t0) / 1000)
+    return hs
+
+
+class RawTarget:
+    """An open-loop target over a bare zmq.asyncio DEALER: [id, payload] out, the same back."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, payload: bytes) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.connect(endpoint)
+        self.payload = payload
+        self.waiting: dict[bytes, asyncio.Future[None]] = {}
+        self.reader: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            fut = self.waiting.pop(frames[0], None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    async def __call__(self, i: int, timeout_s: float) -> Reply:
+        if self.reader is None:
+            self.reader = asyncio.create_task(self._read())
+        rid = str(i).encode()
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = fut
+        await self.sock.send_multipart([rid, self.payload])
+        try:
+            async with asyncio.timeout(timeout_s):
+                await fut
+        except TimeoutError:
+            self.waiting.pop(rid, None)
+            return Reply("TIMEOUT")
+        return Reply(OK)
+
+    async def aclose(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+        self.sock.close(linger=0)
+
+
+async def relay_open_loop(endpoint: str, *, rate: float, duration_s: float, payload: bytes,
+                          seed: int = 3, tick: Callable[[int], None] | None = None) -> RunResult:
+    """The open-loop generator against the bare relay, at the transport run's offered rate."""
+    ctx = zmq.asyncio.Context()
+    target = RawTarget(ctx, endpoint, payload)
+    try:
+        await target(-1, 5.0)  # connect and warm the path before the clock starts
+        return await open_loop(target, rate=rate, duration_s=duration_s, deadline_ms=None, label="floor relay",
+                               seed=seed, tick=tick, meta={"mode": "floor-relay"})
+    finally:
+        await target.aclose()
+        ctx.term()
+
+
+def measure(*, rate: float, duration_s: float, pingpongs: int, payload: bytes,
+            tick: Callable[[int], None] | None = None,
+            run: Callable[[Coroutine[Any, Any, RunResult]], RunResult] = asyncio.run) -> dict[str, Any]:
+    """Run every floor measurement and return their summaries (µs).
+
+    ``run`` executes the open-loop coroutine; the bench passes its uvloop runner so the floor and
+    the transport run use the same kind of event loop.
+    """
+    with floor_processes() as fp:
+        relay_rtt = pingpong(fp.relay_front, pingpongs, payload)
+        direct_rtt = pingpong(fp.direct, pingpongs, payload)
+        result = run(relay_open_loop(fp.relay_front, rate=rate, duration_s=duration_s, payload=payload, tick=tick))
+    return {
+        "payload_bytes": len(payload),
+        "relay_open_loop": result.summary(),
+        "relay_pingpong_us": relay_rtt.summary()["rtt"],
+        "pingpong_us": direct_rtt.summary()["rtt"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("relay")
+    r.add_argument("front")
+    r.add_argument("back")
+    e = sub.add_parser("echo")
+    e.add_argument("--bind")
+    e.add_argument("--connect")
+    args = ap.parse_args(argv)
+    if args.cmd == "relay":
+        serve_relay(args.front, args.back)
+    else:
+        serve_echo(args.bind, args.connect)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

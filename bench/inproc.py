@@ -1,0 +1,89 @@
+"""The CPU pipeline with no transport (issue 9, ``inproc`` mode).
+
+``Assembler.build_response`` (budget, scoring, packing, formatting and the response model) on a
+``RetrievalResult`` from ``worker.retrieve.offline_result`` with n = 70 candidates (20 hot + 50
+cold) of realistic sizes. Two token-count cache states:
+
+* warm: one Catalog with the default cache, warmed by ``warmup`` calls on the same candidates
+  (the steady state of a worker serving one agent: memories repeat across requests);
+* cold: a Catalog with ``cache_entries=0``, so every count is a full BPE pass (a worker seeing
+  every memory for the first time). BPE vocabularies are loaded before timing in both cases.
+
+``wall`` is ``perf_counter_ns`` around the call; the per-stage figures are the pipeline's own
+``timings_us``. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from bench.stats import WORKER_STAGES, Histograms
+from bench.workload import candidate_hits
+from shared.catalog import Catalog
+from shared.models import AssembleRequest
+from shared.settings import Settings
+from worker.assemble import Assembler
+from worker.retrieve import offline_result
+
+STAGES = tuple(s for s in WORKER_STAGES if s != "retrieval")
+
+
+def _request(model: str) -> AssembleRequest:
+    return AssembleRequest.model_validate({
+        "request_id": "inproc", "org_id": "acme", "agent_id": "support-bot", "model": model,
+        "query": "The customer asks where their invoice from October is.",
+        "recent_messages": [{"role": "user", "content": "Hi, I was charged twice for October."},
+                            {"role": "assistant", "content": "Let me check that for you."},
+                            {"role": "user", "content": "The customer asks where their invoice from October is."}],
+        "deadline_ns": time.time_ns() + 3_600_000_000_000,
+    })
+
+
+def _measure(assembler: Assembler, req: AssembleRequest, retrieval: Any, iterations: int,
+             warmup: int) -> tuple[Histograms, Any]:
+    hs = Histograms()
+    resp = None
+    for _ in range(warmup):
+        assembler.build_response(req, retrieval)
+    gc.collect()
+    for _ in range(iterations):
+        t0 = time.perf_counter_ns()
+        resp = assembler.build_response(req, retrieval)
+        hs.record("wall", (time.perf_counter_ns() - t0) / 1000)
+        for k in STAGES:
+            hs.record(k, resp.timings_us.get(k, 0))
+    return hs, resp
+
+
+def run(*, iterations: int = 300, cold_iterations: int = 60, warmup: int = 20, model: str = "gpt-4o",
+        n_hot: int = 20, n_cold: int = 50, seed: int = 70) -> dict[str, Any]:
+    """Warm- and cold-cache latency of the CPU pipeline at ``n_hot + n_cold`` candidates (µs)."""
+    settings = Settings()
+    directive, hot, cold = candidate_hits(n_hot, n_cold, seed=seed)
+    retrieval = offline_result(directive=directive, hot=hot, cold=cold, hot_cap=n_hot, cold_cap=n_cold)
+    req = _request(model)
+    out: dict[str, Any] = {"model": model, "n_candidates": len(retrieval.candidates), "n_hot": n_hot,
+                           "n_cold": n_cold, "candidate_chars": sum(len(h.content) for h in (*hot, *cold))}
+
+    warm_cat = Catalog.load(settings.catalog_path)
+    warm_cat.warm_up()
+    warm = Assembler(settings=settings, catalog=warm_cat, retriever=None, worker_id="inproc")
+    hs, resp = _measure(warm, req, retrieval, iterations, warmup)
+    counter = warm_cat.counter(warm_cat.model(model).family.name)
+    out["warm"] = {"iterations": iterations, "cache_hits": counter.hits, "cache_misses": counter.misses,
+                   **hs.summary(("wall", *STAGES))}
+    if resp is not None:
+        out["packed"] = len(resp.packed)
+        out["packer_path"] = resp.packer.path
+        out["candidate_tokens"] = sum(d.tokens or 0 for d in resp.decisions
+                                      if d.decision in ("packed", "excluded_budget"))
+        out["token_budget"] = resp.budget.usable
+
+    cold_cat = Catalog.load(settings.catalog_path, cache_entries=0)
+    cold_cat.warm_up()  # BPE vocabularies loaded: "cold" is the count cache, not the process
+    cold_asm = Assembler(settings=settings, catalog=cold_cat, retriever=None, worker_id="inproc")
+    hs, _ = _measure(cold_asm, req, retrieval, cold_iterations, min(warmup, 3))
+    out["cold"] = {"iterations": cold_iterations, **hs.summary(("wall", *STAGES))}
+    return out
