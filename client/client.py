@@ -98,6 +98,7 @@ class AsyncClient:
         self.stats: dict[str, int] = {"late_replies_dropped": 0, "failovers": 0, "disconnects": 0}
         self._started = False
         self._closed = False
+        self._catalog: Any = None
 
     async def __aenter__(self) -> AsyncClient:
         await self.start()
@@ -277,7 +278,11 @@ class AsyncClient:
         except IbexError as exc:
             if exc.code in CALLER_FAULTS:
                 raise
-            return degraded_response(req, exc, fallback_directive)
+            if self._catalog is None:  # loaded on first need: the happy path never pays for it
+                from shared.catalog import Catalog
+
+                self._catalog = Catalog.load()
+            return degraded_response(req, exc, fallback_directive, catalog=self._catalog)
 
     async def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:
         """The broker's counters and worker table (ops and tests)."""
@@ -309,8 +314,8 @@ def _to_exc(reply: ErrorReply, request_id: str) -> IbexError:
     return cls(reply.message, field=reply.field, request_id=request_id)
 
 
-def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: str | None = None
-                      ) -> AssembleResponse:
+def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: str | None = None,
+                      *, catalog: Any = None) -> AssembleResponse:
     """History-only (or directive + history) context built locally by the pure pipeline."""
     from shared.catalog import Catalog
     from worker.assemble import Assembler
@@ -322,19 +327,10 @@ def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: 
         outcomes={"directive": failed, "hot": failed, "cold": failed},
         sources_available=frozenset(), wall_ms=0.0,
     )
-    resp = Assembler(settings=Settings(), catalog=_catalog(Catalog), retriever=None).build_response(req, retrieval)
+    assembler = Assembler(settings=Settings(), catalog=catalog or Catalog.load(), retriever=None)
+    resp = assembler.build_response(req, retrieval)
     reason = f"context service {exc.code.value}: {exc.message}"
     return resp.model_copy(update={"degraded": True, "degraded_reasons": [reason, *resp.degraded_reasons]})
-
-
-_CATALOG: Any = None
-
-
-def _catalog(cls: Any) -> Any:
-    global _CATALOG
-    if _CATALOG is None:
-        _CATALOG = cls.load()
-    return _CATALOG
 
 
 class SyncClient:

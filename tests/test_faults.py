@@ -165,3 +165,15 @@ async def test_two_brokers_one_stopped_service_keeps_answering(tmp_path: Path) -
         assert st is not None and st["stats"].get("replies", 0) >= 40
     finally:
         stack.stop()
+
+
+async def test_sigterm_drains_inflight_and_exits_zero(stack: LocalStack) -> None:
+    fault(stack, endpoint="search", latency_ms=300)
+    worker = stack.workers[1]
+    assert worker is not None
+    try:
+        outcomes = await load(stack, 20, timeout=4.0, inject=lambda: stack.signal_worker(1, signal.SIGTERM), at=0.1)
+        assert worker.wait(15) == 0  # finished what it held, then exited cleanly
+        assert outcomes["ok"] + outcomes["degraded"] == 20, outcomes  # nothing it held was lost
+    finally:
+        stack.workers[1] = stack.start_worker(1)
