@@ -95,7 +95,8 @@ def pack(
     ``empty`` (no candidates, or a non-positive budget so nothing can be packed), ``all_fit``,
     ``dp``, or ``greedy`` (the DP table would exceed ``cell_ceiling`` cells). ``budget_reached``
     is true when any candidate was left out for budget (the formatter's ``was_truncated``): an
-    empty candidate set is not a truncation, a non-positive budget with candidates is.
+    empty candidate set is not a truncation, a non-positive budget with candidates is. The
+    milestone logs a warning on the greedy fallback; this stage is pure, so its caller does.
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
@@ -116,7 +117,7 @@ def pack(
 
     # Zero-token memories always go in; oversized ones never can. Neither needs a DP row.
     knap = ((tokens > 0) & (tokens <= token_budget)).nonzero()[0]
-    t, v = tokens[knap], scores[knap]
+    t, v = (tokens, scores) if knap.size == n else (tokens[knap], scores[knap])
     capacity = token_budget // bucket_size  # the spec's table width, capped below when all fit
     if int(t.sum()) <= token_budget:
         capacity = min(capacity, int(_ceil_div(t, bucket_size).sum()))
