@@ -60,6 +60,7 @@ _INT32_MAX: Final = 2**31 - 1
 _OVER_CAPACITY_TRIES: Final = 3
 # From this many knapsack rows on, reducing first pays: it costs about as much as 20 DP rows.
 _REDUCE_FROM: Final = 20
+_NEVER_FITS: Final = np.iinfo(np.int64).max
 # A move must gain more than this much score: float noise must never cause swap cycles.
 _MIN_GAIN: Final = 1e-12
 
@@ -425,8 +426,8 @@ def _best_swap(
         work += leave.size * p * p
         tp, vp = t[pool], v[pool]
         pair_t = tp[:, None] + tp
-        pair_v = np.triu(vp[:, None] + vp, 1)  # 0 on and below the diagonal: never a gain
-        gain = np.where(pair_t <= room[leave, None, None], pair_v - v_in[leave, None, None], -np.inf)
+        pair_t.flat[:: p + 1] = _NEVER_FITS  # a memory cannot enter twice; (b, c) = (c, b) is harmless
+        gain = np.where(pair_t <= room[leave, None, None], vp[:, None] + vp - v_in[leave, None, None], -np.inf)
         k = int(np.argmax(gain))
         if gain.flat[k] > best_gain:
             a, rest = divmod(k, p * p)
