@@ -80,7 +80,8 @@ class RunResult:
                 continue
             hs.record("latency_ok", s.latency_ns / 1000)
             t = s.reply.timings_us
-            if not t:
+            if not t:  # transport mode (or a reply without timings): all of it is the round trip
+                hs.record("transport", (s.latency_ns - s.lag_ns) / 1000)
                 continue
             for k in ("queue_wait", "worker_wait", *WORKER_STAGES, "total"):
                 hs.record(k, t.get(k, 0))

@@ -248,8 +248,11 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
             pts = sorted(sw["points"], key=lambda p: p["offered_rps"])
             x = [p["offered_rps"] for p in pts]
             top = max(top, *x)
-            ax.plot(x, [p["goodput_rps"] for p in pts], marker="o", color=plt.get_cmap("tab10")(k),
+            color = plt.get_cmap("tab10")(k)
+            ax.plot(x, [p["goodput_rps"] for p in pts], marker="o", color=color,
                     label=f"{sw['workers'] or 'ext'} worker(s)")
+            ax.plot(x, [p.get("complete_rps", 0) for p in pts], ls=":", marker=".", color=color,
+                    label=f"{sw['workers'] or 'ext'} worker(s), undegraded only")
         ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="goodput = offered")
         ax.set_xlabel("offered load (req/s)")
         ax.set_ylabel("goodput (replies before deadline per s)")
@@ -266,18 +269,20 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         outcomes = sorted({k for b in tl for k in b if k != "t_s"}, key=lambda k: (k != "OK", k))
         fig, ax = plt.subplots(figsize=(7, 4))
         bottom = [0] * len(tl)
-        for k, name in enumerate(outcomes):
+        others = iter(["tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive"])
+        for name in outcomes:
             vals = [b.get(name, 0) for b in tl]
             ax.bar([b["t_s"] for b in tl], vals, width=0.45, align="edge", bottom=bottom, label=name,
-                   color="tab:green" if name == "OK" else plt.get_cmap("tab10")(k + 1))
+                   color="tab:green" if name == "OK" else next(others, "black"))
             bottom = [a + v for a, v in zip(bottom, vals, strict=True)]
         for name, t in ch["events_s"].items():
             ax.axvline(t, color="black", lw=1, ls="--")
-            ax.text(t, max(bottom) * 1.02, name.removesuffix("_s"), fontsize=7, rotation=90, va="bottom")
+            ax.text(t, 0.97, " " + name.removesuffix("_s"), fontsize=7, rotation=90, va="top",
+                    transform=ax.get_xaxis_transform())
         ax.set_xlabel("scheduled send time (s)")
         ax.set_ylabel("requests per 0.5 s")
         ax.set_title("Chaos: outcomes over time (kill -9 and restart of worker 0)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower left", framealpha=0.9)
         fig.tight_layout()
         fig.savefig(out_dir / "chaos.png", dpi=110)
         plt.close(fig)
