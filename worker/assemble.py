@@ -95,6 +95,7 @@ class Assembler:
         # One-way broker -> worker transit; the reply crosses two such hops (worker -> broker -> client).
         self.transit = StageCostTracker(1.0)
         self.stats: collections.Counter[str] = collections.Counter()  # stage entries, for metrics/tests
+        self.lines = fmt.LineCache()
 
     def reserve_ns(self) -> int:
         """Time kept back after retrieval: measured p99 of the CPU stages plus the reply's two hops."""
@@ -169,7 +170,8 @@ class Assembler:
         timings["budget"] = _us(t, t2)
 
         scored, rejected = score_candidates(
-            list(retrieval.candidates), lambda h: fmt.memory_cost(counter, h), min_score=req.options.min_score
+            list(retrieval.candidates), lambda h: fmt.memory_cost(counter, h, self.lines),
+            min_score=req.options.min_score
         )
         limit = req.options.max_memories
         if limit is not None and len(scored) > limit:
@@ -196,7 +198,7 @@ class Assembler:
             mem_tokens = counter.count(mem_text) if mem_text else 0
         else:  # the additive bound (tested for every family in tests/test_format.py)
             kept, dropped = list(result.packed), []
-            mem_text = fmt.memory_section(kept, nonce)
+            mem_text = fmt.memory_section(kept, nonce, self.lines)
             mem_tokens = result.total_tokens + overhead_mem - counter.count(fmt.SECTION_JOIN) if kept else 0
         parts: list[tuple[SectionName, str, int]] = [
             ("directive", directive, directive_n), ("history", history, history_n),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,6 @@ SAFETY_SENTENCE = (
 _UNSAFE = re.compile(
     "[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff\ufff9-\ufffb]"
 )
-_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}
-_MARKUP = re.compile("[&<>\"']")
 
 
 def _neutralise(match: re.Match[str]) -> str:
@@ -66,8 +65,11 @@ def _neutralise(match: re.Match[str]) -> str:
 
 def escape_text(text: str) -> str:
     """Escape untrusted text for use inside an element body or a quoted attribute."""
-    text = text.replace("\r\n", "\n")
-    text = _MARKUP.sub(lambda m: _ESCAPES[m.group()], text)
+    # str.replace runs in C: an order of magnitude faster than a regex callback on long memories.
+    text = (text.replace("\r\n", "\n").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace('"', "&quot;").replace("'", "&#39;"))
+    if _UNSAFE.search(text) is None:
+        return text
     return _UNSAFE.sub(_neutralise, text)
 
 
@@ -105,6 +107,41 @@ def tools_section(schemas: Sequence[dict[str, Any]]) -> str:
     return "## Tools\n" + "\n".join(lines)
 
 
+class LineCache:
+    """Per-worker LRU of rendered memory lines, keyed by the exact (id, category, content).
+
+    Escaping a long memory costs far more than hashing it, and the same memories come back for
+    the same agent request after request. The key is the full text, so a hit can only ever return
+    the rendering of that very memory: nothing crosses tenants.
+    """
+
+    def __init__(self, max_entries: int = 8192) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, str, str], tuple[str, dict[str, int]]] = OrderedDict()
+
+    def _entry(self, h: MemoryHit) -> tuple[str, dict[str, int]]:
+        key = (h.memory_id, h.category, h.content)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = (memory_line(h), {})
+            if len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return entry
+
+    def line(self, h: MemoryHit) -> str:
+        return self._entry(h)[0]
+
+    def cost(self, h: MemoryHit, counter: Counter) -> int:
+        """The line's token count for this counter's family, counted once per family."""
+        line, costs = self._entry(h)
+        n = costs.get(counter.family)
+        if n is None:
+            n = costs[counter.family] = counter.count(line)
+        return n
+
+
 def memory_line(h: MemoryHit) -> str:
     return (
         f'<memory id="{escape_text(h.memory_id)}" category="{escape_text(h.category)}">'
@@ -119,9 +156,9 @@ def memory_frame(nonce: str) -> tuple[str, str]:
     return head, tail
 
 
-def memory_cost(counter: Counter, hit: MemoryHit) -> int:
+def memory_cost(counter: Counter, hit: MemoryHit, lines: LineCache | None = None) -> int:
     """Tokens one packed memory adds to the rendered section (wrapper and newline included)."""
-    return counter.count(memory_line(hit))
+    return lines.cost(hit, counter) if lines is not None else counter.count(memory_line(hit))
 
 
 def memory_overhead(counter: Counter, nonce: str) -> int:
@@ -137,11 +174,12 @@ def memory_overhead(counter: Counter, nonce: str) -> int:
     return sum(counter.count(p) for p in pieces if p) + occurrences * len(nonce)
 
 
-def memory_section(memories: Sequence[ScoredMemory], nonce: str) -> str:
+def memory_section(memories: Sequence[ScoredMemory], nonce: str, lines: LineCache | None = None) -> str:
     if not memories:
         return ""
     head, tail = memory_frame(nonce)
-    return head + "".join(memory_line(m.hit) for m in memories) + tail
+    render = lines.line if lines is not None else memory_line
+    return head + "".join(render(m.hit) for m in memories) + tail
 
 
 @dataclass(frozen=True, slots=True)
