@@ -255,6 +255,9 @@ class AsyncClient:
                 raise DeadlineExceeded(
                     f"no reply within {timeout * 1000:.1f} ms (client-enforced deadline)",
                     request_id=req.request_id) from None
+            if time.monotonic() >= end:  # the loop may have stalled past the deadline: nothing late
+                raise DeadlineExceeded(f"reply arrived after the {timeout * 1000:.1f} ms deadline",
+                                       request_id=req.request_id)
             if isinstance(reply, AssembleResponse):
                 return reply
             last, unsent = reply, False

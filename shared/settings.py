@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     # Time the worker keeps back after retrieval for budget, pack, format and reply when the
     # request's own deadline is the binding one. Measured by bench (inproc p99 ~1 ms).
     post_retrieval_reserve_ms: float = Field(3.0, ge=0)
+    max_reply_reserve_ms: float = Field(10.0, ge=0, description="Cap on the measured post-retrieval reserve.")
 
     # -- budget policy -----------------------------------------------------------------------
     response_reserve_fraction: float = Field(0.15, gt=0, lt=1)

@@ -38,27 +38,33 @@ from worker.types import Rejection, ScoredMemory
 
 
 class StageCostTracker:
-    """Recent post-retrieval CPU times; the reserve kept back from the wall is their p99."""
+    """A recent high percentile of a duration, for keeping time back from the retrieval wall.
 
-    def __init__(self, initial_ms: float, window: int = 512) -> None:
+    p95 over the last ``window`` samples: high enough to cover the usual tail, low enough that a
+    short overload does not leave a reserve so large that every later request skips retrieval.
+    Until ``window // 4`` samples exist the configured initial value is the floor.
+    """
+
+    def __init__(self, initial_ms: float, window: int = 128, quantile: float = 0.95) -> None:
         self._samples: deque[int] = deque(maxlen=window)
         self._initial_ns = int(initial_ms * 1e6)
-        self._p99_ns = self._initial_ns
+        self._quantile = quantile
+        self._value_ns = self._initial_ns
         self._since = 0
 
     def observe(self, ns: int) -> None:
         self._samples.append(ns)
         self._since += 1
-        if self._since >= 32 or len(self._samples) < 32:
+        warm = len(self._samples) >= (self._samples.maxlen or 1) // 4
+        if self._since >= 16 or not warm:
             self._since = 0
             ordered = sorted(self._samples)
-            measured = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-            # Never trust fewer than 32 samples below the configured floor.
-            self._p99_ns = measured if len(ordered) >= 32 else max(measured, self._initial_ns)
+            measured = ordered[min(len(ordered) - 1, int(len(ordered) * self._quantile))]
+            self._value_ns = measured if warm else max(measured, self._initial_ns)
 
     @property
     def reserve_ns(self) -> int:
-        return self._p99_ns
+        return self._value_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +104,10 @@ class Assembler:
         self.lines = fmt.LineCache()
 
     def reserve_ns(self) -> int:
-        """Time kept back after retrieval: measured p99 of the CPU stages plus the reply's two hops."""
-        return self.post_cost.reserve_ns + 2 * self.transit.reserve_ns + 1_000_000
+        """Time kept back after retrieval: measured p95 of the CPU stages plus the reply's two hops
+        (plus 1 ms of scheduling slack), capped so an overloaded moment cannot starve retrieval."""
+        measured = self.post_cost.reserve_ns + 2 * self.transit.reserve_ns + 1_000_000
+        return min(measured, int(self.settings.max_reply_reserve_ms * 1e6))
 
     async def assemble(
         self, req: AssembleRequest, *, deadline_ns: int, nonce: str | None = None,

@@ -26,12 +26,28 @@ from zmq.utils.monitor import parse_monitor_message
 from shared import protocol as P
 from shared.codec import decode_request, encode, encode_error
 from shared.errors import DeadlineExceeded, IbexError, Internal
-from shared.models import ErrorReply
+from shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, ErrorReply, PackerStats
 from shared.observability import WorkerMetrics
 from shared.settings import Settings
 from worker.assemble import Assembler
 
 log = logging.getLogger(__name__)
+
+
+def transport_response(request_id: str, timings_us: dict[str, int]) -> AssembleResponse:
+    """The smallest valid response: what transport mode answers without assembling anything."""
+    skipped = BranchOutcome(status="skipped", elapsed_ms=0.0, detail="transport mode")
+    budget = BudgetBreakdown(model="-", tokenizer_family="-", estimate_kind="estimate", context_window=0,
+                             max_output=0, response_reserve=0, safety_buffer=0, directive_tokens=0,
+                             messages_tokens=0, tool_schema_tokens=0, formatter_overhead_tokens=0, usable=0,
+                             unclamped=0, constrained=True)
+    return AssembleResponse(
+        request_id=request_id, rendered="", sections=[], packed=[], decisions=[], budget=budget, constrained=True,
+        branches={"directive": skipped, "hot": skipped, "cold": skipped},
+        packer=PackerStats(path="empty", evaluated=0, excluded_for_budget=0, budget_reached=False, total_tokens=0,
+                           total_score=0.0, token_budget=0),
+        degraded=False, degraded_reasons=[], timings_us=timings_us, nonce="",
+    )
 
 
 class BrokerLink:
@@ -172,13 +188,14 @@ class WorkerServer:
             self._reply_error(link, client, rid, DeadlineExceeded(
                 f"deadline passed {-remaining / 1e6:.2f} ms before the worker could start"))
             return
+        transit_ns = time.time_ns() - stamp.sent_ns  # broker -> worker, measured before our own queueing
         task = asyncio.create_task(
-            self._handle(link, client, rid, stamp, payload, received_ns, received_ns + remaining))
+            self._handle(link, client, rid, stamp, payload, received_ns, received_ns + remaining, transit_ns))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
     async def _handle(self, link: BrokerLink, client: bytes, rid: bytes, stamp: P.Stamp, payload: bytes,
-                      received_ns: int, deadline_ns: int) -> None:
+                      received_ns: int, deadline_ns: int, transit_ns: int) -> None:
         started = time.monotonic_ns()
         req = decode_request(payload, max_bytes=self.settings.max_request_bytes)
         if isinstance(req, ErrorReply):
@@ -187,12 +204,12 @@ class WorkerServer:
             return
         timings = {"queue_wait": stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
         try:
-            if self.respond_immediately:
-                link.send([P.TAG, P.REPLY, client, rid, b""])
+            if self.respond_immediately:  # bench "transport" mode: a minimal valid response, no work
+                link.send([P.TAG, P.REPLY, client, rid, encode(transport_response(req.request_id, timings))])
                 self.stats["replied"] += 1
                 return
             resp = await self.assembler.assemble(req, deadline_ns=deadline_ns, timings_us=timings,
-                                                 transit_ns=time.time_ns() - stamp.sent_ns)
+                                                 transit_ns=transit_ns)
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)
