@@ -107,7 +107,7 @@ def test_same_answer_for_any_input_order(problem: tuple[list[ScoredMemory], int]
 @settings(max_examples=150)
 @given(problems(max_n=12, max_tokens=800))
 def test_small_n_matches_brute_force(problem: tuple[list[ScoredMemory], int]) -> None:
-    """Budgets up to 12,500 tokens get 1-token buckets: the DP is exact, so equal up to the
+    """Budgets up to 6,250 tokens get 1-token buckets: the DP is exact, so equal up to the
     2**-20 score scaling. Larger budgets use coarser buckets: within 1 % (spec allows 16)."""
     cands, budget = problem
     res = pack(cands, budget)
@@ -117,7 +117,7 @@ def test_small_n_matches_brute_force(problem: tuple[list[ScoredMemory], int]) ->
 
 
 def test_small_n_coarse_buckets_near_brute_force() -> None:
-    """Budgets above 12,500 tokens use buckets of up to 16 tokens, so the DP can miss packings
+    """Budgets above 6,250 tokens use buckets of up to 16 tokens, so the DP can miss packings
     that fit only to the token (hypothesis finds those: 24209 + 2116 = 26325 exactly). On
     realistic memories: >= 99 % of the brute-force optimum every time, equal almost always
     (the DP's over-capacity answers are checked on exact tokens)."""

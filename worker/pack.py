@@ -8,10 +8,10 @@ usable token budget, in seven steps (marked ``Step N`` in the code).
    milestone sketch's ``max(1, t // 16)``: a ceil-bucketed answer can never exceed the budget in
    exact tokens, so step 5 has nothing to undo, and the up to ``bucket_size - 1`` tokens per
    memory that ceil leaves unused are won back by step 6. ``bucket_size`` is the coarsest
-   bucket: when the budget left for the DP allows, buckets shrink (to 1 token at 12,500 tokens
-   or less) so the table has at most 12,500 columns. A DP row costs about the same at 12,500
-   columns as at 100K / 16 = 6,250 (numpy per-call overhead dominates), and 16-token buckets
-   lost up to 2.4 % of the optimum at 4K budgets in our measurements (bench/packer_bench.py).
+   bucket: when the budget left for the DP allows, buckets shrink (to 1 token at 6,250 tokens
+   or less) so the table keeps the spec's 100K / 16 = 6,250 columns; a DP row costs nearly the
+   same at any width up to that (numpy per-call overhead dominates), while 16-token buckets
+   alone lost up to 2.4 % of the optimum on random instances with a 4K budget.
    Because ceil overstates each memory by less than a bucket, the table also runs one bucket
    per row past the capacity, and the best few answers there are checked on exact tokens.
 3. Numpy DP when ``rows x (buckets + 1)`` is within ``cell_ceiling`` (rows: the memories that
@@ -52,12 +52,15 @@ MAX_CONSECUTIVE_SKIPS: Final = 8  # spec step 4: greedy stops after this many mi
 # Resolution 2**-20 ~ 1e-6 per memory; the exact float scores decide in step 6.
 _SCORE_SCALE: Final = 1 << 20
 # Most columns the DP uses: buckets shrink below ``bucket_size`` (down to 1 token) while the
-# budget left for the DP needs no more. A row costs about the same at 3,125 or 12,500 int32
-# columns (per-call overhead dominates) and twice as much at 25,000 (cache).
-_MAX_COLUMNS: Final = 12_500
+# budget left for the DP needs no more than the spec's 100K / 16 table width. Wider rows cost
+# more (12,500 columns: about +25 % per row here) and gained nothing once over-capacity answers
+# are checked on exact tokens.
+_MAX_COLUMNS: Final = 6250
 _INT32_MAX: Final = 2**31 - 1
 # How many over-capacity DP answers to check on exact tokens (see _knapsack).
 _OVER_CAPACITY_TRIES: Final = 3
+# Above this many undecided memories, one round of swaps to tighten the bound pays for itself.
+_IMPROVE_ABOVE: Final = 10
 # From this many knapsack rows on, reducing first pays: it costs about as much as 20 DP rows.
 _REDUCE_FROM: Final = 20
 _NEVER_FITS: Final = np.iinfo(np.int64).max
@@ -75,9 +78,11 @@ BoolArray = npt.NDArray[np.bool_]
 
 def _sorted(candidates: Sequence[ScoredMemory]) -> list[ScoredMemory]:
     """Step 1: score desc, then memory_id; tokens last so duplicate ids (a caller bug) still get
-    an order independent of the input's. Two stable C-level sorts instead of a Python key."""
-    order = sorted(candidates, key=_ID_TOKENS)
-    order.sort(key=_SCORE, reverse=True)  # reverse=True keeps equal scores in id order
+    an order independent of the input's. C-level sort keys; the id pass only when scores tie."""
+    order = sorted(candidates, key=_SCORE, reverse=True)
+    if len(set(map(_SCORE, order))) < len(order):
+        order = sorted(candidates, key=_ID_TOKENS)
+        order.sort(key=_SCORE, reverse=True)  # reverse=True keeps equal scores in id order
     return order
 
 
@@ -104,49 +109,51 @@ def pack(
     if max_consecutive_skips < 1:
         raise ValueError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
 
+    # Python lists for the O(n) bookkeeping (n <= 70 in practice: cheaper than numpy calls).
     order = _sorted(candidates)
-    n = len(order)
-    if n == 0:
-        return _result(order, np.zeros(0, dtype=np.bool_), "empty", token_budget)
-    tokens = np.fromiter(map(_TOKENS, order), dtype=np.int64, count=n)
-    scores = np.fromiter(map(_SCORE, order), dtype=np.float64, count=n)
+    tokens = list(map(_TOKENS, order))
+    scores = list(map(_SCORE, order))
     _check(order, tokens, scores)
+    if not order:
+        return _result(order, [], "empty", token_budget)
     if token_budget <= 0:
-        return _result(order, np.zeros(n, dtype=np.bool_), "empty", token_budget)
-    if int(tokens.sum()) <= token_budget:
-        return _result(order, np.ones(n, dtype=np.bool_), "all_fit", token_budget)
+        return _result(order, [False] * len(order), "empty", token_budget)
+    if sum(tokens) <= token_budget:
+        return _result(order, [True] * len(order), "all_fit", token_budget)
 
     # Zero-token memories always go in; oversized ones never can. Neither needs a DP row.
-    knap = ((tokens > 0) & (tokens <= token_budget)).nonzero()[0]
-    t, v = (tokens, scores) if knap.size == n else (tokens[knap], scores[knap])
+    knap = [i for i, x in enumerate(tokens) if 0 < x <= token_budget]
+    t = [tokens[i] for i in knap]
+    v = [scores[i] for i in knap]
     capacity = token_budget // bucket_size  # the spec's table width, capped below when all fit
-    if int(t.sum()) <= token_budget:
-        capacity = min(capacity, int(_ceil_div(t, bucket_size).sum()))
+    if sum(t) <= token_budget:
+        capacity = min(capacity, sum(-(-x // bucket_size) for x in t))
     path: PackPath
-    if knap.size * (capacity + 1) <= cell_ceiling:  # Step 3, else step 4
-        path, sub = "dp", _solve_dp(t, v, token_budget, bucket_size)
+    if len(knap) * (capacity + 1) <= cell_ceiling:  # Step 3, else step 4
+        path, taken = "dp", _solve_dp(t, v, token_budget, bucket_size)
     else:
         path = "greedy"
-        sub = np.zeros(knap.size, dtype=np.bool_)
-        sub[_greedy(t.tolist(), range(knap.size), token_budget, max_consecutive_skips)] = True
-        _repair(sub, t, v, token_budget)  # Step 5 (a no-op: greedy counts exact tokens)
+        sub = np.zeros(len(knap), dtype=np.bool_)
+        sub[_greedy(t, range(len(knap)), token_budget, max_consecutive_skips)] = True
+        t_arr, v_arr = np.array(t, dtype=np.int64), np.array(v, dtype=np.float64)
+        _repair(sub, t_arr, v_arr, token_budget)  # Step 5 (a no-op: greedy counts exact tokens)
         # Step 6, its swap searches bounded in total by the same ceiling as the DP table.
-        _improve(sub, t, v, token_budget, max_work=cell_ceiling)
-    chosen = tokens == 0
-    chosen[knap[sub]] = True
+        _improve(sub, t_arr, v_arr, token_budget, max_work=cell_ceiling)
+        taken = sub.nonzero()[0].tolist()
+    chosen = [x == 0 for x in tokens]
+    for j in taken:
+        chosen[knap[j]] = True
     return _result(order, chosen, path, token_budget)
 
 
-def _check(order: Sequence[ScoredMemory], tokens: IntArray, scores: FloatArray) -> None:
+def _check(order: Sequence[ScoredMemory], tokens: list[int], scores: list[float]) -> None:
     """Refuse inputs ``worker.score`` would have rejected: they would break the bounds below."""
-    if tokens.min() >= 0 and scores.min() >= 0.0 and scores.max() <= 1.0:  # NaN fails these too
-        return
-    bad = np.flatnonzero((tokens < 0) | ~(scores >= 0.0) | ~(scores <= 1.0))
-    m = order[int(bad[0])]
-    raise ValueError(
-        f"candidate {m.memory_id!r} has tokens={m.tokens!r}, composite_score={m.composite_score!r}; "
-        "tokens must be >= 0 and the score finite in [0, 1] (see worker.score)"
-    )
+    for m, t, s in zip(order, tokens, scores, strict=True):
+        if t < 0 or not 0.0 <= s <= 1.0:  # NaN fails the comparison too
+            raise ValueError(
+                f"candidate {m.memory_id!r} has tokens={t!r}, composite_score={s!r}; "
+                "tokens must be >= 0 and the score finite in [0, 1] (see worker.score)"
+            )
 
 
 def _ceil_div(a: IntArray, b: int) -> IntArray:
@@ -172,35 +179,39 @@ def _greedy(t: list[int], order: Iterable[int], budget: int, max_consecutive_ski
     return taken
 
 
-def _solve_dp(t: IntArray, v: FloatArray, budget: int, bucket_size: int) -> BoolArray:
-    """Steps 2, 3, 5, 6 for memories that each fit (``0 < t <= budget``); returns the taken mask.
+def _solve_dp(t_l: list[int], v_l: list[float], budget: int, bucket_size: int) -> list[int]:
+    """Steps 2, 3, 5, 6 for memories that each fit (``0 < t <= budget``); returns those taken.
 
     1. Lower bounds: the score-desc greedy, and (from ``_REDUCE_FROM`` rows) the score-per-token
-       greedy improved by one round of one-for-one swaps, often optimal already. The better one
-       lets ``_reduce`` decide most memories without a DP row.
+       greedy, improved by a round of one-for-one swaps when the first reduction leaves a large
+       core. The better one lets ``_reduce`` decide most memories without a DP row.
     2. The DP over the undecided core. With 1-token buckets it is exact; otherwise its answer is
        repaired and improved on exact tokens (steps 5 and 6).
     3. The best of the DP answer and the lower bounds: never below greedy.
     """
-    n = t.size
-    t_l, v_l = t.tolist(), v.tolist()
+    n = len(t_l)
     if sum(t_l) <= budget:
-        return np.ones(n, dtype=np.bool_)
-    best = np.zeros(n, dtype=np.bool_)
-    best[_greedy(t_l, range(n), budget, n)] = True  # score desc: t, v arrive in score order
-    best_value = float(v[best].sum())
+        return list(range(n))
+    best = _greedy(t_l, range(n), budget, n)  # score desc: t, v arrive in score order
+    best_value = sum(v_l[i] for i in best)
+    t, v = np.array(t_l, dtype=np.int64), np.array(v_l, dtype=np.float64)
     if n < _REDUCE_FROM:  # the reduction would cost more than the DP rows it saves
         fixed_in, core = np.zeros(0, dtype=np.int64), np.arange(n)
     else:
         by_ratio = np.argsort(-(v / t), kind="stable").tolist()
         taken, lp_bound, ratio = _ratio_greedy(t_l, v_l, by_ratio, budget)
-        incumbent = np.zeros(n, dtype=np.bool_)
-        incumbent[taken] = True
-        _improve(incumbent, t, v, budget, pairs=False, max_rounds=1)
-        value = float(v[incumbent].sum())
+        value = sum(v_l[i] for i in taken)
         if value > best_value + _MIN_GAIN:
-            best, best_value = incumbent, value
+            best, best_value = taken, value
         fixed_in, core = _reduce(t, v, lp_bound, ratio, best_value)
+        if core.size > _IMPROVE_ABOVE:  # a better bound is worth a swap search
+            incumbent = np.zeros(n, dtype=np.bool_)
+            incumbent[taken] = True
+            _improve(incumbent, t, v, budget, pairs=False, max_rounds=1)
+            value = float(v[incumbent].sum())
+            if value > best_value + _MIN_GAIN:
+                best, best_value = incumbent.nonzero()[0].tolist(), value
+                fixed_in, core = _reduce(t, v, lp_bound, ratio, best_value)
 
     found = np.zeros(n, dtype=np.bool_)
     found[fixed_in] = True
@@ -218,7 +229,8 @@ def _solve_dp(t: IntArray, v: FloatArray, budget: int, bucket_size: int) -> Bool
     _repair(found, t, v, budget)  # Step 5
     # Step 6. 1-token buckets: the DP is exact, only refill (memories of score 0 that fit).
     _improve(found, t, v, budget, max_rounds=None if bucket > 1 else 0)
-    return found if float(v[found].sum()) > best_value - _MIN_GAIN else best
+    taken = found.nonzero()[0].tolist()
+    return taken if sum(v_l[i] for i in taken) > best_value - _MIN_GAIN else best
 
 
 def _ratio_greedy(t: list[int], v: list[float], by_ratio: list[int], budget: int) -> tuple[list[int], float, float]:
@@ -436,10 +448,10 @@ def _best_swap(
     return move, work
 
 
-def _result(order: list[ScoredMemory], chosen: BoolArray, path: PackPath, budget: int) -> PackResult:
+def _result(order: list[ScoredMemory], chosen: list[bool], path: PackPath, budget: int) -> PackResult:
     """Step 7: emit in score desc, then memory_id (``order`` is already sorted that way)."""
-    packed = tuple(compress(order, chosen.tolist()))
-    excluded = tuple(compress(order, (~chosen).tolist()))
+    packed = tuple(compress(order, chosen))
+    excluded = tuple(compress(order, [not c for c in chosen]))
     return PackResult(
         packed=packed,
         excluded=excluded,
