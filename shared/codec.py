@@ -87,9 +87,6 @@ def unpack(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any | ErrorRep
             message=f"payload is not valid msgpack ({type(exc).__name__}: {exc})"[:300],
             field="<payload>",
         )
-    if _depth(obj, MAX_DEPTH) > MAX_DEPTH:
-        return ErrorReply(code=ErrorCode.INVALID_REQUEST,
-                          message=f"payload nests deeper than {MAX_DEPTH} levels", field="<payload>")
     return obj
 
 
@@ -109,10 +106,17 @@ def validate(obj: Any, model: type[M]) -> M | ErrorReply:
     if not isinstance(obj, dict):
         return ErrorReply(code=ErrorCode.INVALID_REQUEST,
                           message=f"payload must be a map, got {type(obj).__name__}", field="<root>")
-    bad = _first_nonfinite(obj)
-    if bad is not None:
-        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
-                          message=f"{bad}: NaN and infinity are not accepted", field=bad)
+    # Typed fields refuse NaN/inf and bound their nesting through the schema; only free-form JSON
+    # (tool_schemas) can hide a NaN or nest without limit, so only that subtree is walked.
+    free = obj.get("tool_schemas")
+    if isinstance(free, list):
+        if _depth(free, MAX_DEPTH) > MAX_DEPTH:
+            return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
+                              message=f"tool_schemas nest deeper than {MAX_DEPTH} levels", field="tool_schemas")
+        bad = _first_nonfinite(free, "tool_schemas")
+        if bad is not None:
+            return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
+                              message=f"{bad}: NaN and infinity are not accepted", field=bad)
     version = obj.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
         return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
