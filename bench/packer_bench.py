@@ -16,9 +16,10 @@ adversarial case; and "flat-ratio", where every memory has the same score per to
 bound decides any memory and the DP needs all 70 rows (the packer's slowest realistic input).
 
 Latency is ``time.perf_counter_ns`` around one call, after a warm-up, over ``--repeat`` calls
-(the oracle, which takes seconds on the flat-ratio case, gets ``--oracle-repeat`` runs and no
-warm-up, so its p99 is just its slowest run). Prints a Markdown table and the targets, and writes
-``bench/out/packer.json``. A benchmark, not a test: nothing here asserts.
+interleaved round-robin across packer, greedy and sketch. The oracle, which takes seconds on
+the flat-ratio case, gets ``--oracle-repeat`` runs and no warm-up, so its p99 is its slowest
+run. Prints a Markdown table and the targets, and writes ``bench/out/packer.json``. A
+benchmark, not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -199,28 +200,36 @@ def make_cases(seed: int) -> list[Case]:
 # --------------------------------------------------------------------------------------- measure
 
 
-def _time(fn: Packer, case: Case, repeat: int, warmup: int = WARMUP) -> tuple[list[ScoredMemory], float, float]:
-    for _ in range(warmup):
-        fn(case.candidates, case.budget)
+def _time(
+    fns: dict[str, Packer], case: Case, repeat: int, warmup: int
+) -> dict[str, tuple[list[ScoredMemory], float, float]]:
+    """(packing, p50 µs, p99 µs) per algorithm. Calls are interleaved round-robin, so a noisy
+    moment on this shared machine hits every algorithm alike rather than one block of runs."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn(case.candidates, case.budget)
     gc.collect()
-    samples: list[int] = []
-    packed: list[ScoredMemory] = []
+    samples: dict[str, list[int]] = {name: [] for name in fns}
+    packed: dict[str, list[ScoredMemory]] = {}
     for _ in range(repeat):
-        start = time.perf_counter_ns()
-        packed = fn(case.candidates, case.budget)
-        samples.append(time.perf_counter_ns() - start)
-    return packed, percentile(samples, 50) / 1e3, percentile(samples, 99) / 1e3
+        for name, fn in fns.items():
+            start = time.perf_counter_ns()
+            packed[name] = fn(case.candidates, case.budget)
+            samples[name].append(time.perf_counter_ns() - start)
+    return {
+        name: (packed[name], percentile(runs, 50) / 1e3, percentile(runs, 99) / 1e3) for name, runs in samples.items()
+    }
 
 
 def measure(case: Case, repeat: int, oracle_repeat: int) -> dict[str, Any]:
     row: dict[str, Any] = {"case": case.name, "n": len(case.candidates), "budget": case.budget}
     row["path"] = pack(case.candidates, case.budget).path
+    fast = {name: fn for name, fn in ALGORITHMS.items() if name != "milp"}
+    timed = _time(fast, case, repeat, WARMUP)
+    # The oracle takes seconds on the flat-ratio case: a few runs, no warm-up.
+    timed |= _time({"milp": ALGORITHMS["milp"]}, case, oracle_repeat, 0)
     totals: dict[str, float] = {}
-    for name, fn in ALGORITHMS.items():
-        if name == "milp":  # seconds on the flat-ratio case: a few runs, no warm-up
-            packed, p50, p99 = _time(fn, case, oracle_repeat, warmup=0)
-        else:
-            packed, p50, p99 = _time(fn, case, repeat)
+    for name, (packed, p50, p99) in timed.items():
         tokens = sum(m.tokens for m in packed)
         totals[name] = sum(m.composite_score for m in packed)
         row[name] = {
@@ -265,7 +274,7 @@ def spread(case_name: str, seeds: int, repeat: int) -> dict[str, Any]:
     p99s = []
     for seed in range(seeds):
         case = next(c for c in make_cases(seed) if c.name == case_name)
-        p99s.append(_time(packer, case, repeat)[2])
+        p99s.append(_time({"packer": packer}, case, repeat, WARMUP)["packer"][2])
     p99s.sort()
     return {"case": case_name, "seeds": seeds, "p99_us": p99s}
 
