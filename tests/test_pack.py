@@ -276,6 +276,19 @@ def test_knapsack_table_is_exact(items: list[tuple[int, int]], capacity: int) ->
     assert int(values[taken].sum()) == best
 
 
+def test_knapsack_checks_over_capacity_answers_on_exact_tokens() -> None:
+    """Tokens 15 + 15 + 11 = 41 fit a 41-token budget, but in 10-token buckets they weigh
+    2 + 2 + 2 = 6 > 4: only the over-capacity check finds that all three fit."""
+    tokens = np.array([15, 15, 11], dtype=np.int64)
+    weights = -(-tokens // 10)
+    values = np.array([5, 4, 3], dtype=np.int64)
+    assert pack_mod._knapsack(weights, values, 4).tolist() == [True, True, False]  # bucketed only
+    exact = pack_mod._knapsack(weights, values, 4, tokens=tokens, limit=41, bucket=10)
+    assert exact.tolist() == [True, True, True]
+    tight = pack_mod._knapsack(weights, values, 4, tokens=tokens, limit=40, bucket=10)
+    assert tight.tolist() == [True, True, False]  # 41 > 40: falls back to the answer that fits
+
+
 def test_repair_drops_lowest_score_per_token_until_it_fits() -> None:
     t = np.array([100, 400, 300, 50], dtype=np.int64)
     v = np.array([0.9, 0.5, 0.8, 0.1], dtype=np.float64)
