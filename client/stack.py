@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -235,16 +235,6 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def local_stack(**kw: Any) -> Iterator[LocalStack]:
-    stack = LocalStack(**kw)
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
 
 
 # ------------------------------------------------------------------------------ supervisord

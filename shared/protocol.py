@@ -41,8 +41,6 @@ HEARTBEAT = b"\x05"
 DISCONNECT = b"\x06"
 STATUS = b"\x07"
 
-COMMAND_NAMES = {REQUEST: "REQUEST", REPLY: "REPLY", ERROR: "ERROR", READY: "READY",
-                 HEARTBEAT: "HEARTBEAT", DISCONNECT: "DISCONNECT", STATUS: "STATUS"}
 
 # High-water marks: set before bind/connect. The broker's own queue (queue_max) is the real
 # backlog bound; socket buffers only absorb bursts.

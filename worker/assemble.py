@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.catalog import Catalog
@@ -269,5 +269,3 @@ def _unit(v: float | None) -> float | None:
         return None
     return v
 
-
-Runner = Callable[[AssembleRequest], Awaitable[AssembleResponse]]
