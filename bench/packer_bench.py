@@ -15,11 +15,11 @@ candidates total twice the budget, which makes the DP table full size); the mile
 adversarial case; and "flat-ratio", where every memory has the same score per token, so no
 bound decides any memory and the DP needs all 70 rows (the packer's slowest realistic input).
 
-Latency is ``time.perf_counter_ns`` around one call, after a warm-up, over ``--repeat`` calls
-interleaved round-robin across packer, greedy and sketch. The oracle, which takes seconds on
-the flat-ratio case, gets ``--oracle-repeat`` runs and no warm-up, so its p99 is its slowest
-run. Prints a Markdown table and the targets, and writes ``bench/out/packer.json``. A
-benchmark, not a test: nothing here asserts.
+Latency is ``time.perf_counter_ns`` around one call, over ``--repeat`` calls after a warm-up,
+each algorithm in its own block (``--interleave``: round-robin, see ``_time``). The oracle,
+which takes seconds on the flat-ratio case, gets ``--oracle-repeat`` runs and no warm-up, so
+its p99 is its slowest run. Prints a Markdown table and the targets, and writes
+``bench/out/packer.json``. A benchmark, not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -201,31 +201,38 @@ def make_cases(seed: int) -> list[Case]:
 
 
 def _time(
-    fns: dict[str, Packer], case: Case, repeat: int, warmup: int
+    fns: dict[str, Packer], case: Case, repeat: int, warmup: int, interleave: bool = False
 ) -> dict[str, tuple[list[ScoredMemory], float, float]]:
-    """(packing, p50 µs, p99 µs) per algorithm. Calls are interleaved round-robin, so a noisy
-    moment on this shared machine hits every algorithm alike rather than one block of runs."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn(case.candidates, case.budget)
-    gc.collect()
+    """(packing, p50 µs, p99 µs) per algorithm.
+
+    By default each algorithm runs in its own block after its own warm-up. ``interleave`` runs
+    them round-robin instead: a noisy moment then hits all alike, but the sketch's multi-MB
+    tables evict the packer's working set between calls (about doubling the packer's time
+    here), which measures the sketch as much as the packer.
+    """
     samples: dict[str, list[int]] = {name: [] for name in fns}
     packed: dict[str, list[ScoredMemory]] = {}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter_ns()
-            packed[name] = fn(case.candidates, case.budget)
-            samples[name].append(time.perf_counter_ns() - start)
+    blocks = [list(fns.items())] if interleave else [[item] for item in fns.items()]
+    for block in blocks:
+        for _, fn in block:
+            for _ in range(warmup):
+                fn(case.candidates, case.budget)
+        gc.collect()
+        for _ in range(repeat):
+            for name, fn in block:
+                start = time.perf_counter_ns()
+                packed[name] = fn(case.candidates, case.budget)
+                samples[name].append(time.perf_counter_ns() - start)
     return {
         name: (packed[name], percentile(runs, 50) / 1e3, percentile(runs, 99) / 1e3) for name, runs in samples.items()
     }
 
 
-def measure(case: Case, repeat: int, oracle_repeat: int) -> dict[str, Any]:
+def measure(case: Case, repeat: int, oracle_repeat: int, interleave: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"case": case.name, "n": len(case.candidates), "budget": case.budget}
     row["path"] = pack(case.candidates, case.budget).path
     fast = {name: fn for name, fn in ALGORITHMS.items() if name != "milp"}
-    timed = _time(fast, case, repeat, WARMUP)
+    timed = _time(fast, case, repeat, WARMUP, interleave)
     # The oracle takes seconds on the flat-ratio case: a few runs, no warm-up.
     timed |= _time({"milp": ALGORITHMS["milp"]}, case, oracle_repeat, 0)
     totals: dict[str, float] = {}
@@ -306,13 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=200, help="timed calls per algorithm and case")
     parser.add_argument("--oracle-repeat", type=int, default=3, help="timed calls of the milp oracle")
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--interleave", action="store_true", help="time the algorithms round-robin")
     parser.add_argument("--spread-seeds", type=int, default=20, help="other draws of the key case (0: skip)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.oracle_repeat < 1:
         parser.error("--repeat and --oracle-repeat must be >= 1")
 
-    rows = [measure(case, args.repeat, args.oracle_repeat) for case in make_cases(args.seed)]
+    rows = [measure(case, args.repeat, args.oracle_repeat, args.interleave) for case in make_cases(args.seed)]
     targets = _targets(rows)
     print(render(rows, targets))
     other = spread(KEY_CASE, args.spread_seeds, args.repeat) if args.spread_seeds > 0 else None
@@ -322,7 +330,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\n{KEY_CASE} drawn with seeds 0..{len(p99s) - 1}: packer p99 min {p99s[0]:.0f} µs, "
             f"median {percentile(p99s, 50):.0f} µs, max {p99s[-1]:.0f} µs"
         )
-    meta = {"repeat": args.repeat, "oracle_repeat": args.oracle_repeat, "seed": args.seed, "warmup": WARMUP}
+    meta = {
+        "repeat": args.repeat,
+        "oracle_repeat": args.oracle_repeat,
+        "seed": args.seed,
+        "warmup": WARMUP,
+        "interleave": args.interleave,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "meta": meta,
