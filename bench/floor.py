@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from bench.loadgen import OK, Reply, RunResult, open_loop
 from bench.stats import Histograms
-from client.stack import free_port
+from client.stack import free_port, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,15 +85,7 @@ def floor_processes() -> Iterator[FloorProcs]:
         _wait_echo(fp.direct)
         yield fp
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes(procs, timeout_s=5)
 
 
 def _wait_echo(endpoint: str, timeout_s: float = 15.0) -> None:

@@ -47,6 +47,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGCONT (a stopped child cannot exit) + SIGTERM to all, then reap; SIGKILL the stragglers."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,18 +230,7 @@ class LocalStack:
         self.start_broker(i)
 
     def stop(self) -> None:
-        procs = [p for p in [*self.workers, *self.brokers, self.memory] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGCONT)
-                    p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes([p for p in [*self.workers, *self.brokers, self.memory] if p is not None])
         if self.embedded is not None:
             self.embedded.close()
 
