@@ -24,7 +24,7 @@ import numpy as np
 
 from bench.stats import COMPONENTS, WORKER_STAGES, Histograms
 from client.client import AsyncClient
-from shared.errors import ErrorCode, IbexError
+from shared.errors import IbexError
 from shared.models import AssembleRequest
 
 OK = "OK"
@@ -237,18 +237,14 @@ async def open_loop(call: Call, *, rate: float, duration_s: float, deadline_ms: 
 class ClientTarget:
     """Sends through the real ``AsyncClient``; each send gets a fresh request_id.
 
-    ``transport_mode``: workers started with ``--mode transport`` reply with an empty payload,
-    which the client cannot decode and reports as INVALID_REQUEST on field ``<payload>``. That
-    exact error is the transport echo arriving and is counted as a reply (see the final report).
+    Workers started with ``--mode transport`` answer at once with a minimal valid response
+    (``worker.server.transport_response``), which counts as a reply like any other.
     """
 
-    def __init__(self, client: AsyncClient, templates: Sequence[AssembleRequest], *, tag: str,
-                 transport_mode: bool = False) -> None:
+    def __init__(self, client: AsyncClient, templates: Sequence[AssembleRequest], *, tag: str) -> None:
         self.client = client
         self.templates = list(templates)
         self.tag = tag
-        self.transport_mode = transport_mode
-        self.empty_replies = 0
 
     async def __call__(self, i: int, timeout_s: float) -> Reply:
         tmpl = self.templates[i % len(self.templates)]
@@ -256,8 +252,5 @@ class ClientTarget:
         try:
             resp = await self.client.assemble(req, timeout=timeout_s)
         except IbexError as exc:
-            if self.transport_mode and exc.code == ErrorCode.INVALID_REQUEST and exc.field == "<payload>":
-                self.empty_replies += 1
-                return Reply(OK)
             return Reply(exc.code.value)
         return Reply(OK, dict(resp.timings_us), resp.degraded, resp.worker_id, tuple(resp.degraded_reasons))

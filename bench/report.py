@@ -82,8 +82,8 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
             inter = " in A/B segments interleaved with the bare relay at the same rate" if (
                 fl and fl.get("interleaved_with_transport")) else ""
             out += ["", f"Transport-mode saturation (ramp): {tr['saturation_rps']:.0f} replies/s; the open-loop "
-                        f"runs are at half of it{inter}. Transport-mode workers reply with an empty payload, which "
-                        f"the client reports as INVALID_REQUEST `<payload>`; the harness counts those as replies."]
+                        f"runs are at half of it{inter}. Transport-mode workers answer at once with a minimal valid "
+                        f"response (no retrieval, no packing)."]
         out.append("")
 
     full = results.get("full")

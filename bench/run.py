@@ -208,14 +208,13 @@ class Driver:
     """Runs open-loop steps through one AsyncClient and attaches broker counter deltas."""
 
     def __init__(self, client: AsyncClient, templates: list[AssembleRequest], *, status_endpoint: str | None,
-                 plan: Plan, progress: Progress, meta: dict[str, Any], transport_mode: bool = False) -> None:
+                 plan: Plan, progress: Progress, meta: dict[str, Any]) -> None:
         self.client = client
         self.templates = templates
         self.status_endpoint = status_endpoint
         self.plan = plan
         self.progress = progress
         self.meta = meta
-        self.transport_mode = transport_mode
         self.runs = 0
         self.raw: list[RunResult] = []
 
@@ -229,29 +228,26 @@ class Driver:
         """One request at a time: warms connections and caches without a burst (a burst would
         also teach the workers' stage-cost trackers an inflated reserve)."""
         self.runs += 1
-        target = ClientTarget(self.client, self.templates, tag=f"warm{self.runs}", transport_mode=self.transport_mode)
+        target = ClientTarget(self.client, self.templates, tag=f"warm{self.runs}")
         for k in range(self.plan.warmup if n is None else n):
             await target(k, 2.0)
 
-    async def run(self, label: str, rate: float, duration_s: float) -> tuple[RunResult, dict[str, int], int]:
-        """One open-loop run: (raw result, broker counter deltas, transport empty replies)."""
+    async def run(self, label: str, rate: float, duration_s: float) -> tuple[RunResult, dict[str, int]]:
+        """One open-loop run: (raw result, broker counter deltas)."""
         self.runs += 1
         before = await self._broker_stats()
         tick = self.progress.run(label, int(rate * duration_s))
-        target = ClientTarget(self.client, self.templates, tag=f"{self.meta.get('mode')}-{self.runs}",
-                              transport_mode=self.transport_mode)
+        target = ClientTarget(self.client, self.templates, tag=f"{self.meta.get('mode')}-{self.runs}")
         run = await open_loop(target, rate=rate, duration_s=duration_s, deadline_ms=self.plan.deadline_ms,
                               label=label, seed=self.plan.seed * 1000 + self.runs, tick=tick, meta=self.meta)
         after = await self._broker_stats()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))
                  if after.get(k, 0) != before.get(k, 0)}
         self.raw.append(run)
-        return run, delta, target.empty_replies
+        return run, delta
 
-    def summarize(self, run: RunResult, broker: dict[str, int], empty_replies: int) -> dict[str, Any]:
+    def summarize(self, run: RunResult, broker: dict[str, int]) -> dict[str, Any]:
         s = run.summary()
-        if self.transport_mode:
-            s["transport_empty_replies"] = empty_replies
         s["broker"] = broker
         p99 = _p99(s)
         self.progress.note(f"{run.label}: goodput {s['goodput_rps']:.0f}/s p99 "
@@ -259,13 +255,13 @@ class Driver:
         return s
 
     async def step(self, label: str, rate: float, duration_s: float) -> dict[str, Any]:
-        run, broker, empty = await self.run(label, rate, duration_s)
+        run, broker = await self.run(label, rate, duration_s)
         await asyncio.sleep(self.plan.pause_s)  # let queues drain: the next step starts clean
-        return self.summarize(run, broker, empty)
+        return self.summarize(run, broker)
 
     async def closed_loop(self, n: int) -> dict[str, Any]:
         """``n`` requests one at a time (no queueing anywhere): the per-request path cost."""
-        target = ClientTarget(self.client, self.templates, tag=f"closed{self.runs}", transport_mode=self.transport_mode)
+        target = ClientTarget(self.client, self.templates, tag=f"closed{self.runs}")
         hs = Histograms()
         outcomes: dict[str, int] = {}
         for i in range(n):
@@ -307,7 +303,7 @@ async def transport_phase(endpoint: str, plan: Plan, progress: Progress, workers
     zctx = None
     try:
         d = Driver(c, request_templates(seed=plan.seed), status_endpoint=endpoint, plan=plan, progress=progress,
-                   meta={"mode": "transport", "workers": workers}, transport_mode=True)
+                   meta={"mode": "transport", "workers": workers})
         await d.warm()
         closed = await d.closed_loop(plan.closed_loop)
         ramp = await d.ramp(start=plan.transport_ramp_start_rps, factor=plan.transport_ramp_factor,
@@ -318,12 +314,11 @@ async def transport_phase(endpoint: str, plan: Plan, progress: Progress, workers
             raw = floor.RawTarget(zctx, fp.relay_front, payload)
             await raw(-1, 5.0)
         seg_s = plan.transport_s / plan.segments
-        t_runs, f_runs, empties = [], [], 0
+        t_runs, f_runs = [], []
         broker: dict[str, int] = {}
         for k in range(plan.segments):
-            run, delta, empty = await d.run(f"transport {rate:.0f}/s [{k + 1}/{plan.segments}]", rate, seg_s)
+            run, delta = await d.run(f"transport {rate:.0f}/s [{k + 1}/{plan.segments}]", rate, seg_s)
             t_runs.append(run)
-            empties += empty
             for key, v in delta.items():
                 broker[key] = broker.get(key, 0) + v
             await asyncio.sleep(plan.pause_s / 2)
@@ -336,7 +331,7 @@ async def transport_phase(endpoint: str, plan: Plan, progress: Progress, workers
         out: dict[str, Any] = {
             "workers": workers, "saturation_rps": ramp["saturation_rps"], "saturation_reached": ramp["reached"],
             "closed_loop": closed, "ramp": ramp["steps"],
-            "half_saturation": d.summarize(merge_runs(t_runs, f"transport {rate:.0f}/s"), broker, empties)}
+            "half_saturation": d.summarize(merge_runs(t_runs, f"transport {rate:.0f}/s"), broker)}
         if f_runs:
             out["floor_relay_open_loop"] = merge_runs(f_runs, f"floor relay {rate:.0f}/s").summary()
         return out
