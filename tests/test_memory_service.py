@@ -372,7 +372,8 @@ def test_fault_malformed(http: httpx.Client, memory: MemoryServiceHandle) -> Non
 
 def test_fault_drop(http: httpx.Client, memory: MemoryServiceHandle) -> None:
     memory.set_fault("search", drop=True)
-    with pytest.raises(httpx.RemoteProtocolError):
+    # closed without a response: a clean close or a reset (RST), depending on timing
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
         search(http, memory, "acme", {"query": "x", "agent_id": "bot"})
     assert hot(http, memory, "acme", "bot").status_code == 200
     assert "Traceback" not in memory.log_tail(200)
