@@ -27,7 +27,8 @@ from tests.helpers import start_stack
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16", "IBEX_DIRECTIVE_TIMEOUT_MS": "300",
        "IBEX_HOT_TIMEOUT_MS": "600", "IBEX_COLD_TIMEOUT_MS": "600", "IBEX_CONTEXT_TIMEOUT": "800",
        "IBEX_CONTEXT_DEADLINE_MS": "800"}
-SLACK_S = 0.02
+RESPONSE_SLACK_S = 0.005  # between the client's last clock check and the return
+ERROR_SLACK_S = 0.25  # a loaded CI box can stall this process's event loop
 
 
 def _start(tmp: Path, **kw: Any) -> LocalStack:
@@ -80,7 +81,10 @@ async def load(stack: LocalStack, n: int, timeout: float, inject: Callable[[], A
         late_dropped = c.stats["late_replies_dropped"]
     outcomes: collections.Counter[str] = collections.Counter()
     for rid, r, elapsed in results:
-        assert elapsed <= timeout + SLACK_S, (rid, r, elapsed)  # nothing after the deadline
+        # a response is never handed back after the deadline (the client re-checks the clock);
+        # an error may surface a little late if this test's own event loop stalls
+        limit = timeout + (RESPONSE_SLACK_S if isinstance(r, AssembleResponse) else ERROR_SLACK_S)
+        assert elapsed <= limit, (rid, r, elapsed)
         if isinstance(r, AssembleResponse):
             assert r.request_id == rid
             outcomes["degraded" if r.degraded else "ok"] += 1
