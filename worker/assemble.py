@@ -164,7 +164,8 @@ class Assembler:
         directive_n = counter.count(directive)
         joins = sum(1 for s in (directive, history, tools) if s)
         join_n = counter.count(fmt.SECTION_JOIN) * max(0, joins - 1)
-        overhead_n = fmt.memory_overhead(counter, nonce) + join_n
+        overhead_mem = fmt.memory_overhead(counter, nonce)
+        overhead_n = overhead_mem + join_n
         budget = compute_budget(
             spec,
             directive=TokenCount(directive_n, fam, kind),
@@ -199,7 +200,6 @@ class Assembler:
         t4 = check("formatting")
         timings["packing"] = _us(t3, t4)
 
-        overhead_mem = fmt.memory_overhead(counter, nonce)
         if self.verify_format:  # exact re-count of the rendered section (explain; costs a full BPE pass)
             mem_text, kept, dropped = fmt.fit_memory_section(
                 counter, result.packed, nonce, result.total_tokens + overhead_mem)
