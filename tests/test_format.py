@@ -120,3 +120,32 @@ def test_fit_memory_section_enforces_the_limit() -> None:
     assert len(kept) == 5 and not dropped
     text, kept, dropped = fmt.fit_memory_section(counter, mems, NONCE, exact - 1)
     assert dropped == [mems[0]] and counter.count(fmt.SECTION_JOIN + text) <= exact - 1
+
+
+# Messages arrive through the validated wire model, which refuses lone surrogates.
+msg_text = st.one_of(st.text(st.characters(blacklist_categories=("Cs",)), max_size=300),
+                     st.sampled_from([h for h in HOSTILE if "\ud800" not in h]))
+messages = st.lists(st.builds(Message, role=st.sampled_from(["system", "user", "assistant", "tool"]), content=msg_text),
+                    max_size=6)
+schemas = st.lists(st.dictionaries(st.text(max_size=8), st.one_of(msg_text, st.integers(), st.booleans()), max_size=3),
+                   max_size=3)
+
+
+@pytest.mark.parametrize("counter", FAMILY_COUNTERS, ids=lambda c: c.family)
+@given(msgs=messages, tools=schemas)
+def test_line_by_line_counts_bound_the_sections(counter, msgs: list[Message], tools: list[dict]) -> None:  # type: ignore[no-untyped-def]
+    text, n = fmt.history_counted(counter, msgs)
+    assert text == fmt.history_section(msgs) and n >= counter.count(text)
+    text, n = fmt.tools_counted(counter, tools)
+    assert text == fmt.tools_section(tools) and n >= counter.count(text)
+
+
+def test_history_counting_reuses_the_cache_for_seen_messages() -> None:
+    from shared.tokens import CachedCounter, ExactCounter
+
+    counter = CachedCounter(ExactCounter("o200k", "o200k_base"))
+    convo = [Message(role="user" if i % 2 else "assistant", content=f"turn {i}: " + "words " * 50) for i in range(20)]
+    fmt.history_counted(counter, convo)
+    misses = counter.misses
+    fmt.history_counted(counter, [*convo, Message(role="user", content="one more question")])
+    assert counter.misses == misses + 1  # only the new message was tokenized

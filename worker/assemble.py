@@ -11,6 +11,7 @@ request deadline minus the measured p99 of the post-retrieval stages (``StageCos
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from collections import deque
@@ -127,10 +128,9 @@ class Assembler:
         )
         wait = self.retriever.start(req, wall_end_ns=wall_end)
         counter = self.catalog.counter(spec.family.name)
-        # Count what needs no I/O while the branches are in flight.
-        history = fmt.history_section(req.recent_messages)
-        tools = fmt.tools_section(req.tool_schemas)
-        pre = (history, counter.count(history), tools, counter.count(tools))
+        # Let the branches send their requests, then count what needs no I/O while they are in flight.
+        await asyncio.sleep(0)
+        pre = (*fmt.history_counted(counter, req.recent_messages), *fmt.tools_counted(counter, req.tool_schemas))
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = dict(timings_us or {})
@@ -156,9 +156,8 @@ class Assembler:
 
         t = check("budget")
         if precounted is None:
-            history = fmt.history_section(req.recent_messages)
-            tools = fmt.tools_section(req.tool_schemas)
-            precounted = (history, counter.count(history), tools, counter.count(tools))
+            precounted = (*fmt.history_counted(counter, req.recent_messages),
+                          *fmt.tools_counted(counter, req.tool_schemas))
         history, history_n, tools, tools_n = precounted
         directive = fmt.directive_section(retrieval.directive)
         directive_n = counter.count(directive)

@@ -93,18 +93,45 @@ def directive_section(text: str | None) -> str:
     return "## Directive\n" + _UNSAFE.sub(_neutralise, text.replace("\r\n", "\n")).strip("\n")
 
 
+HISTORY_HEADER = "## Recent conversation\n"
+TOOLS_HEADER = "## Tools\n"
+
+
+def _history_lines(messages: Sequence[Message]) -> list[str]:
+    return [f"[{m.role}] {escape_text(m.content)}" for m in messages]
+
+
+def _tool_lines(schemas: Sequence[dict[str, Any]]) -> list[str]:
+    return [escape_text(json.dumps(s, sort_keys=True, separators=(",", ":"), ensure_ascii=False)) for s in schemas]
+
+
+def _counted(counter: Counter, header: str, lines: list[str]) -> tuple[str, int]:
+    """Section text and an upper bound on its tokens, counted line by line.
+
+    Conversations grow by a message or two per call, so counting each line on its own lets the
+    per-worker token cache (keyed by content hash) answer for every message already seen: the
+    cost of counting history becomes the cost of the new messages. Each line is charged with its
+    newline, so the sum bounds the count of the joined text (tests/test_format.py checks this).
+    """
+    if not lines:
+        return "", 0
+    return header + "\n".join(lines), counter.count(header) + sum(counter.count(line + "\n") for line in lines)
+
+
 def history_section(messages: Sequence[Message]) -> str:
-    if not messages:
-        return ""
-    lines = [f"[{m.role}] {escape_text(m.content)}" for m in messages]
-    return "## Recent conversation\n" + "\n".join(lines)
+    return HISTORY_HEADER + "\n".join(_history_lines(messages)) if messages else ""
 
 
 def tools_section(schemas: Sequence[dict[str, Any]]) -> str:
-    if not schemas:
-        return ""
-    lines = [escape_text(json.dumps(s, sort_keys=True, separators=(",", ":"), ensure_ascii=False)) for s in schemas]
-    return "## Tools\n" + "\n".join(lines)
+    return TOOLS_HEADER + "\n".join(_tool_lines(schemas)) if schemas else ""
+
+
+def history_counted(counter: Counter, messages: Sequence[Message]) -> tuple[str, int]:
+    return _counted(counter, HISTORY_HEADER, _history_lines(messages))
+
+
+def tools_counted(counter: Counter, schemas: Sequence[dict[str, Any]]) -> tuple[str, int]:
+    return _counted(counter, TOOLS_HEADER, _tool_lines(schemas))
 
 
 class LineCache:
