@@ -6,6 +6,7 @@
     ibex-context explain ...          the whole CPU pipeline offline on JSON files (no network)
     ibex-context directive ...        set / show / delete an agent's directive in Redis
     ibex-context seed ...             load memories and directives from JSONL
+    ibex-context keys ...             CURVE keypairs for callers, workers and the broker
 """
 
 from __future__ import annotations
