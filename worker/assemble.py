@@ -29,7 +29,7 @@ from shared.models import (
     SectionName,
 )
 from shared.settings import Settings
-from shared.tokens import TokenCount
+from shared.tokens import CachedCounter, TokenCount
 from worker import format as fmt
 from worker.budget import compute_budget
 from worker.pack import pack
@@ -84,6 +84,13 @@ class Clock:
         return now
 
 
+def _count_request_sections(counter: CachedCounter, req: AssembleRequest) -> tuple[str, int, str, int]:
+    """History and tool-schema sections with their token counts: the parts that need no I/O."""
+    history, history_n = fmt.history_counted(counter, req.recent_messages)
+    tools, tools_n = fmt.tools_counted(counter, req.tool_schemas)
+    return history, history_n, tools, tools_n
+
+
 def _us(a: int, b: int) -> int:
     return max(0, (b - a) // 1000)
 
@@ -130,7 +137,7 @@ class Assembler:
         counter = self.catalog.counter(spec.family.name)
         # Let the branches send their requests, then count what needs no I/O while they are in flight.
         await asyncio.sleep(0)
-        pre = (*fmt.history_counted(counter, req.recent_messages), *fmt.tools_counted(counter, req.tool_schemas))
+        pre = _count_request_sections(counter, req)
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = dict(timings_us or {})
@@ -156,8 +163,7 @@ class Assembler:
 
         t = check("budget")
         if precounted is None:
-            precounted = (*fmt.history_counted(counter, req.recent_messages),
-                          *fmt.tools_counted(counter, req.tool_schemas))
+            precounted = _count_request_sections(counter, req)
         history, history_n, tools, tools_n = precounted
         directive = fmt.directive_section(retrieval.directive)
         directive_n = counter.count(directive)

@@ -112,7 +112,7 @@ def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], 
             rejects.append(Rejection(mid_s, source, "malformed", f"{source} hit {i}: {problem}"))
             continue
         if len(hits) >= cap:
-            rejects.append(Rejection(mid_s, source, "over_cap", f"beyond the {source} cap of {cap} hits"))
+            rejects.append(_over_cap(mid_s, source, cap))
             continue
         hits.append(MemoryHit(
             memory_id=raw["memory_id"], content=raw["content"], category=raw["category"],
@@ -120,6 +120,10 @@ def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], 
             rank=int(raw["rank"]), source=source,
         ))
     return hits, rejects
+
+
+def _over_cap(memory_id: str, source: Source, cap: int) -> Rejection:
+    return Rejection(memory_id, source, "over_cap", f"beyond the {source} cap of {cap} hits")
 
 
 def _hit_problem(raw: object) -> str | None:
@@ -360,8 +364,7 @@ def offline_result(
     rejects: list[Rejection] = []
     for hits, cap in ((hot, hot_cap), (cold, cold_cap)):
         for extra in hits[cap:]:
-            rejects.append(Rejection(extra.memory_id, extra.source, "over_cap",
-                                     f"beyond the {extra.source} cap of {cap} hits"))
+            rejects.append(_over_cap(extra.memory_id, extra.source, cap))
     hot, cold = hot[:hot_cap], cold[:cold_cap]
     merged, dup = merge_hits(hot, cold)
     ok = BranchOutcome(status="success", elapsed_ms=0.0)
