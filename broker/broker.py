@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from shared import protocol as P
 from shared.codec import Envelope, encode_error, peek_envelope
 from shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded, Unavailable
-from shared.loopsock import recv_frames, recv_message, send_frames
+from shared.loopsock import readable, recv_frames, recv_message, send_frames
 from shared.models import ErrorReply
 from shared.settings import Settings
 
@@ -96,9 +96,8 @@ class Broker:
         self.frontend_endpoint = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
         self.backend_endpoint = self.back.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
         self.back_monitor = self.back.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.poller = zmq.Poller()
-        for s in (self.front, self.back, self.back_monitor):
-            self.poller.register(s, zmq.POLLIN)
+        self.poll_items: list[tuple[zmq.Socket[bytes], int]] = [
+            (s, zmq.POLLIN) for s in (self.front, self.back, self.back_monitor)]
         self.queue: collections.deque[Key] = collections.deque()
         self.pending: dict[Key, Pending] = {}
         self.timers: list[tuple[int, int, Key]] = []  # (deadline_ns, attempt, key)
@@ -141,23 +140,19 @@ class Broker:
         now = time.monotonic_ns()
         wake = min(self.next_hb_ns, self.timers[0][0] if self.timers else now + 100_000_000)
         timeout_ms = max(0, (wake - now + 999_999) // 1_000_000)
-        events = dict(self.poller.poll(min(timeout_ms, 100)))
-        if self.back_monitor in events:
+        ready = {sock for sock, _ in zmq.zmq_poll(self.poll_items, min(timeout_ms, 100))}
+        if self.back_monitor in ready:
             self._on_monitor()
-        if self.back in events:
+        if self.back in ready:
             for _ in range(BURST):
-                try:
-                    frames = recv_frames(self.back)
-                except zmq.Again:
+                if not readable(self.back):
                     break
-                self._on_backend(frames)
-        if self.front in events:
+                self._on_backend(recv_frames(self.back))
+        if self.front in ready:
             for _ in range(BURST):
-                try:
-                    frames, last = recv_message(self.front)
-                except zmq.Again:
+                if not readable(self.front):
                     break
-                self._on_frontend(frames, last)
+                self._on_frontend(*recv_message(self.front))
         self._expire(time.monotonic_ns())
         self._heartbeat(time.monotonic_ns())
         self._dispatch()

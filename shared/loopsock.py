@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | NOBLOCK
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 BURST = 256  # messages handled per wake-up before yielding to the loop
 
 
@@ -40,6 +42,12 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[bytes]) -> None:
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         send(frame, _MORE if i < last else NOBLOCK)
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a whole message is waiting. Cheaper than letting ``recv`` fail: building the
+    ``zmq.Again`` exception costs ~8 µs here, the EVENTS query ~2 µs."""
+    return bool(sock.get(_EVENTS) & _POLLIN)  # type: ignore[operator]
 
 
 def recv_frames(sock: zmq.Socket[Any]) -> list[bytes]:
@@ -104,9 +112,9 @@ class LoopSocket:
             return
         for _ in range(BURST):
             try:
+                if not readable(self.sock):
+                    return
                 frames = recv_frames(self.sock)
-            except zmq.Again:
-                return
             except zmq.ZMQError as exc:  # the socket is being torn down (context terminated)
                 log.debug("%s: receive failed: %s", self.name, exc)
                 return
