@@ -104,6 +104,7 @@ class Broker:
         self.workers: dict[bytes, WorkerState] = {}
         self.stats: collections.Counter[str] = collections.Counter()
         self.next_hb_ns = time.monotonic_ns() + self.hb_ns
+        self.next_check_ns = 0  # next worker-liveness check (a tenth of an interval apart, not every poll)
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
 
@@ -153,9 +154,13 @@ class Broker:
                 if not readable(self.front):
                     break
                 self._on_frontend(*recv_message(self.front))
-        self._expire(time.monotonic_ns())
-        self._heartbeat(time.monotonic_ns())
-        self._dispatch()
+        now = time.monotonic_ns()
+        if self.timers and self.timers[0][0] <= now:
+            self._expire(now)
+        if now >= self.next_check_ns:
+            self._heartbeat(now)
+        if self.queue:
+            self._dispatch()
 
     # ------------------------------------------------------------------------------ frontend
 
@@ -216,8 +221,8 @@ class Broker:
 
     def _dispatch(self) -> None:
         while self.queue:
-            live = [w for w in self.workers.values() if w.free > 0]
-            if not live:
+            w = self._pick_worker()
+            if w is None:
                 return
             key = self.queue.popleft()
             p = self.pending.get(key)
@@ -229,7 +234,6 @@ class Broker:
                 self._answer_error(key, DeadlineExceeded(
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms in the broker queue"))
                 continue
-            w = max(live, key=lambda w: (w.free, w.ident))
             stamp = P.Stamp(p.deadline_epoch_ns, (now - p.enqueued_ns) // 1000, time.time_ns(), p.attempt)
             frames = [w.ident, P.TAG, P.REQUEST, key[0], key[1].encode(), stamp.pack(), p.payload]
             if not self._send_back(frames):
@@ -241,6 +245,16 @@ class Broker:
             self.stats["dispatched"] += 1
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
+
+    def _pick_worker(self) -> WorkerState | None:
+        """The live worker with most free credit (ties: highest ident, so the choice is stable)."""
+        best: WorkerState | None = None
+        best_free = 0
+        for w in self.workers.values():
+            free = w.free
+            if free > best_free or (free == best_free and free > 0 and best is not None and w.ident > best.ident):
+                best, best_free = w, free
+        return best
 
     # ------------------------------------------------------------------------------- backend
 
@@ -339,6 +353,7 @@ class Broker:
             for w in list(self.workers.values()):
                 if not self._send_back([w.ident, P.TAG, P.HEARTBEAT]):
                     self._worker_dead(w, "heartbeat send failed")
+        self.next_check_ns = min(now + self.hb_ns // 10, self.next_hb_ns)
 
     def _expire(self, now: int) -> None:
         while self.timers and self.timers[0][0] <= now:

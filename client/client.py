@@ -63,7 +63,7 @@ class _Conn:
     monitor: LoopSocket = field(init=False)
     connected: bool = False
     auth_failed: bool = False
-    waiting: dict[str, asyncio.Future[AssembleResponse | ErrorReply]] = field(default_factory=dict)
+    waiting: dict[str, asyncio.Future[AssembleResponse | ErrorReply | None]] = field(default_factory=dict)
     status_waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
 
 
@@ -220,8 +220,8 @@ class AsyncClient:
             raise ValueError("timeout must be positive")
         t0 = time.monotonic()
         end = t0 + timeout
-        req = _build(request, fields, time.time_ns() + int(timeout * 1e9))
-        payload = encode(req)
+        rid, payload = _encode_with_deadline(request, fields, time.time_ns() + int(timeout * 1e9))
+        loop = asyncio.get_running_loop()
         tried: set[int] = set()
         last: ErrorReply | None = None
         unsent = False  # every attempt so far failed to send (not connected yet, or reconnecting)
@@ -234,26 +234,28 @@ class AsyncClient:
                 continue
             if conn is None or remaining <= (MIN_RETRY_S if last else 0):
                 break
-            fut: asyncio.Future[AssembleResponse | ErrorReply] = asyncio.get_running_loop().create_future()
-            conn.waiting[req.request_id] = fut
+            fut: asyncio.Future[AssembleResponse | ErrorReply | None] = loop.create_future()
+            conn.waiting[rid] = fut
             exc = conn.sock.send([P.TAG, P.REQUEST, payload])
             if exc is not None:  # not connected (IMMEDIATE) or pipe full
-                conn.waiting.pop(req.request_id, None)
-                last = ErrorReply(request_id=req.request_id, code=ErrorCode.UNAVAILABLE,
+                conn.waiting.pop(rid, None)
+                last = ErrorReply(request_id=rid, code=ErrorCode.UNAVAILABLE,
                                   message=f"cannot send to broker {conn.endpoint}: {exc}")
                 unsent = True
                 continue
+            # A timer callback, not asyncio.timeout(): no task cancellation machinery per request.
+            timer = loop.call_at(loop.time() + remaining, _time_out, fut)
             try:
-                async with asyncio.timeout(remaining):
-                    reply = await fut
-            except TimeoutError:
-                conn.waiting.pop(req.request_id, None)
-                raise DeadlineExceeded(
-                    f"no reply within {timeout * 1000:.1f} ms (client-enforced deadline)",
-                    request_id=req.request_id) from None
+                reply = await fut
+            finally:
+                timer.cancel()
+                conn.waiting.pop(rid, None)
+            if reply is None:
+                raise DeadlineExceeded(f"no reply within {timeout * 1000:.1f} ms (client-enforced deadline)",
+                                       request_id=rid)
             if time.monotonic() >= end:  # the loop may have stalled past the deadline: nothing late
                 raise DeadlineExceeded(f"reply arrived after the {timeout * 1000:.1f} ms deadline",
-                                       request_id=req.request_id)
+                                       request_id=rid)
             if isinstance(reply, AssembleResponse):
                 return reply
             last, unsent = reply, False
@@ -262,10 +264,10 @@ class AsyncClient:
             self.stats["failovers"] += 1
         if self.conns and all(c.auth_failed for c in self.conns):
             raise Unauthenticated("every broker refused this client's key (CURVE handshake failed)",
-                                  request_id=req.request_id)
+                                  request_id=rid)
         if last is None:
-            raise Unavailable("no broker endpoint could take the request", request_id=req.request_id)
-        raise _to_exc(last, req.request_id)
+            raise Unavailable("no broker endpoint could take the request", request_id=rid)
+        raise _to_exc(last, rid)
 
     async def assemble_or_degrade(self, request: AssembleRequest | None = None, *,
                                   timeout: float | None = None, fallback_directive: str | None = None,
@@ -302,6 +304,24 @@ class AsyncClient:
             if fut in conn.status_waiters:
                 conn.status_waiters.remove(fut)
             raise Unavailable(f"broker {conn.endpoint} did not answer STATUS within {timeout}s") from None
+
+
+def _time_out(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _encode_with_deadline(request: AssembleRequest | None, fields: dict[str, Any],
+                          deadline_ns: int) -> tuple[str, bytes]:
+    """(request_id, wire payload) with the deadline stamped; a given request is not copied first."""
+    if request is None:
+        req = _build(None, fields, deadline_ns)
+        return req.request_id, encode(req)
+    if fields:
+        raise TypeError("pass either an AssembleRequest or its fields, not both")
+    doc = request.model_dump(mode="python")
+    doc["deadline_ns"] = deadline_ns
+    return request.request_id, msgpack.packb(doc, use_bin_type=True)
 
 
 def _build(request: AssembleRequest | None, fields: dict[str, Any], deadline_ns: int) -> AssembleRequest:
