@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         broker.observe_queue_wait = metrics.queue_wait.observe
         serve(registry, settings.metrics_port)
         logging.getLogger(__name__).info("metrics on http://127.0.0.1:%d/metrics", settings.metrics_port)
+    gc.collect()
+    gc.freeze()  # start-up objects live forever: keep them out of every later collection
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     signal.signal(signal.SIGINT, lambda *_: broker.stop())
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -52,6 +53,11 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
                           respond_immediately=(mode == "transport"), configure_socket=configure,
                           metrics=WorkerMetrics())
+    # Everything built so far (catalog, tokenizer tables, pools) lives as long as the process. A
+    # full collection over it takes ~44 ms on the dev machine, longer than a whole 40 ms request;
+    # frozen, later collections skip it (measured: 0.003 ms).
+    gc.collect()
+    gc.freeze()
     loop = asyncio.get_running_loop()
     draining: set[asyncio.Task[None]] = set()
 
