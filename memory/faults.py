@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from memory.models import FaultSpec
 
@@ -26,20 +27,31 @@ Address = tuple[str, int]
 _LIVE: dict[Address, tuple[asyncio.Transport, asyncio.Event]] = {}
 
 
-class TrackingH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, registering each connection's transport for ``drop_connection``."""
+class _Tracking:
+    """Registers each connection's transport for ``drop_connection`` (mixed into uvicorn's protocols)."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    client: tuple[str, int] | None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         if self.client is not None:
-            _LIVE[(self.client[0], self.client[1])] = (transport, asyncio.Event())
+            _LIVE[(self.client[0], self.client[1])] = (cast(asyncio.Transport, transport), asyncio.Event())
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.client is not None:
             entry = _LIVE.pop((self.client[0], self.client[1]), None)
             if entry is not None:
                 entry[1].set()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+class TrackingH11Protocol(_Tracking, H11Protocol):
+    """uvicorn's pure-Python h11 protocol, with connection tracking."""
+
+
+class TrackingHttpToolsProtocol(_Tracking, HttpToolsProtocol):
+    """uvicorn's httptools (C parser) protocol, with connection tracking: the default, about twice
+    as cheap per request as h11."""
 
 
 async def drop_connection(client: Address | None, *, timeout_s: float = 2.0) -> bool:

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from memory.app import create_app
 from memory.config import MemoryConfig
 from memory.embed import EmbedderUnavailable, load_embedder
-from memory.faults import TrackingH11Protocol
+from memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
 from memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
 from shared.settings import Settings
 
@@ -41,6 +41,8 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     ap.add_argument("--enable-faults", action="store_true", help="expose PUT/DELETE /_faults")
     ap.add_argument("--embedder", choices=["hash", "minilm"], default=None, help="default: $IBEX_MEMORY_EMBEDDER")
     ap.add_argument("--relevance-floor", type=float, default=None, help="default: $IBEX_MEMORY_RELEVANCE_FLOOR")
+    ap.add_argument("--http", choices=["httptools", "h11"], default="httptools",
+                    help="HTTP parser: httptools (C, default) or h11 (pure Python)")
     ap.add_argument("--log-level", default=settings.log_level)
     return ap
 
@@ -102,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             write_port_file(args.port_file, port)
         log.info("memory service on http://%s:%d (redis %s%s, embedder %s, faults %s)", args.host, port,
                  url, " embedded" if embedded else "", config.embedder, "on" if args.enable_faults else "off")
+        protocol = TrackingH11Protocol if args.http == "h11" else TrackingHttpToolsProtocol
         uv_config = uvicorn.Config(
-            app, http=TrackingH11Protocol, ws="none", lifespan="on", access_log=False,
+            app, http=protocol, loop="uvloop", ws="none", lifespan="on", access_log=False,
             log_level=args.log_level.lower(), timeout_graceful_shutdown=3,
         )
         uvicorn.Server(uv_config).run(sockets=[sock])
