@@ -95,7 +95,14 @@ def load_public_key(value: str) -> bytes:
             text = Path(value).read_text().strip()
         except OSError as exc:
             raise AuthConfigError(f"cannot read public key {value}: {exc}") from exc
-        key = (json.loads(text)["public_key"] if text.startswith("{") else text).encode()
+        # A bare z85 key is 40 characters and may itself start with "{" (it is in the alphabet), so
+        # only a longer text is read as the JSON keypair file.
+        if len(text) != 40 and text.startswith("{"):
+            try:
+                text = str(json.loads(text)["public_key"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise AuthConfigError(f"{value}: not a public key file (JSON without public_key)") from exc
+        key = text.encode()
     _check_z85(key, value)
     return key
 

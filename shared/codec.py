@@ -51,14 +51,22 @@ def _depth(obj: Any, limit: int) -> int:
     return deepest
 
 
-def _first_nonfinite(obj: Any, path: str = "") -> str | None:
+def _first_non_json(obj: Any, path: str = "") -> tuple[str, str] | None:
+    """(path, why) of the first value JSON cannot carry (NaN/inf, binary, a binary map key), else
+    None. Tool schemas are re-serialized as JSON for counting and formatting, so these must be
+    refused at the door rather than fail inside a worker."""
     stack: list[tuple[Any, str]] = [(obj, path)]
     while stack:
         cur, p = stack.pop()
         if isinstance(cur, float) and not math.isfinite(cur):
-            return p or "<root>"
+            return p or "<root>", "NaN and infinity are not accepted"
+        if isinstance(cur, bytes | bytearray):
+            return p or "<root>", "binary values are not accepted in JSON data"
         if isinstance(cur, dict):
-            stack.extend((v, f"{p}.{k}" if p else str(k)) for k, v in cur.items())
+            for k, v in cur.items():
+                if not isinstance(k, str):
+                    return p or "<root>", "map keys must be strings"
+                stack.append((v, f"{p}.{k}" if p else k))
         elif isinstance(cur, list):
             stack.extend((v, f"{p}[{i}]") for i, v in enumerate(cur))
     return None
@@ -114,10 +122,10 @@ def validate(obj: Any, model: type[M]) -> M | ErrorReply:
         if _depth(free, MAX_DEPTH) > MAX_DEPTH:
             return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
                               message=f"tool_schemas nest deeper than {MAX_DEPTH} levels", field="tool_schemas")
-        bad = _first_nonfinite(free, "tool_schemas")
+        bad = _first_non_json(free, "tool_schemas")
         if bad is not None:
             return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
-                              message=f"{bad}: NaN and infinity are not accepted", field=bad)
+                              message=f"{bad[0]}: {bad[1]}", field=bad[0])
     version = obj.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
         return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -142,3 +143,18 @@ def test_bad_keys_files_are_clear(tmp_path: Path) -> None:
         auth.KeyRing.load(bad)
     with pytest.raises(auth.AuthConfigError, match="cannot read"):
         auth.KeyRing.load(tmp_path / "absent.json")
+
+
+def test_public_keys_starting_with_a_brace_load(tmp_path: Path) -> None:
+    """z85 has '{' in its alphabet: a .pub file whose key starts with it is a key, not JSON (this
+    made the key fixtures fail about once in thirty runs)."""
+    kp = auth.generate_keypair()
+    while not kp.public.startswith(b"{"):
+        kp = auth.generate_keypair()
+    (tmp_path / "k.pub").write_text(kp.public.decode() + "\n")
+    assert auth.load_public_key(str(tmp_path / "k.pub")) == kp.public
+    (tmp_path / "k.key").write_text(json.dumps({"public_key": kp.public.decode(), "secret_key": "x"}))
+    assert auth.load_public_key(str(tmp_path / "k.key")) == kp.public
+    (tmp_path / "bad.key").write_text('{"no_key": 1, "padding": "' + "x" * 40 + '"}')
+    with pytest.raises(auth.AuthConfigError):
+        auth.load_public_key(str(tmp_path / "bad.key"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench import report
+from bench import hops, report
 from bench.chaos import chaos_report
 from bench.loadgen import NOT_SENT, OK, Reply, arrival_offsets_ns, merge_runs, open_loop
 from bench.run import Plan, Progress, run_bench, targets
@@ -141,3 +141,18 @@ def test_report_renders_sweeps_and_chaos(tmp_path: Path) -> None:
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
     md = report.markdown(results, names)
     assert "## Full mode" in md and "## Chaos" in md and "UNAVAILABLE" in md
+
+
+def test_hops_measures_every_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench.hops`` drives the real broker and the real transport-mode worker; every
+    request must come back (the run would hang otherwise) and every row report CPU."""
+    assert hops.main(["-n", "300", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| process")]
+    names = [r.split("|")[1].strip() for r in rows if not r.startswith("| ---")]
+    assert names == ["broker", "worker (transport mode)", "relay (zmq.proxy, C)", "echo (pyzmq, sync)"]
+    for r in rows:
+        if r.startswith("| ---"):
+            continue
+        rps, cpu = (float(x) for x in r.strip("| \n").split("|")[1:])
+        assert rps > 0 and cpu > 0, r

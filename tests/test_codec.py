@@ -156,3 +156,18 @@ def test_envelope_refuses_garbage_and_oversize() -> None:
     big = _pack(_req(query="x" * 2000))
     err = peek_envelope(big, max_bytes=1000)
     assert isinstance(err, ErrorReply) and "exceeds" in err.message
+
+
+@pytest.mark.parametrize(
+    ("schemas", "field"),
+    [
+        ([{"": b""}], "tool_schemas[0]."),  # found by the fuzz test: used to crash the worker (INTERNAL)
+        ([{"a": {"b": [1, bytearray(b"x")]}}], "tool_schemas[0].a.b[1]"),
+        ([{"a": {b"k": 1}}], "tool_schemas[0].a"),
+        ([{"a": math.inf}], "tool_schemas[0].a"),
+    ],
+)
+def test_tool_schemas_must_be_json(schemas: list[dict[object, object]], field: str) -> None:
+    err = decode_request(_pack(_req(tool_schemas=schemas)))
+    assert isinstance(err, ErrorReply) and err.code == ErrorCode.INVALID_REQUEST
+    assert err.field == field, err

@@ -1,0 +1,231 @@
+"""``python -m bench.hops``: CPU per request of each transport hop, measured in isolation.
+
+The open-loop bench (``bench.run``) shows latency; this shows where CPU goes, which is what a change
+to the broker, the worker's socket loop or the frames moves. Each row drives one real process with
+a pipelined synchronous peer (window of 4 in flight) and reads the process's CPU time
+(``/proc/<pid>/stat``, all threads, so ZeroMQ's I/O thread is included):
+
+* ``broker``: ``python -m broker`` between a DEALER client and a bare echo worker;
+* ``worker (transport mode)``: ``python -m worker --mode transport``'s server loop behind a bare
+  ROUTER acting as the broker;
+* ``relay (zmq.proxy, C)`` and ``echo (pyzmq, sync)``: the floor's processes, for reference.
+
+Medians of ``--repeats`` runs; the machine is shared, so compare rows from the same invocation.
+
+Child roles (internal): ``python -m bench.hops echo-worker ENDPOINT`` and
+``python -m bench.hops transport-worker ENDPOINT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import zmq
+
+from bench.workload import request_templates
+from client.stack import free_port, stop_processes
+from shared import protocol as P
+from shared.codec import encode
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of every thread of ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ----------------------------------------------------------------------------------- child roles
+
+
+def echo_worker(endpoint: str) -> None:
+    """A worker with no application code: READY, then every request's payload straight back."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(endpoint)
+    s.send_multipart([P.TAG, P.READY, P.pack_info(8, "echo", os.getpid())])
+    while True:
+        f = s.recv_multipart()
+        if len(f) == 2 and f[1] == P.HEARTBEAT:
+            s.send_multipart([P.TAG, P.HEARTBEAT, P.pack_info(8, "echo", os.getpid())])
+        elif len(f) == 6 and f[1] == P.REQUEST:
+            s.send_multipart([P.TAG, P.REPLY, f[2], f[3], f[5]])
+
+
+def transport_worker(endpoint: str) -> None:
+    """The real worker server in transport mode (no retrieval, so no Redis or memory service)."""
+    import uvloop
+
+    from shared.settings import Settings
+    from worker.server import WorkerServer
+
+    class NoAssembler:
+        stats: ClassVar[dict[str, int]] = {}
+
+    async def serve() -> None:
+        server = WorkerServer(settings=Settings(worker_concurrency=8), assembler=NoAssembler(),  # type: ignore[arg-type]
+                              worker_id="hops", endpoints=[endpoint], ctx=zmq.Context(), respond_immediately=True)
+        await server.run()
+
+    uvloop.run(serve())
+
+
+# ---------------------------------------------------------------------------------- measurements
+
+
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, window: int) -> float:
+    """Keep ``window`` requests in flight until ``n`` are answered; returns seconds taken."""
+    t0 = time.perf_counter()
+    sent = done = 0
+    while done < n:
+        while sent < n and sent - done < window:
+            send(sent)
+            sent += 1
+        if recv():
+            done += 1
+    return time.perf_counter() - t0
+
+
+def measure_broker(n: int, window: int) -> dict[str, float]:
+    fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    procs = [_spawn("-m", "broker", "--frontend", fe, "--backend", be)]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    c = ctx.socket(zmq.DEALER)
+    c.setsockopt(zmq.LINGER, 0)
+    try:
+        procs.append(_spawn("-m", "bench.hops", "echo-worker", be))
+        c.connect(fe)
+        tmpl = request_templates(seed=9)[0]
+        far = time.time_ns() + 3600 * 10**9
+        payloads = [encode(tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}))
+                    for i in range(n)]
+        end = time.monotonic() + 20
+        while True:  # the worker has joined once a request comes back
+            c.send_multipart([P.TAG, P.REQUEST, payloads[0]])
+            if c.poll(500) and c.recv_multipart()[1] == P.REPLY:
+                break
+            if time.monotonic() > end:
+                raise RuntimeError("broker and echo worker did not come up within 20 s")
+        cpu0 = cpu_seconds(procs[0].pid)
+        wall = _pipelined(lambda i: c.send_multipart([P.TAG, P.REQUEST, payloads[i]]),
+                          lambda: c.recv_multipart()[1] == P.REPLY, n, window)
+        return {"rps": n / wall, "cpu_us": (cpu_seconds(procs[0].pid) - cpu0) / n * 1e6}
+    finally:
+        c.close(linger=0)
+        ctx.term()
+        stop_processes(procs, timeout_s=5)
+
+
+def measure_worker(n: int, window: int) -> dict[str, float]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    r = ctx.socket(zmq.ROUTER)
+    r.setsockopt(zmq.LINGER, 0)
+    port = r.bind_to_random_port("tcp://127.0.0.1")
+    procs = [_spawn("-m", "bench.hops", "transport-worker", f"tcp://127.0.0.1:{port}")]
+    try:
+        if not r.poll(20_000):
+            raise RuntimeError("transport-mode worker did not connect within 20 s")
+        ident = r.recv_multipart()[0]
+        payload = encode(request_templates(seed=9)[0])
+        far = time.time_ns() + 3600 * 10**9
+
+        def send(i: int) -> None:
+            stamp = P.Stamp(far, 0, time.time_ns(), 1).pack()
+            r.send_multipart([ident, P.TAG, P.REQUEST, b"client", f"h{i}".encode(), stamp, payload])
+
+        def recv() -> bool:
+            return r.recv_multipart()[2] == P.REPLY
+
+        _pipelined(send, recv, 200, window)  # warm up
+        cpu0 = cpu_seconds(procs[0].pid)
+        wall = _pipelined(send, recv, n, window)
+        return {"rps": n / wall, "cpu_us": (cpu_seconds(procs[0].pid) - cpu0) / n * 1e6}
+    finally:
+        r.close(linger=0)
+        ctx.term()
+        stop_processes(procs, timeout_s=5)
+
+
+def measure_floor(n: int, window: int) -> tuple[dict[str, float], dict[str, float]]:
+    fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    procs = [_spawn("-m", "bench.floor", "relay", fe, be), _spawn("-m", "bench.floor", "echo", "--connect", be)]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    c = ctx.socket(zmq.DEALER)
+    c.setsockopt(zmq.LINGER, 0)
+    try:
+        c.connect(fe)
+        payload = encode(request_templates(seed=9)[0])
+        end = time.monotonic() + 20
+        while True:
+            c.send_multipart([b"probe", payload])
+            if c.poll(500):
+                c.recv_multipart()
+                break
+            if time.monotonic() > end:
+                raise RuntimeError("floor relay did not come up within 20 s")
+        while c.poll(100):
+            c.recv_multipart()
+        cpu0 = [cpu_seconds(p.pid) for p in procs]
+        wall = _pipelined(lambda i: c.send_multipart([str(i).encode(), payload]),
+                          lambda: bool(c.recv_multipart()), n, window)
+        cpu = [(cpu_seconds(p.pid) - c0) / n * 1e6 for p, c0 in zip(procs, cpu0, strict=True)]
+        return {"rps": n / wall, "cpu_us": cpu[0]}, {"rps": n / wall, "cpu_us": cpu[1]}
+    finally:
+        c.close(linger=0)
+        ctx.term()
+        stop_processes(procs, timeout_s=5)
+
+
+def run(*, n: int, window: int, repeats: int) -> dict[str, dict[str, float]]:
+    rows: dict[str, list[dict[str, float]]] = {}
+    for _ in range(repeats):  # interleaved, so drift hits every row alike
+        rows.setdefault("broker", []).append(measure_broker(n, window))
+        rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window))
+        relay, echo = measure_floor(n, window)
+        rows.setdefault("relay (zmq.proxy, C)", []).append(relay)
+        rows.setdefault("echo (pyzmq, sync)", []).append(echo)
+    return {name: {k: statistics.median(r[k] for r in runs) for k in ("rps", "cpu_us")}
+            for name, runs in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.hops", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("role", nargs="?", choices=["echo-worker", "transport-worker"], help=argparse.SUPPRESS)
+    ap.add_argument("endpoint", nargs="?", help=argparse.SUPPRESS)
+    ap.add_argument("-n", type=int, default=5000, help="requests per measurement (default 5000)")
+    ap.add_argument("--window", type=int, default=4, help="requests in flight (default 4)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per row; the median is shown (default 3)")
+    args = ap.parse_args(argv)
+    if args.role == "echo-worker":
+        echo_worker(args.endpoint)
+        return 0
+    if args.role == "transport-worker":
+        transport_worker(args.endpoint)
+        return 0
+    result = run(n=args.n, window=args.window, repeats=args.repeats)
+    print(f"CPU per request, median of {args.repeats} (n={args.n}, window {args.window}):\n")
+    print("| process | req/s | CPU µs per request |")
+    print("| --- | --- | --- |")
+    for name, r in result.items():
+        print(f"| {name} | {r['rps']:.0f} | {r['cpu_us']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
