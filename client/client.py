@@ -314,11 +314,9 @@ def _time_out(fut: asyncio.Future[Any]) -> None:
 def _encode_with_deadline(request: AssembleRequest | None, fields: dict[str, Any],
                           deadline_ns: int) -> tuple[str, bytes]:
     """(request_id, wire payload) with the deadline stamped; a given request is not copied first."""
-    if request is None:
-        req = _build(None, fields, deadline_ns)
+    if request is None or fields:
+        req = _build(request, fields, deadline_ns)  # validates fields; refuses a request plus fields
         return req.request_id, encode(req)
-    if fields:
-        raise TypeError("pass either an AssembleRequest or its fields, not both")
     doc = request.model_dump(mode="python")
     doc["deadline_ns"] = deadline_ns
     return request.request_id, msgpack.packb(doc, use_bin_type=True)

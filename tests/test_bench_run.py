@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench import hops, report
+from bench import hops, memclient, report
 from bench.chaos import chaos_report
 from bench.loadgen import NOT_SENT, OK, Reply, arrival_offsets_ns, merge_runs, open_loop
 from bench.run import Plan, Progress, run_bench, targets
@@ -156,3 +156,13 @@ def test_hops_measures_every_process(capsys: pytest.CaptureFixture[str]) -> None
             continue
         rps, cpu = (float(x) for x in r.strip("| \n").split("|")[1:])
         assert rps > 0 and cpu > 0, r
+
+
+def test_memclient_compares_both_clients_on_real_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert memclient.main(["--calls", "20", "--rounds", "1", "--out", str(tmp_path / "logs")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith(("| client", "| ---"))]
+    assert [r.split("|")[1].strip() for r in rows] == ["aiohttp (worker)", "httpx"]
+    for r in rows:
+        cpu, p50, p99 = (float(x) for x in r.strip("| \n").split("|")[1:])
+        assert 0 < cpu and 0 < p50 <= p99, r

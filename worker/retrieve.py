@@ -198,8 +198,9 @@ class Retriever:
     def http(self) -> aiohttp.ClientSession:
         """The pooled HTTP client, made on first use (aiohttp sessions belong to a running loop).
 
-        aiohttp rather than httpx: a pooled GET of the hot list costs 0.5 ms of worker CPU against
-        2.0 ms (and 2.0 ms against 3.9 ms p50 wall) on the dev machine, with two calls per assembly.
+        aiohttp rather than httpx: a pooled GET of the hot list costs 0.46 ms of worker CPU against
+        2.86 ms (1.95 against 5.01 ms p50 wall) on the dev machine, two calls per assembly
+        (``python -m bench.memclient``).
         """
         if self._http is None:
             n = self.settings.worker_concurrency * 2
