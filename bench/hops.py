@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import zmq
 
+from bench.report import table
 from bench.workload import request_templates
 from client.stack import free_port, stop_processes
 from shared import protocol as P
@@ -220,10 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = run(n=args.n, window=args.window, repeats=args.repeats)
     print(f"CPU per request, median of {args.repeats} (n={args.n}, window {args.window}):\n")
-    print("| process | req/s | CPU µs per request |")
-    print("| --- | --- | --- |")
-    for name, r in result.items():
-        print(f"| {name} | {r['rps']:.0f} | {r['cpu_us']:.0f} |")
+    print("\n".join(table(["process", "req/s", "CPU µs per request"],
+                          [[name, f"{r['rps']:.0f}", f"{r['cpu_us']:.0f}"] for name, r in result.items()])))
     return 0
 
 

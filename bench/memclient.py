@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import uvloop
 
+from bench.report import table
 from bench.run import started_stack
 from shared.tenancy import mint_org_token
 
@@ -73,10 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         token = mint_org_token(env["IBEX_MEMORY_SECRET"], "acme")
         result = uvloop.run(_measure(args.calls, args.rounds, env["IBEX_MEMORY_URL"], token))
     print(f"Memory-service hot-list GET, sequential, {args.rounds} x {args.calls} calls per client:\n")
-    print("| client | caller CPU ms per call (median of rounds) | p50 ms | p99 ms |")
-    print("| --- | --- | --- | --- |")
-    for name, r in result.items():
-        print(f"| {name} | {r['cpu_ms']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |")
+    print("\n".join(table(["client", "caller CPU ms per call (median of rounds)", "p50 ms", "p99 ms"],
+                          [[name, f"{r['cpu_ms']:.2f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"]
+                           for name, r in result.items()])))
     return 0
 
 

@@ -24,7 +24,8 @@ def _row(cells: Iterable[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+def table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    """A Markdown table as lines (results.md, and the summaries bench.hops and bench.memclient print)."""
     return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows)]
 
 
@@ -77,7 +78,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
             t = tr["half_saturation"]
             rows.append([f"transport mode, {tr['workers']} worker(s), AsyncClient, open loop",
                          f"{t['offered_rps']:.0f}", *_lat(t), _errors(t)])
-        out += _table(["path", "offered/s", *PCT_HEAD, "errors"], rows)
+        out += table(["path", "offered/s", *PCT_HEAD, "errors"], rows)
         if tr:
             inter = " in A/B segments interleaved with the bare relay at the same rate" if (
                 fl and fl.get("interleaved_with_transport")) else ""
@@ -101,7 +102,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
                              f"{p['goodput_rps']:.0f}", f"{p['complete_rps']:.0f}", *_lat(p), _errors(p),
                              f"{p['degraded']}/{p['responses']}", p.get("retrieval_skipped", 0), _expiries(p),
                              p["late_replies_after_deadline_5ms"], f"{p['generator_cpu_frac']:.0%}"])
-            out += _table(["offered/s", "goodput/s", "undegraded/s", *PCT_HEAD, "errors", "degraded",
+            out += table(["offered/s", "goodput/s", "undegraded/s", *PCT_HEAD, "errors", "degraded",
                            "no retrieval", "broker expiries r/q/d/w", "late>dl+5ms", "gen CPU"], rows)
             reasons: dict[str, int] = {}
             for p in sw["points"]:
@@ -124,7 +125,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
                     f"{mid['offered_rps']:.0f}/s offered)", ""]
             rows = [[c, *_lat(mid, c)] for c in ("latency_ok", *COMPONENTS, "total")
                     if mid["latency_us"].get(c)]
-            out += _table(["component", *PCT_HEAD], rows)
+            out += table(["component", *PCT_HEAD], rows)
             out += ["", "transport = client latency - send_lag - worker total - queue_wait - worker_wait "
                         "(client encode/decode, broker and socket hops, both ways).", ""]
 
@@ -138,7 +139,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
                 h = ip[cache][comp]
                 rows.append([cache, comp, *(_ms(h.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")),
                              h["count"]])
-        out += _table(["token cache", "stage", *PCT_HEAD, "n"], rows)
+        out += table(["token cache", "stage", *PCT_HEAD, "n"], rows)
         out.append("")
 
     ch = results.get("chaos")
@@ -148,7 +149,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
                 f"{ch['offered_rps']:.0f}/s offered for {ch['duration_s']} s; worker 0 killed at "
                 f"{ev.get('killed_s')} s, restarted at {ev.get('restarted_s')} s, back in the broker at "
                 f"{ev.get('rejoined_s')} s.", ""]
-        out += _table(["sent", "responses", "typed errors", "lost", "untyped", "late>dl+5ms", "goodput/s"],
+        out += table(["sent", "responses", "typed errors", "lost", "untyped", "late>dl+5ms", "goodput/s"],
                       [[ch["sent"], ch["responses"], ch["typed_errors"], ch["lost"], ch["untyped_errors"],
                         ch["late_replies_after_deadline_5ms"], f"{ch['goodput_rps']:.0f}"]])
         skip = ("frontend_messages", "accepted", "dispatched", "replies")
@@ -157,13 +158,13 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         lt = ch.get("lateness_ms", {})
         if lt:
             out += ["Lateness (observed latency - deadline, ms, every sent request):", ""]
-            out += _table(list(lt), [[f"{v:.2f}" for v in lt.values()]])
+            out += table(list(lt), [[f"{v:.2f}" for v in lt.values()]])
             out.append("")
 
     tg = results.get("targets")
     if tg:
         out += ["## Targets (reported, not asserted)", ""]
-        out += _table(["target", "goal", "measured", "met"],
+        out += table(["target", "goal", "measured", "met"],
                       [[t["name"], t["target"], t["measured"], {True: "yes", False: "**no**", None: "-"}[t["met"]]]
                        for t in tg])
         out.append("")
