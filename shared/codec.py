@@ -14,7 +14,7 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from shared.errors import ErrorCode, IbexError
-from shared.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from shared.models import IDENT_CHARS, PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
 
 DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB; settings.max_request_bytes overrides
 MAX_DEPTH = 32
@@ -107,6 +107,12 @@ def _validation_reply(exc: ValidationError, request_id: str | None) -> ErrorRepl
     return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=message, field=field)
 
 
+def _version_error(version: object, request_id: str | None) -> ErrorReply:
+    return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
+                      message=f"unsupported protocol version {version!r}; this service speaks {PROTOCOL_VERSION}",
+                      field="v")
+
+
 def validate(obj: Any, model: type[M]) -> M | ErrorReply:
     """Validate a decoded object against a wire model; errors name the first bad field."""
     request_id = obj.get("request_id") if isinstance(obj, dict) else None
@@ -128,9 +134,7 @@ def validate(obj: Any, model: type[M]) -> M | ErrorReply:
                               message=f"{bad[0]}: {bad[1]}", field=bad[0])
     version = obj.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
-        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
-                          message=f"unsupported protocol version {version!r}; this service speaks "
-                                  f"{PROTOCOL_VERSION}", field="v")
+        return _version_error(version, request_id)
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
@@ -153,7 +157,7 @@ class Envelope(NamedTuple):
     deadline_ns: int
 
 
-_IDENT = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # models.Ident
+_IDENT = re.compile(IDENT_CHARS)
 
 
 def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelope | ErrorReply:
@@ -179,9 +183,7 @@ def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelop
 
     version = obj.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION or type(version) is not int:
-        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
-                          message=f"unsupported protocol version {version!r}; this service speaks "
-                                  f"{PROTOCOL_VERSION}", field="v")
+        return _version_error(version, request_id)
     if request_id is None:
         return bad("request_id", "a string of 1 to 128 characters is required")
     for field in ("org_id", "agent_id"):
