@@ -1,12 +1,16 @@
 """Model capability catalog: window, max output and tokenizer policy per model, from a data file.
 
 An unknown model is an error (``UnknownModel``), never a guessed window: a guess that is too
-large is exactly how a context overflows in production.
+large is exactly how a context overflows in production. Names as SDKs send them (dated ids,
+``-latest``, ``provider/`` prefixes, any case) resolve by the fixed rules in ``Catalog.model``
+(README: Budget and token counting); nothing is matched by similarity.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -14,6 +18,12 @@ from typing import Any
 
 from shared.errors import UnknownModel
 from shared.tokens import CachedCounter, Counter, EstimateCounter, EstimateKind, ExactCounter
+
+# A trailing release date or moving alias, as providers append them to a model family's name:
+# claude-sonnet-4-20250514, gpt-4o-2024-08-06, claude-3-5-haiku-latest.
+_VERSION_SUFFIX = re.compile(r"-(?:\d{8}|\d{4}-\d{2}-\d{2}|latest)$")
+# Resolved non-exact names kept per catalog; bounded because names come from callers.
+_RESOLVED_MAX = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +73,8 @@ class Catalog:
             if window <= 0 or out <= 0:
                 raise ValueError(f"model {name}: context_window and max_output must be positive")
             self.models[name] = ModelSpec(name, window, out, fam)
+        self._folded = _fold_index(self.models, models)
+        self._resolved: dict[str, ModelSpec] = {}
         self._cache_entries = cache_entries
         self._counters: dict[str, CachedCounter] = {}
 
@@ -75,13 +87,49 @@ class Catalog:
         return cls(json.loads(text), cache_entries=cache_entries)
 
     def model(self, name: str) -> ModelSpec:
+        """The spec for ``name``, resolved as SDKs spell model ids; ``UnknownModel`` otherwise.
+
+        Rules, in order, each applied to the result of the one before; the first step whose
+        name is a catalog name or alias wins:
+
+        1. exact match (``gpt-4o``);
+        2. case-fold (``GPT-4o``);
+        3. strip one leading ``provider/`` (``anthropic/``, ``openai/``, ``bedrock/``,
+           ``vertex_ai/``: everything up to the first ``/``);
+        4. strip one trailing ``-YYYYMMDD``, ``-YYYY-MM-DD`` or ``-latest``
+           (``claude-sonnet-4-20250514``, ``gpt-4o-2024-08-06``, ``claude-3-5-haiku-latest``).
+
+        So ``Anthropic/Claude-Sonnet-4-20250514`` is ``claude-sonnet-4``. A dated id whose
+        undated name is not in the catalog stays unknown: resolution never guesses a window.
+        """
         spec = self.models.get(name)
         if spec is None:
-            raise UnknownModel(
-                f"model {name!r} is not in the capability catalog ({len(self.models)} models known)",
-                field="model",
-            )
+            spec = self._resolved.get(name)
+        if spec is not None:
+            return spec
+        spec = self._resolve(name)
+        if spec is None:
+            raise UnknownModel(self._unknown_message(name), field="model")
+        if len(self._resolved) < _RESOLVED_MAX:
+            self._resolved[name] = spec
         return spec
+
+    def _resolve(self, name: str) -> ModelSpec | None:
+        """Steps 2-4 of ``model``'s rules (step 1 is the caller's dict lookup)."""
+        for candidate in _candidates(name):
+            spec = self._folded.get(candidate)
+            if spec is not None:
+                return spec
+        return None
+
+    def _unknown_message(self, name: str) -> str:
+        """One line: the name, the nearest known names, and how to add a model."""
+        normal = _candidates(name)[-1]
+        near = difflib.get_close_matches(normal, list(self._folded), n=3, cutoff=0.6)
+        hint = f"nearest: {', '.join(near)}; " if near else ""
+        return (f"model {name!r} is not in the capability catalog ({len(self.models)} models known); {hint}"
+                "to add it, copy shared/catalog.json, add the model (or an 'aliases' entry) and point "
+                "IBEX_CATALOG_PATH at the copy")
 
     def warm_up(self) -> None:
         """Build every family's counter now (loading BPE vocabularies takes ~100 ms each), so the
@@ -101,3 +149,28 @@ class Catalog:
             )
             c = self._counters[family] = CachedCounter(inner, self._cache_entries)
         return c
+
+
+def _candidates(name: str) -> list[str]:
+    """The names ``Catalog.model`` tries after an exact miss: folded, unprefixed, undated."""
+    folded = name.casefold()
+    _, slash, rest = folded.partition("/")
+    unprefixed = rest if slash and rest else folded
+    undated = _VERSION_SUFFIX.sub("", unprefixed)
+    return [folded, unprefixed, undated]
+
+
+def _fold_index(specs: dict[str, ModelSpec], raw: dict[str, Any]) -> dict[str, ModelSpec]:
+    """Case-folded names and aliases -> spec; two entries that fold alike are a catalog error."""
+    index: dict[str, ModelSpec] = {}
+    for name, spec in specs.items():
+        aliases = raw[name].get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise ValueError(f"model {name}: aliases must be a list of non-empty strings")
+        for key in (name, *aliases):
+            folded = key.casefold()
+            other = index.get(folded)
+            if other is not None and other is not spec:
+                raise ValueError(f"model {name}: name or alias {key!r} is already used by {other.name}")
+            index[folded] = spec
+    return index
