@@ -12,6 +12,32 @@ from typing import Any
 from shared.settings import Settings
 
 
+def _secure(settings: Settings, ctx: Any, endpoints: list[str]) -> tuple[Any, dict[str, Any]]:
+    """CURVE + ZAP when a keys file is set (README, Authentication); otherwise refuse any endpoint
+    another host could reach. Returns the running authenticator (or None) and the Broker options;
+    raises AuthConfigError with a one-line reason before anything is bound."""
+    from shared import auth
+
+    if not settings.auth_keys_file:
+        auth.require_auth_or_loopback(endpoints, auth_on=False)
+        return None, {}
+    if not settings.broker_key_file:
+        raise auth.AuthConfigError("IBEX_AUTH_KEYS_FILE is set but IBEX_BROKER_KEY_FILE is not")
+    from zmq.auth.thread import ThreadAuthenticator
+
+    keyring = auth.KeyRing.load(settings.auth_keys_file)  # refuses a key in two roles
+    keypair = auth.load_keypair(settings.broker_key_file)
+    authenticator = ThreadAuthenticator(ctx)
+    authenticator.start()
+    authenticator.configure_curve_callback(auth.FRONT_DOMAIN, keyring)
+    authenticator.configure_curve_callback(auth.BACK_DOMAIN, keyring)
+    logging.getLogger(__name__).info("CURVE auth on: %d client key(s), %d worker key(s)",
+                                     len(keyring.clients), len(keyring.workers))
+    return authenticator, {"authorizer": keyring.authorize,
+                           "configure_frontend": auth.curve_server(keypair, auth.FRONT_DOMAIN),
+                           "configure_backend": auth.curve_server(keypair, auth.BACK_DOMAIN)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m broker", description=__doc__)
     ap.add_argument("--frontend", default=None, help="bind address for clients (default IBEX_BROKER_FRONTEND)")
@@ -30,30 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or settings.broker_backend
     ctx = zmq.Context()
     authenticator = None
-    kw: dict[str, Any] = {}
     try:
-        if settings.auth_keys_file:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            if not settings.broker_key_file:
-                raise auth.AuthConfigError("IBEX_AUTH_KEYS_FILE is set but IBEX_BROKER_KEY_FILE is not")
-            keyring = auth.KeyRing.load(settings.auth_keys_file)
-            keypair = auth.load_keypair(settings.broker_key_file)
-            authenticator = ThreadAuthenticator(ctx)
-            authenticator.start()
-            authenticator.configure_curve_callback(auth.FRONT_DOMAIN, keyring)
-            authenticator.configure_curve_callback(auth.BACK_DOMAIN, keyring)
-            kw = {"authorizer": keyring.authorize,
-                  "configure_frontend": auth.curve_server(keypair, auth.FRONT_DOMAIN),
-                  "configure_backend": auth.curve_server(keypair, auth.BACK_DOMAIN)}
-            logging.getLogger(__name__).info("CURVE auth on: %d client key(s), %d worker key(s)",
-                                             len(keyring.clients), len(keyring.workers))
-        else:
-            auth.require_auth_or_loopback([frontend, backend], auth_on=False)
-    except auth.AuthConfigError as exc:
-        print(f"broker: {exc}", file=sys.stderr)
+        authenticator, kw = _secure(settings, ctx, [frontend, backend])
+        broker = Broker(settings=settings, frontend=frontend, backend=backend, ctx=ctx, **kw)
+    except (auth.AuthConfigError, zmq.ZMQError) as exc:
+        # A configuration mistake is one line and exit 2, never a traceback (supervisord shows it).
+        reason = exc if isinstance(exc, auth.AuthConfigError) else f"cannot bind {frontend} / {backend}: {exc}"
+        print(f"broker: {reason}", file=sys.stderr)
+        if authenticator is not None:
+            authenticator.stop()
+        ctx.destroy(linger=0)
         return 2
-    broker = Broker(settings=settings, frontend=frontend, backend=backend, ctx=ctx, **kw)
     if settings.metrics_port:
         from shared.observability import broker_registry, serve
 

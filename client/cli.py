@@ -1,4 +1,4 @@
-"""``ibex-context``: one command for operators and developers.
+"""ibex-context: one command for operators and developers.
 
     ibex-context demo                 start the stack (if needed), seed demo data, print assemblies
     ibex-context up | down | status   the stack under supervisord, in the background (state in .run/)
@@ -7,6 +7,9 @@
     ibex-context directive ...        set / show / delete an agent's directive in Redis
     ibex-context seed ...             load memories and directives from JSONL
     ibex-context keys ...             CURVE keypairs for callers, workers and the broker
+
+Every mistake is one line on stderr (ibex-context CMD: what is wrong) and exit status 2; a service
+fault (no broker, deadline passed) is one line and exit status 1. Run ibex-context CMD -h for help.
 """
 
 from __future__ import annotations
@@ -14,40 +17,91 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
+import time
+import uuid
 from typing import Any
+
+from memory.directive_cli import CliParser, utf8_arg
+
+PROG = "ibex-context"
+DEFAULT_MODEL = "gpt-4o"
+DEFAULT_TIMEOUT_MS = 200.0  # generous for a human at a terminal; a proxy passes its own deadline
+MAX_TIMEOUT_MS = 60_000.0  # the CLI waits this long at most; longer is a typo, not a need
+ROLES = ("system", "user", "assistant", "tool")
+# AssembleRequest field -> the option a CLI user typed, so errors name what they can fix.
+OPTION_OF_FIELD = {"org_id": "--org", "agent_id": "--agent", "model": "--model", "query": "--query",
+                   "recent_messages": "--message"}
+
+
+class CliError(ValueError):
+    """A caller mistake found after parsing; the message names the option (exit 2)."""
+
+
+def _timeout_ms(text: str) -> float:
+    """argparse ``type=`` for --timeout-ms: a finite number of milliseconds in (0, 60000]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_MS):
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds above 0 and at most "
+                                         f"{MAX_TIMEOUT_MS:.0f}, got {text!r}")
+    return value
+
+
+def _message(text: str) -> dict[str, str]:
+    """argparse ``type=`` for --message: ROLE:TEXT with a role the wire knows."""
+    utf8_arg(text)
+    role, sep, content = text.partition(":")
+    if not sep or role not in ROLES:
+        raise argparse.ArgumentTypeError(f"expected ROLE:TEXT with ROLE one of {', '.join(ROLES)}, got {text[:40]!r}")
+    return {"role": role, "content": content}
 
 
 def _explain_parser(sub: Any) -> None:
-    p = sub.add_parser("explain", help="run budget, scoring, packing and formatting offline on JSON files")
+    p = sub.add_parser("explain", help="run budget, scoring, packing and formatting offline on JSON files",
+                       description="Run budget, scoring, packing and formatting offline on JSON files "
+                                   "(no network) and print every candidate's decision with its reason.")
     p.add_argument("--request", required=True, help="AssembleRequest as JSON (deadline_ns optional)")
     p.add_argument("--candidates", required=True, help='{"directive": str|null, "hot": [hit], "cold": [hit]}')
-    p.add_argument("--nonce", default=None, help="fixed hex nonce for byte-identical output")
-    p.add_argument("--format", choices=["json", "table"], default="table")
+    p.add_argument("--nonce", default=None, type=utf8_arg,
+                   help="fixed hex nonce for byte-identical output (default: a fresh random one)")
+    p.add_argument("--format", choices=["json", "table"], default="table", help="output format (default: table)")
 
 
 def _assemble_parser(sub: Any) -> None:
-    p = sub.add_parser("assemble", help="assemble context through the running broker")
-    p.add_argument("--org", required=True)
-    p.add_argument("--agent", required=True)
-    p.add_argument("--model", default="gpt-4o")
-    p.add_argument("--query", required=True)
-    p.add_argument("--message", action="append", default=[], metavar="ROLE:TEXT",
-                   help="a recent message, e.g. user:hello (repeatable)")
-    p.add_argument("--timeout-ms", type=float, default=200.0)
-    p.add_argument("--endpoint", default=None, help="broker frontend(s), comma-separated")
-    p.add_argument("--json", action="store_true", help="print the whole AssembleResponse as JSON")
+    p = sub.add_parser("assemble", help="assemble context through the running broker",
+                       description="Assemble context for one request through the running broker "
+                                   "(make up) and print it.")
+    p.add_argument("--org", required=True, type=utf8_arg, help="org id (letters, digits, _ . -; required)")
+    p.add_argument("--agent", required=True, type=utf8_arg, help="agent id (letters, digits, _ . -; required)")
+    p.add_argument("--model", default=DEFAULT_MODEL, type=utf8_arg,
+                   help=f"model name from the capability catalog (default: {DEFAULT_MODEL})")
+    p.add_argument("--query", required=True, type=utf8_arg,
+                   help="what the user asked; searched against memories (required, at most 100000 characters)")
+    p.add_argument("--message", action="append", default=[], metavar="ROLE:TEXT", type=_message,
+                   help=f"a recent message, e.g. user:hello; ROLE is one of {', '.join(ROLES)} "
+                        "(repeatable; default: none)")
+    p.add_argument("--timeout-ms", type=_timeout_ms, default=DEFAULT_TIMEOUT_MS,
+                   help=f"deadline for the whole assembly in milliseconds, at most {MAX_TIMEOUT_MS:.0f} "
+                        f"(default: {DEFAULT_TIMEOUT_MS:.0f})")
+    p.add_argument("--endpoint", default=None, type=utf8_arg,
+                   help="broker frontend(s), comma-separated (default: $IBEX_BROKER_ENDPOINTS, "
+                        "else tcp://127.0.0.1:5555)")
+    p.add_argument("--json", action="store_true",
+                   help="print the whole AssembleResponse as JSON (default: a readable summary)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ibex-context", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CliParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _explain_parser(sub)
     _assemble_parser(sub)
     for name, text in [("up", "start the stack in the background under supervisord"),
                        ("down", "stop the background stack"), ("status", "show the broker's counters and workers")]:
-        sub.add_parser(name, help=text)
+        sub.add_parser(name, help=text, description=text)
     d = sub.add_parser("demo", help="start the stack, seed demo data and print demo assemblies")
     d.add_argument("--keep", action="store_true", default=True, help="leave the stack running (default)")
     d.add_argument("--stop", dest="keep", action="store_false", help="stop the stack afterwards")
@@ -63,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--name", required=True)
     r.add_argument("--org", default=None, help="client keys: the org this caller acts for")
     r.add_argument("--agents", default="*", help="client keys: comma-separated agent ids, or * (default)")
+    r.add_argument("--replace", action="store_true",
+                   help="change the entry of a key already registered in this role (never the other role)")
     sub.add_parser("directive", help="set/show/delete a directive (see: ibex-context directive -h)", add_help=False)
     sub.add_parser("seed", help="load memories and directives from JSONL", add_help=False)
     return ap
@@ -90,26 +146,112 @@ def _print_response(resp: Any) -> None:
         print(f"  | ... ({len(resp.rendered.splitlines()) - 40} more lines)")
 
 
-async def _assemble(args: Any) -> int:
-    from client.client import AsyncClient
-    from shared.errors import IbexError
+def _field_error(exc: Any) -> str:
+    """The first pydantic error as ``--option: what is wrong`` (a ValidationError names model fields)."""
+    first = exc.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    option = OPTION_OF_FIELD.get(loc[0], loc[0]) if loc else "request"
+    if loc[:1] == ["recent_messages"] and len(loc) > 1 and loc[1].isdigit():
+        option = f"--message #{int(loc[1]) + 1}"
+    return f"{option}: {first['msg']}"
 
-    messages = []
-    for m in args.message:
-        role, _, text = m.partition(":")
-        messages.append({"role": role, "content": text})
+
+def _request(args: Any) -> Any:
+    """Validate the fields here, before any socket exists, so a mistake never reaches the wire.
+
+    The deadline is a placeholder: the client stamps the real one when it sends.
+    """
+    from pydantic import ValidationError
+
+    from shared.models import AssembleRequest
+
+    try:
+        return AssembleRequest.model_validate({
+            "request_id": uuid.uuid4().hex, "org_id": args.org, "agent_id": args.agent, "model": args.model,
+            "query": args.query, "recent_messages": args.message, "deadline_ns": time.time_ns()})
+    except ValidationError as exc:
+        raise CliError(_field_error(exc)) from exc
+
+
+def empty_context_hint(resp: Any) -> str | None:
+    """A hint when every branch answered and none found anything: usually a typo in --org/--agent.
+
+    An unknown org or agent is not an error (a new agent has no memories yet), so the assembly
+    succeeds with an empty context; the CLI user still deserves to know why.
+    """
+    branches = resp.branches.values()
+    if branches and all(b.status == "success" and b.count == 0 for b in branches) and not resp.packed:
+        return "no directive and no memories for this org/agent: check --org/--agent or seed data (ibex-context seed)"
+    return None
+
+
+async def _call(args: Any, request: Any) -> Any:
+    from client.client import AsyncClient
+
     async with AsyncClient(args.endpoint) as c:
-        try:
-            resp = await c.assemble(org_id=args.org, agent_id=args.agent, model=args.model, query=args.query,
-                                    recent_messages=messages, timeout=args.timeout_ms / 1000)
-        except IbexError as exc:
-            print(f"ibex-context assemble: {exc.code.value}: {exc.message}", file=sys.stderr)
-            return 1
+        return await c.assemble(request, timeout=args.timeout_ms / 1000)
+
+
+def _assemble(args: Any) -> int:
+    """One assembly; exit 2 for the caller's mistakes, 1 for the service's faults (one line each)."""
+    import zmq
+    from pydantic import ValidationError
+
+    from shared.errors import ErrorCode, IbexError
+
+    prog = f"{PROG} assemble"
+    try:
+        resp = asyncio.run(_call(args, _request(args)))
+    except IbexError as exc:
+        if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.FORBIDDEN):  # the caller can fix these
+            return _fail(prog, _ibex_field_error(exc), 2)
+        return _fail(prog, f"{exc.code.value}: {_one_line(exc)}", 1)
+    except ValidationError as exc:  # the settings or a field the client checks (until it raises InvalidRequest)
+        return _fail(prog, _field_error(exc), 2)
+    except zmq.ZMQError as exc:  # an endpoint zmq cannot parse
+        return _fail(prog, f"--endpoint {args.endpoint or '(from IBEX_BROKER_ENDPOINTS)'}: {exc}", 2)
+    except (ValueError, TypeError) as exc:  # CliError, and the client's own argument checks
+        return _fail(prog, _one_line(exc), 2)
     if args.json:
         print(resp.model_dump_json(indent=2))
     else:
         _print_response(resp)
+    hint = empty_context_hint(resp)
+    if hint:
+        print(f"{prog}: hint: {hint}", file=sys.stderr)
     return 0
+
+
+def _ibex_field_error(exc: Any) -> str:
+    """``--option: what is wrong`` for a typed error that names a request field."""
+    if not exc.field:
+        return f"{exc.code.value}: {_one_line(exc)}"
+    message = exc.message.removeprefix(f"{exc.field}:").strip()
+    option = OPTION_OF_FIELD.get(exc.field, "--endpoint" if exc.field == "endpoints" else exc.field)
+    return f"{option}: {' '.join(message.split())}"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _fail(prog: str, message: str, code: int) -> int:
+    print(f"{prog}: {message}", file=sys.stderr)
+    return code
+
+
+def _status() -> int:
+    """The broker's counters as JSON; one line and exit 1 when there is nothing to ask."""
+    import client.stack as stack
+
+    status = stack.status()
+    if status is not None:
+        print(json.dumps(status, indent=2))
+        return 0
+    if not stack.running():
+        return _fail(PROG, "stack is not running (start it with `make up`)", 1)
+    return _fail(f"{PROG} status", f"the broker did not answer within 1 s although the stack is up "
+                                   f"(logs in {stack.RUN_DIR / 'logs'})", 1)
 
 
 def _keys(args: Any) -> int:
@@ -123,9 +265,10 @@ def _keys(args: Any) -> int:
             print(f"wrote {key} (secret, mode 0600) and {pub}")
         else:
             agents = [a.strip() for a in args.agents.split(",") if a.strip()]
-            auth.register(Path(args.keys_file), public_key=auth.load_public_key(args.public), role=args.role,
-                          name=args.name, org_id=args.org, agents=agents)
-            print(f"registered {args.role} {args.name} in {args.keys_file}")
+            replaced = auth.register(Path(args.keys_file), public_key=auth.load_public_key(args.public),
+                                     role=args.role, name=args.name, org_id=args.org, agents=agents,
+                                     replace=args.replace)
+            print(f"{'replaced' if replaced else 'registered'} {args.role} {args.name} in {args.keys_file}")
     except auth.AuthConfigError as exc:
         print(f"ibex-context keys: {exc}", file=sys.stderr)
         return 2
@@ -133,34 +276,39 @@ def _keys(args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "directive":
         from memory.directive_cli import main as directive_main
 
-        return int(directive_main(argv[1:]) or 0)
+        return int(directive_main(argv[1:], prog=f"{PROG} directive") or 0)
     if argv and argv[0] == "seed":
         from memory.seed import main as seed_main
 
-        return int(seed_main(argv[1:]) or 0)
+        return int(seed_main(argv[1:], prog=f"{PROG} seed") or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "explain":
         from client.explain import run
 
         return run(args)
     if args.cmd == "assemble":
-        return asyncio.run(_assemble(args))
+        return _assemble(args)
     if args.cmd == "keys":
         return _keys(args)
+    if args.cmd == "status":
+        return _status()
     import client.stack as stack
 
     if args.cmd == "up":
         return stack.up()
     if args.cmd == "down":
         return stack.down()
-    if args.cmd == "status":
-        status = stack.status()
-        print(json.dumps(status, indent=2))
-        return 0 if status else 1
     if args.cmd == "demo":
         return stack.demo(keep=args.keep, show=_print_response)
     return 2
