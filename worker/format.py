@@ -1,12 +1,30 @@
 """Deterministic formatting with memory treated as untrusted data (spec: Formatting).
 
-The formatter only serializes; it never parses memory text. Every untrusted string (memory
-bodies and attributes, history, tool schemas) goes through ``escape_text`` so that it contains
-no ``<`` or ``>`` at all: a memory cannot forge a closing tag, open an element, start CDATA or a
-comment, whether or not it guesses the nonce. Entities are escaped too (``&`` -> ``&amp;``), so
-decoding the block once gives back exactly the memory's text. Control characters, lone
-surrogates and bidi overrides are neutralised so nothing invisible can reorder what the model
-reads.
+The formatter only serializes; it never parses memory text. What each untrusted string gets
+(README "Degradation and security"):
+
+  * memory bodies (``escape_body``): ``&``, ``<`` and ``>`` become entities, so a body contains no
+    ``<`` or ``>`` at all and cannot close or open a tag, start CDATA or a comment, whether or not
+    it guesses the nonce; decoding the entities once gives back the memory's text.
+  * memory attributes, id and category (``escape_attribute``): the same plus both quotes, so a
+    value cannot leave its quoted attribute, and line breaks and tabs made visible, so a tag stays
+    on one line.
+  * history and tool schemas (``neutralise``): no entity escaping. They sit outside the memories
+    block (history before it, tools after it), so nothing in them can put memory text outside the
+    block: the only text between the nonce-tagged open and close tags is memory lines, and those
+    contain no ``<`` or ``>``. A ``</memories nonce=...>`` in history cannot end the real block
+    (it comes before the block opens, and the 128-bit nonce is drawn per assembly, unknown to the
+    message's author); a ``<memory ...>`` in history or tools sits outside the block and keeps the
+    authority its author already had. Escaping them only cost tokens: an OpenAI tools list went
+    from 47 to 124 tokens (``python -m bench.escaping`` measures this on the demo data).
+
+Everything untrusted is neutralised: control characters, lone surrogates, bidi overrides,
+zero-width characters and Unicode line/paragraph separators, so nothing invisible can reorder
+what the model reads. And in every untrusted section a line that starts with ``#`` (after
+optional blanks) gets one leading space (``defuse_headings``), so raw newlines in a message cannot
+add a line that looks like one of the formatter's ``## Section`` headings, which always start at
+column 0. A space is the cheapest marker: `` ##`` is one token wherever ``##`` is, so the space
+usually costs nothing, where a backslash or ``>`` costs a token per line.
 
 The memories block is wrapped in tags carrying a per-assembly random nonce, preceded by a
 sentence telling the model the block is data. Inner ``<memory>`` tags need no nonce: their
@@ -48,10 +66,14 @@ SAFETY_SENTENCE = (
 )
 
 # C0/C1 controls except TAB and LF; lone surrogates; bidi embeddings, overrides and isolates;
-# zero-width and BOM characters that can hide text.
+# zero-width and BOM characters that can hide text; line and paragraph separators (U+2028/9),
+# which some readers treat as a newline and would let a line dodge ``defuse_headings``.
 _UNSAFE = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff\ufff9-\ufffb]"
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2069"
+    "\ufeff\ufff9-\ufffb]"
 )
+# A line break followed by optional blanks and '#': where a forged heading would start.
+_HEADING_START = re.compile(r"\n(?=[ \t]*#)")
 
 
 def _neutralise(match: re.Match[str]) -> str:
@@ -63,14 +85,43 @@ def _neutralise(match: re.Match[str]) -> str:
     return f"\\u{{{ord(ch):04X}}}"  # visible, inert: the model sees that something was there
 
 
-def escape_text(text: str) -> str:
-    """Escape untrusted text for use inside an element body or a quoted attribute."""
-    # str.replace runs in C: an order of magnitude faster than a regex callback on long memories.
-    text = (text.replace("\r\n", "\n").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-            .replace('"', "&quot;").replace("'", "&#39;"))
-    if _UNSAFE.search(text) is None:
+def neutralise(text: str) -> str:
+    """Make controls, bidi overrides, lone surrogates and the like visible and inert; CRLF -> LF.
+
+    No entity escaping: this is all that history and tool schemas get (see the module docstring).
+    """
+    text = text.replace("\r\n", "\n")
+    if _UNSAFE.search(text) is None:  # the common case: no regex callback at all
         return text
     return _UNSAFE.sub(_neutralise, text)
+
+
+def defuse_headings(text: str) -> str:
+    """Indent by one space every line after the first that starts with '#' (after blanks).
+
+    The formatter's section headings start at column 0, so untrusted text can no longer add a
+    line that reads as one. The first line needs nothing: it always follows a role tag, an
+    opening ``<memory>`` tag or starts a JSON object.
+    """
+    if "#" not in text or "\n" not in text:
+        return text
+    return _HEADING_START.sub("\n ", text)
+
+
+def escape_body(text: str) -> str:
+    """Escape a memory body: ``&``, ``<``, ``>`` only (quotes are harmless outside a tag)."""
+    # str.replace runs in C: an order of magnitude faster than a regex callback on long memories.
+    text = neutralise(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return defuse_headings(text)
+
+
+def escape_attribute(text: str) -> str:
+    """Escape a memory attribute value: markup characters, both quotes, and line breaks/tabs."""
+    text = (neutralise(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace('"', "&quot;").replace("'", "&#39;"))
+    if "\n" in text or "\t" in text:
+        text = text.replace("\n", "\\u{000A}").replace("\t", "\\u{0009}")
+    return text
 
 
 def new_nonce() -> str:
@@ -90,7 +141,7 @@ def directive_section(text: str | None) -> str:
     """The operator's directive: trusted instructions, so rendered as written (but no controls)."""
     if not text:
         return ""
-    return "## Directive\n" + _UNSAFE.sub(_neutralise, text.replace("\r\n", "\n")).strip("\n")
+    return "## Directive\n" + neutralise(text).strip("\n")
 
 
 HISTORY_HEADER = "## Recent conversation\n"
@@ -98,11 +149,14 @@ TOOLS_HEADER = "## Tools\n"
 
 
 def _history_lines(messages: Sequence[Message]) -> list[str]:
-    return [f"[{m.role}] {escape_text(m.content)}" for m in messages]
+    return [f"[{m.role}] {defuse_headings(neutralise(m.content))}" for m in messages]
 
 
 def _tool_lines(schemas: Sequence[dict[str, Any]]) -> list[str]:
-    return [escape_text(json.dumps(s, sort_keys=True, separators=(",", ":"), ensure_ascii=False)) for s in schemas]
+    # json.dumps escapes raw line breaks inside strings, so a schema is one line and cannot forge a
+    # heading; defuse_headings is then a no-op kept for the day the rendering changes.
+    return [defuse_headings(neutralise(json.dumps(s, sort_keys=True, separators=(",", ":"), ensure_ascii=False)))
+            for s in schemas]
 
 
 def _counted(counter: Counter, header: str, lines: list[str]) -> tuple[str, int]:
@@ -171,8 +225,8 @@ class LineCache:
 
 def memory_line(h: MemoryHit) -> str:
     return (
-        f'<memory id="{escape_text(h.memory_id)}" category="{escape_text(h.category)}">'
-        f"{escape_text(h.content)}</memory>\n"
+        f'<memory id="{escape_attribute(h.memory_id)}" category="{escape_attribute(h.category)}">'
+        f"{escape_body(h.content)}</memory>\n"
     )
 
 
