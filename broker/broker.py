@@ -89,8 +89,9 @@ class Broker:
         self.authorizer = authorizer
         self.hb_ns = settings.heartbeat_interval_ms * 1_000_000
         self.liveness = settings.heartbeat_liveness
-        self.front = self._socket(configure_frontend)
-        self.back = self._socket(configure_backend)
+        self.front = self._socket(configure_frontend, P.frontend_max_msgsize(settings.max_request_bytes))
+        self.back = self._socket(configure_backend,
+                                 P.backend_max_msgsize(settings.max_request_bytes, settings.max_reply_bytes))
         self.front.bind(frontend or settings.broker_frontend)
         self.back.bind(backend or settings.broker_backend)
         self.frontend_endpoint = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
@@ -108,13 +109,13 @@ class Broker:
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
 
-    def _socket(self, configure: Callable[[zmq.Socket[bytes]], None] | None) -> zmq.Socket[bytes]:
+    def _socket(self, configure: Callable[[zmq.Socket[bytes]], None] | None, max_msgsize: int) -> zmq.Socket[bytes]:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.SNDHWM, P.SNDHWM)
         s.setsockopt(zmq.RCVHWM, P.RCVHWM)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, self.settings.max_request_bytes + 4096)
+        s.setsockopt(zmq.MAXMSGSIZE, max_msgsize)
         if configure is not None:
             configure(s)
         return s
@@ -299,7 +300,14 @@ class Broker:
             log.info("worker %s ready (capacity %d)", worker_id, capacity)
             self.stats["workers_joined"] += 1
         elif not from_heartbeat:
+            # READY from a known worker means it reconnected: whatever it held was sent on the old
+            # connection, and a reply queued there is gone with it. Re-dispatch rather than wait.
             w.capacity, w.draining = capacity, False
+            if w.inflight:
+                log.warning("worker %s reconnected with %d request(s) in flight; re-dispatching them",
+                            w.worker_id, len(w.inflight))
+                self.stats["worker_reconnects"] += 1
+                self._recover(w, "reconnected")
         if isinstance(stats, dict):
             w.stats = {str(k): v for k, v in stats.items() if type(v) is int}
 
@@ -340,14 +348,17 @@ class Broker:
         """After a disconnect event, find which worker vanished (its send fails EHOSTUNREACH)."""
         for w in list(self.workers.values()):
             if not self._send_back([w.ident, P.TAG, P.HEARTBEAT]):
-                self._worker_dead(w, "disconnected")
+                self._worker_dead(w, "its connection closed: the process exited or was killed, the network "
+                                     "dropped, or it sent a message over ZMQ_MAXMSGSIZE")
 
     # --------------------------------------------------------------------------- timers
 
     def _heartbeat(self, now: int) -> None:
         for w in list(self.workers.values()):
             if now > w.expiry_ns:
-                self._worker_dead(w, f"no heartbeat for {self.liveness} intervals")
+                silent_ms = (now - w.expiry_ns + self.hb_ns * self.liveness) // 1_000_000
+                self._worker_dead(w, f"silent for {silent_ms} ms ({self.liveness} heartbeat intervals): "
+                                     "hung, stopped or unreachable")
         if now >= self.next_hb_ns:
             self.next_hb_ns = now + self.hb_ns
             for w in list(self.workers.values()):
@@ -359,9 +370,11 @@ class Broker:
         while self.timers and self.timers[0][0] <= now:
             _, attempt, key = heapq.heappop(self.timers)
             p = self.pending.get(key)
-            if p is None or p.answered or p.attempt != attempt:
+            if p is None or p.attempt != attempt:
                 continue
-            if p.worker is None:
+            if p.answered:  # answered at its deadline; the worker never replied within the grace
+                self._reap(p)
+            elif p.worker is None:
                 self.stats["expired_in_queue"] += 1
                 self._answer_error(key, DeadlineExceeded(
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms waiting in the broker queue"))
@@ -369,14 +382,32 @@ class Broker:
                 self.stats["expired_in_worker"] += 1
                 p.answered = True
                 self._reply_error(key[0], key[1], DeadlineExceeded("deadline passed while a worker was assembling"))
+                # Keep the record (it holds the worker's credit) until the late reply comes, but not
+                # for ever: a reply lost on the way must not leave pending/inflight stuck.
+                heapq.heappush(self.timers, (now + self.hb_ns * self.liveness, p.attempt, key))
+
+    def _reap(self, p: Pending) -> None:
+        del self.pending[p.key]
+        w = self.workers.get(p.worker) if p.worker is not None else None
+        if w is not None:
+            w.inflight.discard(p.key)
+        self.stats["reaped_no_reply"] += 1
+        log.warning("no reply from worker %s for request %s within %d ms of its deadline; freeing its credit",
+                    w.worker_id if w else "?", p.key[1], self.hb_ns * self.liveness // 1_000_000)
 
     def _worker_dead(self, w: WorkerState, why: str) -> None:
         if self.workers.pop(w.ident, None) is None:
             return
         self.stats["workers_lost"] += 1
         log.warning("worker %s lost (%s); %d request(s) in flight", w.worker_id, why, len(w.inflight))
+        self._recover(w, why)
+
+    def _recover(self, w: WorkerState, why: str) -> None:
+        """Requests held by a lost (or reconnected) worker: re-dispatch while time allows, else
+        UNAVAILABLE; records already answered are dropped. Either way the worker holds none."""
         now = time.monotonic_ns()
-        for key in sorted(w.inflight, key=lambda k: self.pending[k].deadline_ns if k in self.pending else 0,
+        held, w.inflight = w.inflight, set()
+        for key in sorted(held, key=lambda k: self.pending[k].deadline_ns if k in self.pending else 0,
                           reverse=True):
             p = self.pending.get(key)
             if p is None:

@@ -160,6 +160,23 @@ class Envelope(NamedTuple):
 _IDENT = re.compile(IDENT_CHARS)
 
 
+def scan_request_id(data: bytes) -> str | None:
+    """The top-level ``request_id`` of a msgpack map that will not be decoded (too large, or bad
+    further on), so its refusal can still be matched to the request. Other values are skipped
+    without building objects; anything unreadable gives None."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1), max_ext_len=0)
+    try:
+        unpacker.feed(data)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "request_id":
+                rid = unpacker.unpack()
+                return rid if type(rid) is str and 1 <= len(rid) <= 128 else None
+            unpacker.skip()
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return None
+    return None
+
+
 def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelope | ErrorReply:
     """Check only what the broker needs from a request, at a tenth of the cost of ``decode_request``.
 
@@ -169,8 +186,8 @@ def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelop
     is validated once, by the worker, which answers INVALID_REQUEST naming the field.
     """
     obj = unpack(data, max_bytes=max_bytes)
-    if isinstance(obj, ErrorReply):
-        return obj
+    if isinstance(obj, ErrorReply):  # too big or not msgpack: still answer under the caller's id
+        return obj.model_copy(update={"request_id": scan_request_id(data)})
     if not isinstance(obj, dict):
         return ErrorReply(code=ErrorCode.INVALID_REQUEST,
                           message=f"payload must be a map, got {type(obj).__name__}", field="<root>")

@@ -44,6 +44,30 @@ STATUS = b"\x07"
 SNDHWM = 10_000
 RCVHWM = 10_000
 
+# Room for the routing frames around a payload (ids, stamp) under ZMQ_MAXMSGSIZE.
+FRAME_OVERHEAD = 4096
+
+
+def frontend_max_msgsize(max_request_bytes: int) -> int:
+    """ZMQ_MAXMSGSIZE for the broker's client side: twice the request limit.
+
+    libzmq drops the whole connection on a message over this size, failing every request in flight
+    on it. The client library refuses oversized requests before sending; a request between the
+    limit and twice the limit (a raw or foreign client) still gets a typed INVALID_REQUEST naming the
+    size, and only a message beyond that costs its own sender the connection.
+    """
+    return 2 * max_request_bytes + FRAME_OVERHEAD
+
+
+def backend_max_msgsize(max_request_bytes: int, max_reply_bytes: int) -> int:
+    """ZMQ_MAXMSGSIZE between broker and workers: whichever way the larger payload travels.
+
+    Workers never send a reply over ``max_reply_bytes`` (they answer a typed error instead) and
+    the broker never forwards a request over ``max_request_bytes``, so this link is never cut by
+    a peer's message size.
+    """
+    return max(max_request_bytes, max_reply_bytes) + FRAME_OVERHEAD
+
 
 @dataclass(frozen=True, slots=True)
 class Stamp:

@@ -67,7 +67,12 @@ class Settings(BaseSettings):
         "", description="Comma-separated backends a worker connects to; empty means broker_backend."
     )
     queue_max: int = Field(1024, ge=1)
-    max_request_bytes: int = Field(1 << 20, ge=1024)
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request payload the service accepts.")
+    # A reply carries the history twice (``rendered`` and ``sections``) plus memories and
+    # decisions, so it may legitimately be larger than its request: 4x by default. The worker
+    # checks every reply against this before sending and answers a typed error instead; the
+    # broker's backend accepts messages up to it, so no reply can ever disconnect a worker.
+    max_reply_bytes: int = Field(4 << 20, ge=64 << 10, description="Largest reply a worker sends.")
     workers: int = Field(default_factory=usable_cpus, ge=1)
     # Credit: requests one worker holds in flight. Measured (bench.run, 2 cores): 4 keeps goodput at
     # 2x saturation at 100 % of peak; 16 let work pile up inside workers and goodput fell to 27 %.

@@ -25,7 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol as P
 from shared.codec import decode_request, encode, encode_error
-from shared.errors import DeadlineExceeded, IbexError, Internal
+from shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from shared.loopsock import LoopSocket
 from shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, ErrorReply, PackerStats
 from shared.observability import WorkerMetrics
@@ -62,7 +62,8 @@ class BrokerLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, P.SNDHWM)
         sock.setsockopt(zmq.RCVHWM, P.RCVHWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, server.settings.max_request_bytes + 4096)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.backend_max_msgsize(server.settings.max_request_bytes,
+                                                               server.settings.max_reply_bytes))
         if server.configure_socket is not None:
             server.configure_socket(sock)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -211,7 +212,14 @@ class WorkerServer:
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)
-            link.send([P.TAG, P.REPLY, client, rid, encode(resp)])
+            body = encode(resp)
+            if len(body) > self.settings.max_reply_bytes:
+                self.stats["reply_too_large"] += 1
+                raise InvalidRequest(
+                    f"the reply would be {len(body)} bytes, over the {self.settings.max_reply_bytes}-byte reply "
+                    "limit (IBEX_MAX_REPLY_BYTES; it carries the history twice): send less history or fewer "
+                    "tool schemas", field="<reply>", request_id=req.request_id)
+            link.send([P.TAG, P.REPLY, client, rid, body])
             self.stats["replied"] += 1
             if resp.degraded:
                 self.stats["degraded"] += 1
