@@ -19,15 +19,17 @@ install: $(STAMP)
 run: install
 	$(PY) -m client.cli demo
 
-## up / down: the stack in the background under supervisord (state in .run/)
+## up / down: the stack in the background under supervisord (state, logs and Redis data in .run/;
+## the data survives `make down; make up`, `make clean` removes it)
 up: install
-	$(PY) -m client.cli up
+	@$(PY) -m client.cli up
 
 down: install
-	$(PY) -m client.cli down
+	@$(PY) -m client.cli down
 
+## status: the broker's counters as JSON; with the stack down, one line and exit status 1
 status: install
-	$(PY) -m client.cli status
+	@$(PY) -m client.cli status
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -226,9 +226,9 @@ def _ibex_field_error(exc: Any) -> str:
     """``--option: what is wrong`` for a typed error that names a request field."""
     if not exc.field:
         return f"{exc.code.value}: {_one_line(exc)}"
-    message = exc.message.removeprefix(f"{exc.field}:").strip()
-    option = OPTION_OF_FIELD.get(exc.field, "--endpoint" if exc.field == "endpoints" else exc.field)
-    return f"{option}: {' '.join(message.split())}"
+    message = " ".join(exc.message.removeprefix(f"{exc.field}:").split())
+    option = OPTION_OF_FIELD.get(exc.field, "--endpoint" if exc.field == "endpoints" else None)
+    return f"{option}: {message}" if option else message
 
 
 def _one_line(exc: BaseException) -> str:
@@ -251,7 +251,7 @@ def _status() -> int:
     if not stack.running():
         return _fail(PROG, "stack is not running (start it with `make up`)", 1)
     return _fail(f"{PROG} status", f"the broker did not answer within 1 s although the stack is up "
-                                   f"(logs in {stack.RUN_DIR / 'logs'})", 1)
+                                   f"(logs in {stack.run_dir_of(stack.CONF) / 'logs'})", 1)
 
 
 def _keys(args: Any) -> int:
@@ -281,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ibex-context ... | head`: the reader left; flushing at exit must not fail
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _main(argv: list[str]) -> int:
@@ -301,10 +306,21 @@ def _main(argv: list[str]) -> int:
         return _assemble(args)
     if args.cmd == "keys":
         return _keys(args)
-    if args.cmd == "status":
-        return _status()
+    from pydantic import ValidationError
+
+    from memory.directive_cli import settings_error
+
+    try:
+        return _stack_command(args)
+    except ValidationError as exc:  # a malformed IBEX_* variable
+        return _fail(f"{PROG} {args.cmd}", settings_error(exc), 2)
+
+
+def _stack_command(args: Any) -> int:
     import client.stack as stack
 
+    if args.cmd == "status":
+        return _status()
     if args.cmd == "up":
         return stack.up()
     if args.cmd == "down":

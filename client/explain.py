@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from shared.catalog import Catalog
-from shared.errors import IbexError
+from shared.errors import IbexError, InvalidRequest
 from shared.models import AssembleRequest, AssembleResponse
 from shared.settings import Settings
 from worker.assemble import Assembler
@@ -35,11 +35,15 @@ def _load_json(path: str, what: str) -> Any:
     try:
         text = Path(path).read_text("utf-8")
     except OSError as exc:
-        raise ExplainInputError(f"{what} file {path!r}: {exc.strerror}") from exc
+        raise ExplainInputError(f"{what} file {path!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:  # before ValueError: it is one
+        raise ExplainInputError(f"{what} file {path!r} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
     try:
         return json.loads(text)
     except ValueError as exc:
         raise ExplainInputError(f"{what} file {path!r} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # json recurses per nesting level; a hostile file must not crash us
+        raise ExplainInputError(f"{what} file {path!r} is nested too deeply to be a request") from exc
 
 
 def load_request(path: str) -> AssembleRequest:
@@ -138,19 +142,24 @@ def render_table(resp: AssembleResponse, out: TextIO) -> None:
 
 
 def run(args: Any, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Exit 2 with one line for a bad file or option (the caller's to fix); 1 for a pipeline fault."""
+    def fail(message: str, code: int) -> int:
+        err.write(f"ibex-context explain: {' '.join(message.split())}\n")
+        return code
+
     try:
         request = load_request(args.request)
         directive, hot, cold = load_candidates(args.candidates)
-        resp = explain(request, directive, hot, cold, nonce=args.nonce)
     except ExplainInputError as exc:
-        err.write(f"ibex-context explain: {exc}\n")
-        return 2
-    except ValueError as exc:  # bad --nonce
-        err.write(f"ibex-context explain: {exc}\n")
-        return 2
-    except IbexError as exc:  # unknown model and friends
-        err.write(f"ibex-context explain: {exc.code.value}: {exc.message}\n")
-        return 2
+        return fail(str(exc), 2)
+    try:
+        resp = explain(request, directive, hot, cold, nonce=args.nonce)
+    except InvalidRequest as exc:  # unknown model and friends: the request file's to fix
+        return fail(f"request file {args.request!r}: {exc.message}", 2)
+    except IbexError as exc:
+        return fail(f"{exc.code.value}: {exc.message}", 1)
+    except ValueError as exc:  # the formatter refuses a bad --nonce; anything else is ours
+        return fail(f"--nonce: {exc}", 2) if args.nonce is not None else fail(f"INTERNAL: {exc}", 1)
     if args.format == "json":
         out.write(resp.model_dump_json(indent=2) + "\n")
     else:

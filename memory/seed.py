@@ -1,6 +1,9 @@
 """Load memories and directives from JSONL straight into Redis (an admin tool, not an API client).
 
-    python -m memory.seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder hash|minilm]
+    ibex-context seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder hash|minilm]
+
+(``python -m memory.seed`` is the same tool.) The Redis URL comes from ``--redis-url``, else
+``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` (README, Quickstart).
 
 Without ``--file`` the bundled demo dataset (``memory/data/demo.jsonl``) is loaded. One JSON
 object per line; blank lines and lines starting with ``#`` are skipped:
@@ -31,17 +34,18 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from memory.config import MemoryConfig
+from memory.directive_cli import CliParser, settings_error, utf8_arg
 from memory.embed import Embedder, Vectors, load_embedder
 from memory.models import Ident, MemoryRecord, StrictModel, WriteMemory
+from memory.redis_server import default_redis_url
 from memory.store import NewMemory, write_memories
 from shared.directives import MAX_DIRECTIVE_CHARS, set_directive
 from shared.keys import org_prefix
-from shared.settings import Settings
 
 DEMO_FILE = Path(__file__).resolve().parent / "data" / "demo.jsonl"
 
@@ -57,6 +61,14 @@ class SeedDirective(StrictModel):
     org_id: Ident
     agent_id: Ident
     text: Annotated[str, Field(max_length=MAX_DIRECTIVE_CHARS)]
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        """Refused here, before anything is written, rather than by ``set_directive`` mid-seed."""
+        if not v.strip():
+            raise ValueError("a directive cannot be empty or only whitespace")
+        return v
 
 
 class SeedError(ValueError):
@@ -178,25 +190,48 @@ async def _main(path: Path, url: str, *, flush: bool, embedder: str | None) -> S
         await client.aclose()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memory.seed", description="Seed memories and directives.")
-    ap.add_argument("--file", type=Path, default=DEMO_FILE, help=f"JSONL to load (default: {DEMO_FILE.name})")
-    ap.add_argument("--redis-url", default=None, help="default: $IBEX_REDIS_URL")
+def build_parser(prog: str = "python -m memory.seed") -> argparse.ArgumentParser:
+    ap = CliParser(prog=prog, description="Load memories and directives from JSONL into Redis "
+                                          "(every line is validated before anything is written).")
+    ap.add_argument("--file", type=Path, default=DEMO_FILE,
+                    help=f"JSONL to load (default: the bundled demo data, memory/data/{DEMO_FILE.name})")
+    ap.add_argument("--redis-url", default=None, type=utf8_arg,
+                    help="default: $IBEX_REDIS_URL, else the running stack's Redis (.run/redis-url)")
     ap.add_argument("--flush-orgs", action="store_true", help="first delete all keys of the orgs in the file")
-    ap.add_argument("--embedder", choices=["hash", "minilm"], default=None)
-    args = ap.parse_args(argv)
-    url = args.redis_url or Settings().redis_url
+    ap.add_argument("--embedder", choices=["hash", "minilm"], default=None,
+                    help="vectors to store (default: $IBEX_MEMORY_EMBEDDER, as the memory service)")
+    return ap
+
+
+def _fail(prog: str, message: str, code: int) -> int:
+    print(f"{prog}: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m memory.seed") -> int:
+    """Seed one file; ``prog`` is how the tool names itself (``ibex-context seed`` via the CLI)."""
+    args = build_parser(prog).parse_args(argv)
+    try:
+        url, source = default_redis_url(args.redis_url)
+    except ValidationError as exc:  # a malformed IBEX_* variable
+        return _fail(prog, settings_error(exc), 2)
     if not url:
-        print("error: no Redis to seed: pass --redis-url or set IBEX_REDIS_URL", file=sys.stderr)
-        return 2
+        return _fail(prog, "no Redis to seed: pass --redis-url, set IBEX_REDIS_URL, "
+                           "or start the stack with `make up`", 2)
     try:
         stats = asyncio.run(_main(args.file, url, flush=args.flush_orgs, embedder=args.embedder))
-    except (SeedError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except SeedError as exc:
+        return _fail(prog, str(exc), 2)
+    except UnicodeDecodeError as exc:
+        return _fail(prog, f"--file {args.file}: not valid UTF-8 ({exc.reason})", 2)
+    except OSError as exc:
+        return _fail(prog, f"--file {args.file}: {exc.strerror or exc}", 2)
     except RedisError as exc:
-        print(f"error: Redis at {url}: {exc}", file=sys.stderr)
-        return 1
+        return _fail(prog, f"Redis at {url} ({source}): {exc}", 1)
+    except ValidationError as exc:  # IBEX_MEMORY_* settings of the embedder (before ValueError)
+        return _fail(prog, settings_error(exc, "IBEX_MEMORY_"), 2)
+    except ValueError as exc:  # an unparseable Redis URL
+        return _fail(prog, f"Redis URL {url!r} ({source}): {exc}", 2)
     print(json.dumps({"memories": stats.memories, "hot": stats.hot, "directives": stats.directives,
                       "orgs": list(stats.orgs)}))
     return 0

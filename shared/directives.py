@@ -107,10 +107,17 @@ async def get_directive(redis: Redis, org_id: str, agent_id: str) -> DirectiveEn
 async def set_directive(
     redis: Redis, org_id: str, agent_id: str, text: str, *, now: datetime | None = None
 ) -> DirectiveEnvelope:
-    """Store ``text`` as the agent's directive with the next version; returns the new envelope."""
+    """Store ``text`` as the agent's directive with the next version; returns the new envelope.
+
+    Raises ``ValueError`` for empty, whitespace-only, oversized or non-Unicode text.
+    """
     key = directive_key(org_id, agent_id)
     if not isinstance(text, str) or len(text) > MAX_DIRECTIVE_CHARS:
         raise ValueError(f"directive text must be a string of at most {MAX_DIRECTIVE_CHARS} characters")
+    if not text.strip():
+        # An empty directive would read as "this agent has instructions" while giving none;
+        # deleting the key is how a directive is removed.
+        raise ValueError("directive text must not be empty or only whitespace (delete the directive instead)")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
