@@ -1,6 +1,6 @@
 """Python client library for ibex-context (see ``client.client`` for the contract)."""
 
-from client.client import AsyncClient, SyncClient, degraded_response
+from client.client import AsyncClient, ClientClosed, SyncClient, degraded_response
 from shared.errors import (
     DeadlineExceeded,
     Forbidden,
@@ -17,6 +17,7 @@ __all__ = [
     "AssembleRequest",
     "AssembleResponse",
     "AsyncClient",
+    "ClientClosed",
     "DeadlineExceeded",
     "Forbidden",
     "IbexError",
