@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from client.client import AsyncClient
-from client.stack import LocalStack, free_port
+from client.stack import LocalStack, free_port, port_in_use
 from shared import auth
 from shared.errors import DeadlineExceeded, Forbidden, Unauthenticated, Unavailable
 from tests.helpers import start_stack
@@ -160,3 +161,106 @@ def test_public_keys_starting_with_a_brace_load(tmp_path: Path) -> None:
     (tmp_path / "bad.key").write_text('{"no_key": 1, "padding": "' + "x" * 40 + '"}')
     with pytest.raises(auth.AuthConfigError):
         auth.load_public_key(str(tmp_path / "bad.key"))
+
+
+def _keys_doc(clients: list[dict[str, Any]], workers: list[dict[str, Any]]) -> str:
+    return json.dumps({"clients": clients, "workers": workers})
+
+
+def test_one_key_has_one_role(tmp_path: Path) -> None:
+    """A client key also listed as a worker let a caller join the backend and read every org's
+    requests: the keys file is refused, naming both entries."""
+    acme, globex, w = (auth.generate_keypair().public.decode() for _ in range(3))
+    kf = tmp_path / "keys.json"
+    kf.write_text(_keys_doc([{"name": "acme-proxy", "public_key": acme, "org_id": "acme"}],
+                            [{"name": "host-a", "public_key": w}, {"name": "sneaky", "public_key": acme}]))
+    with pytest.raises(auth.AuthConfigError) as exc:
+        auth.KeyRing.load(kf)
+    assert str(exc.value) == (f"keys file {kf}: clients[0] ('acme-proxy') and workers[1] ('sneaky') are the same "
+                              "public key; a key has one role (client or worker), give each its own keypair")
+    kf.write_text(_keys_doc([{"name": "acme-proxy", "public_key": acme, "org_id": "acme"},
+                             {"name": "acme-proxy", "public_key": acme, "org_id": "globex"}], []))
+    with pytest.raises(auth.AuthConfigError, match=r"clients\[0\] \('acme-proxy'\) and clients\[1\] \('acme-proxy'\) "
+                       "list the same public key with different grants"):
+        auth.KeyRing.load(kf)
+    kf.write_text(_keys_doc([{"name": "a", "public_key": acme, "org_id": "acme", "agents": ["x", "y"]},
+                             {"name": "a", "public_key": acme, "org_id": "acme", "agents": ["y", "x"]},
+                             {"name": "g", "public_key": globex, "org_id": "globex"}],
+                            [{"name": "host-a", "public_key": w}, {"name": "host-a2", "public_key": w}]))
+    ring = auth.KeyRing.load(kf)  # the same grant twice, or a worker twice, is harmless
+    assert set(ring.clients) == {acme.encode(), globex.encode()} and ring.workers == {w.encode()}
+    with pytest.raises(auth.AuthConfigError, match="one role"):
+        auth.KeyRing({acme.encode(): auth.ClientGrant("a", "acme", frozenset("*"))}, {acme.encode()})
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ('{"clients": 5}', "clients must be a list"),
+    ('{"workers": "abc"}', "workers must be a list"),
+    ('{"clients": ["x"]}', "clients[0]: expected an object with public_key"),
+    ('{"workers": [{"public_key": 7}]}', "workers[0]: public_key is missing or not a string"),
+    ('[]', "expected an object with clients and workers"),
+])
+def test_malformed_keys_files_name_the_entry(tmp_path: Path, doc: str, message: str) -> None:
+    kf = tmp_path / "keys.json"
+    kf.write_text(doc)
+    with pytest.raises(auth.AuthConfigError) as exc:
+        auth.KeyRing.load(kf)
+    assert message in str(exc.value)
+
+
+def test_client_grants_are_checked(tmp_path: Path) -> None:
+    key = auth.generate_keypair().public.decode()
+    kf = tmp_path / "keys.json"
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"org_id": None}, "org_id must be an org id"), ({"org_id": "a b"}, "org_id must be"),
+        ({"org_id": "acme", "agents": []}, "agents must be a non-empty list"),
+        ({"org_id": "acme", "agents": ["../x"]}, "agents must be"), ({"org_id": "acme", "name": 3}, "name must be")]
+    for entry, message in cases:
+        kf.write_text(_keys_doc([{"public_key": key, **entry}], []))
+        with pytest.raises(auth.AuthConfigError, match=message):
+            auth.KeyRing.load(kf)
+
+
+def _start_broker(env: dict[str, str], front: int, back: int) -> subprocess.Popen[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    return subprocess.Popen([sys.executable, "-m", "broker", "--frontend", f"tcp://127.0.0.1:{front}",
+                             "--backend", f"tcp://127.0.0.1:{back}"], env={**clean, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_broker_refuses_a_key_in_two_roles(tmp_path: Path) -> None:
+    """The real broker exits 2 with the keys file's one-line reason and binds nothing; the same
+    start-up with the key in one role listens (so the test can tell the two apart)."""
+    auth.write_keypair(tmp_path, "broker")
+    _, acme_pub = auth.write_keypair(tmp_path, "acme-proxy")
+    _, worker_pub = auth.write_keypair(tmp_path, "worker")
+    acme, worker = acme_pub.read_text().strip(), worker_pub.read_text().strip()
+    kf = tmp_path / "keys.json"
+    kf.write_text(_keys_doc([{"name": "acme-proxy", "public_key": acme, "org_id": "acme"}],
+                            [{"name": "worker", "public_key": worker}, {"name": "acme-as-worker", "public_key": acme}]))
+    env = {"IBEX_AUTH_KEYS_FILE": str(kf), "IBEX_BROKER_KEY_FILE": str(tmp_path / "broker.key")}
+    front, back = free_port(), free_port()
+    proc = _start_broker(env, front, back)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the broker started with a key in two roles")
+    assert proc.returncode == 2 and out == ""
+    assert err.splitlines() == [f"broker: keys file {kf}: clients[0] ('acme-proxy') and workers[1] ('acme-as-worker') "
+                                "are the same public key; a key has one role (client or worker), give each its "
+                                "own keypair"]
+    assert not port_in_use("127.0.0.1", front) and not port_in_use("127.0.0.1", back)
+
+    kf.write_text(_keys_doc([{"name": "acme-proxy", "public_key": acme, "org_id": "acme"}],
+                            [{"name": "worker", "public_key": worker}]))
+    proc = _start_broker(env, front, back)
+    try:
+        deadline = time.monotonic() + 20
+        while not port_in_use("127.0.0.1", back) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and port_in_use("127.0.0.1", back)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
