@@ -40,9 +40,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of every thread of ``pid``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every thread of ``pid``, in nanosecond resolution (``/proc/.../schedstat``):
+    /proc/PID/stat counts clock ticks (10 ms here), too coarse for a fast process on a short run."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended while we looked
+            continue
+    return total / 1e9
 
 
 # ----------------------------------------------------------------------------------- child roles
@@ -53,11 +59,11 @@ def echo_worker(endpoint: str) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(endpoint)
-    s.send_multipart([P.TAG, P.READY, P.pack_info(8, "echo", os.getpid())])
+    s.send_multipart([P.TAG, P.READY, P.Info(8, "echo", os.getpid()).pack()])
     while True:
         f = s.recv_multipart()
         if len(f) == 2 and f[1] == P.HEARTBEAT:
-            s.send_multipart([P.TAG, P.HEARTBEAT, P.pack_info(8, "echo", os.getpid())])
+            s.send_multipart([P.TAG, P.HEARTBEAT, P.Info(8, "echo", os.getpid()).pack()])
         elif len(f) == 6 and f[1] == P.REQUEST:
             s.send_multipart([P.TAG, P.REPLY, f[2], f[3], f[5]])
 

@@ -284,32 +284,30 @@ class Broker:
         else:
             self.stats["backend_malformed"] += 1
 
-    def _on_ready(self, ident: bytes, w: WorkerState | None, info: bytes, *, from_heartbeat: bool) -> None:
+    def _on_ready(self, ident: bytes, w: WorkerState | None, data: bytes, *, from_heartbeat: bool) -> None:
         try:
-            capacity, worker_id, _pid = P.unpack_info(info)
-            raw = msgpack.unpackb(info)
-            stats = raw.get("stats") if isinstance(raw, dict) else None
-        except Exception:
+            info = P.Info.unpack(data)
+        except ValueError as exc:
             self.stats["backend_malformed"] += 1
+            log.debug("malformed worker info: %s", exc)
             return
         if w is None:
-            if from_heartbeat and isinstance(raw, dict) and raw.get("draining"):
+            if from_heartbeat and info.draining:
                 return
-            w = self.workers[ident] = WorkerState(ident, worker_id, capacity,
+            w = self.workers[ident] = WorkerState(ident, info.worker_id, info.capacity,
                                                   time.monotonic_ns() + self.hb_ns * self.liveness)
-            log.info("worker %s ready (capacity %d)", worker_id, capacity)
+            log.info("worker %s ready (capacity %d)", info.worker_id, info.capacity)
             self.stats["workers_joined"] += 1
         elif not from_heartbeat:
             # READY from a known worker means it reconnected: whatever it held was sent on the old
             # connection, and a reply queued there is gone with it. Re-dispatch rather than wait.
-            w.capacity, w.draining = capacity, False
+            w.capacity, w.draining = info.capacity, False
             if w.inflight:
                 log.warning("worker %s reconnected with %d request(s) in flight; re-dispatching them",
                             w.worker_id, len(w.inflight))
                 self.stats["worker_reconnects"] += 1
                 self._recover(w, "reconnected")
-        if isinstance(stats, dict):
-            w.stats = {str(k): v for k, v in stats.items() if type(v) is int}
+        w.stats = info.stats
 
     def _on_reply(self, ident: bytes, cmd: bytes, client: bytes, rid: bytes, payload: bytes) -> None:
         key = (client, rid.decode(errors="replace"))

@@ -23,7 +23,7 @@ after ``liveness`` silent intervals. Socket disconnect events make a killed peer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -87,17 +87,33 @@ class Stamp:
         return cls(*raw)
 
 
-def pack_info(capacity: int, worker_id: str, pid: int, *, stats: dict[str, int] | None = None,
-              draining: bool = False) -> bytes:
-    info = {"capacity": capacity, "worker_id": worker_id, "pid": pid, "stats": stats or {}, "draining": draining}
-    return msgpack.packb(info)  # type: ignore[no-any-return]
+@dataclass(frozen=True, slots=True)
+class Info:
+    """What a worker announces in READY and every HEARTBEAT: its credit, name, pid, counters and
+    whether it is draining. Parsed once, here, with every field checked."""
 
+    capacity: int
+    worker_id: str
+    pid: int
+    stats: dict[str, int] = field(default_factory=dict)
+    draining: bool = False
 
-def unpack_info(data: bytes) -> tuple[int, str, int]:
-    raw: Any = msgpack.unpackb(data)
-    if not isinstance(raw, dict):
-        raise ValueError("READY info must be a map")
-    cap, wid, pid = raw.get("capacity"), raw.get("worker_id"), raw.get("pid")
-    if type(cap) is not int or not 1 <= cap <= 100_000 or not isinstance(wid, str) or type(pid) is not int:
-        raise ValueError("READY info needs capacity (1..100000), worker_id and pid")
-    return cap, wid, pid
+    def pack(self) -> bytes:
+        return msgpack.packb({"capacity": self.capacity, "worker_id": self.worker_id, "pid": self.pid,  # type: ignore[no-any-return]
+                              "stats": self.stats, "draining": self.draining})
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Info:
+        """Raises ``ValueError`` on anything but a well-formed info map."""
+        try:
+            raw: Any = msgpack.unpackb(data)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise ValueError(f"info is not msgpack: {type(exc).__name__}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("info must be a map")
+        cap, wid, pid = raw.get("capacity"), raw.get("worker_id"), raw.get("pid")
+        if type(cap) is not int or not 1 <= cap <= 100_000 or not isinstance(wid, str) or type(pid) is not int:
+            raise ValueError("info needs capacity (1..100000), worker_id and pid")
+        stats = raw.get("stats")
+        counters = {str(k): v for k, v in stats.items() if type(v) is int} if isinstance(stats, dict) else {}
+        return cls(cap, wid, pid, counters, raw.get("draining") is True)

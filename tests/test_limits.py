@@ -195,7 +195,7 @@ class RogueWorker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, b"rogue.0001")
         self.sock.connect(endpoint)
-        self.info = P.pack_info(1, "rogue", 1)
+        self.info = P.Info(1, "rogue", 1).pack()
         self.sock.send_multipart([P.TAG, P.READY, self.info])
 
     def pump(self, until: float) -> list[list[bytes]]:

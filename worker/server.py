@@ -118,8 +118,8 @@ class WorkerServer:
         self._stopped = asyncio.Event()
 
     def info(self) -> bytes:
-        return P.pack_info(self.capacity, self.worker_id, os.getpid(), stats={**self.stats, **self.assembler.stats},
-                           draining=self.draining)
+        return P.Info(self.capacity, self.worker_id, os.getpid(), {**self.stats, **self.assembler.stats},
+                      self.draining).pack()
 
     async def run(self) -> None:
         self.links = [BrokerLink(self, ep) for ep in self.endpoints]
