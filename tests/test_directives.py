@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -44,7 +45,9 @@ async def test_set_get_bumps_version(aredis: Redis) -> None:
     assert second.version == 2
     got = await get_directive(aredis, "acme", "bot")
     assert got == second
-    stored = json.loads(await aredis.get(directive_key("acme", "bot")))
+    raw = await aredis.get(directive_key("acme", "bot"))
+    assert raw is not None
+    stored = json.loads(raw)
     assert set(stored) == {"text", "version", "updated_at"}
     assert stored["updated_at"].endswith("Z")
 
@@ -125,6 +128,13 @@ async def test_bad_ids_and_text_are_refused(aredis: Redis) -> None:
         await set_directive(aredis, "acme", "bot", "x" * 100_001)
 
 
+@pytest.mark.parametrize("text", ["", " ", "\n\t  \n"])
+async def test_empty_directive_is_refused_and_nothing_is_written(aredis: Redis, text: str) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        await set_directive(aredis, "acme", "bot", text)
+    assert await aredis.exists(directive_key("acme", "bot")) == 0
+
+
 # ----------------------------------------------------------------------------------------- CLI
 
 
@@ -164,3 +174,35 @@ def test_cli_errors(redis_url: str) -> None:
     assert r.returncode == 2 and "nonexistent" in r.stderr
     r = _cli("show", "--org", "acme", "--agent", "bot", url="redis://127.0.0.1:1/0")
     assert r.returncode == 1 and "cannot reach Redis" in r.stderr
+
+
+def _one_line(r: subprocess.CompletedProcess[str], code: int, prefix: str, *needles: str) -> None:
+    assert r.returncode == code, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(prefix) and "Traceback" not in r.stderr, r.stderr
+    for needle in needles:
+        assert needle in r.stderr, (needle, r.stderr)
+
+
+@pytest.mark.parametrize(("how", "stdin"), [(["--text", ""], None), (["--text", "  \n "], None),
+                                             (["--file", "-"], ""), (["--file", "-"], "\n\n")])
+def test_cli_refuses_an_empty_directive(redis_url: str, how: list[str], stdin: str | None) -> None:
+    _cli("set", "--org", "acme", "--agent", "bot", "--text", "Keep me.", url=redis_url)
+    r = _cli("set", "--org", "acme", "--agent", "bot", *how, url=redis_url, stdin=stdin)
+    _one_line(r, 2, "python -m memory.directive_cli set: ", how[0], "empty", "delete")
+    r = _cli("show", "--org", "acme", "--agent", "bot", url=redis_url)
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] == "Keep me."  # the old one stands
+
+
+def test_cli_mistakes_are_one_line(redis_url: str, tmp_path: Path) -> None:
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"caf\xe9")
+    r = _cli("set", "--org", "acme", "--agent", "bot", "--file", str(binary), url=redis_url)
+    _one_line(r, 2, "python -m memory.directive_cli set: ", "binary.txt", "UTF-8")
+    r = _cli("set", "--org", "acme", "--agent", "bot", "--text", "x" * 100_001, url=redis_url)
+    _one_line(r, 2, "python -m memory.directive_cli set: ", "--text", "100000")
+    r = _cli("show", "--org", "acme", "--agent", "bot", "--extra", url=redis_url)
+    _one_line(r, 2, "python -m memory.directive_cli: ", "--extra")
+    r = _cli("show", "--agent", "bot", url=redis_url)
+    _one_line(r, 2, "python -m memory.directive_cli show: ", "--org")
+    r = _cli("show", "--org", "acme", "--agent", "bot", url="redis://127.0.0.1:1/0")
+    _one_line(r, 1, "python -m memory.directive_cli show: ", "cannot reach Redis", "IBEX_REDIS_URL")

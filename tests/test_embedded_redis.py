@@ -133,3 +133,68 @@ def test_foreground_mode_execs_the_server(tmp_path: Path) -> None:
             proc.wait()
         if proc.stdout:
             proc.stdout.close()
+
+
+# ------------------------------------------------------------------ persistence (the make up stack)
+
+
+def test_data_dir_keeps_data_across_stop_start_and_a_new_server(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    server = EmbeddedRedis(data_dir=data)
+    with server:
+        with redis.Redis.from_url(server.url) as c:
+            assert c.config_get("appendonly") == {"appendonly": "yes"}
+            c.set("k", "v")
+            c.hset("h", mapping={"a": "1"})
+        server.stop()
+        assert (data / "appendonly.aof").is_file()  # the data dir outlives the server ...
+        server.start()
+        with redis.Redis.from_url(server.url) as c:
+            assert c.get("k") == b"v"
+        logdir = Path(str(server._dir))
+    assert data.is_dir() and not logdir.exists()  # ... the temp dir (its log) does not
+    with EmbeddedRedis(data_dir=data) as again, redis.Redis.from_url(again.url) as c:
+        assert c.get("k") == b"v" and c.hgetall("h") == {b"a": b"1"}
+
+
+def test_foreground_persist_mode_keeps_data_across_a_supervisor_restart(tmp_path: Path) -> None:
+    """The command supervisord.conf runs: SIGTERM (supervisorctl stop / make down), start, read back."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    data = tmp_path / "run" / "redis"  # created by the command, as .run/redis is on a fresh checkout
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memory.redis_server", "--port", str(port), "--dir", str(data), "--persist"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 10
+        while not _ping(url):
+            assert proc.poll() is None, "foreground redis exited"
+            assert time.monotonic() < deadline, "foreground redis did not come up"
+            time.sleep(0.05)
+        return proc
+
+    proc = start()
+    try:
+        with redis.Redis.from_url(url) as c:
+            c.set("directive", "kept")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        proc = start()
+        with redis.Redis.from_url(url) as c:
+            assert c.get("directive") == b"kept"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_supervisord_runs_the_embedded_redis_with_persistence_under_run() -> None:
+    import configparser
+
+    conf = configparser.RawConfigParser()
+    conf.read(Path(__file__).resolve().parent.parent / "supervisord.conf")
+    command = conf.get("program:redis", "command")
+    assert "-m memory.redis_server" in command
+    assert "--persist" in command and "--dir %(here)s/.run/redis" in command
