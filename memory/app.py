@@ -4,16 +4,24 @@
     POST /v1/memories/search   {query, agent_id, limit<=50, min_similarity}   -> {"memories": [hit]}
     POST /v1/memories          {agent_id, content, category, ...}             -> 201 {"memory_id", ...}
     GET  /healthz                                                             -> 200 | 503
-    PUT|GET|DELETE /_faults    (only with enable_faults)
+    PUT|GET|DELETE /_faults    (only with enable_faults, which the server allows on loopback only)
 
     hit = {memory_id, content, category, similarity, confidence, rank, created_at, usefulness,
            access_count}; rank is the 1-based position; for hot hits similarity is the stored
            salience (there is no query).
 
 Every /v1 call needs ``Authorization: Bearer <org token>`` (``shared.tenancy``); the org id comes
-from the token only and scopes every Redis key. Errors are ``{"error": message}`` with 400 (bad
-input), 401 (token), 404/405, 413 (body too large), 503 (Redis unreachable); the service keeps
-serving after any of them. An agent with no data is not an error: 200 with an empty list.
+from the token only and scopes every Redis key; it is checked before anything else, injected
+faults included. Errors are ``{"error": message}`` with 400 (bad input), 401 (token), 404/405
+(no trailing-slash redirects), 409 (the agent is at its memory cap), 413 (body too large), 503
+(Redis unreachable); the service keeps serving after any of them. An agent with no data is not an
+error: 200 with an empty list.
+
+One tenant cannot starve the others (README, "Degradation and security"): a search embeds and
+matches only the first ``max_query_chars`` characters of its query, large texts are embedded in a
+worker thread, and each org has at most ``max_concurrent_per_org`` searches and writes computing
+at once. Reads are total: a stored record that no longer validates is skipped and counted
+(``records_skipped`` in ``/healthz``), never a 500 for its agent.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from memory.embed import Embedder, Vectors, content_terms, load_embedder
 from memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from memory.models import HOT_LIMIT_MAX, FaultSpec, MemoryRecord, SearchBody, WriteMemory
 from memory.rank import Candidate, cosine_scores, keyword_hit, rank_hydrated_hits, select_candidates
+from memory.store import AgentFull, RecordHealth, WriteContention
 from shared.keys import is_ident
 from shared.tenancy import bearer_token, verify_org_token
 
@@ -158,8 +167,38 @@ def _agent_id(value: object) -> str:
 # ------------------------------------------------------------------------------------- service
 
 
+class OrgLimiter:
+    """At most ``limit`` requests of one org inside ``hold`` at once; the rest of that org waits.
+
+    Other orgs never queue behind it, so a tenant sending many expensive searches slows itself,
+    not its neighbours. Idle orgs leave no state behind.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._sems: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    @asynccontextmanager
+    async def hold(self, org: str) -> AsyncIterator[None]:
+        entry = self._sems.get(org)
+        if entry is None:
+            entry = self._sems[org] = (asyncio.Semaphore(self._limit), [0])
+        sem, users = entry
+        users[0] += 1
+        try:
+            async with sem:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._sems[org]
+
+    def __len__(self) -> int:
+        return len(self._sems)
+
+
 class MemoryService:
-    """State of one running service: config, embedder, Redis client, faults, clock."""
+    """State of one running service: config, embedder, Redis client, faults, clock, counters."""
 
     def __init__(self, config: MemoryConfig, embedder: Embedder, *, enable_faults: bool,
                  clock: Callable[[], float]) -> None:
@@ -169,6 +208,10 @@ class MemoryService:
         self.clock = clock
         self._redis: Redis | None = None
         self.index_cache = store.IndexCache()
+        self.health = RecordHealth()
+        self.limiter = OrgLimiter(config.max_concurrent_per_org)
+        self.queries_truncated = 0
+        self.offloaded_embeds = 0
 
     @property
     def redis(self) -> Redis:
@@ -196,9 +239,29 @@ class MemoryService:
             self._redis = None
 
     async def embed(self, texts: Sequence[str]) -> Vectors:
-        if self.embedder.blocking:
+        """Embed on the loop when cheap; in a worker thread when the embedder or the text is large."""
+        if self.embedder.blocking or sum(map(len, texts)) > self.config.offload_chars:
+            self.offloaded_embeds += 1
             return await run_in_threadpool(self.embedder.embed, texts)
         return self.embedder.embed(texts)
+
+    def query_text(self, query: str) -> str:
+        """The part of a search query that is embedded and matched (``max_query_chars``)."""
+        cap = self.config.max_query_chars
+        if len(query) <= cap:
+            return query
+        self.queries_truncated += 1
+        return query[:cap]
+
+    def hits(self, found: Sequence[tuple[MemoryRecord, float, int]], where: str) -> list[dict[str, Any]]:
+        """Wire hits for (record, similarity, rank); a record that cannot be rendered is skipped."""
+        out: list[dict[str, Any]] = []
+        for rec, similarity, rank in found:
+            try:
+                out.append(rec.hit(similarity=similarity, rank=rank))
+            except (ValueError, OverflowError) as exc:
+                self.health.skip(f"{where}/{rec.memory_id}", f"cannot render: {exc}")
+        return out
 
     def org_of(self, request: Request) -> str:
         token = bearer_token(request.headers.get("authorization"))
@@ -265,42 +328,49 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
 
 @_endpoint
 async def hot(svc: MemoryService, request: Request) -> Response:
+    org = svc.org_of(request)  # before faults: a caller without a valid token never sees one
     fault = await svc.fault_response(request, "hot")
     if fault is not None:
         return fault
-    org = svc.org_of(request)
     params = _query_params(request, ("agent_id", "limit"))
     agent = _agent_id(params.get("agent_id"))
     raw_limit = params.get("limit", str(HOT_LIMIT_MAX))
     if not (raw_limit.isascii() and raw_limit.isdigit()) or len(raw_limit) > 6 or int(raw_limit) > HOT_LIMIT_MAX:
         raise ApiError(400, f"limit must be an integer from 0 to {HOT_LIMIT_MAX}", field="limit")
-    found = await store.load_hot(svc.redis, org, agent, int(raw_limit))
-    hits = [rec.hit(similarity=salience, rank=i + 1) for i, (rec, salience) in enumerate(found)]
+    found = await store.load_hot(svc.redis, org, agent, int(raw_limit), svc.health)
+    hits = svc.hits([(rec, salience, i + 1) for i, (rec, salience) in enumerate(found)], f"{org}/{agent}")
     return JSONResponse({"memories": hits})
 
 
 @_endpoint
 async def search(svc: MemoryService, request: Request) -> Response:
+    org = svc.org_of(request)  # before faults: a caller without a valid token never sees one
     fault = await svc.fault_response(request, "search")
     if fault is not None:
         return fault
-    org = svc.org_of(request)
     _query_params(request, ())
     body = _validate(SearchBody, parse_json_object(await _read_body(request, svc.config.max_body_bytes)))
     if body.limit == 0:
         return JSONResponse({"memories": []})
+    async with svc.limiter.hold(org):
+        hits = await _search(svc, org, body)
+    return JSONResponse({"memories": hits})
+
+
+async def _search(svc: MemoryService, org: str, body: SearchBody) -> list[dict[str, Any]]:
     embedder = svc.embedder
     index = await store.load_index(svc.redis, org, body.agent_id, embedder_name=embedder.name,
-                                   dim=embedder.dim, embed=svc.embed, cache=svc.index_cache)
+                                   dim=embedder.dim, embed=svc.embed, cache=svc.index_cache, health=svc.health)
     if not index.ids and not index.terms:
-        return JSONResponse({"memories": []})
-    query_vec = (await svc.embed([body.query]))[0]
+        return []
+    text = svc.query_text(body.query)
+    query_vec = (await svc.embed([text]))[0]
     cosines = cosine_scores(index.matrix, query_vec)
-    q_terms = content_terms(body.query)
+    q_terms = content_terms(text)
     kw = frozenset(mid for mid, terms in index.terms.items() if keyword_hit(q_terms, terms))
     relevance = select_candidates(index.ids, cosines, kw, min_similarity=body.min_similarity,
                                   max_candidates=svc.config.max_candidates)
-    records = await store.hydrate(svc.redis, org, body.agent_id, sorted(relevance))
+    records = await store.hydrate(svc.redis, org, body.agent_id, sorted(relevance), svc.health)
     candidates = [
         Candidate(mid, relevance[mid], rec.category, rec.created_at.timestamp(), rec.usefulness,
                   rec.confidence, rec.access_count)
@@ -308,8 +378,8 @@ async def search(svc: MemoryService, request: Request) -> Response:
     ]
     ranked = rank_hydrated_hits(candidates, now_s=svc.clock(), relevance_floor=svc.config.relevance_floor,
                                 limit=body.limit)
-    hits = [records[r.candidate.memory_id].hit(similarity=r.candidate.relevance, rank=r.rank) for r in ranked]
-    return JSONResponse({"memories": hits})
+    return svc.hits([(records[r.candidate.memory_id], r.candidate.relevance, r.rank) for r in ranked],
+                    f"{org}/{body.agent_id}")
 
 
 @_endpoint
@@ -324,17 +394,25 @@ async def write(svc: MemoryService, request: Request) -> Response:
         created_at=body.created_at or datetime.fromtimestamp(svc.clock(), UTC),
         salience=body.salience if body.salience is not None else body.confidence,
     )
-    await store.write_memories(
-        svc.redis, [store.NewMemory(org, body.agent_id, record, body.hot)],
-        embedder_name=svc.embedder.name, embed=svc.embed,
-    )
+    try:
+        async with svc.limiter.hold(org):
+            await store.write_capped(svc.redis, store.NewMemory(org, body.agent_id, record, body.hot),
+                                     embedder_name=svc.embedder.name, embed=svc.embed,
+                                     max_per_agent=svc.config.max_memories_per_agent)
+    except AgentFull as exc:
+        raise ApiError(409, f"agent_id: {body.agent_id!r} already has {exc.count} memories, the cap is {exc.cap}",
+                       field="agent_id") from exc
+    except WriteContention as exc:
+        raise ApiError(503, "agent_id: the agent's memories kept changing during the write; retry",
+                       field="agent_id") from exc
     return JSONResponse({"memory_id": record.memory_id, "agent_id": body.agent_id, "hot": body.hot},
                         status_code=201)
 
 
 @_endpoint
 async def healthz(svc: MemoryService, request: Request) -> Response:
-    info: dict[str, Any] = {"embedder": svc.embedder.name, "faults_enabled": svc.faults is not None}
+    info: dict[str, Any] = {"embedder": svc.embedder.name, "faults_enabled": svc.faults is not None,
+                            "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated}
     try:
         await svc.redis.ping()
     except (RedisError, OSError, ApiError) as exc:
@@ -404,5 +482,8 @@ def create_app(
             Route("/_faults", delete_faults(svc), methods=["DELETE"]),
         ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    # No 307 to the slash-less path: Starlette builds that Location from the Host header, so any
+    # caller could make the service redirect to a host of its choosing. A wrong path is a 404.
+    app.router.redirect_slashes = False
     app.state.service = svc
     return app

@@ -1,7 +1,11 @@
 """Settings of the reference memory service, read from ``IBEX_MEMORY_*`` (and ``IBEX_REDIS_URL``).
 
 The HMAC secret is the same ``IBEX_MEMORY_SECRET`` the workers mint tokens with
-(``shared.settings.Settings.memory_secret``), with the same development default.
+(``shared.settings.Settings.memory_secret``), with the same development default. That default is
+in the source, so anyone can mint a token for any org with it: the service only runs with it on a
+loopback address (README, "Degradation and security").
+
+The limits below keep one tenant (or one bad write) from hurting the others (README, "Settings").
 """
 
 from __future__ import annotations
@@ -11,10 +15,16 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from memory.models import MAX_QUERY_CHARS
 from memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from shared.settings import Settings
 
-_DEFAULT_SECRET: str = Settings.model_fields["memory_secret"].default
+DEV_SECRET: str = Settings.model_fields["memory_secret"].default
+
+# Hashing embedder, worst case (distinct CJK characters, cold feature cache), dev machine:
+# ~4 us a character: 1,000 chars ~4 ms, 4,000 ~16 ms, 100,000 ~660 ms. A normal search is ~2 ms,
+# so 1,000 characters keeps the dearest query within a few normal ones.
+DEFAULT_MAX_QUERY_CHARS = 1_000
 
 
 class MemoryConfig(BaseSettings):
@@ -22,7 +32,7 @@ class MemoryConfig(BaseSettings):
         env_prefix="IBEX_MEMORY_", extra="ignore", frozen=True, populate_by_name=True
     )
 
-    secret: str = Field(_DEFAULT_SECRET, min_length=8, description="IBEX_MEMORY_SECRET: token HMAC key.")
+    secret: str = Field(DEV_SECRET, min_length=8, description="IBEX_MEMORY_SECRET: token HMAC key.")
     redis_url: str | None = Field(None, validation_alias="IBEX_REDIS_URL")
     embedder: Literal["hash", "minilm"] = Field("hash", description="IBEX_MEMORY_EMBEDDER")
     relevance_floor: float = Field(
@@ -31,8 +41,33 @@ class MemoryConfig(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
     max_candidates: int = Field(500, ge=1, description="Retrieved candidates hydrated per search.")
     redis_timeout_ms: float = Field(1000.0, gt=0)
+    max_query_chars: int = Field(
+        DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,
+        description="IBEX_MEMORY_MAX_QUERY_CHARS: only this many leading characters of a search query "
+                    "are embedded and matched; the rest is ignored (the wire allows 100,000).",
+    )
+    offload_chars: int = Field(
+        4_000, ge=0,
+        description="IBEX_MEMORY_OFFLOAD_CHARS: texts to embed longer than this (in total) are embedded "
+                    "in a worker thread, so a large write does not hold the event loop.",
+    )
+    max_concurrent_per_org: int = Field(
+        4, ge=1,
+        description="IBEX_MEMORY_MAX_CONCURRENT_PER_ORG: searches and writes of one org computed at "
+                    "once; more wait their turn, other orgs do not wait behind them.",
+    )
+    max_memories_per_agent: int = Field(
+        10_000, ge=1,
+        description="IBEX_MEMORY_MAX_MEMORIES_PER_AGENT: a write that would add one more is refused "
+                    "with 409 (rewriting an existing memory_id is always allowed).",
+    )
 
     @field_validator("relevance_floor")
     @classmethod
     def _floor(cls, v: float) -> float:
         return check_relevance_floor(v)
+
+    @property
+    def uses_dev_secret(self) -> bool:
+        """True while the secret is the public development default from the source."""
+        return self.secret == DEV_SECRET

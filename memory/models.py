@@ -7,10 +7,11 @@ in a body is an error (the org comes from the bearer token only).
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
 from memory.rank import CATEGORIES, DEFAULT_MIN_SIMILARITY
 from shared.keys import IDENT_PATTERN
@@ -24,8 +25,33 @@ Ident = Annotated[str, StringConstraints(pattern=IDENT_PATTERN)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Category = Literal["fact", "preference", "relationship", "skill", "note", "event", "task"]
 assert set(get_args(Category)) == CATEGORIES  # keep rank.py's half-life table in step
+# Timestamps outside this range are refused on write and skipped on read: near datetime's limits
+# (years 1 and 9999) converting one to UTC or to epoch seconds raises OverflowError, and no memory
+# is that old or that new. 1900 leaves room for the seed format's age_days (up to 100 years).
+CREATED_AT_MIN = datetime(1900, 1, 1, tzinfo=UTC)
+CREATED_AT_MAX = datetime(2200, 1, 1, tzinfo=UTC)
+# Content may hold tab, newline and carriage return; no other control character (Unicode Cc:
+# C0, DEL, C1). Each would come back JSON-escaped at six bytes, bloating every read of the agent.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _sane_timestamp(ts: datetime) -> datetime:
+    if not CREATED_AT_MIN <= ts < CREATED_AT_MAX:
+        raise ValueError(f"must be from {CREATED_AT_MIN.year} up to (not including) {CREATED_AT_MAX.year} UTC")
+    return ts
+
+
+def _no_controls(text: str) -> str:
+    found = _CONTROL.search(text)
+    if found is not None:
+        raise ValueError(f"control character U+{ord(found.group()):04X} at position {found.start()} is not "
+                         "allowed (only tab, newline and carriage return)")
+    return text
+
+
 # created_at arrives as an ISO-8601 string in JSON: lax parsing for this one field only.
-Timestamp = Annotated[AwareDatetime, Field(strict=False)]
+Timestamp = Annotated[AwareDatetime, Field(strict=False), AfterValidator(_sane_timestamp)]
+Content = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS), AfterValidator(_no_controls)]
 
 
 def iso(ts: datetime) -> str:
@@ -42,7 +68,7 @@ class MemoryRecord(StrictModel):
     """One memory as stored at ``{org}:memories:{agent}`` (field ``memory_id``)."""
 
     memory_id: Ident
-    content: Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]
+    content: Content
     category: Category
     confidence: Unit
     usefulness: Unit = 0.5
@@ -70,7 +96,7 @@ class WriteMemory(StrictModel):
 
     agent_id: Ident
     memory_id: Ident | None = None
-    content: Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]
+    content: Content
     category: Category
     confidence: Unit = 0.8
     usefulness: Unit = 0.5

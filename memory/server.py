@@ -7,7 +7,10 @@ that file (atomically, once the socket listens) so a supervisor or test can find
 ``--redis-url`` or ``IBEX_REDIS_URL`` an embedded redis-server is started for the process's
 lifetime (empty: seed it with ``python -m memory.seed``). The token secret is read from
 ``IBEX_MEMORY_SECRET`` only, never from the command line (it would show in ``ps``).
-Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.5.
+Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.5, a host other
+than loopback (``--host`` / ``IBEX_MEMORY_HOST``) while the secret is the development default
+(anyone who read the source could mint a token for any org), or ``--enable-faults`` on a host
+other than loopback (README, "Degradation and security").
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from memory.config import MemoryConfig
 from memory.embed import EmbedderUnavailable, load_embedder
 from memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
 from memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
+from shared.netloc import is_loopback_host
 from shared.settings import Settings
 
 log = logging.getLogger("memory.server")
@@ -61,6 +65,22 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def exposure_error(host: str, config: MemoryConfig, *, enable_faults: bool) -> str | None:
+    """Why this service must not listen on ``host``, or ``None`` when it may.
+
+    Off loopback, the development secret would let anyone mint a token for any org, and
+    ``/_faults`` (which needs no token) would let anyone break the service.
+    """
+    if is_loopback_host(host):
+        return None
+    if config.uses_dev_secret:
+        return (f"refusing to listen on {host!r} with the development IBEX_MEMORY_SECRET (it is in the "
+                "source): set IBEX_MEMORY_SECRET to a private value, or bind 127.0.0.1")
+    if enable_faults:
+        return f"refusing --enable-faults on {host!r}: fault injection is for loopback hosts only"
+    return None
+
+
 def write_port_file(path: str, port: int) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as fh:
@@ -79,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         for err in exc.errors():
             print(f"error: {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
+        return 2
+    refused = exposure_error(args.host, config, enable_faults=args.enable_faults)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     try:
         embedder = load_embedder(config.embedder)

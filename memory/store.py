@@ -16,6 +16,10 @@ are noticed through the record count only.)
 
 Vectors are per embedder; a search that finds records without a vector for the current embedder
 (seeded with another embedder, or written straight to Redis) computes and stores them once.
+
+Reads are total: a record that no longer validates (written straight to Redis, or by an older
+version with looser rules) is left out of every answer, logged and counted in ``RecordHealth``
+(shown by ``/healthz``), never an error for the agent (README, "Degradation and security").
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import cast
 import numpy as np
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import WatchError
 
 from memory.embed import Vectors, content_terms
 from memory.models import MemoryRecord
@@ -40,6 +46,33 @@ log = logging.getLogger(__name__)
 
 EmbedFn = Callable[[Sequence[str]], Awaitable[Vectors]]
 _WRITE_CHUNK = 256
+_WATCH_ATTEMPTS = 8
+
+
+class AgentFull(Exception):
+    """A write would take the agent over its memory cap (``MemoryConfig.max_memories_per_agent``)."""
+
+    def __init__(self, count: int, cap: int) -> None:
+        super().__init__(f"agent has {count} memories, the cap is {cap}")
+        self.count = count
+        self.cap = cap
+
+
+class WriteContention(Exception):
+    """The agent's records kept changing under a capped write; the caller may retry."""
+
+
+class RecordHealth:
+    """Counts stored records that reads had to skip (damaged, out of range, wrong id)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0
+        self.last: str | None = None
+
+    def skip(self, where: str, reason: str) -> None:
+        self.skipped += 1
+        self.last = where
+        log.warning("skipping memory record at %s: %s", where, reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +101,19 @@ def _joined_terms(text: str) -> str:
     return " ".join(sorted(content_terms(text)))
 
 
+def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str) -> None:
+    """Queue one memory's record, terms, vector and hot flag on a pipeline."""
+    rec = m.record
+    pipe.hset(memories_key(m.org_id, m.agent_id), rec.memory_id, rec.model_dump_json())
+    pipe.hset(terms_key(m.org_id, m.agent_id), rec.memory_id, _joined_terms(rec.content))
+    pipe.hset(vectors_key(m.org_id, m.agent_id, embedder_name), rec.memory_id,
+              np.asarray(vec, dtype=np.float32).tobytes())
+    if m.hot:
+        pipe.zadd(hot_key(m.org_id, m.agent_id), {rec.memory_id: rec.salience})
+    else:
+        pipe.zrem(hot_key(m.org_id, m.agent_id), rec.memory_id)
+
+
 async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_name: str, embed: EmbedFn) -> None:
     """Store memories (record, terms, vector, hot flag) in chunks of MULTI/EXEC transactions."""
     for start in range(0, len(items), _WRITE_CHUNK):
@@ -77,30 +123,68 @@ async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_n
             for org_id, agent_id in {(m.org_id, m.agent_id) for m in chunk}:
                 pipe.set(rev_key(org_id, agent_id), uuid.uuid4().hex)
             for m, vec in zip(chunk, vectors, strict=True):
-                rec = m.record
-                pipe.hset(memories_key(m.org_id, m.agent_id), rec.memory_id, rec.model_dump_json())
-                pipe.hset(terms_key(m.org_id, m.agent_id), rec.memory_id, _joined_terms(rec.content))
-                pipe.hset(vectors_key(m.org_id, m.agent_id, embedder_name), rec.memory_id,
-                          np.asarray(vec, dtype=np.float32).tobytes())
-                if m.hot:
-                    pipe.zadd(hot_key(m.org_id, m.agent_id), {rec.memory_id: rec.salience})
-                else:
-                    pipe.zrem(hot_key(m.org_id, m.agent_id), rec.memory_id)
+                _queue_write(pipe, m, vec, embedder_name)
             await pipe.execute()
 
 
-def parse_record(raw: bytes | str | None, where: str) -> MemoryRecord | None:
-    """A stored record, or ``None`` (logged) if the bytes at ``where`` are damaged."""
+async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, embed: EmbedFn,
+                       max_per_agent: int) -> None:
+    """Store one memory unless it would be the agent's ``max_per_agent + 1``-th.
+
+    The count check and the write are one optimistic transaction (WATCH on the agent's records),
+    so concurrent writers cannot overshoot the cap. ``AgentFull`` if full; rewriting an existing
+    ``memory_id`` never counts as a new memory.
+    """
+    [vec] = await embed([item.record.content])
+    mkey = memories_key(item.org_id, item.agent_id)
+    async with redis.pipeline(transaction=True) as pipe:
+        for _ in range(_WATCH_ATTEMPTS):
+            try:
+                await pipe.watch(mkey)
+                count = int(await pipe.hlen(mkey))
+                exists = bool(await pipe.hexists(mkey, item.record.memory_id))
+                if not exists and count >= max_per_agent:
+                    raise AgentFull(count, max_per_agent)
+                pipe.multi()  # type: ignore[no-untyped-call]
+                pipe.set(rev_key(item.org_id, item.agent_id), uuid.uuid4().hex)
+                _queue_write(pipe, item, vec, embedder_name)
+                await pipe.execute()
+                return
+            except WatchError:
+                continue
+            finally:
+                await pipe.reset()  # type: ignore[no-untyped-call]
+    raise WriteContention(f"{mkey} changed under {_WATCH_ATTEMPTS} attempts to write")
+
+
+def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | None = None,
+                 memory_id: str | None = None) -> MemoryRecord | None:
+    """A stored record, or ``None`` if the bytes at ``where`` are damaged or out of range.
+
+    A skipped record is logged and counted in ``health``; ``memory_id`` (when given) must match
+    the record's own id.
+    """
     if raw is None:
         return None
     try:
-        return MemoryRecord.model_validate_json(raw)
+        rec = MemoryRecord.model_validate_json(raw)
     except ValidationError as exc:
-        log.warning("skipping malformed memory record at %s: %s", where, exc.errors()[0]["msg"])
+        first = exc.errors()[0]
+        reason = f"{'.'.join(map(str, first['loc'])) or 'record'}: {first['msg']}"
+        if health is not None:
+            health.skip(where, reason)
+        else:
+            log.warning("skipping memory record at %s: %s", where, reason)
         return None
+    if memory_id is not None and rec.memory_id != memory_id:
+        if health is not None:
+            health.skip(where, f"record says memory_id {rec.memory_id!r}")
+        return None
+    return rec
 
 
-async def hydrate(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str]) -> dict[str, MemoryRecord]:
+async def hydrate(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str],
+                  health: RecordHealth | None = None) -> dict[str, MemoryRecord]:
     """Load full records for ``ids``; missing or damaged ones are left out."""
     if not ids:
         return {}
@@ -108,20 +192,21 @@ async def hydrate(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str]) 
     raws = await redis.hmget(key, list(ids))
     out: dict[str, MemoryRecord] = {}
     for mid, raw in zip(ids, raws, strict=True):
-        rec = parse_record(raw, f"{key}/{mid}")
-        if rec is not None and rec.memory_id == mid:
+        rec = parse_record(raw, f"{key}/{mid}", health, memory_id=mid)
+        if rec is not None:
             out[mid] = rec
     return out
 
 
-async def load_hot(redis: Redis, org_id: str, agent_id: str, limit: int) -> list[tuple[MemoryRecord, float]]:
+async def load_hot(redis: Redis, org_id: str, agent_id: str, limit: int,
+                   health: RecordHealth | None = None) -> list[tuple[MemoryRecord, float]]:
     """The ``limit`` most salient hot memories, salience desc then memory_id."""
     if limit <= 0:
         return []
     pairs = cast(list[tuple[bytes, float]],
                  await redis.zrevrange(hot_key(org_id, agent_id), 0, limit - 1, withscores=True))
     ids = [m.decode() for m, _ in pairs]
-    records = await hydrate(redis, org_id, agent_id, ids)
+    records = await hydrate(redis, org_id, agent_id, ids, health)
     found = [(records[mid], float(score)) for mid, (_, score) in zip(ids, pairs, strict=True) if mid in records]
     found.sort(key=lambda rs: (-rs[1], rs[0].memory_id))
     return found
@@ -156,7 +241,7 @@ class IndexCache:
 
 async def load_index(
     redis: Redis, org_id: str, agent_id: str, *, embedder_name: str, dim: int, embed: EmbedFn,
-    cache: IndexCache | None = None,
+    cache: IndexCache | None = None, health: RecordHealth | None = None,
 ) -> SearchIndex:
     """Vectors and terms of every memory of the agent, backfilling any that are missing."""
     vkey, tkey, mkey, rkey = (vectors_key(org_id, agent_id, embedder_name), terms_key(org_id, agent_id),
@@ -179,7 +264,8 @@ async def load_index(
         rev, count, vectors, terms = await pipe.execute()
     row_bytes = dim * 4
     if len(vectors) < count or len(terms) < count:
-        await _backfill(redis, org_id, agent_id, vectors, terms, embedder_name=embedder_name, embed=embed)
+        await _backfill(redis, org_id, agent_id, vectors, terms, embedder_name=embedder_name, embed=embed,
+                        health=health)
     ids: list[str] = []
     rows: list[bytes] = []
     term_map: dict[str, frozenset[str]] = {}
@@ -199,7 +285,7 @@ async def load_index(
 
 async def _backfill(
     redis: Redis, org_id: str, agent_id: str, vectors: dict[bytes, bytes], terms: dict[bytes, bytes],
-    *, embedder_name: str, embed: EmbedFn,
+    *, embedder_name: str, embed: EmbedFn, health: RecordHealth | None = None,
 ) -> None:
     """Compute vectors/terms for records that lack them (mutates the two dicts in place)."""
     mkey = memories_key(org_id, agent_id)
@@ -210,7 +296,7 @@ async def _backfill(
     raws = await redis.hmget(mkey, missing)
     fixed: list[tuple[bytes, MemoryRecord]] = []
     for mid, raw in zip(missing, raws, strict=True):
-        rec = parse_record(raw, f"{mkey}/{mid!r}")
+        rec = parse_record(raw, f"{mkey}/{mid.decode(errors='replace')}", health)
         if rec is not None:
             fixed.append((mid, rec))
     if not fixed:

@@ -59,7 +59,9 @@ def assert_healthy(http: httpx.Client) -> None:
 
 def test_healthz(http: httpx.Client) -> None:
     body = http.get("/healthz").json()
-    assert body == {"embedder": "hash1-256", "faults_enabled": True, "status": "ok", "redis": "ok"}
+    assert body == {"embedder": "hash1-256", "faults_enabled": True, "status": "ok", "redis": "ok",
+                    "records_skipped": body["records_skipped"], "queries_truncated": body["queries_truncated"]}
+    assert isinstance(body["records_skipped"], int) and isinstance(body["queries_truncated"], int)
 
 
 def test_write_then_read_back(http: httpx.Client, memory: MemoryServiceHandle) -> None:

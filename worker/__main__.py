@@ -1,4 +1,9 @@
-"""``python -m worker [--cpu N]``: one pinned uvloop worker process (run N of them per host)."""
+"""``python -m worker [--cpu N]``: one pinned uvloop worker process (run N of them per host).
+
+Exit status 2, before anything starts, when ``IBEX_MEMORY_URL`` is not a loopback URL while
+``IBEX_MEMORY_SECRET`` is the development default: the tokens it mints would be forgeable by
+anyone who read the source (README, "Degradation and security").
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,18 @@ import signal
 import socket
 import sys
 
+from shared.netloc import is_loopback_url
 from shared.settings import Settings, usable_cpus
+
+DEV_MEMORY_SECRET: str = Settings.model_fields["memory_secret"].default
+
+
+def exposure_error(settings: Settings) -> str | None:
+    """Why this worker must not talk to its memory service, or ``None`` when it may."""
+    if settings.memory_secret == DEV_MEMORY_SECRET and not is_loopback_url(settings.memory_url):
+        return (f"IBEX_MEMORY_URL {settings.memory_url!r} is not a loopback URL and IBEX_MEMORY_SECRET is the "
+                "development default (it is in the source): set IBEX_MEMORY_SECRET to a private value")
+    return None
 
 
 def pin(cpu: int | None) -> int | None:
@@ -84,12 +100,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="transport: answer at once without assembling (bench: isolates broker overhead)")
     args = ap.parse_args(argv)
     settings = Settings()
+    refused = exposure_error(settings)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     from shared.observability import setup_logging
 
     setup_logging(settings.log_level, "worker")
+    cpus = usable_cpus()  # before pinning: afterwards the mask holds one CPU
     chosen = pin(args.cpu if settings.pin_cpus else None)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    logging.getLogger(__name__).info("worker %s pinned to cpu %s of %d", worker_id, chosen, usable_cpus())
+    logging.getLogger(__name__).info("worker %s pinned to cpu %s of %d", worker_id, chosen, cpus)
     import uvloop
 
     uvloop.run(serve(settings, worker_id, args.mode))
