@@ -290,6 +290,7 @@ class Driver:
 async def _client(endpoint: str) -> AsyncClient:
     c = AsyncClient(endpoint)
     await c.wait_connected(10.0)
+    await c.prepare_fallback()  # the client loads its fallback on a thread at start: not during a timed run
     return c
 
 
