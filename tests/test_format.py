@@ -173,4 +173,15 @@ def test_history_counting_reuses_the_cache_for_seen_messages() -> None:
     fmt.history_counted(counter, convo)
     misses = counter.misses
     fmt.history_counted(counter, [*convo, Message(role="user", content="one more question")])
-    assert counter.misses == misses + 1  # only the new message was tokenized
+    # Only the new message was tokenized: with its newline, and without (it is the last line).
+    assert counter.misses == misses + 2
+
+
+@pytest.mark.parametrize("content", ["\n\t", "|Tl|.", "@.b0$TubD!;", "ends with a space "])
+def test_last_line_is_charged_without_its_newline_too(content: str) -> None:
+    """BPE is not additive at the end of a section: "[user] |Tl|." costs one o200k token more than
+    "[user] |Tl|.\\n", so charging every line with its newline undercounted the last one."""
+    counter = CATALOG.counter("o200k")
+    msgs = [Message(role="user", content="first"), Message(role="user", content=content)]
+    text, n = fmt.history_counted(counter, msgs)
+    assert n >= counter.count(text)

@@ -165,11 +165,17 @@ def _counted(counter: Counter, header: str, lines: list[str]) -> tuple[str, int]
     Conversations grow by a message or two per call, so counting each line on its own lets the
     per-worker token cache (keyed by content hash) answer for every message already seen: the
     cost of counting history becomes the cost of the new messages. Each line is charged with its
-    newline, so the sum bounds the count of the joined text (tests/test_format.py checks this).
+    newline, so the sum bounds the count of the joined text (tests/test_format.py checks this),
+    except at the end: no newline follows the last line there, and a line ending in whitespace or
+    punctuation can cost one token more without it (the newline merges into its last pre-token:
+    "[user] |Tl|." is 6 o200k tokens, with "\n" 5). So the last line is charged the larger of
+    both counts; a new message is tokenized twice while it is the last one.
     """
     if not lines:
         return "", 0
-    return header + "\n".join(lines), counter.count(header) + sum(counter.count(line + "\n") for line in lines)
+    *body, last = lines
+    last_n = max(counter.count(last + "\n"), counter.count(last))
+    return header + "\n".join(lines), counter.count(header) + sum(counter.count(line + "\n") for line in body) + last_n
 
 
 def history_section(messages: Sequence[Message]) -> str:
