@@ -6,6 +6,7 @@ held. Redis faults are real too: ``CLIENT PAUSE`` stalls the server, ``stop()`` 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,10 +16,10 @@ import redis
 
 from shared.catalog import Catalog
 from shared.errors import DeadlineExceeded
-from shared.models import AssembleRequest, AssembleResponse
+from shared.models import AssembleRequest, AssembleResponse, BranchName
 from shared.settings import Settings
 from worker.assemble import Assembler
-from worker.retrieve import Retriever
+from worker.retrieve import Retriever, parse_hits
 
 CATALOG = Catalog.load()
 CATALOG.warm_up()  # load BPE vocabularies now, not inside a 5 ms branch budget
@@ -103,10 +104,13 @@ async def test_happy_path_three_branches_merged(make: Any) -> None:
     assert dups  # hot memories also came back from search: one copy each is kept
     assert len({d.memory_id for d in resp.decisions if d.decision != "duplicate"}) == len(
         [d for d in resp.decisions if d.decision != "duplicate"])
+    answered = {d.memory_id: d for d in resp.decisions if d.decision != "duplicate"}
+    for d in dups:  # each names the copy that was kept, and that copy has its own decision
+        assert d.memory_id in answered and "was kept (" in d.reason, d
 
 
 @pytest.mark.parametrize(("endpoint", "branch"), [("hot", "hot"), ("search", "cold")])
-async def test_slow_branch_times_out_alone(make: Any, memory: Any, endpoint: str, branch: str) -> None:
+async def test_slow_branch_times_out_alone(make: Any, memory: Any, endpoint: str, branch: BranchName) -> None:
     memory.set_fault(endpoint, latency_ms=1000)
     a = make(hot_timeout_ms=60, cold_timeout_ms=80)
     resp = await _run(a)
@@ -240,3 +244,24 @@ async def test_deadline_bounds_the_wall(make: Any, memory: Any) -> None:
     elapsed_ms = (time.perf_counter() - t0) * 1000
     assert elapsed_ms < 80, elapsed_ms  # answered before the deadline, not at the wall
     assert resp.branches["hot"].status == "timeout" and resp.branches["cold"].status == "timeout"
+
+
+def _wire_hit(memory_id: object, **over: Any) -> dict[str, Any]:
+    hit = {"memory_id": memory_id, "content": "c", "category": "fact", "similarity": 0.5, "confidence": 0.5, "rank": 0}
+    return {**hit, **over}
+
+
+@pytest.mark.parametrize("memory_id", ["", "a b", "x" * 65, "a:b", None, 7])
+def test_parse_hits_refuses_ids_outside_the_identifier_alphabet(memory_id: object) -> None:
+    body = json.dumps({"memories": [_wire_hit("good-1"), _wire_hit(memory_id), _wire_hit("good.2")]}).encode()
+    hits, rejects = parse_hits(body, "hot", cap=20)
+    assert [h.memory_id for h in hits] == ["good-1", "good.2"]
+    assert [(r.memory_id, r.source, r.decision) for r in rejects] == [("<hot#1>", "hot", "malformed")]
+    assert rejects[0].reason.startswith("hot hit 1: memory_id ")
+
+
+def test_parse_hits_names_a_malformed_hit_by_its_id_when_the_id_is_valid() -> None:
+    body = json.dumps({"memories": [_wire_hit("m-1", content=3)]}).encode()
+    hits, rejects = parse_hits(body, "cold", cap=20)
+    assert hits == [] and [(r.memory_id, r.decision, r.reason) for r in rejects] == [
+        ("m-1", "malformed", "cold hit 0: content must be a string")]

@@ -152,3 +152,70 @@ def test_every_hit_is_accounted_for_and_nothing_raises(values: list[tuple[Any, A
         assert r.reason
         if r.decision == "below_floor":
             assert r.score is not None and r.score < floor
+
+
+# ------------------------------------------------------------------ ids and duplicates: one decision per memory
+
+
+def _copy(memory_id: str, similarity: Any, source: str = "hot", rank: int = 0) -> MemoryHit:
+    return MemoryHit(memory_id, "body", "fact", similarity, 0.5, rank, source)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("memory_id", ["", "a b", "x" * 65, "a:b", "é"])
+def test_memory_id_outside_the_identifier_alphabet_is_malformed(memory_id: str) -> None:
+    costed: list[str] = []
+
+    def cost(h: MemoryHit) -> int:
+        costed.append(h.memory_id)
+        return 1
+
+    scored, rejected = score_candidates([_hit("ok"), _hit(memory_id)], cost)
+    assert [m.memory_id for m in scored] == ["ok"] and costed == ["ok"]
+    assert [(r.memory_id, r.decision) for r in rejected] == [("<cold#1>", "malformed")]
+    assert "must be 1-64 characters of [A-Za-z0-9_.-]" in rejected[0].reason
+
+
+def test_hot_and_cold_copies_keep_the_higher_score() -> None:
+    scored, rejected = score_candidates([_copy("a", 0.6, "hot", 3), _copy("a", 0.9, "cold", 1)], _cost)
+    assert [(m.memory_id, m.hit.source) for m in scored] == [("a", "cold")]
+    assert [(r.memory_id, r.source, r.decision) for r in rejected] == [("a", "hot", "duplicate")]
+    assert rejected[0].reason == ("duplicate memory_id: the copy cold #0 (rank 1) was kept "
+                                  "(its interim score 0.8400 beats this copy's 0.5850)")
+
+
+def test_a_valid_copy_is_never_hidden_behind_an_invalid_one() -> None:
+    """The old merge kept the higher similarity, then the scorer refused that copy: no decision
+    for the memory said 'packed' although a valid copy had arrived."""
+    scored, rejected = score_candidates([_copy("a", math.nan, "hot"), _copy("a", 0.5, "cold")], _cost)
+    assert [(m.memory_id, m.hit.source) for m in scored] == [("a", "cold")]
+    assert [r.decision for r in rejected] == ["duplicate"]
+    assert rejected[0].reason.endswith("was kept (this copy's scores are invalid)")
+
+
+def test_ties_prefer_hot_then_the_first_returned() -> None:
+    scored, rejected = score_candidates([_copy("a", 0.7, "cold"), _copy("a", 0.7, "hot")], _cost)
+    assert scored[0].hit.source == "hot"
+    assert rejected[0].reason.endswith("(same interim score 0.6700; the hot copy is preferred)")
+    scored, rejected = score_candidates([_copy("b", 0.7, "cold", 4), _copy("b", 0.7, "cold", 4)], _cost)
+    assert len(scored) == 1 and rejected[0].source == "cold"
+    assert rejected[0].reason == ("duplicate memory_id: the copy cold #0 (rank 4) was kept "
+                                  "(same interim score 0.6700; the copy returned first is kept)")
+
+
+def test_only_invalid_copies_give_one_invalid_score_and_duplicates() -> None:
+    scored, rejected = score_candidates([_copy("a", math.inf, "cold"), _copy("a", -1.0, "hot")], _cost)
+    assert scored == []
+    assert sorted((r.source, r.decision) for r in rejected) == [("cold", "duplicate"), ("hot", "invalid_score")]
+
+
+@given(copies=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "", "d d"]), anything,
+                                 st.sampled_from(["hot", "cold"])), max_size=15))
+def test_exactly_one_decision_per_distinct_memory(copies: list[tuple[str, Any, str]]) -> None:
+    hits = [_copy(mid, sim, src, i) for i, (mid, sim, src) in enumerate(copies)]
+    scored, rejected = score_candidates(hits, _cost)
+    named = [h.memory_id for h in hits if h.memory_id in ("a", "b", "c")]
+    primary = [m.memory_id for m in scored] + [r.memory_id for r in rejected if r.decision not in ("duplicate",
+                                                                                                   "malformed")]
+    assert sorted(primary) == sorted(set(named))  # one answer per distinct valid id
+    assert len([r for r in rejected if r.decision == "duplicate"]) == len(named) - len(set(named))
+    assert len([r for r in rejected if r.decision == "malformed"]) == len(hits) - len(named)

@@ -32,11 +32,10 @@ from shared.directives import get_directive
 from shared.models import AssembleRequest, BranchName, BranchOutcome
 from shared.settings import Settings
 from shared.tenancy import mint_org_token
-from worker.types import MemoryHit, Rejection, Source
+from worker.types import MemoryHit, Rejection, Source, memory_id_problem
 
 log = logging.getLogger(__name__)
 
-MAX_ID_LEN = 256
 MAX_CATEGORY_LEN = 64
 
 
@@ -110,7 +109,7 @@ def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], 
     rejects: list[Rejection] = []
     for i, raw in enumerate(doc["memories"]):
         mid = raw.get("memory_id") if isinstance(raw, dict) else None
-        mid_s = mid if isinstance(mid, str) and 0 < len(mid) <= MAX_ID_LEN else f"<{source}#{i}>"
+        mid_s = mid if isinstance(mid, str) and memory_id_problem(mid) is None else f"<{source}#{i}>"
         problem = _hit_problem(raw)
         if problem:
             rejects.append(Rejection(mid_s, source, "malformed", f"{source} hit {i}: {problem}"))
@@ -133,9 +132,9 @@ def _over_cap(memory_id: str, source: Source, cap: int) -> Rejection:
 def _hit_problem(raw: object) -> str | None:
     if not isinstance(raw, dict):
         return "not an object"
-    mid = raw.get("memory_id")
-    if not isinstance(mid, str) or not 0 < len(mid) <= MAX_ID_LEN:
-        return "memory_id must be a non-empty string"
+    id_problem = memory_id_problem(raw.get("memory_id"))  # the identifier alphabet, not just non-empty
+    if id_problem is not None:
+        return id_problem
     if not isinstance(raw.get("content"), str):
         return "content must be a string"
     cat = raw.get("category")

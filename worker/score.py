@@ -9,7 +9,9 @@ five-part composite on the wire the packer ranks by a labelled INTERIM score::
 The result is stored as ``ScoredMemory.composite_score`` for formatter/proto alignment; it is NOT
 the memory-service composite. Both inputs must be finite and in [0, 1]; anything else is reported
 as a ``Rejection`` with a readable reason, never clamped and never raised, because one bad hit
-must not sink the whole assembly (STYLE: decode failures are values, not crashes).
+must not sink the whole assembly (STYLE: decode failures are values, not crashes). This stage
+also gives every distinct memory exactly one decision: bad ids are ``malformed`` and repeated ids
+keep one copy, the others being ``duplicate`` (``score_candidates``).
 
 Pure: no I/O, no clocks, no module state beyond constants.
 """
@@ -20,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from worker.types import MemoryHit, Rejection, ScoredMemory
+from worker.types import MemoryHit, Rejection, ScoredMemory, memory_id_problem
 
 # (similarity weight, confidence weight) of the interim score; spec "Context packer score".
 # Per-request AssemblyOptions weights are a forward contract and deliberately not applied here.
@@ -48,18 +50,75 @@ def interim_score(similarity: float, confidence: float) -> float:
     return min(1.0, w_sim * float(similarity) + w_conf * float(confidence))
 
 
+def _copy_problem(hit: MemoryHit) -> str | None:
+    """Why this copy's numbers cannot be scored, or None."""
+    problems = [p for p in (_unit_problem("similarity", hit.similarity), _unit_problem("confidence", hit.confidence))
+                if p is not None]
+    return "; ".join(problems) or None
+
+
+def _duplicate_reason(kept: MemoryHit, kept_at: int, kept_score: float | None, drop: MemoryHit,
+                      drop_score: float | None) -> str:
+    """Which copy of a repeated memory_id was kept, and why (README "Scoring and packing")."""
+    if kept_score is None:
+        why = "no copy has valid scores; the hot copy, then the first returned, is the one reported"
+    elif drop_score is None:
+        why = "this copy's scores are invalid"
+    elif kept_score > drop_score:
+        why = f"its interim score {kept_score:.4f} beats this copy's {drop_score:.4f}"
+    elif kept.source != drop.source:
+        why = f"same interim score {kept_score:.4f}; the hot copy is preferred"
+    else:
+        why = f"same interim score {kept_score:.4f}; the copy returned first is kept"
+    return f"duplicate memory_id: the copy {kept.source} #{kept_at} (rank {kept.rank}) was kept ({why})"
+
+
+def _choose_copies(
+    hits: Sequence[MemoryHit], at: Sequence[int], scores: Sequence[float | None]
+) -> tuple[list[bool], list[Rejection]]:
+    """One copy per memory_id: valid scores first, then the higher interim score, then hot, then
+    the first returned. Returns which indices are kept and a ``duplicate`` for every other copy
+    (``at``: each hit's position in its source's list, to name the kept copy)."""
+    best: dict[str, int] = {}
+    for i, hit in enumerate(hits):
+        j = best.get(hit.memory_id)
+        if j is None or _copy_key(hit, scores[i]) > _copy_key(hits[j], scores[j]):
+            best[hit.memory_id] = i
+    keep = [best[h.memory_id] == i for i, h in enumerate(hits)]
+    rejects = []
+    for i, h in enumerate(hits):
+        if not keep[i]:
+            k = best[h.memory_id]
+            reason = _duplicate_reason(hits[k], at[k], scores[k], h, scores[i])
+            rejects.append(Rejection(h.memory_id, h.source, "duplicate", reason, score=scores[i]))
+    return keep, rejects
+
+
+def _copy_key(hit: MemoryHit, score: float | None) -> tuple[bool, float, bool]:
+    # Strictly greater wins, so among equal keys the first copy returned stays.
+    return score is not None, score if score is not None else 0.0, hit.source == "hot"
+
+
 def score_candidates(
     hits: Sequence[MemoryHit],
     cost: Callable[[MemoryHit], int],
     *,
     min_score: float = 0.0,
 ) -> tuple[list[ScoredMemory], list[Rejection]]:
-    """Score every hit; return (scored in input order, rejections in input order).
+    """Score every hit; return (scored in input order, rejections).
+
+    Exactly one decision per distinct memory: a hit whose ``memory_id`` breaks the memory-hit
+    contract (``worker.types.memory_id_problem``) is ``malformed`` under a placeholder id
+    ``<source#n>`` (n counts that source's hits here); of several copies of one memory_id (hot and
+    cold, or twice in one branch) one is kept, valid scores first, then the higher interim score,
+    then hot, then the first returned, and every other copy is a ``duplicate`` naming the kept copy
+    and why. The kept copy then gets its own decision, so a duplicate never hides a valid copy
+    behind an invalid one.
 
     ``cost`` is the hit's token cost as the formatter will spend it (its per-memory block cost,
     markup included), so the packer's ``total_tokens <= token_budget`` holds after formatting
-    (spec "Budget calculation"). It is called only for hits whose scores are valid and at or above
-    ``min_score``; a cost that raises, is not an int, or is negative rejects that hit as
+    (spec "Budget calculation"). It is called only for kept hits whose scores are valid and at or
+    above ``min_score``; a cost that raises, is not an int, or is negative rejects that hit as
     ``invalid_score`` (the wire has no separate kind for a bad cost) with the cause in ``reason``.
 
     ``min_score`` is the caller's floor (``AssemblyOptions.min_score``); a score strictly below it
@@ -69,19 +128,30 @@ def score_candidates(
     if floor_problem is not None:
         raise ValueError(floor_problem)
 
-    scored: list[ScoredMemory] = []
     rejected: list[Rejection] = []
+    named: list[MemoryHit] = []
+    at: list[int] = []  # each named hit's position in its source's list
+    seen: dict[str, int] = {}
     for hit in hits:
-        problems = [
-            p
-            for p in (_unit_problem("similarity", hit.similarity), _unit_problem("confidence", hit.confidence))
-            if p is not None
-        ]
-        if problems:
-            rejected.append(Rejection(hit.memory_id, hit.source, "invalid_score", "; ".join(problems)))
-            continue
+        n = seen[hit.source] = seen.get(hit.source, -1) + 1
+        id_problem = memory_id_problem(hit.memory_id)
+        if id_problem is not None:
+            rejected.append(Rejection(f"<{hit.source}#{n}>", hit.source, "malformed", id_problem))
+        else:
+            named.append(hit)
+            at.append(n)
+    problems = [_copy_problem(hit) for hit in named]
+    scores = [None if p else interim_score(h.similarity, h.confidence) for h, p in zip(named, problems, strict=True)]
+    keep, duplicates = _choose_copies(named, at, scores)
+    rejected += duplicates
 
-        score = interim_score(hit.similarity, hit.confidence)
+    scored: list[ScoredMemory] = []
+    for hit, problem, score, kept in zip(named, problems, scores, keep, strict=True):
+        if not kept:
+            continue
+        if problem is not None or score is None:
+            rejected.append(Rejection(hit.memory_id, hit.source, "invalid_score", problem or "no score"))
+            continue
         if score < min_score:
             reason = f"interim score {score:.4f} is below min_score {min_score:.4f}"
             rejected.append(Rejection(hit.memory_id, hit.source, "below_floor", reason, score=score))

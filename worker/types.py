@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
+
+from shared.models import IDENT_CHARS
 
 Source = Literal["hot", "cold"]
 PackPath = Literal["dp", "greedy", "all_fit", "empty"]
 RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"]
+
+# The memory-hit contract: a memory_id is an identifier like the wire's org and agent ids.
+_MEMORY_ID: Final = re.compile(IDENT_CHARS)
+
+
+def memory_id_problem(memory_id: object) -> str | None:
+    """Why ``memory_id`` breaks the memory-hit contract, or None when it is a valid identifier.
+
+    An empty or odd id cannot name a memory in decisions, caches or the rendered block, so the hit
+    is refused as ``malformed`` (README "Scoring and packing") rather than packed under it.
+    """
+    if not isinstance(memory_id, str):
+        return f"memory_id must be a string, got {type(memory_id).__name__}"
+    if _MEMORY_ID.fullmatch(memory_id) is None:
+        return f"memory_id {memory_id[:80]!r} must be 1-64 characters of [A-Za-z0-9_.-]"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
