@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import html
 import re
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -106,3 +108,12 @@ def test_history_and_tools_keep_their_quotes_and_memory_bodies_keep_theirs() -> 
 def test_memory_attributes_escape_quotes() -> None:
     hit = MemoryHit("m1", "body", "it's \"odd\"\nline", 0.9, 0.5, 0, "hot")
     assert fmt.memory_line(hit) == '<memory id="m1" category="it&#39;s &quot;odd&quot;\\u{000A}line">body</memory>\n'
+
+
+def test_bench_escaping_reports_a_saving_in_every_section() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.escaping"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+    table = {r[0].strip(): (int(r[1]), int(r[2])) for r in rows[2:]}  # after the header and --- rows
+    assert set(table) == {"history", "tools", "memories", "total"}
+    assert all(after < before for before, after in table.values())
