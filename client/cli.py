@@ -197,6 +197,7 @@ def _assemble(args: Any) -> int:
     import zmq
     from pydantic import ValidationError
 
+    from shared.auth import AuthConfigError
     from shared.errors import ErrorCode, IbexError
 
     prog = f"{PROG} assemble"
@@ -210,6 +211,8 @@ def _assemble(args: Any) -> int:
         return _fail(prog, _field_error(exc), 2)
     except zmq.ZMQError as exc:  # an endpoint zmq cannot parse
         return _fail(prog, f"--endpoint {args.endpoint or '(from IBEX_BROKER_ENDPOINTS)'}: {exc}", 2)
+    except AuthConfigError as exc:  # IBEX_CLIENT_KEY_FILE / IBEX_BROKER_PUBLIC_KEY (README, Authentication)
+        return _fail(prog, _one_line(exc), 2)
     except (ValueError, TypeError) as exc:  # CliError, and the client's own argument checks
         return _fail(prog, _one_line(exc), 2)
     if args.json:

@@ -407,7 +407,7 @@ def demo(*, keep: bool, show: Callable[[Any], None]) -> int:
     from memory.seed import main as seed_main
 
     print(f"ibex-context: seeding demo data from {DEMO_DATA.relative_to(REPO)} ...")
-    if seed_main(["--file", str(DEMO_DATA), "--redis-url", env["IBEX_REDIS_URL"]]) not in (0, None):
+    if seed_main(["--file", str(DEMO_DATA), "--redis-url", env["IBEX_REDIS_URL"]], prog="ibex-context seed") != 0:
         print("ibex-context demo: seeding failed", file=sys.stderr)
         return 1
 

@@ -98,6 +98,8 @@ def test_malformed_setting_is_one_line() -> None:
     assert_one_line(out, 2, "ibex-context assemble: ", "workers")
     out = _cli("status", env=_env(IBEX_WORKERS="many"))
     assert_one_line(out, 2, "ibex-context status: ", "IBEX_WORKERS")
+    out = _cli(*ASSEMBLE, env=_env(IBEX_CLIENT_KEY_FILE="/nonexistent/me.key", IBEX_BROKER_PUBLIC_KEY="x"))
+    assert_one_line(out, 2, "ibex-context assemble: ", "/nonexistent/me.key")
 
 
 def test_stopped_broker_is_one_line_exit_1_within_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
