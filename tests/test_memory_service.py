@@ -308,6 +308,16 @@ def test_unknown_paths_and_methods_are_json(http: httpx.Client) -> None:
     assert r.status_code == 405 and "error" in r.json()
 
 
+@pytest.mark.parametrize("method,path", [("GET", "/v1/memories/hot/"), ("POST", "/v1/memories/search/"),
+                                         ("POST", "/v1/memories/"), ("GET", "/healthz/"), ("GET", "//healthz")])
+def test_trailing_slash_is_404_not_a_redirect_to_the_host_header(http: httpx.Client, memory: MemoryServiceHandle,
+                                                                 method: str, path: str) -> None:
+    r = http.request(method, path, params={"agent_id": "bot"}, json={"query": "x", "agent_id": "bot"},
+                     headers={**memory.headers("acme"), "host": "evil.example"})
+    assert r.status_code == 404 and r.json() == {"error": "Not Found"}, r.text
+    assert "location" not in r.headers
+
+
 # ------------------------------------------------------------------------ outages and restarts
 
 
@@ -406,6 +416,17 @@ def test_fault_all_switching_and_validation(http: httpx.Client, memory: MemorySe
         assert r.status_code == 400, r.text
     r = http.put("/_faults", content=b'{"endpoint": "hot", "latency_ms": NaN}')
     assert r.status_code == 400 and "NaN" in r.json()["error"]
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer nonsense"])
+def test_token_is_checked_before_any_fault(http: httpx.Client, memory: MemoryServiceHandle,
+                                           auth: str | None) -> None:
+    memory.set_fault("all", status=503)
+    headers = {"authorization": auth} if auth is not None else {}
+    for r in (http.get("/v1/memories/hot", params={"agent_id": "bot"}, headers=headers),
+              http.post("/v1/memories/search", json={"query": "x", "agent_id": "bot"}, headers=headers)):
+        assert r.status_code == 401 and "injected" not in r.text, r.text
+    assert hot(http, memory, "acme", "bot").status_code == 503  # a valid token does meet the fault
 
 
 def test_faults_are_off_unless_enabled(redis_url: str) -> None:
