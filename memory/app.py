@@ -20,8 +20,9 @@ error: 200 with an empty list.
 One tenant cannot starve the others (README, "Degradation and security"): a search embeds and
 matches only the first ``max_query_chars`` characters of its query, large texts are embedded in a
 worker thread, and each org has at most ``max_concurrent_per_org`` searches and writes computing
-at once. Reads are total: a stored record that no longer validates is skipped and counted
-(``records_skipped`` in ``/healthz``), never a 500 for its agent.
+at once. Reads are total and bounded: a stored record that no longer validates is skipped and
+counted (``records_skipped`` in ``/healthz``), never a 500 for its agent, and an answer ends
+before the hit that would take it over ``max_answer_bytes`` (``answers_trimmed``).
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ class MemoryService:
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.queries_truncated = 0
-        self.offloaded_embeds = 0
+        self.embeds_offloaded = 0
+        self.answers_trimmed = 0
 
     @property
     def redis(self) -> Redis:
@@ -241,7 +243,7 @@ class MemoryService:
     async def embed(self, texts: Sequence[str]) -> Vectors:
         """Embed on the loop when cheap; in a worker thread when the embedder or the text is large."""
         if self.embedder.blocking or sum(map(len, texts)) > self.config.offload_chars:
-            self.offloaded_embeds += 1
+            self.embeds_offloaded += 1
             return await run_in_threadpool(self.embedder.embed, texts)
         return self.embedder.embed(texts)
 
@@ -253,15 +255,29 @@ class MemoryService:
         self.queries_truncated += 1
         return query[:cap]
 
-    def hits(self, found: Sequence[tuple[MemoryRecord, float, int]], where: str) -> list[dict[str, Any]]:
-        """Wire hits for (record, similarity, rank); a record that cannot be rendered is skipped."""
-        out: list[dict[str, Any]] = []
+    def answer(self, found: Sequence[tuple[MemoryRecord, float, int]], where: str) -> Response:
+        """``{"memories": [hit, ...]}`` for (record, similarity, rank), in that order.
+
+        Total and bounded: a record that cannot be rendered is skipped and counted, and the list
+        ends before the hit that would take the body over ``max_answer_bytes``. Each hit is encoded
+        once, the way ``JSONResponse`` would.
+        """
+        parts: list[bytes] = []
+        size = len(_ANSWER_HEAD) + len(_ANSWER_TAIL)
         for rec, similarity, rank in found:
             try:
-                out.append(rec.hit(similarity=similarity, rank=rank))
+                part = _json_bytes(rec.hit(similarity=similarity, rank=rank))
             except (ValueError, OverflowError) as exc:
                 self.health.skip(f"{where}/{rec.memory_id}", f"cannot render: {exc}")
-        return out
+                continue
+            size += len(part) + (1 if parts else 0)
+            if size > self.config.max_answer_bytes:
+                self.answers_trimmed += 1
+                log.warning("answer for %s trimmed to %d of %d hits (max_answer_bytes %d)", where, len(parts),
+                            len(found), self.config.max_answer_bytes)
+                break
+            parts.append(part)
+        return Response(_ANSWER_HEAD + b",".join(parts) + _ANSWER_TAIL, media_type="application/json")
 
     def org_of(self, request: Request) -> str:
         token = bearer_token(request.headers.get("authorization"))
@@ -292,6 +308,15 @@ class MemoryService:
         if spec.huge:
             return Response(huge_body(spec.huge_bytes), media_type="application/json")
         return None
+
+
+_ANSWER_HEAD = b'{"memories":['
+_ANSWER_TAIL = b"]}"
+
+
+def _json_bytes(doc: dict[str, Any]) -> bytes:
+    """JSON exactly as Starlette's ``JSONResponse`` renders it."""
+    return json.dumps(doc, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Callable[[MemoryService], Handler]:
@@ -338,8 +363,7 @@ async def hot(svc: MemoryService, request: Request) -> Response:
     if not (raw_limit.isascii() and raw_limit.isdigit()) or len(raw_limit) > 6 or int(raw_limit) > HOT_LIMIT_MAX:
         raise ApiError(400, f"limit must be an integer from 0 to {HOT_LIMIT_MAX}", field="limit")
     found = await store.load_hot(svc.redis, org, agent, int(raw_limit), svc.health)
-    hits = svc.hits([(rec, salience, i + 1) for i, (rec, salience) in enumerate(found)], f"{org}/{agent}")
-    return JSONResponse({"memories": hits})
+    return svc.answer([(rec, salience, i + 1) for i, (rec, salience) in enumerate(found)], f"{org}/{agent}")
 
 
 @_endpoint
@@ -353,16 +377,15 @@ async def search(svc: MemoryService, request: Request) -> Response:
     if body.limit == 0:
         return JSONResponse({"memories": []})
     async with svc.limiter.hold(org):
-        hits = await _search(svc, org, body)
-    return JSONResponse({"memories": hits})
+        return await _search(svc, org, body)
 
 
-async def _search(svc: MemoryService, org: str, body: SearchBody) -> list[dict[str, Any]]:
+async def _search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     embedder = svc.embedder
     index = await store.load_index(svc.redis, org, body.agent_id, embedder_name=embedder.name,
                                    dim=embedder.dim, embed=svc.embed, cache=svc.index_cache, health=svc.health)
     if not index.ids and not index.terms:
-        return []
+        return JSONResponse({"memories": []})
     text = svc.query_text(body.query)
     query_vec = (await svc.embed([text]))[0]
     cosines = cosine_scores(index.matrix, query_vec)
@@ -378,8 +401,8 @@ async def _search(svc: MemoryService, org: str, body: SearchBody) -> list[dict[s
     ]
     ranked = rank_hydrated_hits(candidates, now_s=svc.clock(), relevance_floor=svc.config.relevance_floor,
                                 limit=body.limit)
-    return svc.hits([(records[r.candidate.memory_id], r.candidate.relevance, r.rank) for r in ranked],
-                    f"{org}/{body.agent_id}")
+    return svc.answer([(records[r.candidate.memory_id], r.candidate.relevance, r.rank) for r in ranked],
+                      f"{org}/{body.agent_id}")
 
 
 @_endpoint
@@ -412,7 +435,8 @@ async def write(svc: MemoryService, request: Request) -> Response:
 @_endpoint
 async def healthz(svc: MemoryService, request: Request) -> Response:
     info: dict[str, Any] = {"embedder": svc.embedder.name, "faults_enabled": svc.faults is not None,
-                            "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated}
+                            "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated,
+                            "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed}
     try:
         await svc.redis.ping()
     except (RedisError, OSError, ApiError) as exc:

@@ -56,6 +56,12 @@ class MemoryConfig(BaseSettings):
         description="IBEX_MEMORY_MAX_CONCURRENT_PER_ORG: searches and writes of one org computed at "
                     "once; more wait their turn, other orgs do not wait behind them.",
     )
+    max_answer_bytes: int = Field(
+        4 << 20, ge=64 << 10,
+        description="IBEX_MEMORY_MAX_ANSWER_BYTES: a hot or search answer ends before the hit that would take "
+                    "it over this size (the lowest ranks go); half the size workers accept by default "
+                    "(IBEX_MEMORY_MAX_RESPONSE_BYTES, 8 MiB).",
+    )
     max_memories_per_agent: int = Field(
         10_000, ge=1,
         description="IBEX_MEMORY_MAX_MEMORIES_PER_AGENT: a write that would add one more is refused "

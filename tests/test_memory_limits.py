@@ -48,10 +48,14 @@ def search_ids(http: httpx.Client, agent: str = "bot", query: str = GOOD) -> lis
     return [h["memory_id"] for h in r.json()["memories"]]
 
 
-def skipped(http: httpx.Client) -> int:
-    n = http.get("/healthz").json()["records_skipped"]
+def counter(http: httpx.Client, name: str) -> int:
+    n = http.get("/healthz").json()[name]
     assert isinstance(n, int)
     return n
+
+
+def skipped(http: httpx.Client) -> int:
+    return counter(http, "records_skipped")
 
 
 # ---------------------------------------------------------------------------------- created_at
@@ -198,3 +202,46 @@ async def test_per_agent_cap_holds_under_concurrent_writes(capped: MemoryService
     assert codes == [201] * CAP + [409] * (12 - CAP), [r.text for r in results]
     with redis.Redis.from_url(capped.redis_url) as r:
         assert r.hlen(memories_key("acme", "race")) == CAP
+
+
+# ------------------------------------------------------------------------- large texts and answers
+
+
+def test_large_texts_are_embedded_off_the_event_loop(http: httpx.Client) -> None:
+    before = counter(http, "embeds_offloaded")
+    assert write(http, memory_id="m-short").status_code == 201
+    assert counter(http, "embeds_offloaded") == before  # a short text is cheaper than a thread hop
+    assert write(http, memory_id="m-long", content=("invoice " * 1000).strip()).status_code == 201  # 7,999 chars
+    assert counter(http, "embeds_offloaded") == before + 1
+    assert "m-long" in search_ids(http, query="invoice")
+
+
+ANSWER_CAP = 64 << 10
+
+
+@pytest.fixture
+def small_answers(redis_url: str, tmp_path: Path) -> Iterator[MemoryServiceHandle]:
+    handle = MemoryServiceHandle(redis_url=redis_url, workdir=tmp_path,
+                                 extra_env={"IBEX_MEMORY_MAX_ANSWER_BYTES": str(ANSWER_CAP)})
+    handle.start()
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_answers_end_before_max_answer_bytes(small_answers: MemoryServiceHandle) -> None:
+    big = ("invoice " * 2_500).strip()  # ~20 KB a hit: three fit in 64 KiB, four do not
+    with httpx.Client(base_url=small_answers.url, timeout=10.0, headers=small_answers.headers("acme")) as http:
+        for i in range(5):
+            assert write(http, memory_id=f"m-{i}", content=big, hot=True, salience=0.5 + i / 10).status_code == 201
+        before = counter(http, "answers_trimmed")
+        r = http.get("/v1/memories/hot", params={"agent_id": "bot"})
+        assert r.status_code == 200 and len(r.content) <= ANSWER_CAP
+        assert [h["memory_id"] for h in r.json()["memories"]] == ["m-4", "m-3", "m-2"]  # the top ranks stay
+        assert [h["rank"] for h in r.json()["memories"]] == [1, 2, 3]
+        r = http.post("/v1/memories/search", json={"query": "invoice", "agent_id": "bot"})
+        assert r.status_code == 200 and len(r.content) <= ANSWER_CAP and len(r.json()["memories"]) == 3
+        assert counter(http, "answers_trimmed") == before + 2
+        assert len(http.get("/v1/memories/hot", params={"agent_id": "bot", "limit": 3}).json()["memories"]) == 3
+        assert counter(http, "answers_trimmed") == before + 2  # what fits is not trimmed
