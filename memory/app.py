@@ -255,18 +255,18 @@ class MemoryService:
         self.queries_truncated += 1
         return query[:cap]
 
-    def answer(self, found: Sequence[tuple[MemoryRecord, float, int]], where: str) -> Response:
-        """``{"memories": [hit, ...]}`` for (record, similarity, rank), in that order.
+    def answer(self, found: Sequence[tuple[MemoryRecord, float]], where: str) -> Response:
+        """``{"memories": [hit, ...]}`` for (record, similarity) pairs, best first.
 
-        Total and bounded: a record that cannot be rendered is skipped and counted, and the list
-        ends before the hit that would take the body over ``max_answer_bytes``. Each hit is encoded
-        once, the way ``JSONResponse`` would.
+        Total and bounded: a record that cannot be rendered is skipped and counted (the ranks stay
+        1, 2, 3, ...), and the list ends before the hit that would take the body over
+        ``max_answer_bytes``. Each hit is encoded once, the way ``JSONResponse`` would.
         """
         parts: list[bytes] = []
         size = len(_ANSWER_HEAD) + len(_ANSWER_TAIL)
-        for rec, similarity, rank in found:
+        for rec, similarity in found:
             try:
-                part = _json_bytes(rec.hit(similarity=similarity, rank=rank))
+                part = _json_bytes(rec.hit(similarity=similarity, rank=len(parts) + 1))
             except (ValueError, OverflowError) as exc:
                 self.health.skip(f"{where}/{rec.memory_id}", f"cannot render: {exc}")
                 continue
@@ -363,7 +363,7 @@ async def hot(svc: MemoryService, request: Request) -> Response:
     if not (raw_limit.isascii() and raw_limit.isdigit()) or len(raw_limit) > 6 or int(raw_limit) > HOT_LIMIT_MAX:
         raise ApiError(400, f"limit must be an integer from 0 to {HOT_LIMIT_MAX}", field="limit")
     found = await store.load_hot(svc.redis, org, agent, int(raw_limit), svc.health)
-    return svc.answer([(rec, salience, i + 1) for i, (rec, salience) in enumerate(found)], f"{org}/{agent}")
+    return svc.answer(found, f"{org}/{agent}")
 
 
 @_endpoint
@@ -401,7 +401,7 @@ async def _search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     ]
     ranked = rank_hydrated_hits(candidates, now_s=svc.clock(), relevance_floor=svc.config.relevance_floor,
                                 limit=body.limit)
-    return svc.answer([(records[r.candidate.memory_id], r.candidate.relevance, r.rank) for r in ranked],
+    return svc.answer([(records[r.candidate.memory_id], r.candidate.relevance) for r in ranked],
                       f"{org}/{body.agent_id}")
 
 
