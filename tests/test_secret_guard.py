@@ -141,6 +141,14 @@ def test_worker_refuses_a_remote_memory_service_with_the_dev_secret(url: str, re
     assert r.returncode == 2, r.stderr
     line = _one_error_line(r.stderr)
     assert "IBEX_MEMORY_URL" in line and "IBEX_MEMORY_SECRET" in line
+    assert "secret-password" not in line
+
+
+def test_worker_does_not_echo_credentials_in_the_url(redis_url: str) -> None:
+    r = _run("worker", env=_env(IBEX_MEMORY_URL="http://svc:secret-password@10.0.0.5:8765", IBEX_REDIS_URL=redis_url))
+    assert r.returncode == 2
+    line = _one_error_line(r.stderr)
+    assert "'10.0.0.5'" in line and "secret-password" not in line
 
 
 def test_worker_on_loopback_starts_and_logs_the_cpu_count_before_pinning(redis_url: str, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+from urllib.parse import urlsplit
 
 from shared.netloc import is_loopback_url
 from shared.settings import Settings, usable_cpus
@@ -25,7 +26,11 @@ DEV_MEMORY_SECRET: str = Settings.model_fields["memory_secret"].default
 def exposure_error(settings: Settings) -> str | None:
     """Why this worker must not talk to its memory service, or ``None`` when it may."""
     if settings.memory_secret == DEV_MEMORY_SECRET and not is_loopback_url(settings.memory_url):
-        return (f"IBEX_MEMORY_URL {settings.memory_url!r} is not a loopback URL and IBEX_MEMORY_SECRET is the "
+        try:  # the host only: the URL may carry credentials
+            host = urlsplit(settings.memory_url).hostname
+        except ValueError:
+            host = None
+        return (f"IBEX_MEMORY_URL (host {host!r}) is not a loopback URL and IBEX_MEMORY_SECRET is the "
                 "development default (it is in the source): set IBEX_MEMORY_SECRET to a private value")
     return None
 
