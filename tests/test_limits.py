@@ -210,59 +210,63 @@ class RogueWorker:
         return got
 
 
-def test_a_reply_that_never_comes_frees_pending_and_credit(tmp_path: Path) -> None:
-    """A live worker that swallows a request: the caller hears DEADLINE_EXCEEDED at the deadline, and
-    after the liveness grace the broker drops the record and frees the credit (it used to keep
-    ``pending: 1, inflight: 1`` for ever)."""
-    env = {**FAST_HEARTBEAT, "IBEX_HEARTBEAT_LIVENESS": "3"}
+@contextlib.contextmanager
+def rogue_stack(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[LocalStack, RogueWorker, zmq.Socket[Any]]]:
+    """A broker with no real worker, one RogueWorker the broker has registered, and a raw client."""
     with stopping(start_stack(tmp_path, workers=0, env=env, seed=False)) as s:
         ctx: zmq.Context[Any] = zmq.Context()
         rogue = RogueWorker(ctx, s.backend)
         client = ctx.socket(zmq.DEALER)
         client.setsockopt(zmq.LINGER, 0)
         client.connect(s.frontend)
+
+        def registered() -> bool:
+            rogue.pump(time.monotonic() + 0.05)
+            st = s.status(0.5)
+            return st is not None and "rogue" in st["workers"]
+
         try:
-            rogue.pump(time.monotonic() + 0.5)
-            client.send_multipart([P.TAG, P.REQUEST, _pack(_request("swallowed", timeout_s=0.4))])
-            assert len(rogue.pump(time.monotonic() + 0.3)) == 1
-            assert client.poll(3000), "no DEADLINE_EXCEEDED from the broker"
-            reply = decode_reply(client.recv_multipart()[3])
-            assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.DEADLINE_EXCEEDED
-            end = time.monotonic() + 5.0
-            while time.monotonic() < end:
-                rogue.pump(time.monotonic() + 0.2)
-                st = s.status(0.5)
-                if st and st["pending"] == 0 and st["workers"].get("rogue", {}).get("inflight") == 0:
-                    break
-            assert st is not None and st["pending"] == 0, st
-            assert st["workers"]["rogue"]["inflight"] == 0, st  # alive, with its credit back
-            assert st["stats"]["reaped_no_reply"] == 1
+            wait_for("the broker to register the rogue worker", registered, 10.0)
+            yield s, rogue, client
         finally:
             client.close(0)
             rogue.sock.close(0)
             ctx.term()
+
+
+def test_a_reply_that_never_comes_frees_pending_and_credit(tmp_path: Path) -> None:
+    """A live worker that swallows a request: the caller hears DEADLINE_EXCEEDED at the deadline, and
+    after the liveness grace the broker drops the record and frees the credit (it used to keep
+    ``pending: 1, inflight: 1`` for ever)."""
+    env = {**FAST_HEARTBEAT, "IBEX_HEARTBEAT_LIVENESS": "3"}
+    with rogue_stack(tmp_path, env) as (s, rogue, client):
+        client.send_multipart([P.TAG, P.REQUEST, _pack(_request("swallowed", timeout_s=0.4))])
+        assert len(rogue.pump(time.monotonic() + 0.3)) == 1
+        assert client.poll(3000), "no DEADLINE_EXCEEDED from the broker"
+        reply = decode_reply(client.recv_multipart()[3])
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.DEADLINE_EXCEEDED
+        st: dict[str, Any] | None = None
+
+        def freed() -> bool:
+            nonlocal st
+            rogue.pump(time.monotonic() + 0.1)
+            st = s.status(0.5)
+            return st is not None and st["pending"] == 0 and st["workers"].get("rogue", {}).get("inflight") == 0
+
+        wait_for("the broker to free the swallowed request's record and credit", freed, 5.0)
+        assert st is not None and "rogue" in st["workers"]  # alive, with its credit back
+        assert st["stats"]["reaped_no_reply"] == 1
 
 
 def test_ready_from_a_known_worker_redispatches_what_it_held(tmp_path: Path) -> None:
     """A worker that reconnects announces READY again; what it held went out on the old connection,
     so the broker re-dispatches it (here to the same worker, which sees attempt 2) at once."""
-    with stopping(start_stack(tmp_path, workers=0, env=FAST_HEARTBEAT, seed=False)) as s:
-        ctx: zmq.Context[Any] = zmq.Context()
-        rogue = RogueWorker(ctx, s.backend)
-        client = ctx.socket(zmq.DEALER)
-        client.setsockopt(zmq.LINGER, 0)
-        client.connect(s.frontend)
-        try:
-            rogue.pump(time.monotonic() + 0.5)
-            client.send_multipart([P.TAG, P.REQUEST, _pack(_request("held", timeout_s=5.0))])
-            first = rogue.pump(time.monotonic() + 0.5)
-            assert [P.Stamp.unpack(f[4]).attempt for f in first] == [1]
-            rogue.sock.send_multipart([P.TAG, P.READY, rogue.info])
-            again = rogue.pump(time.monotonic() + 0.5)
-            assert [P.Stamp.unpack(f[4]).attempt for f in again] == [2]
-            st = s.status(1.0)
-            assert st is not None and st["stats"]["redispatched"] == 1 and st["stats"]["worker_reconnects"] == 1
-        finally:
-            client.close(0)
-            rogue.sock.close(0)
-            ctx.term()
+    with rogue_stack(tmp_path, FAST_HEARTBEAT) as (s, rogue, client):
+        client.send_multipart([P.TAG, P.REQUEST, _pack(_request("held", timeout_s=5.0))])
+        first = rogue.pump(time.monotonic() + 0.5)
+        assert [P.Stamp.unpack(f[4]).attempt for f in first] == [1]
+        rogue.sock.send_multipart([P.TAG, P.READY, rogue.info])
+        again = rogue.pump(time.monotonic() + 0.5)
+        assert [P.Stamp.unpack(f[4]).attempt for f in again] == [2]
+        st = s.status(1.0)
+        assert st is not None and st["stats"]["redispatched"] == 1 and st["stats"]["worker_reconnects"] == 1
