@@ -17,19 +17,19 @@ install: $(STAMP)
 
 ## run: install, start the whole stack on embedded defaults, print demo assemblies, stop it again
 run: install
-	$(PY) -m client.cli demo
+	$(PY) -m ibex_context.ops.cli demo
 
 ## up / down: the stack in the background under supervisord (state, logs and Redis data in .run/;
 ## the data survives `make down; make up`, `make clean` removes it)
 up: install
-	@$(PY) -m client.cli up
+	@$(PY) -m ibex_context.ops.cli up
 
 down: install
-	@$(PY) -m client.cli down
+	@$(PY) -m ibex_context.ops.cli down
 
 ## status: the broker's counters as JSON; with the stack down, one line and exit status 1
 status: install
-	@$(PY) -m client.cli status
+	@$(PY) -m ibex_context.ops.cli status
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from bench.loadgen import ClientTarget, RunResult, open_loop
-from client.client import AsyncClient
-from client.stack import LocalStack, broker_status
-from shared.models import AssembleRequest
+from ibex_context.client.client import AsyncClient
+from ibex_context.ops.stack import LocalStack, broker_status
+from ibex_context.shared.models import AssembleRequest
 
 
 def _stats(endpoint: str) -> dict[str, int]:

@@ -29,8 +29,8 @@ import zmq
 
 from bench.loadgen import OK, Reply, RunResult, open_loop
 from bench.stats import Histograms
-from client.stack import free_port, stop_processes
-from shared.loopsock import LoopSocket
+from ibex_context.ops.stack import free_port, stop_processes
+from ibex_context.shared.loopsock import LoopSocket
 
 REPO = Path(__file__).resolve().parent.parent
 

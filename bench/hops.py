@@ -5,8 +5,8 @@ to the broker, the worker's socket loop or the frames moves. Each row drives one
 a pipelined synchronous peer (window of 4 in flight) and reads the process's CPU time
 (``/proc/<pid>/stat``, all threads, so ZeroMQ's I/O thread is included):
 
-* ``broker``: ``python -m broker`` between a DEALER client and a bare echo worker;
-* ``worker (transport mode)``: ``python -m worker --mode transport``'s server loop behind a bare
+* ``broker``: ``python -m ibex_context.broker`` between a DEALER client and a bare echo worker;
+* ``worker (transport mode)``: ``python -m ibex_context.worker --mode transport``'s server loop behind a bare
   ROUTER acting as the broker;
 * ``relay (zmq.proxy, C)`` and ``echo (pyzmq, sync)``: the floor's processes, for reference.
 
@@ -32,9 +32,9 @@ import zmq
 
 from bench.report import table
 from bench.workload import request_templates
-from client.stack import free_port, stop_processes
-from shared import protocol as P
-from shared.codec import encode
+from ibex_context.ops.stack import free_port, stop_processes
+from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import encode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,8 +72,8 @@ def transport_worker(endpoint: str) -> None:
     """The real worker server in transport mode (no retrieval, so no Redis or memory service)."""
     import uvloop
 
-    from shared.settings import Settings
-    from worker.server import WorkerServer
+    from ibex_context.shared.settings import Settings
+    from ibex_context.worker.server import WorkerServer
 
     class NoAssembler:
         stats: ClassVar[dict[str, int]] = {}
@@ -110,7 +110,7 @@ def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, wi
 
 def measure_broker(n: int, window: int) -> dict[str, float]:
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    procs = [_spawn("-m", "broker", "--frontend", fe, "--backend", be)]
+    procs = [_spawn("-m", "ibex_context.broker", "--frontend", fe, "--backend", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     c = ctx.socket(zmq.DEALER)
     c.setsockopt(zmq.LINGER, 0)

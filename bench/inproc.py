@@ -21,11 +21,11 @@ from typing import Any
 
 from bench.stats import WORKER_STAGES, Histograms
 from bench.workload import candidate_hits
-from shared.catalog import Catalog
-from shared.models import AssembleRequest
-from shared.settings import Settings
-from worker.assemble import Assembler
-from worker.retrieve import offline_result
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.settings import Settings
+from ibex_context.worker.assemble import Assembler
+from ibex_context.worker.retrieve import offline_result
 
 STAGES = tuple(s for s in WORKER_STAGES if s != "retrieval")
 

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from bench.stats import COMPONENTS, WORKER_STAGES, Histograms
-from client.client import AsyncClient
-from shared.errors import IbexError
-from shared.models import AssembleRequest
+from ibex_context.client.client import AsyncClient
+from ibex_context.shared.errors import IbexError
+from ibex_context.shared.models import AssembleRequest
 
 OK = "OK"
 NOT_SENT = "NOT_SENT"

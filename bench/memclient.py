@@ -22,7 +22,7 @@ import uvloop
 
 from bench.report import table
 from bench.run import started_stack
-from shared.tenancy import mint_org_token
+from ibex_context.shared.tenancy import mint_org_token
 
 
 async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, dict[str, float]]:

@@ -1,6 +1,6 @@
 """``python -m bench.run [--quick] [--modes ...]``: the issue 9 bench harness.
 
-Without ``--endpoint`` the harness starts its own stack (``client.stack.LocalStack``: embedded
+Without ``--endpoint`` the harness starts its own stack (``ibex_context.ops.stack.LocalStack``: embedded
 Redis, memory service, broker, workers) and seeds the demo data. Phases, in order:
 
 * ``inproc``: the CPU pipeline alone (``bench.inproc``), warm and cold token-count cache;
@@ -42,10 +42,10 @@ from bench.chaos import run_chaos
 from bench.loadgen import ClientTarget, RunResult, merge_runs, open_loop
 from bench.stats import Histograms
 from bench.workload import request_templates
-from client.client import AsyncClient
-from client.stack import DEMO_DATA, LocalStack, broker_status
-from shared.codec import encode
-from shared.models import AssembleRequest
+from ibex_context.client.client import AsyncClient
+from ibex_context.ops.stack import DEMO_DATA, LocalStack, broker_status
+from ibex_context.shared.codec import encode
+from ibex_context.shared.models import AssembleRequest
 
 OUT = Path(__file__).resolve().parent / "out"
 MODES = ("inproc", "transport", "floor", "full", "chaos")
@@ -150,7 +150,8 @@ class Progress:
 
 
 def seed_demo(redis_url: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "memory.seed", "--file", str(DEMO_DATA), "--redis-url", redis_url],
+    done = subprocess.run([sys.executable, "-m", "ibex_context.memory.seed", "--file", str(DEMO_DATA),
+                           "--redis-url", redis_url],
                           capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"seeding the demo data failed: {done.stderr[-2000:]}")

@@ -1,4 +1,4 @@
-"""``python -m broker``: run the ZeroMQ broker in the foreground (supervisord runs it this way)."""
+"""``python -m ibex_context.broker``: run the ZeroMQ broker in the foreground (supervisord runs it this way)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import signal
 import sys
 from typing import Any
 
-from shared.settings import Settings
+from ibex_context.shared.settings import Settings
 
 
 def _secure(settings: Settings, ctx: Any, endpoints: list[str]) -> tuple[Any, dict[str, Any]]:
     """CURVE + ZAP when a keys file is set (README, Authentication); otherwise refuse any endpoint
     another host could reach. Returns the running authenticator (or None) and the Broker options;
     raises AuthConfigError with a one-line reason before anything is bound."""
-    from shared import auth
+    from ibex_context.shared import auth
 
     if not settings.auth_keys_file:
         auth.require_auth_or_loopback(endpoints, auth_on=False)
@@ -39,18 +39,18 @@ def _secure(settings: Settings, ctx: Any, endpoints: list[str]) -> tuple[Any, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m broker", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ibex_context.broker", description=__doc__)
     ap.add_argument("--frontend", default=None, help="bind address for clients (default IBEX_BROKER_FRONTEND)")
     ap.add_argument("--backend", default=None, help="bind address for workers (default IBEX_BROKER_BACKEND)")
     args = ap.parse_args(argv)
     settings = Settings()
-    from shared.observability import setup_logging
+    from ibex_context.shared.observability import setup_logging
 
     setup_logging(settings.log_level, "broker")
     import zmq
 
-    from broker.broker import Broker
-    from shared import auth
+    from ibex_context.broker.broker import Broker
+    from ibex_context.shared import auth
 
     frontend = args.frontend or settings.broker_frontend
     backend = args.backend or settings.broker_backend
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=0)
         return 2
     if settings.metrics_port:
-        from shared.observability import broker_registry, serve
+        from ibex_context.shared.observability import broker_registry, serve
 
         registry, metrics = broker_registry(broker.snapshot)
         broker.observe_queue_wait = metrics.queue_wait.observe

@@ -33,12 +33,12 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shared import protocol as P
-from shared.codec import Envelope, encode_error, peek_envelope
-from shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded, Unavailable
-from shared.loopsock import readable, recv_frames, recv_message, send_frames
-from shared.models import ErrorReply
-from shared.settings import Settings
+from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import Envelope, encode_error, peek_envelope
+from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded, Unavailable
+from ibex_context.shared.loopsock import readable, recv_frames, recv_message, send_frames
+from ibex_context.shared.models import ErrorReply
+from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

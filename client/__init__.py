@@ -1,7 +1,7 @@
 """Python client library for ibex-context (see ``client.client`` for the contract)."""
 
-from client.client import AsyncClient, ClientClosed, SyncClient, degraded_response
-from shared.errors import (
+from ibex_context.client.client import AsyncClient, ClientClosed, SyncClient, degraded_response
+from ibex_context.shared.errors import (
     DeadlineExceeded,
     Forbidden,
     IbexError,
@@ -11,7 +11,7 @@ from shared.errors import (
     Unauthenticated,
     Unavailable,
 )
-from shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.models import AssembleRequest, AssembleResponse
 
 __all__ = [
     "AssembleRequest",

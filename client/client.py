@@ -43,10 +43,10 @@ import zmq
 from pydantic import ValidationError
 from zmq.utils.monitor import parse_monitor_message
 
-from shared import protocol as P
-from shared.catalog import Catalog
-from shared.codec import decode_reply, validate
-from shared.errors import (
+from ibex_context.shared import protocol as P
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.codec import decode_reply, validate
+from ibex_context.shared.errors import (
     ERROR_BY_CODE,
     DeadlineExceeded,
     ErrorCode,
@@ -56,9 +56,9 @@ from shared.errors import (
     Unauthenticated,
     Unavailable,
 )
-from shared.loopsock import LoopSocket
-from shared.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
-from shared.settings import Settings
+from ibex_context.shared.loopsock import LoopSocket
+from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
+from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ MIN_RETRY_S = 0.002
 # and it keeps deadline_ns inside the wire's 64-bit integer.
 MAX_TIMEOUT_S = 3600.0
 # Modules the degraded response imports (see degraded_response); start() imports them off the loop.
-FALLBACK_MODULES = ("worker.assemble", "worker.retrieve")
+FALLBACK_MODULES = ("ibex_context.worker.assemble", "ibex_context.worker.retrieve")
 ENDPOINT_FORMS = "tcp://host:port, ipc://path or inproc://name"
 _TCP_HOST = re.compile(r"[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\]")
 T = TypeVar("T")
@@ -110,7 +110,7 @@ class AsyncClient:
             settings.context_timeout_ms / 1000 if default_timeout is None else default_timeout, "default_timeout")
         self.max_request_bytes = settings.max_request_bytes
         if configure_socket is None and settings.client_key_file:
-            from shared import auth
+            from ibex_context.shared import auth
 
             if not settings.broker_public_key:
                 raise InvalidRequest("IBEX_CLIENT_KEY_FILE is set but IBEX_BROKER_PUBLIC_KEY is not",
@@ -565,8 +565,8 @@ def _prepare_fallback(settings: Settings) -> Catalog | Exception:
 def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: str | None = None,
                       *, catalog: Any = None, settings: Settings | None = None) -> AssembleResponse:
     """History-only (or directive + history) context built locally by the pure pipeline."""
-    from worker.assemble import Assembler
-    from worker.retrieve import RetrievalResult
+    from ibex_context.worker.assemble import Assembler
+    from ibex_context.worker.retrieve import RetrievalResult
 
     failed = BranchOutcome(status="error", elapsed_ms=0.0, error_class=exc.code.value, detail=exc.message[:200])
     retrieval = RetrievalResult(

@@ -53,17 +53,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from memory import store
-from memory.config import MemoryConfig
-from memory.embed import Embedder, Vectors, content_terms, load_embedder
-from memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
-from memory.models import HOT_LIMIT_MAX, FaultSpec, MemoryRecord, SearchBody, WriteMemory
-from memory.rank import Candidate, cosine_scores, keyword_hit, rank_hydrated_hits, select_candidates
-from memory.store import AgentFull, RecordHealth, WriteContention
-from shared.keys import is_ident
-from shared.tenancy import bearer_token, verify_org_token
+from ibex_context.memory import store
+from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.embed import Embedder, Vectors, content_terms, load_embedder
+from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
+from ibex_context.memory.models import HOT_LIMIT_MAX, FaultSpec, MemoryRecord, SearchBody, WriteMemory
+from ibex_context.memory.rank import Candidate, cosine_scores, keyword_hit, rank_hydrated_hits, select_candidates
+from ibex_context.memory.store import AgentFull, RecordHealth, WriteContention
+from ibex_context.shared.keys import is_ident
+from ibex_context.shared.tenancy import bearer_token, verify_org_token
 
-log = logging.getLogger("memory.app")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
 M = TypeVar("M", bound=BaseModel)

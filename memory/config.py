@@ -15,9 +15,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from memory.models import MAX_QUERY_CHARS
-from memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
-from shared.settings import Settings
+from ibex_context.memory.models import MAX_QUERY_CHARS
+from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
+from ibex_context.shared.settings import Settings
 
 DEV_SECRET: str = Settings.model_fields["memory_secret"].default
 

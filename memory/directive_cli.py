@@ -5,7 +5,7 @@
     ibex-context directive show   --org acme --agent support-bot
     ibex-context directive delete --org acme --agent support-bot
 
-``python -m memory.directive_cli`` is the same tool. The Redis URL comes from ``--redis-url``, else
+``python -m ibex_context.memory.directive_cli`` is the same tool. The Redis URL comes from ``--redis-url``, else
 ``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` for the running stack (README,
 Quickstart); with none of them there is no Redis to talk to (an embedded server would be empty),
 so the CLI says so and exits 2. Every mistake is one line on stderr, ``PROG: what is wrong``.
@@ -28,8 +28,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from memory.redis_server import default_redis_url
-from shared.directives import (
+from ibex_context.memory.redis_server import default_redis_url
+from ibex_context.shared.directives import (
     MAX_DIRECTIVE_CHARS,
     DirectiveEnvelope,
     MalformedDirective,
@@ -37,9 +37,9 @@ from shared.directives import (
     get_directive,
     set_directive,
 )
-from shared.keys import check_ident
+from ibex_context.shared.keys import check_ident
 
-PROG = "python -m memory.directive_cli"
+PROG = "python -m ibex_context.memory.directive_cli"
 REDIS_TIMEOUT_S = 5.0  # connect and per-command; an admin tool may wait longer than a request
 
 

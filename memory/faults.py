@@ -19,7 +19,7 @@ from typing import Any, cast
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from memory.models import FaultSpec
+from ibex_context.memory.models import FaultSpec
 
 ENDPOINTS = ("hot", "search")
 

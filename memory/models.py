@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
-from memory.rank import CATEGORIES, DEFAULT_MIN_SIMILARITY
-from shared.keys import IDENT_PATTERN
+from ibex_context.memory.rank import CATEGORIES, DEFAULT_MIN_SIMILARITY
+from ibex_context.shared.keys import IDENT_PATTERN
 
 MAX_CONTENT_CHARS = 64_000
 MAX_QUERY_CHARS = 100_000

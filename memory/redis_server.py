@@ -8,7 +8,7 @@ append-only file, fsynced every second), so the ``make up`` stack keeps its data
 ``make down; make up`` (README, Quickstart). A set ``IBEX_REDIS_URL`` always wins: see
 ``resolve_redis_url``.
 
-Foreground use (supervisord): ``python -m memory.redis_server --port 6390 --dir .run/redis
+Foreground use (supervisord): ``python -m ibex_context.memory.redis_server --port 6390 --dir .run/redis
 --persist`` replaces itself with the server process (``exec``), so the supervisor's signals reach
 redis-server directly.
 
@@ -33,7 +33,7 @@ from types import TracebackType
 
 import redis
 
-from shared.settings import Settings
+from ibex_context.shared.settings import Settings
 
 RUN_DIR = Path(__file__).resolve().parent.parent / ".run"  # state of the `make up` stack
 STACK_REDIS_URL_FILE = "redis-url"  # in RUN_DIR: the URL `up` gave the stack (README, Quickstart)
@@ -312,7 +312,7 @@ def default_redis_url(explicit: str | None, settings: Settings | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     """Run redis-server in the foreground, replacing this process (for supervisord)."""
-    ap = argparse.ArgumentParser(prog="python -m memory.redis_server", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ibex_context.memory.redis_server", description=main.__doc__)
     ap.add_argument("--port", type=int, required=True, help="TCP port on --bind (0 disables TCP)")
     ap.add_argument("--bind", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--unixsocket", default=None, help="also listen on this unix socket path")

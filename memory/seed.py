@@ -2,7 +2,7 @@
 
     ibex-context seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder hash|minilm]
 
-(``python -m memory.seed`` is the same tool.) The Redis URL comes from ``--redis-url``, else
+(``python -m ibex_context.memory.seed`` is the same tool.) The Redis URL comes from ``--redis-url``, else
 ``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` (README, Quickstart).
 
 Without ``--file`` the bundled demo dataset (``memory/data/demo.jsonl``) is loaded. One JSON
@@ -38,14 +38,14 @@ from pydantic import Field, ValidationError, field_validator
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from memory.config import MemoryConfig
-from memory.directive_cli import CliParser, settings_error, utf8_arg
-from memory.embed import Embedder, Vectors, load_embedder
-from memory.models import Ident, MemoryRecord, StrictModel, WriteMemory
-from memory.redis_server import default_redis_url
-from memory.store import NewMemory, write_memories
-from shared.directives import MAX_DIRECTIVE_CHARS, set_directive
-from shared.keys import org_prefix
+from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.directive_cli import CliParser, settings_error, utf8_arg
+from ibex_context.memory.embed import Embedder, Vectors, load_embedder
+from ibex_context.memory.models import Ident, MemoryRecord, StrictModel, WriteMemory
+from ibex_context.memory.redis_server import default_redis_url
+from ibex_context.memory.store import NewMemory, write_memories
+from ibex_context.shared.directives import MAX_DIRECTIVE_CHARS, set_directive
+from ibex_context.shared.keys import org_prefix
 
 DEMO_FILE = Path(__file__).resolve().parent / "data" / "demo.jsonl"
 
@@ -190,7 +190,7 @@ async def _main(path: Path, url: str, *, flush: bool, embedder: str | None) -> S
         await client.aclose()
 
 
-def build_parser(prog: str = "python -m memory.seed") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m ibex_context.memory.seed") -> argparse.ArgumentParser:
     ap = CliParser(prog=prog, description="Load memories and directives from JSONL into Redis "
                                           "(every line is validated before anything is written).")
     ap.add_argument("--file", type=Path, default=DEMO_FILE,
@@ -208,7 +208,7 @@ def _fail(prog: str, message: str, code: int) -> int:
     return code
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m memory.seed") -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m ibex_context.memory.seed") -> int:
     """Seed one file; ``prog`` is how the tool names itself (``ibex-context seed`` via the CLI)."""
     args = build_parser(prog).parse_args(argv)
     try:

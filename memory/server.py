@@ -1,11 +1,11 @@
 """Run the reference memory service under uvicorn.
 
-    python -m memory.server [--host H] [--port N] [--port-file F] [--redis-url URL] [--enable-faults]
+    python -m ibex_context.memory.server [--host H] [--port N] [--port-file F] [--redis-url URL] [--enable-faults]
 
 ``--port 0`` binds a free port; the bound port is logged and, with ``--port-file``, written to
 that file (atomically, once the socket listens) so a supervisor or test can find it. Without
 ``--redis-url`` or ``IBEX_REDIS_URL`` an embedded redis-server is started for the process's
-lifetime (empty: seed it with ``python -m memory.seed``). The token secret is read from
+lifetime (empty: seed it with ``python -m ibex_context.memory.seed``). The token secret is read from
 ``IBEX_MEMORY_SECRET`` only, never from the command line (it would show in ``ps``).
 Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.5, a host other
 than loopback (``--host`` / ``IBEX_MEMORY_HOST``) while the secret is the development default
@@ -25,19 +25,19 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
-from memory.app import create_app
-from memory.config import MemoryConfig
-from memory.embed import EmbedderUnavailable, load_embedder
-from memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
-from memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
-from shared.netloc import is_loopback_host
-from shared.settings import Settings
+from ibex_context.memory.app import create_app
+from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.embed import EmbedderUnavailable, load_embedder
+from ibex_context.memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
+from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
+from ibex_context.shared.netloc import is_loopback_host
+from ibex_context.shared.settings import Settings
 
-log = logging.getLogger("memory.server")
+log = logging.getLogger(__name__)
 
 
 def _parser(settings: Settings) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m memory.server", description="Reference memory service.")
+    ap = argparse.ArgumentParser(prog="python -m ibex_context.memory.server", description="Reference memory service.")
     ap.add_argument("--host", default=settings.memory_host)
     ap.add_argument("--port", type=int, default=settings.memory_port, help="0 picks a free port")
     ap.add_argument("--port-file", default=None, help="write the bound port to this file")

@@ -38,9 +38,9 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from memory.embed import Vectors, content_terms
-from memory.models import MemoryRecord
-from shared.keys import hot_key, memories_key, rev_key, terms_key, vectors_key
+from ibex_context.memory.embed import Vectors, content_terms
+from ibex_context.memory.models import MemoryRecord
+from ibex_context.shared.keys import hot_key, memories_key, rev_key, terms_key, vectors_key
 
 log = logging.getLogger(__name__)
 

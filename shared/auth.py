@@ -34,10 +34,10 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from shared.codec import Envelope
-from shared.errors import Forbidden, Unauthenticated
-from shared.models import IDENT_CHARS
-from shared.netloc import is_local_endpoint
+from ibex_context.shared.codec import Envelope
+from ibex_context.shared.errors import Forbidden, Unauthenticated
+from ibex_context.shared.models import IDENT_CHARS
+from ibex_context.shared.netloc import is_local_endpoint
 
 FRONT_DOMAIN = "ibex-front"
 BACK_DOMAIN = "ibex-back"

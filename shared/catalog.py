@@ -16,8 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from shared.errors import UnknownModel
-from shared.tokens import CachedCounter, Counter, EstimateCounter, EstimateKind, ExactCounter
+from ibex_context.shared.errors import UnknownModel
+from ibex_context.shared.tokens import CachedCounter, Counter, EstimateCounter, EstimateKind, ExactCounter
 
 # A trailing release date or moving alias, as providers append them to a model family's name:
 # claude-sonnet-4-20250514, gpt-4o-2024-08-06, claude-3-5-haiku-latest.
@@ -81,7 +81,7 @@ class Catalog:
     @classmethod
     def load(cls, path: str | Path | None = None, *, cache_entries: int = 65536) -> Catalog:
         if path is None:
-            text = resources.files("shared").joinpath("catalog.json").read_text("utf-8")
+            text = resources.files(__package__ or "ibex_context.shared").joinpath("catalog.json").read_text("utf-8")
         else:
             text = Path(path).read_text("utf-8")
         return cls(json.loads(text), cache_entries=cache_entries)

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from shared.errors import ErrorCode, IbexError
-from shared.models import IDENT_CHARS, PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.errors import ErrorCode, IbexError
+from ibex_context.shared.models import IDENT_CHARS, PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
 
 DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB; settings.max_request_bytes overrides
 MAX_DEPTH = 32

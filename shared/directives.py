@@ -18,8 +18,8 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstrai
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.errors import Internal
-from shared.keys import directive_key
+from ibex_context.shared.errors import Internal
+from ibex_context.shared.keys import directive_key
 
 MAX_DIRECTIVE_CHARS = 100_000
 

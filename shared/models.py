@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from shared.errors import ErrorCode
+from ibex_context.shared.errors import ErrorCode
 
 PROTOCOL_VERSION = 1
 

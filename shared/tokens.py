@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from shared.errors import TokenizerMismatch
+from ibex_context.shared.errors import TokenizerMismatch
 
 EstimateKind = Literal["exact", "estimate"]
 

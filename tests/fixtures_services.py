@@ -2,7 +2,7 @@
 
     redis_server    session   EmbeddedRedis: .url .port .running .stop() .start() .log_tail()
     redis_url       function  the session server's URL; restarted if a test stopped it; FLUSHALLed
-    memory_service  session   MemoryServiceHandle for `python -m memory.server --enable-faults`
+    memory_service  session   MemoryServiceHandle for `python -m ibex_context.memory.server --enable-faults`
     memory          function  the same handle: running, faults cleared, Redis flushed
 
 A service that cannot start FAILS the test (never skips): CI must not go green without it.
@@ -29,9 +29,9 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from memory.redis_server import EmbeddedRedis, RedisStartError
-from memory.seed import SeedStats, seed_records
-from shared.tenancy import mint_org_token
+from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError
+from ibex_context.memory.seed import SeedStats, seed_records
+from ibex_context.shared.tenancy import mint_org_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_SECRET = "test-secret-for-ibex-memory"
@@ -56,7 +56,7 @@ class ServiceStartError(RuntimeError):
 
 
 class MemoryServiceHandle:
-    """A `python -m memory.server` subprocess on 127.0.0.1 with faults enabled.
+    """A `python -m ibex_context.memory.server` subprocess on 127.0.0.1 with faults enabled.
 
     ``url``/``port`` stay the same across ``stop()``/``start()``/``kill()``/``restart()`` so
     clients configured once keep working. Faults and seeding go through the real service/Redis.
@@ -111,7 +111,8 @@ class MemoryServiceHandle:
         self._port_file.unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
         env.update({"IBEX_MEMORY_SECRET": self.secret, "PYTHONUNBUFFERED": "1", **self._extra_env})
-        cmd = [sys.executable, "-m", "memory.server", "--host", "127.0.0.1", "--port", str(self._port or 0),
+        cmd = [sys.executable, "-m", "ibex_context.memory.server", "--host", "127.0.0.1",
+               "--port", str(self._port or 0),
                "--port-file", str(self._port_file), "--redis-url", self.redis_url]
         if self.enable_faults:
             cmd.append("--enable-faults")

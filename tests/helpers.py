@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from client.stack import DEMO_DATA, LocalStack
+from ibex_context.ops.stack import DEMO_DATA, LocalStack
 
 
 def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
@@ -18,7 +18,7 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
     try:
         stack.start()
         if seed:
-            seeded = subprocess.run([sys.executable, "-m", "memory.seed", "--file", str(DEMO_DATA),
+            seeded = subprocess.run([sys.executable, "-m", "ibex_context.memory.seed", "--file", str(DEMO_DATA),
                                      "--redis-url", str(stack.redis_url)],
                                     capture_output=True, text=True, timeout=120, check=False)
             assert seeded.returncode == 0, seeded.stderr

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from client.client import AsyncClient
-from client.stack import LocalStack, free_port, port_in_use
-from shared import auth
-from shared.errors import DeadlineExceeded, Forbidden, Unauthenticated, Unavailable
+from ibex_context.client.client import AsyncClient
+from ibex_context.ops.stack import LocalStack, free_port, port_in_use
+from ibex_context.shared import auth
+from ibex_context.shared.errors import DeadlineExceeded, Forbidden, Unauthenticated, Unavailable
 from tests.helpers import start_stack
 
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "500", "IBEX_HOT_TIMEOUT_MS": "1000",
@@ -24,7 +24,7 @@ ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "5
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", *args], capture_output=True, text=True,
                           timeout=60, check=False)
 
 
@@ -119,7 +119,7 @@ def test_unknown_worker_cannot_join(secured: LocalStack, keys: dict[str, Path]) 
 
 def test_auth_off_refuses_non_loopback_binds(tmp_path: Path) -> None:
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "broker", "--frontend", f"tcp://0.0.0.0:{port}",
+    out = subprocess.run([sys.executable, "-m", "ibex_context.broker", "--frontend", f"tcp://0.0.0.0:{port}",
                           "--backend", f"tcp://127.0.0.1:{free_port()}"], capture_output=True, text=True,
                          timeout=30, check=False)
     assert out.returncode == 2
@@ -223,7 +223,7 @@ def test_client_grants_are_checked(tmp_path: Path) -> None:
 
 def _start_broker(env: dict[str, str], front: int, back: int) -> subprocess.Popen[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-    return subprocess.Popen([sys.executable, "-m", "broker", "--frontend", f"tcp://127.0.0.1:{front}",
+    return subprocess.Popen([sys.executable, "-m", "ibex_context.broker", "--frontend", f"tcp://127.0.0.1:{front}",
                              "--backend", f"tcp://127.0.0.1:{back}"], env={**clean, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import redis
 
-import client.cli as cli
-import client.stack as stack
-import memory.redis_server as redis_server
-from client.stack import LocalStack, free_port
-from shared.settings import Settings
+import ibex_context.memory.redis_server as redis_server
+import ibex_context.ops.cli as cli
+import ibex_context.ops.stack as stack
+from ibex_context.ops.stack import LocalStack, free_port
+from ibex_context.shared.settings import Settings
 from tests.helpers import start_stack
 
 # Branch timeouts far above the spec's so a loaded 2-core box does not turn "success" into "timeout".
@@ -38,7 +38,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", *args], capture_output=True, text=True,
                           errors="backslashreplace", env=env if env is not None else _env(), input=stdin,
                           timeout=60, check=False)
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from client import AsyncClient, ClientClosed, SyncClient
-from client.stack import REPO, LocalStack, free_port
-from shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Unavailable
-from shared.models import AssembleRequest, AssembleResponse
-from shared.settings import Settings
+from ibex_context.client import AsyncClient, ClientClosed, SyncClient
+from ibex_context.ops.stack import REPO, LocalStack, free_port
+from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Unavailable
+from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.settings import Settings
 from tests.helpers import start_stack
 
 STACK_ENV = {
@@ -112,7 +112,7 @@ async def _outcome(coro: Any) -> Any:
 STALL_SCRIPT = r"""
 import asyncio, json, sys, time
 sys.path.insert(0, sys.argv[1])
-from client import AsyncClient
+from ibex_context.client import AsyncClient
 
 async def main(endpoint, timeout):
     gaps = []

@@ -10,9 +10,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.codec import Envelope, decode_reply, decode_request, encode, encode_error, peek_envelope, unpack
-from shared.errors import ErrorCode, Overloaded
-from shared.models import AssembleRequest, ErrorReply, Message
+from ibex_context.shared.codec import (
+    Envelope,
+    decode_reply,
+    decode_request,
+    encode,
+    encode_error,
+    peek_envelope,
+    unpack,
+)
+from ibex_context.shared.errors import ErrorCode, Overloaded
+from ibex_context.shared.models import AssembleRequest, ErrorReply, Message
 
 
 def _req(**over: object) -> dict[str, object]:

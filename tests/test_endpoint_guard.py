@@ -2,7 +2,7 @@
 
 ZeroMQ's ``tcp://source;bind`` form binds the part after ``;`` and names, interfaces and ``*``
 are resolved at bind time, so each of those must be refused, both in the check and by a real
-``python -m broker`` (README, Authentication).
+``python -m ibex_context.broker`` (README, Authentication).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from client.stack import free_port, port_in_use
-from shared import auth
+from ibex_context.ops.stack import free_port, port_in_use
+from ibex_context.shared import auth
 
 LOCAL = ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:*", "tcp://127.8.9.10:5555", "tcp://[::1]:5555",
          "tcp://localhost:5555", "ipc:///tmp/ibex.sock", "inproc://broker"]
@@ -79,7 +79,7 @@ def test_broker_refuses_to_start_and_binds_nothing(side: str, template: str, phr
     p, q, good = free_port(), free_port(), free_port()
     bad = template.format(p=p, q=q)
     env = {**_clean_env(), "IBEX_BROKER_FRONTEND": bad if side == "frontend" else f"tcp://127.0.0.1:{good}"}
-    args = [sys.executable, "-m", "broker"]
+    args = [sys.executable, "-m", "ibex_context.broker"]
     args += ["--backend", bad] if side == "backend" else ["--backend", f"tcp://127.0.0.1:{good}"]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

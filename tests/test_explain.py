@@ -12,19 +12,19 @@ from typing import Any
 
 import pytest
 
-from client.explain import explain, load_candidates, load_request, run
-from shared.catalog import Catalog
-from shared.settings import Settings
-from worker.assemble import Assembler
-from worker.retrieve import offline_result
-from worker.types import MemoryHit
+from ibex_context.ops.explain import explain, load_candidates, load_request, run
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.settings import Settings
+from ibex_context.worker.assemble import Assembler
+from ibex_context.worker.retrieve import offline_result
+from ibex_context.worker.types import MemoryHit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NONCE = "00112233445566778899aabbccddeeff"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", "explain", *args],
+    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "explain", *args],
                           capture_output=True, text=True, timeout=60, check=False)
 
 

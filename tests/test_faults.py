@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from client.client import AsyncClient
-from client.stack import LocalStack
-from shared.errors import IbexError
-from shared.models import AssembleResponse
+from ibex_context.client.client import AsyncClient
+from ibex_context.ops.stack import LocalStack
+from ibex_context.shared.errors import IbexError
+from ibex_context.shared.models import AssembleResponse
 from tests.helpers import start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16", "IBEX_DIRECTIVE_TIMEOUT_MS": "300",
@@ -127,11 +127,15 @@ async def test_broker_restart_ends_inflight_with_errors_then_recovers(stack: Loc
 
 
 async def test_redis_stopped_degrades_without_losing_requests(stack: LocalStack) -> None:
+    """Redis stopped while requests are in flight: none is lost (load checks one outcome each);
+    once it is down, every assembly degrades and none fails. (Asserting "at least one degraded"
+    of the in-flight burst raced the burst: on a fast run all 40 finished before the stop.)"""
     assert stack.embedded is not None
-    outcomes = await load(stack, 40, timeout=3.0, inject=stack.embedded.stop, at=0.05)
-    stack.embedded.start()
-    assert sum(outcomes.values()) == 40
-    assert outcomes["degraded"] >= 1, outcomes
+    during = await load(stack, 40, timeout=3.0, inject=stack.embedded.stop, at=0.05)
+    assert set(during) <= {"ok", "degraded"}, during
+    assert not stack.embedded.running
+    after = await load(stack, 20, timeout=3.0)
+    assert after["degraded"] == 20, after  # the stack fixture restarts Redis for the next test
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.catalog import Catalog
-from shared.models import Message
-from shared.tokens import Counter
-from worker import format as fmt
-from worker.types import MemoryHit, ScoredMemory
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.models import Message
+from ibex_context.shared.tokens import Counter
+from ibex_context.worker import format as fmt
+from ibex_context.worker.types import MemoryHit, ScoredMemory
 
 NONCE = "0123456789abcdef0123456789abcdef"
 CATALOG = Catalog.load()
@@ -166,7 +166,7 @@ def test_line_by_line_counts_bound_the_sections(
 
 
 def test_history_counting_reuses_the_cache_for_seen_messages() -> None:
-    from shared.tokens import CachedCounter, ExactCounter
+    from ibex_context.shared.tokens import CachedCounter, ExactCounter
 
     counter = CachedCounter(ExactCounter("o200k", "o200k_base"))
     convo = [Message(role="user" if i % 2 else "assistant", content=f"turn {i}: " + "words " * 50) for i in range(20)]

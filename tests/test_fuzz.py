@@ -18,9 +18,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.stack import LocalStack, free_port, wait_for
-from memory.redis_server import EmbeddedRedis
-from shared import protocol as P
+from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.ops.stack import LocalStack, free_port, wait_for
+from ibex_context.shared import protocol as P
 from tests.helpers import start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_MAX_REQUEST_BYTES": "65536"}
@@ -169,7 +169,7 @@ def test_worker_survives_malformed_frames(tmp_path: Path) -> None:
     env.update({"IBEX_BROKER_BACKEND": f"tcp://127.0.0.1:{port}", "IBEX_REDIS_URL": redis.url,
                 "IBEX_MEMORY_URL": f"http://127.0.0.1:{free_port()}", "IBEX_HEARTBEAT_INTERVAL_MS": "200"})
     log = open(tmp_path / "worker.log", "wb")  # the child owns it
-    proc = subprocess.Popen([sys.executable, "-m", "worker", "--worker-id", "fz"], env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "ibex_context.worker", "--worker-id", "fz"], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     log.close()
     try:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from client import cli
-from shared import auth
+from ibex_context.ops import cli
+from ibex_context.shared import auth
 
 
 def _keys(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -183,14 +183,15 @@ def test_register_names_the_bad_option(tmp_path: Path, pubs: dict[str, Path], ca
 
 
 def test_the_installed_command_line_never_prints_a_traceback(tmp_path: Path) -> None:
-    """The same mistakes through ``python -m client.cli``: exit 2, one line, nothing written."""
+    """The same mistakes through ``python -m ibex_context.ops.cli``: exit 2, one line, nothing written."""
     (tmp_path / "keys.json").write_text("{bad")
     runs = [["generate", "--dir", str(tmp_path / "d"), "--name", "../evil"],
             ["generate", "--dir", str(tmp_path / "keys.json"), "--name", "x"],
             ["register", "--keys-file", str(tmp_path / "keys.json"), "--public", "A" * 40, "--role", "worker",
              "--name", "w"]]
     for args in runs:
-        out = subprocess.run([sys.executable, "-m", "client.cli", "keys", *args], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "keys", *args],
+                             capture_output=True, text=True,
                              timeout=60, check=False)
         assert out.returncode == 2 and out.stdout == "" and len(out.stderr.splitlines()) == 1, out.stderr
         assert out.stderr.startswith("ibex-context keys: ") and "Traceback" not in out.stderr

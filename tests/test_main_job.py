@@ -20,11 +20,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from client.client import AsyncClient, SyncClient
-from client.stack import LocalStack, free_port
-from shared import protocol as P
-from shared.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
-from shared.models import AssembleResponse
+from ibex_context.client.client import AsyncClient, SyncClient
+from ibex_context.ops.stack import LocalStack, free_port
+from ibex_context.shared import protocol as P
+from ibex_context.shared.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
+from ibex_context.shared.models import AssembleResponse
 from tests.helpers import start_stack
 
 # Functional tests: branch timeouts far above the spec's 5/15/45 ms so a loaded CI box does not turn
@@ -150,8 +150,8 @@ async def test_expired_requests_never_reach_packing(stack: LocalStack) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(stack.frontend)
     try:
-        from shared.codec import encode
-        from shared.models import AssembleRequest
+        from ibex_context.shared.codec import encode
+        from ibex_context.shared.models import AssembleRequest
 
         n = 25
         for i in range(n):  # already expired when sent

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis
 
-from memory.models import MAX_CONTENT_CHARS
-from shared.keys import hot_key, memories_key
+from ibex_context.memory.models import MAX_CONTENT_CHARS
+from ibex_context.shared.keys import hot_key, memories_key
 from tests.fixtures_services import MemoryServiceHandle
 
 GOOD = "Invoices for the Acme account are emailed on the first of each month"

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from memory.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
-from memory.rank import (
+from ibex_context.memory.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
+from ibex_context.memory.rank import (
     ACCESS_SATURATION,
     DEFAULT_RELEVANCE_FLOOR,
     FULLTEXT_SENTINEL,

@@ -16,9 +16,9 @@ import httpx
 import pytest
 import redis
 
-from memory.redis_server import EmbeddedRedis
-from memory.seed import DEMO_FILE
-from shared.keys import memories_key
+from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.seed import DEMO_FILE
+from ibex_context.shared.keys import memories_key
 from tests.fixtures_services import MemoryServiceHandle
 
 HIT_FIELDS = {"memory_id", "content", "category", "similarity", "confidence", "rank", "created_at",
@@ -217,7 +217,7 @@ def test_bad_credentials_are_401(http: httpx.Client, auth: str | None) -> None:
 
 
 def test_token_from_another_secret_is_401(http: httpx.Client) -> None:
-    from shared.tenancy import mint_org_token
+    from ibex_context.shared.tenancy import mint_org_token
 
     forged = mint_org_token("not-the-service-secret", "acme")
     r = http.get("/v1/memories/hot", params={"agent_id": "bot"}, headers={"authorization": f"Bearer {forged}"})
@@ -449,7 +449,7 @@ def test_faults_are_off_unless_enabled(redis_url: str) -> None:
 
 def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", f"ibex_context.{module}", *args], capture_output=True, text=True,
                           env={**base, **(env or {})}, timeout=60)
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from shared.catalog import Catalog
-from shared.errors import InvalidRequest, UnknownModel
-from shared.settings import Settings
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.errors import InvalidRequest, UnknownModel
+from ibex_context.shared.settings import Settings
 
 CATALOG = Catalog.load()
 

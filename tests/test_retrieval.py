@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import redis
 
-from shared.catalog import Catalog
-from shared.errors import DeadlineExceeded
-from shared.models import AssembleRequest, AssembleResponse, BranchName
-from shared.settings import Settings
-from worker.assemble import Assembler
-from worker.retrieve import Retriever, parse_hits
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.errors import DeadlineExceeded
+from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchName
+from ibex_context.shared.settings import Settings
+from ibex_context.worker.assemble import Assembler
+from ibex_context.worker.retrieve import Retriever, parse_hits
 
 CATALOG = Catalog.load()
 CATALOG.warm_up()  # load BPE vocabularies now, not inside a 5 ms branch budget

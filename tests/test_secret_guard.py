@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from client.stack import free_port
-from memory.config import DEV_SECRET, MemoryConfig
-from shared.settings import Settings
+from ibex_context.memory.config import DEV_SECRET, MemoryConfig
+from ibex_context.ops.stack import free_port
+from ibex_context.shared.settings import Settings
 from tests.fixtures_services import REPO_ROOT, MemoryServiceHandle
 
 PRIVATE_SECRET = "a-private-secret-for-this-test"
@@ -34,7 +34,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", f"ibex_context.{module}", *args], capture_output=True, text=True,
+                          env=env,
                           cwd=REPO_ROOT, timeout=60)
 
 
@@ -99,7 +100,7 @@ def test_memory_service_refuses_faults_off_loopback(redis_url: str) -> None:
 def test_memory_service_with_a_private_secret_listens_anywhere(redis_url: str, tmp_path: Path) -> None:
     port_file, log = tmp_path / "port", tmp_path / "memory.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "memory.server", "--host", "0.0.0.0", "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.server", "--host", "0.0.0.0", "--port", "0",
                                  "--port-file", str(port_file), "--redis-url", redis_url],
                                 env=_env(IBEX_MEMORY_SECRET=PRIVATE_SECRET), cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -156,7 +157,8 @@ def test_worker_on_loopback_starts_and_logs_the_cpu_count_before_pinning(redis_u
     env = _env(IBEX_MEMORY_URL=f"http://127.0.0.1:{free_port()}", IBEX_REDIS_URL=redis_url,
                IBEX_BROKER_BACKEND=f"tcp://127.0.0.1:{free_port()}", IBEX_PIN_CPUS="true")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "worker", "--cpu", "1", "--worker-id", "guard"], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.worker", "--cpu", "1", "--worker-id", "guard"],
+                                env=env,
                                 cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_for("worker start-up line", lambda: "pinned to cpu" in log.read_text(errors="replace"), proc, log)

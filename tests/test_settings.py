@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.settings import Settings, usable_cpus
+from ibex_context.shared.settings import Settings, usable_cpus
 
 
 def test_spec_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.keys import (
+from ibex_context.shared.keys import (
     check_ident,
     directive_key,
     hot_key,
@@ -15,7 +15,7 @@ from shared.keys import (
     terms_key,
     vectors_key,
 )
-from shared.tenancy import bearer_token, mint_org_token, verify_org_token
+from ibex_context.shared.tenancy import bearer_token, mint_org_token, verify_org_token
 
 SECRET = "s3cret-s3cret"
 idents = st.from_regex(r"\A[A-Za-z0-9_.\-]{1,64}\Z")

@@ -20,13 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from client.client import AsyncClient
-from client.stack import LocalStack
-from memory.app import OrgLimiter
-from memory.config import DEFAULT_MAX_QUERY_CHARS
-from memory.models import MAX_QUERY_CHARS
-from shared.errors import IbexError
-from shared.models import AssembleResponse
+from ibex_context.client.client import AsyncClient
+from ibex_context.memory.app import OrgLimiter
+from ibex_context.memory.config import DEFAULT_MAX_QUERY_CHARS
+from ibex_context.memory.models import MAX_QUERY_CHARS
+from ibex_context.ops.stack import LocalStack
+from ibex_context.shared.errors import IbexError
+from ibex_context.shared.models import AssembleResponse
 from tests.fixtures_services import MemoryServiceHandle
 from tests.helpers import start_stack
 

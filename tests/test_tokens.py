@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.catalog import Catalog
-from shared.errors import TokenizerMismatch
-from shared.tokens import CachedCounter, ExactCounter, TokenCount, estimate_tokens
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.errors import TokenizerMismatch
+from ibex_context.shared.tokens import CachedCounter, ExactCounter, TokenCount, estimate_tokens
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "token_corpus.json").read_text("utf-8"))
 

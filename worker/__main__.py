@@ -1,4 +1,4 @@
-"""``python -m worker [--cpu N]``: one pinned uvloop worker process (run N of them per host).
+"""``python -m ibex_context.worker [--cpu N]``: one pinned uvloop worker process (run N of them per host).
 
 Exit status 2, before anything starts, when ``IBEX_MEMORY_URL`` is not a loopback URL while
 ``IBEX_MEMORY_SECRET`` is the development default: the tokens it mints would be forgeable by
@@ -17,8 +17,8 @@ import socket
 import sys
 from urllib.parse import urlsplit
 
-from shared.netloc import is_loopback_url
-from shared.settings import Settings, usable_cpus
+from ibex_context.shared.netloc import is_loopback_url
+from ibex_context.shared.settings import Settings, usable_cpus
 
 DEV_MEMORY_SECRET: str = Settings.model_fields["memory_secret"].default
 
@@ -48,10 +48,10 @@ def pin(cpu: int | None) -> int | None:
 async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     import zmq
 
-    from shared.catalog import Catalog
-    from worker.assemble import Assembler
-    from worker.retrieve import Retriever
-    from worker.server import WorkerServer
+    from ibex_context.shared.catalog import Catalog
+    from ibex_context.worker.assemble import Assembler
+    from ibex_context.worker.retrieve import Retriever
+    from ibex_context.worker.server import WorkerServer
 
     if settings.redis_url is None:
         raise SystemExit("IBEX_REDIS_URL is not set; `ibex-context up` sets it (or start an embedded Redis)")
@@ -63,13 +63,13 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     ctx = zmq.Context()
     configure = None
     if settings.worker_key_file:
-        from shared import auth
+        from ibex_context.shared import auth
 
         if not settings.broker_public_key:
             raise SystemExit("IBEX_WORKER_KEY_FILE is set but IBEX_BROKER_PUBLIC_KEY is not")
         configure = auth.curve_client(auth.load_keypair(settings.worker_key_file),
                                       auth.load_public_key(settings.broker_public_key))
-    from shared.observability import WorkerMetrics
+    from ibex_context.shared.observability import WorkerMetrics
 
     server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
                           respond_immediately=(mode == "transport"), configure_socket=configure,
@@ -98,7 +98,7 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ibex_context.worker", description=__doc__)
     ap.add_argument("--cpu", type=int, default=None, help="pin to the Nth usable CPU (modulo their count)")
     ap.add_argument("--worker-id", default=None)
     ap.add_argument("--mode", choices=["full", "transport"], default="full",
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
-    from shared.observability import setup_logging
+    from ibex_context.shared.observability import setup_logging
 
     setup_logging(settings.log_level, "worker")
     cpus = usable_cpus()  # before pinning: afterwards the mask holds one CPU

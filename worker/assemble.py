@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.catalog import Catalog
-from shared.errors import DeadlineExceeded
-from shared.models import (
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.errors import DeadlineExceeded
+from ibex_context.shared.models import (
     AssembleRequest,
     AssembleResponse,
     Decision,
@@ -30,14 +30,14 @@ from shared.models import (
     PackerStats,
     SectionName,
 )
-from shared.settings import Settings
-from shared.tokens import CachedCounter, TokenCount
-from worker import format as fmt
-from worker.budget import compute_budget
-from worker.pack import pack
-from worker.retrieve import RetrievalResult, Retriever
-from worker.score import score_candidates
-from worker.types import Rejection, ScoredMemory
+from ibex_context.shared.settings import Settings
+from ibex_context.shared.tokens import CachedCounter, TokenCount
+from ibex_context.worker import format as fmt
+from ibex_context.worker.budget import compute_budget
+from ibex_context.worker.pack import pack
+from ibex_context.worker.retrieve import RetrievalResult, Retriever
+from ibex_context.worker.score import score_candidates
+from ibex_context.worker.types import Rejection, ScoredMemory
 
 
 class StageCostTracker:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from shared.catalog import ModelSpec
-from shared.errors import TokenizerMismatch
-from shared.models import BudgetBreakdown
-from shared.tokens import TokenCount
+from ibex_context.shared.catalog import ModelSpec
+from ibex_context.shared.errors import TokenizerMismatch
+from ibex_context.shared.models import BudgetBreakdown
+from ibex_context.shared.tokens import TokenCount
 
 RESERVE_MIN = 500
 RESERVE_MAX = 4096

@@ -23,14 +23,14 @@ import msgpack
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from shared import protocol as P
-from shared.codec import decode_request, encode, encode_error
-from shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
-from shared.loopsock import LoopSocket
-from shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, ErrorReply, PackerStats
-from shared.observability import WorkerMetrics
-from shared.settings import Settings
-from worker.assemble import Assembler
+from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import decode_request, encode, encode_error
+from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
+from ibex_context.shared.loopsock import LoopSocket
+from ibex_context.shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, ErrorReply, PackerStats
+from ibex_context.shared.observability import WorkerMetrics
+from ibex_context.shared.settings import Settings
+from ibex_context.worker.assemble import Assembler
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from shared.models import IDENT_CHARS
+from ibex_context.shared.models import IDENT_CHARS
 
 Source = Literal["hot", "cold"]
 PackPath = Literal["dp", "greedy", "all_fit", "empty"]

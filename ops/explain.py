@@ -16,13 +16,13 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from shared.catalog import Catalog
-from shared.errors import IbexError, InvalidRequest
-from shared.models import AssembleRequest, AssembleResponse
-from shared.settings import Settings
-from worker.assemble import Assembler
-from worker.retrieve import offline_result
-from worker.types import MemoryHit, Source
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.errors import IbexError, InvalidRequest
+from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.settings import Settings
+from ibex_context.worker.assemble import Assembler
+from ibex_context.worker.retrieve import offline_result
+from ibex_context.worker.types import MemoryHit, Source
 
 HIT_FIELDS = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from memory.directive_cli import CliParser, utf8_arg
+from ibex_context.memory.directive_cli import CliParser, utf8_arg
 
 PROG = "ibex-context"
 DEFAULT_MODEL = "gpt-4o"
@@ -163,7 +163,7 @@ def _request(args: Any) -> Any:
     """
     from pydantic import ValidationError
 
-    from shared.models import AssembleRequest
+    from ibex_context.shared.models import AssembleRequest
 
     try:
         return AssembleRequest.model_validate({
@@ -186,7 +186,7 @@ def empty_context_hint(resp: Any) -> str | None:
 
 
 async def _call(args: Any, request: Any) -> Any:
-    from client.client import AsyncClient
+    from ibex_context.client.client import AsyncClient
 
     async with AsyncClient(args.endpoint) as c:
         return await c.assemble(request, timeout=args.timeout_ms / 1000)
@@ -197,8 +197,8 @@ def _assemble(args: Any) -> int:
     import zmq
     from pydantic import ValidationError
 
-    from shared.auth import AuthConfigError
-    from shared.errors import ErrorCode, IbexError
+    from ibex_context.shared.auth import AuthConfigError
+    from ibex_context.shared.errors import ErrorCode, IbexError
 
     prog = f"{PROG} assemble"
     try:
@@ -245,8 +245,7 @@ def _fail(prog: str, message: str, code: int) -> int:
 
 def _status() -> int:
     """The broker's counters as JSON; one line and exit 1 when there is nothing to ask."""
-    import client.stack as stack
-
+    import ibex_context.ops.stack as stack
     status = stack.status()
     if status is not None:
         print(json.dumps(status, indent=2))
@@ -260,7 +259,7 @@ def _status() -> int:
 def _keys(args: Any) -> int:
     from pathlib import Path
 
-    from shared import auth
+    from ibex_context.shared import auth
 
     try:
         if args.keys_cmd == "generate":
@@ -293,16 +292,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] == "directive":
-        from memory.directive_cli import main as directive_main
+        from ibex_context.memory.directive_cli import main as directive_main
 
         return int(directive_main(argv[1:], prog=f"{PROG} directive") or 0)
     if argv and argv[0] == "seed":
-        from memory.seed import main as seed_main
+        from ibex_context.memory.seed import main as seed_main
 
         return int(seed_main(argv[1:], prog=f"{PROG} seed") or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "explain":
-        from client.explain import run
+        from ibex_context.ops.explain import run
 
         return run(args)
     if args.cmd == "assemble":
@@ -311,7 +310,7 @@ def _main(argv: list[str]) -> int:
         return _keys(args)
     from pydantic import ValidationError
 
-    from memory.directive_cli import settings_error
+    from ibex_context.memory.directive_cli import settings_error
 
     try:
         return _stack_command(args)
@@ -320,8 +319,7 @@ def _main(argv: list[str]) -> int:
 
 
 def _stack_command(args: Any) -> int:
-    import client.stack as stack
-
+    import ibex_context.ops.stack as stack
     if args.cmd == "status":
         return _status()
     if args.cmd == "up":

@@ -25,9 +25,9 @@ import httpx
 import msgpack
 import zmq
 
-from memory.redis_server import record_stack_redis_url
-from shared import protocol as P
-from shared.settings import Settings
+from ibex_context.memory.redis_server import record_stack_redis_url
+from ibex_context.shared import protocol as P
+from ibex_context.shared.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "supervisord.conf"
@@ -166,7 +166,7 @@ class LocalStack:
 
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         if self.redis_url is None:
-            from memory.redis_server import EmbeddedRedis
+            from ibex_context.memory.redis_server import EmbeddedRedis
 
             self.embedded = EmbeddedRedis()
             self.embedded.start()
@@ -180,7 +180,7 @@ class LocalStack:
         return self
 
     def start_memory(self, timeout_s: float = 30.0) -> None:
-        args = ["-m", "memory.server", "--host", "127.0.0.1", "--port", str(self.memory_port),
+        args = ["-m", "ibex_context.memory.server", "--host", "127.0.0.1", "--port", str(self.memory_port),
                 "--redis-url", str(self.redis_url)]
         if self.enable_faults:
             args.append("--enable-faults")
@@ -193,7 +193,7 @@ class LocalStack:
         return self.brokers[0]
 
     def start_broker(self, i: int = 0) -> None:
-        self.brokers[i] = self._spawn(f"broker-{i}", ["-m", "broker", "--frontend", self.frontends[i],
+        self.brokers[i] = self._spawn(f"broker-{i}", ["-m", "ibex_context.broker", "--frontend", self.frontends[i],
                                                       "--backend", self.backends[i]])
 
     def stop_broker(self, i: int = 0, sig: int = signal.SIGKILL) -> None:
@@ -203,7 +203,7 @@ class LocalStack:
         p.wait(10)
 
     def start_worker(self, i: int) -> subprocess.Popen[bytes]:
-        return self._spawn(f"worker-{i}", ["-m", "worker", "--cpu", str(i), "--worker-id", f"w{i}",
+        return self._spawn(f"worker-{i}", ["-m", "ibex_context.worker", "--cpu", str(i), "--worker-id", f"w{i}",
                                            "--mode", "transport" if self.mode == "transport" else "full"])
 
     def status(self, timeout_s: float = 1.0, broker: int = 0) -> dict[str, Any] | None:
@@ -398,13 +398,13 @@ DEMO_REQUESTS = [
 def demo(*, keep: bool, show: Callable[[Any], None]) -> int:
     import asyncio
 
-    from client.client import AsyncClient
-    from shared.errors import IbexError
+    from ibex_context.client.client import AsyncClient
+    from ibex_context.shared.errors import IbexError
 
     if up() != 0:
         return 1
     env = _supervisor_env(Settings())
-    from memory.seed import main as seed_main
+    from ibex_context.memory.seed import main as seed_main
 
     print(f"ibex-context: seeding demo data from {DEMO_DATA.relative_to(REPO)} ...")
     if seed_main(["--file", str(DEMO_DATA), "--redis-url", env["IBEX_REDIS_URL"]], prog="ibex-context seed") != 0:
