@@ -62,6 +62,7 @@ from ibex_context.memory.rank import Candidate, cosine_scores, keyword_hit, rank
 from ibex_context.memory.store import AgentFull, RecordHealth, WriteContention
 from ibex_context.shared.keys import is_ident
 from ibex_context.shared.tenancy import bearer_token, verify_org_token
+from ibex_context.shared.validation import first_error
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +133,10 @@ def _validate(model: type[M], doc: dict[str, Any]) -> M:
     try:
         return model.model_validate(doc)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden" and where == "org_id":
-            raise ApiError(400, "org_id is not accepted: the org comes from the bearer token", field=where) from exc
-        msg = first["msg"]
-        if first["type"] == "extra_forbidden":
-            msg = "unknown field"
-        raise ApiError(400, f"{where or 'body'}: {msg}", field=where or None) from exc
+        err = first_error(exc, reasons={"extra_forbidden": "unknown field"})
+        if err.kind == "extra_forbidden" and err.field == "org_id":
+            raise ApiError(400, "org_id is not accepted: the org comes from the bearer token", field=err.field) from exc
+        raise ApiError(400, f"{err.field or 'body'}: {err.message}", field=err.field or None) from exc
 
 
 def _query_params(request: Request, allowed: Sequence[str]) -> dict[str, str]:

@@ -38,6 +38,7 @@ from ibex_context.shared.directives import (
     set_directive,
 )
 from ibex_context.shared.keys import check_ident
+from ibex_context.shared.validation import first_error
 
 PROG = "python -m ibex_context.memory.directive_cli"
 REDIS_TIMEOUT_S = 5.0  # connect and per-command; an admin tool may wait longer than a request
@@ -140,9 +141,9 @@ def _read(path: str) -> str:
 
 def settings_error(exc: ValidationError, prefix: str = "IBEX_") -> str:
     """One line naming a malformed environment variable (README, Settings)."""
-    first = exc.errors()[0]
-    name = prefix + "_".join(map(str, first["loc"])).upper()
-    return f"settings: {name}: {first['msg']}"
+    err = first_error(exc)
+    name = prefix + "_".join(err.loc).upper()
+    return f"settings: {name}: {err.message}"
 
 
 def _fail(prog: str, message: str, code: int) -> int:

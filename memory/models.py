@@ -14,14 +14,13 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
 from ibex_context.memory.rank import CATEGORIES, DEFAULT_MIN_SIMILARITY
-from ibex_context.shared.keys import IDENT_PATTERN
+from ibex_context.shared.models import Ident
 
 MAX_CONTENT_CHARS = 64_000
 MAX_QUERY_CHARS = 100_000
 HOT_LIMIT_MAX = 20
 SEARCH_LIMIT_MAX = 50
 
-Ident = Annotated[str, StringConstraints(pattern=IDENT_PATTERN)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Category = Literal["fact", "preference", "relationship", "skill", "note", "event", "task"]
 assert set(get_args(Category)) == CATEGORIES  # keep rank.py's half-life table in step

@@ -41,11 +41,13 @@ from redis.exceptions import RedisError
 from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.directive_cli import CliParser, settings_error, utf8_arg
 from ibex_context.memory.embed import Embedder, Vectors, load_embedder
-from ibex_context.memory.models import Ident, MemoryRecord, StrictModel, WriteMemory
+from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.memory.store import NewMemory, write_memories
 from ibex_context.shared.directives import MAX_DIRECTIVE_CHARS, set_directive
 from ibex_context.shared.keys import org_prefix
+from ibex_context.shared.models import Ident
+from ibex_context.shared.validation import first_error
 
 DEMO_FILE = Path(__file__).resolve().parent / "data" / "demo.jsonl"
 
@@ -107,8 +109,8 @@ def parse_records(
                 continue
             m = SeedMemory.model_validate(dict(raw))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise SeedError(where, f"{'.'.join(map(str, first['loc'])) or 'record'}: {first['msg']}") from exc
+            err = first_error(exc, root="record")
+            raise SeedError(where, f"{err.field}: {err.message}") from exc
         if m.age_days is not None and m.created_at is not None:
             raise SeedError(where, "give age_days or created_at, not both")
         created = m.created_at or (now - timedelta(days=m.age_days or 0.0))

@@ -41,6 +41,7 @@ from redis.exceptions import WatchError
 from ibex_context.memory.embed import Vectors, content_terms
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.shared.keys import hot_key, memories_key, rev_key, terms_key, vectors_key
+from ibex_context.shared.validation import first_error
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +170,8 @@ def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | Non
     try:
         rec = MemoryRecord.model_validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        reason = f"{'.'.join(map(str, first['loc'])) or 'record'}: {first['msg']}"
+        err = first_error(exc, root="record")
+        reason = f"{err.field}: {err.message}"
         if health is not None:
             health.skip(where, reason)
         else:

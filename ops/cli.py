@@ -148,12 +148,14 @@ def _print_response(resp: Any) -> None:
 
 def _field_error(exc: Any) -> str:
     """The first pydantic error as ``--option: what is wrong`` (a ValidationError names model fields)."""
-    first = exc.errors()[0]
-    loc = [str(p) for p in first["loc"]]
+    from ibex_context.shared.validation import first_error
+
+    err = first_error(exc)
+    loc = list(err.loc)
     option = OPTION_OF_FIELD.get(loc[0], loc[0]) if loc else "request"
     if loc[:1] == ["recent_messages"] and len(loc) > 1 and loc[1].isdigit():
         option = f"--message #{int(loc[1]) + 1}"
-    return f"{option}: {first['msg']}"
+    return f"{option}: {err.message}"
 
 
 def _request(args: Any) -> Any:

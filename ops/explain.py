@@ -20,9 +20,10 @@ from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import IbexError, InvalidRequest
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 from ibex_context.shared.settings import Settings
+from ibex_context.shared.validation import first_error
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.retrieve import offline_result
-from ibex_context.worker.types import MemoryHit, Source
+from ibex_context.pipeline.types import MemoryHit, Source
 
 HIT_FIELDS = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 
@@ -53,9 +54,8 @@ def load_request(path: str) -> AssembleRequest:
     try:
         return AssembleRequest.model_validate_json(json.dumps(doc))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "<root>"
-        raise ExplainInputError(f"request file {path!r}: {loc}: {first['msg']}") from exc
+        err = first_error(exc, root="<root>")
+        raise ExplainInputError(f"request file {path!r}: {err.field}: {err.message}") from exc
 
 
 def load_candidates(path: str) -> tuple[str | None, list[MemoryHit], list[MemoryHit]]:

@@ -7,14 +7,15 @@ nested payload is refused before Python objects are built for it.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
 
 from ibex_context.shared.errors import ErrorCode, IbexError
-from ibex_context.shared.models import IDENT_CHARS, PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.keys import is_ident
+from ibex_context.shared.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.validation import first_error
 
 DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB; settings.max_request_bytes overrides
 MAX_DEPTH = 32
@@ -100,11 +101,9 @@ def unpack(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any | ErrorRep
 
 
 def _validation_reply(exc: ValidationError, request_id: str | None) -> ErrorReply:
-    first = exc.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "<root>"
-    more = exc.error_count() - 1
-    message = f"{field}: {first['msg']}"[:500] + (f" (+{more} more)" if more else "")
-    return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=message, field=field)
+    err = first_error(exc, root="<root>")
+    message = f"{err.field}: {err.message}"[:500] + (f" (+{err.more} more)" if err.more else "")
+    return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=message, field=err.field)
 
 
 def _version_error(version: object, request_id: str | None) -> ErrorReply:
@@ -157,9 +156,6 @@ class Envelope(NamedTuple):
     deadline_ns: int
 
 
-_IDENT = re.compile(IDENT_CHARS)
-
-
 def scan_request_id(data: bytes) -> str | None:
     """The top-level ``request_id`` of a msgpack map that will not be decoded (too large, or bad
     further on), so its refusal can still be matched to the request. Other values are skipped
@@ -205,7 +201,7 @@ def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelop
         return bad("request_id", "a string of 1 to 128 characters is required")
     for field in ("org_id", "agent_id"):
         value = obj.get(field)
-        if type(value) is not str or _IDENT.fullmatch(value) is None:
+        if type(value) is not str or not is_ident(value):
             return bad(field, "1 to 64 of A-Z a-z 0-9 _ . - is required")
     deadline = obj.get("deadline_ns")
     if type(deadline) is not int or deadline <= 0:

@@ -20,6 +20,7 @@ from redis.exceptions import ResponseError
 
 from ibex_context.shared.errors import Internal
 from ibex_context.shared.keys import directive_key
+from ibex_context.shared.validation import first_error
 
 MAX_DIRECTIVE_CHARS = 100_000
 
@@ -81,9 +82,8 @@ def parse_envelope(key: str, raw: bytes | str) -> DirectiveEnvelope:
     except MalformedDirective:
         raise
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "envelope"
-        raise MalformedDirective(key, f"{where}: {first['msg']}", raw) from exc
+        err = first_error(exc, root="envelope")
+        raise MalformedDirective(key, f"{err.field}: {err.message}", raw) from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise MalformedDirective(key, f"not JSON ({exc})", raw) from exc
 

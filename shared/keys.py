@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import re
 
-IDENT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
-_IDENT = re.compile(IDENT_PATTERN)
+from ibex_context.shared.models import IDENT_CHARS
+
+IDENT_PATTERN = f"^{IDENT_CHARS}$"  # as written in error messages
+_IDENT = re.compile(IDENT_CHARS)
 
 
 def is_ident(value: object) -> bool:

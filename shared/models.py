@@ -18,7 +18,7 @@ from ibex_context.shared.errors import ErrorCode
 PROTOCOL_VERSION = 1
 
 # Identifiers that end up inside Redis keys and URLs: no ':' or whitespace, bounded length.
-IDENT_CHARS = r"[A-Za-z0-9_.\-]{1,64}"  # also checked by codec.peek_envelope, with fullmatch
+IDENT_CHARS = r"[A-Za-z0-9_.\-]{1,64}"  # the one definition; shared.keys.is_ident checks it with fullmatch
 Ident = Annotated[str, StringConstraints(pattern=f"^{IDENT_CHARS}$")]
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
