@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ibex_context.worker.pack import pack
-from ibex_context.worker.score import score_candidates
-from ibex_context.worker.types import MemoryHit
+from ibex_context.pipeline.pack import pack
+from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.types import MemoryHit
 
 _CANDIDATE_KEYS = ("memory_id", "tokens", "similarity", "confidence")
 

@@ -38,9 +38,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from bench.pack import percentile
-from ibex_context.worker.pack import MAX_CONSECUTIVE_SKIPS, pack
-from ibex_context.worker.score import score_candidates
-from ibex_context.worker.types import MemoryHit, ScoredMemory
+from ibex_context.pipeline.pack import MAX_CONSECUTIVE_SKIPS, pack
+from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 
 OUT = Path(__file__).parent / "out" / "packer.json"
 SIZES = (10, 35, 70)

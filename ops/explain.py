@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
+from ibex_context.pipeline.types import MemoryHit, Source
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import IbexError, InvalidRequest
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
@@ -23,7 +24,6 @@ from ibex_context.shared.settings import Settings
 from ibex_context.shared.validation import first_error
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.retrieve import offline_result
-from ibex_context.pipeline.types import MemoryHit, Source
 
 HIT_FIELDS = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 

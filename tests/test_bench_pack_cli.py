@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from ibex_context.worker.pack import pack
-from ibex_context.worker.score import score_candidates
-from ibex_context.worker.types import MemoryHit
+from ibex_context.pipeline.pack import pack
+from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.types import MemoryHit
 
 ROOT = Path(__file__).resolve().parent.parent
 

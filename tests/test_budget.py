@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ibex_context.pipeline.budget import compute_budget, response_reserve, safety_buffer
 from ibex_context.shared.catalog import Catalog, FamilyPolicy, ModelSpec
 from ibex_context.shared.errors import TokenizerMismatch, UnknownModel
 from ibex_context.shared.tokens import TokenCount
-from ibex_context.worker.budget import compute_budget, response_reserve, safety_buffer
 
 POLICY = FamilyPolicy("o200k", "exact", "o200k_base", 0.02, 1.0)
 

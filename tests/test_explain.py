@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from ibex_context.ops.explain import explain, load_candidates, load_request, run
+from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.settings import Settings
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.retrieve import offline_result
-from ibex_context.worker.types import MemoryHit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NONCE = "00112233445566778899aabbccddeeff"

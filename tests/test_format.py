@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.models import Message
 from ibex_context.shared.tokens import Counter
-from ibex_context.worker import format as fmt
-from ibex_context.worker.types import MemoryHit, ScoredMemory
 
 NONCE = "0123456789abcdef0123456789abcdef"
 CATALOG = Catalog.load()

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.worker import pack as pack_mod
-from ibex_context.worker.pack import MAX_CONSECUTIVE_SKIPS, pack
-from ibex_context.worker.types import MemoryHit, PackResult, ScoredMemory
+from ibex_context.pipeline import pack as pack_mod
+from ibex_context.pipeline.pack import MAX_CONSECUTIVE_SKIPS, pack
+from ibex_context.pipeline.types import MemoryHit, PackResult, ScoredMemory
 
 
 def _mem(memory_id: str, tokens: int, score: float) -> ScoredMemory:

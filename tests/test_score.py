@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.worker.score import INTERIM_WEIGHTS, interim_score, score_candidates
-from ibex_context.worker.types import MemoryHit
+from ibex_context.pipeline.score import INTERIM_WEIGHTS, interim_score, score_candidates
+from ibex_context.pipeline.types import MemoryHit
 
 
 def _hit(memory_id: str = "m1", similarity: Any = 0.8, confidence: Any = 0.6) -> MemoryHit:

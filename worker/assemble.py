@@ -20,6 +20,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.budget import compute_budget
+from ibex_context.pipeline.pack import pack
+from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.types import Rejection, ScoredMemory
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import DeadlineExceeded
 from ibex_context.shared.models import (
@@ -32,12 +37,7 @@ from ibex_context.shared.models import (
 )
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.tokens import CachedCounter, TokenCount
-from ibex_context.worker import format as fmt
-from ibex_context.worker.budget import compute_budget
-from ibex_context.worker.pack import pack
 from ibex_context.worker.retrieve import RetrievalResult, Retriever
-from ibex_context.worker.score import score_candidates
-from ibex_context.worker.types import Rejection, ScoredMemory
 
 
 class StageCostTracker:

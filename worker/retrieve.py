@@ -28,11 +28,11 @@ from typing import Any, Literal
 import aiohttp
 from redis.asyncio import Redis
 
+from ibex_context.pipeline.types import MemoryHit, Rejection, Source, memory_id_problem
 from ibex_context.shared.directives import get_directive
 from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.tenancy import mint_org_token
-from ibex_context.worker.types import MemoryHit, Rejection, Source, memory_id_problem
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from ibex_context.worker.types import PackPath, PackResult, ScoredMemory
+from ibex_context.pipeline.types import PackPath, PackResult, ScoredMemory
 
 BUCKET_SIZE: Final = 16  # spec step 2
 CELL_CEILING: Final = 70 * 6251  # spec step 3: 70 candidates x (100K / 16 + 1) columns

@@ -51,9 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.models import Message, Section, SectionName
 from ibex_context.shared.tokens import Counter
-from ibex_context.worker.types import MemoryHit, ScoredMemory
 
 NONCE_BYTES = 16
 SECTION_JOIN = "\n\n"

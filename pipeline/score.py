@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from ibex_context.worker.types import MemoryHit, Rejection, ScoredMemory, memory_id_problem
+from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory, memory_id_problem
 
 # (similarity weight, confidence weight) of the interim score; spec "Context packer score".
 # Per-request AssemblyOptions weights are a forward contract and deliberately not applied here.
