@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ibex_context.client.client import AsyncClient
-from ibex_context.ops.stack import LocalStack, free_port, port_in_use
+from ibex_context.ops.stack import LocalStack, free_port, port_in_use, wait_for
 from ibex_context.shared import auth
+from ibex_context.shared import protocol as P
 from ibex_context.shared.errors import DeadlineExceeded, Forbidden, Unauthenticated, Unavailable
 from tests.helpers import start_stack
 
@@ -101,20 +104,53 @@ async def test_plaintext_client_gets_nothing(secured: LocalStack) -> None:
             await c.assemble(timeout=0.5, **REQ)
 
 
-def test_unknown_worker_cannot_join(secured: LocalStack, keys: dict[str, Path]) -> None:
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _backend_dealer(ctx: zmq.Context[zmq.Socket[bytes]], stack: LocalStack, keys: dict[str, Path],
+                    name: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A DEALER on the broker's backend with NAME's CURVE key, and a monitor of its handshakes."""
     d = keys["dir"]
-    rogue = LocalStack(workers=0)
-    rogue.backend, rogue.frontend = secured.backend, secured.frontend
-    rogue.extra_env = {"IBEX_WORKER_KEY_FILE": str(d / "rogue-worker.key"),
-                       "IBEX_BROKER_PUBLIC_KEY": str(d / "broker.pub"), "IBEX_REDIS_URL": str(secured.redis_url)}
-    proc = rogue.start_worker(7)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth.curve_client(auth.load_keypair(d / f"{name}.key"), auth.load_public_key(str(d / "broker.pub")))(sock)
+    monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+    sock.connect(stack.backend)
+    return sock, monitor
+
+
+def _first_handshake(monitor: zmq.Socket[bytes], timeout_s: float = 10.0) -> dict[str, Any]:
+    """The first handshake outcome the monitor reports; fails the test if none comes in time."""
+    if not monitor.poll(int(timeout_s * 1000)):
+        pytest.fail(f"no handshake event within {timeout_s}s")
+    return dict(recv_monitor_message(monitor))
+
+
+async def test_unknown_worker_is_refused_at_the_handshake(secured: LocalStack, keys: dict[str, Path]) -> None:
+    """A worker key missing from the keys file fails the CURVE handshake (ZAP answers 400), so its
+    READY never reaches the broker and it is sent no request while the listed worker serves
+    (README, Authentication). A DEALER with the listed worker key is the control: it completes
+    the handshake on the same endpoint."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    rogue, rogue_mon = _backend_dealer(ctx, secured, keys, "rogue-worker")
+    listed, listed_mon = _backend_dealer(ctx, secured, keys, "worker")
     try:
-        time.sleep(2.0)  # several heartbeats
+        rogue.send_multipart([P.TAG, P.READY, P.Info(16, "rogue", os.getpid()).pack()])
+        refused = _first_handshake(rogue_mon)
+        assert (refused["event"], refused["value"]) == (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)
+        assert _first_handshake(listed_mon)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        async with _client(secured, keys, "acme-proxy") as c:
+            await c.wait_connected()
+            served = [await c.assemble(timeout=5.0, **{**REQ, "request_id": f"rogue-{i}"}) for i in range(5)]
+        assert [r.worker_id for r in served] == ["w0"] * 5
+        assert rogue.poll(0) == 0  # not one request (nor heartbeat) reached the rogue
         st = secured.status()
         assert st is not None and list(st["workers"]) == ["w0"]
     finally:
-        proc.terminate()
-        proc.wait(10)
+        for sock in (rogue, rogue_mon, listed, listed_mon):
+            sock.close(linger=0)
+        ctx.term()
 
 
 def test_auth_off_refuses_non_loopback_binds(tmp_path: Path) -> None:
@@ -257,9 +293,7 @@ def test_broker_refuses_a_key_in_two_roles(tmp_path: Path) -> None:
                             [{"name": "worker", "public_key": worker}]))
     proc = _start_broker(env, front, back)
     try:
-        deadline = time.monotonic() + 20
-        while not port_in_use("127.0.0.1", back) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the broker's backend", lambda: port_in_use("127.0.0.1", back) or proc.poll() is not None, 20)
         assert proc.poll() is None and port_in_use("127.0.0.1", back)
     finally:
         proc.terminate()
