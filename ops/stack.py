@@ -1,245 +1,39 @@
-"""Running the whole stack: in the background under supervisord (ops, ``make up``), or as child
-processes owned by the caller (``LocalStack``: tests, the bench harness, chaos runs).
+"""Running the whole stack: in the background under supervisord (ops, ``make up``, ``ibex-context up``),
+or as child processes owned by the caller (``LocalStack`` in ``ops/local.py``: tests, the bench
+harness, chaos runs).
 
 Both start the same programs: an embedded redis-server when no ``IBEX_REDIS_URL`` is given, the
-reference memory service, the broker, and one pinned worker per usable CPU.
+reference memory service, the broker, and one pinned worker per usable CPU. The supervisord config
+is package data; the stack's state (pid, socket, logs, Redis data, recorded URL) lives in the run
+dir, ``$IBEX_RUN_DIR`` or ``./.run`` (README, Quickstart), so an installed ``ibex-context up`` works
+from any directory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import httpx
-import msgpack
-import zmq
-
-from ibex_context.memory.redis_server import record_stack_redis_url
-from ibex_context.shared import protocol as P
+from ibex_context.memory.redis_server import RUN_DIR_ENV, default_run_dir, record_stack_redis_url
+from ibex_context.memory.redis_server import free_port as free_port
+from ibex_context.ops.local import LocalStack as LocalStack
+from ibex_context.ops.procs import broker_status as broker_status
+from ibex_context.ops.procs import http_ok
+from ibex_context.ops.procs import port_in_use as port_in_use
+from ibex_context.ops.procs import stop_processes as stop_processes
+from ibex_context.ops.procs import wait_for as wait_for
 from ibex_context.shared.settings import Settings
 
-REPO = Path(__file__).resolve().parent.parent
-CONF = REPO / "supervisord.conf"
-RUN_DIR = REPO / ".run"
-DEMO_DATA = REPO / "memory" / "data" / "demo.jsonl"
-
-
-def _die_with_parent() -> None:
-    """Child processes of a LocalStack get SIGTERM if their parent dies (no leaked stacks).
-
-    Linux ties PDEATHSIG to the *thread* that forked: start LocalStack processes from a thread
-    that outlives them (the main thread), never from a short-lived executor thread.
-    """
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
-    """SIGCONT (a stopped child cannot exit) + SIGTERM to all, then reap; SIGKILL the stragglers."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGCONT)
-                p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, port)) == 0
-
-
-def broker_status(endpoint: str, timeout_s: float = 1.0, ctx: zmq.Context[Any] | None = None,
-                  configure: Callable[[zmq.Socket[Any]], None] | None = None) -> dict[str, Any] | None:
-    """The broker's STATUS snapshot, or None if it does not answer in time."""
-    ctx = ctx or zmq.Context.instance()
-    with ctx.socket(zmq.DEALER) as s:
-        s.setsockopt(zmq.LINGER, 0)
-        if configure is not None:
-            configure(s)
-        s.connect(endpoint)
-        s.send_multipart([P.TAG, P.STATUS])
-        if not s.poll(int(timeout_s * 1000)):
-            return None
-        frames = s.recv_multipart()
-    if len(frames) == 4 and frames[1] == P.REPLY:
-        out: dict[str, Any] = msgpack.unpackb(frames[3])
-        return out
-    return None
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float, log: Path | None = None) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.05)
-    tail = ""
-    if log is not None and log.exists():
-        tail = "\n--- log tail ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-    raise RuntimeError(f"{what} was not ready within {timeout_s:.0f}s{tail}")
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=0.5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-# ------------------------------------------------------------------------------- LocalStack
-
-
-class LocalStack:
-    """The stack as child processes of the caller, on free loopback ports, with fault handles."""
-
-    def __init__(self, *, workers: int = 2, redis_url: str | None = None, mode: str = "full",
-                 enable_faults: bool = False, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None, secret: str | None = None,
-                 status_socket: Callable[[zmq.Socket[Any]], None] | None = None, brokers: int = 1) -> None:
-        self.n_workers = workers
-        self.status_socket = status_socket
-        self.mode = mode
-        self.enable_faults = enable_faults
-        self.extra_env = dict(env or {})
-        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="ibex-stack-"))
-        self.secret = secret or f"stack-{uuid.uuid4().hex}"
-        self.redis_url = redis_url
-        self.embedded: Any = None
-        self.memory_port = free_port()
-        self.memory_url = f"http://127.0.0.1:{self.memory_port}"
-        self.frontends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
-        self.backends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
-        self.frontend, self.backend = self.frontends[0], self.backends[0]
-        self.memory: subprocess.Popen[bytes] | None = None
-        self.brokers: list[subprocess.Popen[bytes] | None] = [None] * brokers
-        self.workers: list[subprocess.Popen[bytes] | None] = []
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-        env.update({
-            "IBEX_REDIS_URL": self.redis_url or "",
-            "IBEX_MEMORY_URL": self.memory_url,
-            "IBEX_MEMORY_SECRET": self.secret,
-            "IBEX_BROKER_FRONTEND": self.frontend,
-            "IBEX_BROKER_BACKEND": self.backend,
-            "IBEX_BROKER_ENDPOINTS": ",".join(self.frontends),
-            "IBEX_BROKER_BACKENDS": ",".join(self.backends),
-            "PYTHONUNBUFFERED": "1",
-        })
-        env.update(self.extra_env)
-        return env
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # the child owns it
-        try:
-            return subprocess.Popen([sys.executable, *args], cwd=REPO, env=self.env(), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-        finally:
-            log.close()
-
-    def start(self, timeout_s: float = 30.0) -> LocalStack:
-        if self.redis_url is None:
-            from ibex_context.memory.redis_server import EmbeddedRedis
-
-            self.embedded = EmbeddedRedis()
-            self.embedded.start()
-            self.redis_url = self.embedded.url
-        self.start_memory(timeout_s)
-        for i in range(len(self.brokers)):
-            self.start_broker(i)
-        for i in range(self.n_workers):
-            self.workers.append(self.start_worker(i))
-        self.wait_workers(self.n_workers, timeout_s)
-        return self
-
-    def start_memory(self, timeout_s: float = 30.0) -> None:
-        args = ["-m", "ibex_context.memory.server", "--host", "127.0.0.1", "--port", str(self.memory_port),
-                "--redis-url", str(self.redis_url)]
-        if self.enable_faults:
-            args.append("--enable-faults")
-        self.memory = self._spawn("memory", args)
-        wait_for("memory service", lambda: _http_ok(self.memory_url + "/healthz"), timeout_s,
-                 self.log_dir / "memory.log")
-
-    @property
-    def broker(self) -> subprocess.Popen[bytes] | None:
-        return self.brokers[0]
-
-    def start_broker(self, i: int = 0) -> None:
-        self.brokers[i] = self._spawn(f"broker-{i}", ["-m", "ibex_context.broker", "--frontend", self.frontends[i],
-                                                      "--backend", self.backends[i]])
-
-    def stop_broker(self, i: int = 0, sig: int = signal.SIGKILL) -> None:
-        p = self.brokers[i]
-        assert p is not None
-        p.send_signal(sig)
-        p.wait(10)
-
-    def start_worker(self, i: int) -> subprocess.Popen[bytes]:
-        return self._spawn(f"worker-{i}", ["-m", "ibex_context.worker", "--cpu", str(i), "--worker-id", f"w{i}",
-                                           "--mode", "transport" if self.mode == "transport" else "full"])
-
-    def status(self, timeout_s: float = 1.0, broker: int = 0) -> dict[str, Any] | None:
-        return broker_status(self.frontends[broker], timeout_s, configure=self.status_socket)
-
-    def wait_workers(self, n: int, timeout_s: float = 30.0, brokers: list[int] | None = None) -> None:
-        def ready() -> bool:
-            for b in brokers if brokers is not None else range(len(self.brokers)):
-                st = self.status(0.5, b)
-                if st is None or len(st["workers"]) < n:
-                    return False
-            return True
-
-        wait_for(f"broker(s) with {n} worker(s)", ready, timeout_s, self.log_dir / "broker-0.log")
-
-    def signal_worker(self, i: int, sig: int) -> None:
-        p = self.workers[i]
-        assert p is not None
-        os.kill(p.pid, sig)
-        if sig == signal.SIGKILL:
-            p.wait(5)
-
-    def restart_broker(self, i: int = 0) -> None:
-        self.stop_broker(i)
-        self.start_broker(i)
-
-    def stop(self) -> None:
-        stop_processes([p for p in [*self.workers, *self.brokers, self.memory] if p is not None])
-        if self.embedded is not None:
-            self.embedded.close()
-
-    def __enter__(self) -> LocalStack:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+PACKAGED_CONF = Path(str(resources.files("ibex_context.ops").joinpath("supervisord.conf")))
+CONF = PACKAGED_CONF  # tests point this at a private copy (see run_dir_of)
+DEMO_DATA = Path(str(resources.files("ibex_context.memory").joinpath("data", "demo.jsonl")))
 
 
 # ------------------------------------------------------------------------------ supervisord
@@ -262,16 +56,22 @@ def _metrics_text(port: int) -> str:
 
 
 def run_dir_of(conf: Path) -> Path:
-    """The stack's state dir (pid, socket, logs, Redis data, recorded URL): ``.run/`` beside the config.
+    """The stack's state dir (pid, socket, logs, Redis data, recorded URL) for the config ``conf``.
 
-    supervisord.conf names every path relative to itself (``%(here)s/.run``), so a copy of the
-    config elsewhere (tests) runs a whole separate stack.
+    For the packaged config it is the run dir (``$IBEX_RUN_DIR``, default ``./.run``; README,
+    Quickstart). A private copy of the config elsewhere (tests) keeps its own ``.run/`` beside
+    it, so it runs a whole separate stack.
     """
+    if conf.resolve() == PACKAGED_CONF.resolve():
+        return default_run_dir()
     return conf.parent / ".run"
 
 
 def _supervisor_env(settings: Settings, run_dir: Path | None = None) -> dict[str, str]:
+    """The environment supervisord.conf reads every path, port and count from."""
     env = dict(os.environ)
+    run_dir = run_dir or run_dir_of(CONF)
+    env[RUN_DIR_ENV] = str(run_dir)
     env["IBEX_PYTHON"] = sys.executable
     env["IBEX_WORKERS"] = str(settings.workers)
     if settings.redis_url:
@@ -281,7 +81,7 @@ def _supervisor_env(settings: Settings, run_dir: Path | None = None) -> dict[str
         port = env.get("IBEX_REDIS_PORT", "6479")
         env.update({"IBEX_EMBEDDED_REDIS": "true", "IBEX_REDIS_PORT": port,
                     "IBEX_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
-    env["PROMETHEUS_MULTIPROC_DIR"] = str((run_dir or run_dir_of(CONF)) / "prometheus")
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(run_dir / "prometheus")
     env["IBEX_METRICS_PORT"] = str(metrics_port(settings))
     env["IBEX_MEMORY_HOST"] = settings.memory_host
     env["IBEX_MEMORY_PORT"] = str(settings.memory_port)
@@ -289,13 +89,15 @@ def _supervisor_env(settings: Settings, run_dir: Path | None = None) -> dict[str
     return env
 
 
-def _supervisorctl(*args: str, conf: Path) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("supervisorctl", path=str(Path(sys.executable).parent)) or "supervisorctl"
-    return subprocess.run([exe, "-c", str(conf), *args], capture_output=True, text=True, timeout=60, check=False)
+def _supervisor(program: str, conf: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run supervisord or supervisorctl as ``python -m``: an installed wheel whose dependencies come
+    from elsewhere may have no console scripts beside this interpreter, but it can import them."""
+    return subprocess.run([sys.executable, "-m", f"supervisor.{program}", "-c", str(conf), *args], env=env,
+                          cwd=env[RUN_DIR_ENV], capture_output=True, text=True, timeout=60, check=False)
 
 
 def running(conf: Path | None = None) -> bool:
-    """Whether supervisord of the stack at ``conf`` (default: the repo's) is alive."""
+    """Whether supervisord of the stack at ``conf`` (default: the packaged config's run dir) is alive."""
     pidfile = run_dir_of(conf or CONF) / "supervisord.pid"
     if not pidfile.exists():
         return False
@@ -318,13 +120,38 @@ def _busy_ports(settings: Settings, env: dict[str, str]) -> list[str]:
     return busy
 
 
+def _start_supervisord(conf: Path, env: dict[str, str]) -> str | None:
+    """Prepare the run dir and start supervisord; the reason it did not start, or None."""
+    run_dir = Path(env[RUN_DIR_ENV])
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    prom = Path(env["PROMETHEUS_MULTIPROC_DIR"])  # multiprocess metrics start empty with each stack
+    shutil.rmtree(prom, ignore_errors=True)
+    prom.mkdir(parents=True, exist_ok=True)
+    started = _supervisor("supervisord", conf, env=env)
+    if started.returncode == 0:
+        return None
+    return " ".join((started.stderr or started.stdout).split()) or f"exit status {started.returncode}"
+
+
+def _wait_ready(settings: Settings, env: dict[str, str], timeout_s: float) -> None:
+    """Wait for the memory service's /healthz, then for every worker at the broker (RuntimeError)."""
+    logs = Path(env[RUN_DIR_ENV]) / "logs"
+    wait_for("memory service", lambda: http_ok(env["IBEX_MEMORY_URL"] + "/healthz"), timeout_s, logs / "memory.log")
+
+    def workers_ready() -> bool:
+        st = broker_status(settings.endpoints()[0], 0.5)
+        return st is not None and len(st["workers"]) >= settings.workers
+
+    wait_for(f"broker with {settings.workers} worker(s)", workers_ready, timeout_s, logs / "broker.log")
+
+
 def up(timeout_s: float = 60.0, *, conf: Path | None = None) -> int:
     """Start the stack under supervisord and wait for it; record its Redis URL for the admin CLIs."""
     settings = Settings()
     conf = conf or CONF
     run_dir = run_dir_of(conf)
     if running(conf):
-        print(f"ibex-context: the stack is already up ({run_dir / 'supervisord.pid'}); `make down` stops it")
+        print(f"ibex-context: the stack is already up ({run_dir / 'supervisord.pid'}); `ibex-context down` stops it")
         return 0
     env = _supervisor_env(settings, run_dir)
     busy = _busy_ports(settings, env)
@@ -332,27 +159,14 @@ def up(timeout_s: float = 60.0, *, conf: Path | None = None) -> int:
         print(f"ibex-context up: port(s) already in use: {', '.join(busy)}; set IBEX_* ports "
               "(see README, Settings) or stop what holds them", file=sys.stderr)
         return 1
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    prom = Path(env["PROMETHEUS_MULTIPROC_DIR"])  # multiprocess metrics start empty with each stack
-    shutil.rmtree(prom, ignore_errors=True)
-    prom.mkdir(parents=True, exist_ok=True)
-    exe = shutil.which("supervisord", path=str(Path(sys.executable).parent)) or "supervisord"
-    started = subprocess.run([exe, "-c", str(conf)], env=env, check=False, cwd=REPO, capture_output=True, text=True)
-    if started.returncode != 0:
-        why = " ".join((started.stderr or started.stdout).split()) or f"exit status {started.returncode}"
+    why = _start_supervisord(conf, env)
+    if why is not None:
         print(f"ibex-context up: supervisord did not start: {why}", file=sys.stderr)
         return 1
     print(f"ibex-context: starting redis ({'embedded' if env['IBEX_EMBEDDED_REDIS'] == 'true' else 'external'}), "
           f"memory service, broker and {settings.workers} worker(s) under supervisord ...")
     try:
-        wait_for("memory service", lambda: _http_ok(env["IBEX_MEMORY_URL"] + "/healthz"), timeout_s,
-                 run_dir / "logs" / "memory.log")
-
-        def workers_ready() -> bool:
-            st = broker_status(settings.endpoints()[0], 0.5)
-            return st is not None and len(st["workers"]) >= settings.workers
-
-        wait_for(f"broker with {settings.workers} worker(s)", workers_ready, timeout_s, run_dir / "logs" / "broker.log")
+        _wait_ready(settings, env, timeout_s)
     except RuntimeError as exc:
         print(f"ibex-context up: {exc}\n(logs in {run_dir / 'logs'})", file=sys.stderr)
         down(conf=conf)
@@ -365,14 +179,14 @@ def up(timeout_s: float = 60.0, *, conf: Path | None = None) -> int:
 
 
 def down(*, conf: Path | None = None) -> int:
-    """Stop the stack (Redis data in .run/redis/ stays); the admin CLIs stop defaulting to its Redis."""
+    """Stop the stack (Redis data in the run dir's redis/ stays); the admin CLIs stop defaulting to its Redis."""
     conf = conf or CONF
     run_dir = run_dir_of(conf)
     if not running(conf):
         record_stack_redis_url(None, run_dir)
         print("ibex-context: the stack is not running")
         return 0
-    out = _supervisorctl("shutdown", conf=conf)
+    out = _supervisor("supervisorctl", conf, "shutdown", env={**os.environ, RUN_DIR_ENV: str(run_dir)})
     end = time.monotonic() + 30
     while running(conf) and time.monotonic() < end:
         time.sleep(0.1)
@@ -385,6 +199,7 @@ def down(*, conf: Path | None = None) -> int:
 
 
 def status() -> dict[str, Any] | None:
+    """The broker's STATUS snapshot at the first configured endpoint, or None if it does not answer."""
     return broker_status(Settings().endpoints()[0], 1.0)
 
 
@@ -406,7 +221,7 @@ def demo(*, keep: bool, show: Callable[[Any], None]) -> int:
     env = _supervisor_env(Settings())
     from ibex_context.memory.seed import main as seed_main
 
-    print(f"ibex-context: seeding demo data from {DEMO_DATA.relative_to(REPO)} ...")
+    print(f"ibex-context: seeding demo data from {DEMO_DATA} ...")
     if seed_main(["--file", str(DEMO_DATA), "--redis-url", env["IBEX_REDIS_URL"]], prog="ibex-context seed") != 0:
         print("ibex-context demo: seeding failed", file=sys.stderr)
         return 1

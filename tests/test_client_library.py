@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 
 from ibex_context.client import AsyncClient, ClientClosed, SyncClient
-from ibex_context.ops.stack import REPO, LocalStack, free_port
+from ibex_context.ops.stack import LocalStack, free_port
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Unavailable
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 from ibex_context.shared.settings import Settings
 from tests.helpers import start_stack
 
+REPO = Path(__file__).resolve().parent.parent  # the checkout: the stall script imports from it
 STACK_ENV = {
     "IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16",
     "IBEX_DIRECTIVE_TIMEOUT_MS": "500", "IBEX_HOT_TIMEOUT_MS": "1000", "IBEX_COLD_TIMEOUT_MS": "1000",

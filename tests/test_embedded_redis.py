@@ -198,4 +198,4 @@ def test_supervisord_runs_the_embedded_redis_with_persistence_under_run() -> Non
     conf.read(Path(__file__).resolve().parent.parent / "supervisord.conf")
     command = conf.get("program:redis", "command")
     assert "-m ibex_context.memory.redis_server" in command
-    assert "--persist" in command and "--dir %(here)s/.run/redis" in command
+    assert "--persist" in command and "--dir %(ENV_IBEX_RUN_DIR)s/redis" in command
