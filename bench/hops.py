@@ -73,14 +73,14 @@ def transport_worker(endpoint: str) -> None:
     import uvloop
 
     from ibex_context.shared.settings import Settings
-    from ibex_context.worker.server import WorkerServer
+    from ibex_context.worker.transport import TransportWorkerServer
 
     class NoAssembler:
         stats: ClassVar[dict[str, int]] = {}
 
     async def serve() -> None:
-        server = WorkerServer(settings=Settings(worker_concurrency=8), assembler=NoAssembler(),  # type: ignore[arg-type]
-                              worker_id="hops", endpoints=[endpoint], ctx=zmq.Context(), respond_immediately=True)
+        server = TransportWorkerServer(settings=Settings(worker_concurrency=8), assembler=NoAssembler(),
+                                       worker_id="hops", endpoints=[endpoint], ctx=zmq.Context())
         await server.run()
 
     uvloop.run(serve())

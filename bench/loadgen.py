@@ -262,7 +262,7 @@ class ClientTarget:
     """Sends through the real ``AsyncClient``; each send gets a fresh request_id.
 
     Workers started with ``--mode transport`` answer at once with a minimal valid response
-    (``worker.server.transport_response``), which counts as a reply like any other.
+    (``worker.transport.transport_response``), which counts as a reply like any other.
     """
 
     def __init__(self, client: AsyncClient, templates: Sequence[AssembleRequest], *, tag: str) -> None:

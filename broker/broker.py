@@ -24,62 +24,26 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import msgpack
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
+from ibex_context.broker.workers import WorkerTable
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, encode_error, peek_envelope
+from ibex_context.shared.codec import Envelope, peek_envelope
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded, Unavailable
-from ibex_context.shared.loopsock import readable, recv_frames, recv_message, send_frames
+from ibex_context.shared.loopsock import readable, recv_frames, recv_message
 from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-Key = tuple[bytes, str]  # (client routing id, request_id)
-MIN_RETRY_NS = 2_000_000  # re-dispatch only with at least 2 ms left
-BURST = 256  # frontend messages drained per poll round
-
-# Authorizer hook: given the frontend frame's auth metadata and the request's envelope, raise
-# Forbidden/Unauthenticated or return. Wired by the CURVE/ZAP layer; None means no caller auth
-# (loopback only).
-Authorizer = Callable[[zmq.Frame, Envelope], None]
+__all__ = ["Authorizer", "Broker", "Key", "Pending", "WorkerState"]
 
 
-@dataclass(slots=True)
-class Pending:
-    key: Key
-    payload: bytes
-    deadline_epoch_ns: int
-    deadline_ns: int  # local monotonic
-    enqueued_ns: int
-    attempt: int = 1
-    worker: bytes | None = None
-    answered: bool = False
-
-
-@dataclass(slots=True)
-class WorkerState:
-    ident: bytes
-    worker_id: str
-    capacity: int
-    expiry_ns: int
-    inflight: set[Key] = field(default_factory=set)
-    draining: bool = False
-    stats: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def free(self) -> int:
-        return 0 if self.draining else self.capacity - len(self.inflight)
-
-
-class Broker:
+class Broker(WorkerTable):
     def __init__(self, *, settings: Settings, frontend: str | None = None, backend: str | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None, authorizer: Authorizer | None = None,
                  configure_frontend: Callable[[zmq.Socket[bytes]], None] | None = None,
@@ -171,48 +135,52 @@ class Broker:
             self.stats["dropped_unroutable"] += 1
             return
         client = msg[0]
-        frames = msg[1:]
-        if len(frames) == 2 and frames[0] == P.TAG and frames[1] == P.STATUS:
-            self._send_front([client, P.TAG, P.REPLY, b"", msgpack.packb(self.snapshot())])
-            return
-        if len(frames) != 3 or frames[0] != P.TAG or frames[1] != P.REQUEST:
+        try:
+            parsed = P.parse_client_message(msg[1:])
+        except P.FrameError as exc:
             self.stats["rejected_malformed_frames"] += 1
-            self._reply_error(client, None, InvalidRequest(
-                f"expected frames [{P.TAG!r}, REQUEST, payload], got {len(frames)} frame(s)", field="<frames>"))
+            self._reply_error(client, None, InvalidRequest(str(exc), field="<frames>"))
             return
-        # Route on the envelope only; the worker validates the whole request (issue 9: full
-        # validation here cost ~25 µs of the broker's budget per request, for nothing it needs).
-        req = peek_envelope(frames[2], max_bytes=self.settings.max_request_bytes)
+        if isinstance(parsed, P.StatusRequest):
+            self._send_front([client, *P.status_reply_frames(self.snapshot())])
+            return
+        # Route on the envelope only; the worker validates the whole request (full validation
+        # here cost ~25 µs of the broker's budget per request, for nothing it needs).
+        req = peek_envelope(parsed.payload, max_bytes=self.settings.max_request_bytes)
         if isinstance(req, ErrorReply):
             self.stats["rejected_invalid"] += 1
             self._reply_error(client, req.request_id, req)
             return
-        now_ns = time.monotonic_ns()
-        remaining = req.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
-        if remaining <= 0:
-            self.stats["expired_at_receipt"] += 1
-            self._reply_error(client, req.request_id, DeadlineExceeded(
-                f"deadline passed {-remaining / 1e6:.2f} ms before the broker received the request"))
+        refusal = self._refusal(client, req, last)
+        if refusal is not None:
+            self.stats[refusal[0]] += 1
+            self._reply_error(client, req.request_id, refusal[1])
             return
+        self._enqueue((client, req.request_id), parsed.payload, req.deadline_ns)
+
+    def _refusal(self, client: bytes, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
+        """(counter, error) when a well-formed request must be answered at once, else None."""
+        remaining = req.deadline_ns - time.time_ns()
+        if remaining <= 0:
+            return "expired_at_receipt", DeadlineExceeded(
+                f"deadline passed {-remaining / 1e6:.2f} ms before the broker received the request")
         if self.authorizer is not None:
             try:
                 self.authorizer(last, req)
             except IbexError as exc:
-                self.stats[f"rejected_{exc.code.value.lower()}"] += 1
-                self._reply_error(client, req.request_id, exc)
-                return
-        key = (client, req.request_id)
-        if key in self.pending:
-            self.stats["rejected_duplicate"] += 1
-            self._reply_error(client, req.request_id, InvalidRequest(
-                f"request_id {req.request_id!r} is already in flight from this client", field="request_id"))
-            return
+                return f"rejected_{exc.code.value.lower()}", exc
+        if (client, req.request_id) in self.pending:
+            return "rejected_duplicate", InvalidRequest(
+                f"request_id {req.request_id!r} is already in flight from this client", field="request_id")
         if len(self.queue) >= self.settings.queue_max:
-            self.stats["rejected_overloaded"] += 1
-            self._reply_error(client, req.request_id, Overloaded(
-                f"broker queue is full ({self.settings.queue_max} waiting); retry with backoff or another broker"))
-            return
-        p = Pending(key, frames[2], req.deadline_ns, now_ns + remaining, now_ns)
+            return "rejected_overloaded", Overloaded(
+                f"broker queue is full ({self.settings.queue_max} waiting); retry with backoff or another broker")
+        return None
+
+    def _enqueue(self, key: Key, payload: bytes, deadline_epoch_ns: int) -> None:
+        now_ns = time.monotonic_ns()
+        remaining = deadline_epoch_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
+        p = Pending(key, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
         self.pending[key] = p
         self.queue.append(key)
         heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
@@ -236,8 +204,7 @@ class Broker:
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms in the broker queue"))
                 continue
             stamp = P.Stamp(p.deadline_epoch_ns, (now - p.enqueued_ns) // 1000, time.time_ns(), p.attempt)
-            frames = [w.ident, P.TAG, P.REQUEST, key[0], key[1].encode(), stamp.pack(), p.payload]
-            if not self._send_back(frames):
+            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1].encode(), stamp, p.payload)]):
                 self._worker_dead(w, "send failed")
                 self.queue.appendleft(key)
                 continue
@@ -256,205 +223,3 @@ class Broker:
             if free > best_free or (free == best_free and free > 0 and best is not None and w.ident > best.ident):
                 best, best_free = w, free
         return best
-
-    # ------------------------------------------------------------------------------- backend
-
-    def _on_backend(self, frames: list[bytes]) -> None:
-        if len(frames) < 3 or frames[1] != P.TAG:
-            self.stats["backend_malformed"] += 1
-            return
-        ident, cmd = frames[0], frames[2]
-        w = self.workers.get(ident)
-        if w is not None:
-            w.expiry_ns = time.monotonic_ns() + self.hb_ns * self.liveness
-        if cmd in (P.REPLY, P.ERROR) and len(frames) == 6:
-            self._on_reply(ident, cmd, frames[3], frames[4], frames[5])
-        elif cmd == P.HEARTBEAT:
-            # Heartbeats carry the READY info too, so a restarted broker relearns its workers
-            # within one interval even if it missed their READY.
-            if len(frames) == 4:
-                self._on_ready(ident, w, frames[3], from_heartbeat=True)
-        elif cmd == P.READY and len(frames) == 4:
-            self._on_ready(ident, w, frames[3], from_heartbeat=False)
-        elif cmd == P.DISCONNECT and w is not None:
-            w.draining = True
-            log.info("worker %s draining (%d in flight)", w.worker_id, len(w.inflight))
-            if not w.inflight:
-                del self.workers[ident]
-        else:
-            self.stats["backend_malformed"] += 1
-
-    def _on_ready(self, ident: bytes, w: WorkerState | None, data: bytes, *, from_heartbeat: bool) -> None:
-        try:
-            info = P.Info.unpack(data)
-        except ValueError as exc:
-            self.stats["backend_malformed"] += 1
-            log.debug("malformed worker info: %s", exc)
-            return
-        if w is None:
-            if from_heartbeat and info.draining:
-                return
-            w = self.workers[ident] = WorkerState(ident, info.worker_id, info.capacity,
-                                                  time.monotonic_ns() + self.hb_ns * self.liveness)
-            log.info("worker %s ready (capacity %d)", info.worker_id, info.capacity)
-            self.stats["workers_joined"] += 1
-        elif not from_heartbeat:
-            # READY from a known worker means it reconnected: whatever it held was sent on the old
-            # connection, and a reply queued there is gone with it. Re-dispatch rather than wait.
-            w.capacity, w.draining = info.capacity, False
-            if w.inflight:
-                log.warning("worker %s reconnected with %d request(s) in flight; re-dispatching them",
-                            w.worker_id, len(w.inflight))
-                self.stats["worker_reconnects"] += 1
-                self._recover(w, "reconnected")
-        w.stats = info.stats
-
-    def _on_reply(self, ident: bytes, cmd: bytes, client: bytes, rid: bytes, payload: bytes) -> None:
-        key = (client, rid.decode(errors="replace"))
-        p = self.pending.get(key)
-        w = self.workers.get(ident)
-        if w is not None:
-            w.inflight.discard(key)
-            if w.draining and not w.inflight:
-                del self.workers[ident]
-        if p is None or p.worker != ident:
-            self.stats["late_or_unknown_reply"] += 1  # re-dispatched elsewhere, or already answered
-            return
-        del self.pending[key]
-        if p.answered:
-            self.stats["late_reply_after_deadline"] += 1
-            return
-        if time.monotonic_ns() >= p.deadline_ns:
-            self.stats["late_reply_after_deadline"] += 1
-            self._reply_error(client, key[1], DeadlineExceeded("worker replied after the deadline"))
-            return
-        self.stats["replies" if cmd == P.REPLY else "worker_errors"] += 1
-        self._send_front([client, P.TAG, cmd, rid, payload])
-
-    def _on_monitor(self) -> None:
-        try:
-            while True:
-                ev = recv_monitor_message(self.back_monitor, zmq.NOBLOCK)
-                log.debug("backend event %s", ev)
-                if ev["event"] == zmq.EVENT_DISCONNECTED:
-                    self.stats["backend_disconnects"] += 1
-                    self._probe_workers()
-        except zmq.Again:
-            return
-
-    def _probe_workers(self) -> None:
-        """After a disconnect event, find which worker vanished (its send fails EHOSTUNREACH)."""
-        for w in list(self.workers.values()):
-            if not self._send_back([w.ident, P.TAG, P.HEARTBEAT]):
-                self._worker_dead(w, "its connection closed: the process exited or was killed, the network "
-                                     "dropped, or it sent a message over ZMQ_MAXMSGSIZE")
-
-    # --------------------------------------------------------------------------- timers
-
-    def _heartbeat(self, now: int) -> None:
-        for w in list(self.workers.values()):
-            if now > w.expiry_ns:
-                silent_ms = (now - w.expiry_ns + self.hb_ns * self.liveness) // 1_000_000
-                self._worker_dead(w, f"silent for {silent_ms} ms ({self.liveness} heartbeat intervals): "
-                                     "hung, stopped or unreachable")
-        if now >= self.next_hb_ns:
-            self.next_hb_ns = now + self.hb_ns
-            for w in list(self.workers.values()):
-                if not self._send_back([w.ident, P.TAG, P.HEARTBEAT]):
-                    self._worker_dead(w, "heartbeat send failed")
-        self.next_check_ns = min(now + self.hb_ns // 10, self.next_hb_ns)
-
-    def _expire(self, now: int) -> None:
-        while self.timers and self.timers[0][0] <= now:
-            _, attempt, key = heapq.heappop(self.timers)
-            p = self.pending.get(key)
-            if p is None or p.attempt != attempt:
-                continue
-            if p.answered:  # answered at its deadline; the worker never replied within the grace
-                self._reap(p)
-            elif p.worker is None:
-                self.stats["expired_in_queue"] += 1
-                self._answer_error(key, DeadlineExceeded(
-                    f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms waiting in the broker queue"))
-            else:  # the worker still holds it: answer now, keep the record until the worker frees credit
-                self.stats["expired_in_worker"] += 1
-                p.answered = True
-                self._reply_error(key[0], key[1], DeadlineExceeded("deadline passed while a worker was assembling"))
-                # Keep the record (it holds the worker's credit) until the late reply comes, but not
-                # for ever: a reply lost on the way must not leave pending/inflight stuck.
-                heapq.heappush(self.timers, (now + self.hb_ns * self.liveness, p.attempt, key))
-
-    def _reap(self, p: Pending) -> None:
-        del self.pending[p.key]
-        w = self.workers.get(p.worker) if p.worker is not None else None
-        if w is not None:
-            w.inflight.discard(p.key)
-        self.stats["reaped_no_reply"] += 1
-        log.warning("no reply from worker %s for request %s within %d ms of its deadline; freeing its credit",
-                    w.worker_id if w else "?", p.key[1], self.hb_ns * self.liveness // 1_000_000)
-
-    def _worker_dead(self, w: WorkerState, why: str) -> None:
-        if self.workers.pop(w.ident, None) is None:
-            return
-        self.stats["workers_lost"] += 1
-        log.warning("worker %s lost (%s); %d request(s) in flight", w.worker_id, why, len(w.inflight))
-        self._recover(w, why)
-
-    def _recover(self, w: WorkerState, why: str) -> None:
-        """Requests held by a lost (or reconnected) worker: re-dispatch while time allows, else
-        UNAVAILABLE; records already answered are dropped. Either way the worker holds none."""
-        now = time.monotonic_ns()
-        held, w.inflight = w.inflight, set()
-        for key in sorted(held, key=lambda k: self.pending[k].deadline_ns if k in self.pending else 0,
-                          reverse=True):
-            p = self.pending.get(key)
-            if p is None:
-                continue
-            if p.answered:
-                del self.pending[key]
-            elif p.deadline_ns - now > MIN_RETRY_NS:
-                p.worker, p.attempt = None, p.attempt + 1
-                heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
-                self.queue.appendleft(key)
-                self.stats["redispatched"] += 1
-            else:
-                self._answer_error(key, Unavailable(
-                    f"worker {w.worker_id} was lost ({why}) with no time left to retry"))
-
-    # ----------------------------------------------------------------------------- replies
-
-    def _answer_error(self, key: Key, exc: IbexError) -> None:
-        self.pending.pop(key, None)
-        self._reply_error(key[0], key[1], exc)
-
-    def _reply_error(self, client: bytes, rid: str | None, err: IbexError | ErrorReply) -> None:
-        self._send_front([client, P.TAG, P.ERROR, (rid or "").encode(), encode_error(err, rid)])
-
-    def _send_front(self, frames: list[bytes]) -> bool:
-        try:
-            send_frames(self.front, frames)
-            return True
-        except zmq.ZMQError as exc:  # client vanished (EHOSTUNREACH) or its pipe is full (EAGAIN)
-            self.stats["client_send_failed"] += 1
-            log.debug("frontend send failed: %s", exc)
-            return False
-
-    def _send_back(self, frames: list[bytes]) -> bool:
-        try:
-            send_frames(self.back, frames)
-            return True
-        except zmq.ZMQError:
-            self.stats["worker_send_failed"] += 1
-            return False
-
-    def snapshot(self) -> dict[str, object]:
-        """Counters and gauges for STATUS requests, metrics and tests."""
-        return {
-            "pid": os.getpid(),
-            "queue_depth": len(self.queue),
-            "pending": len(self.pending),
-            "workers": {w.worker_id: {"capacity": w.capacity, "inflight": len(w.inflight),
-                                      "draining": w.draining, "stats": w.stats}
-                        for w in self.workers.values()},
-            "stats": dict(self.stats),
-        }

@@ -38,6 +38,7 @@ from ibex_context.shared.codec import Envelope
 from ibex_context.shared.errors import Forbidden, Unauthenticated
 from ibex_context.shared.models import IDENT_CHARS
 from ibex_context.shared.netloc import is_local_endpoint
+from ibex_context.shared.settings import Settings
 
 FRONT_DOMAIN = "ibex-front"
 BACK_DOMAIN = "ibex-back"
@@ -408,3 +409,19 @@ def curve_client(keypair: KeyPair, server_public: bytes) -> Callable[[zmq.Socket
         sock.curve_serverkey = server_public
 
     return configure
+
+
+class MissingBrokerKey(AuthConfigError):
+    """A client or worker key file is set but the broker's public key is not."""
+
+
+def curve_client_for(role: str, settings: Settings) -> Callable[[zmq.Socket[Any]], None] | None:
+    """The CURVE client setup of a ``client`` or ``worker`` from its settings, or None when its key
+    file is unset (README: Authentication (CURVE + ZAP)). Raises ``MissingBrokerKey`` when the key
+    file is set without ``IBEX_BROKER_PUBLIC_KEY``, ``AuthConfigError`` for an unreadable key."""
+    key_file = settings.client_key_file if role == "client" else settings.worker_key_file
+    if not key_file:
+        return None
+    if not settings.broker_public_key:
+        raise MissingBrokerKey(f"IBEX_{role.upper()}_KEY_FILE is set but IBEX_BROKER_PUBLIC_KEY is not")
+    return curve_client(load_keypair(key_file), load_public_key(settings.broker_public_key))

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from ibex_context.shared.errors import ErrorCode, IbexError
+from ibex_context.shared.errors import ErrorCode, IbexError, InvalidRequest
 from ibex_context.shared.keys import is_ident
 from ibex_context.shared.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
 from ibex_context.shared.validation import first_error
@@ -26,6 +26,46 @@ M = TypeVar("M", bound=BaseModel)
 def encode(model: BaseModel) -> bytes:
     """Serialize a wire model to msgpack (exclude nothing: the wire is explicit)."""
     return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def encode_document(doc: dict[str, Any], request_id: str) -> bytes:
+    """msgpack a dumped model document (the client's request with its deadline stamped, the
+    bench worker's canned reply); a value msgpack refuses is an ``InvalidRequest`` naming its path."""
+    try:
+        return msgpack.packb(doc, use_bin_type=True)  # type: ignore[no-any-return]
+    except (UnicodeEncodeError, TypeError, ValueError, OverflowError) as exc:
+        path, why = _first_unpackable(doc) or ("<payload>", f"cannot be encoded ({type(exc).__name__})")
+        raise InvalidRequest(f"{path}: {why}", field=path, request_id=request_id) from None
+
+
+def _first_unpackable(obj: Any, path: str = "") -> tuple[str, str] | None:
+    """(path, why) of the first value msgpack cannot carry: text that is not UTF-8 (a lone
+    surrogate), an integer outside 64 bits, a type msgpack has no form for."""
+    stack: list[tuple[Any, str]] = [(obj, path)]
+    while stack:
+        cur, p = stack.pop()
+        where = p or "<root>"
+        if isinstance(cur, str):
+            try:
+                cur.encode("utf-8")
+            except UnicodeEncodeError:
+                return where, "text is not valid UTF-8 (it holds a lone surrogate)"
+        elif isinstance(cur, bool) or cur is None or isinstance(cur, float | bytes | bytearray):
+            continue
+        elif isinstance(cur, int):
+            if not -(1 << 63) <= cur < (1 << 64):
+                return where, "integer does not fit in 64 bits"
+        elif isinstance(cur, dict):
+            for k, v in reversed(cur.items()):
+                if not isinstance(k, str):
+                    return where, "map keys must be strings"
+                stack.append((k, where))
+                stack.append((v, f"{p}.{k}" if p else k))
+        elif isinstance(cur, list | tuple):
+            stack.extend((v, f"{p}[{i}]") for i, v in reversed(list(enumerate(cur))))
+        else:
+            return where, f"a {type(cur).__name__} cannot be sent (JSON-like values only)"
+    return None
 
 
 def encode_error(exc: IbexError | ErrorReply, request_id: str | None = None) -> bytes:

@@ -4,7 +4,7 @@ Every message starts with the protocol tag, then a one-byte command (zguide Majo
 
 client  -> broker   [IBX1, REQUEST, payload]
 broker  -> client   [IBX1, REPLY | ERROR, request_id, payload]
-client  -> broker   [IBX1, STATUS]   ->   [IBX1, REPLY, b"", msgpack snapshot]   (ops and tests)
+client  -> broker   [IBX1, STATUS]   ->   [IBX1, STATUS, msgpack snapshot]   (ops and tests)
 
 worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
 worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
@@ -17,6 +17,10 @@ broker  -> worker   [IBX1, HEARTBEAT]
 {deadline_ns, queued_us, sent_ns, attempt}: the broker's queue wait and dispatch time travel with the
 request so the reply can carry them. Payloads are the codec's msgpack models.
 
+Every frame kind has a builder (``*_frames``) and one parser per direction (``parse_*``); a
+message that is none of the kinds raises ``FrameError`` naming what was wrong, so broker, worker,
+client and ops never index frames themselves (README: Processes and data flow).
+
 Liveness (zguide Paranoid Pirate): both sides send HEARTBEAT every interval and declare the peer dead
 after ``liveness`` silent intervals. Socket disconnect events make a killed peer visible at once.
 """
@@ -24,7 +28,7 @@ after ``liveness`` silent intervals. Socket disconnect events make a killed peer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -117,3 +121,196 @@ class Info:
         stats = raw.get("stats")
         counters = {str(k): v for k, v in stats.items() if type(v) is int} if isinstance(stats, dict) else {}
         return cls(cap, wid, pid, counters, raw.get("draining") is True)
+
+
+# ------------------------------------------------------------------------------------ frames
+
+
+class FrameError(ValueError):
+    """A multipart message that is not one of the protocol's frame kinds (decode failures are
+    values for payloads; a frame layout the peer should never send is refused with this)."""
+
+
+class MalformedStamp(FrameError):
+    """A broker REQUEST whose stamp frame is unreadable: the worker still knows whom to answer."""
+
+    def __init__(self, message: str, client: bytes, request_id: bytes) -> None:
+        super().__init__(message)
+        self.client = client
+        self.request_id = request_id
+
+
+def _tagged(frames: list[bytes], what: str) -> bytes:
+    """The command byte of a tagged message, after checking the tag."""
+    if len(frames) < 2 or frames[0] != TAG:
+        raise FrameError(f"{what}: expected [{TAG!r}, command, ...], got {len(frames)} frame(s)")
+    return frames[1]
+
+
+def _unpack_snapshot(data: bytes) -> dict[str, Any]:
+    try:
+        raw: Any = msgpack.unpackb(data)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise FrameError(f"STATUS snapshot is not msgpack: {type(exc).__name__}") from exc
+    if not isinstance(raw, dict):
+        raise FrameError("STATUS snapshot must be a map")
+    return raw
+
+
+# client -> broker
+
+
+class ClientRequest(NamedTuple):
+    payload: bytes
+
+
+class StatusRequest(NamedTuple):
+    pass
+
+
+def request_frames(payload: bytes) -> list[bytes]:
+    return [TAG, REQUEST, payload]
+
+
+def status_request_frames() -> list[bytes]:
+    return [TAG, STATUS]
+
+
+def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest:
+    """What a client sent the broker (routing id already stripped)."""
+    if frames and frames[0] == TAG:
+        if len(frames) == 3 and frames[1] == REQUEST:
+            return ClientRequest(frames[2])
+        if len(frames) == 2 and frames[1] == STATUS:
+            return StatusRequest()
+    raise FrameError(f"expected frames [{TAG!r}, REQUEST, payload], got {len(frames)} frame(s)")
+
+
+# broker -> client
+
+
+class Reply(NamedTuple):
+    """A REPLY or ERROR for one request; an empty request id is just an id no caller waits for."""
+
+    is_error: bool
+    request_id: str
+    payload: bytes
+
+
+class StatusReply(NamedTuple):
+    snapshot: dict[str, Any]
+
+
+def reply_frames(cmd: bytes, request_id: bytes, payload: bytes) -> list[bytes]:
+    """``cmd`` is REPLY or ERROR."""
+    return [TAG, cmd, request_id, payload]
+
+
+def status_reply_frames(snapshot: dict[str, Any]) -> list[bytes]:
+    return [TAG, STATUS, msgpack.packb(snapshot)]
+
+
+def parse_reply(frames: list[bytes]) -> Reply | StatusReply:
+    """What a broker sent a client."""
+    cmd = _tagged(frames, "broker reply")
+    if cmd in (REPLY, ERROR) and len(frames) == 4:
+        return Reply(cmd == ERROR, frames[2].decode(errors="replace"), frames[3])
+    if cmd == STATUS and len(frames) == 3:
+        return StatusReply(_unpack_snapshot(frames[2]))
+    raise FrameError(f"broker reply: unexpected command {cmd!r} with {len(frames)} frame(s)")
+
+
+# worker -> broker
+
+
+class WorkerReady(NamedTuple):
+    info: Info
+
+
+class WorkerHeartbeat(NamedTuple):
+    info: Info | None  # None: a bare heartbeat (liveness only)
+
+
+class WorkerReply(NamedTuple):
+    cmd: bytes  # REPLY or ERROR, forwarded to the client as is
+    client: bytes
+    request_id: bytes
+    payload: bytes
+
+
+class WorkerDisconnect(NamedTuple):
+    pass
+
+
+WorkerMessage = WorkerReady | WorkerHeartbeat | WorkerReply | WorkerDisconnect
+
+
+def ready_frames(info: Info) -> list[bytes]:
+    return [TAG, READY, info.pack()]
+
+
+def heartbeat_frames(info: Info | None = None) -> list[bytes]:
+    """A worker's heartbeat carries its info; the broker's is bare."""
+    return [TAG, HEARTBEAT] if info is None else [TAG, HEARTBEAT, info.pack()]
+
+
+def worker_reply_frames(cmd: bytes, client: bytes, request_id: bytes, payload: bytes) -> list[bytes]:
+    return [TAG, cmd, client, request_id, payload]
+
+
+def disconnect_frames() -> list[bytes]:
+    return [TAG, DISCONNECT]
+
+
+def _info(data: bytes) -> Info:
+    try:
+        return Info.unpack(data)
+    except ValueError as exc:
+        raise FrameError(f"malformed worker info: {exc}") from exc
+
+
+def parse_worker_message(frames: list[bytes]) -> WorkerMessage:
+    """What a worker sent the broker (routing id already stripped)."""
+    cmd = _tagged(frames, "worker message")
+    n = len(frames)
+    if cmd in (REPLY, ERROR) and n == 5:
+        return WorkerReply(cmd, frames[2], frames[3], frames[4])
+    if cmd == HEARTBEAT:  # only a three-frame heartbeat carries info; any other is liveness alone
+        return WorkerHeartbeat(_info(frames[2]) if n == 3 else None)
+    if cmd == READY and n == 3:
+        return WorkerReady(_info(frames[2]))
+    if cmd == DISCONNECT and n == 2:
+        return WorkerDisconnect()
+    raise FrameError(f"worker message: unexpected command {cmd!r} with {n} frame(s)")
+
+
+# broker -> worker
+
+
+class Dispatch(NamedTuple):
+    client: bytes
+    request_id: bytes
+    stamp: Stamp
+    payload: bytes
+
+
+class BrokerHeartbeat(NamedTuple):
+    pass
+
+
+def dispatch_frames(client: bytes, request_id: bytes, stamp: Stamp, payload: bytes) -> list[bytes]:
+    return [TAG, REQUEST, client, request_id, stamp.pack(), payload]
+
+
+def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat:
+    """What a broker sent a worker; an unreadable stamp raises ``MalformedStamp`` (answerable)."""
+    cmd = _tagged(frames, "broker message")
+    if cmd == HEARTBEAT:
+        return BrokerHeartbeat()
+    if cmd != REQUEST or len(frames) != 6:
+        raise FrameError(f"broker message: unexpected command {cmd!r} with {len(frames)} frame(s)")
+    _, _, client, rid, stamp, payload = frames
+    try:
+        return Dispatch(client, rid, Stamp.unpack(stamp), payload)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise MalformedStamp("broker sent a malformed stamp", client, rid) from exc

@@ -7,7 +7,7 @@ from ibex_context.shared.codec import decode_reply, encode
 from ibex_context.shared.models import AssembleResponse
 from ibex_context.shared.settings import Settings
 from ibex_context.worker.assemble import Assembler, StageCostTracker
-from ibex_context.worker.server import transport_response
+from ibex_context.worker.transport import transport_response
 
 
 def test_tracker_uses_initial_floor_until_warm_then_p95() -> None:

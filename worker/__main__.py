@@ -52,6 +52,7 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     from ibex_context.worker.assemble import Assembler
     from ibex_context.worker.retrieve import Retriever
     from ibex_context.worker.server import WorkerServer
+    from ibex_context.worker.transport import TransportWorkerServer
 
     if settings.redis_url is None:
         raise SystemExit("IBEX_REDIS_URL is not set; `ibex-context up` sets it (or start an embedded Redis)")
@@ -61,19 +62,17 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id)
     await retriever.warm_up()
     ctx = zmq.Context()
-    configure = None
-    if settings.worker_key_file:
-        from ibex_context.shared import auth
+    from ibex_context.shared import auth
 
-        if not settings.broker_public_key:
-            raise SystemExit("IBEX_WORKER_KEY_FILE is set but IBEX_BROKER_PUBLIC_KEY is not")
-        configure = auth.curve_client(auth.load_keypair(settings.worker_key_file),
-                                      auth.load_public_key(settings.broker_public_key))
+    try:
+        configure = auth.curve_client_for("worker", settings)
+    except auth.MissingBrokerKey as exc:
+        raise SystemExit(str(exc)) from None
     from ibex_context.shared.observability import WorkerMetrics
 
-    server = WorkerServer(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
-                          respond_immediately=(mode == "transport"), configure_socket=configure,
-                          metrics=WorkerMetrics())
+    server_cls = TransportWorkerServer if mode == "transport" else WorkerServer
+    server = server_cls(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
+                        configure_socket=configure, metrics=WorkerMetrics())
     # Everything built so far (catalog, tokenizer tables, pools) lives as long as the process. A
     # full collection over it takes ~44 ms on the dev machine, longer than a whole 40 ms request;
     # frozen, later collections skip it (measured: 0.003 ms).

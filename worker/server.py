@@ -19,7 +19,6 @@ import secrets
 import time
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -27,28 +26,12 @@ from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import decode_request, encode, encode_error
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.loopsock import LoopSocket
-from ibex_context.shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, ErrorReply, PackerStats
+from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.observability import WorkerMetrics
 from ibex_context.shared.settings import Settings
 from ibex_context.worker.assemble import Assembler
 
 log = logging.getLogger(__name__)
-
-
-def transport_response(request_id: str, timings_us: dict[str, int]) -> AssembleResponse:
-    """The smallest valid response: what transport mode answers without assembling anything."""
-    skipped = BranchOutcome(status="skipped", elapsed_ms=0.0, detail="transport mode")
-    budget = BudgetBreakdown(model="-", tokenizer_family="-", estimate_kind="estimate", context_window=0,
-                             max_output=0, response_reserve=0, safety_buffer=0, directive_tokens=0,
-                             messages_tokens=0, tool_schema_tokens=0, formatter_overhead_tokens=0, usable=0,
-                             unclamped=0, constrained=True)
-    return AssembleResponse(
-        request_id=request_id, rendered="", sections=[], packed=[], decisions=[], budget=budget, constrained=True,
-        branches={"directive": skipped, "hot": skipped, "cold": skipped},
-        packer=PackerStats(path="empty", evaluated=0, excluded_for_budget=0, budget_reached=False, total_tokens=0,
-                           total_score=0.0, token_budget=0),
-        degraded=False, degraded_reasons=[], timings_us=timings_us, nonce="",
-    )
 
 
 class BrokerLink:
@@ -82,7 +65,7 @@ class BrokerLink:
         """Announce READY on every (re)connect: a restarted broker learns us at once."""
         ev = parse_monitor_message(msg)
         if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.server.draining:
-            self.send([P.TAG, P.READY, self.server.info()])
+            self.send(P.ready_frames(self.server.info()))
         elif ev["event"] == zmq.EVENT_DISCONNECTED:
             log.warning("lost broker %s; reconnecting", self.endpoint)
 
@@ -99,8 +82,7 @@ class BrokerLink:
 class WorkerServer:
     def __init__(self, *, settings: Settings, assembler: Assembler, worker_id: str,
                  endpoints: list[str] | None = None, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 configure_socket: Any = None, respond_immediately: bool = False,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 configure_socket: Any = None, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
         self.assembler = assembler
         self.worker_id = worker_id
@@ -108,8 +90,6 @@ class WorkerServer:
         self.configure_socket = configure_socket
         self.endpoints = endpoints or settings.backends()
         self.capacity = settings.worker_concurrency
-        self.respond_immediately = respond_immediately  # bench "transport" mode
-        self._transport_template = transport_response("-", {}).model_dump(mode="python")
         self.metrics = metrics
         self.stats: collections.Counter[str] = collections.Counter()
         self.inflight: set[asyncio.Task[None]] = set()
@@ -117,9 +97,9 @@ class WorkerServer:
         self.links: list[BrokerLink] = []
         self._stopped = asyncio.Event()
 
-    def info(self) -> bytes:
+    def info(self) -> P.Info:
         return P.Info(self.capacity, self.worker_id, os.getpid(), {**self.stats, **self.assembler.stats},
-                      self.draining).pack()
+                      self.draining)
 
     async def run(self) -> None:
         self.links = [BrokerLink(self, ep) for ep in self.endpoints]
@@ -141,7 +121,7 @@ class WorkerServer:
             return
         self.draining = True
         for link in self.links:
-            link.send([P.TAG, P.DISCONNECT])
+            link.send(P.disconnect_frames())
         if self.inflight:
             await asyncio.gather(*list(self.inflight), return_exceptions=True)
         self._stopped.set()
@@ -153,7 +133,7 @@ class WorkerServer:
             await asyncio.sleep(interval)
             now = time.monotonic_ns()
             for link in self.links:
-                link.send([P.TAG, P.HEARTBEAT, self.info()])
+                link.send(P.heartbeat_frames(self.info()))
                 if now - link.broker_seen_ns > silent_ns:
                     self.stats["broker_silent"] += 1
                     log.warning("broker %s silent for %d intervals", link.endpoint, self.settings.heartbeat_liveness)
@@ -162,38 +142,35 @@ class WorkerServer:
     # ------------------------------------------------------------------------------ requests
 
     def on_frames(self, link: BrokerLink, frames: list[bytes]) -> None:
-        if len(frames) < 2 or frames[0] != P.TAG:
-            self.stats["malformed_frames"] += 1
-            return
-        cmd = frames[1]
-        if cmd == P.HEARTBEAT:
-            return
-        if cmd != P.REQUEST or len(frames) != 6:
-            self.stats["malformed_frames"] += 1
-            return
         received_ns = time.monotonic_ns()
-        _, _, client, rid, stamp_b, payload = frames
-        self.stats["received"] += 1
         try:
-            stamp = P.Stamp.unpack(stamp_b)
-        except Exception:
+            msg = P.parse_broker_message(frames)
+        except P.MalformedStamp as exc:
+            self.stats["received"] += 1
             self.stats["malformed_frames"] += 1
-            self._reply_error(link, client, rid, Internal("broker sent a malformed stamp"))
+            self._reply_error(link, exc.client, exc.request_id, Internal("broker sent a malformed stamp"))
             return
-        remaining = stamp.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
+        except P.FrameError:
+            self.stats["malformed_frames"] += 1
+            return
+        if isinstance(msg, P.BrokerHeartbeat):
+            return
+        self.stats["received"] += 1
+        remaining = msg.stamp.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
         if remaining <= 0:
             self.stats["expired_before_start"] += 1
             if self.metrics is not None:
                 self.metrics.outcome.labels("expired_before_start").inc()
-            self._reply_error(link, client, rid, DeadlineExceeded(
+            self._reply_error(link, msg.client, msg.request_id, DeadlineExceeded(
                 f"deadline passed {-remaining / 1e6:.2f} ms before the worker could start"))
             return
-        if self.respond_immediately:
-            self._reply_transport(link, client, rid, stamp, received_ns)
-            return
-        transit_ns = time.time_ns() - stamp.sent_ns  # broker -> worker, measured before our own queueing
-        task = asyncio.create_task(
-            self._handle(link, client, rid, stamp, payload, received_ns, received_ns + remaining, transit_ns))
+        self.on_request(link, msg, received_ns, received_ns + remaining)
+
+    def on_request(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int) -> None:
+        """Start assembling a live request in its own task (``deadline_ns`` is local monotonic)."""
+        transit_ns = time.time_ns() - msg.stamp.sent_ns  # broker -> worker, measured before our own queueing
+        task = asyncio.create_task(self._handle(link, msg.client, msg.request_id, msg.stamp, msg.payload,
+                                                received_ns, deadline_ns, transit_ns))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
@@ -203,11 +180,11 @@ class WorkerServer:
         req = decode_request(payload, max_bytes=self.settings.max_request_bytes)
         if isinstance(req, ErrorReply):
             self.stats["invalid"] += 1
-            link.send([P.TAG, P.ERROR, client, rid, encode(req)])
+            link.send(P.worker_reply_frames(P.ERROR, client, rid, encode(req)))
             return
         timings = {"queue_wait": stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
         try:
-            resp = await self.assembler.assemble(req, deadline_ns=deadline_ns, timings_us=timings,
+            resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns)
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
@@ -219,7 +196,7 @@ class WorkerServer:
                     f"the reply would be {len(body)} bytes, over the {self.settings.max_reply_bytes}-byte reply "
                     "limit (IBEX_MAX_REPLY_BYTES; it carries the history twice): send less history or fewer "
                     "tool schemas", field="<reply>", request_id=req.request_id)
-            link.send([P.TAG, P.REPLY, client, rid, body])
+            link.send(P.worker_reply_frames(P.REPLY, client, rid, body))
             self.stats["replied"] += 1
             if resp.degraded:
                 self.stats["degraded"] += 1
@@ -243,14 +220,5 @@ class WorkerServer:
             log.exception("request %s failed", req.request_id)
             self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"))
 
-    def _reply_transport(self, link: BrokerLink, client: bytes, rid: bytes, stamp: P.Stamp, received_ns: int) -> None:
-        """Bench "transport" mode: answer at once with a minimal valid response, without decoding
-        the payload, so the run measures sockets, broker and client library alone."""
-        waited_us = (time.monotonic_ns() - received_ns) // 1000
-        body = {**self._transport_template, "request_id": rid.decode(errors="replace"),
-                "timings_us": {"queue_wait": stamp.queued_us, "worker_wait": waited_us}}
-        link.send([P.TAG, P.REPLY, client, rid, msgpack.packb(body, use_bin_type=True)])
-        self.stats["replied"] += 1
-
     def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError) -> None:
-        link.send([P.TAG, P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None)])
+        link.send(P.worker_reply_frames(P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None)))

@@ -1,0 +1,113 @@
+"""What the broker remembers between messages, and the sends every part of it shares.
+
+``BrokerBase`` holds the request table (pending, queue, deadline timers), the worker table and
+the counters; ``broker.workers`` (backend side) and ``broker.broker`` (frontend, dispatch, loop)
+build on it. Every request ends in exactly one reply, always sent through ``_reply_error`` or a
+forwarded worker reply (README: Processes and data flow).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import Envelope, encode_error
+from ibex_context.shared.errors import IbexError
+from ibex_context.shared.loopsock import send_frames
+from ibex_context.shared.models import ErrorReply
+from ibex_context.shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Key = tuple[bytes, str]  # (client routing id, request_id)
+MIN_RETRY_NS = 2_000_000  # re-dispatch only with at least 2 ms left
+BURST = 256  # frontend messages drained per poll round
+
+# Authorizer hook: given the frontend frame's auth metadata and the request's envelope, raise
+# Forbidden/Unauthenticated or return. Wired by the CURVE/ZAP layer; None means no caller auth
+# (loopback only).
+Authorizer = Callable[[zmq.Frame, Envelope], None]
+
+
+@dataclass(slots=True)
+class Pending:
+    key: Key
+    payload: bytes
+    deadline_epoch_ns: int
+    deadline_ns: int  # local monotonic
+    enqueued_ns: int
+    attempt: int = 1
+    worker: bytes | None = None
+    answered: bool = False
+
+
+@dataclass(slots=True)
+class WorkerState:
+    ident: bytes
+    worker_id: str
+    capacity: int
+    expiry_ns: int
+    inflight: set[Key] = field(default_factory=set)
+    draining: bool = False
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def free(self) -> int:
+        return 0 if self.draining else self.capacity - len(self.inflight)
+
+
+class BrokerBase:
+    """Tables, counters and sends; no socket is made here (``Broker.__init__`` makes them)."""
+
+    settings: Settings
+    front: zmq.Socket[bytes]
+    back: zmq.Socket[bytes]
+    hb_ns: int
+    liveness: int
+    queue: collections.deque[Key]
+    pending: dict[Key, Pending]
+    timers: list[tuple[int, int, Key]]  # (deadline_ns, attempt, key)
+    workers: dict[bytes, WorkerState]
+    stats: collections.Counter[str]
+
+    def _answer_error(self, key: Key, exc: IbexError) -> None:
+        self.pending.pop(key, None)
+        self._reply_error(key[0], key[1], exc)
+
+    def _reply_error(self, client: bytes, rid: str | None, err: IbexError | ErrorReply) -> None:
+        self._send_front([client, *P.reply_frames(P.ERROR, (rid or "").encode(), encode_error(err, rid))])
+
+    def _send_front(self, frames: list[bytes]) -> bool:
+        try:
+            send_frames(self.front, frames)
+            return True
+        except zmq.ZMQError as exc:  # client vanished (EHOSTUNREACH) or its pipe is full (EAGAIN)
+            self.stats["client_send_failed"] += 1
+            log.debug("frontend send failed: %s", exc)
+            return False
+
+    def _send_back(self, frames: list[bytes]) -> bool:
+        try:
+            send_frames(self.back, frames)
+            return True
+        except zmq.ZMQError:
+            self.stats["worker_send_failed"] += 1
+            return False
+
+    def snapshot(self) -> dict[str, object]:
+        """Counters and gauges for STATUS requests, metrics and tests."""
+        return {
+            "pid": os.getpid(),
+            "queue_depth": len(self.queue),
+            "pending": len(self.pending),
+            "workers": {w.worker_id: {"capacity": w.capacity, "inflight": len(w.inflight),
+                                      "draining": w.draining, "stats": w.stats}
+                        for w in self.workers.values()},
+            "stats": dict(self.stats),
+        }

@@ -1,0 +1,74 @@
+"""One DEALER connection from the client library to one broker frontend.
+
+Sockets are served by loop callbacks (``shared.loopsock``), not awaited reads: a reply costs no
+Future and no task switch on its way to the caller's future. ``IMMEDIATE`` queues only to live
+connections, so a request to a broker that is down fails over at once (README: The client library).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from ibex_context.shared import protocol as P
+from ibex_context.shared.errors import IbexError
+from ibex_context.shared.loopsock import LoopSocket
+from ibex_context.shared.models import AssembleResponse, ErrorReply
+
+MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+@dataclass
+class Conn:
+    endpoint: str
+    sock: LoopSocket = field(init=False)
+    monitor: LoopSocket = field(init=False)
+    connected: bool = False
+    auth_failed: bool = False
+    waiting: dict[str, asyncio.Future[AssembleResponse | ErrorReply | None]] = field(default_factory=dict)
+    status_waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
+
+    def fail_all(self, exc: IbexError) -> None:
+        """Answer every request waiting on this connection with ``exc`` (as an error reply)."""
+        waiting, self.waiting = self.waiting, {}
+        for rid, fut in waiting.items():
+            if not fut.done():
+                fut.set_result(ErrorReply(request_id=rid, code=exc.code, message=exc.message))
+
+    def close(self) -> None:
+        self.sock.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
+
+
+def open_conn(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
+              configure: Callable[[zmq.Socket[bytes]], None] | None,
+              on_reply: Callable[[Conn, list[bytes]], None],
+              on_event: Callable[[Conn, list[bytes]], None]) -> Conn:
+    """A connecting DEALER and its monitor, each served by a loop callback."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to live connections: fail over fast
+    sock.setsockopt(zmq.SNDHWM, P.SNDHWM)
+    sock.setsockopt(zmq.RCVHWM, P.RCVHWM)
+    sock.setsockopt(zmq.RECONNECT_IVL, 50)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if configure is not None:
+        configure(sock)
+    mon = sock.get_monitor_socket(MONITOR_EVENTS)
+    sock.connect(endpoint)
+    conn = Conn(endpoint)
+    conn.sock = LoopSocket(sock, functools.partial(on_reply, conn), name=f"broker {endpoint}")
+    conn.monitor = LoopSocket(mon, functools.partial(on_event, conn), name=f"monitor {endpoint}")
+    return conn
+
+
+def time_out(fut: asyncio.Future[Any]) -> None:
+    """Timer callback: a request's deadline passed with no reply (``None`` means "timed out")."""
+    if not fut.done():
+        fut.set_result(None)

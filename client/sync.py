@@ -1,0 +1,100 @@
+"""The blocking client: an ``AsyncClient`` on a private event-loop thread (README: The client library).
+
+Arguments are checked (``InvalidRequest``) before the thread starts; the client is safe to share
+across threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ibex_context.client.requests import ClientClosed
+from ibex_context.shared.models import AssembleRequest, AssembleResponse
+
+if TYPE_CHECKING:
+    from ibex_context.client.client import AsyncClient
+
+T = TypeVar("T")
+
+
+class SyncClient:
+    """Blocking client for threaded callers; runs an ``AsyncClient`` on a private loop thread.
+
+    Arguments are checked (``InvalidRequest``) before the thread starts. After ``close()`` every
+    call raises ``ClientClosed``; calls in flight at ``close()`` end with it too.
+    """
+
+    def __init__(self, endpoints: Sequence[str] | str | None = None, **kwargs: Any) -> None:
+        from ibex_context.client.client import AsyncClient  # client.client re-exports this module's class
+
+        self._client: AsyncClient = AsyncClient(endpoints, **kwargs)
+        self._lock = threading.Lock()  # orders submissions against close()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ibex-client", daemon=True)
+        self._thread.start()
+        self._call(self._client.start)
+
+    def _call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run ``make()`` on the client's loop; the coroutine is created only once it will be run."""
+        with self._lock:
+            if self._closed:
+                raise ClientClosed("client is closed: create a new client", field="client")
+            fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(make(), self._loop)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise ClientClosed("client closed while the call was in flight", field="client") from None
+            raise
+
+    def assemble(self, request: AssembleRequest | None = None, *, timeout: float | None = None,
+                 **fields: Any) -> AssembleResponse:
+        return self._call(lambda: self._client.assemble(request, timeout=timeout, **fields))
+
+    def assemble_or_degrade(self, request: AssembleRequest | None = None, *, timeout: float | None = None,
+                            fallback_directive: str | None = None, **fields: Any) -> AssembleResponse:
+        return self._call(lambda: self._client.assemble_or_degrade(
+            request, timeout=timeout, fallback_directive=fallback_directive, **fields))
+
+    def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:
+        return self._call(lambda: self._client.status(endpoint, timeout))
+
+    def wait_connected(self, timeout: float = 5.0, *, require_all: bool = True) -> None:
+        self._call(lambda: self._client.wait_connected(timeout, require_all=require_all))
+
+    def prepare_fallback(self) -> None:
+        """Block until the fallback is loaded (see ``AsyncClient.prepare_fallback``)."""
+        self._call(self._client.prepare_fallback)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self._client.stats
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        """Close the client and let every call still on the loop finish (with ``ClientClosed``)."""
+        await self._client.aclose()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,175 @@
+"""The frame protocol (README: Processes and data flow): every frame kind round-trips through its
+builder and parser, a malformed frame of each kind is refused with ``FrameError``, and STATUS has
+its own reply command, so a REPLY with an empty request id is an ordinary (unknown) reply."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import zmq
+
+from ibex_context.broker.broker import Broker
+from ibex_context.client.client import AsyncClient
+from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import encode
+from ibex_context.shared.models import ErrorReply
+from ibex_context.shared.settings import Settings
+
+STAMP = P.Stamp(deadline_ns=123, queued_us=4, sent_ns=5, attempt=1)
+INFO = P.Info(capacity=4, worker_id="w-1", pid=42, stats={"replied": 3}, draining=False)
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+def test_client_messages_round_trip() -> None:
+    assert P.parse_client_message(P.request_frames(b"payload")) == P.ClientRequest(b"payload")
+    assert P.parse_client_message(P.status_request_frames()) == P.StatusRequest()
+
+
+def test_broker_replies_round_trip() -> None:
+    assert P.parse_reply(P.reply_frames(P.REPLY, b"r-1", b"body")) == P.Reply(False, "r-1", b"body")
+    assert P.parse_reply(P.reply_frames(P.ERROR, b"r-2", b"err")) == P.Reply(True, "r-2", b"err")
+    snapshot = {"pid": 1, "queue_depth": 0, "workers": {}, "stats": {"accepted": 2}}
+    assert P.parse_reply(P.status_reply_frames(snapshot)) == P.StatusReply(snapshot)
+
+
+def test_worker_messages_round_trip() -> None:
+    assert P.parse_worker_message(P.ready_frames(INFO)) == P.WorkerReady(INFO)
+    assert P.parse_worker_message(P.heartbeat_frames(INFO)) == P.WorkerHeartbeat(INFO)
+    assert P.parse_worker_message(P.heartbeat_frames()) == P.WorkerHeartbeat(None)
+    assert P.parse_worker_message(P.worker_reply_frames(P.REPLY, b"c", b"r", b"x")) == P.WorkerReply(
+        P.REPLY, b"c", b"r", b"x")
+    assert P.parse_worker_message(P.worker_reply_frames(P.ERROR, b"c", b"r", b"x")).cmd == P.ERROR
+    assert P.parse_worker_message(P.disconnect_frames()) == P.WorkerDisconnect()
+
+
+def test_broker_to_worker_round_trip() -> None:
+    assert P.parse_broker_message(P.dispatch_frames(b"c", b"r", STAMP, b"x")) == P.Dispatch(b"c", b"r", STAMP, b"x")
+    assert P.parse_broker_message(P.heartbeat_frames()) == P.BrokerHeartbeat()
+
+
+# ------------------------------------------------------------------------------ malformed
+
+
+@pytest.mark.parametrize("frames", [
+    [], [b"nope", P.REQUEST, b"x"], [P.TAG], [P.TAG, P.REQUEST], [P.TAG, P.REQUEST, b"x", b"y"],
+    [P.TAG, P.STATUS, b"extra"], [P.TAG, P.REPLY, b"r", b"x"], [P.TAG, b"\x7f", b"x"],
+])
+def test_malformed_client_message_is_refused(frames: list[bytes]) -> None:
+    with pytest.raises(P.FrameError, match="expected frames"):
+        P.parse_client_message(frames)
+
+
+@pytest.mark.parametrize("frames", [
+    [], [b"nope", P.REPLY, b"r", b"x"], [P.TAG, P.REPLY, b"r"], [P.TAG, P.ERROR, b"r", b"x", b"y"],
+    [P.TAG, P.STATUS], [P.TAG, P.STATUS, b"\xc1"], [P.TAG, P.STATUS, msgpack.packb([1, 2])],
+    [P.TAG, P.REQUEST, b"x"],
+])
+def test_malformed_broker_reply_is_refused(frames: list[bytes]) -> None:
+    with pytest.raises(P.FrameError):
+        P.parse_reply(frames)
+
+
+@pytest.mark.parametrize("frames", [
+    [], [b"nope", P.READY, INFO.pack()], [P.TAG, P.READY], [P.TAG, P.READY, b"\xc1"],
+    [P.TAG, P.READY, msgpack.packb({"capacity": 0, "worker_id": "w", "pid": 1})],
+    [P.TAG, P.HEARTBEAT, msgpack.packb("not a map")], [P.TAG, P.REPLY, b"c", b"r"],
+    [P.TAG, P.DISCONNECT, b"x"], [P.TAG, P.REQUEST, b"x"],
+])
+def test_malformed_worker_message_is_refused(frames: list[bytes]) -> None:
+    with pytest.raises(P.FrameError):
+        P.parse_worker_message(frames)
+
+
+@pytest.mark.parametrize("frames", [
+    [], [b"nope", P.HEARTBEAT], [P.TAG, P.REQUEST, b"c", b"r", STAMP.pack()], [P.TAG, P.READY, b"x"],
+])
+def test_malformed_broker_message_is_refused(frames: list[bytes]) -> None:
+    with pytest.raises(P.FrameError) as info:
+        P.parse_broker_message(frames)
+    assert type(info.value) is P.FrameError
+
+
+@pytest.mark.parametrize("stamp", [b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["a", 1, 2, 3])])
+def test_malformed_stamp_still_names_whom_to_answer(stamp: bytes) -> None:
+    with pytest.raises(P.MalformedStamp) as info:
+        P.parse_broker_message([P.TAG, P.REQUEST, b"client", b"r-9", stamp, b"x"])
+    assert (info.value.client, info.value.request_id) == (b"client", b"r-9")
+
+
+def test_reply_with_empty_request_id_is_an_ordinary_reply() -> None:
+    assert P.parse_reply([P.TAG, P.REPLY, b"", b"x"]) == P.Reply(False, "", b"x")
+
+
+# ------------------------------------------------------------------------- over real sockets
+
+
+@pytest.fixture
+def broker() -> Iterator[Broker]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    b = Broker(settings=Settings(), frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", ctx=ctx)
+    thread = threading.Thread(target=b.serve_forever, daemon=True)
+    thread.start()
+    yield b
+    b.stop()
+    thread.join(timeout=5)
+    ctx.term()
+
+
+def test_broker_answers_status_with_its_own_command(broker: Broker) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with ctx.socket(zmq.DEALER) as s:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(broker.frontend_endpoint)
+            s.send_multipart(P.status_request_frames())
+            assert s.poll(5000), "broker did not answer STATUS"
+            frames = s.recv_multipart()
+            s.send_multipart([P.TAG, P.STATUS, b"extra"])  # malformed: a typed error, under no id
+            assert s.poll(5000), "broker did not refuse a malformed STATUS"
+            refusal = s.recv_multipart()
+    finally:
+        ctx.term()
+    assert frames[:2] == [P.TAG, P.STATUS] and len(frames) == 3
+    reply = P.parse_reply(frames)
+    assert isinstance(reply, P.StatusReply)
+    assert reply.snapshot["queue_depth"] == 0 and reply.snapshot["workers"] == {}
+    assert refusal[:3] == [P.TAG, P.ERROR, b""]
+
+
+async def test_client_drops_an_empty_id_reply_and_reads_status_from_status() -> None:
+    """A stub broker (a real ROUTER) answers STATUS with an empty-id REPLY first: the client treats it
+    as a late reply to nobody, and the status call returns the snapshot of the STATUS frame."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
+    done = threading.Event()
+
+    def stub() -> None:
+        while not done.is_set():
+            if router.poll(50):
+                ident, *frames = router.recv_multipart()
+                assert P.parse_client_message(frames) == P.StatusRequest()
+                router.send_multipart([ident, P.TAG, P.REPLY, b"", encode(ErrorReply(code="INTERNAL", message="?"))])
+                router.send_multipart([ident, *P.status_reply_frames({"pid": 7, "stats": {}})])
+
+    thread = threading.Thread(target=stub, daemon=True)
+    thread.start()
+    try:
+        async with AsyncClient(endpoint, settings=Settings(), ctx=ctx) as client:
+            await client.wait_connected(5.0)
+            snapshot = await client.status(timeout=5.0)
+            assert snapshot == {"pid": 7, "stats": {}}
+            # Frames of one connection are handled in order: the REPLY before the STATUS answer.
+            assert client.stats["late_replies_dropped"] == 1
+    finally:
+        done.set()
+        thread.join(timeout=5)
+        router.close(linger=0)
+        ctx.term()

@@ -1,0 +1,47 @@
+"""Benchmark-only "transport" worker: answers every request at once with a minimal valid response,
+without decoding the payload, so a run measures sockets, broker and client library alone
+(README: Performance). ``python -m ibex_context.worker --mode transport`` and ``bench.hops`` run
+it; the production request path (``WorkerServer.on_request``) knows nothing about it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import encode_document
+from ibex_context.shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, PackerStats
+from ibex_context.worker.server import BrokerLink, WorkerServer
+
+
+def transport_response(request_id: str, timings_us: dict[str, int]) -> AssembleResponse:
+    """The smallest valid response: what transport mode answers without assembling anything."""
+    skipped = BranchOutcome(status="skipped", elapsed_ms=0.0, detail="transport mode")
+    budget = BudgetBreakdown(model="-", tokenizer_family="-", estimate_kind="estimate", context_window=0,
+                             max_output=0, response_reserve=0, safety_buffer=0, directive_tokens=0,
+                             messages_tokens=0, tool_schema_tokens=0, formatter_overhead_tokens=0, usable=0,
+                             unclamped=0, constrained=True)
+    return AssembleResponse(
+        request_id=request_id, rendered="", sections=[], packed=[], decisions=[], budget=budget, constrained=True,
+        branches={"directive": skipped, "hot": skipped, "cold": skipped},
+        packer=PackerStats(path="empty", evaluated=0, excluded_for_budget=0, budget_reached=False, total_tokens=0,
+                           total_score=0.0, token_budget=0),
+        degraded=False, degraded_reasons=[], timings_us=timings_us, nonce="",
+    )
+
+
+class TransportWorkerServer(WorkerServer):
+    """A ``WorkerServer`` whose request handler replies at once (the deadline check still runs first)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._template = transport_response("-", {}).model_dump(mode="python")
+
+    def on_request(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int) -> None:
+        waited_us = (time.monotonic_ns() - received_ns) // 1000
+        rid = msg.request_id.decode(errors="replace")
+        body = {**self._template, "request_id": rid,
+                "timings_us": {"queue_wait": msg.stamp.queued_us, "worker_wait": waited_us}}
+        link.send(P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, encode_document(body, rid)))
+        self.stats["replied"] += 1
