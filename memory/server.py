@@ -31,6 +31,7 @@ from ibex_context.memory.embed import EmbedderUnavailable, load_embedder
 from ibex_context.memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
 from ibex_context.shared.netloc import is_loopback_host
+from ibex_context.shared.observability import setup_logging
 from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ def write_port_file(path: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     args = _parser(settings).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The same log setup as broker and workers, so IBEX_LOG_FORMAT=json holds here too (README: Observability).
+    setup_logging(args.log_level.upper(), "memory")
     overrides: dict[str, Any] = {"redis_url": args.redis_url, "embedder": args.embedder,
                                  "relevance_floor": args.relevance_floor}
     try:
@@ -129,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("memory service on http://%s:%d (redis %s%s, embedder %s, faults %s)", args.host, port,
                  url, " embedded" if embedded else "", config.embedder, "on" if args.enable_faults else "off")
         protocol = TrackingH11Protocol if args.http == "h11" else TrackingHttpToolsProtocol
+        # log_config=None: uvicorn's loggers propagate to the one handler setup_logging installed.
         uv_config = uvicorn.Config(
             app, http=protocol, loop="uvloop", ws="none", lifespan="on", access_log=False,
-            log_level=args.log_level.lower(), timeout_graceful_shutdown=3,
+            log_level=args.log_level.lower(), log_config=None, timeout_graceful_shutdown=3,
         )
         uvicorn.Server(uv_config).run(sockets=[sock])
         return 0

@@ -1,4 +1,4 @@
-"""Metrics (prometheus-client) and structured logs shared by broker and workers.
+"""Metrics (prometheus-client) and structured logs shared by broker, workers and the memory service.
 
 Workers run in Prometheus multiprocess mode: each writes its samples to files under
 ``PROMETHEUS_MULTIPROC_DIR`` (set by ``ibex-context up`` to ``.run/prometheus``), and the broker's
