@@ -1,8 +1,8 @@
-"""The CPU pipeline with no transport (issue 9, ``inproc`` mode).
+"""The CPU pipeline with no transport (``inproc`` mode, README "Performance").
 
-``Assembler.build_response`` (budget, scoring, packing, formatting and the response model) on a
-``RetrievalResult`` from ``worker.retrieve.offline_result`` with n = 70 candidates (20 hot + 50
-cold) of realistic sizes. Two token-count cache states:
+``pipeline.assemble.assemble`` (budget, scoring, packing, formatting and the response model) on a
+``RetrievalResult`` from ``pipeline.hits.offline_result`` with n = 70 candidates (20 hot + 50
+cold) of realistic sizes, with a worker's line cache. Two token-count cache states:
 
 * warm: one Catalog with the default cache, warmed by ``warmup`` calls on the same candidates
   (the steady state of a worker serving one agent: memories repeat across requests);
@@ -21,11 +21,12 @@ from typing import Any
 
 from bench.stats import WORKER_STAGES, Histograms
 from bench.workload import candidate_hits
+from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.count import LineCache
+from ibex_context.pipeline.hits import offline_result
 from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.models import AssembleRequest, AssembleResponse
 from ibex_context.shared.settings import Settings
-from ibex_context.worker.assemble import Assembler
-from ibex_context.worker.retrieve import offline_result
 
 STAGES = tuple(s for s in WORKER_STAGES if s != "retrieval")
 
@@ -41,16 +42,21 @@ def _request(model: str) -> AssembleRequest:
     })
 
 
-def _measure(assembler: Assembler, req: AssembleRequest, retrieval: Any, iterations: int,
+def _measure(catalog: Catalog, policy: Policy, req: AssembleRequest, retrieval: Any, iterations: int,
              warmup: int) -> tuple[Histograms, Any]:
     hs = Histograms()
     resp = None
+    lines = LineCache()  # one worker's cache, kept across its requests
+
+    def once() -> AssembleResponse:
+        return assemble(req, retrieval, catalog=catalog, policy=policy, lines=lines, worker_id="inproc")
+
     for _ in range(warmup):
-        assembler.build_response(req, retrieval)
+        once()
     gc.collect()
     for _ in range(iterations):
         t0 = time.perf_counter_ns()
-        resp = assembler.build_response(req, retrieval)
+        resp = once()
         hs.record("wall", (time.perf_counter_ns() - t0) / 1000)
         for k in STAGES:
             hs.record(k, resp.timings_us.get(k, 0))
@@ -64,13 +70,14 @@ def run(*, iterations: int = 300, cold_iterations: int = 60, warmup: int = 20, m
     directive, hot, cold = candidate_hits(n_hot, n_cold, seed=seed)
     retrieval = offline_result(directive=directive, hot=hot, cold=cold, hot_cap=n_hot, cold_cap=n_cold)
     req = _request(model)
-    out: dict[str, Any] = {"model": model, "n_candidates": len(retrieval.candidates), "n_hot": n_hot,
+    n_candidates = len({h.memory_id for h in (*retrieval.hot, *retrieval.cold)})  # distinct memories
+    out: dict[str, Any] = {"model": model, "n_candidates": n_candidates, "n_hot": n_hot,
                            "n_cold": n_cold, "candidate_chars": sum(len(h.content) for h in (*hot, *cold))}
 
     warm_cat = Catalog.load(settings.catalog_path)
     warm_cat.warm_up()
-    warm = Assembler(settings=settings, catalog=warm_cat, retriever=None, worker_id="inproc")
-    hs, resp = _measure(warm, req, retrieval, iterations, warmup)
+    policy = Policy.from_settings(settings)
+    hs, resp = _measure(warm_cat, policy, req, retrieval, iterations, warmup)
     counter = warm_cat.counter(warm_cat.model(model).family.name)
     out["warm"] = {"iterations": iterations, "cache_hits": counter.hits, "cache_misses": counter.misses,
                    **hs.summary(("wall", *STAGES))}
@@ -83,7 +90,6 @@ def run(*, iterations: int = 300, cold_iterations: int = 60, warmup: int = 20, m
 
     cold_cat = Catalog.load(settings.catalog_path, cache_entries=0)
     cold_cat.warm_up()  # BPE vocabularies loaded: "cold" is the count cache, not the process
-    cold_asm = Assembler(settings=settings, catalog=cold_cat, retriever=None, worker_id="inproc")
-    hs, _ = _measure(cold_asm, req, retrieval, cold_iterations, min(warmup, 3))
+    hs, _ = _measure(cold_cat, policy, req, retrieval, cold_iterations, min(warmup, 3))
     out["cold"] = {"iterations": cold_iterations, **hs.summary(("wall", *STAGES))}
     return out

@@ -1,8 +1,9 @@
 """``ibex-context explain``: the whole CPU pipeline offline, to answer "why was my memory left out?".
 
 Reads the request (an ``AssembleRequest`` as JSON) and what retrieval would have returned
-(``{"directive": str|null, "hot": [hit], "cold": [hit]}``), runs budget -> scoring -> packing ->
-formatting in-process with no network, and prints the ``AssembleResponse`` as JSON or a table.
+(``{"directive": str|null, "hot": [hit], "cold": [hit]}``, each hit held to the one memory-hit
+contract of ``pipeline.hits``), runs the pipeline the worker runs (``pipeline.assemble``) with
+no network, and prints the ``AssembleResponse`` as JSON or a table.
 """
 
 from __future__ import annotations
@@ -16,16 +17,14 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from ibex_context.pipeline.types import MemoryHit, Source
+from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.hits import offline_result, shape_problem, to_hit
+from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import IbexError, InvalidRequest
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.models import AssembleRequest, AssembleResponse, Source
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.validation import first_error
-from ibex_context.worker.assemble import Assembler
-from ibex_context.worker.retrieve import offline_result
-
-HIT_FIELDS = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 
 
 class ExplainInputError(Exception):
@@ -79,24 +78,13 @@ def load_candidates(path: str) -> tuple[str | None, list[MemoryHit], list[Memory
 
 
 def _hit(path: str, source: Source, i: int, hit: Any) -> MemoryHit:
-    where = f"candidates file {path!r}: {source}[{i}]"
-    if not isinstance(hit, dict):
-        raise ExplainInputError(f"{where} must be an object")
-    missing = [f for f in HIT_FIELDS if f not in hit]
-    if missing:
-        raise ExplainInputError(f"{where} is missing {', '.join(missing)}")
-    for f in ("memory_id", "content", "category"):
-        if not isinstance(hit[f], str):
-            raise ExplainInputError(f"{where}.{f} must be a string")
-    for f in ("similarity", "confidence"):
-        v = hit[f]
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ExplainInputError(f"{where}.{f} must be a number")
-    if isinstance(hit["rank"], bool) or not isinstance(hit["rank"], int):
-        raise ExplainInputError(f"{where}.rank must be an integer")
-    # Out-of-range or NaN scores are not an input error: the scorer rejects them with a reason.
-    return MemoryHit(hit["memory_id"], hit["content"], hit["category"], float(hit["similarity"]),
-                     float(hit["confidence"]), hit["rank"], source)
+    """One hit, held to the memory-hit contract; a bad memory_id alphabet is left to the scorer,
+    which reports it as a ``malformed`` decision, and so are out-of-range or NaN scores
+    (``invalid_score``): those are answers, not input errors."""
+    problem = shape_problem(hit)
+    if problem is not None:
+        raise ExplainInputError(f"candidates file {path!r}: {source}[{i}]: {problem}")
+    return to_hit(hit, source)
 
 
 def explain(request: AssembleRequest, directive: str | None, hot: list[MemoryHit], cold: list[MemoryHit],
@@ -108,8 +96,8 @@ def explain(request: AssembleRequest, directive: str | None, hot: list[MemoryHit
                                hot=hot if request.options.include_hot else [],
                                cold=cold if request.options.include_cold else [],
                                hot_cap=settings.hot_limit, cold_cap=settings.cold_limit)
-    return Assembler(settings=settings, catalog=catalog, retriever=None, verify_format=True).build_response(
-        request, retrieval, nonce=nonce)
+    return assemble(request, retrieval, catalog=catalog, policy=Policy.from_settings(settings, verify_format=True),
+                    nonce=nonce)
 
 
 def render_table(resp: AssembleResponse, out: TextIO) -> None:

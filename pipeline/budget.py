@@ -1,4 +1,5 @@
-"""BudgetCalculator: the spec's subtraction, as a pure function (ranking-and-packing.md, Budget).
+"""The usable memory budget: the spec's subtraction, as a pure function (README "Budget and token
+counting").
 
     usable = context_window - response_reserve - safety_buffer - directive - messages
              - tool_schemas - formatter_overhead          (clamped at 0; < 256 is "constrained")

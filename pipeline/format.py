@@ -1,4 +1,4 @@
-"""Deterministic formatting with memory treated as untrusted data (spec: Formatting).
+"""Deterministic formatting with memory treated as untrusted data (README "Degradation and security").
 
 The formatter only serializes; it never parses memory text. What each untrusted string gets
 (README "Degradation and security"):
@@ -31,14 +31,7 @@ sentence telling the model the block is data. Inner ``<memory>`` tags need no no
 bodies cannot contain markup, and leaving the nonce out keeps each memory's token cost
 independent of the nonce (so it can be cached per worker).
 
-Token accounting (spec: Budget calculation, "formatter overhead is estimated before packing"):
-  * ``memory_cost`` is the tokens of one rendered memory line including its wrapper and newline;
-    the packer spends the budget in these units.
-  * ``memory_overhead`` is the frame of the memories section (safety sentence, nonce tags) plus the
-    join before it; ``BudgetCalculator`` subtracts it before packing.
-  The rendered memory section therefore costs at most sum(memory_cost) + memory_overhead, and
-  ``fit_memory_section`` checks that with the real counter and drops the lowest-scored memory in
-  the rare case a tokenizer merges across a boundary.
+This module only renders text; every token count of what it renders is ``pipeline.count``'s.
 """
 
 from __future__ import annotations
@@ -46,14 +39,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.models import Message, Section, SectionName
-from ibex_context.shared.tokens import Counter
 
 NONCE_BYTES = 16
 SECTION_JOIN = "\n\n"
@@ -148,85 +139,32 @@ HISTORY_HEADER = "## Recent conversation\n"
 TOOLS_HEADER = "## Tools\n"
 
 
-def _history_lines(messages: Sequence[Message]) -> list[str]:
+def history_lines(messages: Sequence[Message]) -> list[str]:
+    """One line per message, role first; counted line by line by ``pipeline.count``."""
     return [f"[{m.role}] {defuse_headings(neutralise(m.content))}" for m in messages]
 
 
-def _tool_lines(schemas: Sequence[dict[str, Any]]) -> list[str]:
-    # json.dumps escapes raw line breaks inside strings, so a schema is one line and cannot forge a
-    # heading; defuse_headings is then a no-op kept for the day the rendering changes.
+def tool_lines(schemas: Sequence[dict[str, Any]]) -> list[str]:
+    """One compact JSON line per tool schema.
+
+    json.dumps escapes raw line breaks inside strings, so a schema is one line and cannot forge a
+    heading; defuse_headings is then a no-op kept for the day the rendering changes.
+    """
     return [defuse_headings(neutralise(json.dumps(s, sort_keys=True, separators=(",", ":"), ensure_ascii=False)))
             for s in schemas]
 
 
-def _counted(counter: Counter, header: str, lines: list[str]) -> tuple[str, int]:
-    """Section text and an upper bound on its tokens, counted line by line.
-
-    Conversations grow by a message or two per call, so counting each line on its own lets the
-    per-worker token cache (keyed by content hash) answer for every message already seen: the
-    cost of counting history becomes the cost of the new messages. Each line is charged with its
-    newline, so the sum bounds the count of the joined text (tests/test_format.py checks this),
-    except at the end: no newline follows the last line there, and a line ending in whitespace or
-    punctuation can cost one token more without it (the newline merges into its last pre-token:
-    "[user] |Tl|." is 6 o200k tokens, with "\n" 5). So the last line is charged the larger of
-    both counts; a new message is tokenized twice while it is the last one.
-    """
-    if not lines:
-        return "", 0
-    *body, last = lines
-    last_n = max(counter.count(last + "\n"), counter.count(last))
-    return header + "\n".join(lines), counter.count(header) + sum(counter.count(line + "\n") for line in body) + last_n
+def join_section(header: str, lines: Sequence[str]) -> str:
+    """A section from its header and lines; empty when there are no lines."""
+    return header + "\n".join(lines) if lines else ""
 
 
 def history_section(messages: Sequence[Message]) -> str:
-    return HISTORY_HEADER + "\n".join(_history_lines(messages)) if messages else ""
+    return join_section(HISTORY_HEADER, history_lines(messages))
 
 
 def tools_section(schemas: Sequence[dict[str, Any]]) -> str:
-    return TOOLS_HEADER + "\n".join(_tool_lines(schemas)) if schemas else ""
-
-
-def history_counted(counter: Counter, messages: Sequence[Message]) -> tuple[str, int]:
-    return _counted(counter, HISTORY_HEADER, _history_lines(messages))
-
-
-def tools_counted(counter: Counter, schemas: Sequence[dict[str, Any]]) -> tuple[str, int]:
-    return _counted(counter, TOOLS_HEADER, _tool_lines(schemas))
-
-
-class LineCache:
-    """Per-worker LRU of rendered memory lines, keyed by the exact (id, category, content).
-
-    Escaping a long memory costs far more than hashing it, and the same memories come back for
-    the same agent request after request. The key is the full text, so a hit can only ever return
-    the rendering of that very memory: nothing crosses tenants.
-    """
-
-    def __init__(self, max_entries: int = 8192) -> None:
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, str, str], tuple[str, dict[str, int]]] = OrderedDict()
-
-    def _entry(self, h: MemoryHit) -> tuple[str, dict[str, int]]:
-        key = (h.memory_id, h.category, h.content)
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = (memory_line(h), {})
-            if len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(key)
-        return entry
-
-    def line(self, h: MemoryHit) -> str:
-        return self._entry(h)[0]
-
-    def cost(self, h: MemoryHit, counter: Counter) -> int:
-        """The line's token count for this counter's family, counted once per family."""
-        line, costs = self._entry(h)
-        n = costs.get(counter.family)
-        if n is None:
-            n = costs[counter.family] = counter.count(line)
-        return n
+    return join_section(TOOLS_HEADER, tool_lines(schemas))
 
 
 def memory_line(h: MemoryHit) -> str:
@@ -243,29 +181,12 @@ def memory_frame(nonce: str) -> tuple[str, str]:
     return head, tail
 
 
-def memory_cost(counter: Counter, hit: MemoryHit, lines: LineCache | None = None) -> int:
-    """Tokens one packed memory adds to the rendered section (wrapper and newline included)."""
-    return lines.cost(hit, counter) if lines is not None else counter.count(memory_line(hit))
-
-
-def memory_overhead(counter: Counter, nonce: str) -> int:
-    """Fixed cost of the memories section: the join before it, the safety sentence and the frame.
-
-    An upper bound that does not depend on the nonce's value (so it is cached per family): the
-    frame's constant pieces are counted separately and each nonce occurrence is charged one token
-    per character, the most a hex string can cost.
-    """
-    head, tail = memory_frame("\x00")
-    pieces = [SECTION_JOIN, *head.split("\x00"), *tail.split("\x00")]
-    occurrences = head.count("\x00") + tail.count("\x00")
-    return sum(counter.count(p) for p in pieces if p) + occurrences * len(nonce)
-
-
-def memory_section(memories: Sequence[ScoredMemory], nonce: str, lines: LineCache | None = None) -> str:
+def memory_section(memories: Sequence[ScoredMemory], nonce: str,
+                   render: Callable[[MemoryHit], str] = memory_line) -> str:
+    """The memories block; ``render`` may be a cache's lookup of ``memory_line`` (``LineCache.line``)."""
     if not memories:
         return ""
     head, tail = memory_frame(nonce)
-    render = lines.line if lines is not None else memory_line
     return head + "".join(render(m.hit) for m in memories) + tail
 
 
@@ -273,26 +194,6 @@ def memory_section(memories: Sequence[ScoredMemory], nonce: str, lines: LineCach
 class Rendered:
     text: str
     sections: tuple[Section, ...]
-
-
-def fit_memory_section(
-    counter: Counter, memories: Sequence[ScoredMemory], nonce: str, limit: int
-) -> tuple[str, list[ScoredMemory], list[ScoredMemory]]:
-    """Render the memories section and guarantee its real count stays within ``limit``.
-
-    ``limit`` is sum(memory costs) + overhead as budgeted. Returns (text, kept, dropped); drops
-    lowest-scored memories only if the real tokenizer disagrees with the additive estimate.
-    """
-    kept = list(memories)
-    dropped: list[ScoredMemory] = []
-    while kept:
-        text = memory_section(kept, nonce)
-        if counter.count(SECTION_JOIN) + counter.count(text) <= limit:
-            return text, kept, dropped
-        victim = min(kept, key=lambda m: (m.composite_score, m.memory_id))
-        kept.remove(victim)
-        dropped.append(victim)
-    return "", kept, dropped
 
 
 def assemble_text(parts: Sequence[tuple[SectionName, str, int]]) -> Rendered:

@@ -1,11 +1,12 @@
 """Packing stage: choose the memories that fit the token budget with the most total score.
 
-Spec, ranking-and-packing.md "Packing" (and milestone-packer-v2.md): a 0/1 knapsack under the
-usable token budget, in seven steps (marked ``Step N`` in the code).
+README "Scoring and packing": a 0/1 knapsack under the usable token budget, in seven steps
+(marked ``Step N`` in the code). The DP table lives in ``pipeline.knapsack``, steps 5 and 6 in
+``pipeline.swaps``.
 
 1. Sort by score desc, then ``memory_id`` (deterministic ties).
 2. Discretize into ``bucket_size``-token buckets. Weights are rounded UP (ceil), unlike the
-   milestone sketch's ``max(1, t // 16)``: a ceil-bucketed answer can never exceed the budget in
+   original sketch's ``max(1, t // 16)``: a ceil-bucketed answer can never exceed the budget in
    exact tokens, so step 5 has nothing to undo, and the up to ``bucket_size - 1`` tokens per
    memory that ceil leaves unused are won back by step 6. ``bucket_size`` is the coarsest
    bucket: when the budget left for the DP allows, buckets shrink (to 1 token at 6,250 tokens
@@ -27,7 +28,7 @@ usable token budget, in seven steps (marked ``Step N`` in the code).
 7. Emit in score desc, then ``memory_id``.
 
 Pure: no I/O, no clocks, no module state beyond constants. Invalid candidates (negative tokens,
-scores outside [0, 1]) are a caller bug, caught by ``worker.score``; here they raise ValueError.
+scores outside [0, 1]) are a caller bug, caught by ``pipeline.score``; here they raise ValueError.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from operator import attrgetter
 from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 
-from ibex_context.pipeline.types import PackPath, PackResult, ScoredMemory
+from ibex_context.pipeline.knapsack import FloatArray, IntArray, knapsack
+from ibex_context.pipeline.swaps import MIN_GAIN, improve, repair
+from ibex_context.pipeline.types import PackResult, ScoredMemory
+from ibex_context.shared.models import PackPath
 
 BUCKET_SIZE: Final = 16  # spec step 2
 CELL_CEILING: Final = 70 * 6251  # spec step 3: 70 candidates x (100K / 16 + 1) columns
@@ -56,24 +59,14 @@ _SCORE_SCALE: Final = 1 << 20
 # more (12,500 columns: about +25 % per row here) and gained nothing once over-capacity answers
 # are checked on exact tokens.
 _MAX_COLUMNS: Final = 6250
-_INT32_MAX: Final = 2**31 - 1
-# How many over-capacity DP answers to check on exact tokens (see _knapsack).
-_OVER_CAPACITY_TRIES: Final = 3
 # Above this many undecided memories, one round of swaps to tighten the bound pays for itself.
 _IMPROVE_ABOVE: Final = 10
 # From this many knapsack rows on, reducing first pays: it costs about as much as 20 DP rows.
 _REDUCE_FROM: Final = 20
-_NEVER_FITS: Final = np.iinfo(np.int64).max
-# A move must gain more than this much score: float noise must never cause swap cycles.
-_MIN_GAIN: Final = 1e-12
 
 _ID_TOKENS: Final = attrgetter("hit.memory_id", "tokens")
 _SCORE: Final = attrgetter("composite_score")
 _TOKENS: Final = attrgetter("tokens")
-
-IntArray = npt.NDArray[np.int64]
-FloatArray = npt.NDArray[np.float64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 def _sorted(candidates: Sequence[ScoredMemory]) -> list[ScoredMemory]:
@@ -101,8 +94,8 @@ def pack(
     ``empty`` (no candidates, or a non-positive budget so nothing can be packed), ``all_fit``,
     ``dp``, or ``greedy`` (the DP table would exceed ``cell_ceiling`` cells). ``budget_reached``
     is true when any candidate was left out for budget (the formatter's ``was_truncated``): an
-    empty candidate set is not a truncation, a non-positive budget with candidates is. The
-    milestone logs a warning on the greedy fallback; this stage is pure, so its caller does.
+    empty candidate set is not a truncation, a non-positive budget with candidates is. A
+    warning on the greedy fallback is the caller's to log: this stage is pure.
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
@@ -132,27 +125,33 @@ def pack(
     if len(knap) * (capacity + 1) <= cell_ceiling:  # Step 3, else step 4
         path, taken = "dp", _solve_dp(t, v, token_budget, bucket_size)
     else:
-        path = "greedy"
-        sub = np.zeros(len(knap), dtype=np.bool_)
-        sub[_greedy(t, range(len(knap)), token_budget, max_consecutive_skips)] = True
-        t_arr, v_arr = np.array(t, dtype=np.int64), np.array(v, dtype=np.float64)
-        _repair(sub, t_arr, v_arr, token_budget)  # Step 5 (a no-op: greedy counts exact tokens)
-        # Step 6, its swap searches bounded in total by the same ceiling as the DP table.
-        _improve(sub, t_arr, v_arr, token_budget, max_work=cell_ceiling)
-        taken = sub.nonzero()[0].tolist()
+        path, taken = "greedy", _solve_greedy(t, v, token_budget, max_consecutive_skips, cell_ceiling)
     chosen = [x == 0 for x in tokens]
     for j in taken:
         chosen[knap[j]] = True
     return _result(order, chosen, path, token_budget)
 
 
+def _solve_greedy(t: list[int], v: list[float], budget: int, max_consecutive_skips: int,
+                  cell_ceiling: int) -> list[int]:
+    """Steps 4-6 beyond the cell ceiling: score-desc greedy, then repair and improve on exact tokens."""
+    sub = np.zeros(len(t), dtype=np.bool_)
+    sub[_greedy(t, range(len(t)), budget, max_consecutive_skips)] = True
+    t_arr, v_arr = np.array(t, dtype=np.int64), np.array(v, dtype=np.float64)
+    repair(sub, t_arr, v_arr, budget)  # Step 5 (a no-op: greedy counts exact tokens)
+    # Step 6, its swap searches bounded in total by the same ceiling as the DP table.
+    improve(sub, t_arr, v_arr, budget, max_work=cell_ceiling)
+    taken: list[int] = sub.nonzero()[0].tolist()
+    return taken
+
+
 def _check(order: Sequence[ScoredMemory], tokens: list[int], scores: list[float]) -> None:
-    """Refuse inputs ``worker.score`` would have rejected: they would break the bounds below."""
+    """Refuse inputs ``pipeline.score`` would have rejected: they would break the bounds below."""
     for m, t, s in zip(order, tokens, scores, strict=True):
         if t < 0 or not 0.0 <= s <= 1.0:  # NaN fails the comparison too
             raise ValueError(
                 f"candidate {m.memory_id!r} has tokens={t!r}, composite_score={s!r}; "
-                "tokens must be >= 0 and the score finite in [0, 1] (see worker.score)"
+                "tokens must be >= 0 and the score finite in [0, 1] (see pipeline.score)"
             )
 
 
@@ -201,15 +200,15 @@ def _solve_dp(t_l: list[int], v_l: list[float], budget: int, bucket_size: int) -
         by_ratio = np.argsort(-(v / t), kind="stable").tolist()
         taken, lp_bound, ratio = _ratio_greedy(t_l, v_l, by_ratio, budget)
         value = sum(v_l[i] for i in taken)
-        if value > best_value + _MIN_GAIN:
+        if value > best_value + MIN_GAIN:
             best, best_value = taken, value
         fixed_in, core = _reduce(t, v, lp_bound, ratio, best_value)
         if core.size > _IMPROVE_ABOVE:  # a better bound is worth a swap search
             incumbent = np.zeros(n, dtype=np.bool_)
             incumbent[taken] = True
-            _improve(incumbent, t, v, budget, pairs=False, max_rounds=1)
+            improve(incumbent, t, v, budget, pairs=False, max_rounds=1)
             value = float(v[incumbent].sum())
-            if value > best_value + _MIN_GAIN:
+            if value > best_value + MIN_GAIN:
                 best, best_value = incumbent.nonzero()[0].tolist(), value
                 fixed_in, core = _reduce(t, v, lp_bound, ratio, best_value)
 
@@ -224,13 +223,13 @@ def _solve_dp(t_l: list[int], v_l: list[float], budget: int, bucket_size: int) -
         weights = _ceil_div(t[core], bucket)  # ceil: the answer fits in exact tokens too
         values = np.rint(v[core] * _SCORE_SCALE).astype(np.int64)
         exact = t[core] if bucket > 1 else None  # 1-token buckets are exact already
-        in_core = _knapsack(weights, values, residual // bucket, tokens=exact, limit=residual, bucket=bucket)
+        in_core = knapsack(weights, values, residual // bucket, tokens=exact, limit=residual, bucket=bucket)
         found[core[in_core]] = True
-    _repair(found, t, v, budget)  # Step 5
+    repair(found, t, v, budget)  # Step 5
     # Step 6. 1-token buckets: the DP is exact, only refill (memories of score 0 that fit).
-    _improve(found, t, v, budget, max_rounds=None if bucket > 1 else 0)
+    improve(found, t, v, budget, max_rounds=None if bucket > 1 else 0)
     taken = found.nonzero()[0].tolist()
-    return taken if sum(v_l[i] for i in taken) > best_value - _MIN_GAIN else best
+    return taken if sum(v_l[i] for i in taken) > best_value - MIN_GAIN else best
 
 
 def _ratio_greedy(t: list[int], v: list[float], by_ratio: list[int], budget: int) -> tuple[list[int], float, float]:
@@ -263,189 +262,6 @@ def _reduce(t: IntArray, v: FloatArray, lp_bound: float, ratio: float, lower: fl
     excess = v - ratio * t
     decided = np.abs(excess) > lp_bound - lower + 1e-9 * max(1.0, lower)  # margin: float error
     return (decided & (excess > 0)).nonzero()[0], (~decided).nonzero()[0]
-
-
-def _knapsack(
-    weights: IntArray,
-    values: IntArray,
-    capacity: int,
-    *,
-    tokens: IntArray | None = None,
-    limit: int = 0,
-    bucket: int = 1,
-) -> BoolArray:
-    """Exact 0/1 knapsack over positive integer weights; returns the taken mask.
-
-    One value row updated in place per memory (``a[c] = max(a[c], a[c - w] + v)``, numpy over
-    all columns at once) and a flat bool decision table. Row i only needs the columns at or above
-    ``capacity - R_i`` (R_i = weight of the rows after it), so later rows are narrower. Ties keep
-    the earlier choice (strict ``>``): the answer is a deterministic function of the input order.
-
-    With ``tokens`` (exact sizes), ``limit`` (exact budget) and the ``bucket`` that turned
-    tokens into ``weights``, the table also runs past ``capacity`` by up to the rows' total
-    rounding (at most a bucket each): such a set may still fit exactly. Where the best value
-    rises past ``capacity``, the best few sets are checked on exact tokens; the set at
-    ``capacity`` always fits.
-    """
-    m = weights.size
-    w_l, v_l = weights.tolist(), values.tolist()
-    left = sum(w_l)
-    low = min(capacity, left)
-    high = low
-    if tokens is not None:  # a set can overshoot by at most the rows' total rounding
-        high = min(left, capacity + m, (limit + int((weights * bucket - tokens).sum())) // bucket)
-    if high <= 0:
-        return np.zeros(m, dtype=np.bool_)
-    # Plain Python for the per-row bookkeeping: at <= 70 rows it beats a dozen numpy calls.
-    plan: list[tuple[int, int, int, int, int]] = []  # (memory, weight, first column, width, offset)
-    size = 0
-    for i in sorted(range(m), key=w_l.__getitem__, reverse=True):  # heaviest first: R_i falls fastest
-        w = w_l[i]
-        left -= w  # R_i: the weight of the rows after this one
-        first = max(w, low - left)
-        width = max(0, high + 1 - first)
-        plan.append((i, w, first, width, size))
-        size += width
-    vals = np.array(v_l, dtype=np.int32 if sum(v_l) <= _INT32_MAX else np.int64)
-    best = np.zeros(high + 1, dtype=vals.dtype)
-    keep = np.empty(size, dtype=np.bool_)
-    end = high + 1
-    for i, w, first, width, at in plan:
-        if width:
-            take = best[first - w : end - w] + vals[i, ...]  # 0-d operand: the cheapest ufunc call
-            seg = best[first:]
-            np.greater(take, seg, out=keep[at : at + width])
-            np.maximum(seg, take, out=seg)
-
-    sizes = tokens.tolist() if tokens is not None else w_l
-
-    def backtrack(c: int, room: int) -> list[int] | None:
-        """The rows taken for capacity ``c``, or None once their exact size passes ``room``."""
-        taken: list[int] = []
-        for i, w, first, width, at in reversed(plan):
-            if width and c >= first and keep[at + c - first]:
-                taken.append(i)
-                c -= w
-                room -= sizes[i]
-                if room < 0:
-                    return None
-        return taken
-
-    chosen = None
-    if tokens is not None and high > low:
-        rises = (best[low + 1 :] > best[low:-1]).nonzero()[0] + (low + 1)  # best value rises here
-        for c in reversed(rises[-_OVER_CAPACITY_TRIES:].tolist()):  # best value first
-            chosen = backtrack(c, limit)
-            if chosen is not None:
-                break
-    if chosen is None:
-        chosen = backtrack(low, sum(sizes))  # fits: ceil weights never understate
-    taken = np.zeros(m, dtype=np.bool_)
-    taken[chosen] = True
-    return taken
-
-
-def _repair(chosen: BoolArray, t: IntArray, v: FloatArray, budget: int) -> None:
-    """Step 5, in place: drop the lowest score-per-token memories until exact tokens fit.
-
-    Ceil buckets already make the DP answer fit; this is the guard the spec asks for.
-    """
-    excess = int(t[chosen].sum()) - budget
-    if excess <= 0:
-        return
-    idx = np.flatnonzero(chosen)
-    for i in idx[np.argsort(v[idx] / t[idx], kind="stable")].tolist():
-        chosen[i] = False
-        excess -= int(t[i])
-        if excess <= 0:
-            return
-
-
-def _improve(
-    chosen: BoolArray,
-    t: IntArray,
-    v: FloatArray,
-    budget: int,
-    *,
-    max_work: int | None = None,
-    pairs: bool = True,
-    max_rounds: int | None = None,
-) -> None:
-    """Step 6, in place: refill, then apply the best-gain swap on exact tokens until none helps.
-
-    Refill adds any memory that still fits (score order). Swaps: one chosen memory for one other,
-    or one chosen for two others (this is what recovers the tokens ceil buckets or a greedy pass
-    stranded). Each applied swap raises the total by more than ``_MIN_GAIN``, so the loop ends;
-    it is also capped at n rounds. ``max_work`` caps the swap combinations examined over the
-    whole call (greedy path, where n may be large: the searches are O(n^2) and O(n^3) per round).
-    """
-    work_left = math.inf if max_work is None else max_work
-    slack = _refill(chosen, t, budget - int(t[chosen].sum()))
-    for _ in range(t.size + 1 if max_rounds is None else max_rounds):
-        ins, outs = chosen.nonzero()[0], (~chosen).nonzero()[0]
-        if ins.size == 0 or outs.size == 0:
-            return
-        move, work = _best_swap(t, v, ins, outs, slack, work_left, pairs)
-        work_left -= work
-        if move is None:
-            return
-        leaving, entering = move
-        chosen[leaving] = False
-        chosen[entering] = True
-        slack = _refill(chosen, t, slack + int(t[leaving].sum()) - int(t[entering].sum()))
-
-
-def _refill(chosen: BoolArray, t: IntArray, slack: int) -> int:
-    """Add, in score order, every memory that still fits; return the slack left."""
-    for i in (~chosen & (t <= slack)).nonzero()[0].tolist():
-        ti = int(t[i])
-        if ti <= slack:
-            chosen[i] = True
-            slack -= ti
-    return slack
-
-
-def _best_swap(
-    t: IntArray, v: FloatArray, ins: IntArray, outs: IntArray, slack: int, work_left: float, pairs: bool
-) -> tuple[tuple[list[int], list[int]] | None, int]:
-    """The (leaving, entering) swap with the largest gain above ``_MIN_GAIN`` that fits, if any,
-    and how many combinations were examined (searches that would exceed ``work_left`` are skipped).
-    """
-    t_in, v_in, t_out, v_out = t[ins], v[ins], t[outs], v[outs]
-    room = t_in + slack  # what may enter when that chosen memory leaves
-    best_gain = _MIN_GAIN
-    move: tuple[list[int], list[int]] | None = None
-    work = ins.size * outs.size
-    if work <= work_left:  # one for one
-        gain = np.where(t_out <= room[:, None], v_out - v_in[:, None], -np.inf)
-        k = int(np.argmax(gain))
-        if gain.flat[k] > best_gain:
-            a, b = divmod(k, outs.size)
-            best_gain, move = float(gain.flat[k]), ([int(ins[a])], [int(outs[b])])
-    else:
-        work = 0
-    if not pairs or outs.size < 2:
-        return move, work
-    # One for two: only a chosen memory whose room holds the two smallest others can leave, and
-    # only memories that fit beside the smallest other in the largest room can enter.
-    smallest = np.partition(t_out, 1)[:2]
-    leave = (room >= int(smallest.sum())).nonzero()[0]
-    if leave.size == 0:
-        return move, work
-    pool = outs[t_out <= int(room[leave].max()) - int(smallest[0])]
-    p = pool.size
-    if p >= 2 and work + leave.size * p * p <= work_left:
-        work += leave.size * p * p
-        tp, vp = t[pool], v[pool]
-        pair_t = tp[:, None] + tp
-        pair_t.flat[:: p + 1] = _NEVER_FITS  # a memory cannot enter twice; (b, c) = (c, b) is harmless
-        gain = np.where(pair_t <= room[leave, None, None], vp[:, None] + vp - v_in[leave, None, None], -np.inf)
-        k = int(np.argmax(gain))
-        if gain.flat[k] > best_gain:
-            a, rest = divmod(k, p * p)
-            b, c = divmod(rest, p)
-            move = ([int(ins[leave[a]])], [int(pool[b]), int(pool[c])])
-    return move, work
 
 
 def _result(order: list[ScoredMemory], chosen: list[bool], path: PackPath, budget: int) -> PackResult:

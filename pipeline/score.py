@@ -1,17 +1,17 @@
 """Scoring stage: checks each hit's numbers and gives it the packer's interim score.
 
-Spec, ranking-and-packing.md "Context packer score": the context service sees only
-``similarity``, ``confidence`` and ``rank`` from the memory service, so until memory exposes its
-five-part composite on the wire the packer ranks by a labelled INTERIM score::
+README "Scoring and packing": the context service sees only ``similarity``, ``confidence`` and
+``rank`` from the memory service, so until memory exposes its five-part composite on the wire the
+packer ranks by a labelled INTERIM score::
 
     interim = 0.85 x similarity + 0.15 x confidence
 
 The result is stored as ``ScoredMemory.composite_score`` for formatter/proto alignment; it is NOT
 the memory-service composite. Both inputs must be finite and in [0, 1]; anything else is reported
 as a ``Rejection`` with a readable reason, never clamped and never raised, because one bad hit
-must not sink the whole assembly (STYLE: decode failures are values, not crashes). This stage
-also gives every distinct memory exactly one decision: bad ids are ``malformed`` and repeated ids
-keep one copy, the others being ``duplicate`` (``score_candidates``).
+must not sink the whole assembly (decode failures are values, not crashes). This stage also
+gives every distinct memory exactly one decision: bad ids are ``malformed`` and repeated ids keep
+one copy, the others being ``duplicate`` (``score_candidates``).
 
 Pure: no I/O, no clocks, no module state beyond constants.
 """
@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
-from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory, memory_id_problem
+from ibex_context.pipeline.hits import memory_id_problem
+from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory
 
-# (similarity weight, confidence weight) of the interim score; spec "Context packer score".
+# (similarity weight, confidence weight) of the interim score; README "Scoring and packing".
 # Per-request AssemblyOptions weights are a forward contract and deliberately not applied here.
 INTERIM_WEIGHTS: Final[tuple[float, float]] = (0.85, 0.15)
 
@@ -108,7 +110,7 @@ def score_candidates(
     """Score every hit; return (scored in input order, rejections).
 
     Exactly one decision per distinct memory: a hit whose ``memory_id`` breaks the memory-hit
-    contract (``worker.types.memory_id_problem``) is ``malformed`` under a placeholder id
+    contract (``pipeline.hits.memory_id_problem``) is ``malformed`` under a placeholder id
     ``<source#n>`` (n counts that source's hits here); of several copies of one memory_id (hot and
     cold, or twice in one branch) one is kept, valid scores first, then the higher interim score,
     then hot, then the first returned, and every other copy is a ``duplicate`` naming the kept copy
@@ -117,9 +119,10 @@ def score_candidates(
 
     ``cost`` is the hit's token cost as the formatter will spend it (its per-memory block cost,
     markup included), so the packer's ``total_tokens <= token_budget`` holds after formatting
-    (spec "Budget calculation"). It is called only for kept hits whose scores are valid and at or
-    above ``min_score``; a cost that raises, is not an int, or is negative rejects that hit as
-    ``invalid_score`` (the wire has no separate kind for a bad cost) with the cause in ``reason``.
+    (README "Budget and token counting"). It is called only for kept hits whose scores are valid
+    and at or above ``min_score``; a cost that raises, is not an int, or is negative rejects that
+    hit as ``invalid_score`` (the wire has no separate kind for a bad cost) with the cause in
+    ``reason``.
 
     ``min_score`` is the caller's floor (``AssemblyOptions.min_score``); a score strictly below it
     is ``below_floor``. An invalid ``min_score`` is a programming error and raises ``ValueError``.
@@ -127,46 +130,62 @@ def score_candidates(
     floor_problem = _unit_problem("min_score", min_score)
     if floor_problem is not None:
         raise ValueError(floor_problem)
+    named = _name_hits(hits)
+    problems = [_copy_problem(hit) for hit in named.hits]
+    scores = [None if p else interim_score(h.similarity, h.confidence)
+              for h, p in zip(named.hits, problems, strict=True)]
+    keep, duplicates = _choose_copies(named.hits, named.at, scores)
+    rejected = [*named.malformed, *duplicates]
+    scored: list[ScoredMemory] = []
+    for hit, problem, score, kept in zip(named.hits, problems, scores, keep, strict=True):
+        if not kept:
+            continue
+        out = _score_kept(hit, problem, score, cost, min_score)
+        if isinstance(out, ScoredMemory):
+            scored.append(out)
+        else:
+            rejected.append(out)
+    return scored, rejected
 
-    rejected: list[Rejection] = []
-    named: list[MemoryHit] = []
-    at: list[int] = []  # each named hit's position in its source's list
+
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """Hits with a valid memory_id, each one's position in its source's list, and the others."""
+
+    hits: list[MemoryHit]
+    at: list[int]
+    malformed: list[Rejection]
+
+
+def _name_hits(hits: Sequence[MemoryHit]) -> _Named:
+    """Split off the hits whose memory_id breaks the contract, as ``malformed`` under ``<source#n>``."""
+    named = _Named([], [], [])
     seen: dict[str, int] = {}
     for hit in hits:
         n = seen[hit.source] = seen.get(hit.source, -1) + 1
         id_problem = memory_id_problem(hit.memory_id)
         if id_problem is not None:
-            rejected.append(Rejection(f"<{hit.source}#{n}>", hit.source, "malformed", id_problem))
+            named.malformed.append(Rejection(f"<{hit.source}#{n}>", hit.source, "malformed", id_problem))
         else:
-            named.append(hit)
-            at.append(n)
-    problems = [_copy_problem(hit) for hit in named]
-    scores = [None if p else interim_score(h.similarity, h.confidence) for h, p in zip(named, problems, strict=True)]
-    keep, duplicates = _choose_copies(named, at, scores)
-    rejected += duplicates
+            named.hits.append(hit)
+            named.at.append(n)
+    return named
 
-    scored: list[ScoredMemory] = []
-    for hit, problem, score, kept in zip(named, problems, scores, keep, strict=True):
-        if not kept:
-            continue
-        if problem is not None or score is None:
-            rejected.append(Rejection(hit.memory_id, hit.source, "invalid_score", problem or "no score"))
-            continue
-        if score < min_score:
-            reason = f"interim score {score:.4f} is below min_score {min_score:.4f}"
-            rejected.append(Rejection(hit.memory_id, hit.source, "below_floor", reason, score=score))
-            continue
 
-        try:
-            tokens = cost(hit)
-        except Exception as exc:  # a failing cost function rejects this hit only
-            reason = f"token cost failed: {type(exc).__name__}: {exc}"
-            rejected.append(Rejection(hit.memory_id, hit.source, "invalid_score", reason, score=score))
-            continue
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            reason = f"token cost must be a non-negative int, got {type(tokens).__name__} {tokens!r}"
-            rejected.append(Rejection(hit.memory_id, hit.source, "invalid_score", reason, score=score))
-            continue
-
-        scored.append(ScoredMemory(hit=hit, tokens=tokens, composite_score=score))
-    return scored, rejected
+def _score_kept(hit: MemoryHit, problem: str | None, score: float | None, cost: Callable[[MemoryHit], int],
+                min_score: float) -> ScoredMemory | Rejection:
+    """The kept copy's own decision: invalid scores, below the floor, a bad cost, or scored."""
+    if problem is not None or score is None:
+        return Rejection(hit.memory_id, hit.source, "invalid_score", problem or "no score")
+    if score < min_score:
+        reason = f"interim score {score:.4f} is below min_score {min_score:.4f}"
+        return Rejection(hit.memory_id, hit.source, "below_floor", reason, score=score)
+    try:
+        tokens = cost(hit)
+    except Exception as exc:  # a failing cost function rejects this hit only
+        reason = f"token cost failed: {type(exc).__name__}: {exc}"
+        return Rejection(hit.memory_id, hit.source, "invalid_score", reason, score=score)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        reason = f"token cost must be a non-negative int, got {type(tokens).__name__} {tokens!r}"
+        return Rejection(hit.memory_id, hit.source, "invalid_score", reason, score=score)
+    return ScoredMemory(hit=hit, tokens=tokens, composite_score=score)

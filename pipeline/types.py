@@ -1,37 +1,24 @@
-"""Frozen values passed between the pure pipeline stages (retrieve -> score -> pack -> format)."""
+"""Frozen values passed between the pure stages (retrieval result -> score -> pack -> format).
+
+The vocabularies (``Source``, ``PackPath``, ``RejectKind``) are the wire's, defined once in
+``shared.models``; these dataclasses only carry them.
+"""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Final, Literal
 
-from ibex_context.shared.models import IDENT_CHARS
-
-Source = Literal["hot", "cold"]
-PackPath = Literal["dp", "greedy", "all_fit", "empty"]
-RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"]
-
-# The memory-hit contract: a memory_id is an identifier like the wire's org and agent ids.
-_MEMORY_ID: Final = re.compile(IDENT_CHARS)
-
-
-def memory_id_problem(memory_id: object) -> str | None:
-    """Why ``memory_id`` breaks the memory-hit contract, or None when it is a valid identifier.
-
-    An empty or odd id cannot name a memory in decisions, caches or the rendered block, so the hit
-    is refused as ``malformed`` (README "Scoring and packing") rather than packed under it.
-    """
-    if not isinstance(memory_id, str):
-        return f"memory_id must be a string, got {type(memory_id).__name__}"
-    if _MEMORY_ID.fullmatch(memory_id) is None:
-        return f"memory_id {memory_id[:80]!r} must be 1-64 characters of [A-Za-z0-9_.-]"
-    return None
+from ibex_context.shared.models import BranchName, BranchOutcome, PackPath, RejectKind, Source
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryHit:
-    """One memory as the memory service returned it (untrusted text, scores not yet checked)."""
+    """One memory as the memory service returned it (untrusted text, scores not yet checked).
+
+    Built only through ``pipeline.hits`` from wire data, so the shape is already checked; the
+    scores are checked by the scorer, which reports a bad one as a decision (README "Scoring and
+    packing").
+    """
 
     memory_id: str
     content: str
@@ -46,8 +33,8 @@ class MemoryHit:
 class ScoredMemory:
     """A candidate with its token cost and the packer's score.
 
-    ``composite_score`` is the INTERIM score 0.85 x similarity + 0.15 x confidence (spec:
-    "Context packer score"). It is named for formatter/proto alignment; it is NOT the memory
+    ``composite_score`` is the INTERIM score 0.85 x similarity + 0.15 x confidence (README
+    "Scoring and packing"). It is named for formatter/proto alignment; it is NOT the memory
     service's five-part composite.
     """
 
@@ -85,3 +72,27 @@ class PackResult:
     total_tokens: int
     total_score: float
     token_budget: int
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievalResult:
+    """What retrieval handed the pipeline: the directive, each branch's kept hits, the hits it
+    refused (malformed or over a branch cap) and every branch's outcome.
+
+    Copies of one memory_id in ``hot`` and ``cold`` both stay here: the scorer picks the copy
+    (README "Scoring and packing").
+    """
+
+    directive: str | None
+    hot: tuple[MemoryHit, ...]
+    cold: tuple[MemoryHit, ...]
+    rejections: tuple[Rejection, ...]
+    outcomes: dict[BranchName, BranchOutcome]
+
+    @property
+    def degraded_reasons(self) -> list[str]:
+        return [
+            f"{name} {o.status}" + (f": {o.error_class}" if o.error_class else "")
+            for name, o in self.outcomes.items()
+            if o.status in ("timeout", "error")
+        ]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ibex_context.shared.errors import UnknownModel
-from ibex_context.shared.tokens import CachedCounter, Counter, EstimateCounter, EstimateKind, ExactCounter
+from ibex_context.shared.tokens import CachedCounter, EstimateCounter, EstimateKind, ExactCounter, TokenCounter
 
 # A trailing release date or moving alias, as providers append them to a model family's name:
 # claude-sonnet-4-20250514, gpt-4o-2024-08-06, claude-3-5-haiku-latest.
@@ -142,7 +142,7 @@ class Catalog:
         c = self._counters.get(family)
         if c is None:
             pol = self.families[family]
-            inner: Counter = (
+            inner: TokenCounter = (
                 ExactCounter(family, pol.encoding)
                 if pol.estimate_kind == "exact" and pol.encoding
                 else EstimateCounter(family, pol.estimate_factor)

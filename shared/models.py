@@ -62,9 +62,12 @@ class AssembleRequest(_Wire):
 
 BranchName = Literal["directive", "hot", "cold"]
 BranchStatus = Literal["success", "timeout", "error", "skipped"]
-DecisionKind = Literal[
-    "packed", "excluded_budget", "invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"
-]
+Source = Literal["hot", "cold"]
+PackPath = Literal["dp", "greedy", "all_fit", "empty"]
+# Why a candidate never reached the packer (the pipeline's rejections); the two other decisions
+# are the packer's own.
+RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"]
+DecisionKind = Literal["packed", "excluded_budget", RejectKind]
 SectionName = Literal["directive", "history", "memories", "tools"]
 
 
@@ -79,14 +82,14 @@ class PackedMemory(_Wire):
     category: str
     tokens: NonNegInt
     score: Unit
-    source: Literal["hot", "cold"]
+    source: Source
 
 
 class Decision(_Wire):
     """What happened to one candidate, and why, so "where did my memory go?" has an answer."""
 
     memory_id: str
-    source: Literal["hot", "cold"]
+    source: Source
     decision: DecisionKind
     reason: str
     tokens: NonNegInt | None = None
@@ -121,7 +124,7 @@ class BranchOutcome(_Wire):
 
 
 class PackerStats(_Wire):
-    path: Literal["dp", "greedy", "all_fit", "empty"]
+    path: PackPath
     evaluated: NonNegInt
     excluded_for_budget: NonNegInt
     budget_reached: bool

@@ -38,7 +38,9 @@ class TokenCount:
         return TokenCount(self.n + other.n, self.family, self.kind)
 
 
-class Counter(Protocol):
+class TokenCounter(Protocol):
+    """What the pipeline counts with; the family and kind label every count it makes."""
+
     family: str
     kind: EstimateKind
 
@@ -127,7 +129,7 @@ class CachedCounter:
     hash and a dict lookup. Keys are 16-byte BLAKE2b digests so the cache never holds memory text.
     """
 
-    def __init__(self, inner: Counter, max_entries: int = 65536) -> None:
+    def __init__(self, inner: TokenCounter, max_entries: int = 65536) -> None:
         self.inner = inner
         self.family = inner.family
         self.kind: EstimateKind = inner.kind
@@ -151,6 +153,3 @@ class CachedCounter:
         if len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
         return n
-
-    def measure(self, text: str) -> TokenCount:
-        return TokenCount(self.count(text), self.family, self.kind)

@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ibex_context.pipeline import count
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.models import Message
-from ibex_context.shared.tokens import Counter
+from ibex_context.shared.tokens import TokenCounter
 
 NONCE = "0123456789abcdef0123456789abcdef"
 CATALOG = Catalog.load()
@@ -127,11 +128,11 @@ def test_nonce_is_random_and_checked() -> None:
 
 @pytest.mark.parametrize("counter", FAMILY_COUNTERS, ids=lambda c: c.family)
 @given(items=st.lists(text, min_size=1, max_size=10))
-def test_overhead_is_an_upper_bound(counter: Counter, items: list[str]) -> None:
+def test_overhead_is_an_upper_bound(counter: TokenCounter, items: list[str]) -> None:
     mems = [_mem(i, body) for i, body in enumerate(items)]
     section = fmt.memory_section(mems, NONCE)
     real = counter.count(fmt.SECTION_JOIN + section)
-    budgeted = sum(fmt.memory_cost(counter, m.hit) for m in mems) + fmt.memory_overhead(counter, NONCE)
+    budgeted = sum(count.memory_cost(counter, m.hit) for m in mems) + count.memory_overhead(counter, NONCE)
     assert real <= budgeted
 
 
@@ -139,10 +140,10 @@ def test_fit_memory_section_enforces_the_limit() -> None:
     counter = CATALOG.counter("o200k")
     mems = [_mem(i, "word " * 20, score=0.1 * i) for i in range(5)]
     exact = counter.count(fmt.SECTION_JOIN) + counter.count(fmt.memory_section(mems, NONCE))
-    text, kept, dropped = fmt.fit_memory_section(counter, mems, NONCE, exact)
-    assert len(kept) == 5 and not dropped
-    text, kept, dropped = fmt.fit_memory_section(counter, mems, NONCE, exact - 1)
-    assert dropped == [mems[0]] and counter.count(fmt.SECTION_JOIN + text) <= exact - 1
+    fitted = count.fit_memory_section(counter, mems, NONCE, exact)
+    assert len(fitted.kept) == 5 and not fitted.dropped
+    fitted = count.fit_memory_section(counter, mems, NONCE, exact - 1)
+    assert fitted.dropped == [mems[0]] and counter.count(fmt.SECTION_JOIN + fitted.text) <= exact - 1
 
 
 # Messages arrive through the validated wire model, which refuses lone surrogates.
@@ -157,12 +158,12 @@ schemas = st.lists(st.dictionaries(st.text(max_size=8), st.one_of(msg_text, st.i
 @pytest.mark.parametrize("counter", FAMILY_COUNTERS, ids=lambda c: c.family)
 @given(msgs=messages, tools=schemas)
 def test_line_by_line_counts_bound_the_sections(
-    counter: Counter, msgs: list[Message], tools: list[dict[str, Any]]
+    counter: TokenCounter, msgs: list[Message], tools: list[dict[str, Any]]
 ) -> None:
-    text, n = fmt.history_counted(counter, msgs)
-    assert text == fmt.history_section(msgs) and n >= counter.count(text)
-    text, n = fmt.tools_counted(counter, tools)
-    assert text == fmt.tools_section(tools) and n >= counter.count(text)
+    history = count.history_counted(counter, msgs)
+    assert history.text == fmt.history_section(msgs) and history.tokens >= counter.count(history.text)
+    tools_ = count.tools_counted(counter, tools)
+    assert tools_.text == fmt.tools_section(tools) and tools_.tokens >= counter.count(tools_.text)
 
 
 def test_history_counting_reuses_the_cache_for_seen_messages() -> None:
@@ -170,9 +171,9 @@ def test_history_counting_reuses_the_cache_for_seen_messages() -> None:
 
     counter = CachedCounter(ExactCounter("o200k", "o200k_base"))
     convo = [Message(role="user" if i % 2 else "assistant", content=f"turn {i}: " + "words " * 50) for i in range(20)]
-    fmt.history_counted(counter, convo)
+    count.history_counted(counter, convo)
     misses = counter.misses
-    fmt.history_counted(counter, [*convo, Message(role="user", content="one more question")])
+    count.history_counted(counter, [*convo, Message(role="user", content="one more question")])
     # Only the new message was tokenized: with its newline, and without (it is the last line).
     assert counter.misses == misses + 2
 
@@ -183,5 +184,5 @@ def test_last_line_is_charged_without_its_newline_too(content: str) -> None:
     "[user] |Tl|.\\n", so charging every line with its newline undercounted the last one."""
     counter = CATALOG.counter("o200k")
     msgs = [Message(role="user", content="first"), Message(role="user", content=content)]
-    text, n = fmt.history_counted(counter, msgs)
-    assert n >= counter.count(text)
+    history = count.history_counted(counter, msgs)
+    assert history.tokens >= counter.count(history.text)

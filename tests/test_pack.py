@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import pack as pack_mod
+from ibex_context.pipeline import swaps
+from ibex_context.pipeline.knapsack import knapsack
 from ibex_context.pipeline.pack import MAX_CONSECUTIVE_SKIPS, pack
 from ibex_context.pipeline.types import MemoryHit, PackResult, ScoredMemory
 
@@ -266,7 +267,7 @@ def test_knapsack_table_is_exact(items: list[tuple[int, int]], capacity: int) ->
     """The banded in-place DP against brute force on integer weights and values."""
     weights = np.array([w for w, _ in items], dtype=np.int64)
     values = np.array([v for _, v in items], dtype=np.int64)
-    taken = pack_mod._knapsack(weights, values, capacity)
+    taken = knapsack(weights, values, capacity)
     assert int(weights[taken].sum()) <= capacity
     best = max(
         sum(v for (w, v), keep in zip(items, mask, strict=True) if keep)
@@ -282,10 +283,10 @@ def test_knapsack_checks_over_capacity_answers_on_exact_tokens() -> None:
     tokens = np.array([15, 15, 11], dtype=np.int64)
     weights = -(-tokens // 10)
     values = np.array([5, 4, 3], dtype=np.int64)
-    assert pack_mod._knapsack(weights, values, 4).tolist() == [True, True, False]  # bucketed only
-    exact = pack_mod._knapsack(weights, values, 4, tokens=tokens, limit=41, bucket=10)
+    assert knapsack(weights, values, 4).tolist() == [True, True, False]  # bucketed only
+    exact = knapsack(weights, values, 4, tokens=tokens, limit=41, bucket=10)
     assert exact.tolist() == [True, True, True]
-    tight = pack_mod._knapsack(weights, values, 4, tokens=tokens, limit=40, bucket=10)
+    tight = knapsack(weights, values, 4, tokens=tokens, limit=40, bucket=10)
     assert tight.tolist() == [True, True, False]  # 41 > 40: falls back to the answer that fits
 
 
@@ -293,11 +294,11 @@ def test_repair_drops_lowest_score_per_token_until_it_fits() -> None:
     t = np.array([100, 400, 300, 50], dtype=np.int64)
     v = np.array([0.9, 0.5, 0.8, 0.1], dtype=np.float64)
     chosen = np.ones(4, dtype=np.bool_)  # 850 tokens into 600
-    pack_mod._repair(chosen, t, v, 600)
+    swaps.repair(chosen, t, v, 600)
     # ratios: 0.009, 0.00125, 0.00267, 0.002 -> drop 400 (enough)
     assert chosen.tolist() == [True, False, True, True]
     untouched = np.array([True, False, False, True])
-    pack_mod._repair(untouched, t, v, 600)
+    swaps.repair(untouched, t, v, 600)
     assert untouched.tolist() == [True, False, False, True]
 
 
@@ -305,5 +306,5 @@ def test_improve_finds_one_for_two_swap() -> None:
     t = np.array([600, 350, 350], dtype=np.int64)
     v = np.array([0.9, 0.6, 0.6], dtype=np.float64)
     chosen = np.array([True, False, False])
-    pack_mod._improve(chosen, t, v, 700)
+    swaps.improve(chosen, t, v, 700)
     assert chosen.tolist() == [False, True, True]

@@ -78,7 +78,7 @@ def _req(org: str = "acme", deadline_s: float = 5.0, **over: Any) -> AssembleReq
 
 async def _run(a: Assembler, req: AssembleRequest | None = None, deadline_s: float = 5.0) -> AssembleResponse:
     req = req or _req(deadline_s=deadline_s)
-    return await a.assemble(req, deadline_ns=time.monotonic_ns() + int(deadline_s * 1e9))
+    return await a.assemble(req, deadline_mono_ns=time.monotonic_ns() + int(deadline_s * 1e9))
 
 
 def _statuses(resp: AssembleResponse) -> dict[str, str]:
@@ -230,7 +230,7 @@ async def test_expired_request_stops_before_any_stage(make: Any) -> None:
     a = make()
     req = _req()
     with pytest.raises(DeadlineExceeded):
-        await a.assemble(req, deadline_ns=time.monotonic_ns() - 1)
+        await a.assemble(req, deadline_mono_ns=time.monotonic_ns() - 1)
     assert a.stats["packing"] == 0
 
 

@@ -1,4 +1,4 @@
-"""Retrieval: exactly three concurrent branches under one wall (spec: milestone-parallel-retrieval).
+"""Retrieval: exactly three concurrent branches under one wall (README "Processes and data flow").
 
     directive  Redis  {org_id}:directive:{agent_id}          5 ms
     hot        GET  /v1/memories/hot     (memory service)   15 ms
@@ -11,7 +11,7 @@ wall); they are parked in a set and reaped by a done-callback.
 
 Security: every call is scoped to the request's org (the Redis key, and an org-bound bearer token
 for the memory service). A failed branch yields nothing: no fallback query, no other tenant's data,
-no invented memory.
+no invented memory. What a hit must look like is ``pipeline.hits`` (one memory-hit contract).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,15 +27,14 @@ from typing import Any, Literal
 import aiohttp
 from redis.asyncio import Redis
 
-from ibex_context.pipeline.types import MemoryHit, Rejection, Source, memory_id_problem
+from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, to_hit
+from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.directives import get_directive
-from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome
+from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome, Source
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.tenancy import mint_org_token
 
 log = logging.getLogger(__name__)
-
-MAX_CATEGORY_LEN = 64
 
 
 class MalformedResponse(Exception):
@@ -53,27 +51,6 @@ class MemoryServiceStatus(Exception):
 
 class ConnectError(ConnectionError):
     """The memory service could not be reached (refused, unreachable, or DNS)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RetrievalResult:
-    directive: str | None
-    directive_version: int | None
-    hot: tuple[MemoryHit, ...]
-    cold: tuple[MemoryHit, ...]
-    candidates: tuple[MemoryHit, ...]  # hot + cold, merged and de-duplicated
-    rejections: tuple[Rejection, ...]  # duplicates, over-cap and malformed hits
-    outcomes: dict[BranchName, BranchOutcome]
-    sources_available: frozenset[str]
-    wall_ms: float
-
-    @property
-    def degraded_reasons(self) -> list[str]:
-        return [
-            f"{name} {o.status}" + (f": {o.error_class}" if o.error_class else "")
-            for name, o in self.outcomes.items()
-            if o.status in ("timeout", "error")
-        ]
 
 
 @dataclass
@@ -110,68 +87,15 @@ def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], 
     for i, raw in enumerate(doc["memories"]):
         mid = raw.get("memory_id") if isinstance(raw, dict) else None
         mid_s = mid if isinstance(mid, str) and memory_id_problem(mid) is None else f"<{source}#{i}>"
-        problem = _hit_problem(raw)
+        problem = hit_problem(raw)
         if problem:
             rejects.append(Rejection(mid_s, source, "malformed", f"{source} hit {i}: {problem}"))
             continue
         if len(hits) >= cap:
-            rejects.append(_over_cap(mid_s, source, cap))
+            rejects.append(over_cap(mid_s, source, cap))
             continue
-        hits.append(MemoryHit(
-            memory_id=raw["memory_id"], content=raw["content"], category=raw["category"],
-            similarity=float(raw["similarity"]), confidence=float(raw["confidence"]),
-            rank=int(raw["rank"]), source=source,
-        ))
+        hits.append(to_hit(raw, source))
     return hits, rejects
-
-
-def _over_cap(memory_id: str, source: Source, cap: int) -> Rejection:
-    return Rejection(memory_id, source, "over_cap", f"beyond the {source} cap of {cap} hits")
-
-
-def _hit_problem(raw: object) -> str | None:
-    if not isinstance(raw, dict):
-        return "not an object"
-    id_problem = memory_id_problem(raw.get("memory_id"))  # the identifier alphabet, not just non-empty
-    if id_problem is not None:
-        return id_problem
-    if not isinstance(raw.get("content"), str):
-        return "content must be a string"
-    cat = raw.get("category")
-    if not isinstance(cat, str) or len(cat) > MAX_CATEGORY_LEN:
-        return "category must be a short string"
-    for key in ("similarity", "confidence"):
-        v = raw.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return f"{key} must be a number"
-    rank = raw.get("rank")
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        return "rank must be an integer"
-    return None
-
-
-def merge_hits(hot: list[MemoryHit], cold: list[MemoryHit]) -> tuple[list[MemoryHit], list[Rejection]]:
-    """Merge by memory_id; the copy with the better similarity wins (hot on ties)."""
-    best: dict[str, MemoryHit] = {}
-    rejects: list[Rejection] = []
-    for hit in [*hot, *cold]:
-        prev = best.get(hit.memory_id)
-        if prev is None:
-            best[hit.memory_id] = hit
-            continue
-        keep, drop = (hit, prev) if _better(hit, prev) else (prev, hit)
-        best[hit.memory_id] = keep
-        rejects.append(Rejection(
-            drop.memory_id, drop.source, "duplicate",
-            f"also returned by {keep.source} with similarity {keep.similarity:.4g}; that copy was kept",
-        ))
-    return list(best.values()), rejects
-
-
-def _better(a: MemoryHit, b: MemoryHit) -> bool:
-    sa = a.similarity if math.isfinite(a.similarity) else -1.0
-    sb = b.similarity if math.isfinite(b.similarity) else -1.0
-    return sa > sb
 
 
 class Retriever:
@@ -247,9 +171,9 @@ class Retriever:
 
     # ------------------------------------------------------------------------------- branches
 
-    async def _directive(self, req: AssembleRequest) -> tuple[str | None, int | None]:
+    async def _directive(self, req: AssembleRequest) -> str | None:
         env = await get_directive(self.redis, req.org_id, req.agent_id)
-        return (env.text, env.version) if env is not None else (None, None)
+        return env.text if env is not None else None
 
     async def _fetch(self, method: str, path: str, org_id: str, **kw: Any) -> bytes:
         limit = self.settings.memory_max_response_bytes
@@ -324,7 +248,7 @@ class Retriever:
                     br = branches[_task_branch(task)]
                     br.status, br.error_class = "timeout", "WallExceeded"
                     br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
-            return self._result(branches, (time.monotonic_ns() - t0) / 1e6)
+            return _result(branches)
 
         return wait
 
@@ -352,48 +276,19 @@ class Retriever:
         finally:
             br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
 
-    def _result(self, branches: dict[BranchName, _Branch], wall_ms: float) -> RetrievalResult:
-        d = branches["directive"]
-        directive, version = d.value if d.status == "success" else (None, None)
-        hot, hot_rej = branches["hot"].value if branches["hot"].status == "success" else ([], [])
-        cold, cold_rej = branches["cold"].value if branches["cold"].status == "success" else ([], [])
-        merged, dup_rej = merge_hits(hot, cold)
-        counts = {"directive": int(directive is not None), "hot": len(hot), "cold": len(cold)}
-        outcomes: dict[BranchName, BranchOutcome] = {
-            name: br.outcome(counts[name]) for name, br in branches.items()
-        }
-        return RetrievalResult(
-            directive=directive, directive_version=version, hot=tuple(hot), cold=tuple(cold),
-            candidates=tuple(merged), rejections=tuple([*hot_rej, *cold_rej, *dup_rej]),
-            outcomes=outcomes,
-            sources_available=frozenset(n for n, br in branches.items() if br.status == "success"),
-            wall_ms=wall_ms,
-        )
-
-
 def _task_branch(task: asyncio.Task[Any]) -> BranchName:
     name = task.get_name().removeprefix("retrieve-")
     assert name in ("directive", "hot", "cold")
     return name  # type: ignore[return-value]
 
 
-def offline_result(
-    *, directive: str | None, hot: list[MemoryHit], cold: list[MemoryHit],
-    hot_cap: int = 20, cold_cap: int = 50,
-) -> RetrievalResult:
-    """A RetrievalResult from given hits, for ``ibex-context explain`` (no I/O happens)."""
-    rejects: list[Rejection] = []
-    for hits, cap in ((hot, hot_cap), (cold, cold_cap)):
-        for extra in hits[cap:]:
-            rejects.append(_over_cap(extra.memory_id, extra.source, cap))
-    hot, cold = hot[:hot_cap], cold[:cold_cap]
-    merged, dup = merge_hits(hot, cold)
-    ok = BranchOutcome(status="success", elapsed_ms=0.0)
-    return RetrievalResult(
-        directive=directive, directive_version=None, hot=tuple(hot), cold=tuple(cold),
-        candidates=tuple(merged), rejections=tuple([*rejects, *dup]),
-        outcomes={"directive": ok.model_copy(update={"count": int(directive is not None)}),
-                  "hot": ok.model_copy(update={"count": len(hot)}),
-                  "cold": ok.model_copy(update={"count": len(cold)})},
-        sources_available=frozenset({"directive", "hot", "cold"}), wall_ms=0.0,
-    )
+def _result(branches: dict[BranchName, _Branch]) -> RetrievalResult:
+    """What the pipeline gets: each successful branch's hits and refusals, every branch's outcome."""
+    d = branches["directive"]
+    directive = d.value if d.status == "success" else None
+    hot, hot_rej = branches["hot"].value if branches["hot"].status == "success" else ([], [])
+    cold, cold_rej = branches["cold"].value if branches["cold"].status == "success" else ([], [])
+    counts = {"directive": int(directive is not None), "hot": len(hot), "cold": len(cold)}
+    outcomes: dict[BranchName, BranchOutcome] = {name: br.outcome(counts[name]) for name, br in branches.items()}
+    return RetrievalResult(directive=directive, hot=tuple(hot), cold=tuple(cold),
+                           rejections=tuple([*hot_rej, *cold_rej]), outcomes=outcomes)

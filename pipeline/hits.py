@@ -1,0 +1,124 @@
+"""The memory-hit contract, written once: what a hit from the memory service must look like.
+
+One object of the memory service's ``{"memories": [...]}`` answer (README "Backing services") is
+a hit when it has every field of ``HIT_FIELDS`` with these limits, the same ones the memory
+service stores memories under (README "Degradation and security": a write cannot break reads):
+
+* ``memory_id``: an identifier, ``[A-Za-z0-9_.-]{1,64}`` (the wire's ``IDENT_CHARS``);
+* ``content``: a string of at most ``MAX_CONTENT_CHARS`` characters;
+* ``category``: a string of at most ``MAX_CATEGORY_CHARS`` characters;
+* ``similarity`` and ``confidence``: numbers (not booleans). Whether they are finite and in
+  [0, 1] is the scorer's to say, as an ``invalid_score`` decision with a reason (README "Scoring
+  and packing"): one bad score must cost that memory only, and show up as such;
+* ``rank``: an integer >= 0 (the service numbers from 1; 0 is accepted so hand-written
+  ``explain`` inputs stay valid).
+
+The worker's retriever refuses a hit that breaks the contract as ``malformed``; ``ops explain``
+refuses its input file; both build ``MemoryHit`` only through ``to_hit``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
+from ibex_context.shared.models import IDENT_CHARS, BranchOutcome, Source
+
+HIT_FIELDS: Final = ("memory_id", "content", "category", "similarity", "confidence", "rank")
+MAX_CONTENT_CHARS: Final = 64_000  # the memory service's limit on a stored memory
+MAX_CATEGORY_CHARS: Final = 64
+_MEMORY_ID: Final = re.compile(IDENT_CHARS)
+
+
+def memory_id_problem(memory_id: object) -> str | None:
+    """Why ``memory_id`` breaks the memory-hit contract, or None when it is a valid identifier.
+
+    An empty or odd id cannot name a memory in decisions, caches or the rendered block, so the hit
+    is refused as ``malformed`` (README "Scoring and packing") rather than packed under it.
+    """
+    if not isinstance(memory_id, str):
+        return f"memory_id must be a string, got {type(memory_id).__name__}"
+    if _MEMORY_ID.fullmatch(memory_id) is None:
+        return f"memory_id {memory_id[:80]!r} must be 1-64 characters of [A-Za-z0-9_.-]"
+    return None
+
+
+def _is_number(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float)
+
+
+def shape_problem(raw: object) -> str | None:
+    """Why ``raw`` is not a hit, the memory_id's alphabet aside; None when every field is sound.
+
+    The alphabet is left to ``memory_id_problem`` because ``explain`` lets the scorer report a bad
+    id as a ``malformed`` decision, where the retriever refuses it at once.
+    """
+    if not isinstance(raw, Mapping):
+        return "not an object"
+    missing = [f for f in HIT_FIELDS if f not in raw]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if not isinstance(raw["memory_id"], str):
+        return memory_id_problem(raw["memory_id"])
+    if not isinstance(raw["content"], str):
+        return "content must be a string"
+    if len(raw["content"]) > MAX_CONTENT_CHARS:
+        return f"content must be at most {MAX_CONTENT_CHARS} characters, got {len(raw['content'])}"
+    cat = raw["category"]
+    if not isinstance(cat, str) or len(cat) > MAX_CATEGORY_CHARS:
+        return f"category must be a string of at most {MAX_CATEGORY_CHARS} characters"
+    for key in ("similarity", "confidence"):
+        if not _is_number(raw[key]):
+            return f"{key} must be a number"
+    rank = raw["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        return "rank must be an integer >= 0"
+    return None
+
+
+def hit_problem(raw: object) -> str | None:
+    """Why ``raw`` breaks the whole contract (its id first), or None."""
+    if isinstance(raw, Mapping) and "memory_id" in raw:
+        id_problem = memory_id_problem(raw["memory_id"])
+        if id_problem is not None:
+            return id_problem
+    return shape_problem(raw)
+
+
+def to_hit(raw: Mapping[str, Any], source: Source) -> MemoryHit:
+    """The ``MemoryHit`` of a mapping that passed ``shape_problem``."""
+    return MemoryHit(
+        memory_id=raw["memory_id"], content=raw["content"], category=raw["category"],
+        similarity=float(raw["similarity"]), confidence=float(raw["confidence"]),
+        rank=int(raw["rank"]), source=source,
+    )
+
+
+def over_cap(memory_id: str, source: Source, cap: int) -> Rejection:
+    return Rejection(memory_id, source, "over_cap", f"beyond the {source} cap of {cap} hits")
+
+
+def offline_result(
+    *, directive: str | None, hot: list[MemoryHit], cold: list[MemoryHit],
+    hot_cap: int = 20, cold_cap: int = 50,
+) -> RetrievalResult:
+    """A RetrievalResult from given hits (``ops explain``, benchmarks): each branch succeeded and
+    kept at most its cap, as the retriever would have (no I/O happens)."""
+    rejects = [over_cap(extra.memory_id, extra.source, cap)
+               for hits, cap in ((hot, hot_cap), (cold, cold_cap)) for extra in hits[cap:]]
+    hot, cold = hot[:hot_cap], cold[:cold_cap]
+    ok = BranchOutcome(status="success", elapsed_ms=0.0)
+    return RetrievalResult(
+        directive=directive, hot=tuple(hot), cold=tuple(cold), rejections=tuple(rejects),
+        outcomes={"directive": ok.model_copy(update={"count": int(directive is not None)}),
+                  "hot": ok.model_copy(update={"count": len(hot)}),
+                  "cold": ok.model_copy(update={"count": len(cold)})},
+    )
+
+
+def failed_result(directive: str | None, outcome: BranchOutcome) -> RetrievalResult:
+    """A RetrievalResult where every branch failed with ``outcome`` (the client's degraded path)."""
+    return RetrievalResult(directive=directive, hot=(), cold=(), rejections=(),
+                           outcomes={"directive": outcome, "hot": outcome, "cold": outcome})
