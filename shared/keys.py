@@ -16,6 +16,7 @@ separator and name a key in another tenant's namespace. A bad identifier raises 
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 from ibex_context.shared.models import IDENT_CHARS
 
@@ -23,7 +24,7 @@ IDENT_PATTERN = f"^{IDENT_CHARS}$"  # as written in error messages
 _IDENT = re.compile(IDENT_CHARS)
 
 
-def is_ident(value: object) -> bool:
+def is_ident(value: object) -> TypeGuard[str]:
     """True when ``value`` may be an org, agent, memory or embedder id inside a key."""
     return isinstance(value, str) and _IDENT.fullmatch(value) is not None
 
