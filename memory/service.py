@@ -1,0 +1,181 @@
+"""The running memory service's state: config, embedder, Redis client, faults, per-org limiter
+and counters, plus the bounded answer every read returns (README: Degradation and security).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ibex_context.memory import store
+from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.embed import Embedder, Vectors
+from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
+from ibex_context.memory.http import ApiError, error_response
+from ibex_context.memory.models import MemoryRecord
+from ibex_context.memory.store import RecordHealth
+from ibex_context.shared.tenancy import bearer_token, verify_org_token
+
+log = logging.getLogger(__name__)
+
+
+class OrgLimiter:
+    """At most ``limit`` requests of one org inside ``hold`` at once; the rest of that org waits.
+
+    Other orgs never queue behind it, so a tenant sending many expensive searches slows itself,
+    not its neighbours. Idle orgs leave no state behind.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._sems: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    @asynccontextmanager
+    async def hold(self, org: str) -> AsyncIterator[None]:
+        entry = self._sems.get(org)
+        if entry is None:
+            entry = self._sems[org] = (asyncio.Semaphore(self._limit), [0])
+        sem, users = entry
+        users[0] += 1
+        try:
+            async with sem:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._sems[org]
+
+    def __len__(self) -> int:
+        return len(self._sems)
+
+
+class MemoryService:
+    """State of one running service: config, embedder, Redis client, faults, clock, counters."""
+
+    def __init__(self, config: MemoryConfig, embedder: Embedder, *, enable_faults: bool,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.embedder = embedder
+        self.faults = Faults() if enable_faults else None
+        self.clock = clock
+        self._redis: Redis | None = None
+        self.index_cache = store.IndexCache()
+        self.health = RecordHealth()
+        self.limiter = OrgLimiter(config.max_concurrent_per_org)
+        self.queries_truncated = 0
+        self.embeds_offloaded = 0
+        self.answers_trimmed = 0
+
+    @property
+    def redis(self) -> Redis:
+        if self._redis is None:
+            raise ApiError(503, "memory store not connected")
+        return self._redis
+
+    async def open(self) -> None:
+        if not self.config.redis_url:
+            raise RuntimeError("MemoryConfig.redis_url is not set")
+        timeout_s = self.config.redis_timeout_ms / 1000.0
+        # One immediate retry (a pooled connection may be stale after a Redis restart), no
+        # backoff: callers run on 15-45 ms budgets and need a fast 503, not a slow success.
+        self._redis = Redis.from_url(
+            self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+        )
+        load = getattr(self.embedder, "load", None)
+        if callable(load):
+            await run_in_threadpool(load)
+
+    async def close(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    async def embed(self, texts: Sequence[str]) -> Vectors:
+        """Embed on the loop when cheap; in a worker thread when the embedder or the text is large."""
+        if self.embedder.blocking or sum(map(len, texts)) > self.config.offload_chars:
+            self.embeds_offloaded += 1
+            return await run_in_threadpool(self.embedder.embed, texts)
+        return self.embedder.embed(texts)
+
+    def query_text(self, query: str) -> str:
+        """The part of a search query that is embedded and matched (``max_query_chars``)."""
+        cap = self.config.max_query_chars
+        if len(query) <= cap:
+            return query
+        self.queries_truncated += 1
+        return query[:cap]
+
+    def answer(self, found: Sequence[tuple[MemoryRecord, float]], where: str) -> Response:
+        """``{"memories": [hit, ...]}`` for (record, similarity) pairs, best first.
+
+        Total and bounded: a record that cannot be rendered is skipped and counted (the ranks stay
+        1, 2, 3, ...), and the list ends before the hit that would take the body over
+        ``max_answer_bytes``. Each hit is encoded once, the way ``JSONResponse`` would.
+        """
+        parts: list[bytes] = []
+        size = len(_ANSWER_HEAD) + len(_ANSWER_TAIL)
+        for rec, similarity in found:
+            try:
+                part = _json_bytes(rec.hit(similarity=similarity, rank=len(parts) + 1))
+            except (ValueError, OverflowError) as exc:
+                self.health.skip(f"{where}/{rec.memory_id}", f"cannot render: {exc}")
+                continue
+            size += len(part) + (1 if parts else 0)
+            if size > self.config.max_answer_bytes:
+                self.answers_trimmed += 1
+                log.warning("answer for %s trimmed to %d of %d hits (max_answer_bytes %d)", where, len(parts),
+                            len(found), self.config.max_answer_bytes)
+                break
+            parts.append(part)
+        return Response(_ANSWER_HEAD + b",".join(parts) + _ANSWER_TAIL, media_type="application/json")
+
+    def org_of(self, request: Request) -> str:
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            raise ApiError(401, "missing bearer token: send Authorization: Bearer <org token>")
+        org = verify_org_token(self.config.secret, token)
+        if org is None:
+            raise ApiError(401, "invalid bearer token")
+        return org
+
+    async def fault_response(self, request: Request, endpoint: str) -> Response | None:
+        """The injected fault's response, ``None`` to serve normally (after any latency)."""
+        spec = self.faults.get(endpoint) if self.faults is not None else None
+        if spec is None:
+            return None
+        if spec.latency_ms > 0:
+            await asyncio.sleep(spec.latency_ms / 1000.0)
+        if spec.drop:
+            client = (request.client.host, request.client.port) if request.client else None
+            if await drop_connection(client):
+                log.info("fault: dropped the connection of %s without a response", client)
+                return Response(status_code=499)  # never sent: the connection is gone
+            return error_response(500, "injected drop (connection not found; in-process app?)")
+        if spec.status is not None:
+            return error_response(spec.status, f"injected fault: status {spec.status}")
+        if spec.malformed:
+            return Response(MALFORMED_BODY, media_type="application/json")
+        if spec.huge:
+            return Response(huge_body(spec.huge_bytes), media_type="application/json")
+        return None
+
+
+_ANSWER_HEAD = b'{"memories":['
+_ANSWER_TAIL = b"]}"
+
+
+def _json_bytes(doc: dict[str, Any]) -> bytes:
+    """JSON exactly as Starlette's ``JSONResponse`` renders it."""
+    return json.dumps(doc, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
