@@ -54,8 +54,10 @@ def interim_score(similarity: float, confidence: float) -> float:
 
 def _copy_problem(hit: MemoryHit) -> str | None:
     """Why this copy's numbers cannot be scored, or None."""
-    problems = [p for p in (_unit_problem("similarity", hit.similarity), _unit_problem("confidence", hit.confidence))
-                if p is not None]
+    s, c = hit.similarity, hit.confidence
+    if type(s) is float and type(c) is float and 0.0 <= s <= 1.0 and 0.0 <= c <= 1.0:
+        return None  # the usual case, decided without a call (NaN fails the comparisons)
+    problems = [p for p in (_unit_problem("similarity", s), _unit_problem("confidence", c)) if p is not None]
     return "; ".join(problems) or None
 
 
