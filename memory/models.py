@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
 from ibex_context.memory.rank import CATEGORIES, DEFAULT_MIN_SIMILARITY
+from ibex_context.pipeline.hits import MAX_CONTENT_CHARS  # one memory-hit contract: stored as read
 from ibex_context.shared.models import Ident
 
-MAX_CONTENT_CHARS = 64_000
 MAX_QUERY_CHARS = 100_000
 HOT_LIMIT_MAX = 20
 SEARCH_LIMIT_MAX = 50
