@@ -1,4 +1,4 @@
-"""BudgetCalculator properties and edges (spec: ranking-and-packing.md, Budget calculation)."""
+"""Budget properties and edges (README "Budget and token counting")."""
 
 from __future__ import annotations
 

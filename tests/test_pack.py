@@ -1,4 +1,4 @@
-"""Packer v2 (spec: ranking-and-packing.md "Packing"; milestone-packer-v2.md).
+"""The packer (README "Scoring and packing").
 
 Properties, not examples: the budget holds on exact tokens, the answer does not depend on input
 order, it is never worse than greedy and close to (usually equal to) a brute-force optimum.

@@ -1,4 +1,4 @@
-"""Scoring stage (spec: ranking-and-packing.md, "Context packer score")."""
+"""Scoring stage: the interim score and one decision per memory (README "Scoring and packing")."""
 
 from __future__ import annotations
 
