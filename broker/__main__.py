@@ -10,10 +10,10 @@ import signal
 import sys
 from typing import Any
 
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import BrokerSettings
 
 
-def _secure(settings: Settings, ctx: Any, endpoints: list[str]) -> tuple[Any, dict[str, Any]]:
+def _secure(settings: BrokerSettings, ctx: Any, endpoints: list[str]) -> tuple[Any, dict[str, Any]]:
     """CURVE + ZAP when a keys file is set (README, Authentication); otherwise refuse any endpoint
     another host could reach. Returns the running authenticator (or None) and the Broker options;
     raises AuthConfigError with a one-line reason before anything is bound."""
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port-file", default=None,
                     help="after binding, write the bound frontend and backend endpoints here (one a line)")
     args = ap.parse_args(argv)
-    settings = Settings()
+    settings = BrokerSettings()
     from ibex_context.shared.observability import setup_logging
 
     setup_logging(settings.log_level, "broker")

@@ -36,7 +36,7 @@ from ibex_context.shared.codec import Envelope, peek_envelope
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded, Unavailable
 from ibex_context.shared.loopsock import readable, recv_frames, recv_message
 from ibex_context.shared.models import ErrorReply
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ __all__ = ["Authorizer", "Broker", "Key", "Pending", "WorkerState"]
 
 
 class Broker(WorkerTable):
-    def __init__(self, *, settings: Settings, frontend: str | None = None, backend: str | None = None,
+    def __init__(self, *, settings: BrokerSettings, frontend: str | None = None, backend: str | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None, authorizer: Authorizer | None = None,
                  configure_frontend: Callable[[zmq.Socket[bytes]], None] | None = None,
                  configure_backend: Callable[[zmq.Socket[bytes]], None] | None = None) -> None:

@@ -21,7 +21,7 @@ from ibex_context.shared.codec import Envelope, encode_error
 from ibex_context.shared.errors import IbexError
 from ibex_context.shared.loopsock import send_frames
 from ibex_context.shared.models import ErrorReply
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class WorkerState:
 class BrokerBase:
     """Tables, counters and sends; no socket is made here (``Broker.__init__`` makes them)."""
 
-    settings: Settings
+    settings: BrokerSettings
     front: zmq.Socket[bytes]
     back: zmq.Socket[bytes]
     hb_ns: int

@@ -91,7 +91,7 @@ class AsyncClient:
             from ibex_context.shared import auth
 
             try:
-                configure_socket = auth.curve_client_for("client", settings)
+                configure_socket = auth.curve_client_for(settings.client_key_file, settings, role="client")
             except auth.MissingBrokerKey as exc:
                 raise InvalidRequest(str(exc), field="broker_public_key") from None
         self.configure_socket = configure_socket

@@ -32,12 +32,12 @@ from ibex_context.memory.faults import TrackingH11Protocol, TrackingHttpToolsPro
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
 from ibex_context.shared.netloc import is_loopback_host
 from ibex_context.shared.observability import setup_logging
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import MemoryServiceSettings
 
 log = logging.getLogger(__name__)
 
 
-def _parser(settings: Settings) -> argparse.ArgumentParser:
+def _parser(settings: MemoryServiceSettings) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ibex_context.memory.server", description="Reference memory service.")
     ap.add_argument("--host", default=settings.memory_host)
     ap.add_argument("--port", type=int, default=settings.memory_port, help="0 picks a free port")
@@ -90,7 +90,7 @@ def write_port_file(path: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = Settings()
+    settings = MemoryServiceSettings()
     args = _parser(settings).parse_args(argv)
     # The same log setup as broker and workers, so IBEX_LOG_FORMAT=json holds here too (README: Observability).
     setup_logging(args.log_level.upper(), "memory")

@@ -16,7 +16,7 @@ import zmq
 from zmq.utils import z85
 
 from ibex_context.shared.keys import is_ident
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import CommonSettings
 
 FRONT_DOMAIN = "ibex-front"
 BACK_DOMAIN = "ibex-back"
@@ -152,11 +152,12 @@ class MissingBrokerKey(AuthConfigError):
     """A client or worker key file is set but the broker's public key is not."""
 
 
-def curve_client_for(role: str, settings: Settings) -> Callable[[zmq.Socket[Any]], None] | None:
-    """The CURVE client setup of a ``client`` or ``worker`` from its settings, or None when its key
-    file is unset (README: Authentication (CURVE + ZAP)). Raises ``MissingBrokerKey`` when the key
-    file is set without ``IBEX_BROKER_PUBLIC_KEY``, ``AuthConfigError`` for an unreadable key."""
-    key_file = settings.client_key_file if role == "client" else settings.worker_key_file
+def curve_client_for(key_file: str | None, settings: CommonSettings, *,
+                     role: str) -> Callable[[zmq.Socket[Any]], None] | None:
+    """The CURVE client setup of a ``client`` or ``worker`` from its key file and the broker's
+    public key, or None when the key file is unset (README: Authentication (CURVE + ZAP)). Raises
+    ``MissingBrokerKey`` when the key file is set without ``IBEX_BROKER_PUBLIC_KEY``,
+    ``AuthConfigError`` for an unreadable key."""
     if not key_file:
         return None
     if not settings.broker_public_key:

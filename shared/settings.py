@@ -1,6 +1,9 @@
-"""One settings object per process, read from ``IBEX_*`` environment variables.
+"""Settings per process role, read from ``IBEX_*`` environment variables (README: Settings).
 
-Every field is documented in the README table (keep them in step). Times are milliseconds on the
+Each process reads the view it needs: ``BrokerSettings``, ``WorkerSettings``, ``ClientSettings``,
+``MemoryServiceSettings``, all on ``CommonSettings``; ``Settings`` is their union, for the ops
+CLI, the stack launcher and the client's local fallback (which runs the worker's pipeline). Every
+field is documented in the README table (keep them in step). Times are milliseconds on the
 environment surface and are converted to nanoseconds once by the code that uses them.
 """
 
@@ -20,14 +23,70 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class Settings(BaseSettings):
+class CommonSettings(BaseSettings):
+    """What every process reads: its log level, the request size limit, the broker's public key."""
+
     model_config = SettingsConfigDict(env_prefix="IBEX_", extra="ignore", frozen=True, populate_by_name=True)
 
-    # -- deadlines (spec: ranking-and-packing.md, Retrieval) --------------------------------
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request payload the service accepts.")
+    broker_public_key: str | None = Field(None, description="Clients and workers: broker public key or file.")
+    log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.upper()
+        if v not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError("log_level must be DEBUG, INFO, WARNING or ERROR")
+        return v
+
+
+class _LinkSettings(CommonSettings):
+    """The broker <-> worker link: both ends must agree on these."""
+
+    broker_backend: str = "tcp://127.0.0.1:5556"
+    # A reply carries the history twice (``rendered`` and ``sections``) plus memories and
+    # decisions, so it may legitimately be larger than its request: 4x by default. The worker
+    # checks every reply against this before sending and answers a typed error instead; the
+    # broker's backend accepts messages up to it, so no reply can ever disconnect a worker.
+    max_reply_bytes: int = Field(4 << 20, ge=64 << 10, description="Largest reply a worker sends.")
+    heartbeat_interval_ms: int = Field(1000, ge=10)
+    heartbeat_liveness: int = Field(3, ge=1)
+
+
+class _TimeoutSettings(CommonSettings):
     context_timeout_ms: float = Field(
         45.0, gt=0, validation_alias=AliasChoices("IBEX_CONTEXT_TIMEOUT", "IBEX_CONTEXT_TIMEOUT_MS"),
         description="Client-side retrieval timeout; the outer wall is min(this, deadline_ms).",
     )
+
+
+class BrokerSettings(_LinkSettings):
+    broker_frontend: str = "tcp://127.0.0.1:5555"
+    queue_max: int = Field(1024, ge=1)
+    # -- authentication (CURVE + ZAP; README: Authentication) --------------------------------
+    auth_keys_file: str | None = Field(None, description="Broker: keys file mapping client keys to orgs.")
+    broker_key_file: str | None = Field(None, description="Broker: its own CURVE keypair file.")
+    metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the Prometheus endpoint.")
+
+
+class ClientSettings(_TimeoutSettings):
+    broker_endpoints: str = Field(
+        "tcp://127.0.0.1:5555", description="Comma-separated frontends the client and CLI talk to."
+    )
+    client_key_file: str | None = Field(None, description="Client library and CLI: the caller's keypair file.")
+
+    def endpoints(self) -> list[str]:
+        return [e.strip() for e in self.broker_endpoints.split(",") if e.strip()]
+
+
+class MemoryServiceSettings(CommonSettings):
+    memory_host: str = "127.0.0.1"
+    memory_port: int = Field(8765, ge=0, le=65535)
+
+
+class WorkerSettings(_LinkSettings, _TimeoutSettings):
+    # -- deadlines (README: Deadlines) ---------------------------------------------------------
     context_deadline_ms: float = Field(40.0, gt=0, description="Server-side retrieval deadline.")
     directive_timeout_ms: float = Field(5.0, gt=0)
     hot_timeout_ms: float = Field(15.0, gt=0)
@@ -39,13 +98,13 @@ class Settings(BaseSettings):
     post_retrieval_reserve_ms: float = Field(3.0, ge=0)
     max_reply_reserve_ms: float = Field(10.0, ge=0, description="Cap on the measured post-retrieval reserve.")
 
-    # -- budget policy -----------------------------------------------------------------------
+    # -- budget policy -------------------------------------------------------------------------
     response_reserve_fraction: float = Field(0.15, gt=0, lt=1)
     constrained_below_tokens: int = Field(256, ge=0)
     catalog_path: str | None = Field(None, description="Override the bundled model catalog JSON.")
     token_cache_entries: int = Field(65536, ge=0)
 
-    # -- backing services --------------------------------------------------------------------
+    # -- backing services ----------------------------------------------------------------------
     redis_url: str | None = Field(None, description="Unset: an embedded redis-server is started.")
     memory_url: str = "http://127.0.0.1:8765"
     memory_secret: str = Field(
@@ -54,58 +113,28 @@ class Settings(BaseSettings):
     )
     memory_max_response_bytes: int = Field(8 << 20, ge=1024, description="Larger memory replies are an error.")
     cold_min_similarity: float = Field(0.70, ge=0.0, le=1.0, description="Retrieval-time cosine cutoff sent to search.")
-    memory_host: str = "127.0.0.1"
-    memory_port: int = Field(8765, ge=0, le=65535)
 
-    # -- broker and workers ------------------------------------------------------------------
-    broker_frontend: str = "tcp://127.0.0.1:5555"
-    broker_backend: str = "tcp://127.0.0.1:5556"
-    broker_endpoints: str = Field(
-        "tcp://127.0.0.1:5555", description="Comma-separated frontends the client and CLI talk to."
-    )
+    # -- the worker process --------------------------------------------------------------------
     broker_backends: str = Field(
         "", description="Comma-separated backends a worker connects to; empty means broker_backend."
     )
-    queue_max: int = Field(1024, ge=1)
-    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request payload the service accepts.")
-    # A reply carries the history twice (``rendered`` and ``sections``) plus memories and
-    # decisions, so it may legitimately be larger than its request: 4x by default. The worker
-    # checks every reply against this before sending and answers a typed error instead; the
-    # broker's backend accepts messages up to it, so no reply can ever disconnect a worker.
-    max_reply_bytes: int = Field(4 << 20, ge=64 << 10, description="Largest reply a worker sends.")
     workers: int = Field(default_factory=usable_cpus, ge=1)
     # Credit: requests one worker holds in flight. Measured (bench.run, 2 cores): 4 keeps goodput at
     # 2x saturation at 100 % of peak; 16 let work pile up inside workers and goodput fell to 27 %.
     worker_concurrency: int = Field(4, ge=1, description="Credit: requests one worker holds in flight.")
-    heartbeat_interval_ms: int = Field(1000, ge=10)
-    heartbeat_liveness: int = Field(3, ge=1)
     pin_cpus: bool = True
-
-    # -- authentication (CURVE + ZAP; see shared/auth.py) -------------------------------------
-    auth_keys_file: str | None = Field(None, description="Broker: keys file mapping client keys to orgs.")
-    broker_key_file: str | None = Field(None, description="Broker: its own CURVE keypair file.")
-    broker_public_key: str | None = Field(None, description="Clients and workers: broker public key or file.")
     worker_key_file: str | None = Field(None, description="Worker: its CURVE keypair file.")
-    client_key_file: str | None = Field(None, description="Client library and CLI: the caller's keypair file.")
-    metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the Prometheus endpoint.")
-    log_level: str = "INFO"
-
-    @field_validator("log_level")
-    @classmethod
-    def _level(cls, v: str) -> str:
-        v = v.upper()
-        if v not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ValueError("log_level must be DEBUG, INFO, WARNING or ERROR")
-        return v
 
     @property
     def retrieval_wall_ms(self) -> float:
-        """Spec: the outer retrieval wall is min(IBEX_CONTEXT_TIMEOUT, IBEX_CONTEXT_DEADLINE_MS)."""
+        """README, Deadlines: the outer retrieval wall is min(IBEX_CONTEXT_TIMEOUT, IBEX_CONTEXT_DEADLINE_MS)."""
         return min(self.context_timeout_ms, self.context_deadline_ms)
-
-    def endpoints(self) -> list[str]:
-        return [e.strip() for e in self.broker_endpoints.split(",") if e.strip()]
 
     def backends(self) -> list[str]:
         found = [e.strip() for e in self.broker_backends.split(",") if e.strip()]
         return found or [self.broker_backend]
+
+
+class Settings(BrokerSettings, WorkerSettings, ClientSettings, MemoryServiceSettings):
+    """Every setting: for the ops CLI and stack, tests, and the client's fallback (it runs the
+    worker's pipeline, so it reads the worker's budget settings too)."""

@@ -18,12 +18,12 @@ import sys
 from urllib.parse import urlsplit
 
 from ibex_context.shared.netloc import is_loopback_url
-from ibex_context.shared.settings import Settings, usable_cpus
+from ibex_context.shared.settings import Settings, WorkerSettings, usable_cpus
 
-DEV_MEMORY_SECRET: str = Settings.model_fields["memory_secret"].default
+DEV_MEMORY_SECRET: str = WorkerSettings.model_fields["memory_secret"].default
 
 
-def exposure_error(settings: Settings) -> str | None:
+def exposure_error(settings: WorkerSettings) -> str | None:
     """Why this worker must not talk to its memory service, or ``None`` when it may."""
     if settings.memory_secret == DEV_MEMORY_SECRET and not is_loopback_url(settings.memory_url):
         try:  # the host only: the URL may carry credentials
@@ -65,7 +65,7 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     from ibex_context.shared import auth
 
     try:
-        configure = auth.curve_client_for("worker", settings)
+        configure = auth.curve_client_for(settings.worker_key_file, settings, role="worker")
     except auth.MissingBrokerKey as exc:
         raise SystemExit(str(exc)) from None
     from ibex_context.shared.observability import WorkerMetrics

@@ -28,7 +28,7 @@ from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, In
 from ibex_context.shared.loopsock import LoopSocket
 from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.observability import WorkerMetrics
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import WorkerSettings
 from ibex_context.worker.assemble import Assembler
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class BrokerLink:
 
 
 class WorkerServer:
-    def __init__(self, *, settings: Settings, assembler: Assembler, worker_id: str,
+    def __init__(self, *, settings: WorkerSettings, assembler: Assembler, worker_id: str,
                  endpoints: list[str] | None = None, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  configure_socket: Any = None, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
