@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit("Python 3.11+ is required, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,8 +19,8 @@ install: $(STAMP)
 run: install
 	$(PY) -m ibex_context.ops.cli demo
 
-## up / down: the stack in the background under supervisord (state, logs and Redis data in .run/;
-## the data survives `make down; make up`, `make clean` removes it)
+## up / down: the stack in the background under supervisord (state, logs and Redis data in .run/,
+## or $IBEX_RUN_DIR; the data survives `make down; make up`, `make clean` removes ./.run)
 up: install
 	@$(PY) -m ibex_context.ops.cli up
 

