@@ -170,6 +170,18 @@ def test_installed_wheel_runs_the_stack_from_anywhere(wheel: Path, tmp_path: Pat
 # ----------------------------------------------------------------------- client-only install
 
 
+CLIENT_ONLY_SCRIPT = """
+import importlib.util, sys, time
+from ibex_context.client import AssembleRequest, AsyncClient, SyncClient, Unavailable, degraded_response
+req = AssembleRequest(request_id="r1", org_id="acme", agent_id="bot", model="gpt-4o", query="q",
+                      recent_messages=[{"role": "user", "content": "hello there"}], deadline_ns=time.time_ns() + 10**9)
+resp = degraded_response(req, Unavailable("no broker"))  # the client's local fallback pipeline
+assert resp.degraded and "hello there" in resp.rendered, resp
+server = [m for m in ("redis", "aiohttp", "httpx", "uvloop", "supervisor", "starlette") if importlib.util.find_spec(m)]
+sys.exit(f"server modules visible: {server}" if server else 0)
+"""
+
+
 def _base_closure(wheel: Path) -> set[str]:
     """Distributions the wheel's base requirements pull in, transitively (no extras)."""
     from packaging.requirements import Requirement
@@ -201,11 +213,8 @@ def _slim_deps(where: Path, wheel: Path) -> Path:
 def test_client_only_install_needs_no_server(wheel: Path, tmp_path: Path) -> None:
     bin_dir = _venv(tmp_path / "venv", wheel, _slim_deps(tmp_path / "deps", wheel))
     _assert_imports_from(bin_dir, tmp_path / "venv", tmp_path)
-    client = _run([bin_dir / "python", "-c", "import importlib.util, sys\n"
-                   "from ibex_context.client import AsyncClient, SyncClient\n"
-                   "from ibex_context.shared.models import AssembleRequest\n"
-                   "sys.exit(importlib.util.find_spec('redis') is not None)"], cwd=tmp_path, env=_clean_env())
-    assert client.returncode == 0, client.stderr  # the client imports, and no server dependency is there
+    client = _run([bin_dir / "python", "-c", CLIENT_ONLY_SCRIPT], cwd=tmp_path, env=_clean_env())
+    assert client.returncode == 0, client.stderr  # the client and its fallback work without any server module
     up = _run([bin_dir / "ibex-context", "up"], cwd=tmp_path, env=_clean_env(IBEX_RUN_DIR=str(tmp_path / "run")))
     assert up.returncode == 2 and up.stdout == ""
     assert up.stderr.count("\n") == 1 and up.stderr.startswith("ibex-context up: needs the server extra: "
