@@ -1,6 +1,6 @@
 """Every Redis key the service reads or writes, built in one place.
 
-Spec (milestone-parallel-retrieval.md, Additions §3): tenant scoping is enforced at the data
+README (Degradation and security): tenant scoping is enforced at the data
 layer, so each key starts with the org id. Identifiers are checked against the same safe
 alphabet as ``shared.models.Ident``: no ``:`` or whitespace, so no org or agent id can smuggle a
 separator and name a key in another tenant's namespace. A bad identifier raises ``ValueError``.
