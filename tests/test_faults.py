@@ -215,10 +215,14 @@ async def test_sigterm_drains_inflight_and_exits_zero(stack: LocalStack) -> None
     fault(stack, endpoint="search", latency_ms=300)
     worker = stack.workers[1]
     assert worker is not None
+    before = _stats(stack)
     try:
         outcomes = await load(stack, 20, timeout=4.0, inject=lambda: stack.signal_worker(1, signal.SIGTERM),
                               when=holds_work("w1"))
         assert worker.wait(15) == 0  # finished what it held, then exited cleanly
         assert outcomes["ok"] + outcomes["degraded"] == 20, outcomes  # nothing it held was lost
+        # ... and it answered them itself: the broker had nothing to redo
+        redone = _stats(stack).get("redispatched", 0) - before.get("redispatched", 0)
+        assert redone == 0, f"w1 exited holding {redone} request(s) the broker had sent it; the broker redid them"
     finally:
         stack.workers[1] = stack.start_worker(1)
