@@ -120,12 +120,14 @@ async def test_unknown_envelope_fields_are_ignored(aredis: Redis) -> None:
 
 
 async def test_bad_ids_and_text_are_refused(aredis: Redis) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^org_id must match .* \(got 'acme:x'\)$") as bad_id:
         await get_directive(aredis, "acme:x", "bot")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"not valid Unicode \(lone surrogate\)") as bad_text:
         await set_directive(aredis, "acme", "bot", "\ud800")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at most 100000 characters") as too_long:
         await set_directive(aredis, "acme", "bot", "x" * 100_001)
+    assert {e.type for e in (bad_id, bad_text, too_long)} == {ValueError}  # not a subclass
+    assert await aredis.exists(directive_key("acme", "bot")) == 0
 
 
 @pytest.mark.parametrize("text", ["", " ", "\n\t  \n"])
@@ -169,7 +171,7 @@ def test_cli_errors(redis_url: str) -> None:
     r = _cli("show", "--org", "ac:me", "--agent", "bot", url=redis_url)
     assert r.returncode == 2 and "--org" in r.stderr
     r = _cli("set", "--org", "acme", "--agent", "bot", url=redis_url)  # neither --text nor --file
-    assert r.returncode == 2
+    assert r.returncode == 2 and "one of the arguments --text --file is required" in r.stderr
     r = _cli("set", "--org", "acme", "--agent", "bot", "--file", "/nonexistent/x", url=redis_url)
     assert r.returncode == 2 and "nonexistent" in r.stderr
     r = _cli("show", "--org", "acme", "--agent", "bot", url="redis://127.0.0.1:1/0")
