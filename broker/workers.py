@@ -50,13 +50,13 @@ class WorkerTable(BrokerBase):
                 self._on_ready(ident, w, msg.info, from_heartbeat=True)
         elif isinstance(msg, P.WorkerReady):
             self._on_ready(ident, w, msg.info, from_heartbeat=False)
-        elif w is not None:  # DISCONNECT
-            w.draining = True
-            log.info("worker %s draining (%d in flight)", w.worker_id, len(w.inflight))
-            if not w.inflight:
-                del self.workers[ident]
-        else:
-            self.stats["backend_malformed"] += 1
+        else:  # DISCONNECT: take it off dispatch, then tell it so (it waits for this to drain)
+            if w is not None:
+                w.draining = True
+                log.info("worker %s draining (%d in flight)", w.worker_id, len(w.inflight))
+                if not w.inflight:
+                    del self.workers[ident]
+            self._send_back([ident, *P.disconnect_frames()])
 
     def _on_ready(self, ident: bytes, w: WorkerState | None, info: P.Info, *, from_heartbeat: bool) -> None:
         if w is None:

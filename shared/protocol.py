@@ -298,15 +298,22 @@ class BrokerHeartbeat(NamedTuple):
     pass
 
 
+class DrainAck(NamedTuple):
+    """The broker's answer to a worker's DISCONNECT: nothing more will be dispatched on this link.
+    ZeroMQ keeps a pipe's order, so every request dispatched before it arrives before it."""
+
+
 def dispatch_frames(client: bytes, request_id: bytes, stamp: Stamp, payload: bytes) -> list[bytes]:
     return [TAG, REQUEST, client, request_id, stamp.pack(), payload]
 
 
-def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat:
+def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat | DrainAck:
     """What a broker sent a worker; an unreadable stamp raises ``MalformedStamp`` (answerable)."""
     cmd = _tagged(frames, "broker message")
     if cmd == HEARTBEAT:
         return BrokerHeartbeat()
+    if cmd == DISCONNECT and len(frames) == 2:
+        return DrainAck()
     if cmd != REQUEST or len(frames) != 6:
         raise FrameError(f"broker message: unexpected command {cmd!r} with {len(frames)} frame(s)")
     _, _, client, rid, stamp, payload = frames

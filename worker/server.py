@@ -52,6 +52,7 @@ class BrokerLink:
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         self.broker_seen_ns = time.monotonic_ns()
+        self.drain_acked = asyncio.Event()  # set by the broker's answer to our DISCONNECT
         self.sock = LoopSocket(sock, self._on_frames, name=f"broker link {endpoint}")
         self.monitor = LoopSocket(monitor, self._on_event, name=f"monitor {endpoint}")
 
@@ -122,7 +123,17 @@ class WorkerServer:
         self.draining = True
         for link in self.links:
             link.send(P.disconnect_frames())
-        if self.inflight:
+        # Requests the broker dispatched before it read our DISCONNECT are still on the way; its
+        # answer comes after them on the same pipe. A broker that is gone cannot answer: wait at
+        # most one liveness period for it.
+        grace_s = self.settings.heartbeat_interval_ms * self.settings.heartbeat_liveness / 1000
+        acks = asyncio.gather(*(link.drain_acked.wait() for link in self.links))
+        try:
+            await asyncio.wait_for(acks, grace_s)
+        except TimeoutError:
+            self.stats["drain_ack_missing"] += 1
+            log.warning("no drain answer from every broker within %.1f s; finishing what arrived", grace_s)
+        while self.inflight:  # a request that arrived while we waited started a task of its own
             await asyncio.gather(*list(self.inflight), return_exceptions=True)
         self._stopped.set()
 
@@ -154,6 +165,9 @@ class WorkerServer:
             self.stats["malformed_frames"] += 1
             return
         if isinstance(msg, P.BrokerHeartbeat):
+            return
+        if isinstance(msg, P.DrainAck):
+            link.drain_acked.set()
             return
         self.stats["received"] += 1
         remaining = msg.stamp.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
