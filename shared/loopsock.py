@@ -124,9 +124,10 @@ class LoopSocket:
                 log.exception("%s: message handler failed", self.name)
         self._kick()  # more may be waiting: carry on next turn, after other callbacks ran
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Unregister and close; ``linger_ms`` > 0 lets queued outbound messages go first."""
         if self.closed:
             return
         self.closed = True
         self.loop.remove_reader(self.fd)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)

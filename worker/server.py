@@ -74,10 +74,10 @@ class BrokerLink:
         self.broker_seen_ns = time.monotonic_ns()
         self.server.on_frames(self, frames)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         self.sock.sock.disable_monitor()
         self.monitor.close()
-        self.sock.close()
+        self.sock.close(linger_ms)
 
 
 class WorkerServer:
@@ -113,8 +113,11 @@ class WorkerServer:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # After a drain the last replies may still sit in the socket's queue: give them up to
+            # one heartbeat interval to leave (linger) rather than drop them with the socket.
+            linger_ms = self.settings.heartbeat_interval_ms if self.draining else 0
             for link in self.links:
-                link.close()
+                link.close(linger_ms)
 
     async def drain(self) -> None:
         """SIGTERM: stop taking work, finish what is in flight, then stop."""
