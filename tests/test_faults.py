@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
+import zmq
 
 from ibex_context.client.client import AsyncClient
-from ibex_context.ops.stack import LocalStack, wait_for
+from ibex_context.ops.stack import LocalStack, free_port, wait_for
+from ibex_context.shared import protocol as P
 from ibex_context.shared.errors import IbexError
 from ibex_context.shared.models import AssembleResponse
 from tests.helpers import start_stack
@@ -226,3 +232,76 @@ async def test_sigterm_drains_inflight_and_exits_zero(stack: LocalStack) -> None
         assert redone == 0, f"w1 exited holding {redone} request(s) the broker had sent it; the broker redid them"
     finally:
         stack.workers[1] = stack.start_worker(1)
+
+
+# ------------------------------------------------------------ a draining worker, the broker played by the test
+
+SLOW_BRANCHES = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "2000",
+                 "IBEX_HOT_TIMEOUT_MS": "2000", "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_TIMEOUT": "3000",
+                 "IBEX_CONTEXT_DEADLINE_MS": "3000"}
+
+
+def _dispatch(router: zmq.Socket[bytes], worker: bytes, rid: bytes) -> None:
+    deadline_ns = time.time_ns() + 10 * 10**9
+    payload = msgpack.packb({"v": 1, "request_id": rid.decode(), "org_id": "acme", "agent_id": "support-bot",
+                             "model": "gpt-4o", "query": "invoice", "deadline_ns": deadline_ns})
+    stamp = P.Stamp(deadline_ns, 0, time.time_ns(), 1).pack()
+    router.send_multipart([worker, P.TAG, P.REQUEST, b"client", rid, stamp, payload])
+
+
+def _read_until(router: zmq.Socket[bytes], match: Callable[[list[bytes]], bool], answers: dict[bytes, bytes],
+                timeout_s: float = 10.0) -> list[bytes] | None:
+    """The worker's next frame that MATCHes (None after TIMEOUT_S); REPLY/ERROR frames on the way
+    are recorded in ANSWERS by request id."""
+    end = time.monotonic() + timeout_s
+    while router.poll(max(0, int((end - time.monotonic()) * 1000))):
+        frames = router.recv_multipart()
+        if frames[2] in (P.REPLY, P.ERROR):
+            answers[frames[4]] = frames[2]
+        if match(frames):
+            return frames
+    return None
+
+
+def _received(frames: list[bytes]) -> int:
+    """The worker's ``received`` counter from a HEARTBEAT (0 for any other frame)."""
+    if frames[2] != P.HEARTBEAT or len(frames) < 4:
+        return 0
+    return int(msgpack.unpackb(frames[3])["stats"].get("received", 0))
+
+
+def test_a_draining_worker_answers_what_reaches_it_during_the_drain(memory: Any, tmp_path: Path) -> None:
+    """A request the broker sent before it read the worker's DISCONNECT reaches the worker while it
+    drains; the worker must answer it (or refuse it) before exiting, not take it down unanswered.
+    The test plays the broker, so the order is exact: A in flight, SIGTERM, DISCONNECT seen, B sent."""
+    memory.set_fault("all", latency_ms=800)  # A is still assembling when B arrives
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    env.update({**SLOW_BRANCHES, "IBEX_BROKER_BACKEND": f"tcp://127.0.0.1:{port}", "IBEX_REDIS_URL": memory.redis_url,
+                "IBEX_MEMORY_URL": memory.url, "IBEX_MEMORY_SECRET": memory.secret})
+    with open(tmp_path / "worker.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.worker", "--worker-id", "dr"], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    answers: dict[bytes, bytes] = {}
+    try:
+        ready = _read_until(router, lambda f: f[2] == P.READY, answers, 30)
+        assert ready is not None, (tmp_path / "worker.log").read_text()
+        _dispatch(router, ready[0], b"A")
+        assert _read_until(router, lambda f: _received(f) >= 1, answers) is not None  # A reached the worker
+        proc.send_signal(signal.SIGTERM)
+        assert _read_until(router, lambda f: f[2] == P.DISCONNECT, answers) is not None
+        assert answers == {}  # A is still in flight: the drain has work to wait for
+        _dispatch(router, ready[0], b"B")
+        assert proc.wait(15) == 0
+        _read_until(router, lambda f: set(answers) >= {b"A", b"B"}, answers, 1.0)
+        assert set(answers) == {b"A", b"B"}, f"answered {sorted(answers)} before exiting"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        router.close()
+        ctx.term()
