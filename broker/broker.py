@@ -102,18 +102,25 @@ class Broker(WorkerTable):
         for s in (self.back_monitor, self.front, self.back):
             s.close(linger=0)
 
+    def _drain_backend(self, limit: int | None) -> None:
+        """Handle waiting worker messages: at most ``limit`` (None: every one waiting)."""
+        n = 0
+        while (limit is None or n < limit) and readable(self.back):
+            self._on_backend(recv_frames(self.back))
+            n += 1
+
     def poll_once(self) -> None:
         now = time.monotonic_ns()
         wake = min(self.next_hb_ns, self.timers[0][0] if self.timers else now + 100_000_000)
         timeout_ms = max(0, (wake - now + 999_999) // 1_000_000)
         ready = {sock for sock, _ in zmq.zmq_poll(self.poll_items, min(timeout_ms, 100))}
-        if self.back_monitor in ready:
-            self._on_monitor()
         if self.back in ready:
-            for _ in range(BURST):
-                if not readable(self.back):
-                    break
-                self._on_backend(recv_frames(self.back))
+            self._drain_backend(BURST)
+        if self.back_monitor in ready:
+            # A worker's last replies reach its pipe before its disconnect event: read them all
+            # first, or the probe would call it lost and re-dispatch what it had answered.
+            self._drain_backend(None)
+            self._on_monitor()
         if self.front in ready:
             for _ in range(BURST):
                 if not readable(self.front):

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import NoReturn
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -29,6 +28,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex_context.memory.redis_server import default_redis_url
+from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.directives import (
     MAX_DIRECTIVE_CHARS,
     DirectiveEnvelope,
@@ -38,34 +38,9 @@ from ibex_context.shared.directives import (
     set_directive,
 )
 from ibex_context.shared.keys import check_ident
-from ibex_context.shared.validation import first_error
 
 PROG = "python -m ibex_context.memory.directive_cli"
 REDIS_TIMEOUT_S = 5.0  # connect and per-command; an admin tool may wait longer than a request
-
-
-class CliParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line (``PROG: what is wrong``), exit 2.
-
-    argparse's default prints the whole usage block first; a newcomer then has to find the one
-    line that matters. Subparsers inherit the class, so every subcommand behaves the same.
-    """
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} -h)\n")
-
-
-def utf8_arg(value: str) -> str:
-    """argparse ``type=`` for text arguments: refuse bytes that are not UTF-8.
-
-    Python hands undecodable argv bytes over as lone surrogates; they would fail much later
-    (encoding for Redis or the wire) with a traceback instead of naming the argument.
-    """
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid UTF-8 (byte {exc.start} of the argument)") from exc
-    return value
 
 
 class UsageError(ValueError):
@@ -137,13 +112,6 @@ def _read(path: str) -> str:
         return sys.stdin.buffer.read().decode("utf-8")
     with open(path, encoding="utf-8") as fh:
         return fh.read()
-
-
-def settings_error(exc: ValidationError, prefix: str = "IBEX_") -> str:
-    """One line naming a malformed environment variable (README, Settings)."""
-    err = first_error(exc)
-    name = prefix + "_".join(err.loc).upper()
-    return f"settings: {name}: {err.message}"
 
 
 def _fail(prog: str, message: str, code: int) -> int:

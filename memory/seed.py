@@ -39,11 +39,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ibex_context.memory.config import MemoryConfig
-from ibex_context.memory.directive_cli import CliParser, settings_error, utf8_arg
 from ibex_context.memory.embed import Embedder, Vectors, load_embedder
 from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.memory.store import NewMemory, write_memories
+from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.directives import MAX_DIRECTIVE_CHARS, set_directive
 from ibex_context.shared.keys import org_prefix
 from ibex_context.shared.models import Ident

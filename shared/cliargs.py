@@ -1,0 +1,46 @@
+"""Argument handling every ``ibex-context`` command shares: one-line usage errors, UTF-8 checks,
+one line for a malformed ``IBEX_*`` variable (README, Quickstart).
+
+Here rather than in a server module, so the CLI's client-side commands (``assemble``, ``keys``,
+``explain``) run on an install without the server extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+from pydantic import ValidationError
+
+from ibex_context.shared.validation import first_error
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (``PROG: what is wrong``), exit 2.
+
+    argparse's default prints the whole usage block first; a newcomer then has to find the one
+    line that matters. Subparsers inherit the class, so every subcommand behaves the same.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} -h)\n")
+
+
+def utf8_arg(value: str) -> str:
+    """argparse ``type=`` for text arguments: refuse bytes that are not UTF-8.
+
+    Python hands undecodable argv bytes over as lone surrogates; they would fail much later
+    (encoding for Redis or the wire) with a traceback instead of naming the argument.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 (byte {exc.start} of the argument)") from exc
+    return value
+
+
+def settings_error(exc: ValidationError, prefix: str = "IBEX_") -> str:
+    """One line naming a malformed environment variable (README, Settings)."""
+    err = first_error(exc)
+    name = prefix + "_".join(err.loc).upper()
+    return f"settings: {name}: {err.message}"
