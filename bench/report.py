@@ -183,6 +183,22 @@ def _nearest(points: list[dict[str, Any]], frac: float) -> dict[str, Any] | None
 # -------------------------------------------------------------------------------------- plots
 
 
+def _save(fig: Any, ax: Any, path: Path, *, xlabel: str | None, ylabel: str, title: str,
+          legend: dict[str, Any]) -> str:
+    """Label, lay out, write and close one figure; returns its file name."""
+    import matplotlib.pyplot as plt
+
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
 def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     """Write the PNGs; returns their file names (relative to ``out_dir``)."""
     import matplotlib
@@ -213,13 +229,15 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
                     / 1000 for _, s in bars]
         ax.plot(range(len(bars)), observed, "k_", markersize=22, mew=2, label="observed p50 (replies)")
         ax.set_xticks(range(len(bars)), [b for b, _ in bars], fontsize=8)
-        ax.set_ylabel("ms (p50 of each component)")
-        ax.set_title("Latency breakdown by component (stacked p50s)")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out_dir / "breakdown.png", dpi=110)
-        plt.close(fig)
-        written.append("breakdown.png")
+        written.append(_save(
+            fig,
+            ax,
+            out_dir / "breakdown.png",
+            xlabel=None,
+            ylabel="ms (p50 of each component)",
+            title="Latency breakdown by component (stacked p50s)",
+            legend=dict(fontsize=7, ncol=2),
+        ))
 
     if sweeps:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -234,14 +252,15 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         if deadline_ms:
             ax.axhline(deadline_ms, color="red", lw=1, label=f"deadline {deadline_ms:g} ms")
         ax.set_yscale("log")
-        ax.set_xlabel("offered load (req/s)")
-        ax.set_ylabel("latency from scheduled send (ms)")
-        ax.set_title("Latency percentiles vs offered load, per worker count")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "latency_vs_load.png", dpi=110)
-        plt.close(fig)
-        written.append("latency_vs_load.png")
+        written.append(_save(
+            fig,
+            ax,
+            out_dir / "latency_vs_load.png",
+            xlabel="offered load (req/s)",
+            ylabel="latency from scheduled send (ms)",
+            title="Latency percentiles vs offered load, per worker count",
+            legend=dict(fontsize=7),
+        ))
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         top = 0.0
@@ -255,14 +274,15 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
             ax.plot(x, [p.get("complete_rps", 0) for p in pts], ls=":", marker=".", color=color,
                     label=f"{sw['workers'] or 'ext'} worker(s), undegraded only")
         ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="goodput = offered")
-        ax.set_xlabel("offered load (req/s)")
-        ax.set_ylabel("goodput (replies before deadline per s)")
-        ax.set_title("Goodput vs offered load")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "goodput_vs_load.png", dpi=110)
-        plt.close(fig)
-        written.append("goodput_vs_load.png")
+        written.append(_save(
+            fig,
+            ax,
+            out_dir / "goodput_vs_load.png",
+            xlabel="offered load (req/s)",
+            ylabel="goodput (replies before deadline per s)",
+            title="Goodput vs offered load",
+            legend=dict(fontsize=8),
+        ))
 
     ch = results.get("chaos")
     if ch and ch.get("timeline_0_5s"):
@@ -280,14 +300,15 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
             ax.axvline(t, color="black", lw=1, ls="--")
             ax.text(t, 0.97, " " + name.removesuffix("_s"), fontsize=7, rotation=90, va="top",
                     transform=ax.get_xaxis_transform())
-        ax.set_xlabel("scheduled send time (s)")
-        ax.set_ylabel("requests per 0.5 s")
-        ax.set_title("Chaos: outcomes over time (kill -9 and restart of worker 0)")
-        ax.legend(fontsize=7, loc="lower left", framealpha=0.9)
-        fig.tight_layout()
-        fig.savefig(out_dir / "chaos.png", dpi=110)
-        plt.close(fig)
-        written.append("chaos.png")
+        written.append(_save(
+            fig,
+            ax,
+            out_dir / "chaos.png",
+            xlabel="scheduled send time (s)",
+            ylabel="requests per 0.5 s",
+            title="Chaos: outcomes over time (kill -9 and restart of worker 0)",
+            legend=dict(fontsize=7, loc="lower left", framealpha=0.9),
+        ))
     return written
 
 

@@ -105,8 +105,7 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
 
 @_endpoint
 async def hot(svc: MemoryService, request: Request) -> Response:
-    org = svc.org_of(request)  # before faults: a caller without a valid token never sees one
-    fault = await svc.fault_response(request, "hot")
+    org, fault = await svc.admit(request, "hot")
     if fault is not None:
         return fault
     params = query_params(request, ("agent_id", "limit"))
@@ -120,8 +119,7 @@ async def hot(svc: MemoryService, request: Request) -> Response:
 
 @_endpoint
 async def search(svc: MemoryService, request: Request) -> Response:
-    org = svc.org_of(request)  # before faults: a caller without a valid token never sees one
-    fault = await svc.fault_response(request, "search")
+    org, fault = await svc.admit(request, "search")
     if fault is not None:
         return fault
     query_params(request, ())

@@ -150,6 +150,12 @@ class MemoryService:
             raise ApiError(401, "invalid bearer token")
         return org
 
+    async def admit(self, request: Request, endpoint: str) -> tuple[str, Response | None]:
+        """The caller's org, and the injected fault's response if any. The token is checked first:
+        a caller without a valid token never sees an injected fault."""
+        org = self.org_of(request)
+        return org, await self.fault_response(request, endpoint)
+
     async def fault_response(self, request: Request, endpoint: str) -> Response | None:
         """The injected fault's response, ``None`` to serve normally (after any latency)."""
         spec = self.faults.get(endpoint) if self.faults is not None else None
