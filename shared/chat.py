@@ -20,7 +20,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from ibex_context.shared import chat_anthropic as anth
 from ibex_context.shared import chat_openai as oai
-from ibex_context.shared.chat_base import MAX_MESSAGES, JsonError, clean_path
+from ibex_context.shared.chat_base import MAX_MESSAGES, PathError, clean_path
 from ibex_context.shared.errors import InvalidRequest
 
 Format = Literal["openai", "anthropic"]
@@ -104,8 +104,8 @@ def _describe(err: Any, root: str, raw: Any, format: Format) -> tuple[str, str]:
         tag = str(ctx["tag"])[1:]
         expected = [t.strip().strip("'")[1:] for t in str(ctx["expected_tags"]).split(",")]
         return f"{path}.{field}", _tag_reason(field, tag, expected, path, raw, format)
-    if kind == "value_error" and isinstance(ctx.get("error"), JsonError):
-        error: JsonError = ctx["error"]
+    if kind == "value_error" and isinstance(ctx.get("error"), PathError):
+        error: PathError = ctx["error"]
         return (f"{path}.{error.where}" if error.where else path), error.why
     if kind == "value_error":
         return path, str(ctx.get("error", err["msg"]))

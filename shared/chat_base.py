@@ -77,8 +77,9 @@ def json_problem(obj: Any) -> tuple[str, str] | None:
     return None
 
 
-class JsonError(ValueError):
-    """A free-form JSON object holds something JSON cannot carry; ``where`` is relative."""
+class PathError(ValueError):
+    """A validator's refusal about a spot below the value it checked (``where``, dotted and
+    relative; empty for the value itself), so the reported path points at that spot."""
 
     def __init__(self, where: str, why: str) -> None:
         super().__init__(f"{where}: {why}" if where else why)
@@ -89,7 +90,7 @@ class JsonError(ValueError):
 def _plain_json(value: dict[str, Any]) -> dict[str, Any]:
     problem = json_problem(value)
     if problem is not None:
-        raise JsonError(*problem)
+        raise PathError(*problem)
     return value
 
 

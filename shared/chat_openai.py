@@ -22,6 +22,7 @@ from ibex_context.shared.chat_base import (
     Data,
     JsonObject,
     Parts,
+    PathError,
     Short,
     Text,
     ToolName,
@@ -86,7 +87,7 @@ class FileRef(ChatModel):
     @model_validator(mode="after")
     def _one_source(self) -> FileRef:
         if self.file_id is None and self.file_data is None:
-            raise ValueError("a file part needs file_id or file_data")
+            raise PathError("", "a file part needs file_id or file_data")
         return self
 
 
@@ -173,7 +174,7 @@ class AssistantMessage(ChatModel):
     @model_validator(mode="after")
     def _content_or_calls(self) -> AssistantMessage:
         if self.content is None and not self.tool_calls and self.refusal is None and self.audio is None:
-            raise ValueError("an assistant message needs content unless it has tool_calls")
+            raise PathError("content", "an assistant message needs content unless it has tool_calls")
         return self
 
 

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from ibex_context.shared.chat import (
@@ -140,9 +140,11 @@ OPENAI_ERRORS: list[tuple[list[Any], dict[str, Any], str, str]] = [
      "messages.0.content.0.image_url.detail", "'auto', 'low' or 'high'"),
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x", "format": "ogg"}}]}], {},
      "messages.0.content.0.input_audio.format", "'wav' or 'mp3'"),
+    ([{"role": "user", "content": [{"type": "file", "file": {"filename": "a.pdf"}}]}], {},
+     "messages.0.content.0.file", "needs file_id or file_data"),
     ([{"role": "user", "content": "x", "name": "Alice Smith"}], {}, "messages.0.name", "pattern"),
     ([{"role": "user", "content": "x", "tool_calls": []}], {}, "messages.0.tool_calls", "Extra inputs"),
-    ([{"role": "assistant"}], {}, "messages.0", "needs content unless it has tool_calls"),
+    ([{"role": "assistant"}], {}, "messages.0.content", "needs content unless it has tool_calls"),
     ([], {}, "messages", "at least 1 item"),
     ([{"role": "user", "content": "x"}], {"system": "s"}, "system", "system or developer messages"),
     ([{"role": "user", "content": "x"}], {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
@@ -394,8 +396,7 @@ def test_generated_anthropic_parse_and_round_trip(msgs: list[dict[str, Any]]) ->
 @given(openai_conversations(), st.data())
 def test_openai_orphan_call_refused(msgs: list[dict[str, Any]], data: st.DataObject) -> None:
     tools = [i for i, m in enumerate(msgs) if m["role"] == "tool"]
-    if not tools:
-        return
+    assume(tools)
     gone = msgs.pop(data.draw(st.sampled_from(tools)))["tool_call_id"]
     err = refused("openai", msgs)
     assert err.field is not None and err.field.endswith(".id") and repr(gone) in err.message
@@ -404,8 +405,7 @@ def test_openai_orphan_call_refused(msgs: list[dict[str, Any]], data: st.DataObj
 @given(openai_conversations(), st.data())
 def test_openai_orphan_result_refused(msgs: list[dict[str, Any]], data: st.DataObject) -> None:
     callers = [i for i, m in enumerate(msgs) if m.get("tool_calls")]
-    if not callers:
-        return
+    assume(callers)
     i = data.draw(st.sampled_from(callers))
     calls = msgs[i]["tool_calls"]
     gone = calls.pop(data.draw(st.integers(0, len(calls) - 1)))["id"]
@@ -432,8 +432,7 @@ def _blocks(msgs: list[dict[str, Any]], kind: str) -> list[tuple[int, int]]:
 @given(anthropic_conversations(), st.data())
 def test_anthropic_orphan_call_refused(msgs: list[dict[str, Any]], data: st.DataObject) -> None:
     where = _blocks(msgs, "tool_result")
-    if not where:
-        return
+    assume(where)
     gone = _drop_block(msgs, *data.draw(st.sampled_from(where)))["tool_use_id"]
     err = refused("anthropic", msgs)
     assert err.field is not None and err.field.endswith(".id") and repr(gone) in err.message
@@ -442,8 +441,7 @@ def test_anthropic_orphan_call_refused(msgs: list[dict[str, Any]], data: st.Data
 @given(anthropic_conversations(), st.data())
 def test_anthropic_orphan_result_refused(msgs: list[dict[str, Any]], data: st.DataObject) -> None:
     where = _blocks(msgs, "tool_use")
-    if not where:
-        return
+    assume(where)
     gone = _drop_block(msgs, *data.draw(st.sampled_from(where)))["id"]
     err = refused("anthropic", msgs)
     assert err.field is not None and err.field.endswith(".tool_use_id") and repr(gone) in err.message
