@@ -254,8 +254,8 @@ def _anthropic_content(content: Any, counter: TokenCounter, path: str) -> int:
 
 def _anthropic_block(block: dict[str, Any], counter: TokenCounter, path: str) -> int:
     kind = block.get("type")
-    if kind == "text":
-        return counter.count(block.get("text") or "")
+    if kind == "text":  # citations of an earlier answer may be shown to the model again: charged
+        return counter.count(block.get("text") or "") + _text_or_json(counter, block.get("citations") or None)
     if kind == "image":
         width, height = image_size(block) or (None, None)
         return anthropic_image_tokens(width, height)

@@ -311,6 +311,11 @@ def test_anthropic_blocks() -> None:
                 "title": "T"}
     assert anthropic_prompt_tokens("", [{"role": "user", "content": [text_doc]}], [], CLAUDE) == (
         cc.MESSAGE_OVERHEAD + c("Doc body") + c("T"))
+    cite = [{"type": "char_location", "cited_text": "Doc", "document_index": 0, "start_char_index": 0,
+             "end_char_index": 3}]
+    cited = {"role": "assistant", "content": [{"type": "text", "text": "It says Doc.", "citations": cite}]}
+    assert anthropic_prompt_tokens(None, [cited], [], CLAUDE) == (
+        cc.MESSAGE_OVERHEAD + c("It says Doc.") + c(cc.canonical_json(cite)))
 
 
 # --- properties ------------------------------------------------------------------------------------
