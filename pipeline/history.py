@@ -20,6 +20,8 @@ tool result without its call and a call without its result:
 **Pinned** units are never dropped: system/developer messages, and the latest user turn (the
 last user message that is not only tool results) with everything after it, i.e. the agent's
 current tool loop. ``min_recent_turns`` pins the last N user turns the same way.
+``history_budget`` turns the usable tokens into the conversation's budget, keeping
+``min_memory_share`` of them for memories (default 0: memories get what the history leaves).
 
 Trimming drops the oldest unpinned units until the rest fits. After a trim the kept history
 also starts on a user turn (``start_on_user``, on by default): an assistant reply whose question
@@ -29,6 +31,7 @@ was trimmed is dropped too, as LangChain's ``trim_messages(start_on="human")`` d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
@@ -74,11 +77,13 @@ class HistoryOverflow(Exception):
 
 @dataclass(frozen=True, slots=True)
 class HistoryPolicy:
-    """Per-request trimming policy. Defaults: trim oldest first, pin only the latest user turn."""
+    """Per-request trimming policy. Defaults: trim oldest first, pin only the latest user turn, start
+    on a user turn after a trim, and reserve nothing for memories (they get what history leaves)."""
 
     mode: HistoryMode = "trim_oldest"
     min_recent_turns: int = 0
     start_on_user: bool = True
+    min_memory_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in get_args(HistoryMode):
@@ -88,6 +93,10 @@ class HistoryPolicy:
                 or self.min_recent_turns < 0:
             raise InvalidRequest(f"history.min_recent_turns: must be an integer >= 0, got {self.min_recent_turns!r}",
                                  field="history.min_recent_turns")
+        share = self.min_memory_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 <= share < 1.0:
+            raise InvalidRequest(f"history.min_memory_share: must be a number in [0, 1), got {share!r}",
+                                 field="history.min_memory_share")
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +214,13 @@ def pinned_units(format: ChatFormat, messages: Sequence[Message], units: Sequenc
     else:
         tail = len(units) - 1 if units else 0
     return frozenset(u.id for u in units if u.kind == "system" or u.id >= tail)
+
+
+def history_budget(usable_tokens: int, policy: HistoryPolicy) -> int:
+    """Tokens the conversation may use out of ``usable_tokens`` (what remains after the window's
+    reserves, directive and tools): all of it minus the share kept for memories, rounded in the
+    memories' favour."""
+    return max(0, usable_tokens - math.ceil(usable_tokens * policy.min_memory_share))
 
 
 def _costs(cost: MessageCost, messages: Sequence[Message]) -> list[int]:

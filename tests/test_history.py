@@ -20,6 +20,7 @@ from ibex_context.pipeline.history import (
     HistoryOverflow,
     HistoryPolicy,
     fit_history,
+    history_budget,
     split_units,
 )
 from ibex_context.shared.errors import InvalidRequest
@@ -223,6 +224,17 @@ def test_bad_policy_format_and_cost_are_refused_with_their_path() -> None:
     assert info.value.field == "format"
     with pytest.raises(ValueError, match=r"messages\.1: the cost function returned -1"):
         fit_history("openai", [o_user("a"), o_user("b")], cost=lambda m: 1 if m["content"] == "a" else -1, budget=9)
+
+
+def test_history_budget_keeps_the_memory_share_out() -> None:
+    assert history_budget(1000, HistoryPolicy()) == 1000
+    assert history_budget(1000, HistoryPolicy(min_memory_share=0.25)) == 750
+    assert history_budget(999, HistoryPolicy(min_memory_share=0.5)) == 499  # rounded for the memories
+    assert history_budget(-5, HistoryPolicy()) == 0
+    for bad in (1.0, -0.1, True, "0.2"):
+        with pytest.raises(InvalidRequest) as info:
+            HistoryPolicy(min_memory_share=bad)  # type: ignore[arg-type]
+        assert info.value.field == "history.min_memory_share"
 
 
 # ---- hand cases: rendering -------------------------------------------------------------------
