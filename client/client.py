@@ -65,7 +65,10 @@ log = logging.getLogger(__name__)
 __all__ = ["AsyncClient", "ClientClosed", "SyncClient", "degraded_response"]
 
 RETRYABLE = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.UNAUTHENTICATED}
-CALLER_FAULTS = {ErrorCode.INVALID_REQUEST, ErrorCode.FORBIDDEN, ErrorCode.UNAUTHENTICATED}
+# Faults of the request itself: a degraded response would not cure them (an overflowing
+# conversation overflows the local fallback too), so assemble_or_degrade raises them.
+CALLER_FAULTS = {ErrorCode.INVALID_REQUEST, ErrorCode.FORBIDDEN, ErrorCode.UNAUTHENTICATED,
+                 ErrorCode.CONTEXT_OVERFLOW}
 MIN_RETRY_S = 0.002
 
 

@@ -21,7 +21,7 @@ from ibex_context.pipeline.assemble import Policy, assemble
 from ibex_context.pipeline.hits import offline_result, shape_problem, to_hit
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import IbexError, InvalidRequest
+from ibex_context.shared.errors import ContextOverflow, IbexError, InvalidRequest
 from ibex_context.shared.models import AssembleRequest, AssembleResponse, Source
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.validation import first_error
@@ -123,10 +123,20 @@ def render_table(resp: AssembleResponse, out: TextIO) -> None:
         tokens = "" if d.tokens is None else str(d.tokens)
         score = "" if d.score is None or math.isnan(d.score) else f"{d.score:.3f}"
         w(f"{d.decision:<16}{d.source:<7}{tokens:>8}{score:>8}  {d.memory_id[:28]:<28} {d.reason}\n")
+    if resp.format is not None:
+        _chat_table(resp, w)
     if resp.degraded:
         w(f"\nDEGRADED: {'; '.join(resp.degraded_reasons)}\n")
     w(f"\nsections: {', '.join(f'{s.name} ({s.tokens} tokens)' for s in resp.sections) or 'none'}   "
       f"nonce {resp.nonce}\n")
+
+
+def _chat_table(resp: AssembleResponse, w: Any) -> None:
+    """A chat request: the prompt the proxy sends, and each history message left out to fit."""
+    w(f"\nPrompt ({resp.format}): {len(resp.messages or [])} messages, {resp.prompt_tokens} tokens "
+      f"({resp.prompt_tokens_kind}); history left out: {len(resp.history)}\n")
+    for h in resp.history:
+        w(f"  dropped message {h.index:>4} {h.role:<10}{h.tokens:>8} tokens  {h.reason}\n")
 
 
 def run(args: Any, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -142,8 +152,8 @@ def run(args: Any, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
         return fail(str(exc), 2)
     try:
         resp = explain(request, directive, hot, cold, nonce=args.nonce)
-    except InvalidRequest as exc:  # unknown model and friends: the request file's to fix
-        return fail(f"request file {args.request!r}: {exc.message}", 2)
+    except (InvalidRequest, ContextOverflow) as exc:  # unknown model, a conversation over the window
+        return fail(f"request file {args.request!r}: {exc.code.value}: {exc.message}", 2)
     except IbexError as exc:
         return fail(f"{exc.code.value}: {exc.message}", 1)
     except ValueError as exc:  # the formatter refuses a bad --nonce; anything else is ours

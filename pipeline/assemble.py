@@ -123,6 +123,11 @@ def assemble(
     """
     timings = dict(timings_us or {})
     nonce = fmt.check_nonce(nonce) if nonce else fmt.new_nonce()
+    if req.format is not None:  # the proxy's own conversation (README "Chat-native assembly")
+        from ibex_context.pipeline.chat_assemble import assemble_chat
+
+        return assemble_chat(req, retrieval, catalog=catalog, policy=policy, nonce=nonce, clock=clock, lines=lines,
+                             timings=timings, worker_id=worker_id)
     spec = catalog.model(req.model)
     counter = catalog.counter(spec.family.name)
 

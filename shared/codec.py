@@ -19,6 +19,9 @@ from ibex_context.shared.validation import first_error
 
 DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB; settings.max_request_bytes overrides
 MAX_DEPTH = 32
+# Request fields that carry free-form JSON (tool schemas, a chat conversation): walked for depth
+# and for values JSON cannot carry before the model sees them.
+FREE_FORM = ("tool_schemas", "messages", "system", "tools")
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -162,12 +165,14 @@ def validate(obj: Any, model: type[M]) -> M | ErrorReply:
                           message=f"payload must be a map, got {type(obj).__name__}", field="<root>")
     # Typed fields refuse NaN/inf and bound their nesting through the schema; only free-form JSON
     # (tool_schemas) can hide a NaN or nest without limit, so only that subtree is walked.
-    free = obj.get("tool_schemas")
-    if isinstance(free, list):
+    for name in FREE_FORM:
+        free = obj.get(name)
+        if free is None:
+            continue
         if _depth(free, MAX_DEPTH) > MAX_DEPTH:
             return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
-                              message=f"tool_schemas nest deeper than {MAX_DEPTH} levels", field="tool_schemas")
-        bad = _first_non_json(free, "tool_schemas")
+                              message=f"{name} nest deeper than {MAX_DEPTH} levels", field=name)
+        bad = _first_non_json(free, name)
         if bad is not None:
             return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
                               message=f"{bad[0]}: {bad[1]}", field=bad[0])

@@ -26,6 +26,7 @@ class ErrorCode(StrEnum):
     FORBIDDEN = "FORBIDDEN"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
+    CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"
 
 
 class IbexError(Exception):
@@ -71,6 +72,14 @@ class Internal(IbexError):
     code = ErrorCode.INTERNAL
 
 
+class ContextOverflow(IbexError):
+    """Even the parts that are never dropped (system messages, the latest user turn, the tools)
+    do not fit the model's window, or the request asked to fail rather than trim history. The
+    message says how many tokens over: a provider call with this prompt would be refused."""
+
+    code = ErrorCode.CONTEXT_OVERFLOW
+
+
 class UnknownModel(InvalidRequest):
     """The model is not in the capability catalog; we refuse to guess its window."""
 
@@ -87,4 +96,5 @@ ERROR_BY_CODE: dict[ErrorCode, type[IbexError]] = {
     ErrorCode.FORBIDDEN: Forbidden,
     ErrorCode.UNAVAILABLE: Unavailable,
     ErrorCode.INTERNAL: Internal,
+    ErrorCode.CONTEXT_OVERFLOW: ContextOverflow,
 }

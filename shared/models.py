@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from ibex_context.shared.errors import ErrorCode
 
@@ -44,6 +44,17 @@ class AssemblyOptions(_Wire):
     min_score: Unit = 0.0
 
 
+ChatFormat = Literal["openai", "anthropic"]
+
+
+class HistoryOptions(_Wire):
+    """How a chat conversation is fitted to the window (README "Chat-native assembly")."""
+
+    mode: Literal["trim_oldest", "fail"] = "trim_oldest"
+    min_recent_turns: Annotated[int, Field(ge=0, le=10_000)] = 0
+    min_memory_share: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.0
+
+
 class AssembleRequest(_Wire):
     v: Annotated[int, Field(ge=1)] = PROTOCOL_VERSION
     request_id: RequestId
@@ -54,8 +65,24 @@ class AssembleRequest(_Wire):
     recent_messages: Annotated[list[Message], Field(max_length=1000)] = Field(default_factory=list)
     tool_schemas: Annotated[list[dict[str, Any]], Field(max_length=256)] = Field(default_factory=list)
     options: AssemblyOptions = Field(default_factory=AssemblyOptions)
+    # Chat-native form: the whole conversation in the provider's own shape (validated by
+    # shared.chat when the pipeline runs). Exclusive with recent_messages / tool_schemas.
+    format: ChatFormat | None = None
+    messages: Annotated[list[Any], Field(max_length=10_000)] = Field(default_factory=list)
+    system: Any = None
+    tools: Annotated[list[Any], Field(max_length=128)] = Field(default_factory=list)
+    history: HistoryOptions = Field(default_factory=HistoryOptions)
     # Absolute deadline, Unix epoch nanoseconds (clocks across hosts are assumed NTP-synced).
     deadline_ns: Annotated[int, Field(gt=0)]
+
+    @model_validator(mode="after")
+    def _one_form(self) -> AssembleRequest:
+        if self.format is None and (self.messages or self.tools or self.system is not None):
+            raise ValueError("messages, system and tools need format ('openai' or 'anthropic')")
+        if self.format is not None and (self.recent_messages or self.tool_schemas):
+            raise ValueError("with format, send the conversation in messages and tools, not recent_messages "
+                             "or tool_schemas")
+        return self
 
 
 # ---------------------------------------------------------------------------------------- response
@@ -133,6 +160,15 @@ class PackerStats(_Wire):
     token_budget: int
 
 
+class HistoryDecision(_Wire):
+    """A message of the conversation left out to fit the window, and why."""
+
+    index: NonNegInt
+    role: str
+    tokens: NonNegInt
+    reason: str
+
+
 class AssembleResponse(_Wire):
     v: int = PROTOCOL_VERSION
     request_id: RequestId
@@ -151,6 +187,14 @@ class AssembleResponse(_Wire):
     timings_us: dict[str, NonNegInt]
     nonce: str
     worker_id: str = ""
+    # Chat-native requests only: what the proxy sends the provider, as is (README "Chat-native
+    # assembly"), its exact (or estimated) token count, and the messages trimmed to fit.
+    format: ChatFormat | None = None
+    messages: list[dict[str, Any]] | None = None
+    system: list[dict[str, Any]] | None = None
+    prompt_tokens: NonNegInt | None = None
+    prompt_tokens_kind: Literal["exact", "estimate"] | None = None
+    history: list[HistoryDecision] = Field(default_factory=list)
 
 
 class ErrorReply(_Wire):

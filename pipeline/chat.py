@@ -1,0 +1,178 @@
+"""Chat-native assembly: the proxy's conversation in, provider-ready messages out, never over the window.
+
+A request with ``format`` ("openai" | "anthropic") carries the whole conversation in the provider's
+own shape (README "Chat-native assembly"). The stages:
+
+1. validate it strictly (``shared.chat``: paths in every error, tool calls paired with results);
+2. count every fixed part the provider will see with the provider's own rules
+   (``pipeline.chat_count``): tools, reply priming, the directive message, the memory block's frame;
+3. fit the history into what is left (``pipeline.history``): oldest whole units first (an
+   assistant tool call leaves with its results), system messages and the latest user turn never;
+   if even those do not fit, ``ContextOverflow`` naming how many tokens over;
+4. score and pack memories into what the kept history leaves, as for every request;
+5. render the messages the proxy sends as is (``pipeline.chat_render``) and count that exact prompt.
+
+The prompt's count is additive in its messages, so the packed memories can never push it over the
+window; a final check on the emitted prompt repacks with less budget should a bound ever be wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline.budget import compute_budget
+from ibex_context.pipeline.chat_render import render_anthropic, render_openai
+from ibex_context.pipeline.count import CountedSection, RequestSections, directive_counted, memory_overhead
+from ibex_context.pipeline.history import HistoryFit, HistoryOverflow, HistoryPolicy, fit_history, history_budget
+from ibex_context.shared.catalog import ModelSpec
+from ibex_context.shared.chat import Conversation, parse_conversation, to_wire, wire_system, wire_tools
+from ibex_context.shared.errors import ContextOverflow
+from ibex_context.shared.models import AssembleRequest, BudgetBreakdown, HistoryDecision
+from ibex_context.shared.tokens import TokenCount, TokenCounter
+
+Message = dict[str, Any]
+EMPTY = CountedSection("", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """How one provider counts a prompt: per message, and the parts outside the messages."""
+
+    format: str
+    message: Callable[[Message], int]  # one conversation message, with its overhead
+    fixed: int  # tools, reply priming, the caller's system (Anthropic): present whatever is kept
+    tools: int
+    directive: int  # the directive as the provider sees it (a message or a system block)
+    memory_frame: int  # the memory block's own message or block, without its text
+    role: str  # OpenAI: the role of the messages the service adds
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """The budget stage of a chat request: the validated conversation and what fits."""
+
+    conversation: Conversation
+    messages: list[Message]
+    tools: list[Message]
+    system: Any
+    prompt: Prompt
+    fit: HistoryFit
+    budget: BudgetBreakdown
+
+
+def _system_role(spec: ModelSpec) -> str:
+    """o-series models take their instructions as ``developer`` messages (OpenAI API reference)."""
+    name = spec.name
+    return "developer" if len(name) > 1 and name[0] == "o" and name[1].isdigit() else "system"
+
+
+def openai_prompt(spec: ModelSpec, counter: TokenCounter, tools: list[Message], directive: str | None) -> Prompt:
+    role = _system_role(spec)
+
+    def message(m: Message) -> int:
+        return cc.openai_message_tokens(m, counter, model=spec.name)
+
+    tools_n = cc.openai_tools_tokens(tools, counter, model=spec.name) if tools else 0
+    fixed = cc.openai_prompt_tokens([], tools, counter, model=spec.name)  # priming + tools
+    directive_n = message({"role": role, "content": directive}) if directive else 0
+    return Prompt("openai", message, fixed, tools_n, directive_n, message({"role": role, "content": ""}), role)
+
+
+def anthropic_prompt(spec: ModelSpec, counter: TokenCounter, system: Any, tools: list[Message],
+                     directive: str | None) -> Prompt:
+    def count(sys: Any, msgs: list[Message], tls: list[Message]) -> int:
+        return cc.anthropic_prompt_tokens(sys, msgs, tls, counter, model=spec.name)
+
+    base = count(None, [], [])
+    caller_system = list(system) if isinstance(system, list) else ([{"type": "text", "text": system}] if system else [])
+
+    def message(m: Message) -> int:
+        return count(None, [m], []) - base
+
+    def block(text: str) -> int:
+        return count([{"type": "text", "text": text}], [], []) - base
+
+    fixed = count(caller_system or None, [], tools)
+    tools_n = cc.anthropic_tools_tokens(tools, counter, model=spec.name) if tools else 0
+    return Prompt("anthropic", message, fixed, tools_n, block(directive) if directive else 0, block(""), "system")
+
+
+def plan_chat(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter, directive: str | None, *,
+              nonce: str, reserve_fraction: float, constrained_below: int) -> tuple[ChatPlan, int]:
+    """Validate, count the fixed parts, fit the history; returns the plan and the memory text
+    overhead (the block's frame, counted as in the flat text)."""
+    assert req.format is not None
+    conv = parse_conversation(req.format, list(req.messages), system=req.system, tools=list(req.tools) or None)
+    messages, tools, system = to_wire(conv), wire_tools(conv) or [], wire_system(conv)
+    prompt = (openai_prompt(spec, counter, tools, directive) if conv.format == "openai"
+              else anthropic_prompt(spec, counter, system, tools, directive))
+    mem_text = memory_overhead(counter, nonce)
+    fam, kind = counter.family, counter.kind
+    # Everything but the history, with an empty history: what the window has left for it.
+    probe = _budget(spec, fam, kind, prompt, mem_text, 0, reserve_fraction, constrained_below)
+    policy = HistoryPolicy(mode=req.history.mode, min_recent_turns=req.history.min_recent_turns,
+                           min_memory_share=req.history.min_memory_share)
+    try:
+        fit = fit_history(conv.format, messages, cost=prompt.message,
+                          budget=history_budget(max(0, probe.unclamped), policy), policy=policy)
+    except HistoryOverflow as exc:
+        over = exc.over_by + max(0, -probe.unclamped)
+        raise ContextOverflow(
+            f"messages: the conversation needs {exc.needed} tokens that cannot be dropped ({exc.reason}) but "
+            f"{max(0, probe.unclamped)} are available for it in {spec.name}'s window: {over} tokens over",
+            field="messages") from exc
+    budget = _budget(spec, fam, kind, prompt, mem_text, fit.kept_tokens, reserve_fraction, constrained_below)
+    return ChatPlan(conv, messages, tools, system, prompt, fit, budget), mem_text
+
+
+def _budget(spec: ModelSpec, fam: str, kind: Any, prompt: Prompt, mem_text: int, history: int,
+            reserve_fraction: float, constrained_below: int) -> BudgetBreakdown:
+    """The spec's subtraction in the provider's units: tools and the caller's system are fixed,
+    the reply priming and the memory block's frame are the formatter's overhead."""
+    return compute_budget(
+        spec,
+        directive=TokenCount(prompt.directive, fam, kind),
+        messages=TokenCount(history + prompt.fixed - prompt.tools, fam, kind),
+        tool_schemas=TokenCount(prompt.tools, fam, kind),
+        formatter_overhead=TokenCount(prompt.memory_frame + mem_text, fam, kind),
+        reserve_fraction=reserve_fraction,
+        constrained_below=constrained_below,
+    )
+
+
+def render_chat(plan: ChatPlan, directive: str | None, memory_block: str | None) -> tuple[list[Message], Any]:
+    """The messages (and, for Anthropic, the system blocks) the proxy sends the provider as is."""
+    if plan.conversation.format == "openai":
+        return render_openai(plan.fit.kept, directive=directive, memory_block=memory_block,
+                             system_role=plan.prompt.role), None  # type: ignore[arg-type]
+    system_blocks, messages = render_anthropic(plan.system, plan.fit.kept, directive=directive,
+                                               memory_block=memory_block)
+    return list(messages), system_blocks
+
+
+def prompt_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, messages: list[Message],
+                  system: Any) -> int:
+    """The count of exactly what is emitted, by the provider's rules."""
+    if plan.conversation.format == "openai":
+        return cc.openai_prompt_tokens(messages, plan.tools, counter, model=spec.name)
+    return cc.anthropic_prompt_tokens(system, messages, plan.tools, counter, model=spec.name)
+
+
+def history_decisions(fit: HistoryFit) -> list[HistoryDecision]:
+    from ibex_context.pipeline.history import REASON_TEXT
+
+    return [HistoryDecision(index=d.index, role=d.role, tokens=d.tokens,
+                            reason=f"{d.reason}: {REASON_TEXT.get(d.reason, d.reason)}") for d in fit.dropped]
+
+
+def directive_section(counter: TokenCounter, directive: str | None) -> CountedSection:
+    """The directive as the flat ``rendered`` text shows it (for text-only readers of the response)."""
+    return directive_counted(counter, directive)
+
+
+def flat_sections() -> RequestSections:
+    """A chat request has no flat history or tool sections: the conversation travels in ``messages``."""
+    return RequestSections(EMPTY, EMPTY)

@@ -1,0 +1,72 @@
+"""The chat-native request through the one pipeline: plan (validate, count, fit the history),
+then the same scoring and packing as every request, then provider-ready messages.
+
+Split from ``pipeline.assemble`` (which dispatches here when a request has ``format``) so both
+stay small; the stages are shared, so a chat request's memories get the same decisions.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ibex_context.pipeline import chat
+from ibex_context.pipeline.assemble import (
+    STAGES,
+    Clock,
+    Planned,
+    Policy,
+    _tick,
+    _us,
+    formatting_stage,
+    response,
+    scoring_stage,
+)
+from ibex_context.pipeline.count import LineCache, MemoryCost
+from ibex_context.pipeline.pack import pack
+from ibex_context.pipeline.types import RetrievalResult
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.models import AssembleRequest, AssembleResponse
+
+MAX_REPACKS = 3
+
+
+def assemble_chat(
+    req: AssembleRequest, retrieval: RetrievalResult, *, catalog: Catalog, policy: Policy, nonce: str,
+    clock: Clock | None, lines: LineCache | None, timings: dict[str, int], worker_id: str,
+) -> AssembleResponse:
+    """``pipeline.assemble.assemble`` for a request with ``format``."""
+    spec = catalog.model(req.model)
+    counter = catalog.counter(spec.family.name)
+    t = _tick(clock, "budget")
+    plan, mem_text = chat.plan_chat(req, spec, counter, retrieval.directive, nonce=nonce,
+                                    reserve_fraction=policy.reserve_fraction,
+                                    constrained_below=policy.constrained_below)
+    planned = Planned(chat.directive_section(counter, retrieval.directive), chat.flat_sections(), mem_text,
+                      plan.budget)
+    t2 = _tick(clock, "scoring")
+    timings["budget"] = _us(t, t2)
+    scored = scoring_stage(req, retrieval, MemoryCost(counter, lines))
+    t3 = _tick(clock, "packing")
+    timings["scoring"] = _us(t2, t3)
+    result = pack(scored.scored, plan.budget.usable)
+    t4 = _tick(clock, "formatting")
+    timings["packing"] = _us(t3, t4)
+    limit = spec.context_window - plan.budget.response_reserve
+    for _ in range(MAX_REPACKS):
+        formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
+        block = next((s.text for s in formatted.rendered.sections if s.name == "memories"), "") or None
+        messages, system = chat.render_chat(plan, retrieval.directive, block)
+        total = chat.prompt_tokens(plan, spec, counter, messages, system)
+        if total <= limit or not result.packed:
+            break
+        # A bound was wrong (it never has been in the tests): pack again with the overshoot removed.
+        result = pack(scored.scored, max(0, result.token_budget - (total - limit)))
+    timings["formatting"] = _us(t4, time.monotonic_ns())
+    timings["total"] = sum(timings.get(k, 0) for k in STAGES)
+    resp = response(req, retrieval, planned, scored, result, formatted, timings=timings, nonce=nonce,
+                    worker_id=worker_id)
+    return resp.model_copy(update={
+        "format": plan.conversation.format, "messages": messages, "system": system, "prompt_tokens": total,
+        "prompt_tokens_kind": counter.kind, "history": chat.history_decisions(plan.fit)})
+
+

@@ -1,0 +1,207 @@
+"""Chat-native assembly end to end through the one pipeline (offline) and the real stack.
+
+The conversation goes in in the provider's shape and comes back ready to send: the directive and
+the nonce-tagged memories placed, tool calls and images untouched, history trimmed in whole units,
+and the exact count of the emitted prompt never over window - response reserve.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from ibex_context.client.client import AsyncClient
+from ibex_context.ops.stack import LocalStack
+from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.types import MemoryHit
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.chat import parse_conversation
+from ibex_context.shared.codec import decode_request, encode
+from ibex_context.shared.errors import ContextOverflow, ErrorCode, InvalidRequest
+from ibex_context.shared.models import AssembleRequest, AssembleResponse, ErrorReply
+from tests.helpers import start_stack
+
+CATALOG = Catalog.load()
+HITS = [MemoryHit(f"m{i}", f"memory {i}: the October invoice was sent to billing contact {i}", "fact",
+                  0.95 - i / 100, 0.8, i + 1, "hot") for i in range(20)]
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/receipt.png", "detail": "high"}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "invoice"}'}}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look up billing records",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"q": {"type": "string"}}}}}]
+AGENT_TURN = [
+    {"role": "system", "content": "You are Acme's support agent."},
+    {"role": "user", "content": [{"type": "text", "text": "Is this my invoice?"}, IMAGE]},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "invoice #42 was sent on 3 October"},
+    {"role": "assistant", "content": "Yes, invoice #42, sent on 3 October."},
+    {"role": "user", "content": "And what's the amount?"},
+]
+
+
+def _req(messages: list[Any], *, model: str = "gpt-4o", fmt: str = "openai", **kw: Any) -> AssembleRequest:
+    return AssembleRequest(request_id="r", org_id="acme", agent_id="support-bot", model=model, query="amount",
+                           format=fmt, messages=messages, deadline_ns=1, **kw)  # type: ignore[arg-type]
+
+
+def _run(req: AssembleRequest, directive: str | None = "Answer billing questions briefly.",
+         hits: list[MemoryHit] = HITS) -> AssembleResponse:
+    return assemble(req, offline_result(directive=directive, hot=hits, cold=[]), catalog=CATALOG, policy=Policy())
+
+
+def _limit(resp: AssembleResponse) -> int:
+    return resp.budget.context_window - resp.budget.response_reserve
+
+
+def test_openai_turn_with_tool_call_and_image_comes_back_ready_to_send() -> None:
+    resp = _run(_req(AGENT_TURN, tools=TOOLS))
+    out = resp.messages
+    assert out is not None and resp.format == "openai" and resp.system is None
+    assert [m["role"] for m in out] == ["system", "system", "user", "assistant", "tool", "assistant", "system",
+                                        "user"]
+    assert out[0] == AGENT_TURN[0] and out[1] == {"role": "system", "content": "Answer billing questions briefly."}
+    assert out[2]["content"][1] == IMAGE and out[3]["tool_calls"] == [CALL]  # untouched
+    memory = out[6]["content"]
+    assert f'nonce="{resp.nonce}"' in memory and "October invoice" in memory and len(resp.packed) == 20
+    assert out[-1] == AGENT_TURN[-1]
+    counter = CATALOG.counter("o200k")
+    assert resp.prompt_tokens == cc.openai_prompt_tokens(out, TOOLS, counter, model="gpt-4o")
+    assert resp.prompt_tokens_kind == "exact" and resp.prompt_tokens <= _limit(resp)
+    assert resp.history == []
+    parse_conversation("openai", out, tools=TOOLS)  # what we emit is a valid conversation
+
+
+def test_180k_token_conversation_is_trimmed_to_fit_with_decisions_and_fail_mode_overflows() -> None:
+    big = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 1800} for i in range(100)]
+    big.append({"role": "user", "content": "the latest question"})
+    total = cc.openai_prompt_tokens(big, [], CATALOG.counter("o200k"), model="gpt-4o")
+    assert total > 180_000
+    resp = _run(_req(big))
+    assert resp.prompt_tokens is not None and resp.prompt_tokens <= _limit(resp)
+    assert resp.messages is not None and resp.messages[-1] == big[-1]
+    dropped = [h.index for h in resp.history]
+    assert dropped == list(range(len(dropped))) and len(dropped) >= 30  # the oldest went first
+    assert all(h.reason.startswith(("trim_oldest", "start_on_user")) and h.tokens > 0 for h in resp.history)
+    with pytest.raises(ContextOverflow) as info:
+        _run(_req(big, history={"mode": "fail"}))
+    assert info.value.code == ErrorCode.CONTEXT_OVERFLOW and "tokens over" in info.value.message
+
+
+def test_latest_turn_alone_over_the_window_is_context_overflow() -> None:
+    huge = [{"role": "user", "content": "word " * 140_000}]
+    with pytest.raises(ContextOverflow, match=r"\d+ tokens over"):
+        _run(_req(huge))
+
+
+def test_anthropic_system_blocks_tool_use_kept_whole() -> None:
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant",
+             "content": [{"type": "tool_use", "id": "tu1", "name": "lookup", "input": {"q": "x"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": "ok"},
+                                         {"type": "text", "text": "and the amount?"}]}]
+    resp = _run(_req(msgs, model="anthropic/claude-sonnet-4", fmt="anthropic", system="Be kind.",
+                     tools=[{"name": "lookup", "input_schema": {"type": "object"}}]))
+    assert resp.system is not None and [b["text"][:8] for b in resp.system][:2] == ["Be kind.", "Answer b"]
+    assert f'nonce="{resp.nonce}"' in resp.system[-1]["text"] and resp.messages == msgs
+    assert resp.prompt_tokens_kind == "estimate" and resp.prompt_tokens is not None
+    assert resp.prompt_tokens <= _limit(resp)
+
+
+def test_orphaned_tool_result_and_mixed_forms_are_invalid_requests_naming_the_path() -> None:
+    orphan = [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "nope", "content": "x"}]
+    with pytest.raises(InvalidRequest) as info:
+        _run(_req(orphan))
+    assert info.value.field is not None and info.value.field.startswith("messages.1")
+    mixed = encode(_req([{"role": "user", "content": "hi"}]).model_copy(
+        update={"format": None}))  # messages without format
+    reply = decode_request(mixed)
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.INVALID_REQUEST
+    assert "format" in reply.message
+
+
+# --------------------------------------------------------------------------- properties
+
+def _text(draw: Any, big: bool) -> str:
+    return " ".join(draw(st.lists(st.sampled_from(["alpha", "beta's", "gamma", "δ", "42", "{x}"]),
+                                  min_size=1, max_size=900 if big else 40)))
+
+
+@st.composite
+def conversations(draw: Any) -> list[dict[str, Any]]:
+    """OpenAI conversations with tool calls, images and long turns, ending on a user turn."""
+    out: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        out.append({"role": "system", "content": _text(draw, False)})
+    calls = 0
+    for _ in range(draw(st.integers(1, 14))):
+        user: Any = _text(draw, draw(st.booleans()))
+        if draw(st.integers(0, 4)) == 0:
+            user = [{"type": "text", "text": user}, IMAGE]
+        out.append({"role": "user", "content": user})
+        if draw(st.booleans()):
+            ids = [f"c{calls + k}" for k in range(draw(st.integers(1, 3)))]
+            calls += len(ids)
+            out.append({"role": "assistant", "content": None, "tool_calls": [
+                {**CALL, "id": i, "function": {"name": "lookup", "arguments": f'{{"q": "{i}"}}'}} for i in ids]})
+            out += [{"role": "tool", "tool_call_id": i, "content": _text(draw, draw(st.booleans()))} for i in ids]
+        out.append({"role": "assistant", "content": _text(draw, draw(st.booleans()))})
+    out.append({"role": "user", "content": _text(draw, False)})
+    return out
+
+
+EXAMPLES = int(os.environ.get("IBEX_CHAT_PROPERTY_EXAMPLES", "300"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(conversations(), st.sampled_from(["gpt-4", "gpt-3.5-turbo"]), st.integers(0, 3))
+def test_property_no_orphans_latest_turn_kept_exact_count_within_window(
+        convo: list[dict[str, Any]], model: str, recent: int) -> None:
+    req = _req(convo, model=model, tools=TOOLS, history={"min_recent_turns": recent})
+    try:
+        resp = _run(req)
+    except ContextOverflow:
+        event("overflow")
+        return  # only when what may not be dropped does not fit (tests/test_history.py checks when)
+    event("trimmed" if resp.history else "fits whole")
+    out = resp.messages
+    assert out is not None and out[-1] == convo[-1]
+    parse_conversation("openai", out, tools=TOOLS)  # no orphaned call or result, valid as sent
+    exact = cc.openai_prompt_tokens(out, TOOLS, CATALOG.counter("cl100k"), model=model)
+    assert resp.prompt_tokens == exact <= _limit(resp)
+
+
+# --------------------------------------------------------------------------- the real stack
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    env = {"IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000", "IBEX_COLD_TIMEOUT_MS": "2000",
+           "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000"}
+    s = start_stack(tmp_path_factory.mktemp("chat"), workers=1, env=env)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+async def test_a_proxy_turn_through_the_stack(stack: LocalStack, tmp_path: Path) -> None:
+    async with AsyncClient(stack.frontend) as c:
+        resp = await c.assemble(org_id="acme", agent_id="support-bot", model="openai/gpt-4o",
+                                query="invoice amount", format="openai", messages=AGENT_TURN, tools=TOOLS,
+                                timeout=5.0)
+        assert not resp.degraded and resp.messages is not None and resp.prompt_tokens is not None
+        directive = resp.messages[1]
+        assert directive["role"] == "system" and "Acme" in directive["content"]  # acme's directive, from Redis
+        assert f'nonce="{resp.nonce}"' in resp.messages[-2]["content"] and resp.packed
+        assert resp.messages[3]["tool_calls"] == [CALL] and resp.prompt_tokens <= _limit(resp)
+        with pytest.raises(ContextOverflow):
+            await c.assemble_or_degrade(org_id="acme", agent_id="support-bot", model="gpt-4o", query="q",
+                                        format="openai", messages=[{"role": "user", "content": "w " * 140_000}],
+                                        timeout=5.0)
