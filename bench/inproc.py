@@ -42,6 +42,32 @@ def _request(model: str) -> AssembleRequest:
     })
 
 
+def _chat_request(model: str) -> AssembleRequest:
+    """A 20-message tool-using OpenAI conversation (README "Chat-native assembly"): a system
+    message, four rounds of a question, an assistant tool call, its result and an answer, then the
+    current turn: a question, a tool call and its result (the agent loop mid-turn)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are Acme Cloud's support agent."}]
+    for i in range(5):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "lookup_invoice", "arguments": f'{{"month": "2026-{i + 6:02d}"}}'}}
+        messages += [
+            {"role": "user", "content": f"Where is my invoice for month {i + 6}? I was charged twice."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": f"invoice #{40 + i} sent on {i + 3} October"},
+            {"role": "assistant",
+             "content": f"Invoice #{40 + i} was sent on {i + 3} October; the double charge is refunded."},
+        ]
+    messages = messages[:20]
+    tools = [{"type": "function", "function": {"name": "lookup_invoice", "description": "Find an invoice by month",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"month": {"type": "string"}}}}}]
+    return AssembleRequest.model_validate({
+        "request_id": "inproc-chat", "org_id": "acme", "agent_id": "support-bot", "model": model,
+        "query": "The customer asks where their invoice from October is.", "format": "openai",
+        "messages": messages, "tools": tools, "deadline_ns": time.time_ns() + 3_600_000_000_000,
+    })
+
+
 def _measure(catalog: Catalog, policy: Policy, req: AssembleRequest, retrieval: Any, iterations: int,
              warmup: int) -> tuple[Histograms, Any]:
     hs = Histograms()
@@ -87,6 +113,9 @@ def run(*, iterations: int = 300, cold_iterations: int = 60, warmup: int = 20, m
         out["candidate_tokens"] = sum(d.tokens or 0 for d in resp.decisions
                                       if d.decision in ("packed", "excluded_budget"))
         out["token_budget"] = resp.budget.usable
+
+    hs, _ = _measure(warm_cat, policy, _chat_request(model), retrieval, iterations, warmup)
+    out["chat_warm"] = {"iterations": iterations, **hs.summary(("wall", *STAGES))}
 
     cold_cat = Catalog.load(settings.catalog_path, cache_entries=0)
     cold_cat.warm_up()  # BPE vocabularies loaded: "cold" is the count cache, not the process

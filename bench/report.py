@@ -134,7 +134,9 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         out += [f"## In-process pipeline (n = {ip['n_candidates']}: {ip['n_hot']} hot + {ip['n_cold']} cold, "
                 f"{ip['candidate_chars']} chars, model {ip['model']}, packer path {ip.get('packer_path')})", ""]
         rows = []
-        for cache in ("warm", "cold"):
+        for cache in ("warm", "cold", "chat_warm"):
+            if cache not in ip:
+                continue
             for comp in ("wall", "budget", "scoring", "packing", "formatting"):
                 h = ip[cache][comp]
                 rows.append([cache, comp, *(_ms(h.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")),

@@ -2,6 +2,7 @@
 
 from ibex_context.client.client import AsyncClient, ClientClosed, SyncClient, degraded_response
 from ibex_context.shared.errors import (
+    ContextOverflow,
     DeadlineExceeded,
     Forbidden,
     IbexError,
@@ -18,6 +19,7 @@ __all__ = [
     "AssembleResponse",
     "AsyncClient",
     "ClientClosed",
+    "ContextOverflow",
     "DeadlineExceeded",
     "Forbidden",
     "IbexError",
