@@ -23,10 +23,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.budget import compute_budget
 from ibex_context.pipeline.chat_render import render_anthropic, render_openai
-from ibex_context.pipeline.count import CountedSection, RequestSections, directive_counted, memory_overhead
+from ibex_context.pipeline.count import (
+    CountedSection,
+    LineCache,
+    RequestSections,
+    directive_counted,
+    memory_cost,
+    memory_overhead,
+)
 from ibex_context.pipeline.history import HistoryFit, HistoryOverflow, HistoryPolicy, fit_history, history_budget
+from ibex_context.pipeline.types import ScoredMemory
 from ibex_context.shared.catalog import ModelSpec
 from ibex_context.shared.chat import Conversation, parse_conversation, to_wire, wire_system, wire_tools
 from ibex_context.shared.errors import ContextOverflow
@@ -154,11 +163,30 @@ def render_chat(plan: ChatPlan, directive: str | None, memory_block: str | None)
 
 
 def prompt_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, messages: list[Message],
-                  system: Any) -> int:
-    """The count of exactly what is emitted, by the provider's rules."""
+                  system: Any, *, block: str | None = None, block_tokens: int | None = None) -> int:
+    """The count of exactly what is emitted, by the provider's rules. With ``block_tokens`` (the
+    memories block's exact count, ``memory_block_tokens``) the OpenAI memory message is charged
+    its frame plus that, instead of a fresh BPE pass over the block."""
     if plan.conversation.format == "openai":
-        return cc.openai_prompt_tokens(messages, plan.tools, counter, model=spec.name)
+        if block is None or block_tokens is None:
+            return cc.openai_prompt_tokens(messages, plan.tools, counter, model=spec.name)
+        rest = [m for m in messages if m.get("content") is not block]
+        return cc.openai_prompt_tokens(rest, plan.tools, counter, model=spec.name) + plan.prompt.memory_frame + \
+            block_tokens
     return cc.anthropic_prompt_tokens(system, messages, plan.tools, counter, model=spec.name)
+
+
+def memory_block_tokens(counter: TokenCounter, kept: list[ScoredMemory], nonce: str,
+                        lines: LineCache | None) -> int:
+    """The exact tokens of the memories block, from counts already cached, for exact BPE families.
+
+    Each line ends with ``>`` and a newline and the next starts with ``<``; the o200k and cl100k
+    pre-tokenizers always split there (a punctuation run takes the trailing newlines and stops
+    before ``<``), and BPE never merges across a split, so the block's count is the sum of its
+    pieces. Only the frame, which carries this assembly's nonce, is counted afresh.
+    """
+    head, tail = fmt.memory_frame(nonce)
+    return counter.count(head) + sum(memory_cost(counter, m.hit, lines) for m in kept) + counter.count(tail)
 
 
 def history_decisions(fit: HistoryFit) -> list[HistoryDecision]:

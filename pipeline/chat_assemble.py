@@ -56,7 +56,9 @@ def assemble_chat(
         formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
         block = next((s.text for s in formatted.rendered.sections if s.name == "memories"), "") or None
         messages, system = chat.render_chat(plan, retrieval.directive, block)
-        total = chat.prompt_tokens(plan, spec, counter, messages, system)
+        exact_block = (chat.memory_block_tokens(counter, formatted.kept, nonce, lines)
+                       if block is not None and counter.kind == "exact" else None)
+        total = chat.prompt_tokens(plan, spec, counter, messages, system, block=block, block_tokens=exact_block)
         if total <= limit or not result.packed:
             break
         # A bound was wrong (it never has been in the tests): pack again with the overshoot removed.

@@ -205,3 +205,21 @@ async def test_a_proxy_turn_through_the_stack(stack: LocalStack, tmp_path: Path)
             await c.assemble_or_degrade(org_id="acme", agent_id="support-bot", model="gpt-4o", query="q",
                                         format="openai", messages=[{"role": "user", "content": "w " * 140_000}],
                                         timeout=5.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=12), st.sampled_from(["o200k", "cl100k"]))
+def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: str) -> None:
+    """The block's count from cached line counts equals a fresh BPE pass over the block, for any
+    memory text (``pipeline.chat.memory_block_tokens``: the pre-tokenizers split between lines)."""
+    from ibex_context.pipeline import format as fmt
+    from ibex_context.pipeline.chat import memory_block_tokens
+    from ibex_context.pipeline.count import LineCache
+    from ibex_context.pipeline.types import ScoredMemory
+
+    kept = [ScoredMemory(MemoryHit(f"m{i}", c, "fact", 0.9, 0.9, i + 1, "hot"), 1, 0.9)
+            for i, c in enumerate(contents)]
+    nonce = fmt.new_nonce()
+    counter = CATALOG.counter(family)
+    block = fmt.memory_section(kept, nonce)
+    assert memory_block_tokens(counter, kept, nonce, LineCache()) == counter.count(block)
