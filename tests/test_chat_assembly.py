@@ -223,3 +223,38 @@ def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: 
     counter = CATALOG.counter(family)
     block = fmt.memory_section(kept, nonce)
     assert memory_block_tokens(counter, kept, nonce, LineCache()) == counter.count(block)
+
+
+def test_explain_prints_the_prompt_and_each_dropped_message(tmp_path: Path) -> None:
+    import argparse
+    import io
+    import json
+
+    from ibex_context.ops.explain import run
+
+    long = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 900} for i in range(20)]
+    request = {"request_id": "x", "org_id": "acme", "agent_id": "support-bot", "model": "gpt-4", "query": "q",
+               "format": "openai", "messages": [*long, {"role": "user", "content": "the latest question"}]}
+    (tmp_path / "req.json").write_text(json.dumps(request))
+    examples = Path(__file__).resolve().parent.parent / "examples" / "candidates.json"
+    out, err = io.StringIO(), io.StringIO()
+    args = argparse.Namespace(request=str(tmp_path / "req.json"), candidates=str(examples), nonce=None,
+                              format="table")
+    assert run(args, out, err) == 0, err.getvalue()
+    text = out.getvalue()
+    assert "Prompt (openai):" in text and "dropped message    0 user" in text
+    request["history"] = {"mode": "fail"}
+    (tmp_path / "req.json").write_text(json.dumps(request))
+    assert run(args, io.StringIO(), err) == 2 and "CONTEXT_OVERFLOW" in err.getvalue()
+
+
+async def test_degraded_chat_reply_is_provider_ready_and_within_the_window() -> None:
+    from ibex_context.ops.stack import free_port
+
+    async with AsyncClient(f"tcp://127.0.0.1:{free_port()}") as c:  # nobody listens there
+        await c.prepare_fallback()
+        resp = await c.assemble_or_degrade(org_id="acme", agent_id="support-bot", model="gpt-4o", query="q",
+                                           format="openai", messages=AGENT_TURN, tools=TOOLS, timeout=0.05)
+    assert resp.degraded and resp.messages is not None and resp.prompt_tokens is not None
+    assert resp.messages[0] == AGENT_TURN[0] and resp.messages[-1] == AGENT_TURN[-1]
+    assert resp.packed == [] and resp.prompt_tokens <= _limit(resp)
