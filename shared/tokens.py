@@ -11,6 +11,7 @@ charge in the worst case we measured (tests/test_tokens.py checks it on a varied
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import re
 from collections import OrderedDict
@@ -104,6 +105,16 @@ def _encoding(name: str) -> Any:
     return enc
 
 
+MAX_CHARS_PER_CALL = 500_000  # bpe_openai refuses 1,000,000 characters in one call
+
+
+def bpe_limit_error() -> type[Exception]:
+    """bpe_openai's error for an input over its per-call token limit."""
+    import bpe_openai
+
+    return bpe_openai.TokenLimitError  # type: ignore[no-any-return]
+
+
 class ExactCounter:
     """Exact counts with the model's own BPE encoding (o200k_base, cl100k_base)."""
 
@@ -116,10 +127,36 @@ class ExactCounter:
 
     def count(self, text: str) -> int:
         # Lone surrogates cannot be encoded; count them as the replacement they will become.
+        if not text.isascii():
+            text = text.encode("utf-8", "replace").decode("utf-8")
+        if len(text) >= MAX_CHARS_PER_CALL:
+            return self._count_long(text)
         try:
             return len(self._enc.encode_ordinary(text))
-        except (UnicodeEncodeError, ValueError):
-            return len(self._enc.encode_ordinary(text.encode("utf-8", "replace").decode("utf-8")))
+        except bpe_limit_error():
+            return self._count_long(text)
+
+    def _count_long(self, text: str) -> int:
+        r"""The encoder refuses one call over 200,000 tokens or 1,000,000 characters (a 1M-token
+        window holds more). Split
+        where the pre-tokenizer always splits: before a space that follows a letter, digit or
+        punctuation and precedes a letter (that space starts the next pre-token, `` ?\p{L}+``),
+        so the halves' counts add up exactly. Text with no such place is charged its UTF-8 bytes,
+        which no BPE count can exceed."""
+        i = split_point(text)
+        if i is None:
+            return len(text.encode("utf-8"))
+        return self.count(text[:i]) + self.count(text[i:])
+
+
+def split_point(text: str) -> int | None:
+    """The index nearest the middle where the o200k/cl100k pre-tokenizers always split (a space
+    after a non-space character and before a letter), or None."""
+    mid = len(text) // 2
+    for i in itertools.chain(range(mid, len(text) - 1), range(mid - 1, 0, -1)):
+        if text[i] == " " and text[i + 1].isalpha() and not text[i - 1].isspace():
+            return i
+    return None
 
 
 class CachedCounter:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ibex_context.shared.catalog import Catalog
@@ -68,3 +68,24 @@ def test_catalog_counter_per_family() -> None:
     assert c1 is cat.counter("o200k") and c1.kind == "exact"
     c2 = cat.counter("claude")
     assert c2.kind == "estimate" and c2.count("hello world") >= 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["alpha", "Beta,", "gamma.", "δelta", "42", " ", "\n", "x-y", "Zoë", "  ", "'s",
+                                 "(", "}", "日本"]), min_size=2, max_size=400), st.sampled_from(["o200k", "cl100k"]))
+def test_long_text_split_counts_exactly(words: list[str], family: str) -> None:
+    """Texts over the encoder's per-call limits are counted in halves split where the pre-tokenizer
+    always splits; the halves must add up to the one-call count."""
+    from ibex_context.shared.tokens import split_point
+
+    inner = Catalog.load().counter(family).inner
+    text = " ".join(words)
+    if split_point(text) is None:  # nowhere safe to split: charged its bytes, never less than BPE
+        assert inner._count_long(text) >= inner.count(text)  # type: ignore[attr-defined]
+    else:
+        assert inner._count_long(text) == inner.count(text)  # type: ignore[attr-defined]
+
+
+def test_text_over_the_encoders_limits_is_counted() -> None:
+    inner = Catalog.load().counter("o200k").inner
+    assert inner.count("hello world, this is a test. " * 60_000) == 480_001  # 1.74M chars, 480K tokens
