@@ -126,15 +126,15 @@ class ExactCounter:
         self._enc = _encoding(encoding)
 
     def count(self, text: str) -> int:
-        # Lone surrogates cannot be encoded; count them as the replacement they will become.
-        if not text.isascii():
-            text = text.encode("utf-8", "replace").decode("utf-8")
         if len(text) >= MAX_CHARS_PER_CALL:
             return self._count_long(text)
         try:
             return len(self._enc.encode_ordinary(text))
         except bpe_limit_error():
             return self._count_long(text)
+        except (UnicodeEncodeError, ValueError):
+            # Lone surrogates cannot be encoded; count them as the replacement they will become.
+            return self.count(text.encode("utf-8", "replace").decode("utf-8"))
 
     def _count_long(self, text: str) -> int:
         r"""The encoder refuses one call over 200,000 tokens or 1,000,000 characters (a 1M-token
