@@ -1,0 +1,399 @@
+"""``python -m bench.cache``: how much of each turn's prompt a provider's prefix cache can reuse.
+
+Why: a provider bills a cached prefix at a fraction of the price (README "Chat-native assembly"
+places the memory block late for that reason). Scripted tool-using agent conversations, with
+memories that change every model call, are assembled under three layouts and each call's prompt
+is compared with the previous call's, token by token, as the provider's cache sees it.
+A cache only reuses the longest common prefix: a block that changes early makes the rest new.
+
+Layouts: ``seed`` (the simple form's flat ``rendered`` text as one system message, then the latest
+user message), ``sysmem`` (directive + memory block in one leading system message, then the
+conversation: what most frameworks do) and ``service`` (exactly what ``assemble`` returns, so this
+measures whatever layout is on the branch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.report import table
+from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.types import MemoryHit
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.models import AssembleRequest, AssembleResponse
+
+DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
+LAYOUTS = ("seed", "sysmem", "service")
+FORMATS = ("openai", "anthropic")
+MIN_CACHE = 1024  # both providers cache only prompts (prefixes) of at least 1,024 tokens
+OPENAI_STEP = 128
+# Prices, USD per 1M input tokens. gpt-4o: $2.50 input, $1.25 cached input (OpenAI's pricing
+# page, developers.openai.com/api/docs/pricing, as reproduced by third-party tables; not confirmed
+# on the live page). claude-sonnet-4: $3 base input, cache writes 1.25x ($3.75), cache hits 0.1x
+# ($0.30) (platform.claude.com/docs/en/about-claude/pricing "Sonnet" rows and Google Vertex AI's
+# Claude prompt-caching page: writes +25 %, reads -90 %).
+PRICES = {"openai": {"input": 2.50, "cached": 1.25},
+          "anthropic": {"input": 3.00, "read": 0.30, "write": 3.75}}
+ENCODING = "o200k"  # Anthropic's tokenizer is not public: o200k stands in for it (the ratios matter)
+
+Msg = dict[str, Any]
+
+
+# ------------------------------------------------------------------------------------ the scripts
+def _tool(name: str, desc: str, arg: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {arg: {"type": "string", "description": f"the {arg}"}}, "required": [arg]}}}
+
+
+SCRIPTS: dict[str, dict[str, Any]] = {
+    "support": {"agent": "support-bot", "tools": [
+        _tool("lookup_invoice", "Find an invoice by number or month and return its lines", "invoice"),
+        _tool("lookup_account", "Return the account's plan, seats and payment method", "account")],
+        "ask": "Can you check invoice {n}? The {item} line looks wrong to me.",
+        "call": ("lookup_invoice", "invoice", "INV-{n}"),
+        "result": "Invoice INV-{n} (account acme-{k}), issued 2026-{m:02d}-03, due 2026-{m:02d}-17.\n{lines}"
+                  "Subtotal {sub} EUR, VAT 21 %, total {tot} EUR. Status: {status}.",
+        "answer": "Invoice INV-{n}: the {item} line is {qty} x {price} EUR as on your plan; "
+                  "total {tot} EUR, {status}."},
+    "research": {"agent": "research-agent", "tools": [
+        _tool("search_papers", "Full-text search over the paper index; returns titles and abstracts", "query"),
+        _tool("read_section", "Return one section of a paper by id and section name", "section")],
+        "ask": "What does paper {n} say about {item}? Summarise the method section.",
+        "call": ("read_section", "section", "paper-{n}#method"),
+        "result": "Paper {n}, section 3 (Method). We study {item} on {qty} datasets.\n{lines}"
+                  "The ablation keeps {sub} of {tot} configurations. Limitations: {status}.",
+        "answer": "Paper {n} evaluates {item} on {qty} datasets; {sub} of {tot} configurations survive; "
+                  "caveat: {status}."},
+    "coding": {"agent": "devops-helper", "tools": [
+        _tool("run_command", "Run a shell command in the repository sandbox and return its output", "command"),
+        _tool("read_file", "Return a file's content with line numbers", "path")],
+        "ask": "The {item} job failed again (run {n}). Can you find out why?",
+        "call": ("run_command", "command", "ci logs --run {n} --job {item} --tail 20"),
+        "result": "$ ci logs --run {n} --job {item} --tail 20\n{lines}"
+                  "exit status {qty}; {sub} passed, {tot} total; hint: {status}",
+        "answer": "Run {n} of {item} failed with exit {qty}: {sub}/{tot} passed; the cause is: {status}."},
+}
+ITEMS = ("storage", "egress", "support plan", "backup", "seats", "compute", "snapshots", "licences")
+STATUSES = ("paid", "overdue since last week", "disputed by the customer", "partly refunded",
+            "pending bank transfer", "written off after review")
+
+
+def _lines(seed: int, kind: str) -> str:
+    """Deterministic, varied body lines (~15 per result) so tool results have realistic length."""
+    out = []
+    for j in range(12 + seed % 7):
+        v = (seed * 7919 + j * 104729) % 100_000
+        if kind == "coding":
+            out.append(f"  [{j:02d}] tests/test_mod_{v % 97}.py::test_case_{v % 13} "
+                       f"{'FAILED' if v % 5 == 0 else 'PASSED'} ({v % 900} ms)\n")
+        else:
+            out.append(f"  {j + 1}. {ITEMS[v % len(ITEMS)]}: {v % 50 + 1} x {v % 300 / 7:.2f} "
+                       f"(ref {v:05d}, note {STATUSES[v % len(STATUSES)]})\n")
+    return "".join(out)
+
+
+def _fields(name: str, t: int) -> dict[str, Any]:
+    n = 1000 + t * 37 + len(name)
+    sub = (t * 613) % 5000 + 100
+    return {"n": n, "k": t % 9, "m": t % 12 + 1, "item": ITEMS[(t * 3 + len(name)) % len(ITEMS)],
+            "qty": t % 7 + 1, "price": f"{(t * 17) % 90 + 9}.00", "sub": sub, "tot": sub * 121 // 100,
+            "status": STATUSES[(t * 5) % len(STATUSES)], "lines": _lines(t + len(name), name)}
+
+
+def turn_messages(name: str, t: int) -> list[Msg]:
+    """Turn ``t`` of script ``name`` in OpenAI shape: a question, a tool call, its result, an answer."""
+    s, f = SCRIPTS[name], _fields(name, t)
+    fn, arg, val = s["call"]
+    call = {"id": f"call_{t}", "type": "function",
+            "function": {"name": fn, "arguments": json.dumps({arg: val.format(**f)})}}
+    return [{"role": "user", "content": s["ask"].format(**f)},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{t}", "content": s["result"].format(**f)},
+            {"role": "assistant", "content": s["answer"].format(**f)}]
+
+
+def conversation(name: str, call: int) -> list[Msg]:
+    """What the agent sends at model call ``call``: an agent loop calls the model twice a turn, with
+    the user's question (the model answers with a tool call) and with the tool's result (the model
+    answers the user), so call 2t is turn t's question and call 2t + 1 adds the call and its result."""
+    turn, step = divmod(call, 2)
+    msgs = [m for t in range(turn) for m in turn_messages(name, t)]
+    return msgs + turn_messages(name, turn)[:1 + 2 * step]
+
+
+def load_memories() -> dict[str, list[str]]:
+    by_agent: dict[str, list[str]] = {}
+    for line in DEMO.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "memory":
+            by_agent.setdefault(row["agent_id"], []).append(row["content"])
+    return by_agent
+
+
+def turn_hits(pool: list[str], turn: int, k: int = 8) -> list[MemoryHit]:
+    """The memories retrieval returns at ``turn``: a deterministic, turn-dependent draw from the pool."""
+    picks = sorted({(turn * 11 + j * 29 + (turn * j) % 7) % len(pool) for j in range(k)})
+    return [MemoryHit(f"m{i}", pool[i], "fact", 0.95 - r / 100, 0.8, r + 1, "hot") for r, i in enumerate(picks)]
+
+
+def load_directives() -> dict[str, str]:
+    rows = [json.loads(line) for line in DEMO.read_text().splitlines()]
+    return {r["agent_id"]: r["text"] for r in reversed(rows) if r.get("kind") == "directive"}
+
+
+def to_anthropic(msgs: list[Msg]) -> list[Msg]:
+    """The same conversation in Anthropic's shape: tool_use blocks, tool_result in a user turn."""
+    out: list[Msg] = []
+    for m in msgs:
+        if m.get("tool_calls"):
+            c = m["tool_calls"][0]
+            out.append({"role": "assistant", "content": [{"type": "tool_use", "id": c["id"],
+                        "name": c["function"]["name"], "input": json.loads(c["function"]["arguments"])}]})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                                     "content": m["content"]}]})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def anthropic_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"name": t["function"]["name"], "description": t["function"]["description"],
+             "input_schema": t["function"]["parameters"]} for t in tools]
+
+
+# ---------------------------------------------------------------------------------------- layouts
+class Turn:
+    """Everything one model call needs: the script's conversation, tools, directive and its hits."""
+
+    def __init__(self, name: str, call: int, directive: str, hits: list[MemoryHit]) -> None:
+        self.name, self.turn, self.directive, self.hits = name, call, directive, hits
+        self.messages = conversation(name, call)
+        self.tools: list[dict[str, Any]] = SCRIPTS[name]["tools"]
+        self.agent: str = SCRIPTS[name]["agent"]
+
+
+def _question(t: Turn) -> str:
+    """The latest user message (the retrieval query, and the seed's trailing user message)."""
+    return str(next(m["content"] for m in reversed(t.messages) if m["role"] == "user"))
+
+
+def _assemble(catalog: Catalog, t: Turn, body: dict[str, Any]) -> AssembleResponse:
+    req = AssembleRequest.model_validate({
+        "request_id": f"cache-{t.name}-{t.turn}", "org_id": "acme", "agent_id": t.agent, "model": body.pop("model"),
+        "query": _question(t), "deadline_ns": time.time_ns() + 3_600_000_000_000, **body})
+    return assemble(req, offline_result(directive=t.directive, hot=t.hits, cold=[]), catalog=catalog, policy=Policy())
+
+
+def _flat(m: Msg) -> dict[str, str]:
+    """A chat message as the simple form's flat {role, content} (tool calls written as JSON)."""
+    text = m["content"] or ""
+    if m.get("tool_calls"):
+        text += json.dumps(m["tool_calls"], sort_keys=True)
+    return {"role": m["role"], "content": text}
+
+
+def seed_layout(catalog: Catalog, t: Turn, fmt: str) -> tuple[Any, list[Msg]]:
+    """The seed's order: the simple form's ``rendered`` (directive, history, memories, tools) as ONE
+    system message, then the latest user message."""
+    resp = _assemble(catalog, t, {"model": _model(fmt), "recent_messages": [_flat(m) for m in t.messages],
+                                  "tool_schemas": t.tools})
+    last = {"role": "user", "content": _question(t)}
+    if fmt == "openai":
+        return None, [{"role": "system", "content": resp.rendered}, last]
+    return [{"type": "text", "text": resp.rendered}], [last]
+
+
+def _memory_block(resp: AssembleResponse) -> str:
+    """The nonce-tagged memory block wherever ``assemble`` placed it (a message, a system block or a
+    block of the latest user turn)."""
+    tag = f'nonce="{resp.nonce}"'
+    parts: list[Any] = list(resp.system or [])
+    for m in resp.messages or []:
+        parts += [m.get("content")] if isinstance(m.get("content"), str) else list(m.get("content") or [])
+    for p in parts:
+        text = p if isinstance(p, str) else p.get("text", "") if isinstance(p, dict) else ""
+        if tag in text and text.lstrip().startswith("<"):
+            return str(text)
+    return next(str(p if isinstance(p, str) else p.get("text")) for p in parts
+                if tag in (p if isinstance(p, str) else str(p.get("text", ""))))
+
+
+def _model(fmt: str) -> str:
+    return "gpt-4o" if fmt == "openai" else "claude-sonnet-4-20250514"
+
+
+def _service(catalog: Catalog, t: Turn, fmt: str) -> AssembleResponse:
+    if fmt == "openai":
+        body = {"model": _model(fmt), "format": "openai", "messages": t.messages, "tools": t.tools}
+    else:
+        body = {"model": _model(fmt), "format": "anthropic", "messages": to_anthropic(t.messages),
+                "tools": anthropic_tools(t.tools)}
+    return _assemble(catalog, t, body)
+
+
+def service_layout(catalog: Catalog, t: Turn, fmt: str) -> tuple[Any, list[Msg]]:
+    """This service: exactly what ``assemble`` returns (``system`` + ``messages`` for Anthropic)."""
+    resp = _service(catalog, t, fmt)
+    return resp.system, list(resp.messages or [])
+
+
+def sysmem_layout(catalog: Catalog, t: Turn, fmt: str) -> tuple[Any, list[Msg]]:
+    """What most frameworks do: one leading system prompt with the directive and the memory block,
+    then the conversation as is. The memory block is this service's own, for a like-for-like text."""
+    block = _memory_block(_service(catalog, t, fmt))
+    system = f"{t.directive}\n\n{block}"
+    if fmt == "openai":
+        return None, [{"role": "system", "content": system}, *t.messages]
+    return [{"type": "text", "text": system}], to_anthropic(t.messages)
+
+
+LAYOUT_FNS: dict[str, Callable[[Catalog, Turn, str], tuple[Any, list[Msg]]]] = {
+    "seed": seed_layout, "sysmem": sysmem_layout, "service": service_layout}
+
+
+# ---------------------------------------------------------------------------- what the cache sees
+def _block_text(b: Any) -> str:
+    if isinstance(b, str):
+        return b
+    if isinstance(b, dict) and b.get("type") == "text":
+        return str(b["text"])
+    return json.dumps(b, sort_keys=True, separators=(",", ":"))
+
+
+def canonical(fmt: str, tools: list[dict[str, Any]], system: Any, messages: list[Msg]) -> str:
+    """The prompt as the provider's cache sees it, in its order: tools, (system), then each message
+    as role + content, tool calls as JSON. Deterministic: sorted keys, fixed separators."""
+    out = [json.dumps(anthropic_tools(tools) if fmt == "anthropic" else tools, sort_keys=True, separators=(",", ":"))]
+    if system:
+        out += ["<|system|>", *(_block_text(b) for b in (system if isinstance(system, list) else [system]))]
+    for m in messages:
+        content = m.get("content")
+        parts = [content] if isinstance(content, str) else list(content or [])
+        out += [f"<|{m['role']}|>", *(_block_text(p) for p in parts)]
+        if m.get("tool_calls"):
+            out.append(json.dumps(m["tool_calls"], sort_keys=True, separators=(",", ":")))
+        if m.get("tool_call_id"):
+            out.append(m["tool_call_id"])
+    return "\n".join(out)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def openai_cached(prefix: int, tokens: int) -> int:
+    """OpenAI bills as cached the reused prefix in 128-token steps, and only from 1,024 tokens."""
+    if tokens < MIN_CACHE or prefix < MIN_CACHE:
+        return 0
+    return prefix // OPENAI_STEP * OPENAI_STEP
+
+
+def turn_cost(fmt: str, tokens: int, prefix: int) -> float:
+    """USD for one turn's input. Anthropic: an ideal breakpoint at the end of each prompt, so the
+    reused prefix is a cache read and the rest a cache write (below 1,024 tokens nothing caches)."""
+    p = PRICES[fmt]
+    if fmt == "openai":
+        cached = openai_cached(prefix, tokens)
+        return ((tokens - cached) * p["input"] + cached * p["cached"]) / 1e6
+    if tokens < MIN_CACHE:
+        return tokens * p["input"] / 1e6
+    read = prefix if prefix >= MIN_CACHE else 0
+    return (read * p["read"] + (tokens - read) * p["write"]) / 1e6
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
+
+
+# ------------------------------------------------------------------------------------------- run
+def run_script(catalog: Catalog, name: str, turns: int, enc: Any) -> list[dict[str, Any]]:
+    """Per (format, layout): each turn's tokens, reused prefix, and the summary over the script."""
+    pool = load_memories()[SCRIPTS[name]["agent"]]
+    directive = load_directives()[SCRIPTS[name]["agent"]]
+    rows = []
+    for fmt in FORMATS:
+        for layout in LAYOUTS:
+            prev: list[int] = []
+            per_turn = []
+            for i in range(2 * turns):
+                t = Turn(name, i, directive, turn_hits(pool, i))
+                system, msgs = LAYOUT_FNS[layout](catalog, t, fmt)
+                toks = enc.encode_ordinary(canonical(fmt, t.tools, system, msgs))
+                pre = common_prefix(prev, toks)
+                per_turn.append({"tokens": len(toks), "prefix": pre, "reuse": pre / len(toks),
+                                 "bound": min(len(prev), len(toks)) / len(toks),
+                                 "cost": turn_cost(fmt, len(toks), pre)})
+                prev = toks
+            rows.append(summarise(name, fmt, layout, per_turn))
+    return rows
+
+
+def summarise(name: str, fmt: str, layout: str, per_turn: list[dict[str, Any]]) -> dict[str, Any]:
+    big = [p["reuse"] for p in per_turn[1:] if p["tokens"] >= MIN_CACHE]
+    billed = [openai_cached(p["prefix"], p["tokens"]) / p["tokens"] for p in per_turn[1:]
+              if p["tokens"] >= MIN_CACHE] if fmt == "openai" else []
+    return {"script": name, "format": fmt, "layout": layout, "turns": len(per_turn),
+            "turns_over_1024": len(big), "median_reuse": statistics.median(big) if big else float("nan"),
+            "p10_reuse": _pct(big, 0.10),
+            "median_bound": statistics.median([p["bound"] for p in per_turn[1:] if p["tokens"] >= MIN_CACHE] or [0]),
+            "median_billed_cached": statistics.median(billed) if billed else None,
+            "cost_usd": sum(p["cost"] for p in per_turn),
+            "uncached_cost_usd": sum(p["tokens"] for p in per_turn) * PRICES[fmt]["input"] / 1e6,
+            "per_turn": per_turn}
+
+
+def render(rows: list[dict[str, Any]]) -> list[str]:
+    head = ["script", "provider", "layout", "calls >= 1,024", "median reuse", "p10 reuse", "append-only bound",
+            "OpenAI billed cached (median)", "input cost $", "no-cache cost $"]
+    body = [[r["script"], r["format"], r["layout"], r["turns_over_1024"], f"{r['median_reuse']:.1%}",
+             f"{r['p10_reuse']:.1%}", f"{r['median_bound']:.1%}",
+             "-" if r["median_billed_cached"] is None else f"{r['median_billed_cached']:.1%}",
+             f"{r['cost_usd']:.4f}", f"{r['uncached_cost_usd']:.4f}"] for r in rows]
+    return table(head, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cache", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scripts", default=",".join(SCRIPTS), help=f"comma-separated, of {', '.join(SCRIPTS)}")
+    ap.add_argument("--turns", type=int, default=24, help="user turns per script, two model calls each (default 24)")
+    ap.add_argument("--out", type=Path, default=Path("bench/out"), help="directory for cache.json")
+    args = ap.parse_args(argv)
+    names = [s for s in args.scripts.split(",") if s]
+    unknown = [s for s in names if s not in SCRIPTS]
+    if unknown:
+        ap.error(f"unknown script(s): {', '.join(unknown)}")
+    catalog = Catalog.load()
+    enc = catalog.counter(ENCODING).inner._enc  # type: ignore[attr-defined]
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        start = time.perf_counter()
+        got = run_script(catalog, name, args.turns, enc)
+        rows += got
+        print(f"{name}: {args.turns} turns ({2 * args.turns} model calls), " + ", ".join(
+            f"{r['format']}/{r['layout']} {r['median_reuse']:.1%}" for r in got)
+            + f" ({time.perf_counter() - start:.1f} s)", flush=True)
+    print("\n".join(render(rows)))
+    print(f"\nPrices per 1M input tokens: {json.dumps(PRICES)}; Anthropic counted with {ENCODING} (its "
+          "tokenizer is not public); prices from third-party copies of the providers' pages, not the live pages.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "cache.json"
+    path.write_text(json.dumps({"prices": PRICES, "encoding": ENCODING, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
