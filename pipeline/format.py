@@ -26,7 +26,8 @@ add a line that looks like one of the formatter's ``## Section`` headings, which
 column 0. A space is the cheapest marker: `` ##`` is one token wherever ``##`` is, so the space
 usually costs nothing, where a backslash or ``>`` costs a token per line.
 
-The memories block is wrapped in tags carrying a per-assembly random nonce, preceded by a
+The memories block is wrapped in tags carrying a nonce (derived by ``derive_nonce`` with a server
+key from the block's memory lines, or random per assembly on request), preceded by a
 sentence telling the model the block is data. Inner ``<memory>`` tags need no nonce: their
 bodies cannot contain markup, and leaving the nonce out keeps each memory's token cost
 independent of the nonce (so it can be cached per worker).
@@ -36,6 +37,9 @@ This module only renders text; every token count of what it renders is ``pipelin
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
 import json
 import re
 import secrets
@@ -117,6 +121,46 @@ def escape_attribute(text: str) -> str:
 
 def new_nonce() -> str:
     return secrets.token_hex(NONCE_BYTES)
+
+
+_PROCESS_KEY = secrets.token_bytes(32)
+
+
+def nonce_key(nonce_secret: str | None, memory_secret: str) -> bytes:
+    """The HMAC key of ``derive_nonce`` (README "Chat-native assembly").
+
+    ``IBEX_NONCE_SECRET`` when set; otherwise a key derived from ``IBEX_MEMORY_SECRET`` when that
+    is not the development default; otherwise a random key drawn once per process. That last key
+    is stable within one process only: two workers then derive different nonces for the same
+    memories (no shared cache prefix), so set a secret in production.
+    """
+    from ibex_context.shared.settings import Settings
+
+    if nonce_secret:
+        return nonce_secret.encode()
+    if memory_secret != Settings.model_fields["memory_secret"].default:
+        return hmac.new(memory_secret.encode(), b"ibex-context memories nonce", hashlib.sha256).digest()
+    return _PROCESS_KEY
+
+
+@functools.cache
+def default_nonce_key() -> bytes:
+    """``nonce_key`` from this process's environment, read once."""
+    from ibex_context.shared.settings import Settings
+
+    settings = Settings()
+    return nonce_key(settings.nonce_secret, settings.memory_secret)
+
+
+def derive_nonce(key: bytes, lines: Sequence[str]) -> str:
+    """HMAC-SHA256 of the block's memory lines, 32 hex characters.
+
+    The same memory set (same lines, same order) gives the same block, so it stops breaking the
+    provider's prompt cache every turn; a memory author who does not hold the key still cannot
+    predict the nonce, so cannot forge the closing tag (the bodies cannot contain ``<`` anyway).
+    """
+    mac = hmac.new(key, b"".join(line.encode("utf-8", "surrogatepass") for line in lines), hashlib.sha256)
+    return mac.hexdigest()[: 2 * NONCE_BYTES]
 
 
 def check_nonce(nonce: str) -> str:

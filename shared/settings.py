@@ -111,6 +111,11 @@ class WorkerSettings(_LinkSettings, _TimeoutSettings):
         "ibex-dev-secret-change-me", min_length=8,
         description="HMAC key shared by workers and the memory service to mint per-org tokens.",
     )
+    nonce_secret: str | None = Field(
+        None, min_length=8,
+        description="HMAC key of the derived memories-block nonce; unset: derived from memory_secret, "
+                    "or random per process when that is the development default.",
+    )
     memory_max_response_bytes: int = Field(8 << 20, ge=1024, description="Larger memory replies are an error.")
     cold_min_similarity: float = Field(0.70, ge=0.0, le=1.0, description="Retrieval-time cosine cutoff sent to search.")
 
