@@ -25,7 +25,7 @@ from typing import Any
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.budget import compute_budget
-from ibex_context.pipeline.chat_render import render_anthropic, render_openai
+from ibex_context.pipeline.chat_render import add_breakpoints, render_anthropic, render_openai
 from ibex_context.pipeline.count import (
     CountedSection,
     LineCache,
@@ -34,7 +34,14 @@ from ibex_context.pipeline.count import (
     memory_cost,
     memory_overhead,
 )
-from ibex_context.pipeline.history import HistoryFit, HistoryOverflow, HistoryPolicy, fit_history, history_budget
+from ibex_context.pipeline.history import (
+    HistoryFit,
+    HistoryOverflow,
+    HistoryPolicy,
+    fit_history,
+    history_budget,
+    latest_user_index,
+)
 from ibex_context.pipeline.types import ScoredMemory
 from ibex_context.shared.catalog import ModelSpec
 from ibex_context.shared.chat import Conversation, parse_conversation, to_wire, wire_system, wire_tools
@@ -152,14 +159,35 @@ def _budget(spec: ModelSpec, fam: str, kind: Any, prompt: Prompt, mem_text: int,
     )
 
 
-def render_chat(plan: ChatPlan, directive: str | None, memory_block: str | None) -> tuple[list[Message], Any]:
-    """The messages (and, for Anthropic, the system blocks) the proxy sends the provider as is."""
+def render_chat(plan: ChatPlan, directive: str | None, memory_block: str | None, *,
+                breakpoints: bool = False) -> tuple[list[Message], Any, list[str]]:
+    """The messages (and, for Anthropic, the system blocks) the proxy sends the provider as is,
+    and the ``cache_control`` breakpoints added (Anthropic, when asked)."""
     if plan.conversation.format == "openai":
         return render_openai(plan.fit.kept, directive=directive, memory_block=memory_block,
-                             system_role=plan.prompt.role), None  # type: ignore[arg-type]
+                             system_role=plan.prompt.role), None, []  # type: ignore[arg-type]
     system_blocks, messages = render_anthropic(plan.system, plan.fit.kept, directive=directive,
                                                memory_block=memory_block)
-    return list(messages), system_blocks
+    marked = add_breakpoints(system_blocks, messages, plan.tools) if breakpoints else []
+    return messages, system_blocks, marked
+
+
+def stable_prefix_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, messages: list[Message],
+                         system: Any, block: str | None) -> int:
+    """Tokens before the first part that depends on this turn's retrieval (the memory block):
+    tools, system, directive and the conversation before it, counted by the provider's rules.
+
+    The parts after it (the latest user turn, the reply priming) are not in it. Without a memory
+    block everything but the priming is stable.
+    """
+    if plan.conversation.format == "openai":
+        at = next((i for i, m in enumerate(messages) if block is not None and m.get("content") is block),
+                  len(messages))
+        return cc.openai_prompt_tokens(messages[:at], plan.tools, counter, model=spec.name) - cc.REPLY_PRIMING
+    if block is not None and system and system[-1].get("text") is block:
+        return cc.anthropic_prompt_tokens(system[:-1], [], plan.tools, counter, model=spec.name)
+    latest = latest_user_index("anthropic", messages) if block is not None else None
+    return cc.anthropic_prompt_tokens(system, messages[:latest], plan.tools, counter, model=spec.name)
 
 
 def prompt_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, messages: list[Message],

@@ -42,6 +42,10 @@ class AssemblyOptions(_Wire):
     include_cold: bool = True
     max_memories: Annotated[int, Field(ge=0, le=70)] | None = None
     min_score: Unit = 0.0
+    # README "Chat-native assembly": "derived" keeps the memories block byte-identical for the same
+    # memory set (a stable prompt-cache prefix); "random" draws a fresh nonce per assembly.
+    nonce: Literal["derived", "random"] = "derived"
+    cache_breakpoints: bool = False  # Anthropic only: add cache_control after the stable parts
 
 
 ChatFormat = Literal["openai", "anthropic"]
@@ -195,6 +199,10 @@ class AssembleResponse(_Wire):
     prompt_tokens: NonNegInt | None = None
     prompt_tokens_kind: Literal["exact", "estimate"] | None = None
     history: list[HistoryDecision] = Field(default_factory=list)
+    # Chat requests: tokens before the first part that depends on this turn's retrieval, and the
+    # cache_control breakpoints added (paths such as "system.1", "messages.6.content.0").
+    stable_prefix_tokens: NonNegInt | None = None
+    cache_breakpoints: list[str] = Field(default_factory=list)
 
 
 class ErrorReply(_Wire):

@@ -20,6 +20,7 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.history import latest_user_index
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.catalog import Catalog
@@ -55,6 +56,30 @@ def _req(messages: list[Any], *, model: str = "gpt-4o", fmt: str = "openai", **k
 def _run(req: AssembleRequest, directive: str | None = "Answer billing questions briefly.",
          hits: list[MemoryHit] = HITS) -> AssembleResponse:
     return assemble(req, offline_result(directive=directive, hot=hits, cold=[]), catalog=CATALOG, policy=Policy())
+
+
+def _blocks(content: Any) -> list[Any]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def _without_memory_block(messages: list[dict[str, Any]], nonce: str) -> list[dict[str, Any]]:
+    """The messages with the memory block taken out, every content as a block list. The block must
+    be exactly one text block, in the latest user turn, after that turn's tool_result blocks only."""
+    closing = f'</memories nonce="{nonce}">'
+    where = [(i, j) for i, m in enumerate(messages) for j, b in enumerate(_blocks(m["content"]))
+             if b.get("type") == "text" and closing in b.get("text", "")]
+    assert len(where) == 1
+    i, j = where[0]
+    assert i == latest_user_index("anthropic", messages)
+    blocks = _blocks(messages[i]["content"])
+    assert all(b.get("type") == "tool_result" for b in blocks[:j])
+    assert blocks[j]["text"].endswith(closing)
+    return [{**m, "content": [b for k, b in enumerate(_blocks(m["content"])) if (n, k) != (i, j)]}
+            for n, m in enumerate(messages)]
+
+
+def _as_blocks(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**m, "content": _blocks(m["content"])} for m in messages]
 
 
 def _limit(resp: AssembleResponse) -> int:
@@ -109,8 +134,10 @@ def test_anthropic_system_blocks_tool_use_kept_whole() -> None:
                                          {"type": "text", "text": "and the amount?"}]}]
     resp = _run(_req(msgs, model="anthropic/claude-sonnet-4", fmt="anthropic", system="Be kind.",
                      tools=[{"name": "lookup", "input_schema": {"type": "object"}}]))
-    assert resp.system is not None and [b["text"][:8] for b in resp.system][:2] == ["Be kind.", "Answer b"]
-    assert f'nonce="{resp.nonce}"' in resp.system[-1]["text"] and resp.messages == msgs
+    assert resp.system is not None and [b["text"][:8] for b in resp.system] == ["Be kind.", "Answer b"]
+    assert resp.messages is not None and resp.messages[:2] == msgs[:2]  # earlier turns: the same objects
+    assert _without_memory_block(resp.messages, resp.nonce) == _as_blocks(msgs)
+    assert resp.messages[2]["content"][1]["text"].startswith("The block below")  # after the tool_result
     assert resp.prompt_tokens_kind == "estimate" and resp.prompt_tokens is not None
     assert resp.prompt_tokens <= _limit(resp)
 
@@ -300,7 +327,10 @@ def test_property_anthropic_no_orphans_latest_turn_kept_within_window(
         event("overflow")
         return
     event("trimmed" if resp.history else "fits whole")
-    assert resp.messages is not None and resp.messages[-1] == convo[-1] and resp.system is not None
+    assert resp.messages is not None and resp.system is not None
+    assert [b["text"] for b in resp.system] == ["Be kind.", "Answer briefly."]
+    stripped = _without_memory_block(resp.messages, resp.nonce) if resp.packed else resp.messages
+    assert _as_blocks(stripped)[-1] == _as_blocks([convo[-1]])[0]
     parse_conversation("anthropic", resp.messages, system=resp.system)  # no orphaned tool_use or result
     recount = cc.anthropic_prompt_tokens(resp.system, resp.messages, [{"name": "lookup", "input_schema": {
         "type": "object"}}], SMALL_CLAUDE.counter(resp.budget.tokenizer_family), model="claude-small")

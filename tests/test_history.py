@@ -21,6 +21,7 @@ from ibex_context.pipeline.history import (
     HistoryPolicy,
     fit_history,
     history_budget,
+    latest_user_index,
     split_units,
 )
 from ibex_context.shared.errors import InvalidRequest
@@ -253,14 +254,20 @@ def test_render_openai_places_directive_after_leading_system_and_memory_before_l
         render_openai(kept, directive="D", memory_block=None, system_role="user")  # type: ignore[arg-type]
 
 
-def test_render_anthropic_system_blocks_caller_then_directive_then_memory() -> None:
+def test_render_anthropic_system_blocks_caller_then_directive_memory_in_latest_user_turn() -> None:
     kept = [a_user("q"), a_uses("t"), a_results("t")]
     cached = {"type": "text", "text": "caller", "cache_control": {"type": "ephemeral"}}
     system, messages = render_anthropic([cached], kept, directive="D", memory_block="M")
-    assert system == [cached, {"type": "text", "text": "D"}, {"type": "text", "text": "M"}]
-    assert system[0] is cached and all(a is b for a, b in zip(messages, kept, strict=True))
-    system, _ = render_anthropic("caller", kept, directive=None, memory_block="M")
-    assert system == [{"type": "text", "text": "caller"}, {"type": "text", "text": "M"}]
+    assert system == [cached, {"type": "text", "text": "D"}]
+    # a_results("t") holds only tool results, so the latest user turn is the first message
+    assert messages == [{"role": "user", "content": [{"type": "text", "text": "M"}, {"type": "text", "text": "q"}]},
+                        kept[1], kept[2]]
+    assert system[0] is cached and messages[1] is kept[1] and messages[2] is kept[2] and kept[0] == a_user("q")
+    _, messages = render_anthropic("caller", [*kept, a_results("u", text="more")], directive=None, memory_block="M")
+    assert messages[-1]["content"] == [{"type": "tool_result", "tool_use_id": "u", "content": "result u"},
+                                       {"type": "text", "text": "M"}, {"type": "text", "text": "more"}]
+    system, messages = render_anthropic("caller", [a_uses("t")], directive=None, memory_block="M")
+    assert system == [{"type": "text", "text": "caller"}, {"type": "text", "text": "M"}]  # no user turn
     assert render_anthropic(None, kept, directive="", memory_block=None)[0] == []
     assert render_anthropic("", [], directive="D", memory_block=None)[0] == [{"type": "text", "text": "D"}]
 
@@ -455,8 +462,17 @@ def check_render(fmt: str, kept: list[Msg]) -> None:
         assert added[1] + 1 == (users[-1] if users else len(out))
     else:
         system, messages = render_anthropic("S", kept, directive="D", memory_block="M")
-        assert [b["text"] for b in system] == ["S", "D", "M"]
-        assert all(a is b for a, b in zip(messages, kept, strict=True)) and len(messages) == len(kept)
+        latest = latest_user_index("anthropic", kept)
+        assert [b["text"] for b in system] == (["S", "D", "M"] if latest is None else ["S", "D"])
+        assert len(messages) == len(kept)
+        assert all(a is b for i, (a, b) in enumerate(zip(messages, kept, strict=True)) if i != latest)
+        if latest is not None:
+            blocks = messages[latest]["content"]
+            at = blocks.index({"type": "text", "text": "M"})
+            assert all(b["type"] == "tool_result" for b in blocks[:at]) and blocks[at + 1:] != []
+            content = kept[latest]["content"]
+            assert blocks[:at] + blocks[at + 1:] == ([{"type": "text", "text": content}]
+                                                     if isinstance(content, str) else content)
 
 
 @settings(max_examples=2000)
