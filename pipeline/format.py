@@ -13,10 +13,11 @@ The formatter only serializes; it never parses memory text. What each untrusted 
     block (history before it, tools after it), so nothing in them can put memory text outside the
     block: the only text between the nonce-tagged open and close tags is memory lines, and those
     contain no ``<`` or ``>``. A ``</memories nonce=...>`` in history cannot end the real block
-    (it comes before the block opens, and the 128-bit nonce is drawn per assembly, unknown to the
-    message's author); a ``<memory ...>`` in history or tools sits outside the block and keeps the
-    authority its author already had. Escaping them only cost tokens: an OpenAI tools list went
-    from 47 to 124 tokens (``python -m bench.escaping`` measures this on the demo data).
+    (it comes before the block opens, and the 128-bit nonce is keyed with a server secret or
+    drawn per assembly, unknown to the message's author); a ``<memory ...>`` in history or tools
+    sits outside the block and keeps the authority its author already had. Escaping them only
+    cost tokens: an OpenAI tools list went from 47 to 124 tokens (``python -m bench.escaping``
+    measures this on the demo data).
 
 Everything untrusted is neutralised: control characters, lone surrogates, bidi overrides,
 zero-width characters and Unicode line/paragraph separators, so nothing invisible can reorder
