@@ -122,12 +122,13 @@ def assemble(
     ``timings_us``: stage timings measured before this call (queue wait, retrieval), carried on.
     """
     timings = dict(timings_us or {})
+    explicit = bool(nonce)  # explain's --nonce and tests: used as given, never re-derived
     nonce = fmt.check_nonce(nonce) if nonce else fmt.new_nonce()
     if req.format is not None:  # the proxy's own conversation (README "Chat-native assembly")
         from ibex_context.pipeline.chat_assemble import assemble_chat
 
         return assemble_chat(req, retrieval, catalog=catalog, policy=policy, nonce=nonce, clock=clock, lines=lines,
-                             timings=timings, worker_id=worker_id)
+                             timings=timings, worker_id=worker_id, derive_nonce=not explicit)
     spec = catalog.model(req.model)
     counter = catalog.counter(spec.family.name)
 

@@ -45,7 +45,7 @@ from ibex_context.pipeline.history import (
 from ibex_context.pipeline.types import ScoredMemory
 from ibex_context.shared.catalog import ModelSpec
 from ibex_context.shared.chat import Conversation, parse_conversation, to_wire, wire_system, wire_tools
-from ibex_context.shared.errors import ContextOverflow
+from ibex_context.shared.errors import ContextOverflow, InvalidRequest
 from ibex_context.shared.models import AssembleRequest, BudgetBreakdown, HistoryDecision
 from ibex_context.shared.tokens import TokenCount, TokenCounter
 
@@ -132,7 +132,7 @@ def plan_chat(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter, dire
     policy = HistoryPolicy(mode=req.history.mode, min_recent_turns=req.history.min_recent_turns,
                            min_memory_share=req.history.min_memory_share)
     try:
-        fit = fit_history(conv.format, messages, cost=prompt.message,
+        fit = fit_history(conv.format, messages, cost=_indexed(prompt.message, messages),
                           budget=history_budget(max(0, probe.unclamped), policy), policy=policy)
     except HistoryOverflow as exc:
         over = exc.over_by + max(0, -probe.unclamped)
@@ -142,6 +142,25 @@ def plan_chat(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter, dire
             field="messages") from exc
     budget = _budget(spec, fam, kind, prompt, mem_text, fit.kept_tokens, reserve_fraction, constrained_below)
     return ChatPlan(conv, messages, tools, system, prompt, fit, budget), mem_text
+
+
+def _indexed(cost: Callable[[Message], int], messages: list[Message]) -> Callable[[Message], int]:
+    """``cost`` whose refusals name the message's place in the conversation (``messages.4.content.1``):
+    the counters see one message at a time and name it ``message`` or ``messages.0``."""
+    where = {id(m): i for i, m in enumerate(messages)}
+
+    def counted(m: Message) -> int:
+        try:
+            return cost(m)
+        except InvalidRequest as exc:
+            field = exc.field or "message"
+            head, _, rest = field.partition(".")
+            if head == "messages":
+                rest = rest.partition(".")[2]
+            path = f"messages.{where.get(id(m), '?')}" + (f".{rest}" if rest else "")
+            raise InvalidRequest(path + exc.message[len(field):], field=path) from exc
+
+    return counted
 
 
 def _budget(spec: ModelSpec, fam: str, kind: Any, prompt: Prompt, mem_text: int, history: int,

@@ -51,7 +51,7 @@ def derive_block(formatted: Formatted, lines: LineCache | None) -> tuple[Formatt
 
 def assemble_chat(
     req: AssembleRequest, retrieval: RetrievalResult, *, catalog: Catalog, policy: Policy, nonce: str,
-    clock: Clock | None, lines: LineCache | None, timings: dict[str, int], worker_id: str,
+    clock: Clock | None, lines: LineCache | None, timings: dict[str, int], worker_id: str, derive_nonce: bool = True,
 ) -> AssembleResponse:
     """``pipeline.assemble.assemble`` for a request with ``format``."""
     spec = catalog.model(req.model)
@@ -73,7 +73,7 @@ def assemble_chat(
     limit = spec.context_window - plan.budget.response_reserve
     for _ in range(MAX_REPACKS):
         formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
-        if req.options.nonce == "derived" and formatted.kept:
+        if derive_nonce and req.options.nonce == "derived" and formatted.kept:
             formatted, nonce = derive_block(formatted, lines)
         block = next((s.text for s in formatted.rendered.sections if s.name == "memories"), "") or None
         messages, system, marked = chat.render_chat(plan, retrieval.directive, block,

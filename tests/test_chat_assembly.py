@@ -350,3 +350,12 @@ def _small_claude() -> Catalog:
 
 
 SMALL_CLAUDE = _small_claude()
+
+
+def test_a_part_refused_at_counting_is_named_by_its_place_in_the_conversation() -> None:
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": [audio]}]
+    with pytest.raises(InvalidRequest) as info:
+        _run(_req(convo))
+    assert info.value.field == "messages.2.content.0" and info.value.message.startswith("messages.2.content.0: ")
