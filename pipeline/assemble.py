@@ -134,19 +134,29 @@ def assemble(
 
     t = _tick(clock, "budget")
     planned = budget_stage(req, retrieval, spec, counter, nonce=nonce, policy=policy, sections=sections)
-    t2 = _tick(clock, "scoring")
-    timings["budget"] = _us(t, t2)
-    scored = scoring_stage(req, retrieval, MemoryCost(counter, lines))
-    t3 = _tick(clock, "packing")
-    timings["scoring"] = _us(t2, t3)
-    result = pack(scored.scored, planned.budget.usable)
-    t4 = _tick(clock, "formatting")
-    timings["packing"] = _us(t3, t4)
+    timings["budget"] = _us(t, _tick(clock, "scoring"))
+    scored, result, t4 = score_and_pack(req, retrieval, counter, lines, planned.budget.usable, clock, timings)
     formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
     timings["formatting"] = _us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)
     return response(req, retrieval, planned, scored, result, formatted, timings=timings, nonce=nonce,
                     worker_id=worker_id)
+
+
+def score_and_pack(
+    req: AssembleRequest, retrieval: RetrievalResult, counter: TokenCounter, lines: LineCache | None, usable: int,
+    clock: Clock | None, timings: dict[str, int],
+) -> tuple[Scored, PackResult, int]:
+    """The scoring and packing stages, timed, for every request form; returns the monotonic time
+    the formatting stage may start (its deadline check passed)."""
+    t2 = time.monotonic_ns()
+    scored = scoring_stage(req, retrieval, MemoryCost(counter, lines))
+    t3 = _tick(clock, "packing")
+    timings["scoring"] = _us(t2, t3)
+    result = pack(scored.scored, usable)
+    t4 = _tick(clock, "formatting")
+    timings["packing"] = _us(t3, t4)
+    return scored, result, t4
 
 
 def _tick(clock: Clock | None, stage: str) -> int:

@@ -22,9 +22,9 @@ from ibex_context.pipeline.assemble import (
     _us,
     formatting_stage,
     response,
-    scoring_stage,
+    score_and_pack,
 )
-from ibex_context.pipeline.count import LineCache, MemoryCost
+from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.pack import pack
 from ibex_context.pipeline.types import RetrievalResult
 from ibex_context.shared.catalog import Catalog
@@ -62,14 +62,8 @@ def assemble_chat(
                                     constrained_below=policy.constrained_below)
     planned = Planned(chat.directive_section(counter, retrieval.directive), chat.flat_sections(), mem_text,
                       plan.budget)
-    t2 = _tick(clock, "scoring")
-    timings["budget"] = _us(t, t2)
-    scored = scoring_stage(req, retrieval, MemoryCost(counter, lines))
-    t3 = _tick(clock, "packing")
-    timings["scoring"] = _us(t2, t3)
-    result = pack(scored.scored, plan.budget.usable)
-    t4 = _tick(clock, "formatting")
-    timings["packing"] = _us(t3, t4)
+    timings["budget"] = _us(t, _tick(clock, "scoring"))
+    scored, result, t4 = score_and_pack(req, retrieval, counter, lines, plan.budget.usable, clock, timings)
     limit = spec.context_window - plan.budget.response_reserve
     for _ in range(MAX_REPACKS):
         formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
