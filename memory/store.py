@@ -28,11 +28,12 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import cast
 
 import numpy as np
+from numpy.typing import NDArray
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -86,11 +87,26 @@ class NewMemory:
 
 @dataclass(frozen=True, slots=True)
 class SearchIndex:
-    """What retrieval needs before hydration: ids, their vectors (rows) and their terms."""
+    """What retrieval needs before hydration: ids, their vectors (rows) and their terms.
+
+    ``id_array`` and ``postings`` (term -> rows holding it) let a search score every row with
+    array operations (``rank.keyword_mask``, ``rank.select_rows``), built once per index revision.
+    """
 
     ids: list[str]
     matrix: Vectors
     terms: dict[str, frozenset[str]]
+    id_array: NDArray[np.str_] = field(default_factory=lambda: np.zeros(0, dtype=np.str_))
+    postings: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+
+
+def build_postings(ids: Sequence[str], terms: dict[str, frozenset[str]]) -> dict[str, NDArray[np.int64]]:
+    """Term -> the rows (positions in ``ids``) whose memory holds it."""
+    rows_of: dict[str, list[int]] = {}
+    for row, mid in enumerate(ids):
+        for term in terms.get(mid, ()):
+            rows_of.setdefault(term, []).append(row)
+    return {t: np.asarray(r, dtype=np.int64) for t, r in rows_of.items()}
 
 
 @lru_cache(maxsize=65536)
@@ -213,6 +229,16 @@ async def load_hot(redis: Redis, org_id: str, agent_id: str, limit: int,
     return found
 
 
+async def load_vectors(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str], *, embedder_name: str,
+                       dim: int) -> dict[str, Vectors]:
+    """The stored vectors of ``ids`` under the current embedder (absent or wrong-sized ones left out)."""
+    if not ids:
+        return {}
+    raws = await redis.hmget(vectors_key(org_id, agent_id, embedder_name), list(ids))
+    return {mid: np.frombuffer(raw, dtype=np.float32) for mid, raw in zip(ids, raws, strict=True)
+            if isinstance(raw, bytes) and len(raw) == dim * 4}
+
+
 IndexTag = tuple[bytes | None, int]
 
 
@@ -278,7 +304,8 @@ async def load_index(
             rows.append(vec)
     matrix = (np.frombuffer(b"".join(rows), dtype=np.float32).reshape(len(rows), dim) if rows
               else np.zeros((0, dim), dtype=np.float32))
-    index = SearchIndex(ids=ids, matrix=matrix, terms=term_map)
+    index = SearchIndex(ids=ids, matrix=matrix, terms=term_map, id_array=np.asarray(ids, dtype=np.str_),
+                        postings=build_postings(ids, term_map))
     if cache is not None:
         cache.put(cache_key, (rev, count), index)
     return index

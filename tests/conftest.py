@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
+
+# The suite's memory services and seeding use the hashing embedder unless a test asks for another:
+# its lexical behaviour is what most ranking assertions are written against, and it costs
+# microseconds. tests/test_embedders.py runs the default (minilm) and static embedders for real.
+os.environ.setdefault("IBEX_MEMORY_EMBEDDER", "hash")
 
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
