@@ -31,10 +31,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from bench.report import table
 from bench.run import started_stack
@@ -207,6 +209,62 @@ async def _run_stack(embedder: str, cutoff: float, rules: list[str], questions: 
     return out
 
 
+async def _scale(n: int, embedder: str, queries: list[Question], rounds: int) -> list[list[Any]]:
+    """Search CPU with ``n`` memories in one agent: demo texts (numbered, so terms repeat as in real
+    data) with random unit vectors (the search's work does not depend on what the vectors say)."""
+    from redis.asyncio import Redis
+
+    from ibex_context.memory.embed import load_embedder
+    from ibex_context.memory.models import MemoryRecord
+    from ibex_context.memory.store import NewMemory, write_memories
+
+    dim = load_embedder(embedder).dim
+    name = load_embedder(embedder).name
+    texts = [json.loads(line)["content"] for line in DEMO_FILE.read_text(encoding="utf-8").splitlines()
+             if json.loads(line).get("kind", "memory") == "memory"]
+    rng = np.random.default_rng(7)
+
+    async def random_vectors(batch: Sequence[str]) -> Any:
+        v = rng.standard_normal((len(batch), dim)).astype(np.float32)
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+    now = datetime.now(UTC)
+    items = [NewMemory("scale", "agent", MemoryRecord(
+        memory_id=f"s{i:07d}", content=f"{texts[i % len(texts)]} (#{i})", category="fact", confidence=0.8,
+        usefulness=0.5, access_count=i % 50, created_at=now - timedelta(days=i % 400), salience=0.5),
+        hot=i < 20) for i in range(n)]
+    env = {"IBEX_MEMORY_EMBEDDER": embedder}
+    log_dir = Path(f"/tmp/ibex-bench-scale-{uuid.uuid4().hex[:8]}")
+    rows: list[list[Any]] = []
+    with started_stack(mode="full", workers=1, env=env, log_dir=log_dir, seed=False) as stack:
+        assert stack.memory is not None and stack.redis_url
+        redis = Redis.from_url(stack.redis_url)
+        t0 = time.perf_counter()
+        await write_memories(redis, items, embedder_name=name, embed=random_vectors)
+        await redis.aclose()
+        print(f"wrote {n} memories in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        pid = stack.memory.pid
+        async with aiohttp.ClientSession(base_url=stack.memory_url) as http:
+            headers = {"authorization": f"Bearer {mint_org_token(stack.secret, 'scale')}"}
+            async def one(body: dict[str, Any]) -> float:
+                t = time.perf_counter()
+                async with http.post("/v1/memories/search", json=body, headers=headers) as resp:
+                    await resp.read()
+                return (time.perf_counter() - t) * 1e3
+
+            build = await one({"query": "warm up", "agent_id": "agent", "limit": 50})
+            print(f"first search (decodes and indexes {n} memories): {build:.0f} ms", file=sys.stderr)
+            for cutoff in (0.0, 0.3):
+                c0 = _cpu_s(pid)
+                walls = [await one({"query": f"{q.question} [{r}-{cutoff}]", "agent_id": "agent", "limit": 50,
+                                    "min_similarity": cutoff}) for r in range(rounds) for q in queries]
+                cpu = (_cpu_s(pid) - c0) / len(walls) * 1e3
+                walls.sort()
+                rows.append([n, embedder, cutoff, len(walls), f"{cpu:.2f}", f"{statistics.median(walls):.2f}",
+                             f"{walls[int(0.9 * (len(walls) - 1))]:.2f}", f"{walls[int(0.99 * (len(walls) - 1))]:.2f}"])
+    return rows
+
+
 def _print(runs: list[dict[str, Any]], questions: list[Question]) -> None:
     head = ["embedder", "cutoff", "rule", "group", "n", "recall@5", "recall@10", "recall packed", "MRR", "nDCG@10"]
     rows: list[list[Any]] = []
@@ -243,11 +301,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--search-rounds", type=int, default=3, help="passes of direct searches for the CPU figure")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="extra environment for the stack, e.g. IBEX_HOT_TIMEOUT_MS=45 (repeatable)")
+    ap.add_argument("--scale", default="", help="comma-separated memory counts for the search-CPU-at-scale table "
+                                                 "(e.g. 348,100000); skips the quality runs")
     ap.add_argument("--json", type=Path, default=None, help="also write the per-question metrics here")
     args = ap.parse_args(argv)
     questions = load_questions()
     kinds = statistics.multimode([q.kind for q in questions])
     print(f"{len(questions)} questions ({', '.join(sorted({q.kind for q in questions}))}; most: {kinds})")
+    if args.scale:
+        head = ["memories", "embedder", "cutoff", "searches", "memory-service CPU ms / search", "wall p50 ms",
+                "wall p90 ms", "wall p99 ms"]
+        rows = [row for n in args.scale.split(",") for emb in args.embedders.split(",")
+                for row in asyncio.run(_scale(int(n), emb, questions, args.search_rounds))]
+        print("\n".join(table(head, rows)))
+        return 0
     runs = []
     for emb in args.embedders.split(","):
         for cutoff in (float(c) for c in args.cutoffs.split(",")):

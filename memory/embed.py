@@ -110,6 +110,10 @@ class Embedder(Protocol):
 
     def embed(self, texts: Sequence[str]) -> Vectors: ...
 
+    def embed_query(self, text: str) -> Vectors:
+        """One search query's vector (1-D); an embedder may read less of a query than of a memory."""
+        ...
+
 
 class HashingEmbedder:
     """Feature hashing (the "hashing trick") of unigrams, bigrams and char trigrams."""
@@ -168,6 +172,9 @@ class HashingEmbedder:
         for i, text in enumerate(texts):
             out[i] = self.embed_one(text)
         return out
+
+    def embed_query(self, text: str) -> Vectors:
+        return self.embed_one(text)
 
 
 class EmbedderUnavailable(RuntimeError):

@@ -26,6 +26,10 @@ Array = NDArray[np.float32]
 
 WHEEL_PACKAGE = "all_minilm_l6_v2"
 MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
+# A query is cut to this many tokens: the forward pass costs ~linearly in tokens, questions are
+# short, and one tenant's 1,000-character queries must not take the CPU another tenant's short ones
+# need (tests/test_tenant_isolation.py); memories are embedded up to MAX_TOKENS.
+MAX_QUERY_TOKENS = 64
 LAYERS, HEADS, HIDDEN = 6, 12, 384
 _EPS = 1e-12
 
@@ -132,6 +136,13 @@ class MiniLM:
         x = _layer_norm(out + x, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
         return x.reshape(n, length, HIDDEN)
 
+    def encode_query(self, text: str) -> Array:
+        """One query's embedding, from at most ``MAX_QUERY_TOKENS`` tokens ([SEP] kept last)."""
+        ids = list(self.tokenizer.encode(text).ids)
+        if len(ids) > MAX_QUERY_TOKENS:
+            ids = [*ids[: MAX_QUERY_TOKENS - 1], ids[-1]]
+        return np.asarray(self.encode_ids([ids])[0], dtype=np.float32)
+
     def encode(self, texts: Sequence[str]) -> Array:
         """Embeddings of texts, batched by similar length so short texts are not padded to long ones."""
         encs = self.tokenizer.encode_batch(list(texts))
@@ -181,3 +192,8 @@ class MiniLMEmbedder:
         self.load()
         assert self._model is not None
         return self._model.encode(texts)
+
+    def embed_query(self, text: str) -> Array:
+        self.load()
+        assert self._model is not None
+        return self._model.encode_query(text)

@@ -134,13 +134,19 @@ class MemoryService:
 
     async def _embed_query(self, key: tuple[str, str]) -> Vectors:
         try:
-            vec: Vectors = np.asarray((await self.embed([key[1]]))[0], dtype=np.float32)
+            vec: Vectors = np.asarray(await self._embed_query_text(key[1]), dtype=np.float32)
         finally:
             self._embedding.pop(key, None)
         self._query_vectors[key] = vec
         while len(self._query_vectors) > self.query_cache_size:
             self._query_vectors.popitem(last=False)
         return vec
+
+    async def _embed_query_text(self, text: str) -> Vectors:
+        if self.embedder.blocking or len(text) > self.config.offload_chars:
+            self.embeds_offloaded += 1
+            return await run_in_threadpool(self.embedder.embed_query, text)
+        return self.embedder.embed_query(text)
 
     def query_text(self, query: str) -> str:
         """The part of a search query that is embedded and matched (``max_query_chars``)."""

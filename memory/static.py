@@ -66,3 +66,6 @@ class StaticEmbedder:
         out[full] = np.add.reduceat(rows, starts[full], axis=0)
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         return np.asarray(out / np.maximum(norms, 1e-12), dtype=np.float32)
+
+    def embed_query(self, text: str) -> Array:
+        return np.asarray(self.embed([text])[0], dtype=np.float32)

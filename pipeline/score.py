@@ -88,23 +88,23 @@ def _score(hit: MemoryHit, use_components: bool, weights: Weights5) -> tuple[flo
 
 
 def _duplicate_reason(kept: MemoryHit, kept_at: int, kept_score: float | None, drop: MemoryHit,
-                      drop_score: float | None) -> str:
+                      drop_score: float | None, kind: str = "interim") -> str:
     """Which copy of a repeated memory_id was kept, and why (README "Scoring and packing")."""
     if kept_score is None:
         why = "no copy has valid scores; the hot copy, then the first returned, is the one reported"
     elif drop_score is None:
         why = "this copy's scores are invalid"
     elif kept_score > drop_score:
-        why = f"its score {kept_score:.4f} beats this copy's {drop_score:.4f}"
+        why = f"its {kind} score {kept_score:.4f} beats this copy's {drop_score:.4f}"
     elif kept.source != drop.source:
-        why = f"same score {kept_score:.4f}; the hot copy is preferred"
+        why = f"same {kind} score {kept_score:.4f}; the hot copy is preferred"
     else:
-        why = f"same score {kept_score:.4f}; the copy returned first is kept"
+        why = f"same {kind} score {kept_score:.4f}; the copy returned first is kept"
     return f"duplicate memory_id: the copy {kept.source} #{kept_at} (rank {kept.rank}) was kept ({why})"
 
 
 def _choose_copies(
-    hits: Sequence[MemoryHit], at: Sequence[int], scores: Sequence[float | None]
+    hits: Sequence[MemoryHit], at: Sequence[int], scores: Sequence[float | None], kinds: Sequence[str] | None = None,
 ) -> tuple[list[bool], list[Rejection]]:
     """One copy per memory_id: valid scores first, then the higher interim score, then hot, then
     the first returned. Returns which indices are kept and a ``duplicate`` for every other copy
@@ -119,7 +119,7 @@ def _choose_copies(
     for i, h in enumerate(hits):
         if not keep[i]:
             k = best[h.memory_id]
-            reason = _duplicate_reason(hits[k], at[k], scores[k], h, scores[i])
+            reason = _duplicate_reason(hits[k], at[k], scores[k], h, scores[i], kinds[k] if kinds else "interim")
             rejects.append(Rejection(h.memory_id, h.source, "duplicate", reason, score=scores[i]))
     return keep, rejects
 
@@ -170,7 +170,7 @@ def score_candidates(
     rated = [None if p else _score(h, use, w) for h, p in zip(named.hits, problems, strict=True)]
     scores = [None if r is None else r[0] for r in rated]
     kinds = ["interim" if r is None else r[1] for r in rated]
-    keep, duplicates = _choose_copies(named.hits, named.at, scores)
+    keep, duplicates = _choose_copies(named.hits, named.at, scores, kinds)
     rejected = [*named.malformed, *duplicates]
     scored: list[ScoredMemory] = []
     for hit, problem, score, kind, kept in zip(named.hits, problems, scores, kinds, keep, strict=True):
