@@ -117,7 +117,9 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14, 15)
 
 
-WEIGHTS = {"spec": None, "rel70": (0.70, 0.10, 0.10, 0.05, 0.05), "rel85": (0.85, 0.05, 0.05, 0.025, 0.025)}
+# Named weight sets for ``--rules composite/<name>``; plain "composite" uses the packer's defaults.
+WEIGHTS = {"spec": (0.40, 0.25, 0.20, 0.10, 0.05), "rel70": (0.70, 0.10, 0.10, 0.05, 0.05),
+           "rel85": (0.85, 0.05, 0.05, 0.025, 0.025)}
 
 
 def _options(rule: str) -> dict[str, Any]:

@@ -240,6 +240,21 @@ async def load_vectors(redis: Redis, org_id: str, agent_id: str, ids: Sequence[s
 
 
 IndexTag = tuple[bytes | None, int]
+# Above this many memories the index is read in HSCAN pages: one HGETALL of 100,000 384-float
+# vectors (150 MB) outlasts the Redis timeout and would fail every time. The tag is read first, so
+# a write during the scan only makes the next search rebuild.
+SCAN_ABOVE = 20_000
+_SCAN_PAGE = 2_000
+
+
+async def _scan_all(redis: Redis, key: str) -> dict[bytes, bytes]:
+    out: dict[bytes, bytes] = {}
+    cursor = 0
+    while True:
+        cursor, page = await redis.hscan(key, cursor, count=_SCAN_PAGE)
+        out.update(cast(dict[bytes, bytes], page))
+        if cursor == 0:
+            return out
 
 
 class IndexCache:
@@ -274,6 +289,7 @@ async def load_index(
     vkey, tkey, mkey, rkey = (vectors_key(org_id, agent_id, embedder_name), terms_key(org_id, agent_id),
                               memories_key(org_id, agent_id), rev_key(org_id, agent_id))
     cache_key = (org_id, agent_id, embedder_name)
+    scanned = False
     if cache is not None:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.get(rkey)
@@ -282,13 +298,17 @@ async def load_index(
         cached = cache.get(cache_key, (rev, count))
         if cached is not None:
             return cached
-    # One MULTI: the tag is read atomically with the data it describes.
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.get(rkey)
-        pipe.hlen(mkey)
-        pipe.hgetall(vkey)
-        pipe.hgetall(tkey)
-        rev, count, vectors, terms = await pipe.execute()
+        if count > SCAN_ABOVE:
+            vectors, terms = await _scan_all(redis, vkey), await _scan_all(redis, tkey)
+            scanned = True
+    if not scanned:
+        # One MULTI: the tag is read atomically with the data it describes.
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.get(rkey)
+            pipe.hlen(mkey)
+            pipe.hgetall(vkey)
+            pipe.hgetall(tkey)
+            rev, count, vectors, terms = await pipe.execute()
     row_bytes = dim * 4
     if len(vectors) < count or len(terms) < count:
         await _backfill(redis, org_id, agent_id, vectors, terms, embedder_name=embedder_name, embed=embed,
