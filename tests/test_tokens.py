@@ -72,7 +72,8 @@ def test_catalog_counter_per_family() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(["alpha", "Beta,", "gamma.", "δelta", "42", " ", "\n", "x-y", "Zoë", "  ", "'s",
-                                 "(", "}", "日本"]), min_size=2, max_size=400), st.sampled_from(["o200k", "cl100k"]))
+                                 "(", "}", "日本"]), min_size=2, max_size=400),
+       st.sampled_from(["o200k", "cl100k", "llama3", "qwen"]))
 def test_long_text_split_counts_exactly(words: list[str], family: str) -> None:
     """Texts over the encoder's per-call limits are counted in halves split where the pre-tokenizer
     always splits; the halves must add up to the one-call count."""
