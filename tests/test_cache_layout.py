@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import stat
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ibex_context.memory.config import DEV_SECRET
@@ -177,3 +179,17 @@ def test_simple_form_derives_the_nonce_too() -> None:
             assert mem.tokens == CATALOG.counter("o200k").count(mem.text)
         assert sum(s.tokens for s in a.sections) <= a.budget.usable + a.budget.directive_tokens \
             + a.budget.messages_tokens + a.budget.tool_schema_tokens + a.budget.formatter_overhead_tokens
+
+
+def test_the_stack_keeps_one_nonce_secret_for_all_its_workers(tmp_path: Path) -> None:
+    """``ibex-context up`` hands every worker the same nonce key (else two workers derive two
+    nonces for one memory set), drawn once, private, and kept across restarts."""
+    from ibex_context.ops.stack import nonce_secret
+
+    first = nonce_secret(tmp_path)
+    assert len(first) == 64 and nonce_secret(tmp_path) == first
+    assert stat.S_IMODE((tmp_path / "nonce.secret").stat().st_mode) == 0o600
+    (tmp_path / "nonce.secret").write_text("short")
+    assert nonce_secret(tmp_path) not in (first, "short") and len(nonce_secret(tmp_path)) == 64
+    key_a = fmt.nonce_key(first, "ibex-dev-secret-change-me")
+    assert fmt.derive_nonce(key_a, ["x"]) == fmt.derive_nonce(fmt.nonce_key(first, "other-secret"), ["x"])
