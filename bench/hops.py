@@ -77,6 +77,7 @@ def transport_worker(endpoint: str) -> None:
 
     class NoAssembler:
         stats: ClassVar[dict[str, int]] = {}
+        calibrator = None  # no usage reports in a transport-only run
 
     async def serve() -> None:
         server = TransportWorkerServer(settings=Settings(worker_concurrency=8), assembler=NoAssembler(),

@@ -332,3 +332,15 @@ def test_metrics_publish_the_ratio_quantiles_and_refusals() -> None:
                  'ibex_calibration_refused{model="mistral-large-2",org="acme"} 3.0',
                  'ibex_calibration_reports_total{outcome="refused_outlier"} 3.0'):
         assert line in text, line
+
+
+def test_usage_frames_have_their_own_command_and_parsers() -> None:
+    frames = P.usage_frames(b"report")
+    assert frames == [P.TAG, P.USAGE, b"report"]
+    assert P.parse_client_message(frames) == P.UsageMessage(b"report")
+    assert P.parse_broker_message(frames) == P.UsageMessage(b"report")
+    for bad in ([P.TAG, P.USAGE], [P.TAG, P.USAGE, b"a", b"b"]):
+        with pytest.raises(P.FrameError):
+            P.parse_client_message(bad)
+    with pytest.raises(P.FrameError):
+        P.parse_broker_message([P.TAG, P.USAGE])
