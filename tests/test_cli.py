@@ -194,6 +194,9 @@ def test_a_chat_request_file_assembles_the_proxys_conversation(live: LocalStack,
     resp = json.loads(out.stdout)
     assert out.returncode == 0 and resp["branches"]["directive"]["count"] == 0 and resp["format"] == "openai"
     assert [m["role"] for m in resp["messages"]][-2:] == ["assistant", "tool"]
+    example = Path(__file__).resolve().parent.parent / "examples" / "chat_request.json"  # the README's
+    out = _cli("assemble", "--request", str(example), "--timeout-ms", "5000", env=_live_env(live))
+    assert out.returncode == 0 and "prompt (openai): 4 messages" in out.stdout, out.stderr
 
 
 def test_a_chat_request_the_worker_refuses_names_the_message(live: LocalStack, tmp_path: Path) -> None:
