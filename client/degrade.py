@@ -36,7 +36,8 @@ def load_fallback(settings: Settings) -> Catalog | Exception:
     try:
         for name in FALLBACK_MODULES:
             importlib.import_module(name)
-        catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
+        catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries,
+                               slow_vocabularies=False)
         catalog.warm_up()
         return catalog
     except Exception as exc:

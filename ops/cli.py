@@ -8,6 +8,7 @@
     ibex-context directive ...        set / show / delete an agent's directive in Redis
     ibex-context seed ...             load memories and directives from JSONL
     ibex-context keys ...             CURVE keypairs for callers, workers and the broker
+    ibex-context calibration show ... token-count ratios learned from usage reports
 
 Every mistake is one line on stderr (ibex-context CMD: what is wrong) and exit status 2; a service
 fault (no broker, deadline passed) is one line and exit status 1. Run ibex-context CMD -h for help.
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change the entry of a key already registered in this role (never the other role)")
     sub.add_parser("directive", help="set/show/delete a directive (see: ibex-context directive -h)", add_help=False)
     sub.add_parser("seed", help="load memories and directives from JSONL", add_help=False)
+    sub.add_parser("calibration", help="show learned token-count ratios (see: ibex-context calibration -h)",
+                   add_help=False)
     return ap
 
 
@@ -133,6 +136,10 @@ def _main(argv: list[str]) -> int:
         from ibex_context.memory.directive_cli import main as directive_main
 
         return int(directive_main(argv[1:], prog=f"{PROG} directive") or 0)
+    if argv and argv[0] == "calibration":
+        from ibex_context.ops.calibration_cli import main as calibration_main
+
+        return calibration_main(argv[1:], prog=f"{PROG} calibration")
     if argv and argv[0] == "seed":
         from ibex_context.memory.seed import main as seed_main
 
