@@ -50,7 +50,8 @@ def decisions(
 
 def _rejected(r: Rejection) -> Decision:
     return Decision(memory_id=r.memory_id, source=r.source, decision=r.decision, reason=r.reason,
-                    tokens=r.tokens, score=_unit(r.score))
+                    tokens=r.tokens, score=_unit(r.score),
+                    components=None if r.components is None else dict(zip(COMPONENTS, r.components, strict=True)))
 
 
 def components_of(m: ScoredMemory) -> dict[str, float] | None:

@@ -120,7 +120,8 @@ def _choose_copies(
         if not keep[i]:
             k = best[h.memory_id]
             reason = _duplicate_reason(hits[k], at[k], scores[k], h, scores[i], kinds[k] if kinds else "interim")
-            rejects.append(Rejection(h.memory_id, h.source, "duplicate", reason, score=scores[i]))
+            comps = h.components if kinds and kinds[i] == "composite" else None
+            rejects.append(Rejection(h.memory_id, h.source, "duplicate", reason, score=scores[i], components=comps))
     return keep, rejects
 
 
@@ -215,7 +216,8 @@ def _score_kept(hit: MemoryHit, problem: str | None, score: float | None, cost: 
         return Rejection(hit.memory_id, hit.source, "invalid_score", problem or "no score")
     if score < min_score:
         reason = f"{kind} score {score:.4f} is below min_score {min_score:.4f}"
-        return Rejection(hit.memory_id, hit.source, "below_floor", reason, score=score)
+        return Rejection(hit.memory_id, hit.source, "below_floor", reason, score=score,
+                         components=hit.components if kind == "composite" else None)
     try:
         tokens = cost(hit)
     except Exception as exc:  # a failing cost function rejects this hit only

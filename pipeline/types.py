@@ -62,6 +62,7 @@ class Rejection:
     reason: str
     tokens: int | None = None
     score: float | None = None
+    components: tuple[float, float, float, float, float] | None = None  # when the score was built from them
 
 
 @dataclass(frozen=True, slots=True)

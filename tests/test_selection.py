@@ -197,3 +197,50 @@ def test_search_keeps_the_sentinel_for_full_text_only_hits(memory: MemoryService
             "query": "zebra quartz details please", "agent_id": "bot",
             "min_similarity": 0.99}).json()["memories"]
     assert [m["memory_id"] for m in got] == ["kw"] and got[0]["relevance"] == FULLTEXT_SENTINEL
+
+
+def test_rejected_candidates_keep_their_components() -> None:
+    comps = (0.2, 0.1, 0.1, 0.1, 0.1)
+    scored, rejected = score_candidates([_hit("low", 0.2, 0.1, comps), _hit("dup", 0.9, 0.9, (0.9,) * 5, "hot"),
+                                         _hit("dup", 0.5, 0.5, (0.5,) * 5)], lambda h: 5, min_score=0.5)
+    by = {(r.memory_id, r.decision): r for r in rejected}
+    assert by[("low", "below_floor")].components == comps and "composite score" in by[("low", "below_floor")].reason
+    assert by[("dup", "duplicate")].components == (0.5,) * 5
+    assert [s.memory_id for s in scored] == ["dup"]
+
+
+class _Counting:
+    """The real hashing embedder, counting the query embeddings it is asked for."""
+
+    def __init__(self) -> None:
+        from ibex_context.memory.embed import HashingEmbedder
+
+        self.inner = HashingEmbedder()
+        self.name, self.dim, self.blocking = self.inner.name, self.inner.dim, True
+        self.queries: list[str] = []
+
+    def embed(self, texts: Any) -> Any:
+        return self.inner.embed(texts)
+
+    def embed_query(self, text: str) -> Any:
+        self.queries.append(text)
+        return self.inner.embed_query(text)
+
+
+async def test_a_query_is_embedded_once_per_org_even_when_its_first_caller_goes_away() -> None:
+    import asyncio
+
+    from ibex_context.memory.config import MemoryConfig
+    from ibex_context.memory.service import MemoryService
+
+    emb = _Counting()
+    svc = MemoryService(MemoryConfig(), emb, enable_faults=False, clock=lambda: 0.0)  # type: ignore[arg-type]
+    first = asyncio.ensure_future(svc.query_vector("acme", "where is my invoice"))
+    second = asyncio.ensure_future(svc.query_vector("acme", "where is my invoice"))
+    await asyncio.sleep(0)
+    first.cancel()  # the hot call timed out; the search waiting on the same text still gets it
+    vec = await second
+    assert np.allclose(vec, emb.inner.embed_query("where is my invoice"))
+    assert await svc.query_vector("acme", "where is my invoice") is vec  # cached
+    await svc.query_vector("globex", "where is my invoice")  # another org: its own embedding
+    assert emb.queries == ["where is my invoice", "where is my invoice"]
