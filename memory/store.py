@@ -174,6 +174,13 @@ async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, emb
     raise WriteContention(f"{mkey} changed under {_WATCH_ATTEMPTS} attempts to write")
 
 
+@lru_cache(maxsize=16384)
+def _validated(raw: bytes | str) -> MemoryRecord:
+    """Records are frozen and their bytes are their identity: a record read again (every hot list,
+    every repeated search) is validated once. Invalid bytes raise and are not cached."""
+    return MemoryRecord.model_validate_json(raw)
+
+
 def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | None = None,
                  memory_id: str | None = None) -> MemoryRecord | None:
     """A stored record, or ``None`` if the bytes at ``where`` are damaged or out of range.
@@ -184,7 +191,7 @@ def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | Non
     if raw is None:
         return None
     try:
-        rec = MemoryRecord.model_validate_json(raw)
+        rec = _validated(raw)
     except ValidationError as exc:
         err = first_error(exc, root="record")
         reason = f"{err.field}: {err.message}"
