@@ -20,14 +20,15 @@ from typing import Any, Literal, Protocol
 
 from ibex_context.shared.errors import TokenizerMismatch
 
-EstimateKind = Literal["exact", "estimate"]
+EstimateKind = Literal["exact", "estimate"]  # a catalog family's own rule
+CountKind = Literal["exact", "estimate", "calibrated"]  # what produced a count (README "Calibrated token counts")
 
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
     n: int
     family: str
-    kind: EstimateKind
+    kind: CountKind
 
     def __add__(self, other: TokenCount) -> TokenCount:
         if not isinstance(other, TokenCount):
@@ -43,7 +44,9 @@ class TokenCounter(Protocol):
     """What the pipeline counts with; the family and kind label every count it makes."""
 
     family: str
-    kind: EstimateKind
+
+    @property
+    def kind(self) -> CountKind: ...
 
     def count(self, text: str) -> int: ...
 
@@ -169,7 +172,7 @@ class CachedCounter:
     def __init__(self, inner: TokenCounter, max_entries: int = 65536) -> None:
         self.inner = inner
         self.family = inner.family
-        self.kind: EstimateKind = inner.kind
+        self.kind: CountKind = inner.kind
         self.max_entries = max_entries
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self.hits = 0
@@ -190,3 +193,24 @@ class CachedCounter:
         if len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
         return n
+
+
+class ScaledCounter:
+    """A family's uncalibrated counter times the multiplier learned from usage reports for one
+    (org, model) (README "Calibrated token counts"). Each count is rounded up, so a sum of counts
+    still bounds the count of the joined text when the inner counter's does."""
+
+    kind: CountKind = "calibrated"
+
+    def __init__(self, inner: TokenCounter, multiplier: float) -> None:
+        if not (math.isfinite(multiplier) and multiplier > 0):
+            raise ValueError(f"a calibration multiplier must be a positive number, got {multiplier!r}")
+        self.inner = inner
+        self.family = inner.family
+        self.multiplier = multiplier
+
+    def scale(self, n: int) -> int:
+        return math.ceil(n * self.multiplier)
+
+    def count(self, text: str) -> int:
+        return self.scale(self.inner.count(text))
