@@ -26,8 +26,11 @@ from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(300)
 
+MIN_SAMPLES = 5
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",
-            "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000"}
+            "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000",
+            # a learned ratio is charged after 5 reports (200 in production), re-read every 100 ms
+            "IBEX_CALIBRATION_MIN_SAMPLES": str(MIN_SAMPLES), "IBEX_CALIBRATION_REFRESH_MS": "100"}
 MODELS = {"gpt-4o": "gpt-4o", "small": "gpt-4", "sonnet": "claude-sonnet-4-20250514", "mystery": "mystery-model-9"}
 KEYS = {  # LiteLLM keys (custom_auth): what the proxy admin set on each key and team
     "sk-acme": {"metadata": {"ibex_org": "acme", "ibex_agent": "support-bot"}},
@@ -190,6 +193,26 @@ def test_an_alias_deployment_maps_onto_the_catalog(rig: Rig) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-ibex-context-model"] == "claude-sonnet-4"
     _memory_block(rig.received()["body"]["messages"])
+
+
+def test_usage_comes_back_and_moves_the_calibration(rig: Rig) -> None:
+    """claude-sonnet-4 is an estimate family (x1.25 over its base count): the provider's usage of
+    each call goes back through the hook until the service charges the learned ratio instead."""
+    first = rig.chat("sk-acme", "sonnet", TURN, tools=TOOLS)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-ibex-context-count-rule"] == "estimate"
+    over_before = int(first.headers["x-ibex-context-prompt-tokens"]) / rig.received()["prompt_tokens"]
+    assert over_before > 1.1  # the fixed estimate over-charges this prompt
+    for _ in range(300):  # each call reports its usage; stop once the worker charges the learned ratio
+        resp = rig.chat("sk-acme", "sonnet", TURN, tools=TOOLS)
+        assert resp.status_code == 200, resp.text
+        if resp.headers["x-ibex-context-count-rule"] == "calibrated":
+            break
+    else:
+        pytest.fail("300 calls with usage reports never made the calibration active")
+    billed, charged = rig.received()["prompt_tokens"], int(resp.headers["x-ibex-context-prompt-tokens"])
+    assert int(resp.headers["x-ibex-context-calibration-samples"]) >= MIN_SAMPLES
+    assert billed <= charged < over_before * billed  # never under what was billed, and closer to it
 
 
 def test_with_the_broker_stopped_the_call_proceeds_degraded(rig: Rig) -> None:

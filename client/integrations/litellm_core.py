@@ -147,12 +147,9 @@ class HookCore:
         if pending is None or not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
             return False
         cached = cached_tokens if isinstance(cached_tokens, int) and not isinstance(cached_tokens, bool) else None
-        send = getattr(pending.client, "report_usage", None)
-        if send is None:  # a client library without the usage path (issue 16)
-            return False
 
-        def go() -> None:
-            send(pending.assembly, prompt_tokens=prompt_tokens, cached_tokens=cached)
+        def go() -> None:  # never raises, never blocks (AsyncClient.report_usage)
+            pending.client.report_usage(pending.assembly, prompt_tokens=prompt_tokens, cached_tokens=cached)
 
         try:
             running = asyncio.get_running_loop()
@@ -174,19 +171,21 @@ def record(assembly: AssembleResponse | None, status: str, reasons: list[str]) -
     out: dict[str, Any] = {"status": status, "reasons": reasons}
     if assembly is not None:
         out.update(request_id=assembly.request_id, degraded=assembly.degraded, memories=len(assembly.packed),
-                   prompt_tokens=assembly.prompt_tokens, model=assembly.budget.model)
+                   prompt_tokens=assembly.prompt_tokens, model=assembly.budget.model,
+                   count_rule=assembly.budget.count_rule, calibration_samples=assembly.budget.calibration_samples)
     return out
 
 
 def headers(rec: Mapping[str, Any] | None) -> dict[str, str] | None:
     """Response headers from a call's record: ``x-ibex-context`` (assembled, degraded or
-    passed_through), the reason when not assembled, and the assembly's id and figures."""
+    passed_through), the reason when not assembled, and the assembly's id and figures (memories
+    packed, prompt tokens, catalog model, the count rule and its calibration samples)."""
     if not rec:
         return None
     out = {HEADER: str(rec.get("status"))}
     if rec.get("reasons"):
         out[f"{HEADER}-reason"] = header_value("; ".join(str(r) for r in rec["reasons"]))
-    for key in ("request_id", "memories", "prompt_tokens", "model"):
+    for key in ("request_id", "memories", "prompt_tokens", "model", "count_rule", "calibration_samples"):
         if rec.get(key) is not None:
             out[f"{HEADER}-{key.replace('_', '-')}"] = header_value(str(rec[key]))
     return out
