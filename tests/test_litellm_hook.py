@@ -135,7 +135,8 @@ async def test_an_unmapped_caller_passes_through_when_configured() -> None:
     out = await hook.async_pre_call_hook(UserAPIKeyAuth(api_key="sk-x"), None, data, "acompletion")
     assert out["messages"] == [{"role": "user", "content": "hi"}]
     got = await hook.async_post_call_response_headers_hook(out, None, None)
-    assert got == {"x-ibex-context": "passed_through", "x-ibex-context-reason": "no org mapping for this caller"}
+    assert got == {"x-ibex-context": "passed_through",
+                   "x-ibex-context-reason": "no org mapping for this caller: no ibex_org in the key or team metadata"}
 
 
 async def test_an_unmapped_caller_is_refused_by_default() -> None:

@@ -28,7 +28,14 @@ from typing import Any
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 
-from ibex_context.client.integrations.litellm_config import CONFIG_ENV, HookConfig, HookConfigError, Source, load_config
+from ibex_context.client.integrations.litellm_config import (
+    CONFIG_ENV,
+    HookConfig,
+    HookConfigError,
+    Source,
+    Unmapped,
+    load_config,
+)
 from ibex_context.client.integrations.litellm_core import RECORD_KEY, HookCore, Refused, headers, record
 from ibex_context.shared.settings import Settings
 
@@ -82,8 +89,8 @@ class IbexContextHook(CustomLogger):
         meta = _metadata(data)
         try:
             who = self.core.caller(_sources(user_api_key_dict, data))
-            if who is None:
-                meta[RECORD_KEY] = record(None, "passed_through", ["no org mapping for this caller"])
+            if isinstance(who, Unmapped):
+                meta[RECORD_KEY] = record(None, "passed_through", [f"no org mapping for this caller: {who.reason}"])
                 return data
             requested = str(data.get("model"))
             model = self.core.model(requested, _deployments(requested))

@@ -94,16 +94,15 @@ class HookCore:
             update["broker_public_key"] = self.config.broker_public_key
         return AsyncClient(self.config.endpoints, settings=self.settings.model_copy(update=update))
 
-    def caller(self, sources: Mapping[Source, object]) -> Caller | None:
-        """The caller's identity; None (pass through) or ``Refused`` when it has no mapping."""
+    def caller(self, sources: Mapping[Source, object]) -> Caller | Unmapped:
+        """The caller's identity, or why it has none (to pass through); ``Refused`` under
+        ``unmapped: refuse``."""
         who = resolve_identity(self.config, sources)
-        if isinstance(who, Caller):
-            return who
-        assert isinstance(who, Unmapped)
-        if self.config.unmapped == "refuse":
-            raise Refused(403, f"ibex-context: no org mapping for this caller: {who.reason}")
-        log.info("ibex-context: passing a call through unassembled: %s", who.reason)
-        return None
+        if isinstance(who, Unmapped):
+            if self.config.unmapped == "refuse":
+                raise Refused(403, f"ibex-context: no org mapping for this caller: {who.reason}")
+            log.info("ibex-context: passing a call through unassembled: %s", who.reason)
+        return who
 
     def model(self, requested: str, deployments: list[str]) -> str:
         try:
