@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ibex_context.client.connection import Conn, open_conn, time_out
-from ibex_context.client.degrade import degraded_response, load_fallback
+from ibex_context.client.degrade import degraded_response, load_fallback_in_background
 from ibex_context.client.requests import (  # ClientClosed is part of this module's API
     ClientClosed,
     build,
@@ -130,7 +130,7 @@ class AsyncClient:
         self._started = True
         # The fallback's catalog, BPE vocabularies and pipeline modules take ~1 s to load; on the
         # loop that is a ~1 s stall of every request the proxy is serving (README: The client library).
-        self._fallback = asyncio.get_running_loop().run_in_executor(None, load_fallback, self.settings)
+        self._fallback = load_fallback_in_background(asyncio.get_running_loop(), self.settings)
         if self.ctx is None:
             self.ctx = zmq.Context()
         for ep in self.endpoints:

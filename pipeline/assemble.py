@@ -141,6 +141,11 @@ def assemble(
                            calibration=calibration)
     timings["budget"] = _us(t, _tick(clock, "scoring"))
     scored, result, t4 = score_and_pack(req, retrieval, counter, lines, planned.budget.usable, clock, timings)
+    if not explicit and req.options.nonce == "derived" and result.packed:
+        # Same packed memories, same block bytes (README "Prompt caching"); the budget's frame
+        # overhead is a bound over every nonce value, so it still holds.
+        render = lines.line if lines is not None else fmt.memory_line
+        nonce = fmt.derive_nonce(fmt.default_nonce_key(), [render(m.hit) for m in result.packed])
     formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
     timings["formatting"] = _us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)

@@ -4,7 +4,11 @@ the sketch, its Redis layout, the budget it drives, and the whole report path on
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,7 +43,8 @@ from ibex_context.shared.models import AssembleRequest, UsageReport
 from tests.helpers import start_stack
 
 CATALOG = Catalog.load()
-MODEL = "llama-3.3-70b-instruct"  # an estimate family (llama3) spoken through an OpenAI-style API
+MODEL = "mistral-large-2"  # an estimate family, spoken through an OpenAI-style API
+EXACT_MODEL = "llama-3.3-70b-instruct"  # llama3: exact offline (quicktok-v1)
 TURN = [{"role": "system", "content": "You are a support agent for a billing product."},
         {"role": "user", "content": "Which invoice did I get in October, and when was it sent? " * 20}]
 
@@ -251,3 +256,41 @@ async def test_a_malformed_report_is_refused_with_a_typed_error_and_the_broker_k
         assert (await _assemble(c, "acme")).budget.usable > 0
     status = stack.status(2.0)
     assert status is not None and status["stats"]["usage_rejected_invalid"] >= 2
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "calibration", *args], capture_output=True,
+                          text=True, timeout=60, check=False, env={**os.environ, "IBEX_CALIBRATION_MIN_SAMPLES": "100"})
+
+
+async def test_calibration_show_prints_the_learned_ratio(redis_url: str) -> None:
+    r = Redis.from_url(redis_url)
+    try:
+        b = bucket_of(0.62)
+        assert b is not None
+        await store.apply_batch(r, "acme", MODEL, {b: 150}, decay=decay_per_sample(2000), refused=2)
+        await store.apply_batch(r, "acme", EXACT_MODEL, {b: 150}, decay=decay_per_sample(2000))
+        await store.apply_batch(r, "acme", "claude-sonnet-4", {b: 10}, decay=decay_per_sample(2000))
+    finally:
+        await r.aclose()
+    out = await asyncio.to_thread(_cli, "show", "--org", "acme", "--redis-url", redis_url, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    rows = {m["model"]: m for m in doc["models"]}
+    mistral, llama, claude = rows[MODEL], rows[EXACT_MODEL], rows["claude-sonnet-4"]
+    assert mistral["rule"] == "calibrated" and 0.62 <= mistral["multiplier"] == mistral["ratio_p99.5"] <= 0.63
+    assert mistral["effective_factor"] == pytest.approx(mistral["multiplier"] * 1.25, abs=1e-3)
+    assert mistral["refused"] == 2 and mistral["accepted"] == 150
+    assert llama["rule"] == "calibrated" and llama["multiplier"] == 1.0  # llama3 is exact: never below it
+    assert claude["rule"] == "estimate" and claude["multiplier"] is None and claude["samples"] < 100
+    one = await asyncio.to_thread(_cli, "show", "--org", "acme", "--model", "Anthropic/Claude-Sonnet-4-20250514",
+                                  "--redis-url", redis_url)
+    assert one.returncode == 0 and one.stdout.startswith("claude-sonnet-4 (claude): rule estimate"), one
+    none = await asyncio.to_thread(_cli, "show", "--org", "globex", "--redis-url", redis_url)
+    assert none.returncode == 1 and "no usage reports for org globex" in none.stderr
+    bad = await asyncio.to_thread(_cli, "show", "--org", "acme", "--model", "gpt-17", "--redis-url", redis_url)
+    assert bad.returncode == 2 and bad.stderr.startswith("ibex-context calibration show: --model: model 'gpt-17'")
+    assert bad.stderr.count("\n") == 1
