@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +215,18 @@ def test_usage_comes_back_and_moves_the_calibration(rig: Rig) -> None:
     billed, charged = rig.received()["prompt_tokens"], int(resp.headers["x-ibex-context-prompt-tokens"])
     assert int(resp.headers["x-ibex-context-calibration-samples"]) >= MIN_SAMPLES
     assert billed <= charged < over_before * billed  # never under what was billed, and closer to it
+    shown = _calibration("acme", "claude-sonnet-4", rig.stack)
+    assert shown.returncode == 0, shown.stderr
+    (row,) = json.loads(shown.stdout)["models"]  # the service's own account of the reports
+    assert row["model"] == "claude-sonnet-4" and row["accepted"] >= MIN_SAMPLES and row["refused"] == 0
+    assert row["ratio_p50"] < 1 < over_before  # the learned ratio: the estimate over-counts this prompt
+    assert _calibration("globex", "claude-sonnet-4", rig.stack).returncode == 1  # acme's reports only
+
+
+def _calibration(org: str, model: str, stack: LocalStack) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "calibration", "show", "--org", org,
+                           "--model", model, "--json", "--redis-url", str(stack.redis_url)],
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_with_the_broker_stopped_the_call_proceeds_degraded(rig: Rig) -> None:
