@@ -60,7 +60,11 @@ class Upstream:
                                           str(port_file)], cwd=Path(__file__).resolve().parent.parent,
                                          env=_child_env({}), stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=die_with_parent)
-        self.port = int(read_port_file(port_file, self.proc, 30.0, self.log)[0])
+        try:
+            self.port = int(read_port_file(port_file, self.proc, 30.0, self.log)[0])
+        except BaseException:
+            self.stop()
+            raise
         self.base = f"http://127.0.0.1:{self.port}"
 
     def received(self) -> list[dict[str, Any]]:
@@ -105,7 +109,11 @@ class LiteLLMProxy:
                  "--host", "127.0.0.1", "--port", str(self.port)],
                 cwd=workdir, env=_child_env({"LITELLM_MASTER_KEY": MASTER_KEY, **(env or {})}),
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        wait_for("LiteLLM proxy", self._live, timeout_s, self.log)
+        try:
+            wait_for("LiteLLM proxy", self._live, timeout_s, self.log)
+        except BaseException:
+            self.stop()  # never leave a half-started proxy behind
+            raise
 
     def _live(self) -> bool:
         if self.proc.poll() is not None:
