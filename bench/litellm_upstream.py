@@ -1,7 +1,9 @@
 """A local OpenAI-compatible upstream standing in for the paid provider (bench.litellm, the
 LiteLLM end-to-end test): ``POST /v1/chat/completions`` records the request and answers with a
 ``usage`` whose ``prompt_tokens`` is the exact count of the prompt it received (the model's BPE
-encoding when the catalog gives it one, else o200k; OpenAI's per-message and tool formula).
+encoding when the catalog gives it one, else o200k; OpenAI's per-message and tool formula). With
+``stream`` it answers server-sent events, the usage chunk only under ``stream_options.include_usage``
+(as OpenAI does).
 
     python -m bench.litellm_upstream --port-file F      # binds 127.0.0.1:0, writes the port to F
 
@@ -68,18 +70,36 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", "0"))) or b"{}")
-        if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions") or body.get("stream"):
-            self._send(400, {"error": {"message": f"this upstream answers non-streaming {self.path} only"}})
+        if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
+            self._send(404, {"error": {"message": f"this upstream answers /v1/chat/completions only, not {self.path}"}})
             return
         n = prompt_tokens(body)
         with _LOCK:
             _RECEIVED.append({"body": body, "prompt_tokens": n})
-        self._send(200, {
-            "id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model"),
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
-            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
-                      "prompt_tokens_details": {"cached_tokens": 0}}})
+        head = {"id": f"chatcmpl-{time.monotonic_ns()}", "created": int(time.time()), "model": body.get("model")}
+        usage = {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        if body.get("stream"):
+            with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            self._stream(head, usage if with_usage else None)
+            return
+        self._send(200, {**head, "object": "chat.completion", "usage": usage, "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]})
+
+    def _stream(self, head: dict[str, Any], usage: dict[str, Any] | None) -> None:
+        """Server-sent events as OpenAI streams them; the usage chunk only when the request asked."""
+        chunk = {**head, "object": "chat.completion.chunk"}
+        events = [{**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"},
+                                         "finish_reason": None}]},
+                  {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        if usage is not None:
+            events.append({**chunk, "choices": [], "usage": usage})
+        out = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from bench.litellm_rig import LiteLLMProxy, Upstream, proxy_config
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
@@ -24,6 +26,7 @@ from ibex_context.pipeline.budget import response_reserve
 from ibex_context.pipeline.format import escape_body
 from ibex_context.shared import auth
 from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.keys import calibration_key
 from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,7 +36,8 @@ ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1
             "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000",
             # a learned ratio is charged after 5 reports (200 in production), re-read every 100 ms
             "IBEX_CALIBRATION_MIN_SAMPLES": str(MIN_SAMPLES), "IBEX_CALIBRATION_REFRESH_MS": "100"}
-MODELS = {"gpt-4o": "gpt-4o", "small": "gpt-4", "sonnet": "claude-sonnet-4-20250514", "mystery": "mystery-model-9"}
+MODELS = {"gpt-4o": "gpt-4o", "small": "gpt-4", "sonnet": "claude-sonnet-4-20250514", "mystery": "mystery-model-9",
+          "streamer": "gpt-4o-mini"}
 KEYS = {  # LiteLLM keys (custom_auth): what the proxy admin set on each key and team
     "sk-acme": {"metadata": {"ibex_org": "acme", "ibex_agent": "support-bot"}},
     "sk-globex-team": {"team_id": "t-globex", "team_metadata": {"ibex_org": "globex"},
@@ -227,6 +231,32 @@ def _calibration(org: str, model: str, stack: LocalStack) -> subprocess.Complete
     return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "calibration", "show", "--org", org,
                            "--model", model, "--json", "--redis-url", str(stack.redis_url)],
                           capture_output=True, text=True, timeout=60, check=False)
+
+
+def _accepted(stack: LocalStack, org: str, model: str) -> int:
+    """Usage reports the service accepted for (org, model), from its Redis sketch."""
+    with redis.Redis.from_url(str(stack.redis_url), socket_timeout=5) as r:
+        return int(r.hget(calibration_key(org, model), "n") or 0)
+
+
+def test_a_streamed_call_is_assembled_and_reports_usage_only_when_asked(rig: Rig) -> None:
+    """Streams: the same assembly and headers; usage is reported only with stream_options.include_usage
+    (otherwise LiteLLM's own count stands in for the provider's, which is no calibration sample)."""
+    for ask in (False, True):
+        with httpx.stream("POST", f"{rig.proxy.url}/v1/chat/completions", timeout=60,
+                          headers={"authorization": "Bearer sk-acme"},
+                          json={"model": "streamer", "messages": TURN, "tools": TOOLS, "stream": True,
+                                **({"stream_options": {"include_usage": True}} if ask else {})}) as resp:
+            body = resp.read().decode()
+        assert resp.status_code == 200, body
+        assert resp.headers["x-ibex-context"] == "assembled" and "data: [DONE]" in body
+    sent = rig.upstream.received()[-1]["body"]
+    assert sent["stream"] is True and len(_memory_block(sent["messages"])[1]) > 0
+    for _ in range(2000):  # the worker writes reports in batches: wait until the one asked for lands
+        if _accepted(rig.stack, "acme", "gpt-4o-mini") >= 1:
+            break
+        time.sleep(0.01)
+    assert _accepted(rig.stack, "acme", "gpt-4o-mini") == 1  # the stream that did not ask sent nothing
 
 
 def test_with_the_broker_stopped_the_call_proceeds_degraded(rig: Rig) -> None:

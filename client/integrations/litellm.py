@@ -14,7 +14,8 @@ bad config stops the proxy at start with one line. Per chat completion:
   service fault degrades (the call proceeds with history only); a caller fault, an unknown model
   or (by default) a caller with no org mapping is refused with one line;
 * response headers: ``x-ibex-context: assembled | degraded | passed_through`` and why;
-* success: the provider's ``usage.prompt_tokens`` reported back for calibration.
+* success: the provider's ``usage.prompt_tokens`` reported back for calibration (a stream's only
+  when it asked for ``stream_options.include_usage``).
 
 LiteLLM is imported here only: ``ibex_context.client`` never loads it.
 """
@@ -75,6 +76,12 @@ def _deployments(model_group: str) -> list[str]:
     return [m for m in models if isinstance(m, str)]
 
 
+def _asked_for_usage(kwargs: dict[str, Any]) -> bool:
+    """Whether a streamed call asked the provider for its usage (``stream_options.include_usage``)."""
+    options = kwargs.get("stream_options") or (kwargs.get("optional_params") or {}).get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
 class IbexContextHook(CustomLogger):
     """A LiteLLM ``CustomLogger`` that assembles each chat completion's context (module docstring)."""
 
@@ -113,6 +120,11 @@ class IbexContextHook(CustomLogger):
 
     async def async_log_success_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
                                       end_time: Any) -> None:
+        if kwargs.get("stream") and not _asked_for_usage(kwargs):
+            # LiteLLM fills a stream's usage with its own count when the provider sent none: not
+            # the provider's, so not a calibration sample
+            self.core.forget(kwargs.get("litellm_call_id"))
+            return
         usage = getattr(response_obj, "usage", None)
         details = getattr(usage, "prompt_tokens_details", None)
         self.core.report(kwargs.get("litellm_call_id"), getattr(usage, "prompt_tokens", None),
