@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi import HTTPException
 from litellm.proxy._types import UserAPIKeyAuth
 
+from ibex_context.client import AssembleRequest, Unavailable, degraded_response
 from ibex_context.client.integrations.litellm import IbexContextHook
 from ibex_context.client.integrations.litellm_config import (
     Caller,
@@ -151,6 +153,28 @@ async def test_calls_other_than_chat_completions_are_untouched() -> None:
     data: dict[str, Any] = {"model": "text-embedding-3-small", "input": ["x"]}
     assert await _hook().async_pre_call_hook(UserAPIKeyAuth(api_key="k"), None, data, "aembedding") is data
     assert await _hook().async_post_call_response_headers_hook(data, None, None) is None
+
+
+async def test_a_stream_reports_usage_only_when_the_provider_was_asked_for_it() -> None:
+    """Without ``stream_options.include_usage`` LiteLLM fills a stream's usage with its own count:
+    no calibration sample. ``usage_not_sent`` counts the calls that reached ``report_usage`` (the
+    client is never started here, so nothing is sent either way)."""
+    hook = _hook()
+    core = hook.core
+    assembly = degraded_response(AssembleRequest.model_validate({
+        "request_id": "r", "org_id": "acme", "agent_id": "a", "model": "gpt-4o", "query": "q", "format": "openai",
+        "messages": [{"role": "user", "content": "q"}], "deadline_ns": 1}), Unavailable("down"))
+    usage = SimpleNamespace(usage=SimpleNamespace(prompt_tokens=12, prompt_tokens_details=None))
+    client = core._clients["acme"]
+    for call_id, kwargs, reported in [
+        ("s1", {"stream": True}, 0),
+        ("s2", {"stream": True, "stream_options": {"include_usage": True}}, 1),
+        ("s3", {"stream": True, "optional_params": {"stream_options": {"include_usage": True}}}, 2),
+        ("n1", {"stream": False}, 3),
+    ]:
+        core.remember(call_id, Caller("acme", "a"), assembly)
+        await hook.async_log_success_event({**kwargs, "litellm_call_id": call_id}, usage, None, None)
+        assert core.forget(call_id) is None and client.stats["usage_not_sent"] == reported
 
 
 def test_query_and_header_helpers() -> None:

@@ -239,24 +239,24 @@ def _accepted(stack: LocalStack, org: str, model: str) -> int:
         return int(r.hget(calibration_key(org, model), "n") or 0)
 
 
-def test_a_streamed_call_is_assembled_and_reports_usage_only_when_asked(rig: Rig) -> None:
-    """Streams: the same assembly and headers; usage is reported only with stream_options.include_usage
-    (otherwise LiteLLM's own count stands in for the provider's, which is no calibration sample)."""
-    for ask in (False, True):
-        with httpx.stream("POST", f"{rig.proxy.url}/v1/chat/completions", timeout=60,
-                          headers={"authorization": "Bearer sk-acme"},
-                          json={"model": "streamer", "messages": TURN, "tools": TOOLS, "stream": True,
-                                **({"stream_options": {"include_usage": True}} if ask else {})}) as resp:
-            body = resp.read().decode()
-        assert resp.status_code == 200, body
-        assert resp.headers["x-ibex-context"] == "assembled" and "data: [DONE]" in body
-    sent = rig.upstream.received()[-1]["body"]
-    assert sent["stream"] is True and len(_memory_block(sent["messages"])[1]) > 0
-    for _ in range(2000):  # the worker writes reports in batches: wait until the one asked for lands
+def test_a_streamed_call_is_assembled_and_reports_the_providers_usage(rig: Rig) -> None:
+    """Streams get the same assembly and headers. LiteLLM asks an OpenAI-compatible provider for
+    the stream's usage itself (``stream_options.include_usage``), so the provider's count comes back
+    and is reported (a stream without it is not: tests/test_litellm_hook.py)."""
+    with httpx.stream("POST", f"{rig.proxy.url}/v1/chat/completions", timeout=60,
+                      headers={"authorization": "Bearer sk-acme"},
+                      json={"model": "streamer", "messages": TURN, "tools": TOOLS, "stream": True}) as resp:
+        body = resp.read().decode()
+    assert resp.status_code == 200, body
+    assert resp.headers["x-ibex-context"] == "assembled" and "data: [DONE]" in body
+    sent = rig.received()["body"]
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert len(_memory_block(sent["messages"])[1]) > 0
+    for _ in range(2000):  # the worker writes reports in batches: wait until this one lands
         if _accepted(rig.stack, "acme", "gpt-4o-mini") >= 1:
             break
         time.sleep(0.01)
-    assert _accepted(rig.stack, "acme", "gpt-4o-mini") == 1  # the stream that did not ask sent nothing
+    assert _accepted(rig.stack, "acme", "gpt-4o-mini") == 1
 
 
 def test_with_the_broker_stopped_the_call_proceeds_degraded(rig: Rig) -> None:
