@@ -243,6 +243,7 @@ def test_a_streamed_call_is_assembled_and_reports_the_providers_usage(rig: Rig) 
     """Streams get the same assembly and headers. LiteLLM asks an OpenAI-compatible provider for
     the stream's usage itself (``stream_options.include_usage``), so the provider's count comes back
     and is reported (a stream without it is not: tests/test_litellm_hook.py)."""
+    rig.upstream.clear()
     with httpx.stream("POST", f"{rig.proxy.url}/v1/chat/completions", timeout=60,
                       headers={"authorization": "Bearer sk-acme"},
                       json={"model": "streamer", "messages": TURN, "tools": TOOLS, "stream": True}) as resp:
