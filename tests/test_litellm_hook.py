@@ -177,6 +177,30 @@ async def test_a_stream_reports_usage_only_when_the_provider_was_asked_for_it() 
         assert core.forget(call_id) is None and client.stats["usage_not_sent"] == reported
 
 
+@pytest.mark.parametrize(("messages", "status", "text"), [
+    ([{"role": "user", "content": "w " * 140_000}], 400, "ibex-context CONTEXT_OVERFLOW"),
+    ([{"role": "tool", "tool_call_id": "call_9", "content": "x"}, {"role": "user", "content": "q"}], 400,
+     "ibex-context INVALID_REQUEST"),
+])
+async def test_caller_faults_are_refused_even_when_the_service_is_down(messages: list[Any], status: int,
+                                                                       text: str) -> None:
+    """``assemble_or_degrade`` raises caller faults (a degraded prompt would overflow too, a broken
+    conversation stays broken): the hook refuses the call with the service's one line."""
+    hook = _hook(timeout_ms=100)  # nobody listens on the configured endpoint: every call degrades
+    key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot"})
+    try:
+        with pytest.raises(HTTPException) as exc:
+            await hook.async_pre_call_hook(key, None, {"model": "gpt-4", "messages": messages}, "acompletion")
+        assert exc.value.status_code == status and str(exc.value.detail).startswith(text)
+        data: dict[str, Any] = {"model": "gpt-4", "messages": [{"role": "user", "content": "hello"}]}
+        out = await hook.async_pre_call_hook(key, None, data, "acompletion")
+        got = await hook.async_post_call_response_headers_hook(out, None, None)
+        assert got is not None and got["x-ibex-context"] == "degraded"
+        assert got["x-ibex-context-reason"].startswith("context service ") and out["messages"][-1]["content"] == "hello"
+    finally:
+        await hook.core.aclose()
+
+
 def test_query_and_header_helpers() -> None:
     msgs = [{"role": "user", "content": "old"}, {"role": "user", "content": [
         {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": "u"}},
