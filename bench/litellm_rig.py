@@ -78,8 +78,10 @@ class Upstream:
         stop_processes([self.proc])
 
 
-def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool) -> dict[str, Any]:
-    """LiteLLM's config: each public model name served by ``openai/<model>`` on the upstream."""
+def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool,
+                 aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """LiteLLM's config: each public model name served by ``openai/<model>`` on the upstream, plus
+    router ``model_group_alias`` entries (alias -> public name)."""
     cfg: dict[str, Any] = {
         "model_list": [{"model_name": name, "litellm_params": {"model": f"openai/{model}",
                                                                "api_base": f"{upstream.base}/v1",
@@ -87,6 +89,7 @@ def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool) -
                        for name, model in models.items()],
         "general_settings": {"master_key": MASTER_KEY, "custom_auth": "ibex_litellm_auth.user_api_key_auth"},
         "litellm_settings": {"callbacks": [HOOK] if hook else []},
+        "router_settings": {"model_group_alias": dict(aliases or {})},
     }
     return cfg
 

@@ -129,7 +129,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
                          "globex": {"key_file": str(d / "globex-proxy.key")}},
                 "identity": {"org_from": ["key", "team"], "agent_from": ["request", "key", "team"]}}
         (d / "hook.json").write_text(json.dumps(hook))
-        proxy = LiteLLMProxy(d / "proxy", proxy_config(upstream, MODELS, hook=True), KEYS,
+        proxy = LiteLLMProxy(d / "proxy", proxy_config(upstream, MODELS, hook=True, aliases={"claude": "sonnet"}), KEYS,
                              env={"IBEX_LITELLM_CONFIG": str(d / "hook.json")})
         yield Rig(stack, upstream, proxy)
     finally:
@@ -194,11 +194,12 @@ def test_an_unknown_model_is_a_clear_error(rig: Rig) -> None:
     assert rig.upstream.received() == []
 
 
-def test_an_alias_deployment_maps_onto_the_catalog(rig: Rig) -> None:
-    resp = rig.chat("sk-acme", "sonnet", TURN)
+@pytest.mark.parametrize("name", ["sonnet", "claude"])  # a deployment's dated id; a router model_group_alias
+def test_an_alias_deployment_maps_onto_the_catalog(rig: Rig, name: str) -> None:
+    resp = rig.chat("sk-acme", name, TURN)
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-ibex-context-model"] == "claude-sonnet-4"
-    _memory_block(rig.received()["body"]["messages"])
+    assert rig.received()["body"]["model"] == "claude-sonnet-4-20250514"
 
 
 def test_usage_comes_back_and_moves_the_calibration(rig: Rig) -> None:

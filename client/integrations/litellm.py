@@ -62,18 +62,21 @@ def _sources(user_api_key_dict: Any, data: dict[str, Any]) -> dict[Source, objec
             "team": getattr(user_api_key_dict, "team_metadata", None), "request": sent}
 
 
-def _deployments(model_group: str) -> list[str]:
-    """``litellm_params.model`` of each deployment behind a LiteLLM model name (aliases included)."""
+def _deployments(model_group: str, team_id: object) -> list[str]:
+    """``litellm_params.model`` of each deployment a LiteLLM model name routes to (its
+    ``model_group_alias`` target's, a team's own); a wildcard deployment (``openai/*``) stands for
+    the requested name itself."""
     try:
         from litellm.proxy import proxy_server
 
         router = proxy_server.llm_router
-        found = router.get_model_list(model_name=model_group) if router is not None else None
+        found = (router.get_model_list(model_name=model_group, team_id=team_id if isinstance(team_id, str) else None)
+                 if router is not None else None)
     except Exception as exc:  # no proxy around this callback (a script's litellm.acompletion)
         log.debug("no LiteLLM router to read deployments from: %s", exc)
         return []
     models = [d.get("litellm_params", {}).get("model") for d in found or []]
-    return [m for m in models if isinstance(m, str)]
+    return [model_group if "*" in m else m for m in models if isinstance(m, str)]
 
 
 def _asked_for_usage(kwargs: dict[str, Any]) -> bool:
@@ -100,7 +103,7 @@ class IbexContextHook(CustomLogger):
                 meta[RECORD_KEY] = record(None, "passed_through", [f"no org mapping for this caller: {who.reason}"])
                 return data
             requested = str(data.get("model"))
-            model = self.core.model(requested, _deployments(requested))
+            model = self.core.model(requested, _deployments(requested, getattr(user_api_key_dict, "team_id", None)))
             assembly = await self.core.assemble(who, model, data)
         except Refused as exc:
             raise HTTPException(status_code=exc.status, detail=exc.message) from None
