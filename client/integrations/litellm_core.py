@@ -133,7 +133,10 @@ class HookCore:
         """Keep the assembly until the provider's usage arrives (``report``)."""
         if not isinstance(call_id, str):
             return
-        self._pending[call_id] = Pending(self._clients[who.org_id], assembly, asyncio.get_running_loop())
+        # the report needs the ids, the model and the counts, not the prompt: keep ~1 KB, not the conversation
+        slim = assembly.model_copy(update={"messages": None, "system": None, "rendered": "", "sections": [],
+                                           "decisions": [], "history": []})
+        self._pending[call_id] = Pending(self._clients[who.org_id], slim, asyncio.get_running_loop())
         while len(self._pending) > PENDING_MAX:
             self._pending.popitem(last=False)
 
