@@ -4,10 +4,11 @@ Why: a proxy engineer adopting the hook needs to know what it costs per call. On
 stack (embedded Redis, memory service, broker, workers; demo data seeded), the local
 OpenAI-compatible upstream (``bench.litellm_upstream``) and two real LiteLLM proxies in front of the
 same upstream: one with the hook in its callbacks, one without. Each round sends the same
-tool-using chat completion through both, in random order, one at a time (closed loop, keep-alive
-connections), and through nothing (the upstream directly, the floor); latency is the client's wall
-time per call. Reported: p50 / p99 of each arm and what the hook adds (difference of the
-percentiles, and the median of the per-round differences). Writes ``bench/out/litellm.json``.
+tool-using chat completion through both, through nothing (the upstream directly, the floor), and
+makes the same assembly straight from the client library (what the hook waits for), in random
+order, one at a time (closed loop, keep-alive connections); latency is the client's wall time per
+call. Reported: p50 / p99 of each arm and what the hook adds (difference of the percentiles, and
+the median of the per-round differences). Writes ``bench/out/litellm.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 from bench.litellm_rig import LiteLLMProxy, Upstream, proxy_config
 from bench.report import table
 from bench.run import started_stack
+from ibex_context.client import SyncClient
+from ibex_context.client.integrations.litellm_core import last_user_text
 
 OUT = Path(__file__).resolve().parent / "out" / "litellm.json"
 KEYS = {"sk-bench": {"metadata": {"ibex_org": "acme", "ibex_agent": "support-bot"}}}
@@ -54,24 +57,36 @@ def _call(client: httpx.Client, url: str, headers: dict[str, str]) -> tuple[floa
     return ms, resp
 
 
-def measure(urls: dict[str, str], rounds: int, warmup: int, seed: int) -> dict[str, Any]:
+def _assemble(ctx: SyncClient) -> tuple[float, str]:
+    """The assembly the hook makes for this call, straight from the client library (ms, outcome)."""
+    t0 = time.perf_counter()
+    resp = ctx.assemble_or_degrade(org_id="acme", agent_id="support-bot", model="gpt-4o", format="openai",
+                                   query=last_user_text(TURN, 2000), messages=TURN, tools=TOOLS, timeout=0.1)
+    return (time.perf_counter() - t0) * 1000, "degraded" if resp.degraded else "assembled"
+
+
+def measure(urls: dict[str, str], endpoint: str, rounds: int, warmup: int, seed: int) -> dict[str, Any]:
     """Per-arm latencies (ms) over ``rounds`` rounds, arms in random order each round."""
     rng = random.Random(seed)
     auth = {"authorization": "Bearer sk-bench"}
-    lat: dict[str, list[float]] = {arm: [] for arm in urls}
+    lat: dict[str, list[float]] = {arm: [] for arm in [*urls, "assemble"]}
     outcome: dict[str, int] = {}
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30) as client, SyncClient(endpoint) as ctx:
+        ctx.prepare_fallback()
         for i in range(warmup + rounds):
-            arms = list(urls)
+            arms = list(lat)
             rng.shuffle(arms)
             for arm in arms:
-                ms, resp = _call(client, urls[arm], auth)
+                if arm == "assemble":
+                    ms, state = _assemble(ctx)
+                else:
+                    ms, resp = _call(client, urls[arm], auth)
+                    state = resp.headers.get("x-ibex-context", "missing")
                 if i >= warmup:
                     lat[arm].append(ms)
-                    if arm == "hook":
-                        state = resp.headers.get("x-ibex-context", "missing")
-                        outcome[state] = outcome.get(state, 0) + 1
-    return {"latency_ms": lat, "hook_outcomes": outcome}
+                    if arm in ("hook", "assemble"):
+                        outcome[f"{arm} {state}"] = outcome.get(f"{arm} {state}", 0) + 1
+    return {"latency_ms": lat, "outcomes": outcome}
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +97,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return {"arms": pct, "added_p50_ms": pct["hook"]["p50"] - pct["no_hook"]["p50"],
             "added_p99_ms": pct["hook"]["p99"] - pct["no_hook"]["p99"],
             "added_median_paired_ms": float(statistics.median(paired.tolist())),
-            "hook_outcomes": res["hook_outcomes"]}
+            "outcomes": res["outcomes"]}
 
 
 def run(rounds: int, warmup: int, seed: int, workers: int) -> dict[str, Any]:
@@ -100,7 +115,7 @@ def run(rounds: int, warmup: int, seed: int, workers: int) -> dict[str, Any]:
             urls = {"hook": f"{proxies[0].url}/v1/chat/completions",
                     "no_hook": f"{proxies[1].url}/v1/chat/completions",
                     "upstream": f"{upstream.base}/v1/chat/completions"}
-            return summarize(measure(urls, rounds, warmup, seed))
+            return summarize(measure(urls, stack.frontend, rounds, warmup, seed))
         finally:
             for p in proxies:
                 p.stop()
@@ -108,13 +123,14 @@ def run(rounds: int, warmup: int, seed: int, workers: int) -> dict[str, Any]:
 
 
 def report(s: dict[str, Any]) -> str:
-    names = {"upstream": "upstream directly (floor)", "no_hook": "LiteLLM, no hook", "hook": "LiteLLM + ibex hook"}
+    names = {"upstream": "upstream directly (floor)", "no_hook": "LiteLLM, no hook", "hook": "LiteLLM + ibex hook",
+             "assemble": "the same assembly from the client library alone"}
     rows = [[names[k], f"{v['p50']:.2f}", f"{v['p99']:.2f}", v["n"]] for k, v in s["arms"].items()]
     rows.append(["added by the hook (difference)", f"{s['added_p50_ms']:.2f}", f"{s['added_p99_ms']:.2f}", ""])
     lines = table(["path", "p50 ms", "p99 ms", "calls"], rows)
     lines.append("")
     lines.append(f"median per-round difference hook - no hook: {s['added_median_paired_ms']:.2f} ms; "
-                 f"hook outcomes: {s['hook_outcomes']}")
+                 f"outcomes: {s['outcomes']}")
     return "\n".join(lines)
 
 
