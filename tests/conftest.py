@@ -21,6 +21,10 @@ settings.register_profile(
 )
 settings.load_profile("ci")
 
+# LiteLLM (tests/test_litellm_*.py) fetches its model cost map when imported unless told to use
+# the copy in its wheel: the tests run offline (README "Using it from LiteLLM proxy").
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
