@@ -185,15 +185,18 @@ def summarize(res: RunResult, questions: list[Question], kinds: Sequence[str] | 
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
 
-async def _run_stack(embedder: str, cutoff: float, rules: list[str], questions: list[Question],
+async def _run_stack(embedder: str, cutoff: float | None, rules: list[str], questions: list[Question],
                      search_rounds: int, extra_env: dict[str, str]) -> dict[str, Any]:
-    env = {"IBEX_MEMORY_EMBEDDER": embedder, "IBEX_COLD_MIN_SIMILARITY": str(cutoff), **extra_env}
+    """``cutoff`` None: the worker names none, so the embedder's own applies (as a stack runs by default)."""
+    env = {"IBEX_MEMORY_EMBEDDER": embedder, **extra_env}
+    if cutoff is not None:
+        env["IBEX_COLD_MIN_SIMILARITY"] = str(cutoff)
     log_dir = Path(f"/tmp/ibex-bench-retrieval-{uuid.uuid4().hex[:8]}")
     os.environ["IBEX_MEMORY_EMBEDDER"] = embedder  # the seed tool embeds with the service's embedder
     with started_stack(mode="full", workers=1, env=env, log_dir=log_dir, seed=True) as stack:
         assert stack.memory is not None
         pid = stack.memory.pid
-        out: dict[str, Any] = {"embedder": embedder, "cutoff": cutoff, "rules": {}}
+        out: dict[str, Any] = {"embedder": embedder, "cutoff": "own" if cutoff is None else cutoff, "rules": {}}
         client = AsyncClient(stack.frontend)
         await client.wait_connected(10.0)
         try:
@@ -298,7 +301,9 @@ def _print(runs: list[dict[str, Any]], questions: list[Question]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__.split("\n")[0])
     ap.add_argument("--embedders", default="hash", help="comma-separated IBEX_MEMORY_EMBEDDER values")
-    ap.add_argument("--cutoffs", default="0.70", help="comma-separated cosine cutoffs (IBEX_COLD_MIN_SIMILARITY)")
+    ap.add_argument("--cutoffs", default="own",
+                    help="comma-separated cosine cutoffs (IBEX_COLD_MIN_SIMILARITY); 'own': unset, each "
+                         "embedder's own (default)")
     ap.add_argument("--rules", default="default", help="comma-separated scoring rules (options.score)")
     ap.add_argument("--search-rounds", type=int, default=3, help="passes of direct searches for the CPU figure")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = []
     for emb in args.embedders.split(","):
-        for cutoff in (float(c) for c in args.cutoffs.split(",")):
+        for cutoff in (None if c == "own" else float(c) for c in args.cutoffs.split(",")):
             extra = dict(kv.split("=", 1) for kv in args.env)
             runs.append(asyncio.run(_run_stack(emb, cutoff, args.rules.split(","), questions, args.search_rounds,
                                                extra)))

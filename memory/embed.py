@@ -29,6 +29,8 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from ibex_context.memory.rank import DEFAULT_MIN_SIMILARITY
+
 Vectors = NDArray[np.float32]
 
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -108,6 +110,13 @@ class Embedder(Protocol):
         """True when ``embed`` is slow enough to belong in a worker thread, off the event loop."""
         ...
 
+    @property
+    def min_similarity(self) -> float:
+        """The retrieval-time cosine cutoff for this embedder's cosines, used when a search names
+        none: cosine scales differ between embedders, so the spec's 0.70 is not right for every
+        one (README "Selection quality")."""
+        ...
+
     def embed(self, texts: Sequence[str]) -> Vectors: ...
 
     def embed_query(self, text: str) -> Vectors:
@@ -138,6 +147,10 @@ class HashingEmbedder:
     @property
     def blocking(self) -> bool:
         return False
+
+    @property
+    def min_similarity(self) -> float:
+        return DEFAULT_MIN_SIMILARITY  # the spec's cutoff
 
     def features(self, text: str) -> dict[str, float]:
         """Feature -> weight before hashing (exposed for tests and debugging)."""

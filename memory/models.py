@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
-from ibex_context.memory.rank import CATEGORIES, DEFAULT_MIN_SIMILARITY
+from ibex_context.memory.rank import CATEGORIES
 from ibex_context.pipeline.hits import MAX_CONTENT_CHARS  # one memory-hit contract: stored as read
 from ibex_context.shared.models import Ident
 
@@ -111,7 +111,8 @@ class SearchBody(StrictModel):
     query: Annotated[str, StringConstraints(max_length=MAX_QUERY_CHARS)]
     agent_id: Ident
     limit: Annotated[int, Field(ge=0, le=SEARCH_LIMIT_MAX)] = SEARCH_LIMIT_MAX
-    min_similarity: Unit = DEFAULT_MIN_SIMILARITY
+    # Unset: the service's embedder's own cutoff (Embedder.min_similarity).
+    min_similarity: Unit | None = None
 
 
 class FaultSpec(StrictModel):

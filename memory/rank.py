@@ -4,7 +4,8 @@ Pure functions, no I/O, no clock: ``now_s`` is always passed in.
 
 Order of operations for search, and why each step sits where it does:
 
-1. Retrieval-time cosine cutoff (``min_similarity``, default 0.70): vector candidates below it are
+1. Retrieval-time cosine cutoff (``min_similarity``; the spec's 0.70, or the embedder's own when a
+   search names none: ``Embedder.min_similarity``): vector candidates below it are
    dropped before hydration, so we never load records we would not rank.
 2. Full-text hits that have no cosine at or above the cutoff get the relevance *sentinel* 0.5.
 3. Scoring-time relevance floor (default 0.15) after hydration, before the composite. A floor at

@@ -58,7 +58,8 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     query_vec = await svc.query_vector(org, text)
     cosines = cosine_scores(index.matrix, query_vec)
     keyword = keyword_mask(index.postings, len(index.ids), content_terms(text))
-    rows, relevance = select_rows(index.id_array, cosines, keyword, min_similarity=body.min_similarity,
+    cutoff = embedder.min_similarity if body.min_similarity is None else body.min_similarity
+    rows, relevance = select_rows(index.id_array, cosines, keyword, min_similarity=cutoff,
                                   max_candidates=svc.config.max_candidates)
     rel_of = {index.ids[r]: float(v) for r, v in zip(rows.tolist(), relevance.tolist(), strict=True)}
     records = await store.hydrate(svc.redis, org, body.agent_id, sorted(rel_of), svc.health)

@@ -17,6 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ibex_context.memory.minilm import load_tokenizer
+from ibex_context.memory.rank import DEFAULT_MIN_SIMILARITY
 
 DATA = Path(__file__).resolve().parent / "data" / "static-minilm"
 Array = NDArray[np.float32]
@@ -42,6 +43,10 @@ class StaticEmbedder:
     @property
     def blocking(self) -> bool:
         return False
+
+    @property
+    def min_similarity(self) -> float:
+        return DEFAULT_MIN_SIMILARITY  # its cosines barely separate: 0.30 packs ~39 noise hits per question
 
     def load(self) -> None:
         with self._lock:

@@ -125,7 +125,10 @@ class WorkerSettings(_LinkSettings, _TimeoutSettings):
                     "or random per process when that is the development default.",
     )
     memory_max_response_bytes: int = Field(8 << 20, ge=1024, description="Larger memory replies are an error.")
-    cold_min_similarity: float = Field(0.70, ge=0.0, le=1.0, description="Retrieval-time cosine cutoff sent to search.")
+    cold_min_similarity: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Retrieval-time cosine cutoff sent to search; unset: the memory service's embedder's own "
+                    "(minilm 0.30, static and hash 0.70, README 'Selection quality').")
 
     # -- the worker process --------------------------------------------------------------------
     broker_backends: str = Field(

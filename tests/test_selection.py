@@ -244,3 +244,24 @@ async def test_a_query_is_embedded_once_per_org_even_when_its_first_caller_goes_
     assert await svc.query_vector("acme", "where is my invoice") is vec  # cached
     await svc.query_vector("globex", "where is my invoice")  # another org: its own embedding
     assert emb.queries == ["where is my invoice", "where is my invoice"]
+
+
+def test_a_search_without_a_cutoff_gets_the_embedders_own(memory: MemoryServiceHandle) -> None:
+    """The cutoff belongs to the embedder (cosine scales differ): minilm's is 0.30, hash's the
+    spec's 0.70; a search naming ``min_similarity`` gets exactly that (README "Selection quality")."""
+    from ibex_context.memory.embed import HashingEmbedder
+    from ibex_context.memory.minilm import MiniLMEmbedder
+    from ibex_context.memory.static import StaticEmbedder
+    from ibex_context.shared.settings import Settings
+
+    assert (HashingEmbedder().min_similarity, StaticEmbedder().min_similarity) == (0.70, 0.70)
+    assert MiniLMEmbedder().min_similarity == 0.30 and Settings().cold_min_similarity is None
+    memory.seed([_mem("zebra quartz lantern harbour", memory_id="far")])
+    query = "zebra quartz apple banana cherry"  # two shared words of five: no full-text hit, cosine 0.33
+    cosine = float(HashingEmbedder().embed_query(query) @ HashingEmbedder().embed_query("zebra quartz lantern harbour"))
+    assert 0.0 < cosine < 0.70
+    with httpx.Client(base_url=memory.url, timeout=10.0) as http:
+        def ids(**cut: float) -> list[str]:
+            return [m["memory_id"] for m in http.post("/v1/memories/search", headers=memory.headers("acme"), json={
+                "query": query, "agent_id": "bot", **cut}).json()["memories"]]
+        assert ids() == ids(min_similarity=0.70) == [] and ids(min_similarity=0.0) == ["far"]

@@ -208,8 +208,9 @@ class Retriever:
 
     async def _cold(self, req: AssembleRequest) -> tuple[list[MemoryHit], list[Rejection]]:
         cap = self.settings.cold_limit
-        payload = {"query": req.query, "agent_id": req.agent_id, "limit": cap,
-                   "min_similarity": self.settings.cold_min_similarity}
+        payload: dict[str, Any] = {"query": req.query, "agent_id": req.agent_id, "limit": cap}
+        if self.settings.cold_min_similarity is not None:  # else the memory service's embedder's own
+            payload["min_similarity"] = self.settings.cold_min_similarity
         body = await self._fetch("POST", "/v1/memories/search", req.org_id, json=payload)
         return parse_hits(body, "cold", cap)
 
