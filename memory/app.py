@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -92,6 +92,8 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
                 response = await fn(svc, request)
             except ApiError as exc:
                 response = error_response(exc.status, exc.message, exc.field)
+            except ClientDisconnect:  # the caller gave up (its deadline) before sending the whole body
+                response = error_response(499, "client closed the request before its body arrived")
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("redis unavailable: %s", exc)
                 response = error_response(503, "memory store unavailable")

@@ -394,6 +394,24 @@ def test_fault_drop(http: httpx.Client, memory: MemoryServiceHandle) -> None:
     assert "Traceback" not in memory.log_tail(200)
 
 
+def test_a_caller_that_leaves_mid_body_is_no_error(http: httpx.Client, memory: MemoryServiceHandle) -> None:
+    """A worker whose branch deadline passes closes its connection, possibly before the body is
+    sent: the service logs one line (499), not an unhandled-error traceback, and keeps serving."""
+    import socket
+
+    head = (f"POST /v1/memories/search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: {memory.headers('acme')['authorization']}\r\nContent-Length: 1000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", memory.port), timeout=5) as s:
+        s.sendall(head.encode() + b'{"query": "x", ')
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while "POST /v1/memories/search 499" not in memory.log_tail(50) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "POST /v1/memories/search 499" in memory.log_tail(50)
+    assert "Traceback" not in memory.log_tail(200)
+    assert search(http, memory, "acme", {"query": "x", "agent_id": "bot"}).status_code == 200
+
+
 def test_fault_huge(http: httpx.Client, memory: MemoryServiceHandle) -> None:
     memory.set_fault("hot", huge=True)
     r = hot(http, memory, "acme", "bot")
