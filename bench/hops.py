@@ -34,7 +34,7 @@ from bench.report import table
 from bench.workload import request_templates
 from ibex_context.ops.stack import free_port, stop_processes
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import encode
+from ibex_context.shared.codec import Envelope, encode, pack_header
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,8 +64,8 @@ def echo_worker(endpoint: str) -> None:
         f = s.recv_multipart()
         if len(f) == 2 and f[1] == P.HEARTBEAT:
             s.send_multipart([P.TAG, P.HEARTBEAT, P.Info(8, "echo", os.getpid()).pack()])
-        elif len(f) == 6 and f[1] == P.REQUEST:
-            s.send_multipart([P.TAG, P.REPLY, f[2], f[3], f[5]])
+        elif len(f) == 7 and f[1] == P.REQUEST:
+            s.send_multipart([P.TAG, P.REPLY, f[2], f[3], f[6]])
 
 
 def transport_worker(endpoint: str) -> None:
@@ -119,17 +119,18 @@ def measure_broker(n: int, window: int) -> dict[str, float]:
         c.connect(fe)
         tmpl = request_templates(seed=9)[0]
         far = time.time_ns() + 3600 * 10**9
-        payloads = [encode(tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}))
-                    for i in range(n)]
+        reqs = [tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}) for i in range(n)]
+        frames = [P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
+                  for r in reqs]
         end = time.monotonic() + 20
         while True:  # the worker has joined once a request comes back
-            c.send_multipart([P.TAG, P.REQUEST, payloads[0]])
+            c.send_multipart(frames[0])
             if c.poll(500) and c.recv_multipart()[1] == P.REPLY:
                 break
             if time.monotonic() > end:
                 raise RuntimeError("broker and echo worker did not come up within 20 s")
         cpu0 = cpu_seconds(procs[0].pid)
-        wall = _pipelined(lambda i: c.send_multipart([P.TAG, P.REQUEST, payloads[i]]),
+        wall = _pipelined(lambda i: c.send_multipart(frames[i]),
                           lambda: c.recv_multipart()[1] == P.REPLY, n, window)
         return {"rps": n / wall, "cpu_us": (cpu_seconds(procs[0].pid) - cpu0) / n * 1e6}
     finally:
@@ -148,12 +149,14 @@ def measure_worker(n: int, window: int) -> dict[str, float]:
         if not r.poll(20_000):
             raise RuntimeError("transport-mode worker did not connect within 20 s")
         ident = r.recv_multipart()[0]
-        payload = encode(request_templates(seed=9)[0])
+        tmpl = request_templates(seed=9)[0]
+        payload = encode(tmpl)
         far = time.time_ns() + 3600 * 10**9
+        header = pack_header(Envelope(tmpl.request_id, tmpl.org_id, tmpl.agent_id, far))
 
         def send(i: int) -> None:
-            stamp = P.Stamp(far, 0, time.time_ns(), 1).pack()
-            r.send_multipart([ident, P.TAG, P.REQUEST, b"client", f"h{i}".encode(), stamp, payload])
+            stamp = P.Stamp(far, 0, time.time_ns(), 1)
+            r.send_multipart([ident, *P.dispatch_frames(b"client", f"h{i}".encode(), stamp, header, payload)])
 
         def recv() -> bool:
             return r.recv_multipart()[2] == P.REPLY

@@ -64,7 +64,8 @@ class GrpcTarget:
             body: Any = await stub(payload, timeout=timeout_s)
         except self._grpc.aio.AioRpcError as exc:
             code = exc.code()
-            return Reply("DEADLINE_EXCEEDED" if code == self._grpc.StatusCode.DEADLINE_EXCEEDED else f"GRPC:{code.name}")
+            expired = code == self._grpc.StatusCode.DEADLINE_EXCEEDED
+            return Reply("DEADLINE_EXCEEDED" if expired else f"GRPC:{code.name}")
         return to_reply(body)
 
     async def aclose(self) -> None:

@@ -32,8 +32,15 @@ import zmq
 from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
 from ibex_context.broker.workers import WorkerTable
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, peek_envelope
-from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded, Unavailable
+from ibex_context.shared.codec import Envelope, pack_header, parse_header, peek_envelope
+from ibex_context.shared.errors import (
+    DeadlineExceeded,
+    ErrorCode,
+    IbexError,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+)
 from ibex_context.shared.loopsock import readable, recv_frames, recv_message
 from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.settings import BrokerSettings
@@ -151,9 +158,7 @@ class Broker(WorkerTable):
         if isinstance(parsed, P.StatusRequest):
             self._send_front([client, *P.status_reply_frames(self.snapshot())])
             return
-        # Route on the envelope only; the worker validates the whole request (full validation
-        # here cost ~25 µs of the broker's budget per request, for nothing it needs).
-        req = peek_envelope(parsed.payload, max_bytes=self.settings.max_request_bytes)
+        header, req = self._envelope(parsed)
         if isinstance(req, ErrorReply):
             self.stats["rejected_invalid"] += 1
             self._reply_error(client, req.request_id, req)
@@ -163,7 +168,22 @@ class Broker(WorkerTable):
             self.stats[refusal[0]] += 1
             self._reply_error(client, req.request_id, refusal[1])
             return
-        self._enqueue((client, req.request_id), parsed.payload, req.deadline_ns)
+        self._enqueue((client, req.request_id), header, parsed.payload, req.deadline_ns)
+
+    def _envelope(self, parsed: P.ClientRequest) -> tuple[bytes, Envelope | ErrorReply]:
+        """(header frame, routing fields) of a request. With a header frame the payload is never
+        read here (its size aside); the worker checks it agrees with the header. A legacy request's
+        envelope is read from its payload, and its header built from that."""
+        limit = self.settings.max_request_bytes
+        if parsed.header is None:
+            self.stats["legacy_requests"] += 1
+            env = peek_envelope(parsed.payload, max_bytes=limit)
+            return (b"" if isinstance(env, ErrorReply) else pack_header(env)), env
+        env = parse_header(parsed.header)
+        if not isinstance(env, ErrorReply) and len(parsed.payload) > limit:
+            env = ErrorReply(request_id=env.request_id, code=ErrorCode.INVALID_REQUEST, field="<payload>",
+                             message=f"payload of {len(parsed.payload)} bytes exceeds the limit of {limit} bytes")
+        return parsed.header, env
 
     def _refusal(self, client: bytes, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
         """(counter, error) when a well-formed request must be answered at once, else None."""
@@ -184,10 +204,10 @@ class Broker(WorkerTable):
                 f"broker queue is full ({self.settings.queue_max} waiting); retry with backoff or another broker")
         return None
 
-    def _enqueue(self, key: Key, payload: bytes, deadline_epoch_ns: int) -> None:
+    def _enqueue(self, key: Key, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
         now_ns = time.monotonic_ns()
         remaining = deadline_epoch_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
-        p = Pending(key, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
+        p = Pending(key, header, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
         self.pending[key] = p
         self.queue.append(key)
         heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
@@ -211,7 +231,7 @@ class Broker(WorkerTable):
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms in the broker queue"))
                 continue
             stamp = P.Stamp(p.deadline_epoch_ns, (now - p.enqueued_ns) // 1000, time.time_ns(), p.attempt)
-            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1].encode(), stamp, p.payload)]):
+            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1].encode(), stamp, p.header, p.payload)]):
                 self._worker_dead(w, "send failed")
                 self.queue.appendleft(key)
                 continue

@@ -38,6 +38,7 @@ Authorizer = Callable[[zmq.Frame, Envelope], None]
 @dataclass(slots=True)
 class Pending:
     key: Key
+    header: bytes
     payload: bytes
     deadline_epoch_ns: int
     deadline_ns: int  # local monotonic

@@ -23,10 +23,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import decode_request, encode, encode_error
+from ibex_context.shared.codec import decode_request, encode, encode_error, header_mismatch, parse_header
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.loopsock import LoopSocket
-from ibex_context.shared.models import ErrorReply
+from ibex_context.shared.models import AssembleRequest, ErrorReply
 from ibex_context.shared.observability import WorkerMetrics
 from ibex_context.shared.settings import WorkerSettings
 from ibex_context.worker.assemble import Assembler
@@ -186,20 +186,34 @@ class WorkerServer:
     def on_request(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int) -> None:
         """Start assembling a live request in its own task (``deadline_ns`` is local monotonic)."""
         transit_ns = time.time_ns() - msg.stamp.sent_ns  # broker -> worker, measured before our own queueing
-        task = asyncio.create_task(self._handle(link, msg.client, msg.request_id, msg.stamp, msg.payload,
-                                                received_ns, deadline_ns, transit_ns))
+        task = asyncio.create_task(self._handle(link, msg, received_ns, deadline_ns, transit_ns))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
-    async def _handle(self, link: BrokerLink, client: bytes, rid: bytes, stamp: P.Stamp, payload: bytes,
-                      received_ns: int, deadline_ns: int, transit_ns: int) -> None:
+    def _decode(self, msg: P.Dispatch) -> AssembleRequest | ErrorReply:
+        """The whole request, validated, and checked against the header the broker routed on."""
+        env = parse_header(msg.header)
+        if isinstance(env, ErrorReply):
+            return env
+        req = decode_request(msg.payload, max_bytes=self.settings.max_request_bytes)
+        if isinstance(req, ErrorReply):
+            return req
+        mismatch = header_mismatch(env, req)
+        if mismatch is not None:
+            self.stats["header_mismatch"] += 1
+            return mismatch
+        return req
+
+    async def _handle(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int,
+                      transit_ns: int) -> None:
         started = time.monotonic_ns()
-        req = decode_request(payload, max_bytes=self.settings.max_request_bytes)
+        client, rid = msg.client, msg.request_id
+        req = self._decode(msg)
         if isinstance(req, ErrorReply):
             self.stats["invalid"] += 1
             link.send(P.worker_reply_frames(P.ERROR, client, rid, encode(req)))
             return
-        timings = {"queue_wait": stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
+        timings = {"queue_wait": msg.stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
         try:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns)
