@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import zmq
 
+from ibex_context.broker.admission import ServiceTime, StandingQueue, expected_wait_ns, shed
 from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
 from ibex_context.broker.workers import WorkerTable
 from ibex_context.shared import protocol as P
@@ -75,6 +76,10 @@ class Broker(WorkerTable):
         self.timers: list[tuple[int, int, Key]] = []  # (deadline_ns, attempt, key)
         self.workers: dict[bytes, WorkerState] = {}
         self.stats: collections.Counter[str] = collections.Counter()
+        self.service = ServiceTime()  # dispatch-to-reply time, for the queue-wait estimate
+        self.picks = 0  # dispatch sequence number (ties between workers go to the least recent)
+        self.admission_queue_ns = settings.admission_queue_ms * 1e6
+        self.standing = StandingQueue(self.admission_queue_ns)
         self.next_hb_ns = time.monotonic_ns() + self.hb_ns
         self.next_check_ns = 0  # next worker-liveness check (a tenth of an interval apart, not every poll)
         self.running = True
@@ -202,7 +207,25 @@ class Broker(WorkerTable):
         if len(self.queue) >= self.settings.queue_max:
             return "rejected_overloaded", Overloaded(
                 f"broker queue is full ({self.settings.queue_max} waiting); retry with backoff or another broker")
-        return None
+        return self._shed(remaining)
+
+    def _shed(self, remaining_ns: int) -> tuple[str, IbexError] | None:
+        """OVERLOADED on receipt when the request could not be answered in full (broker/admission.py):
+        its queue wait and a service time would not fit its deadline, or the queue is standing and
+        its wait is over the target. Refused now, the caller falls back now."""
+        if not self.queue:
+            self.standing.reset()  # a standing queue never empties
+        if not self.admission_queue_ns or not self.service.trusted or not self.workers:
+            return None
+        live = [w for w in self.workers.values() if not w.draining]
+        slots = sum(w.slots for w in live)
+        wait = expected_wait_ns(len(self.queue), slots, sum(max(0, w.free) for w in live), self.service.mean_ns)
+        if not shed(wait_ns=wait, service_ns=self.service.mean_ns, remaining_ns=remaining_ns,
+                    target_ns=self.admission_queue_ns, standing=self.standing.standing(time.monotonic_ns())):
+            return None
+        return "shed_overloaded", Overloaded(
+            f"shed on receipt: about {wait / 1e6:.1f} ms of queue ahead and {self.service.mean_ns / 1e6:.1f} ms "
+            f"of service with {slots} request(s) in service; retry with backoff or another broker")
 
     def _enqueue(self, key: Key, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
         now_ns = time.monotonic_ns()
@@ -235,18 +258,22 @@ class Broker(WorkerTable):
                 self._worker_dead(w, "send failed")
                 self.queue.appendleft(key)
                 continue
-            p.worker = w.ident
+            p.worker, p.dispatched_ns = w.ident, now
+            self.standing.on_dispatch(now - p.enqueued_ns, now)
+            self.picks += 1
+            w.picked = self.picks
             w.inflight.add(key)
             self.stats["dispatched"] += 1
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
 
     def _pick_worker(self) -> WorkerState | None:
-        """The live worker with most free credit (ties: highest ident, so the choice is stable)."""
+        """The live worker with most free slots; ties go to the one dispatched to least recently, so
+        equal workers get equal work (issue 18: a stable tie-break loaded one worker 2-3x more)."""
         best: WorkerState | None = None
         best_free = 0
         for w in self.workers.values():
             free = w.free
-            if free > best_free or (free == best_free and free > 0 and best is not None and w.ident > best.ident):
+            if free > best_free or (free == best_free and free > 0 and best is not None and w.picked < best.picked):
                 best, best_free = w, free
         return best

@@ -8,10 +8,13 @@ client  -> broker   [IBX1, STATUS]   ->   [IBX1, STATUS, msgpack snapshot]   (op
 
 worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
 worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
-worker  -> broker   [IBX1, REPLY | ERROR, client_id, request_id, payload]
+worker  -> broker   [IBX1, REPLY | ERROR, client_id, request_id, payload(, feedback)]
 worker  -> broker   [IBX1, DISCONNECT]                       stop sending me work (SIGTERM drain)
 broker  -> worker   [IBX1, REQUEST, client_id, request_id, stamp, header, payload]
 broker  -> worker   [IBX1, HEARTBEAT]
+
+``feedback`` (optional, ``Feedback``): what the broker's admission control learns from the worker
+about this request (a retrieval branch timed out; how long it waited for the worker's loop).
 
 (ROUTER sockets add and strip the peer's routing id in front.) ``stamp`` is msgpack
 {deadline_ns, queued_us, sent_ns, attempt}: the broker's queue wait and dispatch time travel with the
@@ -38,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
+
+from ibex_context.shared.feedback import Feedback as Feedback  # re-exported: part of the wire
 
 TAG = b"IBX1"
 
@@ -251,6 +256,7 @@ class WorkerReply(NamedTuple):
     client: bytes
     request_id: bytes
     payload: bytes
+    feedback: Feedback | None = None
 
 
 class WorkerDisconnect(NamedTuple):
@@ -269,8 +275,12 @@ def heartbeat_frames(info: Info | None = None) -> list[bytes]:
     return [TAG, HEARTBEAT] if info is None else [TAG, HEARTBEAT, info.pack()]
 
 
-def worker_reply_frames(cmd: bytes, client: bytes, request_id: bytes, payload: bytes) -> list[bytes]:
-    return [TAG, cmd, client, request_id, payload]
+def worker_reply_frames(cmd: bytes, client: bytes, request_id: bytes, payload: bytes,
+                        feedback: Feedback | None = None) -> list[bytes]:
+    frames = [TAG, cmd, client, request_id, payload]
+    if feedback is not None:
+        frames.append(feedback.pack())
+    return frames
 
 
 def disconnect_frames() -> list[bytes]:
@@ -290,6 +300,12 @@ def parse_worker_message(frames: list[bytes]) -> WorkerMessage:
     n = len(frames)
     if cmd in (REPLY, ERROR) and n == 5:
         return WorkerReply(cmd, frames[2], frames[3], frames[4])
+    if cmd in (REPLY, ERROR) and n == 6:
+        try:
+            feedback = Feedback.unpack(frames[5])
+        except ValueError:  # the reply itself is still good: forward it, learn nothing from it
+            feedback = None
+        return WorkerReply(cmd, frames[2], frames[3], frames[4], feedback)
     if cmd == HEARTBEAT:  # only a three-frame heartbeat carries info; any other is liveness alone
         return WorkerHeartbeat(_info(frames[2]) if n == 3 else None)
     if cmd == READY and n == 3:

@@ -227,7 +227,10 @@ class WorkerServer:
                     f"the reply would be {len(body)} bytes, over the {self.settings.max_reply_bytes}-byte reply "
                     "limit (IBEX_MAX_REPLY_BYTES; it carries the history twice): send less history or fewer "
                     "tool schemas", field="<reply>", request_id=req.request_id)
-            link.send(P.worker_reply_frames(P.REPLY, client, rid, body))
+            # What the broker's adaptive limit learns: a branch that timed out (or never started for
+            # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
+            overloaded = any(b.status == "timeout" for b in resp.branches.values())
+            link.send(P.worker_reply_frames(P.REPLY, client, rid, body, P.Feedback(overloaded, timings["worker_wait"])))
             self.stats["replied"] += 1
             if resp.degraded:
                 self.stats["degraded"] += 1
@@ -245,11 +248,14 @@ class WorkerServer:
                 self.metrics.outcome.labels(exc.code.value).inc()
             log.warning("request failed", extra={"request_id": req.request_id, "code": exc.code.value,
                                                  "error": exc.message})
-            self._reply_error(link, client, rid, exc)
+            late = P.Feedback(True, timings["worker_wait"]) if isinstance(exc, DeadlineExceeded) else None
+            self._reply_error(link, client, rid, exc, late)
         except Exception as exc:
             self.stats["error_internal"] += 1
             log.exception("request %s failed", req.request_id)
             self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"))
 
-    def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError) -> None:
-        link.send(P.worker_reply_frames(P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None)))
+    def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError,
+                     feedback: P.Feedback | None = None) -> None:
+        link.send(P.worker_reply_frames(P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None),
+                                        feedback))
