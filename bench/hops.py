@@ -35,6 +35,7 @@ from bench.workload import request_templates
 from ibex_context.ops.stack import free_port, stop_processes
 from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import Envelope, encode, pack_header
+from ibex_context.shared.models import AssembleRequest, Message
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +50,18 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):  # a thread that ended while we looked
             continue
     return total / 1e9
+
+
+def template(pad_kb: int = 0) -> AssembleRequest:
+    """The demo request, padded with recent messages to about ``pad_kb`` KiB more when asked
+    (issue 18: the broker's cost must not grow with the payload)."""
+    tmpl = request_templates(seed=9)[0]
+    if pad_kb <= 0:
+        return tmpl
+    chunk = "lorem ipsum dolor sit amet " * 300  # 8,100 characters
+    n = max(1, pad_kb * 1024 // len(chunk))
+    msgs = [*tmpl.recent_messages, *(Message(role="user", content=chunk) for _ in range(n))]
+    return tmpl.model_copy(update={"recent_messages": msgs})
 
 
 # ----------------------------------------------------------------------------------- child roles
@@ -108,7 +121,7 @@ def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, wi
     return time.perf_counter() - t0
 
 
-def measure_broker(n: int, window: int) -> dict[str, float]:
+def measure_broker(n: int, window: int, pad_kb: int = 0) -> dict[str, float]:
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = [_spawn("-m", "ibex_context.broker", "--frontend", fe, "--backend", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -117,7 +130,7 @@ def measure_broker(n: int, window: int) -> dict[str, float]:
     try:
         procs.append(_spawn("-m", "bench.hops", "echo-worker", be))
         c.connect(fe)
-        tmpl = request_templates(seed=9)[0]
+        tmpl = template(pad_kb)
         far = time.time_ns() + 3600 * 10**9
         reqs = [tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}) for i in range(n)]
         frames = [P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
@@ -139,7 +152,7 @@ def measure_broker(n: int, window: int) -> dict[str, float]:
         stop_processes(procs, timeout_s=5)
 
 
-def measure_worker(n: int, window: int) -> dict[str, float]:
+def measure_worker(n: int, window: int, pad_kb: int = 0) -> dict[str, float]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     r = ctx.socket(zmq.ROUTER)
     r.setsockopt(zmq.LINGER, 0)
@@ -149,7 +162,7 @@ def measure_worker(n: int, window: int) -> dict[str, float]:
         if not r.poll(20_000):
             raise RuntimeError("transport-mode worker did not connect within 20 s")
         ident = r.recv_multipart()[0]
-        tmpl = request_templates(seed=9)[0]
+        tmpl = template(pad_kb)
         payload = encode(tmpl)
         far = time.time_ns() + 3600 * 10**9
         header = pack_header(Envelope(tmpl.request_id, tmpl.org_id, tmpl.agent_id, far))
@@ -171,7 +184,7 @@ def measure_worker(n: int, window: int) -> dict[str, float]:
         stop_processes(procs, timeout_s=5)
 
 
-def measure_floor(n: int, window: int) -> tuple[dict[str, float], dict[str, float]]:
+def measure_floor(n: int, window: int, pad_kb: int = 0) -> tuple[dict[str, float], dict[str, float]]:
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = [_spawn("-m", "bench.floor", "relay", fe, be), _spawn("-m", "bench.floor", "echo", "--connect", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -179,7 +192,7 @@ def measure_floor(n: int, window: int) -> tuple[dict[str, float], dict[str, floa
     c.setsockopt(zmq.LINGER, 0)
     try:
         c.connect(fe)
-        payload = encode(request_templates(seed=9)[0])
+        payload = encode(template(pad_kb))
         end = time.monotonic() + 20
         while True:
             c.send_multipart([b"probe", payload])
@@ -201,12 +214,12 @@ def measure_floor(n: int, window: int) -> tuple[dict[str, float], dict[str, floa
         stop_processes(procs, timeout_s=5)
 
 
-def run(*, n: int, window: int, repeats: int) -> dict[str, dict[str, float]]:
+def run(*, n: int, window: int, repeats: int, pad_kb: int = 0) -> dict[str, dict[str, float]]:
     rows: dict[str, list[dict[str, float]]] = {}
     for _ in range(repeats):  # interleaved, so drift hits every row alike
-        rows.setdefault("broker", []).append(measure_broker(n, window))
-        rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window))
-        relay, echo = measure_floor(n, window)
+        rows.setdefault("broker", []).append(measure_broker(n, window, pad_kb))
+        rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window, pad_kb))
+        relay, echo = measure_floor(n, window, pad_kb)
         rows.setdefault("relay (zmq.proxy, C)", []).append(relay)
         rows.setdefault("echo (pyzmq, sync)", []).append(echo)
     return {name: {k: statistics.median(r[k] for r in runs) for k in ("rps", "cpu_us")}
@@ -221,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", type=int, default=5000, help="requests per measurement (default 5000)")
     ap.add_argument("--window", type=int, default=4, help="requests in flight (default 4)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per row; the median is shown (default 3)")
+    ap.add_argument("--pad-kb", type=int, default=0, help="pad the request with about this many KiB of messages")
     args = ap.parse_args(argv)
     if args.role == "echo-worker":
         echo_worker(args.endpoint)
@@ -228,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "transport-worker":
         transport_worker(args.endpoint)
         return 0
-    result = run(n=args.n, window=args.window, repeats=args.repeats)
-    print(f"CPU per request, median of {args.repeats} (n={args.n}, window {args.window}):\n")
+    result = run(n=args.n, window=args.window, repeats=args.repeats, pad_kb=args.pad_kb)
+    size = len(encode(template(args.pad_kb)))
+    print(f"CPU per request, median of {args.repeats} (n={args.n}, window {args.window}, request {size:,} bytes):\n")
     print("\n".join(table(["process", "req/s", "CPU µs per request"],
                           [[name, f"{r['rps']:.0f}", f"{r['cpu_us']:.0f}"] for name, r in result.items()])))
     return 0
