@@ -2,14 +2,15 @@
 
 Why: a provider bills a cached prefix at a fraction of the price (README "Chat-native assembly"
 places the memory block late for that reason). Scripted tool-using agent conversations, with
-memories that change every model call, are assembled under three layouts and each call's prompt
-is compared with the previous call's, token by token, as the provider's cache sees it.
+memories that change every user turn (``--churn call``: every model call), are assembled under
+three layouts and each call's prompt is compared with the previous call's, token by token, as the
+provider's cache sees it.
 A cache only reuses the longest common prefix: a block that changes early makes the rest new.
 
 Layouts: ``seed`` (the simple form's flat ``rendered`` text as one system message, then the latest
-user message), ``sysmem`` (directive + memory block in one leading system message, then the
-conversation: what most frameworks do) and ``service`` (exactly what ``assemble`` returns, so this
-measures whatever layout is on the branch).
+user message, with the seed's fresh random nonce per assembly), ``sysmem`` (directive + memory
+block in one leading system message, then the conversation: what most frameworks do) and
+``service`` (exactly what ``assemble`` returns, so this measures whatever layout is on the branch).
 """
 
 from __future__ import annotations
@@ -107,23 +108,36 @@ def _fields(name: str, t: int) -> dict[str, Any]:
             "status": STATUSES[(t * 5) % len(STATUSES)], "lines": _lines(t + len(name), name)}
 
 
+def tool_calls_in_turn(t: int) -> int:
+    """How many tools turn ``t`` calls before answering: 1, 2 or 3 in turn (agents loop)."""
+    return 1 + t % 3
+
+
 def turn_messages(name: str, t: int) -> list[Msg]:
-    """Turn ``t`` of script ``name`` in OpenAI shape: a question, a tool call, its result, an answer."""
+    """Turn ``t`` of script ``name`` in OpenAI shape: a question, one to three tool calls each with its
+    result, then the answer."""
     s, f = SCRIPTS[name], _fields(name, t)
     fn, arg, val = s["call"]
-    call = {"id": f"call_{t}", "type": "function",
-            "function": {"name": fn, "arguments": json.dumps({arg: val.format(**f)})}}
-    return [{"role": "user", "content": s["ask"].format(**f)},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{t}", "content": s["result"].format(**f)},
-            {"role": "assistant", "content": s["answer"].format(**f)}]
+    out: list[Msg] = [{"role": "user", "content": s["ask"].format(**f)}]
+    for c in range(tool_calls_in_turn(t)):
+        g = f if c == 0 else _fields(name, t * 10 + c + 100)
+        cid = f"call_{t}" if c == 0 else f"call_{t}_{c}"
+        call = {"id": cid, "type": "function",
+                "function": {"name": fn, "arguments": json.dumps({arg: val.format(**g)})}}
+        out += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": cid, "content": s["result"].format(**g)}]
+    return [*out, {"role": "assistant", "content": s["answer"].format(**f)}]
 
 
-def conversation(name: str, call: int) -> list[Msg]:
-    """What the agent sends at model call ``call``: an agent loop calls the model twice a turn, with
-    the user's question (the model answers with a tool call) and with the tool's result (the model
-    answers the user), so call 2t is turn t's question and call 2t + 1 adds the call and its result."""
-    turn, step = divmod(call, 2)
+def model_calls(turns: int) -> list[tuple[int, int]]:
+    """Every model call of a script as (turn, step): an agent loop calls the model once with the
+    user's question and once after each tool result, so turn ``t`` makes ``tool_calls_in_turn(t) + 1``."""
+    return [(t, step) for t in range(turns) for step in range(tool_calls_in_turn(t) + 1)]
+
+
+def conversation(name: str, turn: int, step: int) -> list[Msg]:
+    """What the agent sends at step ``step`` of turn ``turn``: every earlier turn, the question and
+    the first ``step`` tool calls with their results."""
     msgs = [m for t in range(turn) for m in turn_messages(name, t)]
     return msgs + turn_messages(name, turn)[:1 + 2 * step]
 
@@ -173,9 +187,9 @@ def anthropic_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class Turn:
     """Everything one model call needs: the script's conversation, tools, directive and its hits."""
 
-    def __init__(self, name: str, call: int, directive: str, hits: list[MemoryHit]) -> None:
-        self.name, self.turn, self.directive, self.hits = name, call, directive, hits
-        self.messages = conversation(name, call)
+    def __init__(self, name: str, turn: int, step: int, directive: str, hits: list[MemoryHit]) -> None:
+        self.name, self.turn, self.step, self.directive, self.hits = name, turn, step, directive, hits
+        self.messages = conversation(name, turn, step)
         self.tools: list[dict[str, Any]] = SCRIPTS[name]["tools"]
         self.agent: str = SCRIPTS[name]["agent"]
 
@@ -187,7 +201,8 @@ def _question(t: Turn) -> str:
 
 def _assemble(catalog: Catalog, t: Turn, body: dict[str, Any]) -> AssembleResponse:
     req = AssembleRequest.model_validate({
-        "request_id": f"cache-{t.name}-{t.turn}", "org_id": "acme", "agent_id": t.agent, "model": body.pop("model"),
+        "request_id": f"cache-{t.name}-{t.turn}-{t.step}", "org_id": "acme", "agent_id": t.agent,
+        "model": body.pop("model"),
         "query": _question(t), "deadline_ns": time.time_ns() + 3_600_000_000_000, **body})
     return assemble(req, offline_result(directive=t.directive, hot=t.hits, cold=[]), catalog=catalog, policy=Policy())
 
@@ -204,7 +219,7 @@ def seed_layout(catalog: Catalog, t: Turn, fmt: str) -> tuple[Any, list[Msg]]:
     """The seed's order: the simple form's ``rendered`` (directive, history, memories, tools) as ONE
     system message, then the latest user message."""
     resp = _assemble(catalog, t, {"model": _model(fmt), "recent_messages": [_flat(m) for m in t.messages],
-                                  "tool_schemas": t.tools})
+                                  "tool_schemas": t.tools, "options": {"nonce": "random"}})
     last = {"role": "user", "content": _question(t)}
     if fmt == "openai":
         return None, [{"role": "system", "content": resp.rendered}, last]
@@ -319,47 +334,66 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------- run
-def run_script(catalog: Catalog, name: str, turns: int, enc: Any) -> list[dict[str, Any]]:
-    """Per (format, layout): each turn's tokens, reused prefix, and the summary over the script."""
+CHURNS = ("turn", "call")
+
+
+def run_script(catalog: Catalog, name: str, turns: int, enc: Any, churn: str = "turn") -> list[dict[str, Any]]:
+    """Per (format, layout): each model call's tokens, reused prefix, and the summary over the script.
+
+    ``churn``: when retrieval returns new memories. ``turn`` (the realistic case): once per user turn,
+    since the retrieval query is the user's question and stays the same through the turn's tool loop.
+    ``call`` (a stress case): a new draw at every model call, as if the store changed between calls.
+    """
     pool = load_memories()[SCRIPTS[name]["agent"]]
     directive = load_directives()[SCRIPTS[name]["agent"]]
+    calls = model_calls(turns)
     rows = []
     for fmt in FORMATS:
         for layout in LAYOUTS:
             prev: list[int] = []
-            per_turn = []
-            for i in range(2 * turns):
-                t = Turn(name, i, directive, turn_hits(pool, i))
+            per_call = []
+            for i, (turn, step) in enumerate(calls):
+                t = Turn(name, turn, step, directive, turn_hits(pool, turn if churn == "turn" else i))
                 system, msgs = LAYOUT_FNS[layout](catalog, t, fmt)
                 toks = enc.encode_ordinary(canonical(fmt, t.tools, system, msgs))
                 pre = common_prefix(prev, toks)
-                per_turn.append({"tokens": len(toks), "prefix": pre, "reuse": pre / len(toks),
-                                 "bound": min(len(prev), len(toks)) / len(toks),
+                per_call.append({"turn": turn, "step": step, "tokens": len(toks), "prefix": pre,
+                                 "reuse": pre / len(toks), "bound": min(len(prev), len(toks)) / len(toks),
                                  "cost": turn_cost(fmt, len(toks), pre)})
                 prev = toks
-            rows.append(summarise(name, fmt, layout, per_turn))
+            rows.append(summarise(name, fmt, layout, per_call) | {"churn": churn})
     return rows
 
 
 def summarise(name: str, fmt: str, layout: str, per_turn: list[dict[str, Any]]) -> dict[str, Any]:
-    big = [p["reuse"] for p in per_turn[1:] if p["tokens"] >= MIN_CACHE]
-    billed = [openai_cached(p["prefix"], p["tokens"]) / p["tokens"] for p in per_turn[1:]
-              if p["tokens"] >= MIN_CACHE] if fmt == "openai" else []
+    """Medians over calls after the first with a prompt >= 1,024 tokens (what a provider caches),
+    split into a turn's first call (new question, new memories) and its tool-loop calls; and the
+    token-weighted share over the whole run, which is what the bill follows."""
+    calls = [p for p in per_turn[1:] if p["tokens"] >= MIN_CACHE]
+    big = [p["reuse"] for p in calls]
+    billed = [openai_cached(p["prefix"], p["tokens"]) / p["tokens"] for p in calls] if fmt == "openai" else []
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
     return {"script": name, "format": fmt, "layout": layout, "turns": len(per_turn),
-            "turns_over_1024": len(big), "median_reuse": statistics.median(big) if big else float("nan"),
-            "p10_reuse": _pct(big, 0.10),
-            "median_bound": statistics.median([p["bound"] for p in per_turn[1:] if p["tokens"] >= MIN_CACHE] or [0]),
-            "median_billed_cached": statistics.median(billed) if billed else None,
+            "turns_over_1024": len(big), "median_reuse": med(big), "p10_reuse": _pct(big, 0.10),
+            "median_reuse_new_turn": med([p["reuse"] for p in calls if p.get("step", 0) == 0]),
+            "median_reuse_tool_loop": med([p["reuse"] for p in calls if p.get("step", 0) > 0]),
+            "weighted_reuse": sum(p["prefix"] for p in calls) / max(1, sum(p["tokens"] for p in calls)),
+            "median_bound": med([p["bound"] for p in calls]),
+            "median_billed_cached": med(billed) if billed else None,
             "cost_usd": sum(p["cost"] for p in per_turn),
             "uncached_cost_usd": sum(p["tokens"] for p in per_turn) * PRICES[fmt]["input"] / 1e6,
             "per_turn": per_turn}
 
 
 def render(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["script", "provider", "layout", "calls >= 1,024", "median reuse", "p10 reuse", "append-only bound",
-            "OpenAI billed cached (median)", "input cost $", "no-cache cost $"]
-    body = [[r["script"], r["format"], r["layout"], r["turns_over_1024"], f"{r['median_reuse']:.1%}",
-             f"{r['p10_reuse']:.1%}", f"{r['median_bound']:.1%}",
+    head = ["script", "memories change", "provider", "layout", "calls >= 1,024", "median reuse", "p10",
+            "new turn (median)", "tool loop (median)", "token-weighted", "append-only bound",
+            "OpenAI billed cached", "input cost $", "no-cache cost $"]
+    body = [[r["script"], f"every {r.get('churn', 'turn')}", r["format"], r["layout"], r["turns_over_1024"],
+             f"{r['median_reuse']:.1%}", f"{r['p10_reuse']:.1%}", f"{r['median_reuse_new_turn']:.1%}",
+             f"{r['median_reuse_tool_loop']:.1%}", f"{r['weighted_reuse']:.1%}", f"{r['median_bound']:.1%}",
              "-" if r["median_billed_cached"] is None else f"{r['median_billed_cached']:.1%}",
              f"{r['cost_usd']:.4f}", f"{r['uncached_cost_usd']:.4f}"] for r in rows]
     return table(head, body)
@@ -368,23 +402,30 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cache", description=__doc__.split("\n\n")[0])
     ap.add_argument("--scripts", default=",".join(SCRIPTS), help=f"comma-separated, of {', '.join(SCRIPTS)}")
-    ap.add_argument("--turns", type=int, default=24, help="user turns per script, two model calls each (default 24)")
+    ap.add_argument("--turns", type=int, default=24,
+                    help="user turns per script, 1-3 tool calls each, so 2-4 model calls (default 24)")
+    ap.add_argument("--churn", default=",".join(CHURNS),
+                    help="when retrieval returns new memories: 'turn' (per user question), 'call' (every model call)")
     ap.add_argument("--out", type=Path, default=Path("bench/out"), help="directory for cache.json")
     args = ap.parse_args(argv)
     names = [s for s in args.scripts.split(",") if s]
     unknown = [s for s in names if s not in SCRIPTS]
     if unknown:
         ap.error(f"unknown script(s): {', '.join(unknown)}")
+    churns = [c for c in args.churn.split(",") if c]
+    if not churns or any(c not in CHURNS for c in churns):
+        ap.error(f"--churn: a comma-separated list of {', '.join(CHURNS)}")
     catalog = Catalog.load()
     enc = catalog.counter(ENCODING).inner._enc  # type: ignore[attr-defined]
     rows: list[dict[str, Any]] = []
     for name in names:
         start = time.perf_counter()
-        got = run_script(catalog, name, args.turns, enc)
-        rows += got
-        print(f"{name}: {args.turns} turns ({2 * args.turns} model calls), " + ", ".join(
-            f"{r['format']}/{r['layout']} {r['median_reuse']:.1%}" for r in got)
-            + f" ({time.perf_counter() - start:.1f} s)", flush=True)
+        for churn in churns:
+            got = run_script(catalog, name, args.turns, enc, churn)
+            rows += got
+            print(f"{name}, memories change every {churn}: {args.turns} turns ({len(model_calls(args.turns))} "
+                  "model calls), " + ", ".join(f"{r['format']}/{r['layout']} {r['median_reuse']:.1%}" for r in got)
+                  + f" ({time.perf_counter() - start:.1f} s)", flush=True)
     print("\n".join(render(rows)))
     print(f"\nPrices per 1M input tokens: {json.dumps(PRICES)}; Anthropic counted with {ENCODING} (its "
           "tokenizer is not public); prices from third-party copies of the providers' pages, not the live pages.")

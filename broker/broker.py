@@ -84,6 +84,7 @@ class Broker(WorkerTable):
         self.next_check_ns = 0  # next worker-liveness check (a tenth of an interval apart, not every poll)
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
+        self.usage_rr = 0  # round-robin position for usage reports
 
     def _socket(self, configure: Callable[[zmq.Socket[bytes]], None] | None, max_msgsize: int) -> zmq.Socket[bytes]:
         s = self.ctx.socket(zmq.ROUTER)
@@ -163,6 +164,9 @@ class Broker(WorkerTable):
         if isinstance(parsed, P.StatusRequest):
             self._send_front([client, *P.status_reply_frames(self.snapshot())])
             return
+        if isinstance(parsed, P.UsageMessage):
+            self._on_usage(client, parsed.payload, last)
+            return
         header, req = self._envelope(parsed)
         if isinstance(req, ErrorReply):
             self.stats["rejected_invalid"] += 1
@@ -226,6 +230,37 @@ class Broker(WorkerTable):
         return "shed_overloaded", Overloaded(
             f"shed on receipt: about {wait / 1e6:.1f} ms of queue ahead and {self.service.mean_ns / 1e6:.1f} ms "
             f"of service with {slots} request(s) in service; retry with backoff or another broker")
+
+    def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame) -> None:
+        """A usage report (README "Calibrated token counts"): authorized like a request, then sent
+        straight to one live worker, round-robin. It takes no credit and never enters the request
+        queue, so reports cannot delay assemblies; with no worker it is dropped and counted. Only
+        a refusal is answered (the client counts it): a report is fire-and-forget."""
+        self.stats["usage_received"] += 1
+        if len(payload) > P.MAX_USAGE_BYTES:
+            self.stats["usage_rejected_invalid"] += 1
+            self._reply_error(client, None, InvalidRequest(
+                f"usage report of {len(payload)} bytes exceeds {P.MAX_USAGE_BYTES} bytes", field="<payload>"))
+            return
+        env = peek_envelope(payload, max_bytes=P.MAX_USAGE_BYTES)
+        if isinstance(env, ErrorReply):
+            self.stats["usage_rejected_invalid"] += 1
+            self._reply_error(client, env.request_id, env)
+            return
+        refusal = self._refusal(client, env, last)
+        if refusal is not None and not refusal[0].startswith(("rejected_duplicate", "rejected_overloaded", "shed_")):
+            self.stats[f"usage_{refusal[0]}"] += 1
+            self._reply_error(client, env.request_id, refusal[1])
+            return
+        live = sorted(w.ident for w in self.workers.values() if not w.draining)
+        if not live:
+            self.stats["usage_dropped_no_worker"] += 1
+            return
+        self.usage_rr = (self.usage_rr + 1) % len(live)
+        if self._send_back([live[self.usage_rr], *P.usage_frames(payload)]):
+            self.stats["usage_forwarded"] += 1
+        else:
+            self.stats["usage_dropped_send_failed"] += 1
 
     def _enqueue(self, key: Key, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
         now_ns = time.monotonic_ns()

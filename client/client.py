@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ibex_context.client.connection import Conn, open_conn, time_out
-from ibex_context.client.degrade import degraded_response, load_fallback
+from ibex_context.client.degrade import degraded_response, load_fallback_in_background
 from ibex_context.client.requests import (  # ClientClosed is part of this module's API
     ClientClosed,
     build,
@@ -45,6 +45,7 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
     to_exc,
 )
 from ibex_context.client.sync import SyncClient
+from ibex_context.client.usage import USAGE_ID_PREFIX, usage_payload
 from ibex_context.shared import protocol as P
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.codec import decode_reply, validate
@@ -103,7 +104,8 @@ class AsyncClient:
         self.ctx: zmq.Context[zmq.Socket[bytes]] | None = ctx
         self.conns: list[Conn] = []
         self._rr = itertools.count()
-        self.stats: dict[str, int] = {"late_replies_dropped": 0, "failovers": 0, "disconnects": 0}
+        self.stats: dict[str, int] = {"late_replies_dropped": 0, "failovers": 0, "disconnects": 0,
+                                      "usage_sent": 0, "usage_not_sent": 0, "usage_refused": 0}
         self._started = False
         self._closed = False
         self._fallback: asyncio.Future[Catalog | Exception] | None = None
@@ -128,7 +130,7 @@ class AsyncClient:
         self._started = True
         # The fallback's catalog, BPE vocabularies and pipeline modules take ~1 s to load; on the
         # loop that is a ~1 s stall of every request the proxy is serving (README: The client library).
-        self._fallback = asyncio.get_running_loop().run_in_executor(None, load_fallback, self.settings)
+        self._fallback = load_fallback_in_background(asyncio.get_running_loop(), self.settings)
         if self.ctx is None:
             self.ctx = zmq.Context()
         for ep in self.endpoints:
@@ -189,6 +191,10 @@ class AsyncClient:
                     fut.set_result(reply.snapshot)
             return
         fut_r = conn.waiting.pop(reply.request_id, None)
+        if fut_r is None and reply.request_id.startswith(USAGE_ID_PREFIX):  # nobody waits for a report
+            self.stats["usage_refused"] += 1
+            log.warning("usage report refused by broker %s: %s", conn.endpoint, decode_reply(reply.payload))
+            return
         if fut_r is None or fut_r.done():
             self.stats["late_replies_dropped"] += 1
             return
@@ -310,6 +316,30 @@ class AsyncClient:
         if last is None:
             return Unavailable("no broker endpoint could take the request", request_id=rid)
         return to_exc(last, rid)
+
+    def report_usage(self, assembly: AssembleResponse, *, prompt_tokens: int,
+                     cached_tokens: int | None = None) -> None:
+        """Fire-and-forget: never raises (bad input is logged and counted), never blocks.
+
+        Carries the provider's count for a chat-native assembly back to the service (README
+        "Calibrated token counts"): ``prompt_tokens`` is the whole prompt as the window sees it
+        (OpenAI ``usage.prompt_tokens``; Anthropic ``input_tokens`` + ``cache_read_input_tokens`` +
+        ``cache_creation_input_tokens``), ``cached_tokens`` the part served from the provider's cache.
+        Call it on the client's event loop (``SyncClient.report_usage`` from any thread).
+        """
+        try:
+            payload, why = usage_payload(assembly, prompt_tokens, cached_tokens, time.time_ns())
+            conn = None if payload is None or self._closed or not self._started else self._pick(set())
+            if payload is None or conn is None or conn.sock.send(P.usage_frames(payload)) is not None:
+                why = why or ("the client is closed" if self._closed else "the client is not started" if not
+                              self._started else "no broker connection could take it")
+                self.stats["usage_not_sent"] += 1
+                log.warning("usage report not sent: %s", why)
+                return
+            self.stats["usage_sent"] += 1
+        except Exception:  # fire-and-forget: a bug here must not fail the proxy's call
+            self.stats["usage_not_sent"] += 1
+            log.exception("usage report failed")
 
     async def assemble_or_degrade(self, request: AssembleRequest | None = None, *,
                                   timeout: float | None = None, fallback_directive: str | None = None,

@@ -8,8 +8,10 @@ the client never loads aiohttp, redis or the worker (tests/test_client_imports.p
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
+import threading
 
 from ibex_context.pipeline.assemble import Policy, assemble
 from ibex_context.pipeline.hits import failed_result
@@ -34,12 +36,38 @@ def load_fallback(settings: Settings) -> Catalog | Exception:
     try:
         for name in FALLBACK_MODULES:
             importlib.import_module(name)
-        catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
+        catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries,
+                               slow_vocabularies=False)
         catalog.warm_up()
         return catalog
     except Exception as exc:
         log.warning("the client's fallback could not load: %s", exc)
         return exc
+
+
+def load_fallback_in_background(loop: asyncio.AbstractEventLoop,
+                                settings: Settings) -> asyncio.Future[Catalog | Exception]:
+    """``load_fallback`` on a daemon thread, its result delivered to ``loop`` as a future.
+
+    Not the loop's default executor: ``asyncio.run`` waits for that executor's threads when it
+    ends, so a short-lived caller (a CLI call to a stopped broker) would wait ~1 s for a fallback
+    it never uses; and a daemon thread does not hold up the interpreter's exit either.
+    """
+    future: asyncio.Future[Catalog | Exception] = loop.create_future()
+
+    def deliver(result: Catalog | Exception) -> None:
+        if not future.done():
+            future.set_result(result)
+
+    def work() -> None:
+        result = load_fallback(settings)
+        try:
+            loop.call_soon_threadsafe(deliver, result)
+        except RuntimeError:  # the loop closed first: nobody is waiting
+            pass
+
+    threading.Thread(target=work, name="ibex-fallback-load", daemon=True).start()
+    return future
 
 
 def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: str | None = None,

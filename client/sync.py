@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from ibex_context.client.client import AsyncClient
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class SyncClient:
@@ -60,6 +63,21 @@ class SyncClient:
                             fallback_directive: str | None = None, **fields: Any) -> AssembleResponse:
         return self._call(lambda: self._client.assemble_or_degrade(
             request, timeout=timeout, fallback_directive=fallback_directive, **fields))
+
+    def report_usage(self, assembly: AssembleResponse, *, prompt_tokens: int,
+                     cached_tokens: int | None = None) -> None:
+        """Fire-and-forget: never raises (bad input is logged and counted), never blocks: the report
+        is handed to the client's loop thread (see ``AsyncClient.report_usage``)."""
+        try:
+            if self._closed:
+                self._client.stats["usage_not_sent"] += 1
+                log.warning("usage report not sent: the client is closed")
+                return
+            self._loop.call_soon_threadsafe(functools.partial(
+                self._client.report_usage, assembly, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens))
+        except Exception:  # the loop closed in between: still never raise
+            self._client.stats["usage_not_sent"] += 1
+            log.warning("usage report not sent: the client's loop is gone")
 
     def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:
         return self._call(lambda: self._client.status(endpoint, timeout))

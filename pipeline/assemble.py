@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.budget import compute_budget
+from ibex_context.pipeline.budget import compute_budget, counter_for
 from ibex_context.pipeline.count import (
     CountedSection,
     LineCache,
@@ -32,6 +32,7 @@ from ibex_context.pipeline.decisions import decisions
 from ibex_context.pipeline.pack import pack
 from ibex_context.pipeline.score import score_candidates
 from ibex_context.pipeline.types import PackResult, Rejection, RetrievalResult, ScoredMemory
+from ibex_context.shared.calibration import Calibration
 from ibex_context.shared.catalog import Catalog, ModelSpec
 from ibex_context.shared.errors import DeadlineExceeded
 from ibex_context.shared.models import AssembleRequest, AssembleResponse, BudgetBreakdown, PackedMemory, PackerStats
@@ -114,12 +115,15 @@ def assemble(
     req: AssembleRequest, retrieval: RetrievalResult, *, catalog: Catalog, policy: Policy,
     nonce: str | None = None, clock: Clock | None = None, lines: LineCache | None = None,
     sections: RequestSections | None = None, timings_us: dict[str, int] | None = None, worker_id: str = "",
+    calibration: Calibration | None = None,
 ) -> AssembleResponse:
     """Budget, score, pack and format ``retrieval`` for ``req``; no I/O.
 
     ``sections``: the request's history and tools already counted (the worker counts them while
-    retrieval is in flight). ``lines``: the worker's cache of rendered memory lines.
-    ``timings_us``: stage timings measured before this call (queue wait, retrieval), carried on.
+    retrieval is in flight, with ``counter_for``'s counter). ``lines``: the worker's cache of
+    rendered memory lines. ``timings_us``: stage timings measured before this call (queue wait,
+    retrieval), carried on. ``calibration``: the (org, model) ratio learned from usage reports,
+    when it has enough samples (README "Calibrated token counts").
     """
     timings = dict(timings_us or {})
     explicit = bool(nonce)  # explain's --nonce and tests: used as given, never re-derived
@@ -128,14 +132,20 @@ def assemble(
         from ibex_context.pipeline.chat_assemble import assemble_chat
 
         return assemble_chat(req, retrieval, catalog=catalog, policy=policy, nonce=nonce, clock=clock, lines=lines,
-                             timings=timings, worker_id=worker_id, derive_nonce=not explicit)
+                             timings=timings, worker_id=worker_id, derive_nonce=not explicit, calibration=calibration)
     spec = catalog.model(req.model)
-    counter = catalog.counter(spec.family.name)
+    counter = counter_for(catalog, spec, calibration)
 
     t = _tick(clock, "budget")
-    planned = budget_stage(req, retrieval, spec, counter, nonce=nonce, policy=policy, sections=sections)
+    planned = budget_stage(req, retrieval, spec, counter, nonce=nonce, policy=policy, sections=sections,
+                           calibration=calibration)
     timings["budget"] = _us(t, _tick(clock, "scoring"))
     scored, result, t4 = score_and_pack(req, retrieval, counter, lines, planned.budget.usable, clock, timings)
+    if not explicit and req.options.nonce == "derived" and result.packed:
+        # Same packed memories, same block bytes (README "Prompt caching"); the budget's frame
+        # overhead is a bound over every nonce value, so it still holds.
+        render = lines.line if lines is not None else fmt.memory_line
+        nonce = fmt.derive_nonce(fmt.default_nonce_key(), [render(m.hit) for m in result.packed])
     formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
     timings["formatting"] = _us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)
@@ -169,7 +179,7 @@ def _us(a: int, b: int) -> int:
 
 def budget_stage(
     req: AssembleRequest, retrieval: RetrievalResult, spec: ModelSpec, counter: TokenCounter, *,
-    nonce: str, policy: Policy, sections: RequestSections | None,
+    nonce: str, policy: Policy, sections: RequestSections | None, calibration: Calibration | None = None,
 ) -> Planned:
     """Count everything outside the memories and subtract it from the window (README "Budget and
     token counting"): the packer then spends only what is left."""
@@ -186,6 +196,7 @@ def budget_stage(
         formatter_overhead=TokenCount(overhead_n, fam, kind),
         reserve_fraction=policy.reserve_fraction,
         constrained_below=policy.constrained_below,
+        calibration=calibration,
     )
     return Planned(directive, request, overhead_mem, budget)
 
@@ -257,4 +268,6 @@ def response(
         timings_us=timings,
         nonce=nonce,
         worker_id=worker_id,
+        org_id=req.org_id,
+        agent_id=req.agent_id,
     )

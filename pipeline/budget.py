@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 
-from ibex_context.shared.catalog import ModelSpec
+from ibex_context.shared.calibration import Calibration
+from ibex_context.shared.catalog import Catalog, ModelSpec
 from ibex_context.shared.errors import TokenizerMismatch
 from ibex_context.shared.models import BudgetBreakdown
-from ibex_context.shared.tokens import TokenCount
+from ibex_context.shared.tokens import ScaledCounter, TokenCount, TokenCounter
 
 RESERVE_MIN = 500
 RESERVE_MAX = 4096
@@ -27,8 +28,27 @@ def response_reserve(spec: ModelSpec, fraction: float = 0.15) -> int:
     return min(reserve, spec.max_output)
 
 
-def safety_buffer(spec: ModelSpec) -> int:
-    return math.ceil(spec.context_window * spec.family.safety_buffer_fraction)
+def safety_buffer(spec: ModelSpec, calibration: Calibration | None = None) -> int:
+    """The family's fixed fraction of the window; for a calibrated key, the observed spread above
+    the quantile (at least 1 %, never more than the family's fraction)."""
+    frac = spec.family.safety_buffer_fraction
+    if calibration is not None:
+        frac = calibration.safety_fraction(frac)
+    return math.ceil(spec.context_window * frac)
+
+
+def is_exact(spec: ModelSpec) -> bool:
+    return spec.family.estimate_kind == "exact"
+
+
+def counter_for(catalog: Catalog, spec: ModelSpec, calibration: Calibration | None) -> TokenCounter:
+    """The counter a request is budgeted with: the family's own (exact BPE or the estimate with its
+    factor) or, for a calibrated (org, model), that count times the learned multiplier (README
+    "Calibrated token counts"; exact families never below exact)."""
+    base = catalog.counter(spec.family.name)
+    if calibration is None:
+        return base
+    return ScaledCounter(base, calibration.multiplier(exact=is_exact(spec)))
 
 
 def compute_budget(
@@ -40,16 +60,18 @@ def compute_budget(
     formatter_overhead: TokenCount,
     reserve_fraction: float = 0.15,
     constrained_below: int = 256,
+    calibration: Calibration | None = None,
 ) -> BudgetBreakdown:
-    """Usable memory budget for one assembly, with every term kept for the response."""
+    """Usable memory budget for one assembly, with every term kept for the response.
+
+    With ``calibration`` every count must come from ``counter_for``'s calibrated counter."""
     fam = spec.family
+    rule = "calibrated" if calibration is not None else fam.estimate_kind
     spent = directive + messages + tool_schemas + formatter_overhead  # raises on mixed kinds
-    if spent.family != fam.name or spent.kind != fam.estimate_kind:
-        raise TokenizerMismatch(
-            f"counts are {spent.family}/{spent.kind} but model {spec.name} uses {fam.name}/{fam.estimate_kind}"
-        )
+    if spent.family != fam.name or spent.kind != rule:
+        raise TokenizerMismatch(f"counts are {spent.family}/{spent.kind} but model {spec.name} uses {fam.name}/{rule}")
     reserve = response_reserve(spec, reserve_fraction)
-    buffer = safety_buffer(spec)
+    buffer = safety_buffer(spec, calibration)
     unclamped = spec.context_window - reserve - buffer - spent.n
     usable = max(0, unclamped)
     return BudgetBreakdown(
@@ -67,4 +89,8 @@ def compute_budget(
         usable=usable,
         unclamped=unclamped,
         constrained=usable < constrained_below,
+        count_rule=rule,
+        calibration_samples=int(calibration.samples) if calibration is not None else 0,
+        calibration_quantile=calibration.quantile if calibration is not None else None,
+        calibration_ratio=calibration.multiplier(exact=is_exact(spec)) if calibration is not None else None,
     )

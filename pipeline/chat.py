@@ -43,6 +43,7 @@ from ibex_context.pipeline.history import (
     latest_user_index,
 )
 from ibex_context.pipeline.types import ScoredMemory
+from ibex_context.shared.calibration import Calibration
 from ibex_context.shared.catalog import ModelSpec
 from ibex_context.shared.chat import Conversation, parse_conversation, to_wire, wire_system, wire_tools
 from ibex_context.shared.errors import ContextOverflow, InvalidRequest
@@ -117,7 +118,8 @@ def anthropic_prompt(spec: ModelSpec, counter: TokenCounter, system: Any, tools:
 
 
 def plan_chat(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter, directive: str | None, *,
-              nonce: str, reserve_fraction: float, constrained_below: int) -> tuple[ChatPlan, int]:
+              nonce: str, reserve_fraction: float, constrained_below: int,
+              calibration: Calibration | None = None) -> tuple[ChatPlan, int]:
     """Validate, count the fixed parts, fit the history; returns the plan and the memory text
     overhead (the block's frame, counted as in the flat text)."""
     assert req.format is not None
@@ -128,7 +130,8 @@ def plan_chat(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter, dire
     mem_text = memory_overhead(counter, nonce)
     fam, kind = counter.family, counter.kind
     # Everything but the history, with an empty history: what the window has left for it.
-    probe = _budget(spec, fam, kind, prompt, mem_text, 0, reserve_fraction, constrained_below)
+    limits = (reserve_fraction, constrained_below, calibration)
+    probe = _budget(spec, fam, kind, prompt, mem_text, 0, *limits)
     policy = HistoryPolicy(mode=req.history.mode, min_recent_turns=req.history.min_recent_turns,
                            min_memory_share=req.history.min_memory_share)
     try:
@@ -140,7 +143,7 @@ def plan_chat(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter, dire
             f"messages: the conversation needs {exc.needed} tokens that cannot be dropped ({exc.reason}) but "
             f"{max(0, probe.unclamped)} are available for it in {spec.name}'s window: {over} tokens over",
             field="messages") from exc
-    budget = _budget(spec, fam, kind, prompt, mem_text, fit.kept_tokens, reserve_fraction, constrained_below)
+    budget = _budget(spec, fam, kind, prompt, mem_text, fit.kept_tokens, *limits)
     return ChatPlan(conv, messages, tools, system, prompt, fit, budget), mem_text
 
 
@@ -164,7 +167,7 @@ def _indexed(cost: Callable[[Message], int], messages: list[Message]) -> Callabl
 
 
 def _budget(spec: ModelSpec, fam: str, kind: Any, prompt: Prompt, mem_text: int, history: int,
-            reserve_fraction: float, constrained_below: int) -> BudgetBreakdown:
+            reserve_fraction: float, constrained_below: int, calibration: Calibration | None) -> BudgetBreakdown:
     """The spec's subtraction in the provider's units: tools and the caller's system are fixed,
     the reply priming and the memory block's frame are the formatter's overhead."""
     return compute_budget(
@@ -175,6 +178,7 @@ def _budget(spec: ModelSpec, fam: str, kind: Any, prompt: Prompt, mem_text: int,
         formatter_overhead=TokenCount(prompt.memory_frame + mem_text, fam, kind),
         reserve_fraction=reserve_fraction,
         constrained_below=constrained_below,
+        calibration=calibration,
     )
 
 

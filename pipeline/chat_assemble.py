@@ -24,9 +24,11 @@ from ibex_context.pipeline.assemble import (
     response,
     score_and_pack,
 )
+from ibex_context.pipeline.budget import counter_for
 from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.pack import pack
 from ibex_context.pipeline.types import RetrievalResult
+from ibex_context.shared.calibration import Calibration
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 
@@ -52,14 +54,15 @@ def derive_block(formatted: Formatted, lines: LineCache | None) -> tuple[Formatt
 def assemble_chat(
     req: AssembleRequest, retrieval: RetrievalResult, *, catalog: Catalog, policy: Policy, nonce: str,
     clock: Clock | None, lines: LineCache | None, timings: dict[str, int], worker_id: str, derive_nonce: bool = True,
+    calibration: Calibration | None = None,
 ) -> AssembleResponse:
     """``pipeline.assemble.assemble`` for a request with ``format``."""
     spec = catalog.model(req.model)
-    counter = catalog.counter(spec.family.name)
+    counter = counter_for(catalog, spec, calibration)
     t = _tick(clock, "budget")
     plan, mem_text = chat.plan_chat(req, spec, counter, retrieval.directive, nonce=nonce,
                                     reserve_fraction=policy.reserve_fraction,
-                                    constrained_below=policy.constrained_below)
+                                    constrained_below=policy.constrained_below, calibration=calibration)
     planned = Planned(chat.directive_section(counter, retrieval.directive), chat.flat_sections(), mem_text,
                       plan.budget)
     timings["budget"] = _us(t, _tick(clock, "scoring"))
@@ -79,13 +82,17 @@ def assemble_chat(
             break
         # A bound was wrong (it never has been in the tests): pack again with the overshoot removed.
         result = pack(scored.scored, max(0, result.token_budget - (total - limit)))
+    # What a usage report's ratio is taken against: the same prompt by the catalog's rule alone.
+    uncalibrated = total if calibration is None else chat.prompt_tokens(
+        plan, spec, catalog.counter(spec.family.name), messages, system)
     timings["formatting"] = _us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)
     resp = response(req, retrieval, planned, scored, result, formatted, timings=timings, nonce=nonce,
                     worker_id=worker_id)
     return resp.model_copy(update={
         "format": plan.conversation.format, "messages": messages, "system": system, "prompt_tokens": total,
-        "prompt_tokens_kind": counter.kind, "history": chat.history_decisions(plan.fit),
+        "prompt_tokens_kind": counter.kind, "prompt_tokens_uncalibrated": uncalibrated,
+        "history": chat.history_decisions(plan.fit),
         "stable_prefix_tokens": chat.stable_prefix_tokens(plan, spec, counter, messages, system, block),
         "cache_breakpoints": marked})
 

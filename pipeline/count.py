@@ -25,7 +25,7 @@ from typing import Any
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.models import AssembleRequest, Message
-from ibex_context.shared.tokens import TokenCounter
+from ibex_context.shared.tokens import ScaledCounter, TokenCounter
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,10 @@ class LineCache:
         return self._entry(h)[0]
 
     def cost(self, h: MemoryHit, counter: TokenCounter) -> int:
-        """The line's token count for this counter's family, counted once per family."""
+        """The line's token count for this counter's family, counted once per family (a calibrated
+        counter scales its family's cached count: the cache never holds a per-org figure)."""
+        if isinstance(counter, ScaledCounter):
+            return counter.scale(self.cost(h, counter.inner))
         line, costs = self._entry(h)
         n = costs.get(counter.family)
         if n is None:

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from ibex_context.shared.errors import UnknownModel
-from ibex_context.shared.tokens import CachedCounter, EstimateCounter, EstimateKind, ExactCounter, TokenCounter
+from ibex_context.shared.tokens import (
+    QUICKTOK_ENCODINGS,
+    CachedCounter,
+    EstimateCounter,
+    EstimateKind,
+    ExactCounter,
+    TokenCounter,
+)
 
 # A trailing release date or moving alias, as providers append them to a model family's name:
 # claude-sonnet-4-20250514, gpt-4o-2024-08-06, claude-3-5-haiku-latest.
@@ -46,7 +53,10 @@ class ModelSpec:
 class Catalog:
     """Models and tokenizer-family policies, plus one cached counter per family."""
 
-    def __init__(self, data: dict[str, Any], *, cache_entries: int = 65536) -> None:
+    def __init__(self, data: dict[str, Any], *, cache_entries: int = 65536, slow_vocabularies: bool = True) -> None:
+        """``slow_vocabularies=False`` (the client library's local fallback) estimates the families
+        whose vocabulary loads with the GIL held for ~0.4 s (quicktok's Llama 3 and Qwen) with their
+        ``estimate_factor``, so loading the fallback on a thread never stalls the proxy's loop."""
         fams = data.get("families")
         models = data.get("models")
         if not isinstance(fams, dict) or not isinstance(models, dict):
@@ -61,9 +71,10 @@ class Catalog:
             frac = float(f["safety_buffer_fraction"])
             if not 0.0 <= frac < 0.5:
                 raise ValueError(f"family {name}: safety_buffer_fraction must be in [0, 0.5)")
-            self.families[name] = FamilyPolicy(
-                name, kind, f.get("encoding"), frac, float(f.get("estimate_factor", 1.0))
-            )
+            encoding = f.get("encoding")
+            if not slow_vocabularies and encoding in QUICKTOK_ENCODINGS:
+                kind, encoding = "estimate", None
+            self.families[name] = FamilyPolicy(name, kind, encoding, frac, float(f.get("estimate_factor", 1.0)))
         self.models: dict[str, ModelSpec] = {}
         for name, m in models.items():
             fam = self.families.get(m["family"])
@@ -79,12 +90,13 @@ class Catalog:
         self._counters: dict[str, CachedCounter] = {}
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, cache_entries: int = 65536) -> Catalog:
+    def load(cls, path: str | Path | None = None, *, cache_entries: int = 65536,
+             slow_vocabularies: bool = True) -> Catalog:
         if path is None:
             text = resources.files(__package__ or "ibex_context.shared").joinpath("catalog.json").read_text("utf-8")
         else:
             text = Path(path).read_text("utf-8")
-        return cls(json.loads(text), cache_entries=cache_entries)
+        return cls(json.loads(text), cache_entries=cache_entries, slow_vocabularies=slow_vocabularies)
 
     def model(self, name: str) -> ModelSpec:
         """The spec for ``name``, resolved as SDKs spell model ids; ``UnknownModel`` otherwise.

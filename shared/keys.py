@@ -11,6 +11,7 @@ separator and name a key in another tenant's namespace. A bad identifier raises 
     {org}:memory_terms:{agent}              HASH    memory_id -> space-joined full-text terms
     {org}:memory_vectors:{agent}:{embedder} HASH    memory_id -> float32 unit vector bytes
     {org}:memory_rev:{agent}                STRING  random token, replaced on every memory write
+    {org}:calibration:{model}               HASH    usage-report ratio sketch (shared/calibration_store.py)
 """
 
 from __future__ import annotations
@@ -69,3 +70,9 @@ def vectors_key(org_id: str, agent_id: str, embedder: str) -> str:
         f"{check_ident(org_id, 'org_id')}:memory_vectors:{check_ident(agent_id, 'agent_id')}:"
         f"{check_ident(embedder, 'embedder')}"
     )
+
+
+def calibration_key(org_id: str, model: str) -> str:
+    """One (org, model) calibration sketch: scoped by org, so one tenant's reports move only its own
+    budgets. ``model`` is the catalog's name for it (aliases and dated ids share one key)."""
+    return f"{check_ident(org_id, 'org_id')}:calibration:{check_ident(model, 'model')}"

@@ -127,8 +127,17 @@ class Decision(_Wire):
     score: Unit | None = None
 
 
+CountRule = Literal["exact", "estimate", "calibrated"]
+
+
 class BudgetBreakdown(_Wire):
-    """Every term of the spec's usable-budget formula, plus the inputs that produced them."""
+    """Every term of the spec's usable-budget formula, plus the inputs that produced them.
+
+    ``count_rule`` says which rule produced every count in it (README "Calibrated token counts"):
+    the family's exact BPE, its conservative estimate, or the uncalibrated count times
+    ``calibration_ratio`` (the ``calibration_quantile`` of the provider-reported ratio over
+    ``calibration_samples`` effective samples of this org and model).
+    """
 
     model: str
     tokenizer_family: str
@@ -144,6 +153,10 @@ class BudgetBreakdown(_Wire):
     usable: NonNegInt
     unclamped: int
     constrained: bool
+    count_rule: CountRule | None = None  # None only in responses no pipeline made (bench transport)
+    calibration_samples: NonNegInt = 0
+    calibration_quantile: Unit | None = None
+    calibration_ratio: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
 
 
 class BranchOutcome(_Wire):
@@ -197,12 +210,47 @@ class AssembleResponse(_Wire):
     messages: list[dict[str, Any]] | None = None
     system: list[dict[str, Any]] | None = None
     prompt_tokens: NonNegInt | None = None
-    prompt_tokens_kind: Literal["exact", "estimate"] | None = None
+    prompt_tokens_kind: CountRule | None = None
+    # What a usage report needs to match the provider's count to this assembly (README
+    # "Calibrated token counts"): the emitted prompt counted by the catalog's rule alone (no
+    # calibration; equal to prompt_tokens unless the kind is "calibrated"), and the tenant.
+    prompt_tokens_uncalibrated: NonNegInt | None = None
+    org_id: str | None = None
+    agent_id: str | None = None
     history: list[HistoryDecision] = Field(default_factory=list)
     # Chat requests: tokens before the first part that depends on this turn's retrieval, and the
     # cache_control breakpoints added (paths such as "system.1", "messages.6.content.0").
     stable_prefix_tokens: NonNegInt | None = None
     cache_breakpoints: list[str] = Field(default_factory=list)
+
+
+class UsageReport(_Wire):
+    """The provider's prompt count for one assembly, reported back (protocol USAGE; fire-and-forget).
+
+    ``org_id``/``agent_id`` are authorized by the broker exactly as a request's are; the sample is
+    stored under that org only. ``estimated_tokens`` is the assembly's
+    ``prompt_tokens_uncalibrated``; ``prompt_tokens`` the provider's whole prompt count as the
+    window sees it (OpenAI ``usage.prompt_tokens``; Anthropic ``input_tokens`` plus
+    ``cache_read_input_tokens`` and ``cache_creation_input_tokens``). ``cached_tokens`` (the part
+    served from the provider's prompt cache) is informational and never above ``prompt_tokens``.
+    """
+
+    v: Annotated[int, Field(ge=1)] = PROTOCOL_VERSION
+    request_id: RequestId  # this report's own id
+    org_id: Ident
+    agent_id: Ident
+    deadline_ns: Annotated[int, Field(gt=0)]  # the broker drops a report it receives after this
+    assembly_id: RequestId
+    model: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    estimated_tokens: Annotated[int, Field(ge=1, le=100_000_000)]
+    prompt_tokens: Annotated[int, Field(ge=1, le=100_000_000)]
+    cached_tokens: Annotated[int, Field(ge=0, le=100_000_000)] | None = None
+
+    @model_validator(mode="after")
+    def _cached_within(self) -> UsageReport:
+        if self.cached_tokens is not None and self.cached_tokens > self.prompt_tokens:
+            raise ValueError("cached_tokens cannot exceed prompt_tokens")
+        return self
 
 
 class ErrorReply(_Wire):

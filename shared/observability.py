@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -92,6 +92,31 @@ class WorkerMetrics:
         self.outcome.labels("ok").inc()
         if degraded:
             self.degraded.inc()
+
+
+class CalibrationMetrics:
+    """Usage reports by outcome, and each (org, model) sketch's ratio quantiles and sample weight
+    as the worker last read them (README "Calibrated token counts"). Gauges keep the most recent
+    value across worker processes."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        kw: dict[str, Any] = {"registry": registry} if registry is not None else {}
+        self.reports = Counter("ibex_calibration_reports_total",
+                               "Usage reports by outcome (accepted, refused_outlier, invalid, ...)", ["outcome"], **kw)
+        self.ratio = Gauge("ibex_calibration_ratio", "Provider count / service count, by quantile",
+                           ["org", "model", "quantile"], multiprocess_mode="mostrecent", **kw)
+        self.samples = Gauge("ibex_calibration_samples", "Effective (decayed) samples in the sketch",
+                             ["org", "model"], multiprocess_mode="mostrecent", **kw)
+        self.refused = Gauge("ibex_calibration_refused", "Reports refused as outliers, lifetime",
+                             ["org", "model"], multiprocess_mode="mostrecent", **kw)
+
+    def observe(self, org: str, model: str, cal: Any) -> None:
+        """Publish one key's ``shared.calibration.Calibration``."""
+        self.ratio.labels(org, model, "0.5").set(cal.median)
+        self.ratio.labels(org, model, str(cal.quantile)).set(cal.ratio)
+        self.ratio.labels(org, model, "max").set(cal.top)
+        self.samples.labels(org, model).set(cal.samples)
+        self.refused.labels(org, model).set(cal.refused)
 
 
 # ------------------------------------------------------------------------------------- broker

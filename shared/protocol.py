@@ -5,6 +5,7 @@ Every message starts with the protocol tag, then a one-byte command (zguide Majo
 client  -> broker   [IBX1, REQUEST, header, payload]           (legacy [IBX1, REQUEST, payload] too)
 broker  -> client   [IBX1, REPLY | ERROR, request_id, payload]
 client  -> broker   [IBX1, STATUS]   ->   [IBX1, STATUS, msgpack snapshot]   (ops and tests)
+client  -> broker   [IBX1, USAGE, payload]     a provider's usage report; no reply unless refused
 
 worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
 worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
@@ -12,6 +13,7 @@ worker  -> broker   [IBX1, REPLY | ERROR, client_id, request_id, payload(, feedb
 worker  -> broker   [IBX1, DISCONNECT]                       stop sending me work (SIGTERM drain)
 broker  -> worker   [IBX1, REQUEST, client_id, request_id, stamp, header, payload]
 broker  -> worker   [IBX1, HEARTBEAT]
+broker  -> worker   [IBX1, USAGE, payload]     forwarded after the broker authorized it; no reply
 
 ``feedback`` (optional, ``Feedback``): what the broker's admission control learns from the worker
 about this request (a retrieval branch timed out; how long it waited for the worker's loop).
@@ -53,6 +55,10 @@ READY = b"\x04"
 HEARTBEAT = b"\x05"
 DISCONNECT = b"\x06"
 STATUS = b"\x07"
+USAGE = b"\x08"  # README "Calibrated token counts": takes no credit, never queued behind requests
+
+# A usage report is a few hundred bytes; anything much larger is refused by the broker.
+MAX_USAGE_BYTES = 4096
 
 
 # High-water marks: set before bind/connect. The broker's own queue (queue_max) is the real
@@ -181,6 +187,12 @@ class StatusRequest(NamedTuple):
     pass
 
 
+class UsageMessage(NamedTuple):
+    """A usage report (client -> broker, and forwarded broker -> worker): a msgpack ``UsageReport``."""
+
+    payload: bytes
+
+
 def request_frames(header: bytes, payload: bytes) -> list[bytes]:
     return [TAG, REQUEST, header, payload]
 
@@ -194,13 +206,20 @@ def status_request_frames() -> list[bytes]:
     return [TAG, STATUS]
 
 
-def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest:
+def usage_frames(payload: bytes) -> list[bytes]:
+    """A usage report, from the client to the broker and from the broker to one worker."""
+    return [TAG, USAGE, payload]
+
+
+def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest | UsageMessage:
     """What a client sent the broker (routing id already stripped)."""
     if frames and frames[0] == TAG:
         if len(frames) == 4 and frames[1] == REQUEST:
             return ClientRequest(frames[3], frames[2])
         if len(frames) == 3 and frames[1] == REQUEST:
             return ClientRequest(frames[2])
+        if len(frames) == 3 and frames[1] == USAGE:
+            return UsageMessage(frames[2])
         if len(frames) == 2 and frames[1] == STATUS:
             return StatusRequest()
     raise FrameError(f"expected frames [{TAG!r}, REQUEST, header, payload], got {len(frames)} frame(s)")
@@ -339,11 +358,13 @@ def dispatch_frames(client: bytes, request_id: bytes, stamp: Stamp, header: byte
     return [TAG, REQUEST, client, request_id, stamp.pack(), header, payload]
 
 
-def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat | DrainAck:
+def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat | DrainAck | UsageMessage:
     """What a broker sent a worker; an unreadable stamp raises ``MalformedStamp`` (answerable)."""
     cmd = _tagged(frames, "broker message")
     if cmd == HEARTBEAT:
         return BrokerHeartbeat()
+    if cmd == USAGE and len(frames) == 3:
+        return UsageMessage(frames[2])
     if cmd == DISCONNECT and len(frames) == 2:
         return DrainAck()
     if cmd != REQUEST or len(frames) != 7:

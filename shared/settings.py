@@ -108,6 +108,12 @@ class WorkerSettings(_LinkSettings, _TimeoutSettings):
     constrained_below_tokens: int = Field(256, ge=0)
     catalog_path: str | None = Field(None, description="Override the bundled model catalog JSON.")
     token_cache_entries: int = Field(65536, ge=0)
+    # -- calibrated counts from usage reports (README "Calibrated token counts") ---------------
+    calibration: bool = Field(True, description="Use learned (org, model) ratios once a key has enough samples.")
+    calibration_min_samples: int = Field(200, ge=1, description="Effective samples before a key is used.")
+    calibration_quantile: float = Field(0.995, gt=0.5, lt=1.0, description="Quantile of the ratio charged.")
+    calibration_window: int = Field(2000, ge=10, description="Samples the decaying sketch follows.")
+    calibration_refresh_ms: float = Field(2000.0, ge=50, description="How often workers re-read the sketches.")
 
     # -- backing services ----------------------------------------------------------------------
     redis_url: str | None = Field(None, description="Unset: an embedded redis-server is started.")

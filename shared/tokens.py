@@ -20,14 +20,15 @@ from typing import Any, Literal, Protocol
 
 from ibex_context.shared.errors import TokenizerMismatch
 
-EstimateKind = Literal["exact", "estimate"]
+EstimateKind = Literal["exact", "estimate"]  # a catalog family's own rule
+CountKind = Literal["exact", "estimate", "calibrated"]  # what produced a count (README "Calibrated token counts")
 
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
     n: int
     family: str
-    kind: EstimateKind
+    kind: CountKind
 
     def __add__(self, other: TokenCount) -> TokenCount:
         if not isinstance(other, TokenCount):
@@ -43,7 +44,9 @@ class TokenCounter(Protocol):
     """What the pipeline counts with; the family and kind label every count it makes."""
 
     family: str
-    kind: EstimateKind
+
+    @property
+    def kind(self) -> CountKind: ...
 
     def count(self, text: str) -> int: ...
 
@@ -95,13 +98,25 @@ class EstimateCounter:
 _ENCODINGS: dict[str, Any] = {}
 
 
+# Encodings from quicktok-v1 (Llama 3, Qwen 2.5/3): adopted after its o200k and cl100k encoders
+# matched bpe-openai token for token over the token corpus, the demo memories, this repository's
+# text and 5,000 random multi-script strings (README "Calibrated token counts"). OpenAI's
+# encodings stay on bpe-openai.
+QUICKTOK_ENCODINGS = frozenset({"llama3", "qwen3"})
+
+
 def _encoding(name: str) -> Any:
     """Load an offline BPE encoding once per process (vocabularies ship inside the wheel)."""
     enc = _ENCODINGS.get(name)
     if enc is None:
-        import bpe_openai
+        if name in QUICKTOK_ENCODINGS:
+            import quicktok
 
-        enc = _ENCODINGS[name] = bpe_openai.get_encoding(name)
+            enc = _ENCODINGS[name] = quicktok.get_encoding(name)
+        else:
+            import bpe_openai
+
+            enc = _ENCODINGS[name] = bpe_openai.get_encoding(name)
     return enc
 
 
@@ -116,7 +131,7 @@ def bpe_limit_error() -> type[Exception]:
 
 
 class ExactCounter:
-    """Exact counts with the model's own BPE encoding (o200k_base, cl100k_base)."""
+    """Exact counts with the model's own BPE encoding (o200k_base, cl100k_base; llama3, qwen3)."""
 
     kind: EstimateKind = "exact"
 
@@ -132,9 +147,13 @@ class ExactCounter:
             return len(self._enc.encode_ordinary(text))
         except bpe_limit_error():
             return self._count_long(text)
-        except (UnicodeEncodeError, ValueError):
-            # Lone surrogates cannot be encoded; count them as the replacement they will become.
-            return self.count(text.encode("utf-8", "replace").decode("utf-8"))
+        except (UnicodeEncodeError, ValueError, TypeError):
+            # Lone surrogates cannot be encoded (quicktok refuses them with a TypeError); count them
+            # as the replacement they will become. Any other refusal is re-raised.
+            clean = text.encode("utf-8", "replace").decode("utf-8")
+            if clean == text:
+                raise
+            return self.count(clean)
 
     def _count_long(self, text: str) -> int:
         r"""The encoder refuses one call over 200,000 tokens or 1,000,000 characters (a 1M-token
@@ -169,7 +188,7 @@ class CachedCounter:
     def __init__(self, inner: TokenCounter, max_entries: int = 65536) -> None:
         self.inner = inner
         self.family = inner.family
-        self.kind: EstimateKind = inner.kind
+        self.kind: CountKind = inner.kind
         self.max_entries = max_entries
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self.hits = 0
@@ -190,3 +209,24 @@ class CachedCounter:
         if len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
         return n
+
+
+class ScaledCounter:
+    """A family's uncalibrated counter times the multiplier learned from usage reports for one
+    (org, model) (README "Calibrated token counts"). Each count is rounded up, so a sum of counts
+    still bounds the count of the joined text when the inner counter's does."""
+
+    kind: CountKind = "calibrated"
+
+    def __init__(self, inner: TokenCounter, multiplier: float) -> None:
+        if not (math.isfinite(multiplier) and multiplier > 0):
+            raise ValueError(f"a calibration multiplier must be a positive number, got {multiplier!r}")
+        self.inner = inner
+        self.family = inner.family
+        self.multiplier = multiplier
+
+    def scale(self, n: int) -> int:
+        return math.ceil(n * self.multiplier)
+
+    def count(self, text: str) -> int:
+        return self.scale(self.inner.count(text))

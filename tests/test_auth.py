@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -299,3 +300,29 @@ def test_broker_refuses_a_key_in_two_roles(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=10)
+
+
+async def test_usage_reports_are_authorized_like_requests(secured: LocalStack, keys: dict[str, Path]) -> None:
+    """README "Calibrated token counts": a report's org comes from the caller's key, so one tenant
+    cannot move another's calibration by replaying (or forging) its assembly."""
+    async with _client(secured, keys, "acme-proxy") as acme:
+        await acme.wait_connected()
+        resp = await acme.assemble(timeout=5.0, **{**REQ, "format": "openai",
+                                                   "messages": [{"role": "user", "content": "my invoice?"}]})
+        assert resp.org_id == "acme" and resp.prompt_tokens_uncalibrated
+        before = secured.status(2.0)
+        assert before is not None
+        acme.report_usage(resp, prompt_tokens=resp.prompt_tokens_uncalibrated)
+        async with _client(secured, keys, "globex-proxy") as globex:
+            await globex.wait_connected()
+            globex.report_usage(resp, prompt_tokens=1)  # acme's assembly, globex's key
+            for _ in range(250):
+                if globex.stats["usage_refused"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert globex.stats["usage_sent"] == 1 and globex.stats["usage_refused"] == 1
+    after = secured.status(2.0)
+    assert after is not None
+    grow = {k: after["stats"].get(k, 0) - before["stats"].get(k, 0)
+            for k in ("usage_forwarded", "usage_rejected_forbidden")}
+    assert grow == {"usage_forwarded": 1, "usage_rejected_forbidden": 1}

@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import stat
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ibex_context.memory.config import DEV_SECRET
@@ -153,3 +155,41 @@ def test_stable_prefix_tokens_is_the_exact_count_of_the_prefix() -> None:
     a_counter = CATALOG.counter(a.budget.tokenizer_family)
     assert a.stable_prefix_tokens == cc.anthropic_prompt_tokens(a.system, a.messages[:-1], A_TOOLS, a_counter,
                                                                 model="anthropic/claude-sonnet-4")
+
+
+def _simple(hits: list[MemoryHit], nonce: str = "derived", verify: bool = False) -> AssembleResponse:
+    req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model="gpt-4o", query="amount",
+                          recent_messages=[{"role": "user", "content": "Is invoice #42 mine?"}],
+                          options={"nonce": nonce}, deadline_ns=1)  # type: ignore[arg-type]
+    return assemble(req, offline_result(directive="Answer briefly.", hot=hits, cold=[]), catalog=CATALOG,
+                    policy=replace(Policy(), verify_format=verify))
+
+
+def test_simple_form_derives_the_nonce_too() -> None:
+    """The flat ``rendered`` text is the same bytes for the same memories; another memory set, or
+    ``nonce: "random"``, changes the block; the memories section's count stays exact (verify)."""
+    for verify in (False, True):
+        a, b = _simple(HITS, verify=verify), _simple(HITS, verify=verify)
+        assert a.rendered == b.rendered and a.nonce == b.nonce and f'<memories nonce="{a.nonce}">' in a.rendered
+        assert _simple(HITS[:5], verify=verify).nonce != a.nonce
+        r1, r2 = _simple(HITS, "random", verify), _simple(HITS, "random", verify)
+        assert r1.nonce != r2.nonce and r1.nonce != a.nonce
+        mem = next(s for s in a.sections if s.name == "memories")
+        if verify:
+            assert mem.tokens == CATALOG.counter("o200k").count(mem.text)
+        assert sum(s.tokens for s in a.sections) <= a.budget.usable + a.budget.directive_tokens \
+            + a.budget.messages_tokens + a.budget.tool_schema_tokens + a.budget.formatter_overhead_tokens
+
+
+def test_the_stack_keeps_one_nonce_secret_for_all_its_workers(tmp_path: Path) -> None:
+    """``ibex-context up`` hands every worker the same nonce key (else two workers derive two
+    nonces for one memory set), drawn once, private, and kept across restarts."""
+    from ibex_context.ops.stack import nonce_secret
+
+    first = nonce_secret(tmp_path)
+    assert len(first) == 64 and nonce_secret(tmp_path) == first
+    assert stat.S_IMODE((tmp_path / "nonce.secret").stat().st_mode) == 0o600
+    (tmp_path / "nonce.secret").write_text("short")
+    assert nonce_secret(tmp_path) not in (first, "short") and len(nonce_secret(tmp_path)) == 64
+    key_a = fmt.nonce_key(first, "ibex-dev-secret-change-me")
+    assert fmt.derive_nonce(key_a, ["x"]) == fmt.derive_nonce(fmt.nonce_key(first, "other-secret"), ["x"])

@@ -235,7 +235,8 @@ async def test_a_proxy_turn_through_the_stack(stack: LocalStack, tmp_path: Path)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=12), st.sampled_from(["o200k", "cl100k"]))
+@given(st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=12),
+       st.sampled_from(["o200k", "cl100k", "llama3", "qwen"]))
 def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: str) -> None:
     """The block's count from cached line counts equals a fresh BPE pass over the block, for any
     memory text (``pipeline.chat.memory_block_tokens``: the pre-tokenizers split between lines)."""

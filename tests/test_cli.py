@@ -103,8 +103,10 @@ def test_malformed_setting_is_one_line() -> None:
 
 
 def test_stopped_broker_is_one_line_exit_1_within_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
-    import client.client  # noqa: F401  (first imports are not what this test times)
-    import shared.models  # noqa: F401
+    # First imports are not what this test times.
+    import ibex_context.client.client
+    import ibex_context.ops.assemble_cmd
+    import ibex_context.shared.models  # noqa: F401
 
     dead = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -168,6 +170,59 @@ def test_broker_stopped_under_a_live_stack_is_exit_1(live: LocalStack) -> None:
     finally:
         live.start_broker(0)
         live.wait_workers(1)
+
+
+CHAT_REQUEST = {"org_id": "acme", "agent_id": "known", "model": "gpt-4o", "query": "invoice", "format": "openai",
+                "messages": [{"role": "user", "content": "Is invoice #42 mine?"},
+                             {"role": "assistant", "content": None, "tool_calls": [{
+                                 "id": "c1", "type": "function",
+                                 "function": {"name": "lookup", "arguments": "{\"q\": \"42\"}"}}]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "invoice #42: 120 EUR"}],
+                "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]}
+
+
+def test_a_chat_request_file_assembles_the_proxys_conversation(live: LocalStack, tmp_path: Path) -> None:
+    path = tmp_path / "turn.json"
+    path.write_text(json.dumps(CHAT_REQUEST))
+    out = _cli("assemble", "--request", str(path), "--timeout-ms", "5000", env=_live_env(live))
+    assert out.returncode == 0, out.stderr
+    assert "prompt (openai): 4 messages" in out.stdout and "| system    Be brief." in out.stdout
+    assert 'tool_calls=[{"id": "c1"' in out.stdout and "| tool      invoice #42: 120 EUR" in out.stdout
+    # an option overrides the file's field; --json is the whole response
+    out = _cli("assemble", "--request", str(path), "--agent", "nobody", "--json", "--timeout-ms", "5000",
+               env=_live_env(live))
+    resp = json.loads(out.stdout)
+    assert out.returncode == 0 and resp["branches"]["directive"]["count"] == 0 and resp["format"] == "openai"
+    assert [m["role"] for m in resp["messages"]][-2:] == ["assistant", "tool"]
+    example = Path(__file__).resolve().parent.parent / "examples" / "chat_request.json"  # the README's
+    out = _cli("assemble", "--request", str(example), "--timeout-ms", "5000", env=_live_env(live))
+    assert out.returncode == 0 and "prompt (openai): 4 messages" in out.stdout, out.stderr
+
+
+def test_a_chat_request_the_worker_refuses_names_the_message(live: LocalStack, tmp_path: Path) -> None:
+    bad = {**CHAT_REQUEST, "messages": [CHAT_REQUEST["messages"][2]]}  # a tool result without its call
+    path = tmp_path / "orphan.json"
+    path.write_text(json.dumps(bad))
+    out = _cli("assemble", "--request", str(path), "--timeout-ms", "5000", env=_live_env(live))
+    assert_one_line(out, 2, "ibex-context assemble: ", "messages.0")
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (None, "No such file"), ("[1, 2]", "must hold a JSON object"), ("{not json", "not valid JSON"),
+    ('{"org_id": "a b", "agent_id": "x", "query": "q"}', "org_id"),
+    ('{"org_id": "acme", "agent_id": "x", "query": 5}', "query"), ('{"org_id": "acme"}', "agent_id, query missing"),
+])
+def test_request_file_mistakes_are_one_line(tmp_path: Path, content: str | None, needle: str) -> None:
+    path = tmp_path / "req.json"
+    if content is not None:
+        path.write_text(content)
+    out = _cli("assemble", "--request", str(path), "--endpoint", "tcp://127.0.0.1:1")
+    assert_one_line(out, 2, "ibex-context assemble: --request", needle)
+
+
+def test_without_a_request_file_org_agent_and_query_are_required() -> None:
+    out = _cli("assemble", "--org", "acme")
+    assert_one_line(out, 2, "ibex-context assemble: ", "--agent, --query required")
 
 
 # ------------------------------------------------------------------------------------ help texts

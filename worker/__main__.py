@@ -59,7 +59,16 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     retriever = Retriever.create(settings, settings.redis_url)
     catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
     catalog.warm_up()
-    assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id)
+    from redis.asyncio import Redis
+
+    from ibex_context.shared.observability import CalibrationMetrics
+    from ibex_context.worker.calibration import Calibrator
+
+    # Its own connection, with generous timeouts: the retriever's are sized to the request deadline.
+    calibrator = Calibrator(redis=Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0),
+                            catalog=catalog, settings=settings, metrics=CalibrationMetrics())
+    assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id,
+                          calibrator=calibrator)
     await retriever.warm_up()
     ctx = zmq.Context()
     from ibex_context.shared import auth
@@ -92,6 +101,7 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
     try:
         await server.run()
     finally:
+        await calibrator.aclose()
         await retriever.aclose()
         ctx.term()
 

@@ -17,10 +17,12 @@ import time
 from collections import deque
 
 from ibex_context.pipeline.assemble import Clock, Policy, assemble
+from ibex_context.pipeline.budget import counter_for
 from ibex_context.pipeline.count import LineCache, count_request
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 from ibex_context.shared.settings import Settings
+from ibex_context.worker.calibration import Calibrator
 from ibex_context.worker.retrieve import Retriever
 
 
@@ -58,8 +60,9 @@ class Assembler:
     """Runs assemblies for one worker process: retrieval, then ``pipeline.assemble``."""
 
     def __init__(self, *, settings: Settings, catalog: Catalog, retriever: Retriever | None,
-                 worker_id: str = "") -> None:
+                 worker_id: str = "", calibrator: Calibrator | None = None) -> None:
         self.settings = settings
+        self.calibrator = calibrator  # usage-report calibration (README "Calibrated token counts")
         self.policy = Policy.from_settings(settings)
         self.catalog = catalog
         self.retriever = retriever
@@ -88,17 +91,19 @@ class Assembler:
         clock = Clock(deadline_mono_ns, req.request_id)
         t_start = clock.check("retrieval")
         spec = self.catalog.model(req.model)  # unknown model: INVALID_REQUEST before any I/O
+        calibration = self.calibrator.lookup(req.org_id, spec.name) if self.calibrator is not None else None
         wall_end = min(t_start + int(self.settings.retrieval_wall_ms * 1e6), deadline_mono_ns - self.reserve_ns())
         wait = self.retriever.start(req, wall_end_ns=wall_end)
         # Let the branches send their requests, then count what needs no I/O while they are in flight.
         await asyncio.sleep(0)
-        sections = count_request(self.catalog.counter(spec.family.name), req)
+        sections = count_request(counter_for(self.catalog, spec, calibration), req)
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = {**(timings_us or {}), "retrieval": max(0, (t_retrieved - t_start) // 1000)}
         try:
             resp = assemble(req, retrieval, catalog=self.catalog, policy=self.policy, nonce=nonce, clock=clock,
-                            lines=self.lines, sections=sections, timings_us=timings, worker_id=self.worker_id)
+                            lines=self.lines, sections=sections, timings_us=timings, worker_id=self.worker_id,
+                            calibration=calibration)
         finally:
             if "packing" in clock.started:
                 self.stats["packing"] += 1

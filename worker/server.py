@@ -99,12 +99,15 @@ class WorkerServer:
         self._stopped = asyncio.Event()
 
     def info(self) -> P.Info:
-        return P.Info(self.capacity, self.worker_id, os.getpid(), {**self.stats, **self.assembler.stats},
-                      self.draining)
+        cal = self.assembler.calibrator
+        return P.Info(self.capacity, self.worker_id, os.getpid(),
+                      {**self.stats, **self.assembler.stats, **(cal.stats if cal is not None else {})}, self.draining)
 
     async def run(self) -> None:
         self.links = [BrokerLink(self, ep) for ep in self.endpoints]
         tasks = [asyncio.create_task(self._heartbeats())]
+        if self.assembler.calibrator is not None:
+            tasks.append(asyncio.create_task(self.assembler.calibrator.run()))
         log.info("worker %s (pid %d) serving %s with capacity %d", self.worker_id, os.getpid(),
                  ",".join(self.endpoints), self.capacity)
         try:
@@ -171,6 +174,13 @@ class WorkerServer:
             return
         if isinstance(msg, P.DrainAck):
             link.drain_acked.set()
+            return
+        if isinstance(msg, P.UsageMessage):  # no reply, no credit: buffered for the calibration sketch
+            calibrator = self.assembler.calibrator
+            if calibrator is None:
+                self.stats["usage_ignored"] += 1
+            else:
+                calibrator.submit(msg.payload)
             return
         self.stats["received"] += 1
         remaining = msg.stamp.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt

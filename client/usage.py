@@ -1,0 +1,59 @@
+"""Usage reports: the provider's prompt count for an assembly, carried back to the service
+(README "Calibrated token counts"). ``AsyncClient.report_usage`` and ``SyncClient.report_usage``
+call ``usage_payload`` and send the result without waiting for anything.
+
+A report needs the assembly's tenant and its uncalibrated count of the emitted prompt, which only
+chat-native assemblies (``format`` set) carry; any other assembly, or a count that is not a
+positive integer, is not sent: the reason is returned, logged and counted by the caller, never
+raised (the proxy must not fail a user's call over bookkeeping).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from ibex_context.shared.codec import encode
+from ibex_context.shared.models import AssembleResponse, UsageReport
+from ibex_context.shared.protocol import MAX_USAGE_BYTES
+
+USAGE_ID_PREFIX = "usage-"  # a refusal from the broker comes back under this id: counted, not waited for
+USAGE_TTL_NS = 10_000_000_000  # a report the broker receives more than 10 s after it was made is dropped
+
+
+def _count_problem(name: str, value: Any, *, optional: bool) -> str | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if optional else 1):
+        return f"{name} must be {'a non-negative' if optional else 'a positive'} int, got {value!r:.40}"
+    return None
+
+
+def usage_payload(assembly: object, prompt_tokens: object, cached_tokens: object,
+                  now_ns: int) -> tuple[bytes | None, str]:
+    """(payload, "") for a report that can be sent, else (None, why not)."""
+    if not isinstance(assembly, AssembleResponse):
+        return None, f"assembly must be an AssembleResponse, got {type(assembly).__name__}"
+    problem = (_count_problem("prompt_tokens", prompt_tokens, optional=False)
+               or _count_problem("cached_tokens", cached_tokens, optional=True))
+    if problem:
+        return None, problem
+    if assembly.prompt_tokens_uncalibrated is None or not assembly.org_id or not assembly.agent_id:
+        return None, ("the assembly has no prompt count to compare (only chat-native assemblies, with format, "
+                      "carry one)")
+    try:
+        report = UsageReport.model_validate({
+            "request_id": f"{USAGE_ID_PREFIX}{uuid.uuid4().hex}", "org_id": assembly.org_id,
+            "agent_id": assembly.agent_id, "deadline_ns": now_ns + USAGE_TTL_NS, "assembly_id": assembly.request_id,
+            "model": assembly.budget.model, "estimated_tokens": max(1, assembly.prompt_tokens_uncalibrated),
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "report"
+        return None, f"{where}: {err['msg']}"
+    payload = encode(report)
+    if len(payload) > MAX_USAGE_BYTES:  # pragma: no cover - every field is bounded far below this
+        return None, f"report of {len(payload)} bytes exceeds {MAX_USAGE_BYTES}"
+    return payload, ""

@@ -1,0 +1,296 @@
+"""Calibrated token counts from the provider's usage (issue 16, README "Calibrated token counts"):
+the sketch, its Redis layout, the budget it drives, and the whole report path on the real stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import given
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+from ibex_context.client.client import AsyncClient
+from ibex_context.client.usage import usage_payload
+from ibex_context.ops.stack import LocalStack
+from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.hits import offline_result
+from ibex_context.shared import calibration_store as store
+from ibex_context.shared import protocol as P
+from ibex_context.shared.calibration import (
+    N_BUCKETS,
+    RATIO_MAX,
+    RATIO_MIN,
+    Calibration,
+    bucket_of,
+    decay_per_sample,
+    summarize,
+    upper_edge,
+)
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.codec import unpack, validate
+from ibex_context.shared.models import AssembleRequest, UsageReport
+from tests.helpers import start_stack
+
+CATALOG = Catalog.load()
+MODEL = "mistral-large-2"  # an estimate family, spoken through an OpenAI-style API
+EXACT_MODEL = "llama-3.3-70b-instruct"  # llama3: exact offline (quicktok-v1)
+TURN = [{"role": "system", "content": "You are a support agent for a billing product."},
+        {"role": "user", "content": "Which invoice did I get in October, and when was it sent? " * 20}]
+
+
+def _cal(ratio: float, samples: float = 500.0, top: float | None = None) -> Calibration:
+    return Calibration(samples=samples, quantile=0.995, ratio=ratio, median=ratio, top=top or ratio)
+
+
+def _req(org: str = "acme", **kw: Any) -> AssembleRequest:
+    fields: dict[str, Any] = {"request_id": "r1", "org_id": org, "agent_id": "support-bot", "model": MODEL,
+                              "query": "invoice", "format": "openai", "messages": TURN, "deadline_ns": 1, **kw}
+    return AssembleRequest.model_validate(fields)
+
+
+# ------------------------------------------------------------------------------ the sketch
+
+
+@given(st.floats(min_value=RATIO_MIN, max_value=RATIO_MAX, exclude_max=True))
+def test_a_ratio_lands_in_a_bucket_whose_upper_edge_bounds_it_within_half_a_percent(ratio: float) -> None:
+    b = bucket_of(ratio)
+    assert b is not None and 0 <= b < N_BUCKETS
+    assert ratio <= upper_edge(b) * (1 + 1e-12) and upper_edge(b) <= ratio * 1.005 * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.1999, RATIO_MAX, 7.0, math.inf, math.nan, -1.0])
+def test_outliers_have_no_bucket(ratio: float) -> None:
+    assert bucket_of(ratio) is None
+
+
+def test_quantiles_round_up_and_follow_the_weights() -> None:
+    buckets = {bucket_of(0.6): 990.0, bucket_of(0.9): 10.0}
+    cal = summarize({b: w for b, w in buckets.items() if b is not None}, quantile=0.995)
+    assert cal is not None and cal.samples == 1000.0
+    assert 0.9 <= cal.ratio <= 0.9 * 1.005 and 0.6 <= cal.median <= 0.6 * 1.005
+    assert cal.top == cal.ratio and summarize({}, quantile=0.995) is None
+
+
+def test_exact_families_never_go_below_exact_and_the_buffer_follows_the_spread() -> None:
+    low = _cal(0.7, top=0.77)
+    assert low.multiplier(exact=True) == 1.0 and low.multiplier(exact=False) == 0.7
+    assert _cal(1.04).multiplier(exact=True) == 1.04
+    assert low.safety_fraction(0.05) == pytest.approx(0.05)  # 10 % spread: capped at the family's 5 %
+    assert _cal(0.7, top=0.707).safety_fraction(0.05) == pytest.approx(0.01)  # 1 % spread, 1 % floor
+    assert _cal(0.7, top=0.721).safety_fraction(0.05) == pytest.approx(0.03)
+
+
+# ------------------------------------------------------------------------------ Redis layout
+
+
+async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
+    r = Redis.from_url(redis_url)
+    try:
+        decay = decay_per_sample(100)
+        b6, b9 = bucket_of(0.6), bucket_of(0.9)
+        assert b6 is not None and b9 is not None
+        await store.apply_batch(r, "acme", MODEL, {b9: 100}, decay=decay)
+        await store.apply_batch(r, "acme", MODEL, {b6: 1000}, decay=decay, refused=3)
+        cal = await store.read(r, "acme", MODEL, quantile=0.995)
+        assert cal is not None and cal.accepted == 1100 and cal.refused == 3
+        # 100 old samples decayed by (1 - 1/100) ** 1000: about 0.004 of one sample left
+        assert cal.samples == pytest.approx(1000 + 100 * decay ** 1000, rel=1e-6)
+        assert cal.ratio <= 0.6 * 1.005
+        await store.apply_batch(r, "acme", MODEL, {b6: 1000}, decay=decay)
+        raw = await r.hgetall(f"acme:calibration:{MODEL}")
+        assert f"b:{b9}".encode() not in raw  # pruned below 1e-3
+        assert 0 < await r.ttl(f"acme:calibration:{MODEL}") <= store.TTL_S
+        assert await store.models_of(r, "acme") == [MODEL] and await store.models_of(r, "globex") == []
+        assert await store.read(r, "globex", MODEL, quantile=0.995) is None
+    finally:
+        await r.aclose()
+
+
+# ------------------------------------------------------------------------------ the budget
+
+
+def test_a_calibrated_budget_says_so_and_charges_the_learned_ratio() -> None:
+    hits = offline_result(directive="Be brief.", hot=[], cold=[])
+    plain = assemble(_req(), hits, catalog=CATALOG, policy=Policy())
+    cal = _cal(0.6, top=0.606)
+    tuned = assemble(_req(), hits, catalog=CATALOG, policy=Policy(), calibration=cal)
+    assert plain.budget.count_rule == "estimate" and plain.budget.calibration_ratio is None
+    assert plain.prompt_tokens_uncalibrated == plain.prompt_tokens and plain.org_id == "acme"
+    b = tuned.budget
+    assert (b.count_rule, b.calibration_samples, b.calibration_quantile, b.calibration_ratio) == \
+        ("calibrated", 500, 0.995, 0.6)
+    assert tuned.prompt_tokens_kind == "calibrated"
+    assert tuned.prompt_tokens_uncalibrated == plain.prompt_tokens  # the ratio's basis is unchanged
+    assert tuned.prompt_tokens is not None and plain.prompt_tokens is not None
+    assert tuned.prompt_tokens < 0.7 * plain.prompt_tokens
+    assert b.safety_buffer == math.ceil(b.context_window * 0.01) < plain.budget.safety_buffer
+    assert b.usable > plain.budget.usable
+
+
+def test_an_exact_family_is_never_charged_below_its_exact_count() -> None:
+    hits = offline_result(directive=None, hot=[], cold=[])
+    plain = assemble(_req(model="gpt-4o"), hits, catalog=CATALOG, policy=Policy())
+    low = assemble(_req(model="gpt-4o"), hits, catalog=CATALOG, policy=Policy(), calibration=_cal(0.5))
+    high = assemble(_req(model="gpt-4o"), hits, catalog=CATALOG, policy=Policy(), calibration=_cal(1.1))
+    assert low.prompt_tokens == plain.prompt_tokens and low.budget.calibration_ratio == 1.0
+    assert high.prompt_tokens is not None and plain.prompt_tokens is not None
+    assert high.prompt_tokens >= plain.prompt_tokens * 1.05
+
+
+# ------------------------------------------------------------------------------ the client side
+
+
+def test_usage_payload_carries_the_assembly_and_refuses_what_cannot_be_matched() -> None:
+    resp = assemble(_req(), offline_result(directive=None, hot=[], cold=[]), catalog=CATALOG, policy=Policy())
+    payload, why = usage_payload(resp, 123, 7, time.time_ns())
+    assert payload is not None and why == ""
+    report = validate(unpack(payload), UsageReport)
+    assert isinstance(report, UsageReport)
+    assert (report.org_id, report.agent_id, report.model, report.assembly_id, report.prompt_tokens,
+            report.cached_tokens) == ("acme", "support-bot", MODEL, "r1", 123, 7)
+    assert report.estimated_tokens == resp.prompt_tokens_uncalibrated
+    flat = resp.model_copy(update={"prompt_tokens_uncalibrated": None})
+    for args in [(flat, 10, None), ("nope", 10, None), (resp, 0, None), (resp, True, None), (resp, 10, 11),
+                 (resp, 10, -1), (resp, 2.5, None)]:
+        payload, why = usage_payload(*args, time.time_ns())
+        assert payload is None and why, args
+
+
+# ------------------------------------------------------------------------------ the real stack
+
+STACK_ENV = {"IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000", "IBEX_COLD_TIMEOUT_MS": "2000",
+             "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000",
+             "IBEX_CALIBRATION_REFRESH_MS": "100", "IBEX_CALIBRATION_MIN_SAMPLES": "40",
+             "IBEX_HEARTBEAT_INTERVAL_MS": "200"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    s = start_stack(tmp_path_factory.mktemp("calibration"), workers=2, env=STACK_ENV)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+async def _assemble(c: AsyncClient, org: str) -> Any:
+    return await c.assemble(org_id=org, agent_id="support-bot", model=MODEL, query="invoice", format="openai",
+                            messages=TURN, timeout=5.0)
+
+
+async def test_one_orgs_poisoned_reports_leave_another_orgs_budget_unchanged(stack: LocalStack) -> None:
+    evil_org = f"evil-{uuid.uuid4().hex[:8]}"  # the module's stack serves both event-loop runs
+    forwarded = _broker_counter(stack, "usage_forwarded")
+    refused = _worker_counter(stack, "usage_refused_outlier", 0)
+    async with AsyncClient(stack.frontend) as c:
+        await c.wait_connected()
+        acme, evil = await _assemble(c, "acme"), await _assemble(c, evil_org)
+        assert acme.budget.count_rule == evil.budget.count_rule == "estimate"
+        # evil reports that its prompts cost a quarter of what the service charged, and some nonsense
+        for _ in range(60):
+            c.report_usage(evil, prompt_tokens=max(1, evil.prompt_tokens_uncalibrated // 4))
+        for _ in range(5):
+            c.report_usage(evil, prompt_tokens=1)  # ratio far under 0.2: refused and counted
+        assert c.stats["usage_sent"] == 65 and c.stats["usage_not_sent"] == 0
+        deadline = time.monotonic() + 20
+        while True:
+            evil2 = await _assemble(c, evil_org)
+            if evil2.budget.count_rule == "calibrated" or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        acme2 = await _assemble(c, "acme")
+    b = evil2.budget
+    assert b.count_rule == "calibrated" and b.calibration_samples >= 40 and b.calibration_ratio is not None
+    assert 0.24 <= b.calibration_ratio <= 0.27 and b.usable > evil.budget.usable
+    assert evil2.prompt_tokens_uncalibrated == evil.prompt_tokens_uncalibrated
+    assert acme2.budget == acme.budget and acme2.prompt_tokens == acme.prompt_tokens  # acme: untouched
+    with redis.Redis.from_url(str(stack.redis_url)) as r:
+        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "refused") or 0) == 5
+        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) == 60
+        assert not r.exists(f"acme:calibration:{MODEL}")
+    assert _broker_counter(stack, "usage_forwarded") - forwarded == 65
+    # counted by the workers that took them
+    assert _worker_counter(stack, "usage_refused_outlier", refused + 5) - refused == 5
+
+
+def _broker_counter(stack: LocalStack, name: str) -> int:
+    status = stack.status(2.0)
+    assert status is not None
+    return int(status["stats"].get(name, 0))
+
+
+def _worker_counter(stack: LocalStack, name: str, want: int) -> int:
+    """A counter summed over the workers (their stats reach the broker with each heartbeat)."""
+    deadline = time.monotonic() + 5
+    while True:
+        status = stack.status(2.0)
+        seen = sum(w["stats"].get(name, 0) for w in status["workers"].values()) if status else 0
+        if seen >= want or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.1)
+
+
+async def test_a_malformed_report_is_refused_with_a_typed_error_and_the_broker_keeps_serving(
+        stack: LocalStack) -> None:
+    async with AsyncClient(stack.frontend) as c:
+        await c.wait_connected()
+        conn = c.conns[0]
+        assert conn.sock.send(P.usage_frames(b"\xc1 not msgpack")) is None
+        assert conn.sock.send(P.usage_frames(b"x" * (P.MAX_USAGE_BYTES + 1))) is None
+        for _ in range(250):  # both refusals come back as error replies nobody waits for
+            if c.stats["late_replies_dropped"] + c.stats["usage_refused"] >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert c.stats["late_replies_dropped"] + c.stats["usage_refused"] == 2
+        assert (await _assemble(c, "acme")).budget.usable > 0
+    status = stack.status(2.0)
+    assert status is not None and status["stats"]["usage_rejected_invalid"] >= 2
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "calibration", *args], capture_output=True,
+                          text=True, timeout=60, check=False, env={**os.environ, "IBEX_CALIBRATION_MIN_SAMPLES": "100"})
+
+
+async def test_calibration_show_prints_the_learned_ratio(redis_url: str) -> None:
+    r = Redis.from_url(redis_url)
+    try:
+        b = bucket_of(0.62)
+        assert b is not None
+        await store.apply_batch(r, "acme", MODEL, {b: 150}, decay=decay_per_sample(2000), refused=2)
+        await store.apply_batch(r, "acme", EXACT_MODEL, {b: 150}, decay=decay_per_sample(2000))
+        await store.apply_batch(r, "acme", "claude-sonnet-4", {b: 10}, decay=decay_per_sample(2000))
+    finally:
+        await r.aclose()
+    out = await asyncio.to_thread(_cli, "show", "--org", "acme", "--redis-url", redis_url, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    rows = {m["model"]: m for m in doc["models"]}
+    mistral, llama, claude = rows[MODEL], rows[EXACT_MODEL], rows["claude-sonnet-4"]
+    assert mistral["rule"] == "calibrated" and 0.62 <= mistral["multiplier"] == mistral["ratio_p99.5"] <= 0.63
+    assert mistral["effective_factor"] == pytest.approx(mistral["multiplier"] * 1.25, abs=1e-3)
+    assert mistral["refused"] == 2 and mistral["accepted"] == 150
+    assert llama["rule"] == "calibrated" and llama["multiplier"] == 1.0  # llama3 is exact: never below it
+    assert claude["rule"] == "estimate" and claude["multiplier"] is None and claude["samples"] < 100
+    one = await asyncio.to_thread(_cli, "show", "--org", "acme", "--model", "Anthropic/Claude-Sonnet-4-20250514",
+                                  "--redis-url", redis_url)
+    assert one.returncode == 0 and one.stdout.startswith("claude-sonnet-4 (claude): rule estimate"), one
+    none = await asyncio.to_thread(_cli, "show", "--org", "globex", "--redis-url", redis_url)
+    assert none.returncode == 1 and "no usage reports for org globex" in none.stderr
+    bad = await asyncio.to_thread(_cli, "show", "--org", "acme", "--model", "gpt-17", "--redis-url", redis_url)
+    assert bad.returncode == 2 and bad.stderr.startswith("ibex-context calibration show: --model: model 'gpt-17'")
+    assert bad.stderr.count("\n") == 1
