@@ -50,9 +50,11 @@ from bench.peer_targets import GrpcTarget, HttpTarget
 from bench.run import OUT, _client, _git_commit, _runner, seed_demo, set_workers
 from bench.stats import Histograms
 from bench.workload import request_templates
+from ibex_context.client.client import AsyncClient
 from ibex_context.ops.local import LocalStack
 from ibex_context.ops.procs import stop_processes, wait_for
 from ibex_context.ops.stack import free_port
+from ibex_context.shared import protocol as P
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ibex", "grpc", "http")
@@ -72,6 +74,7 @@ class PeerPlan:
     warmup: int = 30
     seed: int = 18
     systems: tuple[str, ...] = SYSTEMS
+    baseline: str | None = None  # a checkout of this project to run as "ibex-base" beside the others
 
 
 QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "rates": [40.0, 80.0],
@@ -81,14 +84,29 @@ QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "ra
 # ---------------------------------------------------------------------------------- the systems
 
 
+class LegacyFramesClient(AsyncClient):
+    """The client library sending headerless requests, for a baseline broker from before the header
+    frame (issue 18); everything else is the same client."""
+
+    def _encode(self, request: Any, fields: dict[str, Any], deadline_ns: int) -> tuple[str, list[bytes]]:
+        rid, frames = super()._encode(request, fields, deadline_ns)
+        return rid, P.legacy_request_frames(frames[-1])
+
+
 @dataclass
 class Servers:
     stack: LocalStack
     peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]]  # kind -> (port, processes)
+    base: LocalStack | None = None  # the baseline checkout's broker and workers (same Redis, memory)
+
+    def stacks(self) -> list[LocalStack]:
+        return [self.stack] + ([self.base] if self.base is not None else [])
 
     def pids(self, system: str) -> list[int]:
-        if system == "ibex":
-            procs = [self.stack.broker, *self.stack.workers]
+        if system in ("ibex", "ibex-base"):
+            st = self.stack if system == "ibex" else self.base
+            assert st is not None
+            procs = [st.broker, *st.workers]
             return [p.pid for p in procs if p is not None and p.poll() is None]
         return [p.pid for p in self.peers[system][1]]
 
@@ -108,11 +126,20 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = LocalStack(workers=2, mode="transport", log_dir=log_dir)
     peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]] = {}
+    base: LocalStack | None = None
     try:
         stack.start()
         seed_demo(str(stack.redis_url))
+        if plan.baseline is not None:
+            base = LocalStack(workers=2, mode="transport", log_dir=log_dir / "base", redis_url=stack.redis_url,
+                              secret=stack.secret, env={"PYTHONPATH": plan.baseline})
+            (log_dir / "base").mkdir(exist_ok=True)
+            base.memory_port = stack.memory_port  # one memory service for every system
+            base.start_broker(0)
+            base.workers = [base.start_worker(i) for i in range(2)]
+            base.wait_workers(2)
         for kind in plan.systems:
-            if kind == "ibex":
+            if kind.startswith("ibex"):
                 continue
             port = free_port()
             procs = []
@@ -128,9 +155,11 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
                 wait_for(f"{kind} peer {i}", lambda log=log: READY_LINE in log.read_text(errors="replace"), 60, log)
                 if proc.poll() is not None:
                     raise RuntimeError(f"{kind} peer {i} exited: {log.read_text()[-2000:]}")
-        yield Servers(stack, peers)
+        yield Servers(stack, peers, base)
     finally:
         stop_processes([p for _, ps in peers.values() for p in ps], timeout_s=5)
+        if base is not None:
+            base.stop()
         stack.stop()
 
 
@@ -140,16 +169,23 @@ class Targets:
     def __init__(self, servers: Servers, plan: PeerPlan, method: str) -> None:
         self.servers, self.plan, self.method = servers, plan, method
         self.calls: dict[str, Any] = {}
-        self.client: Any = None
+        self.clients: list[Any] = []
         self.templates = request_templates(seed=plan.seed)
 
     async def open(self, tag: str) -> None:
         from bench.loadgen import ClientTarget
 
-        self.client = await _client(self.servers.stack.frontend)
         for system in self.plan.systems:
             if system == "ibex":
-                self.calls[system] = ClientTarget(self.client, self.templates, tag=f"ibex-{tag}")
+                self.clients.append(await _client(self.servers.stack.frontend))
+                self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"ibex-{tag}")
+            elif system == "ibex-base":
+                assert self.servers.base is not None
+                legacy = LegacyFramesClient(self.servers.base.frontend)
+                await legacy.wait_connected(10.0)
+                await legacy.prepare_fallback()
+                self.clients.append(legacy)
+                self.calls[system] = ClientTarget(legacy, self.templates, tag=f"base-{tag}")
             elif system == "grpc":
                 self.calls[system] = GrpcTarget(self.servers.peers["grpc"][0], self.templates,
                                                 method="Transport" if self.method == "transport" else "Assemble",
@@ -168,10 +204,10 @@ class Targets:
 
     async def aclose(self) -> None:
         for system, call in self.calls.items():
-            if system != "ibex":
+            if not system.startswith("ibex"):
                 await call.aclose()
-        if self.client is not None:
-            await self.client.aclose()
+        for c in self.clients:
+            await c.aclose()
 
 
 async def _wait_ok(system: str, call: Any, timeout_s: float = 60.0) -> None:
@@ -292,9 +328,10 @@ def run(plan: PeerPlan, out_dir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     with _runner() as runner, started(plan, out_dir / "peer-logs") as servers:
         results["transport"] = runner.run(transport_phase(servers, plan))
-        set_workers(servers.stack, 0)
-        servers.stack.mode = "full"
-        set_workers(servers.stack, 2)
+        for st in servers.stacks():
+            set_workers(st, 0)
+            st.mode = "full"
+            set_workers(st, 2)
         results["full"] = runner.run(full_phase(servers, plan))
     results["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
     return results
@@ -308,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport-rate", type=float)
     ap.add_argument("--point", type=float, help="seconds per ladder point")
     ap.add_argument("--systems", help=f"subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--baseline", type=Path,
+                    help="another checkout of this project (e.g. a git worktree of main), run as 'ibex-base' in "
+                         "the same interleaved rounds: before/after under the same machine state")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     plan = PeerPlan(**(QUICK if args.quick else {}))
@@ -319,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         plan.point_s = args.point
     if args.systems:
         plan.systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
+    if args.baseline:
+        plan.baseline = str(args.baseline.resolve())
+        plan.systems = (*plan.systems, "ibex-base")
     args.out.mkdir(parents=True, exist_ok=True)
     results = run(plan, args.out)
     (args.out / "peers.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

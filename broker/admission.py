@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_LIMIT = 1.0
+MIN_LIMIT = 2.0  # a worker keeps two in flight: one on the CPU while one waits on I/O
 BACKOFF = 0.75  # multiplicative decrease on an overload signal
-LOOP_LAG_US = 3_000  # a request that waited longer than this for the worker's loop: worker CPU saturated
+LOOP_LAG_US = 5_000  # a request that waited longer than this for the worker's loop: worker CPU saturated
 EWMA = 0.05  # weight of one reply in the service-time average
 MIN_SAMPLES = 20  # replies before the queue estimate is trusted (until then only queue_max applies)
 STANDING_NS = 50_000_000  # queue waits over the target for this long: a standing queue, not a burst

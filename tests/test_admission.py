@@ -50,15 +50,15 @@ def test_overload_feedback_cuts_the_limit_once_per_service_time() -> None:
     assert lim.limit == 16 * BACKOFF**2  # a saturated worker loop is an overload signal too
     for k in range(200):
         lim.on_reply(inflight=1, overloaded=True, loop_lag_us=0, now_ns=(200 + 20 * k) * MS, service_ns=10 * MS)
-    assert lim.limit == MIN_LIMIT and lim.slots == 1
+    assert lim.limit == MIN_LIMIT and lim.slots == MIN_LIMIT
 
 
 def test_clean_replies_raise_a_binding_limit_up_to_the_cap() -> None:
-    lim = Limiter(8, limit=2.0)
-    lim.on_reply(inflight=1, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
-    assert lim.limit == 2.0  # not binding: nothing learned about a higher limit
-    lim.on_reply(inflight=2, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
-    assert lim.limit == 2.5  # one slot per limit's worth of clean replies
+    lim = Limiter(8, limit=4.0)
+    lim.on_reply(inflight=3, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
+    assert lim.limit == 4.0  # not binding: nothing learned about a higher limit
+    lim.on_reply(inflight=4, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
+    assert lim.limit == 4.25  # one slot per limit's worth of clean replies
     for _ in range(100):
         lim.on_reply(inflight=lim.slots, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
     assert lim.limit == 8 and lim.slots == 8
