@@ -90,6 +90,7 @@ def transport_worker(endpoint: str) -> None:
 
     class NoAssembler:
         stats: ClassVar[dict[str, int]] = {}
+        calibrator = None  # the worker server asks for it (issue 16's usage reports)
 
     async def serve() -> None:
         server = TransportWorkerServer(settings=Settings(worker_concurrency=8), assembler=NoAssembler(),
@@ -121,7 +122,9 @@ def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, wi
     return time.perf_counter() - t0
 
 
-def measure_broker(n: int, window: int, pad_kb: int = 0) -> dict[str, float]:
+def measure_broker(n: int, window: int, pad_kb: int = 0, legacy: bool = False) -> dict[str, float]:
+    """The broker between a DEALER client and the echo worker; ``legacy``: headerless requests, so
+    the broker reads the envelope from the payload (``peek_envelope``, the path before issue 18)."""
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = [_spawn("-m", "ibex_context.broker", "--frontend", fe, "--backend", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -133,7 +136,8 @@ def measure_broker(n: int, window: int, pad_kb: int = 0) -> dict[str, float]:
         tmpl = template(pad_kb)
         far = time.time_ns() + 3600 * 10**9
         reqs = [tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}) for i in range(n)]
-        frames = [P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
+        frames = [P.legacy_request_frames(encode(r)) if legacy
+                  else P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
                   for r in reqs]
         end = time.monotonic() + 20
         while True:  # the worker has joined once a request comes back
@@ -218,6 +222,8 @@ def run(*, n: int, window: int, repeats: int, pad_kb: int = 0) -> dict[str, dict
     rows: dict[str, list[dict[str, float]]] = {}
     for _ in range(repeats):  # interleaved, so drift hits every row alike
         rows.setdefault("broker", []).append(measure_broker(n, window, pad_kb))
+        rows.setdefault("broker, headerless requests (payload envelope, as before issue 18)", []).append(
+            measure_broker(n, window, pad_kb, legacy=True))
         rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window, pad_kb))
         relay, echo = measure_floor(n, window, pad_kb)
         rows.setdefault("relay (zmq.proxy, C)", []).append(relay)

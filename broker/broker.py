@@ -42,13 +42,24 @@ from ibex_context.shared.errors import (
     Overloaded,
     Unavailable,
 )
-from ibex_context.shared.loopsock import readable, recv_frames, recv_message
+from ibex_context.shared.loopsock import readable, recv_forwarding
 from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Authorizer", "Broker", "Key", "Pending", "WorkerState"]
+
+
+def _request_payload(frames: list[object]) -> int | None:
+    """Where a client's request payload is: [client, IBX1, REQUEST, header, payload] (a headerless
+    request's payload is read here, so it is not kept uncopied)."""
+    return 4 if len(frames) == 5 and frames[2] == P.REQUEST else None
+
+
+def _reply_payload(frames: list[object]) -> int | None:
+    """Where a worker's reply payload is: [worker, IBX1, REPLY | ERROR, client, request_id, payload(, feedback)]."""
+    return 5 if len(frames) in (6, 7) and frames[2] in (P.REPLY, P.ERROR) else None
 
 
 class Broker(WorkerTable):
@@ -119,7 +130,7 @@ class Broker(WorkerTable):
         """Handle waiting worker messages: at most ``limit`` (None: every one waiting)."""
         n = 0
         while (limit is None or n < limit) and readable(self.back):
-            self._on_backend(recv_frames(self.back))
+            self._on_backend(recv_forwarding(self.back, _reply_payload)[0])
             n += 1
 
     def poll_once(self) -> None:
@@ -138,7 +149,7 @@ class Broker(WorkerTable):
             for _ in range(BURST):
                 if not readable(self.front):
                     break
-                self._on_frontend(*recv_message(self.front))
+                self._on_frontend(*recv_forwarding(self.front, _request_payload))
         now = time.monotonic_ns()
         if self.timers and self.timers[0][0] <= now:
             self._expire(now)
