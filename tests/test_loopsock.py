@@ -65,7 +65,7 @@ def test_a_forwarded_payload_is_not_copied_and_nothing_else_stays_a_frame(
     for payload in (big, b"small"):
         send_frames(dealer, [b"a", other, payload])
         assert router.poll(5000)
-        parts, last = loopsock.recv_forwarding(router, at_payload)
+        parts, _ = loopsock.recv_forwarding(router, at_payload)
         assert parts[:3] == [b"d1", b"a", other] and isinstance(parts[2], bytes)
         assert isinstance(parts[3], zmq.Frame) == (payload is big) and bytes(parts[3]) == payload
         send_frames(router, [b"d1", *parts[1:]])  # forwarded as received
