@@ -95,15 +95,20 @@ def truth(resp: AssembleResponse, catalog: Catalog, model: str) -> int:
     return cc.openai_prompt_tokens(resp.messages, TOOLS, catalog.counter(TRUTH), model=model)
 
 
-def figures(rows: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """rows: (charged, true, limit) -> over-charge quantiles and over-window count."""
-    over = sorted(c / t - 1 for c, t, _ in rows)
+Row = tuple[int, int, int, bool]  # (charged, true, window - reserve, history trimmed to fit)
+
+
+def figures(rows: list[Row]) -> dict[str, Any]:
+    """Over-charge quantiles, over-window count, and how full the trimmed prompts really were."""
+    over = sorted(c / t - 1 for c, t, _, _ in rows)
+    full = sorted(t / limit for _, t, limit, trimmed in rows if trimmed)
 
     def q(p: float) -> float:
         return over[min(len(over) - 1, int(p * len(over)))]
 
     return {"n": len(rows), "median": statistics.median(over), "p10": q(0.10), "p90": q(0.90), "p99": q(0.99),
-            "over_window": sum(1 for _, t, limit in rows if t > limit)}
+            "over_window": sum(1 for _, t, limit, _ in rows if t > limit), "trimmed": len(full),
+            "trimmed_fill_median": statistics.median(full) if full else None, "fill_max": max(full) if full else None}
 
 
 async def simulate(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,9 +120,9 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
     from redis.asyncio import Redis
 
     r = Redis.from_url(redis_server.url)
-    before: list[tuple[int, int, int]] = []
-    after: list[tuple[int, int, int]] = []
-    calibrated: list[tuple[int, int, int]] = []
+    before: list[Row] = []
+    after: list[Row] = []
+    calibrated: list[Row] = []
     cal: Calibration | None = None
     batch: Counter[int] = Counter()
     refused = 0
@@ -133,7 +138,8 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
                 resp = run_one(req, retrieval, catalog, use)
                 true = truth(resp, catalog, spec.name)
                 assert resp.prompt_tokens is not None and resp.prompt_tokens_uncalibrated is not None
-                rows.append((resp.prompt_tokens, true, spec.context_window - resp.budget.response_reserve))
+                rows.append((resp.prompt_tokens, true, spec.context_window - resp.budget.response_reserve,
+                             bool(resp.history)))
             if use is not None:
                 calibrated.append(after[-1])
             b = bucket_of(true / resp.prompt_tokens_uncalibrated)  # the proxy's report of after's prompt
@@ -167,12 +173,14 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                       ("after (calibrated assemblies)", "after_calibrated_only")):
         f = res[key]
         if f is not None:
+            fill = "-" if f["trimmed_fill_median"] is None else f"{f['trimmed_fill_median']:.1%} / {f['fill_max']:.1%}"
             rows.append([name, f["n"], pct(f["median"]), pct(f["p10"]), pct(f["p90"]), pct(f["p99"]),
-                         f["over_window"]])
+                         f["over_window"], f["trimmed"], fill])
     lines = [f"# bench.calibration: {res['n']} assemblies, {res['model']} ({res['family']}, window {res['window']}), "
              f"hidden truth {TRUTH} exact, quantile {args.quantile}, min samples {args.min_samples}, "
              f"window {args.window} samples, {res['elapsed_s']} s", "",
-             *table(["rule", "prompts", "over-charge median", "p10", "p90", "p99", "true > window - reserve"], rows),
+             *table(["rule", "prompts", "over-charge median", "p10", "p90", "p99", "true > window - reserve",
+                     "trimmed to fit", "trimmed: true / (window - reserve), median / max"], rows),
              "", f"final sketch: {res['final_sketch']}"]
     return "\n".join(lines)
 

@@ -90,7 +90,7 @@ def transport_worker(endpoint: str) -> None:
 
     class NoAssembler:
         stats: ClassVar[dict[str, int]] = {}
-        calibrator = None  # the worker server asks for it (issue 16's usage reports)
+        calibrator: ClassVar[None] = None  # no usage reports in a transport measurement
 
     async def serve() -> None:
         server = TransportWorkerServer(settings=Settings(worker_concurrency=8), assembler=NoAssembler(),

@@ -85,7 +85,11 @@ def assemble_parser(sub: Any) -> None:
 
 def print_response(resp: Any) -> None:
     b = resp.budget
-    print(f"request {resp.request_id}  worker {resp.worker_id or '-'}  model {b.model}")
+    rule = b.count_rule or b.estimate_kind
+    if b.calibration_ratio is not None:
+        quantile = (b.calibration_quantile or 0) * 100
+        rule += f" x{b.calibration_ratio:.3f} (p{quantile:g}, {b.calibration_samples} samples)"
+    print(f"request {resp.request_id}  worker {resp.worker_id or '-'}  model {b.model}  counts {rule}")
     print(f"  budget: window {b.context_window} - reserve {b.response_reserve} - safety {b.safety_buffer} "
           f"- directive {b.directive_tokens} - messages {b.messages_tokens} - tools {b.tool_schema_tokens} "
           f"- overhead {b.formatter_overhead_tokens} = usable {b.usable}{'  (CONSTRAINED)' if b.constrained else ''}")

@@ -103,7 +103,8 @@ def explain(request: AssembleRequest, directive: str | None, hot: list[MemoryHit
 def render_table(resp: AssembleResponse, out: TextIO) -> None:
     b = resp.budget
     w = out.write
-    w(f"request {resp.request_id}   model {b.model} ({b.tokenizer_family}, {b.estimate_kind} counts)\n\n")
+    rule = b.count_rule or b.estimate_kind
+    w(f"request {resp.request_id}   model {b.model} ({b.tokenizer_family}, {rule} counts)\n\n")
     w("Budget\n")
     rows = [("context window", b.context_window), ("- response reserve", b.response_reserve),
             ("- safety buffer", b.safety_buffer), ("- directive", b.directive_tokens),

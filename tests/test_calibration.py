@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from ibex_context.client.client import AsyncClient
+from ibex_context.client.client import AsyncClient, SyncClient
 from ibex_context.client.usage import usage_payload
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.assemble import Policy, assemble
@@ -294,3 +294,53 @@ async def test_calibration_show_prints_the_learned_ratio(redis_url: str) -> None
     bad = await asyncio.to_thread(_cli, "show", "--org", "acme", "--model", "gpt-17", "--redis-url", redis_url)
     assert bad.returncode == 2 and bad.stderr.startswith("ibex-context calibration show: --model: model 'gpt-17'")
     assert bad.stderr.count("\n") == 1
+
+
+def test_sync_client_reports_never_raise_and_never_block(stack: LocalStack) -> None:
+    with SyncClient(stack.frontend) as c:
+        c.wait_connected()
+        resp = c.assemble(org_id="acme", agent_id="support-bot", model=MODEL, query="invoice", format="openai",
+                          messages=TURN, timeout=5.0)
+        t0 = time.perf_counter()
+        c.report_usage(resp, prompt_tokens=resp.prompt_tokens_uncalibrated or 1, cached_tokens=0)
+        c.report_usage(resp, prompt_tokens=-5)  # bad input: logged and counted
+        c.report_usage("not an assembly", prompt_tokens=10)  # type: ignore[arg-type]
+        assert time.perf_counter() - t0 < 0.05  # handed to the client's loop, not waited for
+        for _ in range(100):
+            if c.stats["usage_sent"] + c.stats["usage_not_sent"] >= 3:
+                break
+            time.sleep(0.02)
+        assert (c.stats["usage_sent"], c.stats["usage_not_sent"]) == (1, 2)
+    c.report_usage(resp, prompt_tokens=10)  # closed: still never raises
+    assert c.stats["usage_not_sent"] == 3
+
+
+def test_metrics_publish_the_ratio_quantiles_and_refusals() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ibex_context.shared.observability import CalibrationMetrics
+
+    registry = CollectorRegistry()
+    m = CalibrationMetrics(registry)
+    m.reports.labels("refused_outlier").inc(3)
+    m.observe("acme", MODEL, Calibration(samples=250.0, quantile=0.995, ratio=0.64, median=0.61, top=0.66,
+                                         accepted=260, refused=3))
+    text = generate_latest(registry).decode()
+    for line in ('ibex_calibration_ratio{model="mistral-large-2",org="acme",quantile="0.995"} 0.64',
+                 'ibex_calibration_ratio{model="mistral-large-2",org="acme",quantile="0.5"} 0.61',
+                 'ibex_calibration_samples{model="mistral-large-2",org="acme"} 250.0',
+                 'ibex_calibration_refused{model="mistral-large-2",org="acme"} 3.0',
+                 'ibex_calibration_reports_total{outcome="refused_outlier"} 3.0'):
+        assert line in text, line
+
+
+def test_usage_frames_have_their_own_command_and_parsers() -> None:
+    frames = P.usage_frames(b"report")
+    assert frames == [P.TAG, P.USAGE, b"report"]
+    assert P.parse_client_message(frames) == P.UsageMessage(b"report")
+    assert P.parse_broker_message(frames) == P.UsageMessage(b"report")
+    for bad in ([P.TAG, P.USAGE], [P.TAG, P.USAGE, b"a", b"b"]):
+        with pytest.raises(P.FrameError):
+            P.parse_client_message(bad)
+    with pytest.raises(P.FrameError):
+        P.parse_broker_message([P.TAG, P.USAGE])
