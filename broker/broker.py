@@ -4,8 +4,14 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
 
 * The frontend is drained continuously into the broker's own bounded queue, so backlog never hides
   in socket buffers; when the queue is full the client hears OVERLOADED at once.
-* Credit-based dispatch: each worker announces its capacity (requests it can hold in flight; its
-  retrieval is I/O-bound). A request goes to the live worker with most free credit.
+* Credit-based dispatch under an adaptive limit: each worker announces its capacity (requests it
+  can hold in flight; its retrieval is I/O-bound) and the broker holds it to an adaptive limit
+  below that cap, cut when the worker's per-reply feedback says the downstream or its loop could
+  not keep up (``broker.admission``). A request goes to the live worker with most free slots,
+  ties to the one dispatched to least recently. With a standing queue, a request that could not
+  be answered in full is refused OVERLOADED on receipt.
+* The broker routes and authorizes on the request's header frame and never reads the payload; a
+  large payload is forwarded as the frame it arrived in, uncopied (README: Processes and data flow).
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
   monotonic ns. Expired requests are dropped at receipt, in the queue and at dispatch, counted by
   reason, and the client is told DEADLINE_EXCEEDED. A request whose deadline passes while a worker
