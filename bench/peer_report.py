@@ -78,6 +78,12 @@ def summary_rows(res: dict[str, Any]) -> list[list[str]]:
     return [["", *systems], *rows]
 
 
+def _limits(p: dict[str, Any]) -> str:
+    """This stack's per-worker adaptive limits when the run ended (admission control)."""
+    limits = (p.get("broker") or {}).get("limits") or {}
+    return " / ".join(str(v) for _, v in sorted(limits.items())) or "-"
+
+
 def ladder_rows(full: dict[str, Any]) -> list[list[str]]:
     rows = []
     for system, v in full.items():
@@ -85,7 +91,7 @@ def ladder_rows(full: dict[str, Any]) -> list[list[str]]:
             rows.append([system, f"{p['offered_rps']:.0f}", f"{p['goodput_rps']:.0f}", f"{p['complete_rps']:.0f}",
                          _pct(p["undegraded_fraction"]), _ms(_lat(p, "p50")), _ms(_lat(p, "p99")),
                          f"{p['server_cpu_us_per_reply']:.0f}", f"{p['backend_cpu_us_per_reply']:.0f}",
-                         ", ".join(f"{k} {n}" for k, n in p["errors"].items()) or "-", _split(p)])
+                         ", ".join(f"{k} {n}" for k, n in p["errors"].items()) or "-", _split(p), _limits(p)])
     return rows
 
 
@@ -97,6 +103,7 @@ def markdown(res: dict[str, Any]) -> str:
     if full:
         lines += ["## Full-mode ladder (each row one interleaved run; CPU µs per reply)", "",
                   *table(["system", "offered/s", "on-time replies/s", "undegraded/s", "undegraded %",
-                          "p50 ms", "p99 ms", "server CPU", "mem+Redis CPU", "errors", "split"],
+                          "p50 ms", "p99 ms", "server CPU", "mem+Redis CPU", "errors", "split",
+                          "worker limits at the end"],
                          ladder_rows(full)), ""]
     return "\n".join(lines)

@@ -232,16 +232,24 @@ class Measured:
     run: RunResult
     server_cpu_s: float
     backend_cpu_s: float
+    broker: dict[str, Any] = field(default_factory=dict)  # this stack's counter deltas and worker limits
 
 
 async def _one(servers: Servers, targets: Targets, system: str, rate: float, duration_s: float,
                seed: int, label: str) -> Measured:
     pids, back = servers.pids(system), servers.backend_pids()
+    st = {"ibex": servers.stack, "ibex-base": servers.base}.get(system)
+    before = await asyncio.to_thread(st.status, 1.0) if st is not None else None
     c0, b0 = _cpu(pids), _cpu(back)
     run = await open_loop(targets.calls[system], rate=rate, duration_s=duration_s,
                           deadline_ms=targets.plan.deadline_ms, label=label, seed=seed,
                           meta={"system": system, "mode": targets.method})
     m = Measured(run, _cpu(pids) - c0, _cpu(back) - b0)
+    after = await asyncio.to_thread(st.status, 1.0) if st is not None else None
+    if before and after:
+        m.broker = {"stats": {k: v - before["stats"].get(k, 0) for k, v in after["stats"].items()
+                              if v != before["stats"].get(k, 0)},
+                    "limits": {w: info.get("limit") for w, info in after["workers"].items()}}
     await asyncio.sleep(targets.plan.pause_s)
     return m
 
@@ -255,6 +263,8 @@ def summarize(ms: list[Measured]) -> dict[str, Any]:
     s["backend_cpu_us_per_reply"] = round(sum(m.backend_cpu_s for m in ms) / replies * 1e6, 1)
     s["undegraded_fraction"] = round(s["complete_rps"] * s["duration_s"] / max(1, s["scheduled"]), 4)
     s["shed"] = _shed(run.samples)
+    if ms[-1].broker:
+        s["broker"] = ms[-1].broker if len(ms) == 1 else {"limits": ms[-1].broker.get("limits")}
     return s
 
 
