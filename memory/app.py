@@ -1,14 +1,16 @@
 """The reference memory service: the platform's memory HTTP contract over Redis (Starlette).
 
-    GET  /v1/memories/hot?agent_id=A&limit=N    N in [0, 20], default 20      -> {"memories": [hit]}
+    GET  /v1/memories/hot?agent_id=A&limit=N[&query=Q]  N in [0, 20], default 20 -> {"memories": [hit]}
     POST /v1/memories/search   {query, agent_id, limit<=50, min_similarity}   -> {"memories": [hit]}
     POST /v1/memories          {agent_id, content, category, ...}             -> 201 {"memory_id", ...}
     GET  /healthz                                                             -> 200 | 503
     PUT|GET|DELETE /_faults    (only with enable_faults, which the server allows on loopback only)
 
     hit = {memory_id, content, category, similarity, confidence, rank, created_at, usefulness,
-           access_count}; rank is the 1-based position; for hot hits similarity is the stored
-           salience (there is no query).
+           access_count[, relevance, composite, components, salience]}; rank is the 1-based
+           position; for hot hits similarity is the stored salience. Search hits, and hot hits
+           when the call sends the question (``query``), also carry their relevance, the
+           five-part composite and its components (``memory.search``); hot hits their salience.
 
 Every /v1 call needs ``Authorization: Bearer <org token>`` (``shared.tenancy``); the org id comes
 from the token only and scopes every Redis key; it is checked before anything else, injected
@@ -50,7 +52,7 @@ from starlette.routing import Route
 
 from ibex_context.memory import store
 from ibex_context.memory.config import MemoryConfig
-from ibex_context.memory.embed import Embedder, content_terms, load_embedder
+from ibex_context.memory.embed import Embedder, load_embedder
 from ibex_context.memory.http import (
     ApiError,
     agent_id_param,
@@ -60,8 +62,16 @@ from ibex_context.memory.http import (
     read_body,
     validate_body,
 )
-from ibex_context.memory.models import HOT_LIMIT_MAX, FaultSpec, MemoryRecord, SearchBody, WriteMemory
-from ibex_context.memory.rank import Candidate, cosine_scores, keyword_hit, rank_hydrated_hits, select_candidates
+from ibex_context.memory.models import (
+    HOT_LIMIT_MAX,
+    MAX_QUERY_CHARS,
+    FaultSpec,
+    MemoryRecord,
+    SearchBody,
+    WriteMemory,
+)
+from ibex_context.memory.search import rank_hot
+from ibex_context.memory.search import search as run_search
 from ibex_context.memory.service import MemoryService, OrgLimiter
 from ibex_context.memory.store import AgentFull, WriteContention
 
@@ -108,13 +118,19 @@ async def hot(svc: MemoryService, request: Request) -> Response:
     org, fault = await svc.admit(request, "hot")
     if fault is not None:
         return fault
-    params = query_params(request, ("agent_id", "limit"))
+    params = query_params(request, ("agent_id", "limit", "query"))
     agent = agent_id_param(params.get("agent_id"))
     raw_limit = params.get("limit", str(HOT_LIMIT_MAX))
     if not (raw_limit.isascii() and raw_limit.isdigit()) or len(raw_limit) > 6 or int(raw_limit) > HOT_LIMIT_MAX:
         raise ApiError(400, f"limit must be an integer from 0 to {HOT_LIMIT_MAX}", field="limit")
+    query = params.get("query")
+    if query is not None and len(query) > MAX_QUERY_CHARS:
+        raise ApiError(400, f"query must be at most {MAX_QUERY_CHARS} characters", field="query")
     found = await store.load_hot(svc.redis, org, agent, int(raw_limit), svc.health)
-    return svc.answer(found, f"{org}/{agent}")
+    if query is None or not found:
+        return svc.answer(found, f"{org}/{agent}")
+    async with svc.limiter.hold(org):
+        return await rank_hot(svc, org, agent, found, query)
 
 
 @_endpoint
@@ -127,32 +143,7 @@ async def search(svc: MemoryService, request: Request) -> Response:
     if body.limit == 0:
         return JSONResponse({"memories": []})
     async with svc.limiter.hold(org):
-        return await _search(svc, org, body)
-
-
-async def _search(svc: MemoryService, org: str, body: SearchBody) -> Response:
-    embedder = svc.embedder
-    index = await store.load_index(svc.redis, org, body.agent_id, embedder_name=embedder.name,
-                                   dim=embedder.dim, embed=svc.embed, cache=svc.index_cache, health=svc.health)
-    if not index.ids and not index.terms:
-        return JSONResponse({"memories": []})
-    text = svc.query_text(body.query)
-    query_vec = (await svc.embed([text]))[0]
-    cosines = cosine_scores(index.matrix, query_vec)
-    q_terms = content_terms(text)
-    kw = frozenset(mid for mid, terms in index.terms.items() if keyword_hit(q_terms, terms))
-    relevance = select_candidates(index.ids, cosines, kw, min_similarity=body.min_similarity,
-                                  max_candidates=svc.config.max_candidates)
-    records = await store.hydrate(svc.redis, org, body.agent_id, sorted(relevance), svc.health)
-    candidates = [
-        Candidate(mid, relevance[mid], rec.category, rec.created_at.timestamp(), rec.usefulness,
-                  rec.confidence, rec.access_count)
-        for mid, rec in records.items()
-    ]
-    ranked = rank_hydrated_hits(candidates, now_s=svc.clock(), relevance_floor=svc.config.relevance_floor,
-                                limit=body.limit)
-    return svc.answer([(records[r.candidate.memory_id], r.candidate.relevance) for r in ranked],
-                      f"{org}/{body.agent_id}")
+        return await run_search(svc, org, body)
 
 
 @_endpoint

@@ -34,7 +34,7 @@ class MemoryConfig(BaseSettings):
 
     secret: str = Field(DEV_SECRET, min_length=8, description="IBEX_MEMORY_SECRET: token HMAC key.")
     redis_url: str | None = Field(None, validation_alias="IBEX_REDIS_URL")
-    embedder: Literal["hash", "minilm"] = Field("hash", description="IBEX_MEMORY_EMBEDDER")
+    embedder: Literal["minilm", "static", "hash"] = Field("minilm", description="IBEX_MEMORY_EMBEDDER")
     relevance_floor: float = Field(
         DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.5."
     )

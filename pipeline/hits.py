@@ -11,7 +11,9 @@ service stores memories under (README "Degradation and security": a write cannot
   [0, 1] is the scorer's to say, as an ``invalid_score`` decision with a reason (README "Scoring
   and packing"): one bad score must cost that memory only, and show up as such;
 * ``rank``: an integer >= 0 (the service numbers from 1; 0 is accepted so hand-written
-  ``explain`` inputs stay valid).
+  ``explain`` inputs stay valid);
+* optional: ``components``, an object of the composite's five numbers (``COMPONENTS``), which
+  the packer's score is built from (README "Selection quality"), and ``salience`` (hot hits).
 
 The worker's retriever refuses a hit that breaks the contract as ``malformed``; ``ops explain``
 refuses its input file; both build ``MemoryHit`` only through ``to_hit``.
@@ -24,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
-from ibex_context.shared.models import IDENT_CHARS, BranchOutcome, Source
+from ibex_context.shared.models import COMPONENTS, IDENT_CHARS, BranchOutcome, Source
 
 HIT_FIELDS: Final = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 MAX_CONTENT_CHARS: Final = 64_000  # the memory service's limit on a stored memory
@@ -75,6 +77,17 @@ def shape_problem(raw: object) -> str | None:
     rank = raw["rank"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         return "rank must be an integer >= 0"
+    return _optional_problem(raw)
+
+
+def _optional_problem(raw: Mapping[str, Any]) -> str | None:
+    """The optional ``components`` (an object of the five numbers) and ``salience`` (a number)."""
+    comps = raw.get("components")
+    if comps is not None and (not isinstance(comps, Mapping) or set(comps) != set(COMPONENTS)
+                              or not all(_is_number(comps[k]) for k in COMPONENTS)):
+        return f"components must be an object of five numbers: {', '.join(COMPONENTS)}"
+    if raw.get("salience") is not None and not _is_number(raw["salience"]):
+        return "salience must be a number"
     return None
 
 
@@ -89,10 +102,16 @@ def hit_problem(raw: object) -> str | None:
 
 def to_hit(raw: Mapping[str, Any], source: Source) -> MemoryHit:
     """The ``MemoryHit`` of a mapping that passed ``shape_problem``."""
+    comps = raw.get("components")
+    salience = raw.get("salience")
     return MemoryHit(
         memory_id=raw["memory_id"], content=raw["content"], category=raw["category"],
         similarity=float(raw["similarity"]), confidence=float(raw["confidence"]),
         rank=int(raw["rank"]), source=source,
+        components=None if comps is None else (
+            float(comps["relevance"]), float(comps["recency"]), float(comps["usefulness"]),
+            float(comps["confidence"]), float(comps["access"])),
+        salience=None if salience is None else float(salience),
     )
 
 

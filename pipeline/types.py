@@ -27,20 +27,25 @@ class MemoryHit:
     confidence: float
     rank: int
     source: Source
+    # The memory composite's five inputs (relevance, recency, usefulness, confidence, access: the
+    # order of ``shared.models.COMPONENTS``) when the service sent them; unchecked until the scorer.
+    components: tuple[float, float, float, float, float] | None = None
+    salience: float | None = None  # hot hits: the stored salience
 
 
 @dataclass(frozen=True, slots=True)
 class ScoredMemory:
     """A candidate with its token cost and the packer's score.
 
-    ``composite_score`` is the INTERIM score 0.85 x similarity + 0.15 x confidence (README
-    "Scoring and packing"). It is named for formatter/proto alignment; it is NOT the memory
-    service's five-part composite.
+    ``composite_score`` is the packer's score (README "Selection quality"): the weighted composite
+    of the hit's five components when it carries them (``kind`` "composite"), else the INTERIM
+    score 0.85 x similarity + 0.15 x confidence (``kind`` "interim").
     """
 
     hit: MemoryHit
     tokens: int
     composite_score: float
+    kind: str = "interim"  # which score composite_score is: "composite" or "interim"
 
     @property
     def memory_id(self) -> str:
@@ -57,6 +62,7 @@ class Rejection:
     reason: str
     tokens: int | None = None
     score: float | None = None
+    components: tuple[float, float, float, float, float] | None = None  # when the score was built from them
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,37 @@ class Message(_Wire):
     content: Annotated[str, StringConstraints(max_length=2_000_000)]
 
 
+COMPONENTS = ("relevance", "recency", "usefulness", "confidence", "access")
+_Weight = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class ScoreWeights(_Wire):
+    """Weights of the memory composite's five components (spec "Memory-service composite").
+
+    The packer's score of a hit that carries its components is their weighted sum with these
+    weights (README "Selection quality"). Each finite, non-negative; together they sum to 1. The
+    defaults are the packer's (``pipeline.score.DEFAULT_WEIGHTS``), not the memory service's.
+    """
+
+    relevance: _Weight = 0.70
+    recency: _Weight = 0.10
+    usefulness: _Weight = 0.10
+    confidence: _Weight = 0.05
+    access: _Weight = 0.05
+
+    @model_validator(mode="after")
+    def _sums_to_one(self) -> ScoreWeights:
+        total = self.relevance + self.recency + self.usefulness + self.confidence + self.access
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"weights must sum to 1, got {total:.6g}")
+        return self
+
+    def as_tuple(self) -> tuple[float, float, float, float, float]:
+        return (self.relevance, self.recency, self.usefulness, self.confidence, self.access)
+
+
 class AssemblyOptions(_Wire):
-    """Per-request switches. Weight fields are a forward contract (spec: not wired yet)."""
+    """Per-request switches, and the weights of the packer's score (``weights``, ``score``)."""
 
     include_directive: bool = True
     include_hot: bool = True
@@ -46,6 +75,11 @@ class AssemblyOptions(_Wire):
     # memory set (a stable prompt-cache prefix); "random" draws a fresh nonce per assembly.
     nonce: Literal["derived", "random"] = "derived"
     cache_breakpoints: bool = False  # Anthropic only: add cache_control after the stable parts
+    # README "Selection quality": the composite's weights for this request (default: the spec's),
+    # and the score rule: "composite" (the weighted components each hit carries, the interim
+    # score for a hit without them) or "interim" (0.85 x similarity + 0.15 x confidence for all).
+    weights: ScoreWeights | None = None
+    score: Literal["composite", "interim"] = "composite"
 
 
 ChatFormat = Literal["openai", "anthropic"]
@@ -125,6 +159,7 @@ class Decision(_Wire):
     reason: str
     tokens: NonNegInt | None = None
     score: Unit | None = None
+    components: dict[str, float] | None = None  # the composite's five inputs, when the hit carried them
 
 
 CountRule = Literal["exact", "estimate", "calibrated"]

@@ -94,7 +94,9 @@ class WorkerSettings(_LinkSettings, _TimeoutSettings):
     # -- deadlines (README: Deadlines) ---------------------------------------------------------
     context_deadline_ms: float = Field(40.0, gt=0, description="Server-side retrieval deadline.")
     directive_timeout_ms: float = Field(5.0, gt=0)
-    hot_timeout_ms: float = Field(15.0, gt=0)
+    # 45, was 15: the hot call now carries the question, which the memory service embeds (README
+    # "Selection quality"); hot and cold run side by side, so the wall does not grow.
+    hot_timeout_ms: float = Field(45.0, gt=0)
     cold_timeout_ms: float = Field(45.0, gt=0)
     hot_limit: int = Field(20, ge=0, le=20)
     cold_limit: int = Field(50, ge=0, le=50)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,10 +11,19 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
+# The suite's memory services and seeding use the hashing embedder unless a test asks for another:
+# its lexical behaviour is what most ranking assertions are written against, and it costs
+# microseconds. tests/test_embedders.py runs the default (minilm) and static embedders for real.
+os.environ.setdefault("IBEX_MEMORY_EMBEDDER", "hash")
+
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
 )
 settings.load_profile("ci")
+
+# LiteLLM (tests/test_litellm_*.py) fetches its model cost map when imported unless told to use
+# the copy in its wheel: the tests run offline (README "Using it from LiteLLM proxy").
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:

@@ -69,7 +69,8 @@ class MemoryServiceHandle:
         self.enable_faults = enable_faults
         self.log_path = workdir / "memory-service.log"
         self._port_file = workdir / "memory-service.port"
-        self._extra_env = dict(extra_env or {})
+        # The hashing embedder unless the test says otherwise (tests/conftest.py says why).
+        self._extra_env = {"IBEX_MEMORY_EMBEDDER": os.environ.get("IBEX_MEMORY_EMBEDDER", "hash"), **(extra_env or {})}
         self._port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 

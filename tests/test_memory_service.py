@@ -449,6 +449,7 @@ def test_faults_are_off_unless_enabled(redis_url: str) -> None:
 
 def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    base["IBEX_MEMORY_EMBEDDER"] = os.environ.get("IBEX_MEMORY_EMBEDDER", "hash")  # tests/conftest.py
     return subprocess.run([sys.executable, "-m", f"ibex_context.{module}", *args], capture_output=True, text=True,
                           env={**base, **(env or {})}, timeout=60)
 

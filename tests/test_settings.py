@@ -22,7 +22,8 @@ def test_spec_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings()
     assert (s.context_timeout_ms, s.context_deadline_ms) == (45.0, 40.0)
     assert s.retrieval_wall_ms == 40.0  # min(45, 40)
-    assert (s.directive_timeout_ms, s.hot_timeout_ms, s.cold_timeout_ms) == (5.0, 15.0, 45.0)
+    # hot 45 (was 15): the hot call carries the question, embedded by the memory service (issue 19)
+    assert (s.directive_timeout_ms, s.hot_timeout_ms, s.cold_timeout_ms) == (5.0, 45.0, 45.0)
     assert (s.hot_limit, s.cold_limit) == (20, 50)
     assert s.redis_url is None  # embedded Redis
     assert s.workers == usable_cpus()

@@ -1,7 +1,7 @@
 """Retrieval: exactly three concurrent branches under one wall (README "Processes and data flow").
 
     directive  Redis  {org_id}:directive:{agent_id}          5 ms
-    hot        GET  /v1/memories/hot     (memory service)   15 ms
+    hot        GET  /v1/memories/hot     (memory service)   15 ms   with the question: ranked for it
     cold       POST /v1/memories/search  (embeds inside)    45 ms
 
 There is no history branch: recent messages arrive in the request. Each branch gets
@@ -35,6 +35,10 @@ from ibex_context.shared.settings import Settings
 from ibex_context.shared.tenancy import mint_org_token
 
 log = logging.getLogger(__name__)
+
+# The question sent with the hot call, in its URL: the memory service embeds at most its
+# IBEX_MEMORY_MAX_QUERY_CHARS (1,000 by default) leading characters anyway.
+HOT_QUERY_CHARS = 1_000
 
 
 class MalformedResponse(Exception):
@@ -196,8 +200,10 @@ class Retriever:
 
     async def _hot(self, req: AssembleRequest) -> tuple[list[MemoryHit], list[Rejection]]:
         cap = self.settings.hot_limit
-        body = await self._fetch("GET", "/v1/memories/hot", req.org_id,
-                                 params={"agent_id": req.agent_id, "limit": str(cap)})
+        params = {"agent_id": req.agent_id, "limit": str(cap)}
+        if req.query:  # ranked for the question by the memory service (README "Selection quality")
+            params["query"] = req.query[:HOT_QUERY_CHARS]
+        body = await self._fetch("GET", "/v1/memories/hot", req.org_id, params=params)
         return parse_hits(body, "hot", cap)
 
     async def _cold(self, req: AssembleRequest) -> tuple[list[MemoryHit], list[Rejection]]:

@@ -222,6 +222,19 @@ def _memory(rng: random.Random, org: str, agent: str, content: str, category: st
     return rec
 
 
+ADDED: list[tuple[str, str, str, str, float]] = [
+    ("globex", "research-agent",
+     "The literature review on last-mile drone delivery now covers 42 papers; Nadia Haddad is writing "
+     "the synthesis chapter.", "note", 6.0),
+    ("globex", "research-agent",
+     "Dr. Felix Braun asked that the literature review cite only peer-reviewed studies published since 2019.",
+     "preference", 20.0),
+    ("globex", "research-agent",
+     "The literature review draft goes to the steering group at the end of next month; the open gap is "
+     "evidence on battery life in cold weather.", "task", 3.0),
+]
+
+
 def build() -> list[dict[str, Any]]:
     rng = random.Random(SEED)
     out: list[dict[str, Any]] = []
@@ -256,6 +269,10 @@ def build() -> list[dict[str, Any]]:
     for org in ("acme", "globex"):
         out.append(_memory(rng, org, "support-bot", f"TENANT-MARKER: this memory belongs to {org} only.",
                            "fact", 1.0, hot_chance=1.0))
+    # Added for issue 19 after everything above, so earlier records (and the rng draws that made
+    # them) are unchanged: the third `make run` demo question asks about a literature review.
+    for org, agent, content, category, age in ADDED:
+        out.append(_memory(rng, org, agent, content, category, age, hot_chance=0.0))
     return out
 
 

@@ -1,0 +1,131 @@
+"""A real LiteLLM proxy and a local upstream as child processes (bench.litellm and
+tests/test_litellm_proxy.py). LiteLLM runs offline: ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it
+from fetching the model cost map (its tokenizers ship in the wheel), and keys come from a
+``custom_auth`` module written next to its config (key and team metadata without a database).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ibex_context.ops.procs import die_with_parent, read_port_file, stop_processes, wait_for
+from ibex_context.ops.stack import free_port
+
+MASTER_KEY = "sk-ibex-test-master"
+HOOK = "ibex_context.client.integrations.litellm.proxy_handler"
+OFFLINE_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
+_RUN_LITELLM = "import sys; from litellm import run_server; sys.argv[0] = 'litellm'; sys.exit(run_server())"
+
+AUTH_MODULE = '''"""custom_auth for the test proxy: bearer token -> key metadata / team metadata."""
+import json
+from pathlib import Path
+
+from litellm.proxy._types import UserAPIKeyAuth
+
+KEYS = json.loads((Path(__file__).parent / "keys.json").read_text())
+
+
+async def user_api_key_auth(request, api_key: str) -> UserAPIKeyAuth:
+    if api_key not in KEYS:
+        raise Exception("unknown key")
+    return UserAPIKeyAuth(api_key=api_key, **KEYS[api_key])
+'''
+
+
+def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IBEX_", "LITELLM_"))}
+    env.update(OFFLINE_ENV)
+    env.update(extra)
+    return env
+
+
+class Upstream:
+    """``python -m bench.litellm_upstream`` on a port it bound itself."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.log = workdir / "upstream.log"
+        port_file = workdir / "upstream.port"
+        port_file.unlink(missing_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench.litellm_upstream", "--port-file",
+                                          str(port_file)], cwd=Path(__file__).resolve().parent.parent,
+                                         env=_child_env({}), stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=die_with_parent)
+        try:
+            self.port = int(read_port_file(port_file, self.proc, 30.0, self.log)[0])
+        except BaseException:
+            self.stop()
+            raise
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def received(self) -> list[dict[str, Any]]:
+        got: list[dict[str, Any]] = httpx.get(f"{self.base}/_received", timeout=5).json()
+        return got
+
+    def clear(self) -> None:
+        httpx.delete(f"{self.base}/_received", timeout=5)
+
+    def stop(self) -> None:
+        stop_processes([self.proc])
+
+
+def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool,
+                 aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """LiteLLM's config: each public model name served by ``openai/<model>`` on the upstream, plus
+    router ``model_group_alias`` entries (alias -> public name)."""
+    cfg: dict[str, Any] = {
+        "model_list": [{"model_name": name, "litellm_params": {"model": f"openai/{model}",
+                                                               "api_base": f"{upstream.base}/v1",
+                                                               "api_key": "upstream-key"}}
+                       for name, model in models.items()],
+        "general_settings": {"master_key": MASTER_KEY, "custom_auth": "ibex_litellm_auth.user_api_key_auth"},
+        "litellm_settings": {"callbacks": [HOOK] if hook else []},
+        "router_settings": {"model_group_alias": dict(aliases or {})},
+    }
+    return cfg
+
+
+class LiteLLMProxy:
+    """``litellm --config`` as a child process on loopback; ``url`` once it answers its liveness probe."""
+
+    def __init__(self, workdir: Path, config: Mapping[str, Any], keys: Mapping[str, Any], *,
+                 env: Mapping[str, str] | None = None, timeout_s: float = 90.0) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.yaml").write_text(json.dumps(config, indent=1))  # JSON is YAML
+        (workdir / "keys.json").write_text(json.dumps(keys))
+        (workdir / "ibex_litellm_auth.py").write_text(AUTH_MODULE)
+        self.log = workdir / "litellm.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _RUN_LITELLM, "--config", str(workdir / "config.yaml"),
+                 "--host", "127.0.0.1", "--port", str(self.port)],
+                cwd=workdir, env=_child_env({"LITELLM_MASTER_KEY": MASTER_KEY, **(env or {})}),
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        try:
+            wait_for("LiteLLM proxy", self._live, timeout_s, self.log)
+        except BaseException:
+            self.stop()  # never leave a half-started proxy behind
+            raise
+
+    def _live(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"LiteLLM exited with status {self.proc.returncode}:\n"
+                               + "\n".join(self.log.read_text(errors="replace").splitlines()[-30:]))
+        try:
+            return httpx.get(f"{self.url}/health/liveliness", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        stop_processes([self.proc])

@@ -1,0 +1,155 @@
+"""The LiteLLM proxy callback: context assembly inside the proxy people already run.
+
+In the proxy's config (README "Using it from LiteLLM proxy")::
+
+    litellm_settings:
+      callbacks: ibex_context.client.integrations.litellm.proxy_handler
+
+``proxy_handler`` is built on first access from the file named by ``IBEX_LITELLM_CONFIG``, so a
+bad config stops the proxy at start with one line. Per chat completion:
+
+* pre-call: the caller's org and agent from the LiteLLM key's or team's metadata (or the request
+  metadata, as configured; never message text), the model mapped onto the catalog, then
+  ``assemble_or_degrade`` and the request's ``messages`` replaced with the assembled ones. A
+  service fault degrades (the call proceeds with history only); a caller fault, an unknown model
+  or (by default) a caller with no org mapping is refused with one line;
+* response headers: ``x-ibex-context: assembled | degraded | passed_through`` and why;
+* success: the provider's ``usage.prompt_tokens`` reported back for calibration (a stream's only
+  when it asked for ``stream_options.include_usage``).
+
+LiteLLM is imported here only: ``ibex_context.client`` never loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from fastapi import HTTPException
+from litellm.integrations.custom_logger import CustomLogger
+
+from ibex_context.client.integrations.litellm_config import (
+    CONFIG_ENV,
+    HookConfig,
+    HookConfigError,
+    Source,
+    Unmapped,
+    load_config,
+)
+from ibex_context.client.integrations.litellm_core import RECORD_KEY, HookCore, Refused, headers, record
+from ibex_context.shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+CHAT_CALLS = frozenset({"completion", "acompletion"})
+
+__all__ = ["IbexContextHook"]  # and proxy_handler, built on first access (__getattr__)
+
+
+def _metadata(data: dict[str, Any]) -> dict[str, Any]:
+    meta = data.get("metadata")
+    if not isinstance(meta, dict):
+        meta = data["metadata"] = {}
+    return meta
+
+
+def _sources(user_api_key_dict: Any, data: dict[str, Any]) -> dict[Source, object]:
+    """The metadata the identity may come from: the key's, its team's, and what the caller sent."""
+    meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    sent = meta.get("requester_metadata", meta) if isinstance(meta, dict) else {}
+    return {"key": getattr(user_api_key_dict, "metadata", None),
+            "team": getattr(user_api_key_dict, "team_metadata", None), "request": sent}
+
+
+def _deployments(model_group: str, team_id: object) -> list[str]:
+    """``litellm_params.model`` of each deployment a LiteLLM model name routes to (its
+    ``model_group_alias`` target's, a team's own); a wildcard deployment (``openai/*``) stands for
+    the requested name itself."""
+    try:
+        from litellm.proxy import proxy_server
+
+        router = proxy_server.llm_router
+        found = (router.get_model_list(model_name=model_group, team_id=team_id if isinstance(team_id, str) else None)
+                 if router is not None else None)
+    except Exception as exc:  # no proxy around this callback (a script's litellm.acompletion)
+        log.debug("no LiteLLM router to read deployments from: %s", exc)
+        return []
+    models = [d.get("litellm_params", {}).get("model") for d in found or []]
+    return [model_group if "*" in m else m for m in models if isinstance(m, str)]
+
+
+def _asked_for_usage(kwargs: dict[str, Any]) -> bool:
+    """Whether a streamed call asked the provider for its usage (``stream_options.include_usage``)."""
+    options = kwargs.get("stream_options") or (kwargs.get("optional_params") or {}).get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+class IbexContextHook(CustomLogger):
+    """A LiteLLM ``CustomLogger`` that assembles each chat completion's context (module docstring)."""
+
+    def __init__(self, config: HookConfig, *, settings: Settings | None = None) -> None:
+        super().__init__()
+        self.core = HookCore(config, settings=settings)
+
+    async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict[str, Any],
+                                  call_type: str) -> dict[str, Any]:
+        if call_type not in CHAT_CALLS or not isinstance(data.get("messages"), list):
+            return data
+        meta = _metadata(data)
+        try:
+            who = self.core.caller(_sources(user_api_key_dict, data))
+            if isinstance(who, Unmapped):
+                meta[RECORD_KEY] = record(None, "passed_through", [f"no org mapping for this caller: {who.reason}"])
+                return data
+            requested = str(data.get("model"))
+            model = self.core.model(requested, _deployments(requested, getattr(user_api_key_dict, "team_id", None)))
+            assembly = await self.core.assemble(who, model, data)
+        except Refused as exc:
+            raise HTTPException(status_code=exc.status, detail=exc.message) from None
+        if assembly.messages is None:  # pragma: no cover - a chat request always answers messages
+            raise HTTPException(status_code=500, detail="ibex-context: the assembly has no messages")
+        data["messages"] = assembly.messages
+        status = "degraded" if assembly.degraded else "assembled"
+        meta[RECORD_KEY] = record(assembly, status, assembly.degraded_reasons)
+        self.core.remember(data.get("litellm_call_id"), who, assembly)
+        return data
+
+    async def async_post_call_response_headers_hook(
+            self, data: dict[str, Any], user_api_key_dict: Any, response: Any,
+            request_headers: Any = None) -> dict[str, str] | None:
+        meta = data.get("metadata")
+        return headers(meta.get(RECORD_KEY) if isinstance(meta, dict) else None)
+
+    async def async_log_success_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
+                                      end_time: Any) -> None:
+        if kwargs.get("stream") and not _asked_for_usage(kwargs):
+            # LiteLLM fills a stream's usage with its own count when the provider sent none: not
+            # the provider's, so not a calibration sample
+            self.core.forget(kwargs.get("litellm_call_id"))
+            return
+        usage = getattr(response_obj, "usage", None)
+        details = getattr(usage, "prompt_tokens_details", None)
+        self.core.report(kwargs.get("litellm_call_id"), getattr(usage, "prompt_tokens", None),
+                         getattr(details, "cached_tokens", None))
+
+    async def async_log_failure_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
+                                      end_time: Any) -> None:
+        self.core.forget(kwargs.get("litellm_call_id"))
+
+
+_handler: IbexContextHook | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``proxy_handler``: the hook configured from ``IBEX_LITELLM_CONFIG``, built once on first use."""
+    global _handler
+    if name != "proxy_handler":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _handler is None:
+        path = os.environ.get(CONFIG_ENV)
+        if not path:
+            raise HookConfigError(f"{CONFIG_ENV} is not set: point it at the hook's YAML or JSON config "
+                                  "(README: Using it from LiteLLM proxy)")
+        _handler = IbexContextHook(load_config(path))
+    return _handler

@@ -1,0 +1,89 @@
+"""Search and hot ranking of the memory service (the handlers in ``memory.app`` call these).
+
+Search (spec "Memory-service composite"): the query is embedded once (``MemoryService.query_vector``),
+every row of the agent's cached index is scored with array operations (one matrix-vector product
+for the cosines, one array add per query term for the full-text match), the retrieval cutoff and
+the sentinel pick at most ``max_candidates`` rows, and only those are hydrated and ranked by the
+five-part composite. No Python loop runs over the agent's memories.
+
+Hot with a query: the hot list (the ``limit`` most salient) is ranked for the question instead of
+by salience alone: each hit's relevance is ``rank.hot_relevance`` (cosine with the question and
+salience) and the list is ordered by the composite, as search results are. Every hit carries
+``relevance``, ``composite`` and its ``components``; hot hits also carry ``salience``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from starlette.responses import JSONResponse, Response
+
+from ibex_context.memory import store
+from ibex_context.memory.embed import content_terms
+from ibex_context.memory.models import MemoryRecord, SearchBody
+from ibex_context.memory.rank import (
+    Candidate,
+    Ranked,
+    components,
+    cosine_scores,
+    hot_relevance,
+    keyword_mask,
+    rank_hydrated_hits,
+    select_rows,
+)
+from ibex_context.memory.service import MemoryService
+
+
+def _extras(r: Ranked, salience: float | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"relevance": round(r.candidate.relevance, 6), "composite": round(r.score, 6),
+                           "components": components(r)}
+    if salience is not None:
+        out["salience"] = salience
+    return out
+
+
+def _candidate(rec: MemoryRecord, relevance: float) -> Candidate:
+    return Candidate(rec.memory_id, relevance, rec.category, rec.created_at.timestamp(), rec.usefulness,
+                     rec.confidence, rec.access_count)
+
+
+async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
+    embedder = svc.embedder
+    index = await store.load_index(svc.redis, org, body.agent_id, embedder_name=embedder.name,
+                                   dim=embedder.dim, embed=svc.embed, cache=svc.index_cache, health=svc.health)
+    if not index.ids:
+        return JSONResponse({"memories": []})
+    text = svc.query_text(body.query)
+    query_vec = await svc.query_vector(org, text)
+    cosines = cosine_scores(index.matrix, query_vec)
+    keyword = keyword_mask(index.postings, len(index.ids), content_terms(text))
+    rows, relevance = select_rows(index.id_array, cosines, keyword, min_similarity=body.min_similarity,
+                                  max_candidates=svc.config.max_candidates)
+    rel_of = {index.ids[r]: float(v) for r, v in zip(rows.tolist(), relevance.tolist(), strict=True)}
+    records = await store.hydrate(svc.redis, org, body.agent_id, sorted(rel_of), svc.health)
+    ranked = rank_hydrated_hits([_candidate(rec, rel_of[mid]) for mid, rec in records.items()],
+                                now_s=svc.clock(), relevance_floor=svc.config.relevance_floor, limit=body.limit)
+    return svc.answer([(records[r.candidate.memory_id], r.candidate.relevance) for r in ranked],
+                      f"{org}/{body.agent_id}", [_extras(r) for r in ranked])
+
+
+async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[MemoryRecord, float]],
+                   query: str) -> Response:
+    """The hot list ordered by composite with each hit's relevance to ``query``."""
+    embedder = svc.embedder
+    text = svc.query_text(query)
+    ids = [rec.memory_id for rec, _ in found]
+    vectors = await store.load_vectors(svc.redis, org, agent, ids, embedder_name=embedder.name, dim=embedder.dim)
+    missing = [rec for rec, _ in found if rec.memory_id not in vectors]
+    if missing:  # written by hand or by another embedder: embed now (a search would backfill them)
+        for rec, vec in zip(missing, await svc.embed([r.content for r in missing]), strict=True):
+            vectors[rec.memory_id] = vec
+    query_vec = await svc.query_vector(org, text)
+    cosines = cosine_scores(np.stack([vectors[i] for i in ids]), query_vec) if ids else np.zeros(0)
+    salience = {rec.memory_id: s for rec, s in found}
+    candidates = [_candidate(rec, hot_relevance(float(c), s)) for (rec, s), c in zip(found, cosines, strict=True)]
+    ranked = rank_hydrated_hits(candidates, now_s=svc.clock(), relevance_floor=0.0, limit=len(candidates))
+    records = {rec.memory_id: rec for rec, _ in found}
+    return svc.answer([(records[r.candidate.memory_id], salience[r.candidate.memory_id]) for r in ranked],
+                      f"{org}/{agent}", [_extras(r, salience[r.candidate.memory_id]) for r in ranked])

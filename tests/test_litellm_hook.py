@@ -1,0 +1,239 @@
+"""The LiteLLM hook's pure parts: config, identity mapping, model names, the pass-through setting.
+
+The proxy itself is exercised end to end in tests/test_litellm_proxy.py; here the hook is called
+directly with LiteLLM's own ``UserAPIKeyAuth`` where no stack is needed (nothing is assembled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi import HTTPException
+from litellm.proxy._types import UserAPIKeyAuth
+
+from ibex_context.client import AssembleRequest, Unavailable, degraded_response
+from ibex_context.client.integrations.litellm import IbexContextHook
+from ibex_context.client.integrations.litellm_config import (
+    Caller,
+    HookConfigError,
+    ModelNotMapped,
+    Unmapped,
+    load_config,
+    map_model,
+    parse_config,
+    resolve_identity,
+)
+from ibex_context.client.integrations.litellm_core import HookCore, header_value, headers, last_user_text
+from ibex_context.shared import auth
+from ibex_context.shared.catalog import Catalog
+
+CATALOG = Catalog.load()
+BASE: dict[str, Any] = {"orgs": {"acme": {}, "globex": {}}, "endpoints": ["tcp://127.0.0.1:1"]}
+
+
+def _cfg(**over: Any) -> Any:
+    return parse_config({**BASE, **over})
+
+
+@pytest.mark.parametrize(("requested", "deployments", "expected"), [
+    ("gpt-4o", [], "gpt-4o"),
+    ("openai/gpt-4o", [], "gpt-4o"),
+    ("anthropic/claude-sonnet-4", [], "claude-sonnet-4"),
+    ("my-claude", ["anthropic/claude-sonnet-4-20250514"], "claude-sonnet-4"),
+    ("team-gpt", ["openai/gpt-4o", "azure/gpt-4"], "gpt-4"),  # the smallest window serves any deployment
+])
+def test_litellm_model_names_map_onto_the_catalog(requested: str, deployments: list[str], expected: str) -> None:
+    assert map_model(_cfg(), CATALOG, requested, deployments) == expected
+
+
+def test_the_config_alias_wins_and_is_checked() -> None:
+    cfg = _cfg(models={"fast": "openai/gpt-4o-mini", "typo": "gpt-4oo"})
+    assert map_model(cfg, CATALOG, "fast", ["openai/some-deployment"]) == "gpt-4o-mini"
+    with pytest.raises(ModelNotMapped, match=r"models\.typo in the ibex-context hook config: model 'gpt-4oo'"):
+        map_model(cfg, CATALOG, "typo", [])
+
+
+def test_an_unknown_model_names_the_deployment_and_the_fix() -> None:
+    with pytest.raises(ModelNotMapped) as exc:
+        map_model(_cfg(), CATALOG, "mystery", ["openai/mystery-9"])
+    assert "deployment 'openai/mystery-9' of 'mystery'" in exc.value.message
+    assert "models: in IBEX_LITELLM_CONFIG" in exc.value.message and exc.value.field == "model"
+
+
+def test_identity_comes_from_key_then_team_metadata() -> None:
+    cfg = _cfg()
+    key = {"ibex_org": "acme", "ibex_agent": "support-bot"}
+    assert resolve_identity(cfg, {"key": key, "team": {"ibex_org": "globex"}}) == Caller("acme", "support-bot")
+    team = {"ibex_org": "globex", "ibex_agent": "research-agent"}
+    assert resolve_identity(cfg, {"key": {}, "team": team}) == Caller("globex", "research-agent")
+    # request metadata is not a source unless configured: a caller cannot name its org
+    who = resolve_identity(cfg, {"key": {"ibex_agent": "a"}, "request": {"ibex_org": "acme"}})
+    assert isinstance(who, Unmapped) and "no ibex_org in the key or team metadata" in who.reason
+
+
+@pytest.mark.parametrize(("sources", "reason"), [
+    ({"key": {"ibex_org": "acme:x", "ibex_agent": "a"}}, "key metadata ibex_org is not an org id"),
+    ({"key": {"ibex_org": "initech", "ibex_agent": "a"}}, "org 'initech' has no client key"),
+    ({"key": {"ibex_org": "acme"}}, "no ibex_agent in the key or team metadata"),
+    ({"key": {"ibex_org": "acme", "ibex_agent": ["a"]}}, "key metadata ibex_agent is not an agent id"),
+    ({"key": "not a dict", "team": None}, "no ibex_org"),
+])
+def test_what_is_not_an_identity_is_unmapped(sources: dict[str, Any], reason: str) -> None:
+    who = resolve_identity(_cfg(), sources)  # type: ignore[arg-type]
+    assert isinstance(who, Unmapped) and reason in who.reason
+
+
+def test_request_metadata_picks_only_among_granted_orgs() -> None:
+    cfg = _cfg(identity={"org_from": ["request", "key"], "agent_from": ["request"]})
+    granted = {"ibex_orgs": ["acme"]}
+    ok = resolve_identity(cfg, {"key": granted, "request": {"ibex_org": "acme", "ibex_agent": "bot"}})
+    assert ok == Caller("acme", "bot")
+    refused = resolve_identity(cfg, {"key": granted, "request": {"ibex_org": "globex", "ibex_agent": "bot"}})
+    assert isinstance(refused, Unmapped) and "not in the key's or team's ibex_orgs" in refused.reason
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"orgs": {}}, "orgs: Dictionary should have at least 1 item"),
+    ({"orgs": {"acme:x": {}}}, "org ids must match"),
+    ({"orgs": {"acme": {}}, "unmapped": "allow"}, "unmapped: Input should be 'refuse' or 'pass_through'"),
+    ({"orgs": {"acme": {"key": "k"}}}, "orgs.acme.key: Extra inputs are not permitted"),
+    ({"orgs": {"acme": {}}, "identity": {"org_from": ["text"]}}, "identity.org_from.0"),
+])
+def test_a_bad_config_is_one_line_naming_the_field(doc: dict[str, Any], message: str) -> None:
+    with pytest.raises(HookConfigError, match=message.replace(".", r"\.")) as exc:
+        parse_config(doc)
+    assert "\n" not in str(exc.value)
+
+
+def test_config_files_yaml_and_json(tmp_path: Path) -> None:
+    (tmp_path / "h.yaml").write_text("orgs:\n  acme: {}\nunmapped: pass_through\nmodels: {fast: gpt-4o-mini}\n")
+    assert load_config(tmp_path / "h.yaml").unmapped == "pass_through"
+    (tmp_path / "h.json").write_text(json.dumps(BASE))
+    assert set(load_config(tmp_path / "h.json").orgs) == {"acme", "globex"}
+    with pytest.raises(HookConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_a_key_file_that_cannot_be_read_stops_the_hook_at_start(tmp_path: Path) -> None:
+    cfg = _cfg(orgs={"acme": {"key_file": str(tmp_path / "nope.key")}}, broker_public_key="x" * 40)
+    with pytest.raises(auth.AuthConfigError, match=r"nope\.key"):
+        HookCore(cfg)
+
+
+def _hook(**over: Any) -> IbexContextHook:
+    return IbexContextHook(_cfg(**over))
+
+
+async def test_an_unmapped_caller_passes_through_when_configured() -> None:
+    hook = _hook(unmapped="pass_through")
+    data: dict[str, Any] = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "metadata": {}}
+    out = await hook.async_pre_call_hook(UserAPIKeyAuth(api_key="sk-x"), None, data, "acompletion")
+    assert out["messages"] == [{"role": "user", "content": "hi"}]
+    got = await hook.async_post_call_response_headers_hook(out, None, None)
+    assert got == {"x-ibex-context": "passed_through",
+                   "x-ibex-context-reason": "no org mapping for this caller: no ibex_org in the key or team metadata"}
+
+
+async def test_an_unmapped_caller_is_refused_by_default() -> None:
+    data: dict[str, Any] = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(HTTPException) as exc:
+        await _hook().async_pre_call_hook(UserAPIKeyAuth(api_key="sk-x", metadata={"ibex_org": "initech"}), None,
+                                          data, "acompletion")
+    assert exc.value.status_code == 403 and "org 'initech' has no client key" in str(exc.value.detail)
+
+
+async def test_calls_other_than_chat_completions_are_untouched() -> None:
+    data: dict[str, Any] = {"model": "text-embedding-3-small", "input": ["x"]}
+    assert await _hook().async_pre_call_hook(UserAPIKeyAuth(api_key="k"), None, data, "aembedding") is data
+    assert await _hook().async_post_call_response_headers_hook(data, None, None) is None
+
+
+async def test_a_stream_reports_usage_only_when_the_provider_was_asked_for_it() -> None:
+    """Without ``stream_options.include_usage`` LiteLLM fills a stream's usage with its own count:
+    no calibration sample. ``usage_not_sent`` counts the calls that reached ``report_usage`` (the
+    client is never started here, so nothing is sent either way)."""
+    hook = _hook()
+    core = hook.core
+    assembly = degraded_response(AssembleRequest.model_validate({
+        "request_id": "r", "org_id": "acme", "agent_id": "a", "model": "gpt-4o", "query": "q", "format": "openai",
+        "messages": [{"role": "user", "content": "q"}], "deadline_ns": 1}), Unavailable("down"))
+    usage = SimpleNamespace(usage=SimpleNamespace(prompt_tokens=12, prompt_tokens_details=None))
+    client = core._clients["acme"]
+    for call_id, kwargs, reported in [
+        ("s1", {"stream": True}, 0),
+        ("s2", {"stream": True, "stream_options": {"include_usage": True}}, 1),
+        ("s3", {"stream": True, "optional_params": {"stream_options": {"include_usage": True}}}, 2),
+        ("n1", {"stream": False}, 3),
+    ]:
+        core.remember(call_id, Caller("acme", "a"), assembly)
+        await hook.async_log_success_event({**kwargs, "litellm_call_id": call_id}, usage, None, None)
+        assert core.forget(call_id) is None and client.stats["usage_not_sent"] == reported
+
+
+@pytest.mark.parametrize(("messages", "status", "text"), [
+    ([{"role": "user", "content": "w " * 140_000}], 400, "ibex-context CONTEXT_OVERFLOW"),
+    ([{"role": "tool", "tool_call_id": "call_9", "content": "x"}, {"role": "user", "content": "q"}], 400,
+     "ibex-context INVALID_REQUEST"),
+])
+async def test_caller_faults_are_refused_even_when_the_service_is_down(messages: list[Any], status: int,
+                                                                       text: str) -> None:
+    """``assemble_or_degrade`` raises caller faults (a degraded prompt would overflow too, a broken
+    conversation stays broken): the hook refuses the call with the service's one line."""
+    hook = _hook(timeout_ms=100)  # nobody listens on the configured endpoint: every call degrades
+    key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot"})
+    try:
+        with pytest.raises(HTTPException) as exc:
+            await hook.async_pre_call_hook(key, None, {"model": "gpt-4", "messages": messages}, "acompletion")
+        assert exc.value.status_code == status and str(exc.value.detail).startswith(text)
+        data: dict[str, Any] = {"model": "gpt-4", "messages": [{"role": "user", "content": "hello"}]}
+        out = await hook.async_pre_call_hook(key, None, data, "acompletion")
+        got = await hook.async_post_call_response_headers_hook(out, None, None)
+        assert got is not None and got["x-ibex-context"] == "degraded"
+        assert got["x-ibex-context-reason"].startswith("context service ") and out["messages"][-1]["content"] == "hello"
+    finally:
+        await hook.core.aclose()
+
+
+def test_query_and_header_helpers() -> None:
+    msgs = [{"role": "user", "content": "old"}, {"role": "user", "content": [
+        {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": "u"}},
+        {"type": "text", "text": "this?"}]}, {"role": "assistant", "content": "a"}]
+    assert last_user_text(msgs, 100) == "what is this?" and last_user_text(msgs, 4) == "what"
+    assert last_user_text([{"role": "system", "content": "s"}], 10) == ""
+    assert header_value("a\nb\u00e9" + "x" * 600) == "a?b?" + "x" * 508
+    assert headers({"status": "degraded", "reasons": ["context service UNAVAILABLE: down"], "memories": 0,
+                    "request_id": "r1"}) == {
+        "x-ibex-context": "degraded", "x-ibex-context-reason": "context service UNAVAILABLE: down",
+        "x-ibex-context-request-id": "r1", "x-ibex-context-memories": "0"}
+
+
+def test_the_module_needs_its_config_and_the_client_never_loads_litellm(tmp_path: Path) -> None:
+    code = """
+import json, sys
+import ibex_context.client
+before = sorted(m for m in sys.modules if m == "litellm" or m.startswith("litellm."))
+import ibex_context.client.integrations.litellm as hook
+try:
+    hook.proxy_handler
+    err = None
+except Exception as exc:
+    err = f"{type(exc).__name__}: {exc}"
+server = sorted(m for m in sys.modules
+                if m.startswith(("ibex_context.worker", "ibex_context.memory", "ibex_context.ops")))
+print(json.dumps({"before": before, "err": err, "server": server}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "IBEX_LITELLM_CONFIG"}
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"] == [] and got["server"] == []
+    assert got["err"].startswith("HookConfigError: IBEX_LITELLM_CONFIG is not set")
