@@ -34,7 +34,8 @@ from bench.report import table
 from bench.workload import request_templates
 from ibex_context.ops.stack import free_port, stop_processes
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import encode
+from ibex_context.shared.codec import Envelope, encode, pack_header
+from ibex_context.shared.models import AssembleRequest, Message
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,6 +52,18 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def template(pad_kb: int = 0) -> AssembleRequest:
+    """The demo request, padded with recent messages to about ``pad_kb`` KiB more when asked
+    (issue 18: the broker's cost must not grow with the payload)."""
+    tmpl = request_templates(seed=9)[0]
+    if pad_kb <= 0:
+        return tmpl
+    chunk = "lorem ipsum dolor sit amet " * 300  # 8,100 characters
+    n = max(1, pad_kb * 1024 // len(chunk))
+    msgs = [*tmpl.recent_messages, *(Message(role="user", content=chunk) for _ in range(n))]
+    return tmpl.model_copy(update={"recent_messages": msgs})
+
+
 # ----------------------------------------------------------------------------------- child roles
 
 
@@ -64,8 +77,8 @@ def echo_worker(endpoint: str) -> None:
         f = s.recv_multipart()
         if len(f) == 2 and f[1] == P.HEARTBEAT:
             s.send_multipart([P.TAG, P.HEARTBEAT, P.Info(8, "echo", os.getpid()).pack()])
-        elif len(f) == 6 and f[1] == P.REQUEST:
-            s.send_multipart([P.TAG, P.REPLY, f[2], f[3], f[5]])
+        elif len(f) == 7 and f[1] == P.REQUEST:
+            s.send_multipart([P.TAG, P.REPLY, f[2], f[3], f[6]])
 
 
 def transport_worker(endpoint: str) -> None:
@@ -109,7 +122,9 @@ def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, wi
     return time.perf_counter() - t0
 
 
-def measure_broker(n: int, window: int) -> dict[str, float]:
+def measure_broker(n: int, window: int, pad_kb: int = 0, legacy: bool = False) -> dict[str, float]:
+    """The broker between a DEALER client and the echo worker; ``legacy``: headerless requests, so
+    the broker reads the envelope from the payload (``peek_envelope``, the path before issue 18)."""
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = [_spawn("-m", "ibex_context.broker", "--frontend", fe, "--backend", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -118,19 +133,21 @@ def measure_broker(n: int, window: int) -> dict[str, float]:
     try:
         procs.append(_spawn("-m", "bench.hops", "echo-worker", be))
         c.connect(fe)
-        tmpl = request_templates(seed=9)[0]
+        tmpl = template(pad_kb)
         far = time.time_ns() + 3600 * 10**9
-        payloads = [encode(tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}))
-                    for i in range(n)]
+        reqs = [tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}) for i in range(n)]
+        frames = [P.legacy_request_frames(encode(r)) if legacy
+                  else P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
+                  for r in reqs]
         end = time.monotonic() + 20
         while True:  # the worker has joined once a request comes back
-            c.send_multipart([P.TAG, P.REQUEST, payloads[0]])
+            c.send_multipart(frames[0])
             if c.poll(500) and c.recv_multipart()[1] == P.REPLY:
                 break
             if time.monotonic() > end:
                 raise RuntimeError("broker and echo worker did not come up within 20 s")
         cpu0 = cpu_seconds(procs[0].pid)
-        wall = _pipelined(lambda i: c.send_multipart([P.TAG, P.REQUEST, payloads[i]]),
+        wall = _pipelined(lambda i: c.send_multipart(frames[i]),
                           lambda: c.recv_multipart()[1] == P.REPLY, n, window)
         return {"rps": n / wall, "cpu_us": (cpu_seconds(procs[0].pid) - cpu0) / n * 1e6}
     finally:
@@ -139,7 +156,7 @@ def measure_broker(n: int, window: int) -> dict[str, float]:
         stop_processes(procs, timeout_s=5)
 
 
-def measure_worker(n: int, window: int) -> dict[str, float]:
+def measure_worker(n: int, window: int, pad_kb: int = 0) -> dict[str, float]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     r = ctx.socket(zmq.ROUTER)
     r.setsockopt(zmq.LINGER, 0)
@@ -149,12 +166,14 @@ def measure_worker(n: int, window: int) -> dict[str, float]:
         if not r.poll(20_000):
             raise RuntimeError("transport-mode worker did not connect within 20 s")
         ident = r.recv_multipart()[0]
-        payload = encode(request_templates(seed=9)[0])
+        tmpl = template(pad_kb)
+        payload = encode(tmpl)
         far = time.time_ns() + 3600 * 10**9
+        header = pack_header(Envelope(tmpl.request_id, tmpl.org_id, tmpl.agent_id, far))
 
         def send(i: int) -> None:
-            stamp = P.Stamp(far, 0, time.time_ns(), 1).pack()
-            r.send_multipart([ident, P.TAG, P.REQUEST, b"client", f"h{i}".encode(), stamp, payload])
+            stamp = P.Stamp(far, 0, time.time_ns(), 1)
+            r.send_multipart([ident, *P.dispatch_frames(b"client", f"h{i}".encode(), stamp, header, payload)])
 
         def recv() -> bool:
             return r.recv_multipart()[2] == P.REPLY
@@ -169,7 +188,7 @@ def measure_worker(n: int, window: int) -> dict[str, float]:
         stop_processes(procs, timeout_s=5)
 
 
-def measure_floor(n: int, window: int) -> tuple[dict[str, float], dict[str, float]]:
+def measure_floor(n: int, window: int, pad_kb: int = 0) -> tuple[dict[str, float], dict[str, float]]:
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = [_spawn("-m", "bench.floor", "relay", fe, be), _spawn("-m", "bench.floor", "echo", "--connect", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -177,7 +196,7 @@ def measure_floor(n: int, window: int) -> tuple[dict[str, float], dict[str, floa
     c.setsockopt(zmq.LINGER, 0)
     try:
         c.connect(fe)
-        payload = encode(request_templates(seed=9)[0])
+        payload = encode(template(pad_kb))
         end = time.monotonic() + 20
         while True:
             c.send_multipart([b"probe", payload])
@@ -199,12 +218,14 @@ def measure_floor(n: int, window: int) -> tuple[dict[str, float], dict[str, floa
         stop_processes(procs, timeout_s=5)
 
 
-def run(*, n: int, window: int, repeats: int) -> dict[str, dict[str, float]]:
+def run(*, n: int, window: int, repeats: int, pad_kb: int = 0) -> dict[str, dict[str, float]]:
     rows: dict[str, list[dict[str, float]]] = {}
     for _ in range(repeats):  # interleaved, so drift hits every row alike
-        rows.setdefault("broker", []).append(measure_broker(n, window))
-        rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window))
-        relay, echo = measure_floor(n, window)
+        rows.setdefault("broker", []).append(measure_broker(n, window, pad_kb))
+        rows.setdefault("broker, headerless requests (payload envelope, as before issue 18)", []).append(
+            measure_broker(n, window, pad_kb, legacy=True))
+        rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window, pad_kb))
+        relay, echo = measure_floor(n, window, pad_kb)
         rows.setdefault("relay (zmq.proxy, C)", []).append(relay)
         rows.setdefault("echo (pyzmq, sync)", []).append(echo)
     return {name: {k: statistics.median(r[k] for r in runs) for k in ("rps", "cpu_us")}
@@ -219,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", type=int, default=5000, help="requests per measurement (default 5000)")
     ap.add_argument("--window", type=int, default=4, help="requests in flight (default 4)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per row; the median is shown (default 3)")
+    ap.add_argument("--pad-kb", type=int, default=0, help="pad the request with about this many KiB of messages")
     args = ap.parse_args(argv)
     if args.role == "echo-worker":
         echo_worker(args.endpoint)
@@ -226,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "transport-worker":
         transport_worker(args.endpoint)
         return 0
-    result = run(n=args.n, window=args.window, repeats=args.repeats)
-    print(f"CPU per request, median of {args.repeats} (n={args.n}, window {args.window}):\n")
+    result = run(n=args.n, window=args.window, repeats=args.repeats, pad_kb=args.pad_kb)
+    size = len(encode(template(args.pad_kb)))
+    print(f"CPU per request, median of {args.repeats} (n={args.n}, window {args.window}, request {size:,} bytes):\n")
     print("\n".join(table(["process", "req/s", "CPU µs per request"],
                           [[name, f"{r['rps']:.0f}", f"{r['cpu_us']:.0f}"] for name, r in result.items()])))
     return 0

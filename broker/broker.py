@@ -4,8 +4,14 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
 
 * The frontend is drained continuously into the broker's own bounded queue, so backlog never hides
   in socket buffers; when the queue is full the client hears OVERLOADED at once.
-* Credit-based dispatch: each worker announces its capacity (requests it can hold in flight; its
-  retrieval is I/O-bound). A request goes to the live worker with most free credit.
+* Credit-based dispatch under an adaptive limit: each worker announces its capacity (requests it
+  can hold in flight; its retrieval is I/O-bound) and the broker holds it to an adaptive limit
+  below that cap, cut when the worker's per-reply feedback says the downstream or its loop could
+  not keep up (``broker.admission``). A request goes to the live worker with most free slots,
+  ties to the one dispatched to least recently. With a standing queue, a request that could not
+  be answered in full is refused OVERLOADED on receipt.
+* The broker routes and authorizes on the request's header frame and never reads the payload; a
+  large payload is forwarded as the frame it arrived in, uncopied (README: Processes and data flow).
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
   monotonic ns. Expired requests are dropped at receipt, in the queue and at dispatch, counted by
   reason, and the client is told DEADLINE_EXCEEDED. A request whose deadline passes while a worker
@@ -29,18 +35,37 @@ from collections.abc import Callable
 
 import zmq
 
+from ibex_context.broker.admission import ServiceTime, StandingQueue, expected_wait_ns, shed
 from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
 from ibex_context.broker.workers import WorkerTable
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, peek_envelope
-from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded, Unavailable
-from ibex_context.shared.loopsock import readable, recv_frames, recv_message
+from ibex_context.shared.codec import Envelope, pack_header, parse_header, peek_envelope
+from ibex_context.shared.errors import (
+    DeadlineExceeded,
+    ErrorCode,
+    IbexError,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+)
+from ibex_context.shared.loopsock import readable, recv_forwarding
 from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Authorizer", "Broker", "Key", "Pending", "WorkerState"]
+
+
+def _request_payload(frames: list[object]) -> int | None:
+    """Where a client's request payload is: [client, IBX1, REQUEST, header, payload] (a headerless
+    request's payload is read here, so it is not kept uncopied)."""
+    return 4 if len(frames) == 5 and frames[2] == P.REQUEST else None
+
+
+def _reply_payload(frames: list[object]) -> int | None:
+    """Where a worker's reply payload is: [worker, IBX1, REPLY | ERROR, client, request_id, payload(, feedback)]."""
+    return 5 if len(frames) in (6, 7) and frames[2] in (P.REPLY, P.ERROR) else None
 
 
 class Broker(WorkerTable):
@@ -68,6 +93,10 @@ class Broker(WorkerTable):
         self.timers: list[tuple[int, int, Key]] = []  # (deadline_ns, attempt, key)
         self.workers: dict[bytes, WorkerState] = {}
         self.stats: collections.Counter[str] = collections.Counter()
+        self.service = ServiceTime()  # dispatch-to-reply time, for the queue-wait estimate
+        self.picks = 0  # dispatch sequence number (ties between workers go to the least recent)
+        self.admission_queue_ns = settings.admission_queue_ms * 1e6
+        self.standing = StandingQueue(self.admission_queue_ns)
         self.next_hb_ns = time.monotonic_ns() + self.hb_ns
         self.next_check_ns = 0  # next worker-liveness check (a tenth of an interval apart, not every poll)
         self.running = True
@@ -107,7 +136,7 @@ class Broker(WorkerTable):
         """Handle waiting worker messages: at most ``limit`` (None: every one waiting)."""
         n = 0
         while (limit is None or n < limit) and readable(self.back):
-            self._on_backend(recv_frames(self.back))
+            self._on_backend(recv_forwarding(self.back, _reply_payload)[0])
             n += 1
 
     def poll_once(self) -> None:
@@ -126,7 +155,7 @@ class Broker(WorkerTable):
             for _ in range(BURST):
                 if not readable(self.front):
                     break
-                self._on_frontend(*recv_message(self.front))
+                self._on_frontend(*recv_forwarding(self.front, _request_payload))
         now = time.monotonic_ns()
         if self.timers and self.timers[0][0] <= now:
             self._expire(now)
@@ -155,9 +184,7 @@ class Broker(WorkerTable):
         if isinstance(parsed, P.UsageMessage):
             self._on_usage(client, parsed.payload, last)
             return
-        # Route on the envelope only; the worker validates the whole request (full validation
-        # here cost ~25 µs of the broker's budget per request, for nothing it needs).
-        req = peek_envelope(parsed.payload, max_bytes=self.settings.max_request_bytes)
+        header, req = self._envelope(parsed)
         if isinstance(req, ErrorReply):
             self.stats["rejected_invalid"] += 1
             self._reply_error(client, req.request_id, req)
@@ -167,7 +194,22 @@ class Broker(WorkerTable):
             self.stats[refusal[0]] += 1
             self._reply_error(client, req.request_id, refusal[1])
             return
-        self._enqueue((client, req.request_id), parsed.payload, req.deadline_ns)
+        self._enqueue((client, req.request_id), header, parsed.payload, req.deadline_ns)
+
+    def _envelope(self, parsed: P.ClientRequest) -> tuple[bytes, Envelope | ErrorReply]:
+        """(header frame, routing fields) of a request. With a header frame the payload is never
+        read here (its size aside); the worker checks it agrees with the header. A legacy request's
+        envelope is read from its payload, and its header built from that."""
+        limit = self.settings.max_request_bytes
+        if parsed.header is None:
+            self.stats["legacy_requests"] += 1
+            env = peek_envelope(parsed.payload, max_bytes=limit)
+            return (b"" if isinstance(env, ErrorReply) else pack_header(env)), env
+        env = parse_header(parsed.header)
+        if not isinstance(env, ErrorReply) and len(parsed.payload) > limit:
+            env = ErrorReply(request_id=env.request_id, code=ErrorCode.INVALID_REQUEST, field="<payload>",
+                             message=f"payload of {len(parsed.payload)} bytes exceeds the limit of {limit} bytes")
+        return parsed.header, env
 
     def _refusal(self, client: bytes, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
         """(counter, error) when a well-formed request must be answered at once, else None."""
@@ -186,7 +228,25 @@ class Broker(WorkerTable):
         if len(self.queue) >= self.settings.queue_max:
             return "rejected_overloaded", Overloaded(
                 f"broker queue is full ({self.settings.queue_max} waiting); retry with backoff or another broker")
-        return None
+        return self._shed(remaining)
+
+    def _shed(self, remaining_ns: int) -> tuple[str, IbexError] | None:
+        """OVERLOADED on receipt when the request could not be answered in full (broker/admission.py):
+        its queue wait and a service time would not fit its deadline, or the queue is standing and
+        its wait is over the target. Refused now, the caller falls back now."""
+        if not self.queue:
+            self.standing.reset()  # a standing queue never empties
+        if not self.admission_queue_ns or not self.service.trusted or not self.workers:
+            return None
+        live = [w for w in self.workers.values() if not w.draining]
+        slots = sum(w.slots for w in live)
+        wait = expected_wait_ns(len(self.queue), slots, sum(max(0, w.free) for w in live), self.service.mean_ns)
+        if not shed(wait_ns=wait, service_ns=self.service.mean_ns, remaining_ns=remaining_ns,
+                    target_ns=self.admission_queue_ns, standing=self.standing.standing(time.monotonic_ns())):
+            return None
+        return "shed_overloaded", Overloaded(
+            f"shed on receipt: about {wait / 1e6:.1f} ms of queue ahead and {self.service.mean_ns / 1e6:.1f} ms "
+            f"of service with {slots} request(s) in service; retry with backoff or another broker")
 
     def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame) -> None:
         """A usage report (README "Calibrated token counts"): authorized like a request, then sent
@@ -205,7 +265,7 @@ class Broker(WorkerTable):
             self._reply_error(client, env.request_id, env)
             return
         refusal = self._refusal(client, env, last)
-        if refusal is not None and not refusal[0].startswith(("rejected_duplicate", "rejected_overloaded")):
+        if refusal is not None and not refusal[0].startswith(("rejected_duplicate", "rejected_overloaded", "shed_")):
             self.stats[f"usage_{refusal[0]}"] += 1
             self._reply_error(client, env.request_id, refusal[1])
             return
@@ -219,10 +279,10 @@ class Broker(WorkerTable):
         else:
             self.stats["usage_dropped_send_failed"] += 1
 
-    def _enqueue(self, key: Key, payload: bytes, deadline_epoch_ns: int) -> None:
+    def _enqueue(self, key: Key, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
         now_ns = time.monotonic_ns()
         remaining = deadline_epoch_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
-        p = Pending(key, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
+        p = Pending(key, header, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
         self.pending[key] = p
         self.queue.append(key)
         heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
@@ -246,22 +306,26 @@ class Broker(WorkerTable):
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms in the broker queue"))
                 continue
             stamp = P.Stamp(p.deadline_epoch_ns, (now - p.enqueued_ns) // 1000, time.time_ns(), p.attempt)
-            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1].encode(), stamp, p.payload)]):
+            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1].encode(), stamp, p.header, p.payload)]):
                 self._worker_dead(w, "send failed")
                 self.queue.appendleft(key)
                 continue
-            p.worker = w.ident
+            p.worker, p.dispatched_ns = w.ident, now
+            self.standing.on_dispatch(now - p.enqueued_ns, now)
+            self.picks += 1
+            w.picked = self.picks
             w.inflight.add(key)
             self.stats["dispatched"] += 1
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
 
     def _pick_worker(self) -> WorkerState | None:
-        """The live worker with most free credit (ties: highest ident, so the choice is stable)."""
+        """The live worker with most free slots; ties go to the one dispatched to least recently, so
+        equal workers get equal work (issue 18: a stable tie-break loaded one worker 2-3x more)."""
         best: WorkerState | None = None
         best_free = 0
         for w in self.workers.values():
             free = w.free
-            if free > best_free or (free == best_free and free > 0 and best is not None and w.ident > best.ident):
+            if free > best_free or (free == best_free and free > 0 and best is not None and w.picked < best.picked):
                 best, best_free = w, free
         return best

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ibex_context.broker.admission import Limiter
 from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import Envelope, encode_error
 from ibex_context.shared.errors import IbexError
@@ -38,6 +39,7 @@ Authorizer = Callable[[zmq.Frame, Envelope], None]
 @dataclass(slots=True)
 class Pending:
     key: Key
+    header: bytes
     payload: bytes
     deadline_epoch_ns: int
     deadline_ns: int  # local monotonic
@@ -45,6 +47,7 @@ class Pending:
     attempt: int = 1
     worker: bytes | None = None
     answered: bool = False
+    dispatched_ns: int = 0  # local monotonic, for the service time admission control learns from
 
 
 @dataclass(slots=True)
@@ -56,10 +59,17 @@ class WorkerState:
     inflight: set[Key] = field(default_factory=set)
     draining: bool = False
     stats: dict[str, int] = field(default_factory=dict)
+    limiter: Limiter | None = None  # None: fixed credit (IBEX_ADAPTIVE_LIMIT=false)
+    picked: int = 0  # when it was last dispatched to (a sequence number): ties go to the least recent
+
+    @property
+    def slots(self) -> int:
+        """Requests it may hold now: its adaptive limit, never more than its credit."""
+        return self.capacity if self.limiter is None else self.limiter.slots
 
     @property
     def free(self) -> int:
-        return 0 if self.draining else self.capacity - len(self.inflight)
+        return 0 if self.draining else self.slots - len(self.inflight)
 
 
 class BrokerBase:
@@ -106,7 +116,7 @@ class BrokerBase:
             "pid": os.getpid(),
             "queue_depth": len(self.queue),
             "pending": len(self.pending),
-            "workers": {w.worker_id: {"capacity": w.capacity, "inflight": len(w.inflight),
+            "workers": {w.worker_id: {"capacity": w.capacity, "limit": w.slots, "inflight": len(w.inflight),
                                       "draining": w.draining, "stats": w.stats}
                         for w in self.workers.values()},
             "stats": dict(self.stats),

@@ -15,6 +15,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ibex_context.broker.admission import Limiter, ServiceTime
 from ibex_context.broker.state import MIN_RETRY_NS, BrokerBase, Pending, WorkerState
 from ibex_context.shared import protocol as P
 from ibex_context.shared.errors import DeadlineExceeded, Unavailable
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 class WorkerTable(BrokerBase):
     back_monitor: zmq.Socket[bytes]
+    service: ServiceTime
     next_hb_ns: int
     next_check_ns: int
 
@@ -62,14 +64,17 @@ class WorkerTable(BrokerBase):
         if w is None:
             if from_heartbeat and info.draining:
                 return
+            limiter = Limiter(info.capacity) if self.settings.adaptive_limit else None
             w = self.workers[ident] = WorkerState(ident, info.worker_id, info.capacity,
-                                                  time.monotonic_ns() + self.hb_ns * self.liveness)
+                                                  time.monotonic_ns() + self.hb_ns * self.liveness, limiter=limiter)
             log.info("worker %s ready (capacity %d)", info.worker_id, info.capacity)
             self.stats["workers_joined"] += 1
         elif not from_heartbeat:
             # READY from a known worker means it reconnected: whatever it held was sent on the old
             # connection, and a reply queued there is gone with it. Re-dispatch rather than wait.
             w.capacity, w.draining = info.capacity, False
+            if w.limiter is not None:
+                w.limiter.set_cap(info.capacity)
             if w.inflight:
                 log.warning("worker %s reconnected with %d request(s) in flight; re-dispatching them",
                             w.worker_id, len(w.inflight))
@@ -83,6 +88,8 @@ class WorkerTable(BrokerBase):
         p = self.pending.get(key)
         w = self.workers.get(ident)
         if w is not None:
+            if p is not None and p.worker == ident:
+                self._learn(w, p, reply.feedback)
             w.inflight.discard(key)
             if w.draining and not w.inflight:
                 del self.workers[ident]
@@ -99,6 +106,14 @@ class WorkerTable(BrokerBase):
             return
         self.stats["replies" if reply.cmd == P.REPLY else "worker_errors"] += 1
         self._send_front([client, *P.reply_frames(reply.cmd, rid, reply.payload)])
+
+    def _learn(self, w: WorkerState, p: Pending, feedback: P.Feedback | None) -> None:
+        """Admission control's inputs from one reply: its service time, and the worker's signals."""
+        now = time.monotonic_ns()
+        self.service.observe(now - p.dispatched_ns)
+        if w.limiter is not None and feedback is not None:
+            w.limiter.on_reply(inflight=len(w.inflight), overloaded=feedback.overloaded,
+                               loop_lag_us=feedback.loop_lag_us, now_ns=now, service_ns=self.service.mean_ns)
 
     def _on_monitor(self) -> None:
         try:

@@ -39,7 +39,7 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
     ClientClosed,
     build,
     check_timeout,
-    encode_with_deadline,
+    encode_request,
     load_settings,
     parse_endpoints,
     to_exc,
@@ -228,18 +228,19 @@ class AsyncClient:
                 return self.conns[i]
         return None
 
-    def _encode(self, request: AssembleRequest | None, fields: dict[str, Any], deadline_ns: int) -> tuple[str, bytes]:
-        """(request_id, payload), refused here when over the size limit.
+    def _encode(self, request: AssembleRequest | None, fields: dict[str, Any],
+                deadline_ns: int) -> tuple[str, list[bytes]]:
+        """(request_id, request frames), refused here when the payload is over the size limit.
 
         The broker's ZMQ_MAXMSGSIZE drops the whole connection on an oversized message, failing
         every request in flight on it; only the client can keep one big request from doing that.
         """
-        rid, payload = encode_with_deadline(request, fields, deadline_ns)
+        rid, header, payload = encode_request(request, fields, deadline_ns)
         if len(payload) > self.max_request_bytes:
             raise InvalidRequest(f"request payload is {len(payload)} bytes, over the limit of {self.max_request_bytes} "
                                  "bytes (IBEX_MAX_REQUEST_BYTES); shorten recent_messages or tool_schemas",
                                  field="<payload>", request_id=rid)
-        return rid, payload
+        return rid, P.request_frames(header, payload)
 
     async def assemble(self, request: AssembleRequest | None = None, *, timeout: float | None = None,
                        **fields: Any) -> AssembleResponse:
@@ -251,7 +252,7 @@ class AsyncClient:
         """
         self._check_open()
         timeout = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
-        rid, payload = self._encode(request, fields, time.time_ns() + int(timeout * 1e9))
+        rid, frames = self._encode(request, fields, time.time_ns() + int(timeout * 1e9))
         await self.start()
         end = time.monotonic() + timeout
         tried: set[int] = set()
@@ -267,7 +268,7 @@ class AsyncClient:
                 continue
             if conn is None or remaining <= (MIN_RETRY_S if last else 0):
                 break
-            reply, sent = await self._attempt(conn, rid, payload, remaining, end, timeout)
+            reply, sent = await self._attempt(conn, rid, frames, remaining, end, timeout)
             if isinstance(reply, AssembleResponse):
                 return reply
             if not sent:
@@ -280,14 +281,14 @@ class AsyncClient:
             self.stats["failovers"] += 1
         raise self._failure(last, rid)
 
-    async def _attempt(self, conn: Conn, rid: str, payload: bytes, remaining: float, end: float,
+    async def _attempt(self, conn: Conn, rid: str, frames: list[bytes], remaining: float, end: float,
                        timeout: float) -> tuple[AssembleResponse | ErrorReply, bool]:
         """One try on one broker: (its answer, whether the request was sent). No answer by the
         deadline, or one that arrives after it, is ``DeadlineExceeded``: nothing late is handed back."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[AssembleResponse | ErrorReply | None] = loop.create_future()
         conn.waiting[rid] = fut
-        exc = conn.sock.send(P.request_frames(payload))
+        exc = conn.sock.send(frames)
         if exc is not None:  # not connected (IMMEDIATE) or pipe full
             conn.waiting.pop(rid, None)
             return ErrorReply(request_id=rid, code=ErrorCode.UNAVAILABLE,

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.shared.codec import encode_document
+from ibex_context.shared.codec import Envelope, encode_document, pack_header
 from ibex_context.shared.errors import ERROR_BY_CODE, IbexError, Internal, InvalidRequest
 from ibex_context.shared.models import AssembleRequest, ErrorReply
 from ibex_context.shared.settings import Settings
@@ -102,14 +102,28 @@ def invalid_fields(exc: ValidationError, request_id: str | None = None) -> Inval
 def encode_with_deadline(request: AssembleRequest | None, fields: dict[str, Any],
                          deadline_ns: int) -> tuple[str, bytes]:
     """(request_id, wire payload) with the deadline stamped; a given request is not copied first."""
+    rid, _, payload = encode_request(request, fields, deadline_ns)
+    return rid, payload
+
+
+def encode_request(request: AssembleRequest | None, fields: dict[str, Any],
+                   deadline_ns: int) -> tuple[str, bytes, bytes]:
+    """(request_id, header frame, payload): the header carries the routing fields the broker reads
+    (``codec.pack_header``), the payload the whole request with its deadline stamped."""
     if request is None or fields:
         req = build(request, fields, deadline_ns)  # validates fields; refuses a request plus fields
-        return req.request_id, encode_document(req.model_dump(mode="python"), req.request_id)
-    if not isinstance(request, AssembleRequest):
+        doc = req.model_dump(mode="python")
+    elif not isinstance(request, AssembleRequest):
         raise InvalidRequest(f"request must be an AssembleRequest, got {type(request).__name__}", field="request")
-    doc = request.model_dump(mode="python")
-    doc["deadline_ns"] = deadline_ns
-    return request.request_id, encode_document(doc, request.request_id)
+    else:
+        req = request
+        doc = request.model_dump(mode="python")
+        doc["deadline_ns"] = deadline_ns
+    try:
+        header = pack_header(Envelope(req.request_id, req.org_id, req.agent_id, deadline_ns))
+    except ValueError as exc:
+        raise InvalidRequest(f"request header: {exc}", field="<header>", request_id=req.request_id) from None
+    return req.request_id, header, encode_document(doc, req.request_id)
 
 
 def build(request: AssembleRequest | None, fields: dict[str, Any], deadline_ns: int) -> AssembleRequest:

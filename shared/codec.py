@@ -7,6 +7,7 @@ nested payload is refused before Python objects are built for it.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, NamedTuple, TypeVar
 
 import msgpack
@@ -252,6 +253,70 @@ def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelop
     if type(deadline) is not int or deadline <= 0:
         return bad("deadline_ns", "a positive integer (Unix epoch nanoseconds) is required")
     return Envelope(request_id, obj["org_id"], obj["agent_id"], deadline)
+
+
+# The routing header (issue 18): what the broker routes and authorizes on, in a small fixed layout
+# beside the payload, so the broker never unpacks a request. version u8, deadline_ns u64, then the
+# UTF-8 lengths of request_id (u16: 128 characters may take 512 bytes), org_id and agent_id (u8
+# each), then the three strings.
+_HEADER = struct.Struct("<BQHBB")
+
+
+def pack_header(env: Envelope) -> bytes:
+    """The header frame for a request; ``ValueError`` when a field cannot be carried (the wire
+    model refuses those values first, so the client library never meets it)."""
+    rid, org, agent = (x.encode("utf-8") for x in (env.request_id, env.org_id, env.agent_id))
+    if len(rid) > 65535 or len(org) > 255 or len(agent) > 255 or not 0 < env.deadline_ns < 1 << 64:
+        raise ValueError("request header field out of range")
+    return _HEADER.pack(PROTOCOL_VERSION, env.deadline_ns, len(rid), len(org), len(agent)) + rid + org + agent
+
+
+def parse_header(data: bytes) -> Envelope | ErrorReply:
+    """The header frame, checked exactly as ``peek_envelope`` checks the same fields of a payload
+    (the worker then verifies the payload agrees, see ``header_mismatch``)."""
+    if len(data) < _HEADER.size:
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST, field="<header>",
+                          message=f"request header of {len(data)} bytes is shorter than {_HEADER.size}")
+    version, deadline, n_rid, n_org, n_agent = _HEADER.unpack_from(data)
+    if len(data) != _HEADER.size + n_rid + n_org + n_agent:
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST, field="<header>",
+                          message=f"request header is {len(data)} bytes, its lengths say "
+                                  f"{_HEADER.size + n_rid + n_org + n_agent}")
+    o = _HEADER.size
+    try:
+        rid, org, agent = (data[a:b].decode("utf-8") for a, b in
+                           ((o, o + n_rid), (o + n_rid, o + n_rid + n_org), (o + n_rid + n_org, len(data))))
+    except UnicodeDecodeError:
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST, field="<header>", message="request header is not UTF-8")
+    request_id = rid if 1 <= len(rid) <= 128 else None
+
+    def bad(field: str, why: str) -> ErrorReply:
+        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=f"{field}: {why}",
+                          field=field)
+
+    if version != PROTOCOL_VERSION:
+        return _version_error(version, request_id)
+    if request_id is None:
+        return bad("request_id", "a string of 1 to 128 characters is required")
+    if not is_ident(org):
+        return bad("org_id", "1 to 64 of A-Z a-z 0-9 _ . - is required")
+    if not is_ident(agent):
+        return bad("agent_id", "1 to 64 of A-Z a-z 0-9 _ . - is required")
+    if deadline <= 0:
+        return bad("deadline_ns", "a positive integer (Unix epoch nanoseconds) is required")
+    return Envelope(request_id, org, agent, deadline)
+
+
+def header_mismatch(env: Envelope, req: AssembleRequest) -> ErrorReply | None:
+    """INVALID_REQUEST naming the first field where the payload disagrees with the header it came
+    with: the broker routed and authorized on the header, so the two may never name different
+    tenants (or requests, or deadlines)."""
+    for field in ("request_id", "org_id", "agent_id", "deadline_ns"):
+        if getattr(env, field) != getattr(req, field):
+            return ErrorReply(request_id=env.request_id, code=ErrorCode.INVALID_REQUEST, field=field,
+                              message=f"{field}: the payload says {getattr(req, field)!r:.80}, its header says "
+                                      f"{getattr(env, field)!r:.80}; they must agree")
+    return None
 
 
 def decode_reply(data: bytes, *, max_bytes: int = 64 << 20) -> AssembleResponse | ErrorReply:

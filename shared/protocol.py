@@ -2,22 +2,32 @@
 
 Every message starts with the protocol tag, then a one-byte command (zguide Majordomo style):
 
-client  -> broker   [IBX1, REQUEST, payload]
+client  -> broker   [IBX1, REQUEST, header, payload]           (legacy [IBX1, REQUEST, payload] too)
 broker  -> client   [IBX1, REPLY | ERROR, request_id, payload]
 client  -> broker   [IBX1, STATUS]   ->   [IBX1, STATUS, msgpack snapshot]   (ops and tests)
 client  -> broker   [IBX1, USAGE, payload]     a provider's usage report; no reply unless refused
 
 worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
 worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
-worker  -> broker   [IBX1, REPLY | ERROR, client_id, request_id, payload]
+worker  -> broker   [IBX1, REPLY | ERROR, client_id, request_id, payload(, feedback)]
 worker  -> broker   [IBX1, DISCONNECT]                       stop sending me work (SIGTERM drain)
-broker  -> worker   [IBX1, REQUEST, client_id, request_id, stamp, payload]
+broker  -> worker   [IBX1, REQUEST, client_id, request_id, stamp, header, payload]
 broker  -> worker   [IBX1, HEARTBEAT]
 broker  -> worker   [IBX1, USAGE, payload]     forwarded after the broker authorized it; no reply
+
+``feedback`` (optional, ``Feedback``): what the broker's admission control learns from the worker
+about this request (a retrieval branch timed out; how long it waited for the worker's loop).
 
 (ROUTER sockets add and strip the peer's routing id in front.) ``stamp`` is msgpack
 {deadline_ns, queued_us, sent_ns, attempt}: the broker's queue wait and dispatch time travel with the
 request so the reply can carry them. Payloads are the codec's msgpack models.
+
+``header`` (``codec.pack_header``, issue 18) carries what the broker routes and authorizes on
+(version, request_id, org_id, agent_id, deadline_ns) in a small fixed layout, so the broker's cost
+does not grow with the payload: it checks the header as strictly as it once checked those fields of
+the payload, and forwards header and payload untouched. The worker refuses a payload that disagrees
+with its header (``codec.header_mismatch``). A client that sends no header (a raw or older client)
+is still served: the broker reads the same fields from the payload and builds the header itself.
 
 Every frame kind has a builder (``*_frames``) and one parser per direction (``parse_*``); a
 message that is none of the kinds raises ``FrameError`` naming what was wrong, so broker, worker,
@@ -33,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
+
+from ibex_context.shared.feedback import Feedback as Feedback  # re-exported: part of the wire
 
 TAG = b"IBX1"
 
@@ -168,6 +180,7 @@ def _unpack_snapshot(data: bytes) -> dict[str, Any]:
 
 class ClientRequest(NamedTuple):
     payload: bytes
+    header: bytes | None = None  # None: a legacy request; the broker reads the payload's envelope
 
 
 class StatusRequest(NamedTuple):
@@ -180,7 +193,12 @@ class UsageMessage(NamedTuple):
     payload: bytes
 
 
-def request_frames(payload: bytes) -> list[bytes]:
+def request_frames(header: bytes, payload: bytes) -> list[bytes]:
+    return [TAG, REQUEST, header, payload]
+
+
+def legacy_request_frames(payload: bytes) -> list[bytes]:
+    """A request without a header frame (raw clients, tests of the broker's payload checks)."""
     return [TAG, REQUEST, payload]
 
 
@@ -196,13 +214,15 @@ def usage_frames(payload: bytes) -> list[bytes]:
 def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest | UsageMessage:
     """What a client sent the broker (routing id already stripped)."""
     if frames and frames[0] == TAG:
+        if len(frames) == 4 and frames[1] == REQUEST:
+            return ClientRequest(frames[3], frames[2])
         if len(frames) == 3 and frames[1] == REQUEST:
             return ClientRequest(frames[2])
         if len(frames) == 3 and frames[1] == USAGE:
             return UsageMessage(frames[2])
         if len(frames) == 2 and frames[1] == STATUS:
             return StatusRequest()
-    raise FrameError(f"expected frames [{TAG!r}, REQUEST, payload], got {len(frames)} frame(s)")
+    raise FrameError(f"expected frames [{TAG!r}, REQUEST, header, payload], got {len(frames)} frame(s)")
 
 
 # broker -> client
@@ -255,6 +275,7 @@ class WorkerReply(NamedTuple):
     client: bytes
     request_id: bytes
     payload: bytes
+    feedback: Feedback | None = None
 
 
 class WorkerDisconnect(NamedTuple):
@@ -273,8 +294,12 @@ def heartbeat_frames(info: Info | None = None) -> list[bytes]:
     return [TAG, HEARTBEAT] if info is None else [TAG, HEARTBEAT, info.pack()]
 
 
-def worker_reply_frames(cmd: bytes, client: bytes, request_id: bytes, payload: bytes) -> list[bytes]:
-    return [TAG, cmd, client, request_id, payload]
+def worker_reply_frames(cmd: bytes, client: bytes, request_id: bytes, payload: bytes,
+                        feedback: Feedback | None = None) -> list[bytes]:
+    frames = [TAG, cmd, client, request_id, payload]
+    if feedback is not None:
+        frames.append(feedback.pack())
+    return frames
 
 
 def disconnect_frames() -> list[bytes]:
@@ -294,6 +319,12 @@ def parse_worker_message(frames: list[bytes]) -> WorkerMessage:
     n = len(frames)
     if cmd in (REPLY, ERROR) and n == 5:
         return WorkerReply(cmd, frames[2], frames[3], frames[4])
+    if cmd in (REPLY, ERROR) and n == 6:
+        try:
+            feedback = Feedback.unpack(frames[5])
+        except ValueError:  # the reply itself is still good: forward it, learn nothing from it
+            feedback = None
+        return WorkerReply(cmd, frames[2], frames[3], frames[4], feedback)
     if cmd == HEARTBEAT:  # only a three-frame heartbeat carries info; any other is liveness alone
         return WorkerHeartbeat(_info(frames[2]) if n == 3 else None)
     if cmd == READY and n == 3:
@@ -310,7 +341,8 @@ class Dispatch(NamedTuple):
     client: bytes
     request_id: bytes
     stamp: Stamp
-    payload: bytes
+    header: bytes  # as the client sent it (or as the broker built it for a legacy request)
+    payload: bytes  # untouched
 
 
 class BrokerHeartbeat(NamedTuple):
@@ -322,8 +354,8 @@ class DrainAck(NamedTuple):
     ZeroMQ keeps a pipe's order, so every request dispatched before it arrives before it."""
 
 
-def dispatch_frames(client: bytes, request_id: bytes, stamp: Stamp, payload: bytes) -> list[bytes]:
-    return [TAG, REQUEST, client, request_id, stamp.pack(), payload]
+def dispatch_frames(client: bytes, request_id: bytes, stamp: Stamp, header: bytes, payload: bytes) -> list[bytes]:
+    return [TAG, REQUEST, client, request_id, stamp.pack(), header, payload]
 
 
 def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat | DrainAck | UsageMessage:
@@ -335,10 +367,10 @@ def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat | Dr
         return UsageMessage(frames[2])
     if cmd == DISCONNECT and len(frames) == 2:
         return DrainAck()
-    if cmd != REQUEST or len(frames) != 6:
+    if cmd != REQUEST or len(frames) != 7:
         raise FrameError(f"broker message: unexpected command {cmd!r} with {len(frames)} frame(s)")
-    _, _, client, rid, stamp, payload = frames
+    _, _, client, rid, stamp, header, payload = frames
     try:
-        return Dispatch(client, rid, Stamp.unpack(stamp), payload)
+        return Dispatch(client, rid, Stamp.unpack(stamp), header, payload)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise MalformedStamp("broker sent a malformed stamp", client, rid) from exc

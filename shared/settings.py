@@ -64,6 +64,11 @@ class _TimeoutSettings(CommonSettings):
 class BrokerSettings(_LinkSettings):
     broker_frontend: str = "tcp://127.0.0.1:5555"
     queue_max: int = Field(1024, ge=1)
+    # Admission control (issue 18, broker/admission.py): requests whose expected queue wait is over
+    # this are refused OVERLOADED on receipt; 0 turns the estimate off (only queue_max then).
+    admission_queue_ms: float = Field(5.0, ge=0, description="Shed on receipt above this expected queue wait.")
+    # false: every worker holds exactly its credit (the fixed behaviour before issue 18).
+    adaptive_limit: bool = Field(True, description="Adaptive per-worker concurrency limit, credit as the cap.")
     # -- authentication (CURVE + ZAP; README: Authentication) --------------------------------
     auth_keys_file: str | None = Field(None, description="Broker: keys file mapping client keys to orgs.")
     broker_key_file: str | None = Field(None, description="Broker: its own CURVE keypair file.")

@@ -150,7 +150,8 @@ def test_hops_measures_every_process(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| process")]
     names = [r.split("|")[1].strip() for r in rows if not r.startswith("| ---")]
-    assert names == ["broker", "worker (transport mode)", "relay (zmq.proxy, C)", "echo (pyzmq, sync)"]
+    assert names == ["broker", "broker, headerless requests (payload envelope, as before issue 18)",
+                     "worker (transport mode)", "relay (zmq.proxy, C)", "echo (pyzmq, sync)"]
     for r in rows:
         if r.startswith("| ---"):
             continue
@@ -166,3 +167,22 @@ def test_memclient_compares_both_clients_on_real_data(tmp_path: Path, capsys: py
     for r in rows:
         cpu, p50, p99 = (float(x) for x in r.strip("| \n").split("|")[1:])
         assert 0 < cpu and 0 < p50 <= p99, r
+
+
+@pytest.mark.timeout(240)
+def test_peers_serve_the_same_pipeline_and_report_every_row(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.peers --quick on the real stack and the two real peers: every system answers, the
+    full-mode ladder has replies with server CPU measured, the table has every system's column."""
+    from bench import peers
+
+    assert peers.main(["--quick", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "peers.json").read_text())
+    for system in ("ibex", "grpc", "http"):
+        tr = res["transport"][system]
+        assert tr["responses"] > 0 and tr["untyped_errors"] == 0, (system, tr["errors"])
+        ladder = res["full"][system]["ladder"]
+        assert sum(p["responses"] for p in ladder) > 0, (system, ladder[0]["errors"])
+        assert all(p["server_cpu_us_per_reply"] > 0 for p in ladder)
+    out = capsys.readouterr().out
+    assert "| transport: server CPU per reply |" in out and "ibex | grpc | http" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import time
 
 import msgpack
@@ -16,6 +17,9 @@ from ibex_context.shared.codec import (
     decode_request,
     encode,
     encode_error,
+    header_mismatch,
+    pack_header,
+    parse_header,
     peek_envelope,
     unpack,
 )
@@ -179,3 +183,69 @@ def test_tool_schemas_must_be_json(schemas: list[dict[object, object]], field: s
     err = decode_request(_pack(_req(tool_schemas=schemas)))
     assert isinstance(err, ErrorReply) and err.code == ErrorCode.INVALID_REQUEST
     assert err.field == field, err
+
+
+# ------------------------------------------------------------------ the routing header (issue 18)
+
+
+def _header(**over: object) -> Envelope:
+    fields: dict[str, object] = {"request_id": "r-1", "org_id": "acme", "agent_id": "support-bot",
+                                 "deadline_ns": time.time_ns() + 10**9, **over}
+    return Envelope(**fields)  # type: ignore[arg-type]
+
+
+_header_values = {
+    "request_id": st.text(max_size=140) | st.text(alphabet="é€😀ab", min_size=120, max_size=130),
+    "org_id": st.text(max_size=70) | st.text(alphabet="abcXYZ019_.-:/ \n", max_size=70),
+    "agent_id": st.text(max_size=70) | st.text(alphabet="abcXYZ019_.-:/ \n", max_size=70),
+    "deadline_ns": st.integers(min_value=-5, max_value=2**64 - 1),
+}
+
+
+@given(data=st.data(), field=st.sampled_from(sorted(_header_values)))
+def test_header_accepts_exactly_what_the_model_accepts(data: st.DataObject, field: str) -> None:
+    """The broker routes and authorizes on the header; whatever it accepts carries the very values
+    the worker's model holds, and a value the model refuses in one of these fields is refused."""
+    env = _header(**{field: data.draw(_header_values[field])})
+    full = decode_request(_pack(_req(**env._asdict())))
+    try:
+        parsed = parse_header(pack_header(env))
+    except ValueError:  # cannot even be carried: the model must refuse it too
+        assert isinstance(full, ErrorReply)
+        return
+    if isinstance(full, AssembleRequest):
+        assert parsed == (full.request_id, full.org_id, full.agent_id, full.deadline_ns)
+    else:
+        assert isinstance(parsed, ErrorReply) and parsed.field == full.field == field, (parsed, full)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        (b"", "<header>", "shorter"),
+        (b"\x01" * 12, "<header>", "shorter"),
+        (pack_header(_header())[:-1], "<header>", "lengths say"),
+        (pack_header(_header()) + b"x", "<header>", "lengths say"),
+        (pack_header(_header(org_id="acme")).replace(b"acme", b"ac\xffe"), "<header>", "UTF-8"),
+        (b"\x07" + pack_header(_header())[1:], "v", "protocol version"),
+        (pack_header(_header(org_id="ac:me")), "org_id", "org_id"),
+        (pack_header(_header(agent_id="a b")), "agent_id", "agent_id"),
+        (pack_header(_header(request_id="")), "request_id", "request_id"),
+        (struct.pack("<BQHBB", 1, 0, 1, 1, 1) + b"rab", "deadline_ns", "deadline_ns"),
+    ],
+)
+def test_header_refusals_name_the_problem(data: bytes, field: str, words: str) -> None:
+    err = parse_header(data)
+    assert isinstance(err, ErrorReply) and err.code == ErrorCode.INVALID_REQUEST
+    assert err.field == field and words in err.message, err
+
+
+@pytest.mark.parametrize("field", ["request_id", "org_id", "agent_id", "deadline_ns"])
+def test_a_payload_that_disagrees_with_its_header_is_refused(field: str) -> None:
+    env = _header()
+    other = {"request_id": "r-2", "org_id": "globex", "agent_id": "other-bot", "deadline_ns": env.deadline_ns + 1}
+    req = AssembleRequest.model_validate(_req(**{**env._asdict(), field: other[field]}))
+    err = header_mismatch(env, req)
+    assert err is not None and err.field == field and "must agree" in err.message
+    assert err.request_id == env.request_id  # answered under the id the broker routed on
+    assert header_mismatch(env, AssembleRequest.model_validate(_req(**env._asdict()))) is None

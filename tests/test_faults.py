@@ -28,6 +28,7 @@ import zmq
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import Envelope, pack_header
 from ibex_context.shared.errors import IbexError
 from ibex_context.shared.models import AssembleResponse
 from tests.helpers import start_stack
@@ -246,7 +247,8 @@ def _dispatch(router: zmq.Socket[bytes], worker: bytes, rid: bytes) -> None:
     payload = msgpack.packb({"v": 1, "request_id": rid.decode(), "org_id": "acme", "agent_id": "support-bot",
                              "model": "gpt-4o", "query": "invoice", "deadline_ns": deadline_ns})
     stamp = P.Stamp(deadline_ns, 0, time.time_ns(), 1).pack()
-    router.send_multipart([worker, P.TAG, P.REQUEST, b"client", rid, stamp, payload])
+    header = pack_header(Envelope(rid.decode(), "acme", "support-bot", deadline_ns))
+    router.send_multipart([worker, P.TAG, P.REQUEST, b"client", rid, stamp, header, payload])
 
 
 def _read_until(router: zmq.Socket[bytes], match: Callable[[list[bytes]], bool], answers: dict[bytes, bytes],

@@ -22,6 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import Envelope, pack_header
 from tests.helpers import start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_MAX_REQUEST_BYTES": "65536"}
@@ -201,12 +202,19 @@ def test_worker_survives_malformed_frames(tmp_path: Path) -> None:
         wait_for("worker READY", ready, 30, tmp_path / "worker.log")
         w = ident[0]
         stamp = P.Stamp(time.time_ns() + 5 * 10**9, 0, time.time_ns(), 1).pack()
+        def framed(rid: str, payload: bytes | None = None, **over: Any) -> list[bytes]:
+            """header + payload of one request; ``payload`` replaces the valid one the header was made from."""
+            v = _valid(request_id=rid, **over)
+            head = pack_header(Envelope(rid, v["org_id"], v["agent_id"], v["deadline_ns"]))
+            return [head, msgpack.packb(v) if payload is None else payload]
+
         garbage: list[list[bytes]] = [
-            [w, P.TAG, P.REQUEST, b"c", b"r1", b"\xc1", b"x"],  # bad stamp
-            [w, P.TAG, P.REQUEST, b"c", b"r2", stamp, b"\xc1\xc1"],  # bad msgpack
-            [w, P.TAG, P.REQUEST, b"c", b"r3", stamp, msgpack.packb(_valid(v=7))],  # unknown version
-            [w, P.TAG, P.REQUEST, b"c", b"r4", stamp, msgpack.packb(_valid(query=math.nan))],
-            [w, P.TAG, P.REQUEST, b"c", b"r5", stamp, msgpack.packb({"deep": [[[[[[[[[[[[1]]]]]]]]]]]]})],
+            [w, P.TAG, P.REQUEST, b"c", b"r1", b"\xc1", *framed("r1")],  # bad stamp
+            [w, P.TAG, P.REQUEST, b"c", b"r2", stamp, *framed("r2", b"\xc1\xc1")],  # bad msgpack
+            [w, P.TAG, P.REQUEST, b"c", b"r3", stamp, *framed("r3", v=7)],  # unknown version
+            [w, P.TAG, P.REQUEST, b"c", b"r4", stamp, *framed("r4", query=math.nan)],
+            [w, P.TAG, P.REQUEST, b"c", b"r5", stamp, *framed("r5", msgpack.packb({"deep": [[[[[[[[[[[[1]]]]]]]]]]]]}))],  # noqa: E501
+            [w, P.TAG, P.REQUEST, b"c", b"r6", stamp, b"\x01short", msgpack.packb(_valid(request_id="r6"))],
         ]
         for g in garbage:
             router.send_multipart(g)
@@ -214,8 +222,9 @@ def test_worker_survives_malformed_frames(tmp_path: Path) -> None:
             router.send_multipart(junk)  # not request-shaped: ignored and counted
         errors = {rid: (f[2], msgpack.unpackb(f[5])["code"]) for rid, f in _answers(router, len(garbage)).items()}
         invalid = (P.ERROR, "INVALID_REQUEST")
-        assert errors == {b"r1": (P.ERROR, "INTERNAL"), b"r2": invalid, b"r3": invalid, b"r4": invalid, b"r5": invalid}
-        router.send_multipart([w, P.TAG, P.REQUEST, b"c", b"ok", stamp, msgpack.packb(_valid(request_id="ok"))])
+        assert errors == {b"r1": (P.ERROR, "INTERNAL"), b"r2": invalid, b"r3": invalid, b"r4": invalid, b"r5": invalid,
+                          b"r6": invalid}
+        router.send_multipart([w, P.TAG, P.REQUEST, b"c", b"ok", stamp, *framed("ok")])
         reply = _answers(router, 1).get(b"ok")
         assert reply is not None and reply[2] == P.REPLY  # degraded (no memory service), but served
         assert proc.poll() is None

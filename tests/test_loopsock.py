@@ -50,6 +50,29 @@ def test_frame_loops_round_trip_and_report_again(pair: tuple[zmq.Socket[bytes], 
     assert exc.value.errno == zmq.EHOSTUNREACH
 
 
+def test_a_forwarded_payload_is_not_copied_and_nothing_else_stays_a_frame(
+        pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]) -> None:
+    """recv_forwarding (the broker's receive): only the payload position, and only when large,
+    stays a zmq.Frame; it is sent on intact; a large frame anywhere else is bytes."""
+    router, dealer = pair
+    send_frames(dealer, [b"hello"])
+    _settle(router)
+    big, other = b"p" * (loopsock.LARGE_FRAME + 1), b"h" * (loopsock.LARGE_FRAME + 7)
+
+    def at_payload(frames: list[object]) -> int:  # [identity, a, header, payload]
+        return 3
+
+    for payload in (big, b"small"):
+        send_frames(dealer, [b"a", other, payload])
+        assert router.poll(5000)
+        parts, _ = loopsock.recv_forwarding(router, at_payload)
+        assert parts[:3] == [b"d1", b"a", other] and isinstance(parts[2], bytes)
+        assert isinstance(parts[3], zmq.Frame) == (payload is big) and bytes(parts[3]) == payload
+        send_frames(router, [b"d1", *parts[1:]])  # forwarded as received
+        assert dealer.poll(5000)
+        assert recv_frames(dealer) == [b"a", other, payload]
+
+
 async def test_messages_waiting_before_registration_and_bursts_arrive_in_order(
         pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]) -> None:
     router, dealer = pair

@@ -26,7 +26,8 @@ INFO = P.Info(capacity=4, worker_id="w-1", pid=42, stats={"replied": 3}, drainin
 
 
 def test_client_messages_round_trip() -> None:
-    assert P.parse_client_message(P.request_frames(b"payload")) == P.ClientRequest(b"payload")
+    assert P.parse_client_message(P.request_frames(b"head", b"payload")) == P.ClientRequest(b"payload", b"head")
+    assert P.parse_client_message(P.legacy_request_frames(b"payload")) == P.ClientRequest(b"payload", None)
     assert P.parse_client_message(P.status_request_frames()) == P.StatusRequest()
 
 
@@ -48,7 +49,8 @@ def test_worker_messages_round_trip() -> None:
 
 
 def test_broker_to_worker_round_trip() -> None:
-    assert P.parse_broker_message(P.dispatch_frames(b"c", b"r", STAMP, b"x")) == P.Dispatch(b"c", b"r", STAMP, b"x")
+    assert P.parse_broker_message(P.dispatch_frames(b"c", b"r", STAMP, b"h", b"x")) == P.Dispatch(
+        b"c", b"r", STAMP, b"h", b"x")
     assert P.parse_broker_message(P.heartbeat_frames()) == P.BrokerHeartbeat()
 
 
@@ -56,7 +58,7 @@ def test_broker_to_worker_round_trip() -> None:
 
 
 @pytest.mark.parametrize("frames", [
-    [], [b"nope", P.REQUEST, b"x"], [P.TAG], [P.TAG, P.REQUEST], [P.TAG, P.REQUEST, b"x", b"y"],
+    [], [b"nope", P.REQUEST, b"x"], [P.TAG], [P.TAG, P.REQUEST], [P.TAG, P.REQUEST, b"x", b"y", b"z"],
     [P.TAG, P.STATUS, b"extra"], [P.TAG, P.REPLY, b"r", b"x"], [P.TAG, b"\x7f", b"x"],
 ])
 def test_malformed_client_message_is_refused(frames: list[bytes]) -> None:
@@ -87,6 +89,7 @@ def test_malformed_worker_message_is_refused(frames: list[bytes]) -> None:
 
 @pytest.mark.parametrize("frames", [
     [], [b"nope", P.HEARTBEAT], [P.TAG, P.REQUEST, b"c", b"r", STAMP.pack()], [P.TAG, P.READY, b"x"],
+    [P.TAG, P.REQUEST, b"c", b"r", STAMP.pack(), b"payload without its header"],
 ])
 def test_malformed_broker_message_is_refused(frames: list[bytes]) -> None:
     with pytest.raises(P.FrameError) as info:
@@ -97,7 +100,7 @@ def test_malformed_broker_message_is_refused(frames: list[bytes]) -> None:
 @pytest.mark.parametrize("stamp", [b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["a", 1, 2, 3])])
 def test_malformed_stamp_still_names_whom_to_answer(stamp: bytes) -> None:
     with pytest.raises(P.MalformedStamp) as info:
-        P.parse_broker_message([P.TAG, P.REQUEST, b"client", b"r-9", stamp, b"x"])
+        P.parse_broker_message([P.TAG, P.REQUEST, b"client", b"r-9", stamp, b"h", b"x"])
     assert (info.value.client, info.value.request_id) == (b"client", b"r-9")
 
 

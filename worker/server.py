@@ -23,10 +23,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import decode_request, encode, encode_error
+from ibex_context.shared.codec import decode_request, encode, encode_error, header_mismatch, parse_header
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.loopsock import LoopSocket
-from ibex_context.shared.models import ErrorReply
+from ibex_context.shared.models import AssembleRequest, ErrorReply
 from ibex_context.shared.observability import WorkerMetrics
 from ibex_context.shared.settings import WorkerSettings
 from ibex_context.worker.assemble import Assembler
@@ -196,20 +196,34 @@ class WorkerServer:
     def on_request(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int) -> None:
         """Start assembling a live request in its own task (``deadline_ns`` is local monotonic)."""
         transit_ns = time.time_ns() - msg.stamp.sent_ns  # broker -> worker, measured before our own queueing
-        task = asyncio.create_task(self._handle(link, msg.client, msg.request_id, msg.stamp, msg.payload,
-                                                received_ns, deadline_ns, transit_ns))
+        task = asyncio.create_task(self._handle(link, msg, received_ns, deadline_ns, transit_ns))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
-    async def _handle(self, link: BrokerLink, client: bytes, rid: bytes, stamp: P.Stamp, payload: bytes,
-                      received_ns: int, deadline_ns: int, transit_ns: int) -> None:
+    def _decode(self, msg: P.Dispatch) -> AssembleRequest | ErrorReply:
+        """The whole request, validated, and checked against the header the broker routed on."""
+        env = parse_header(msg.header)
+        if isinstance(env, ErrorReply):
+            return env
+        req = decode_request(msg.payload, max_bytes=self.settings.max_request_bytes)
+        if isinstance(req, ErrorReply):
+            return req
+        mismatch = header_mismatch(env, req)
+        if mismatch is not None:
+            self.stats["header_mismatch"] += 1
+            return mismatch
+        return req
+
+    async def _handle(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int,
+                      transit_ns: int) -> None:
         started = time.monotonic_ns()
-        req = decode_request(payload, max_bytes=self.settings.max_request_bytes)
+        client, rid = msg.client, msg.request_id
+        req = self._decode(msg)
         if isinstance(req, ErrorReply):
             self.stats["invalid"] += 1
             link.send(P.worker_reply_frames(P.ERROR, client, rid, encode(req)))
             return
-        timings = {"queue_wait": stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
+        timings = {"queue_wait": msg.stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
         try:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns)
@@ -223,7 +237,10 @@ class WorkerServer:
                     f"the reply would be {len(body)} bytes, over the {self.settings.max_reply_bytes}-byte reply "
                     "limit (IBEX_MAX_REPLY_BYTES; it carries the history twice): send less history or fewer "
                     "tool schemas", field="<reply>", request_id=req.request_id)
-            link.send(P.worker_reply_frames(P.REPLY, client, rid, body))
+            # What the broker's adaptive limit learns: a branch that timed out (or never started for
+            # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
+            overloaded = any(b.status == "timeout" for b in resp.branches.values())
+            link.send(P.worker_reply_frames(P.REPLY, client, rid, body, P.Feedback(overloaded, timings["worker_wait"])))
             self.stats["replied"] += 1
             if resp.degraded:
                 self.stats["degraded"] += 1
@@ -241,11 +258,14 @@ class WorkerServer:
                 self.metrics.outcome.labels(exc.code.value).inc()
             log.warning("request failed", extra={"request_id": req.request_id, "code": exc.code.value,
                                                  "error": exc.message})
-            self._reply_error(link, client, rid, exc)
+            late = P.Feedback(True, timings["worker_wait"]) if isinstance(exc, DeadlineExceeded) else None
+            self._reply_error(link, client, rid, exc, late)
         except Exception as exc:
             self.stats["error_internal"] += 1
             log.exception("request %s failed", req.request_id)
             self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"))
 
-    def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError) -> None:
-        link.send(P.worker_reply_frames(P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None)))
+    def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError,
+                     feedback: P.Feedback | None = None) -> None:
+        link.send(P.worker_reply_frames(P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None),
+                                        feedback))

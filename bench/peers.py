@@ -1,0 +1,386 @@
+"""``python -m bench.peers [--quick]``: this stack against the same pipeline served the way a user
+would otherwise serve it (issue 18), in one run, interleaved.
+
+Three systems share one embedded Redis and one memory service seeded with the demo data:
+
+* ``ibex``: this stack (broker + 2 pinned workers, ``ibex_context.ops.local.LocalStack``), driven
+  through the real ``AsyncClient``;
+* ``grpc``: 2 grpc.aio processes on one SO_REUSEPORT port (``bench.peer_servers``), driven by a
+  grpc.aio client over 8 channels;
+* ``http``: 2 uvicorn/Starlette processes (uvloop + httptools) on one SO_REUSEPORT port, driven by
+  aiohttp over a keep-alive pool.
+
+Each peer runs this project's ``Assembler`` and codec, so only the serving differs. Load is the
+open-loop Poisson generator of ``bench.loadgen`` (one generator, one process); systems take turns
+within every round, in rotated order, so machine drift hits all alike. Phases:
+
+* ``transport``: each server answers a canned minimal reply (the stack's workers run
+  ``--mode transport``); CPU per request and latency at ``--transport-rate``.
+* ``full``: a ladder of offered rates; per system the highest rate with >= 90 % undegraded
+  on-time replies and p99 under the deadline (its saturation), then a run at 2x its own
+  saturation: on-time replies, undegraded on-time replies as a share of its undegraded peak,
+  requests shed (OVERLOADED) and how fast, replies after deadline + 5 ms.
+
+Server CPU is read from ``/proc/<pid>/task/*/schedstat`` of every server process (broker and workers,
+or the two peer processes) around each run and divided by the replies of that run; the memory
+service and Redis are reported separately. Outputs: ``bench/out/peers.json`` and ``peers.md``.
+Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.hops import cpu_seconds
+from bench.loadgen import OK, RunResult, Sample, merge_runs, open_loop
+from bench.peer_report import markdown
+from bench.peer_servers import READY_LINE
+from bench.peer_targets import GrpcTarget, HttpTarget
+from bench.run import OUT, _client, _git_commit, _runner, seed_demo, set_workers
+from bench.stats import Histograms
+from bench.workload import request_templates
+from ibex_context.client.client import AsyncClient
+from ibex_context.ops.local import LocalStack
+from ibex_context.ops.procs import stop_processes, wait_for
+from ibex_context.ops.stack import free_port
+from ibex_context.shared import protocol as P
+
+REPO = Path(__file__).resolve().parent.parent
+SYSTEMS = ("ibex", "grpc", "http")
+
+
+@dataclass
+class PeerPlan:
+    deadline_ms: float = 100.0
+    transport_rate: float = 1000.0
+    transport_rounds: int = 3
+    transport_s: float = 2.0
+    rates: list[float] = field(default_factory=lambda: [120.0, 180.0, 240.0, 300.0, 360.0, 450.0, 540.0])
+    point_s: float = 3.0
+    overload_factor: float = 2.0
+    overload_s: float = 4.0
+    pause_s: float = 0.5
+    warmup: int = 30
+    seed: int = 18
+    systems: tuple[str, ...] = SYSTEMS
+    baseline: str | None = None  # a checkout of this project to run as "ibex-base" beside the others
+
+
+QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "rates": [40.0, 80.0],
+         "point_s": 0.6, "overload_s": 0.6, "pause_s": 0.2, "warmup": 5}
+
+
+# ---------------------------------------------------------------------------------- the systems
+
+
+class LegacyFramesClient(AsyncClient):
+    """The client library sending headerless requests, for a baseline broker from before the header
+    frame (issue 18); everything else is the same client."""
+
+    def _encode(self, request: Any, fields: dict[str, Any], deadline_ns: int) -> tuple[str, list[bytes]]:
+        rid, frames = super()._encode(request, fields, deadline_ns)
+        return rid, P.legacy_request_frames(frames[-1])
+
+
+@dataclass
+class Servers:
+    stack: LocalStack
+    peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]]  # kind -> (port, processes)
+    base: LocalStack | None = None  # the baseline checkout's broker and workers (same Redis, memory)
+
+    def stacks(self) -> list[LocalStack]:
+        return [self.stack] + ([self.base] if self.base is not None else [])
+
+    def pids(self, system: str) -> list[int]:
+        if system in ("ibex", "ibex-base"):
+            st = self.stack if system == "ibex" else self.base
+            assert st is not None
+            procs = [st.broker, *st.workers]
+            return [p.pid for p in procs if p is not None and p.poll() is None]
+        return [p.pid for p in self.peers[system][1]]
+
+    def backend_pids(self) -> list[int]:
+        pids = [self.stack.memory.pid] if self.stack.memory is not None else []
+        if self.stack.embedded is not None and self.stack.embedded.pid is not None:
+            pids.append(self.stack.embedded.pid)
+        return pids
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(cpu_seconds(p) for p in pids)
+
+
+@contextlib.contextmanager
+def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = LocalStack(workers=2, mode="transport", log_dir=log_dir)
+    peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]] = {}
+    base: LocalStack | None = None
+    try:
+        stack.start()
+        seed_demo(str(stack.redis_url))
+        if plan.baseline is not None:
+            base = LocalStack(workers=2, mode="transport", log_dir=log_dir / "base", redis_url=stack.redis_url,
+                              secret=stack.secret, env={"PYTHONPATH": plan.baseline})
+            (log_dir / "base").mkdir(exist_ok=True)
+            base.memory_port = stack.memory_port  # one memory service for every system
+            base.start_broker(0)
+            base.workers = [base.start_worker(i) for i in range(2)]
+            base.wait_workers(2)
+        for kind in plan.systems:
+            if kind.startswith("ibex"):
+                continue
+            port = free_port()
+            procs = []
+            for i in range(2):
+                with open(log_dir / f"{kind}-{i}.log", "ab") as log:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "bench.peer_servers", kind, str(port),
+                                                   f"{kind}-{i}"], cwd=REPO, env=stack.env(), stdout=log,
+                                                  stderr=subprocess.STDOUT))
+            peers[kind] = (port, procs)
+        for kind, (_, procs) in peers.items():
+            for i, proc in enumerate(procs):
+                log = log_dir / f"{kind}-{i}.log"
+                wait_for(f"{kind} peer {i}", lambda log=log: READY_LINE in log.read_text(errors="replace"), 60, log)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{kind} peer {i} exited: {log.read_text()[-2000:]}")
+        yield Servers(stack, peers, base)
+    finally:
+        stop_processes([p for _, ps in peers.values() for p in ps], timeout_s=5)
+        if base is not None:
+            base.stop()
+        stack.stop()
+
+
+class Targets:
+    """One open target per system for a phase (``method``: transport or full)."""
+
+    def __init__(self, servers: Servers, plan: PeerPlan, method: str) -> None:
+        self.servers, self.plan, self.method = servers, plan, method
+        self.calls: dict[str, Any] = {}
+        self.clients: list[Any] = []
+        self.templates = request_templates(seed=plan.seed)
+
+    async def open(self, tag: str) -> None:
+        from bench.loadgen import ClientTarget
+
+        for system in self.plan.systems:
+            if system == "ibex":
+                self.clients.append(await _client(self.servers.stack.frontend))
+                self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"ibex-{tag}")
+            elif system == "ibex-base":
+                assert self.servers.base is not None
+                legacy = LegacyFramesClient(self.servers.base.frontend)
+                await legacy.wait_connected(10.0)
+                await legacy.prepare_fallback()
+                self.clients.append(legacy)
+                self.calls[system] = ClientTarget(legacy, self.templates, tag=f"base-{tag}")
+            elif system == "grpc":
+                self.calls[system] = GrpcTarget(self.servers.peers["grpc"][0], self.templates,
+                                                method="Transport" if self.method == "transport" else "Assemble",
+                                                tag=f"grpc-{tag}")
+            else:
+                self.calls[system] = HttpTarget(self.servers.peers["http"][0], self.templates,
+                                                path="/transport" if self.method == "transport" else "/assemble",
+                                                tag=f"http-{tag}")
+        for system, call in self.calls.items():
+            if system == "grpc":
+                await call.ready()
+        for system, call in self.calls.items():  # every server up and answering before any clock starts
+            await _wait_ok(system, call)
+            for k in range(self.plan.warmup):
+                await call(10_000_000 + k, 2.0)
+
+    async def aclose(self) -> None:
+        for system, call in self.calls.items():
+            if not system.startswith("ibex"):
+                await call.aclose()
+        for c in self.clients:
+            await c.aclose()
+
+
+async def _wait_ok(system: str, call: Any, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    last = ""
+    k = 0
+    while time.monotonic() < end:
+        k += 1
+        reply = await call(20_000_000 + k, 1.0)
+        if reply.outcome == OK:
+            return
+        last = reply.outcome
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{system} did not answer OK within {timeout_s:.0f} s (last outcome {last})")
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Measured:
+    run: RunResult
+    server_cpu_s: float
+    backend_cpu_s: float
+    broker: dict[str, Any] = field(default_factory=dict)  # this stack's counter deltas and worker limits
+
+
+async def _one(servers: Servers, targets: Targets, system: str, rate: float, duration_s: float,
+               seed: int, label: str) -> Measured:
+    pids, back = servers.pids(system), servers.backend_pids()
+    st = {"ibex": servers.stack, "ibex-base": servers.base}.get(system)
+    before = await asyncio.to_thread(st.status, 1.0) if st is not None else None
+    c0, b0 = _cpu(pids), _cpu(back)
+    run = await open_loop(targets.calls[system], rate=rate, duration_s=duration_s,
+                          deadline_ms=targets.plan.deadline_ms, label=label, seed=seed,
+                          meta={"system": system, "mode": targets.method})
+    m = Measured(run, _cpu(pids) - c0, _cpu(back) - b0)
+    after = await asyncio.to_thread(st.status, 1.0) if st is not None else None
+    if before and after:
+        m.broker = {"stats": {k: v - before["stats"].get(k, 0) for k, v in after["stats"].items()
+                              if v != before["stats"].get(k, 0)},
+                    "limits": {w: info.get("limit") for w, info in after["workers"].items()}}
+    await asyncio.sleep(targets.plan.pause_s)
+    return m
+
+
+def summarize(ms: list[Measured]) -> dict[str, Any]:
+    """One row: the loadgen summary of the merged runs, plus CPU per reply and the shed requests."""
+    run = merge_runs([m.run for m in ms], ms[0].run.label)
+    s = run.summary()
+    replies = max(1, s["responses"])
+    s["server_cpu_us_per_reply"] = round(sum(m.server_cpu_s for m in ms) / replies * 1e6, 1)
+    s["backend_cpu_us_per_reply"] = round(sum(m.backend_cpu_s for m in ms) / replies * 1e6, 1)
+    s["undegraded_fraction"] = round(s["complete_rps"] * s["duration_s"] / max(1, s["scheduled"]), 4)
+    s["shed"] = _shed(run.samples)
+    if ms[-1].broker:
+        s["broker"] = ms[-1].broker if len(ms) == 1 else {"limits": ms[-1].broker.get("limits")}
+    return s
+
+
+def _shed(samples: list[Sample]) -> dict[str, Any]:
+    hs = Histograms()
+    n = 0
+    for x in samples:
+        if x.reply.outcome == "OVERLOADED":
+            n += 1
+            hs.record("shed", x.latency_ns / 1000)
+    return {"count": n, "latency_us": hs.summary(("shed",)).get("shed") if n else None}
+
+
+def _healthy_undegraded(s: dict[str, Any], deadline_ms: float) -> bool:
+    lat = s["latency_us"].get("latency")
+    p99 = None if not lat else lat.get("p99")
+    return p99 is not None and p99 < deadline_ms * 1000 and s["undegraded_fraction"] >= 0.9
+
+
+def _order(plan: PeerPlan, k: int) -> list[str]:
+    systems = list(plan.systems)
+    return systems[k % len(systems):] + systems[:k % len(systems)]
+
+
+async def transport_phase(servers: Servers, plan: PeerPlan) -> dict[str, Any]:
+    targets = Targets(servers, plan, "transport")
+    await targets.open("t")
+    try:
+        runs: dict[str, list[Measured]] = {s: [] for s in plan.systems}
+        for k in range(plan.transport_rounds):
+            for system in _order(plan, k):
+                runs[system].append(await _one(servers, targets, system, plan.transport_rate, plan.transport_s,
+                                               plan.seed * 100 + k, f"{system} transport {plan.transport_rate:.0f}/s"))
+        return {system: summarize(runs[system]) for system in plan.systems}
+    finally:
+        await targets.aclose()
+
+
+async def full_phase(servers: Servers, plan: PeerPlan) -> dict[str, Any]:
+    targets = Targets(servers, plan, "full")
+    await targets.open("f")
+    try:
+        ladder: dict[str, list[dict[str, Any]]] = {s: [] for s in plan.systems}
+        for k, rate in enumerate(plan.rates):
+            for system in _order(plan, k):
+                m = await _one(servers, targets, system, rate, plan.point_s, plan.seed * 1000 + k,
+                               f"{system} full {rate:.0f}/s")
+                ladder[system].append(summarize([m]))
+        out: dict[str, Any] = {}
+        for j, system in enumerate(_order(plan, len(plan.rates))):
+            pts = ladder[system]
+            ok = [p["offered_rps"] for p in pts if _healthy_undegraded(p, plan.deadline_ms)]
+            sat = max(ok, default=None)
+            rate = plan.overload_factor * (sat or plan.rates[0])
+            m = await _one(servers, targets, system, rate, plan.overload_s, plan.seed * 7 + j,
+                           f"{system} overload {rate:.0f}/s")
+            over = summarize([m])
+            peak = max(p["complete_rps"] for p in [*pts, over])
+            peak_replies = max(p["goodput_rps"] for p in [*pts, over])
+            over["undegraded_share_of_peak"] = round(over["complete_rps"] / peak, 4) if peak else None
+            over["replies_share_of_peak"] = round(over["goodput_rps"] / peak_replies, 4) if peak_replies else None
+            out[system] = {"ladder": pts, "saturation_rps": sat, "undegraded_peak_rps": peak, "overload": over}
+        return {system: out[system] for system in plan.systems}
+    finally:
+        await targets.aclose()
+
+
+def run(plan: PeerPlan, out_dir: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"meta": {"started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                                        "commit": _git_commit(), "plan": plan.__dict__}}
+    t0 = time.monotonic()
+    with _runner() as runner, started(plan, out_dir / "peer-logs") as servers:
+        results["transport"] = runner.run(transport_phase(servers, plan))
+        for st in servers.stacks():
+            set_workers(st, 0)
+            st.mode = "full"
+            set_workers(st, 2)
+        results["full"] = runner.run(full_phase(servers, plan))
+    results["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run of a few seconds per phase")
+    ap.add_argument("--rates", help="full-mode ladder, req/s, comma-separated")
+    ap.add_argument("--transport-rate", type=float)
+    ap.add_argument("--point", type=float, help="seconds per ladder point")
+    ap.add_argument("--systems", help=f"subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--baseline", type=Path,
+                    help="another checkout of this project (e.g. a git worktree of main), run as 'ibex-base' in "
+                         "the same interleaved rounds: before/after under the same machine state")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    plan = PeerPlan(**(QUICK if args.quick else {}))
+    if args.rates:
+        plan.rates = [float(x) for x in args.rates.split(",")]
+    if args.transport_rate:
+        plan.transport_rate = args.transport_rate
+    if args.point:
+        plan.point_s = args.point
+    if args.systems:
+        plan.systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
+    if args.baseline:
+        plan.baseline = str(args.baseline.resolve())
+        plan.systems = (*plan.systems, "ibex-base")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run(plan, args.out)
+    (args.out / "peers.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    md = markdown(results)
+    (args.out / "peers.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,123 @@
+"""Admission control (issue 18): admit only what can be answered in full, shed the rest at once.
+
+Two parts, both pure bookkeeping on numbers the broker already sees:
+
+* ``Limiter``, one per worker: an adaptive concurrency limit (AIMD, as in TCP congestion control
+  and Netflix's concurrency-limits). Every reply the worker sends carries a feedback frame
+  (``protocol.Feedback``): whether a retrieval branch timed out or was skipped for lack of time
+  (the downstream is overloaded: the answer was degraded), and how long the request waited for
+  the worker's event loop (the worker's own CPU is saturated). Either signal cuts the limit by
+  ``BACKOFF`` (at most once per service time, so one burst of late replies counts once); a clean
+  reply while the limit was binding raises it by 1/limit (one slot per limit's worth of replies).
+  The worker's announced credit is only the cap, so a worker whose requests wait on I/O can hold
+  more of them than a fixed credit would allow, and one whose downstream is overloaded holds fewer.
+* ``expected_wait_ns``: how long a request arriving now would wait in the broker's queue, from
+  the queue length, the live limits and the measured service time. A request is refused
+  OVERLOADED on receipt (a client falls back in well under a millisecond) instead of waiting until
+  it can no longer be answered in full when the queue is a standing one (CoDel's distinction:
+  requests have been dispatched after more than the target wait for a whole ``STANDING_NS``, so
+  more load is arriving than the workers finish; a burst that drains is left alone) and either
+  (a) that wait plus a service time would not fit in its remaining deadline, or (b) the wait is
+  over the target and over a quarter of its remaining time (a request with seconds to spare may wait).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_LIMIT = 2.0  # a worker keeps two in flight: one on the CPU while one waits on I/O
+BACKOFF = 0.75  # multiplicative decrease on an overload signal
+LOOP_LAG_US = 5_000  # a request that waited longer than this for the worker's loop: worker CPU saturated
+EWMA = 0.05  # weight of one reply in the service-time average
+MIN_SAMPLES = 20  # replies before the queue estimate is trusted (until then only queue_max applies)
+STANDING_NS = 50_000_000  # queue waits over the target for this long: a standing queue, not a burst
+
+
+@dataclass(slots=True)
+class Limiter:
+    """One worker's adaptive concurrency limit, between ``MIN_LIMIT`` and the worker's credit."""
+
+    cap: int
+    limit: float = 0.0  # starts at the cap: a new worker is trusted with its whole credit
+    last_cut_ns: int = 0
+    cuts: int = 0
+
+    def __post_init__(self) -> None:
+        self.limit = float(self.cap) if self.limit <= 0 else min(float(self.cap), self.limit)
+
+    @property
+    def slots(self) -> int:
+        return max(1, min(self.cap, int(self.limit)))
+
+    def set_cap(self, cap: int) -> None:
+        self.cap = cap
+        self.limit = min(float(cap), self.limit)
+
+    def on_reply(self, *, inflight: int, overloaded: bool, loop_lag_us: int, now_ns: int, service_ns: float) -> None:
+        """``inflight``: what the worker held when this reply left (this request included)."""
+        if overloaded or loop_lag_us > LOOP_LAG_US:
+            if now_ns - self.last_cut_ns >= service_ns:
+                self.limit = max(MIN_LIMIT, self.limit * BACKOFF)
+                self.last_cut_ns = now_ns
+                self.cuts += 1
+        elif inflight >= self.slots:  # only a limit that was binding has shown it could be higher
+            self.limit = min(float(self.cap), self.limit + 1.0 / self.limit)
+
+
+class ServiceTime:
+    """Dispatch-to-reply time across workers, as an exponentially weighted mean (ns)."""
+
+    def __init__(self) -> None:
+        self.mean_ns = 0.0
+        self.samples = 0
+
+    def observe(self, ns: int) -> None:
+        self.samples += 1
+        self.mean_ns = float(ns) if self.samples == 1 else self.mean_ns + EWMA * (ns - self.mean_ns)
+
+    @property
+    def trusted(self) -> bool:
+        return self.samples >= MIN_SAMPLES
+
+
+def expected_wait_ns(queued: int, slots: int, free: int, service_ns: float) -> float:
+    """Queue wait of a request that arrives behind ``queued`` others when ``slots`` requests are
+    served at once (``free`` of them idle now), each taking ``service_ns``: none with a slot free
+    and nobody ahead, else (queued + 1) / slots service times less the half of one already under
+    way on average."""
+    if free > 0 and queued == 0:
+        return 0.0
+    if slots <= 0:
+        return float("inf")
+    return max(0.0, ((queued + 1) / slots - 0.5) * service_ns)
+
+
+class StandingQueue:
+    """CoDel's test for a standing queue: every request dispatched for ``STANDING_NS`` had waited
+    more than the target. Fed with each dispatched request's queue wait."""
+
+    def __init__(self, target_ns: float) -> None:
+        self.target_ns = target_ns
+        self.above_since: int | None = None
+
+    def on_dispatch(self, waited_ns: int, now_ns: int) -> None:
+        if waited_ns <= self.target_ns:
+            self.above_since = None
+        elif self.above_since is None:
+            self.above_since = now_ns
+
+    def reset(self) -> None:
+        """The queue emptied: whatever stood has drained."""
+        self.above_since = None
+
+    def standing(self, now_ns: int) -> bool:
+        return self.above_since is not None and now_ns - self.above_since >= STANDING_NS
+
+
+def shed(*, wait_ns: float, service_ns: float, remaining_ns: int, target_ns: float, standing: bool) -> bool:
+    """Whether a request with ``remaining_ns`` to its deadline is refused on receipt (module doc).
+    Only a standing queue sheds: a burst is let in (what cannot start in time still expires in the
+    queue, on time), and the estimates may be stale after a quiet spell."""
+    if not standing:
+        return False
+    return wait_ns + service_ns >= remaining_ns or wait_ns > max(target_ns, remaining_ns / 4)
