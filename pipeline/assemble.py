@@ -141,11 +141,7 @@ def assemble(
                            calibration=calibration)
     timings["budget"] = _us(t, _tick(clock, "scoring"))
     scored, result, t4 = score_and_pack(req, retrieval, counter, lines, planned.budget.usable, clock, timings)
-    if not explicit and req.options.nonce == "derived" and result.packed:
-        # Same packed memories, same block bytes (README "Prompt caching"); the budget's frame
-        # overhead is a bound over every nonce value, so it still holds.
-        render = lines.line if lines is not None else fmt.memory_line
-        nonce = fmt.derive_nonce(fmt.default_nonce_key(), [render(m.hit) for m in result.packed])
+    nonce = block_nonce(req, result, lines, nonce, derive=not explicit)
     formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
     timings["formatting"] = _us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)
@@ -167,6 +163,21 @@ def score_and_pack(
     t4 = _tick(clock, "formatting")
     timings["packing"] = _us(t3, t4)
     return scored, result, t4
+
+
+def block_nonce(req: AssembleRequest, result: PackResult, lines: LineCache | None, nonce: str, *,
+                derive: bool) -> str:
+    """The memories block's nonce, chosen before the block is rendered (once, for every form).
+
+    Derived from the packed memories' lines (``fmt.derive_nonce``): the same memories give the
+    same block bytes turn after turn (README "Prompt caching"). ``nonce`` stands when the caller
+    fixed it (``derive`` false), the request asks for ``"random"``, or nothing was packed. The
+    budget's frame overhead is a bound over every nonce value, so it holds for the derived one.
+    """
+    if not derive or req.options.nonce != "derived" or not result.packed:
+        return nonce
+    render = lines.line if lines is not None else fmt.memory_line
+    return fmt.derive_nonce(fmt.default_nonce_key(), [render(m.hit) for m in result.packed])
 
 
 def _tick(clock: Clock | None, stage: str) -> int:

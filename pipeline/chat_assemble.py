@@ -8,18 +8,16 @@ stay small; the stages are shared, so a chat request's memories get the same dec
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from ibex_context.pipeline import chat
-from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import (
     STAGES,
     Clock,
-    Formatted,
     Planned,
     Policy,
     _tick,
     _us,
+    block_nonce,
     formatting_stage,
     response,
     score_and_pack,
@@ -33,22 +31,6 @@ from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 
 MAX_REPACKS = 3
-
-
-def derive_block(formatted: Formatted, lines: LineCache | None) -> tuple[Formatted, str]:
-    """The memories block re-rendered with the nonce derived from its lines (``fmt.derive_nonce``),
-    so the same memory set gives the same bytes turn after turn (README "Chat-native assembly").
-
-    Only the nonce changes, so the kept memories and the line counts stay valid; the block's
-    exact count is taken afresh by the caller and an overshoot repacks.
-    """
-    render = lines.line if lines is not None else fmt.memory_line
-    nonce = fmt.derive_nonce(fmt.default_nonce_key(), [render(m.hit) for m in formatted.kept])
-    text = fmt.memory_section(formatted.kept, nonce, render)
-    sections = tuple(s.model_copy(update={"text": text}) if s.name == "memories" else s
-                     for s in formatted.rendered.sections)
-    rendered = fmt.Rendered(fmt.SECTION_JOIN.join(s.text for s in sections), sections)
-    return replace(formatted, rendered=rendered), nonce
 
 
 def assemble_chat(
@@ -68,10 +50,10 @@ def assemble_chat(
     timings["budget"] = _us(t, _tick(clock, "scoring"))
     scored, result, t4 = score_and_pack(req, retrieval, counter, lines, plan.budget.usable, clock, timings)
     limit = spec.context_window - plan.budget.response_reserve
+    base_nonce = nonce
     for _ in range(MAX_REPACKS):
+        nonce = block_nonce(req, result, lines, base_nonce, derive=derive_nonce)
         formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
-        if derive_nonce and req.options.nonce == "derived" and formatted.kept:
-            formatted, nonce = derive_block(formatted, lines)
         block = next((s.text for s in formatted.rendered.sections if s.name == "memories"), "") or None
         messages, system, marked = chat.render_chat(plan, retrieval.directive, block,
                                                     breakpoints=req.options.cache_breakpoints)
