@@ -173,8 +173,7 @@ def _request(args: Any) -> Any:
 
 
 def _request_file(path: str) -> dict[str, Any]:
-    from ibex_context.ops.explain import ExplainInputError
-    from ibex_context.ops.explain import _load_json as load_json
+    from ibex_context.ops.explain import ExplainInputError, load_json
 
     try:
         doc = load_json(path, "request")

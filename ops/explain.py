@@ -31,7 +31,8 @@ class ExplainInputError(Exception):
     """A bad input file; the message says which file and what is wrong."""
 
 
-def _load_json(path: str, what: str) -> Any:
+def load_json(path: str, what: str) -> Any:
+    """A JSON input file, or ``ExplainInputError`` naming the file and what is wrong (one line)."""
     try:
         text = Path(path).read_text("utf-8")
     except OSError as exc:
@@ -47,7 +48,7 @@ def _load_json(path: str, what: str) -> Any:
 
 
 def load_request(path: str) -> AssembleRequest:
-    doc = _load_json(path, "request")
+    doc = load_json(path, "request")
     if isinstance(doc, dict) and "deadline_ns" not in doc:
         doc["deadline_ns"] = time.time_ns() + 60_000_000_000  # offline: no deadline to honour
     try:
@@ -58,7 +59,7 @@ def load_request(path: str) -> AssembleRequest:
 
 
 def load_candidates(path: str) -> tuple[str | None, list[MemoryHit], list[MemoryHit]]:
-    doc = _load_json(path, "candidates")
+    doc = load_json(path, "candidates")
     if not isinstance(doc, dict):
         raise ExplainInputError(f"candidates file {path!r}: expected an object with directive, hot, cold")
     unknown = set(doc) - {"directive", "hot", "cold"}
