@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.hops import cpu_seconds
 from bench.report import table
 from bench.run import started_stack
 from ibex_context.client.client import AsyncClient
@@ -46,7 +47,6 @@ from ibex_context.memory.seed import DEMO_FILE, derived_memory_id
 from ibex_context.shared.tenancy import mint_org_token
 
 EVAL_FILE = Path(__file__).resolve().parent / "data" / "retrieval_eval.jsonl"
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +112,6 @@ class RunResult:
     first: dict[str, list[str]] = field(default_factory=dict)  # qid -> top 3 packed contents
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14, 15)
-
-
 # Named weight sets for ``--rules composite/<name>``; plain "composite" uses the packer's defaults.
 WEIGHTS = {"spec": (0.40, 0.25, 0.20, 0.10, 0.05), "rel70": (0.70, 0.10, 0.10, 0.05, 0.05),
            "rel85": (0.85, 0.05, 0.05, 0.025, 0.025)}
@@ -170,11 +165,11 @@ async def _search_cpu(url: str, secret: str, questions: list[Question], pid: int
 
         for q in questions:  # warm the index cache and the embedder
             await one(q)
-        c0 = _cpu_s(pid)
+        c0 = cpu_seconds(pid)
         for n in range(1, rounds + 1):
             for q in questions:
                 await one(q, n)
-        return (_cpu_s(pid) - c0) / (rounds * len(questions)) * 1e3
+        return (cpu_seconds(pid) - c0) / (rounds * len(questions)) * 1e3
 
 
 def summarize(res: RunResult, questions: list[Question], kinds: Sequence[str] | None = None) -> dict[str, float]:
@@ -202,11 +197,11 @@ async def _run_stack(embedder: str, cutoff: float | None, rules: list[str], ques
         try:
             for rule in rules:
                 await _assemble_all(client, questions[:5], rule)  # warm-up
-                c0 = _cpu_s(pid)
+                c0 = cpu_seconds(pid)
                 t0 = time.perf_counter()
                 res = await _assemble_all(client, questions, rule)
                 wall = time.perf_counter() - t0
-                out["rules"][rule] = {"result": res, "mem_cpu_ms": (_cpu_s(pid) - c0) / len(questions) * 1e3,
+                out["rules"][rule] = {"result": res, "mem_cpu_ms": (cpu_seconds(pid) - c0) / len(questions) * 1e3,
                                       "wall_ms": wall / len(questions) * 1e3}
         finally:
             await client.aclose()
@@ -260,10 +255,10 @@ async def _scale(n: int, embedder: str, queries: list[Question], rounds: int) ->
             build = await one({"query": "warm up", "agent_id": "agent", "limit": 50})
             print(f"first search (decodes and indexes {n} memories): {build:.0f} ms", file=sys.stderr)
             for cutoff in (0.0, 0.3):
-                c0 = _cpu_s(pid)
+                c0 = cpu_seconds(pid)
                 walls = [await one({"query": f"{q.question} [{r}-{cutoff}]", "agent_id": "agent", "limit": 50,
                                     "min_similarity": cutoff}) for r in range(rounds) for q in queries]
-                cpu = (_cpu_s(pid) - c0) / len(walls) * 1e3
+                cpu = (cpu_seconds(pid) - c0) / len(walls) * 1e3
                 walls.sort()
                 rows.append([n, embedder, cutoff, len(walls), f"{cpu:.2f}", f"{statistics.median(walls):.2f}",
                              f"{walls[int(0.9 * (len(walls) - 1))]:.2f}", f"{walls[int(0.99 * (len(walls) - 1))]:.2f}"])
