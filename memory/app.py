@@ -50,7 +50,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ibex_context.memory import store
+from ibex_context.memory import reads, store
 from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import Embedder, load_embedder
 from ibex_context.memory.http import (
@@ -103,8 +103,12 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
             except Exception:
                 log.exception("unhandled error in %s", fn.__name__)
                 response = error_response(500, "internal error")
-            log.info("%s %s %d %.2fms", request.method, request.url.path, response.status_code,
-                     (time.perf_counter() - t0) * 1000.0)
+            # One line per call that went wrong; the 200s only at DEBUG (a line per read was a
+            # tenth of this service's CPU per assembly, issue 18).
+            level = logging.DEBUG if response.status_code < 400 else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(level, "%s %s %d %.2fms", request.method, request.scope["path"], response.status_code,
+                        (time.perf_counter() - t0) * 1000.0)
             return response
 
         return handler
@@ -128,11 +132,14 @@ async def hot(svc: MemoryService, request: Request) -> Response:
     query = params.get("query")
     if query is not None and len(query) > MAX_QUERY_CHARS:
         raise ApiError(400, f"query must be at most {MAX_QUERY_CHARS} characters", field="query")
-    found = await store.load_hot(svc.redis, org, agent, int(raw_limit), svc.health)
+    embedder = svc.embedder
+    found, vectors = await reads.hot_with_vectors(
+        svc.scripts, org, agent, int(raw_limit), embedder_name=None if query is None else embedder.name,
+        dim=embedder.dim, health=svc.health)
     if query is None or not found:
         return svc.answer(found, f"{org}/{agent}")
     async with svc.limiter.hold(org):
-        return await rank_hot(svc, org, agent, found, query)
+        return await rank_hot(svc, org, agent, found, vectors, query)
 
 
 @_endpoint

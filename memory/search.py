@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from starlette.responses import JSONResponse, Response
 
-from ibex_context.memory import store
-from ibex_context.memory.embed import content_terms
+from ibex_context.memory import reads, store
+from ibex_context.memory.embed import Vectors, content_terms
 from ibex_context.memory.models import MemoryRecord, SearchBody
 from ibex_context.memory.rank import (
     Candidate,
@@ -48,34 +48,50 @@ def _candidate(rec: MemoryRecord, relevance: float) -> Candidate:
                      rec.confidence, rec.access_count)
 
 
-async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
-    embedder = svc.embedder
-    index = await store.load_index(svc.redis, org, body.agent_id, embedder_name=embedder.name,
-                                   dim=embedder.dim, embed=svc.embed, cache=svc.index_cache, health=svc.health)
+async def _relevance(svc: MemoryService, org: str, index: store.SearchIndex, text: str,
+                     body: SearchBody) -> dict[str, float]:
+    """Retrieval over the whole index with array operations: memory_id -> relevance."""
     if not index.ids:
-        return JSONResponse({"memories": []})
-    text = svc.query_text(body.query)
+        return {}
     query_vec = await svc.query_vector(org, text)
     cosines = cosine_scores(index.matrix, query_vec)
     keyword = keyword_mask(index.postings, len(index.ids), content_terms(text))
-    cutoff = embedder.min_similarity if body.min_similarity is None else body.min_similarity
+    cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
     rows, relevance = select_rows(index.id_array, cosines, keyword, min_similarity=cutoff,
                                   max_candidates=svc.config.max_candidates)
-    rel_of = {index.ids[r]: float(v) for r, v in zip(rows.tolist(), relevance.tolist(), strict=True)}
-    records = await store.hydrate(svc.redis, org, body.agent_id, sorted(rel_of), svc.health)
+    return {index.ids[r]: float(v) for r, v in zip(rows.tolist(), relevance.tolist(), strict=True)}
+
+
+async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
+    """Rank the agent's memories for the query. With a cached index this is one Redis round trip
+    (``reads.records_if_current``); after a write, the index is rebuilt first."""
+    embedder, agent = svc.embedder, body.agent_id
+    text = svc.query_text(body.query)
+    cached = svc.index_cache.peek((org, agent, embedder.name))
+    records: dict[str, MemoryRecord] | None = None
+    if cached is not None:
+        rel_of = await _relevance(svc, org, cached[1], text, body)
+        if len(rel_of) <= reads.MAX_SCRIPT_IDS:
+            records = await reads.records_if_current(svc.scripts, org, agent, sorted(rel_of), cached[0], svc.health)
+    if records is None:
+        index = await store.load_index(svc.redis, org, agent, embedder_name=embedder.name, dim=embedder.dim,
+                                       embed=svc.embed, cache=svc.index_cache, health=svc.health)
+        rel_of = await _relevance(svc, org, index, text, body)
+        records = await store.hydrate(svc.redis, org, agent, sorted(rel_of), svc.health)
+    if not records:
+        return JSONResponse({"memories": []})
     ranked = rank_hydrated_hits([_candidate(rec, rel_of[mid]) for mid, rec in records.items()],
                                 now_s=svc.clock(), relevance_floor=svc.config.relevance_floor, limit=body.limit)
     return svc.answer([(records[r.candidate.memory_id], r.candidate.relevance) for r in ranked],
-                      f"{org}/{body.agent_id}", [_extras(r) for r in ranked])
+                      f"{org}/{agent}", [_extras(r) for r in ranked])
 
 
 async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[MemoryRecord, float]],
-                   query: str) -> Response:
-    """The hot list ordered by composite with each hit's relevance to ``query``."""
-    embedder = svc.embedder
+                   vectors: dict[str, Vectors], query: str) -> Response:
+    """The hot list ordered by composite with each hit's relevance to ``query`` (``vectors``: the
+    stored ones, read with the list by ``reads.hot_with_vectors``; missing ones are embedded)."""
     text = svc.query_text(query)
     ids = [rec.memory_id for rec, _ in found]
-    vectors = await store.load_vectors(svc.redis, org, agent, ids, embedder_name=embedder.name, dim=embedder.dim)
     missing = [rec for rec, _ in found if rec.memory_id not in vectors]
     if missing:  # written by hand or by another embedder: embed now (a search would backfill them)
         for rec, vec in zip(missing, await svc.embed([r.content for r in missing]), strict=True):

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         protocol = TrackingH11Protocol if args.http == "h11" else TrackingHttpToolsProtocol
         # log_config=None: uvicorn's loggers propagate to the one handler setup_logging installed.
         uv_config = uvicorn.Config(
-            app, http=protocol, loop="uvloop", ws="none", lifespan="on", access_log=False,
+            # proxy_headers off: nothing fronts this service, and a caller on 127.0.0.1 (trusted by
+            # default) could otherwise set its own client address with X-Forwarded-For.
+            app, http=protocol, loop="uvloop", ws="none", lifespan="on", access_log=False, proxy_headers=False,
             log_level=args.log_level.lower(), log_config=None, timeout_graceful_shutdown=3,
         )
         uvicorn.Server(uv_config).run(sockets=[sock])

@@ -222,30 +222,6 @@ async def hydrate(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str],
     return out
 
 
-async def load_hot(redis: Redis, org_id: str, agent_id: str, limit: int,
-                   health: RecordHealth | None = None) -> list[tuple[MemoryRecord, float]]:
-    """The ``limit`` most salient hot memories, salience desc then memory_id."""
-    if limit <= 0:
-        return []
-    pairs = cast(list[tuple[bytes, float]],
-                 await redis.zrevrange(hot_key(org_id, agent_id), 0, limit - 1, withscores=True))
-    ids = [m.decode() for m, _ in pairs]
-    records = await hydrate(redis, org_id, agent_id, ids, health)
-    found = [(records[mid], float(score)) for mid, (_, score) in zip(ids, pairs, strict=True) if mid in records]
-    found.sort(key=lambda rs: (-rs[1], rs[0].memory_id))
-    return found
-
-
-async def load_vectors(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str], *, embedder_name: str,
-                       dim: int) -> dict[str, Vectors]:
-    """The stored vectors of ``ids`` under the current embedder (absent or wrong-sized ones left out)."""
-    if not ids:
-        return {}
-    raws = await redis.hmget(vectors_key(org_id, agent_id, embedder_name), list(ids))
-    return {mid: np.frombuffer(raw, dtype=np.float32) for mid, raw in zip(ids, raws, strict=True)
-            if isinstance(raw, bytes) and len(raw) == dim * 4}
-
-
 IndexTag = tuple[bytes | None, int]
 # Above this many memories the index is read in HSCAN pages: one HGETALL of 100,000 384-float
 # vectors (150 MB) outlasts the Redis timeout and would fail every time. The tag is read first, so
@@ -277,6 +253,13 @@ class IndexCache:
             return None
         self._entries.move_to_end(key)
         return entry[1]
+
+    def peek(self, key: tuple[str, str, str]) -> tuple[IndexTag, SearchIndex] | None:
+        """The cached index and the tag it was built at, current or not (``memory.reads``)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
 
     def put(self, key: tuple[str, str, str], tag: IndexTag, index: SearchIndex) -> None:
         self._entries[key] = (tag, index)

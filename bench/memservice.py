@@ -1,0 +1,245 @@
+"""``python -m bench.memservice``: what the reference memory service costs per assembly.
+
+Starts the embedded Redis, seeds the demo data and runs the memory service (and, with
+``--baseline DIR``, another checkout's memory service on the same Redis). Each assembly is what a
+worker sends: ``GET /v1/memories/hot`` with the question and ``POST /v1/memories/search``, side by
+side, over one pooled aiohttp session with the demo orgs' bearer tokens. Load is open-loop at a fixed
+rate (``--rate``) and closed-loop (``--concurrency`` assemblies in flight), with the demo's repeated
+questions and with a new question every time (``--new-rate``: a MiniLM query embedding costs ~10 ms
+of CPU, so a new-question run saturates far below a repeated one).
+
+Reported per row (median of the interleaved rounds): memory-service CPU and Redis CPU per assembly
+(``bench.hops.cpu_seconds`` over the service's whole process tree, so ``--workers`` counts every
+process), and p50/p99 of each call's wall time pooled over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import uvloop
+
+from bench.hops import cpu_seconds
+from bench.report import table
+from bench.run import seed_demo
+from bench.workload import AGENTS
+from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.ops.procs import http_ok, read_port_file, stop_processes, wait_for
+from ibex_context.shared.settings import Settings
+from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.worker.retrieve import HOT_QUERY_CHARS
+
+SECRET = "bench-memservice-secret"
+
+
+@dataclass
+class System:
+    """One memory service under test: its process, its URL and the CPU of its process tree."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def pids(self) -> list[int]:
+        """The server and every descendant (uvicorn ``--workers`` children)."""
+        parent_of: dict[int, int] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    parent_of[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        tree, grew = {self.proc.pid}, True
+        while grew:
+            add = {p for p, pp in parent_of.items() if pp in tree and p not in tree}
+            tree |= add
+            grew = bool(add)
+        return sorted(tree)
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(p) for p in self.pids())
+
+
+@dataclass
+class Run:
+    assemblies: int = 0
+    errors: int = 0
+    svc_cpu_us: float = 0.0
+    redis_cpu_us: float = 0.0
+    rate: float = 0.0
+    hot_ms: list[float] = field(default_factory=list)
+    search_ms: list[float] = field(default_factory=list)
+
+
+class Caller:
+    """Sends assemblies the way ``worker.retrieve`` does (same routes, params and body)."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, new_questions: bool, run: Run) -> None:
+        self.session, self.url, self.run = session, url, run
+        self.settings = Settings()
+        self.headers = {org: {"authorization": f"Bearer {mint_org_token(SECRET, org)}"}
+                        for org in {o for o, _ in AGENTS}}
+        self.plan = [(org, agent, q) for (org, agent), qs in AGENTS.items() for q in qs]
+        self.new_questions = new_questions
+        self.count = itertools.count()
+
+    async def _call(self, method: str, path: str, org: str, out: list[float], **kw: Any) -> None:
+        t0 = time.perf_counter()
+        async with self.session.request(method, self.url + path, headers=self.headers[org], **kw) as resp:
+            await resp.read()
+            if resp.status != 200:
+                self.run.errors += 1
+        out.append((time.perf_counter() - t0) * 1e3)
+
+    async def assembly(self) -> None:
+        n = next(self.count)
+        org, agent, query = self.plan[n % len(self.plan)]
+        if self.new_questions:
+            query = f"{query} (case {n})"
+        hot = {"agent_id": agent, "limit": str(self.settings.hot_limit), "query": query[:HOT_QUERY_CHARS]}
+        body = {"query": query, "agent_id": agent, "limit": self.settings.cold_limit}
+        try:
+            await asyncio.gather(self._call("GET", "/v1/memories/hot", org, self.run.hot_ms, params=hot),
+                                 self._call("POST", "/v1/memories/search", org, self.run.search_ms, json=body))
+            self.run.assemblies += 1
+        except (aiohttp.ClientError, TimeoutError):
+            self.run.errors += 1
+
+
+async def _drive(system: System, redis_pid: int, *, new: bool, rate: float | None, concurrency: int,
+                 duration_s: float) -> Run:
+    """One run: open-loop at ``rate`` assemblies/s, or closed-loop with ``concurrency`` in flight."""
+    conn = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=10)) as session:
+        caller = Caller(session, system.url, new, Run())
+        for _ in range(20):  # warm the pool and the service's caches (repeated questions)
+            await caller.assembly()
+        run = caller.run = Run()
+        c0, r0, t0 = system.cpu(), cpu_seconds(redis_pid), time.perf_counter()
+        if rate is not None:
+            tasks = []
+            for i in range(int(rate * duration_s)):
+                delay = t0 + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(caller.assembly()))
+            await asyncio.gather(*tasks)
+        else:
+            end = t0 + duration_s
+
+            async def loop() -> None:
+                while time.perf_counter() < end:
+                    await caller.assembly()
+
+            await asyncio.gather(*(loop() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        done = max(run.assemblies, 1)
+        run.svc_cpu_us = (system.cpu() - c0) / done * 1e6
+        run.redis_cpu_us = (cpu_seconds(redis_pid) - r0) / done * 1e6
+        run.rate = run.assemblies / wall
+    return run
+
+
+@contextmanager
+def _service(name: str, checkout: str | None, redis_url: str, log_dir: Path, extra: list[str],
+             embedder: str) -> Iterator[System]:
+    env = {**os.environ, "IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": embedder, "IBEX_LOG_LEVEL": "WARNING"}
+    if checkout is not None:
+        env["PYTHONPATH"] = checkout
+    port_file, log = log_dir / f"{name}.port", log_dir / f"{name}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.server", "--port", "0", "--port-file",
+                                 str(port_file), "--redis-url", redis_url, "--log-level", "warning", *extra],
+                                cwd=log_dir, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{read_port_file(port_file, proc, 60, log)[0]}"
+        wait_for(f"memory service {name}", lambda: http_ok(url + "/healthz"), 60, log)
+        yield System(name, proc, url)
+    finally:
+        stop_processes([proc])
+
+
+def _pct(values: list[float], q: float) -> str:
+    return f"{float(np.percentile(values, q)):.2f}" if values else "-"
+
+
+def _rows(results: dict[tuple[str, str], list[Run]]) -> list[list[Any]]:
+    rows = []
+    for (system, load), runs in results.items():
+        hot = [v for r in runs for v in r.hot_ms]
+        search = [v for r in runs for v in r.search_ms]
+        svc = statistics.median(r.svc_cpu_us for r in runs)
+        red = statistics.median(r.redis_cpu_us for r in runs)
+        rows.append([system, load, f"{statistics.median(r.rate for r in runs):.0f}", f"{svc:.0f}", f"{red:.0f}",
+                     f"{svc + red:.0f}", f"{_pct(hot, 50)} / {_pct(hot, 99)}",
+                     f"{_pct(search, 50)} / {_pct(search, 99)}",
+                     sum(r.errors for r in runs)])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.memservice", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=200.0, help="open-loop assemblies/s, repeated questions")
+    ap.add_argument("--new-rate", type=float, default=30.0, help="open-loop assemblies/s, new questions")
+    ap.add_argument("--concurrency", type=int, default=8, help="closed-loop assemblies in flight (0: skip)")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per run")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--embedder", default="minilm", help="IBEX_MEMORY_EMBEDDER of every service")
+    ap.add_argument("--server-args", default="", help="extra arguments for this checkout's server")
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run interleaved")
+    args = ap.parse_args(argv)
+    loads: list[tuple[str, bool, float | None]] = [(f"repeated, {args.rate:.0f}/s", False, args.rate),
+                                                   (f"new, {args.new_rate:.0f}/s", True, args.new_rate)]
+    if args.concurrency > 0:
+        loads += [(f"repeated, closed x{args.concurrency}", False, None),
+                  (f"new, closed x{args.concurrency}", True, None)]
+    results: dict[tuple[str, str], list[Run]] = {}
+    with tempfile.TemporaryDirectory(prefix="memservice-") as tmp:
+        log_dir = Path(tmp)
+        redis = EmbeddedRedis().start()
+        try:
+            seed_demo(redis.url)
+            assert redis.pid is not None
+            with _service("this", None, redis.url, log_dir, args.server_args.split(), args.embedder) as ours, \
+                    (_service("base", str(args.baseline.resolve()), redis.url, log_dir, [], args.embedder)
+                     if args.baseline else _nothing()) as base:
+                systems = [s for s in (base, ours) if s is not None]
+                for rnd in range(args.rounds):
+                    for label, new, rate in loads:
+                        for system in systems if rnd % 2 == 0 else systems[::-1]:
+                            run = uvloop.run(_drive(system, redis.pid, new=new, rate=rate,
+                                                    concurrency=args.concurrency, duration_s=args.duration))
+                            results.setdefault((system.name, label), []).append(run)
+        finally:
+            redis.close()
+    print(f"Memory service per assembly (hot with the question + search), embedder {args.embedder}, "
+          f"{args.rounds} interleaved rounds x {args.duration:.0f} s; CPU is the median of rounds:\n")
+    print("\n".join(table(["service", "load", "assemblies/s", "service CPU µs", "Redis CPU µs", "sum µs",
+                           "hot p50 / p99 ms", "search p50 / p99 ms", "errors"],
+                          sorted(_rows(results), key=lambda r: (r[1], r[0])))))
+    return 0
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
