@@ -158,13 +158,13 @@ async def _drive(system: System, redis_pid: int, *, new: bool, rate: float | Non
 @contextmanager
 def _service(name: str, checkout: str | None, redis_url: str, log_dir: Path, extra: list[str],
              embedder: str) -> Iterator[System]:
-    env = {**os.environ, "IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": embedder, "IBEX_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": embedder}
     if checkout is not None:
         env["PYTHONPATH"] = checkout
     port_file, log = log_dir / f"{name}.port", log_dir / f"{name}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.server", "--port", "0", "--port-file",
-                                 str(port_file), "--redis-url", redis_url, "--log-level", "warning", *extra],
+                                 str(port_file), "--redis-url", redis_url, *extra],
                                 cwd=log_dir, env=env, stdout=fh, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{read_port_file(port_file, proc, 60, log)[0]}"

@@ -27,13 +27,49 @@ Address = tuple[str, int]
 _LIVE: dict[Address, tuple[asyncio.Transport, asyncio.Event]] = {}
 
 
+class CoalescingTransport:
+    """A transport whose writes of one loop iteration go out as one ``write``.
+
+    uvicorn writes a response's head and its body separately, two sends where one does; on
+    loopback each send costs the service more CPU than the whole response's Python (issue 18).
+    Buffered bytes are sent at the end of the current loop iteration, or first by ``close``.
+    Everything else is the wrapped transport's.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data if isinstance(data, bytes) else bytes(data))
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _Tracking:
-    """Registers each connection's transport for ``drop_connection`` (mixed into uvicorn's protocols)."""
+    """Registers each connection's transport for ``drop_connection`` and coalesces its writes
+    (mixed into uvicorn's protocols)."""
 
     client: tuple[str, int] | None
+    transport: Any
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
+        self.transport = CoalescingTransport(cast(asyncio.Transport, transport))
         if self.client is not None:
             _LIVE[(self.client[0], self.client[1])] = (cast(asyncio.Transport, transport), asyncio.Event())
 
