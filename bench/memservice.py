@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,8 @@ from ibex_context.shared.tenancy import mint_org_token
 from ibex_context.worker.retrieve import HOT_QUERY_CHARS
 
 SECRET = "bench-memservice-secret"
+_COUNT = itertools.count()
+_NONCE = secrets.token_hex(3)
 
 
 @dataclass
@@ -96,7 +99,6 @@ class Caller:
                         for org in {o for o, _ in AGENTS}}
         self.plan = [(org, agent, q) for (org, agent), qs in AGENTS.items() for q in qs]
         self.new_questions = new_questions
-        self.count = itertools.count()
 
     async def _call(self, method: str, path: str, org: str, out: list[float], **kw: Any) -> None:
         t0 = time.perf_counter()
@@ -107,10 +109,10 @@ class Caller:
         out.append((time.perf_counter() - t0) * 1e3)
 
     async def assembly(self) -> None:
-        n = next(self.count)
+        n = next(_COUNT)
         org, agent, query = self.plan[n % len(self.plan)]
-        if self.new_questions:
-            query = f"{query} (case {n})"
+        if self.new_questions:  # never asked before in this process, nor by an earlier bench run
+            query = f"{query} (case {_NONCE}-{n})"
         hot = {"agent_id": agent, "limit": str(self.settings.hot_limit), "query": query[:HOT_QUERY_CHARS]}
         body = {"query": query, "agent_id": agent, "limit": self.settings.cold_limit}
         try:
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--embedder", default="minilm", help="IBEX_MEMORY_EMBEDDER of every service")
     ap.add_argument("--server-args", default="", help="extra arguments for this checkout's server")
+    ap.add_argument("--redis-unix", action="store_true", help="Redis on a unix socket instead of loopback TCP")
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run interleaved")
     args = ap.parse_args(argv)
     loads: list[tuple[str, bool, float | None]] = [(f"repeated, {args.rate:.0f}/s", False, args.rate),
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="memservice-") as tmp:
         log_dir = Path(tmp)
-        redis = EmbeddedRedis().start()
+        redis = EmbeddedRedis(unix_socket=args.redis_unix).start()
         try:
             seed_demo(redis.url)
             assert redis.pid is not None

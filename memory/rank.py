@@ -279,3 +279,40 @@ def components(r: Ranked) -> dict[str, float]:
     c = r.candidate
     return {"relevance": round(c.relevance, 6), "recency": round(r.recency, 6), "usefulness": c.usefulness,
             "confidence": c.confidence, "access": round(access_score(c.access_count), 6)}
+
+
+def rank_arrays(
+    memory_ids: Sequence[str], relevance: Sequence[float], features: Sequence[tuple[float, float, float, float, float]],
+    *, now_s: float, relevance_floor: float = DEFAULT_RELEVANCE_FLOOR, limit: int, weights: Weights = WEIGHTS,
+) -> tuple[list[int], list[float], list[float]]:
+    """``rank_hydrated_hits`` with array operations: (positions, composites, recencies) of the kept
+    hits, best first. ``features[i]`` is ``record_features`` of the i-th hit.
+
+    The same floating-point operations in the same order as the scalar path (which stays the
+    reference, and the tests hold the two equal), without a Python object per candidate.
+    """
+    floor = check_relevance_floor(relevance_floor)
+    n = len(memory_ids)
+    if n == 0 or limit <= 0:
+        return [], [], []
+    f = np.asarray(features, dtype=np.float64).reshape(n, 5)
+    rel = np.asarray(relevance, dtype=np.float64)
+    created, half_life_s, usefulness, confidence, access = f.T
+    with np.errstate(invalid="ignore", over="ignore"):
+        age = now_s - created
+        ok = np.isfinite(rel) & np.isfinite(usefulness) & np.isfinite(confidence) & np.isfinite(created)
+        ok &= rel >= floor
+        recency = np.where(np.isfinite(age), 0.5 ** (np.maximum(age, 0.0) / half_life_s), 0.0)
+        score = (weights.relevance * rel + weights.recency * recency + weights.usefulness * usefulness
+                 + weights.confidence * confidence + weights.access * access)
+    kept = np.flatnonzero(ok).tolist()
+    scores, recencies = score.tolist(), recency.tolist()
+    kept.sort(key=lambda i: (-scores[i], memory_ids[i]))
+    kept = kept[:limit]
+    return kept, [scores[i] for i in kept], [recencies[i] for i in kept]
+
+
+def record_features(created_at_s: float, category: str, usefulness: float, confidence: float,
+                    access_count: int) -> tuple[float, float, float, float, float]:
+    """What ``rank_arrays`` needs of one memory that does not depend on the query or the clock."""
+    return (created_at_s, half_life_days(category) * _DAY_S, usefulness, confidence, access_score(access_count))

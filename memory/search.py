@@ -14,6 +14,8 @@ salience) and the list is ordered by the composite, as search results are. Every
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -23,29 +25,42 @@ from ibex_context.memory import reads, store
 from ibex_context.memory.embed import Vectors, content_terms
 from ibex_context.memory.models import MemoryRecord, SearchBody
 from ibex_context.memory.rank import (
-    Candidate,
-    Ranked,
-    components,
     cosine_scores,
     hot_relevance,
     keyword_mask,
-    rank_hydrated_hits,
+    rank_arrays,
+    record_features,
     select_rows,
 )
 from ibex_context.memory.service import MemoryService
 
-
-def _extras(r: Ranked, salience: float | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"relevance": round(r.candidate.relevance, 6), "composite": round(r.score, 6),
-                           "components": components(r)}
-    if salience is not None:
-        out["salience"] = salience
-    return out
+_query_terms = lru_cache(maxsize=4096)(content_terms)  # repeated questions are normalised once
 
 
-def _candidate(rec: MemoryRecord, relevance: float) -> Candidate:
-    return Candidate(rec.memory_id, relevance, rec.category, rec.created_at.timestamp(), rec.usefulness,
-                     rec.confidence, rec.access_count)
+@lru_cache(maxsize=16384)
+def _features(rec: MemoryRecord) -> tuple[float, float, float, float, float]:
+    return record_features(rec.created_at.timestamp(), rec.category, rec.usefulness, rec.confidence, rec.access_count)
+
+
+def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float], *,
+            salience: Sequence[float] | None, floor: float, limit: int) -> Response:
+    """Rank ``recs`` by the composite (``rank.rank_arrays``) and answer with each hit's relevance,
+    composite and components; hot hits (``salience`` given) also carry their salience, which is
+    their ``similarity``; a search hit's similarity is its relevance."""
+    kept, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r) for r in recs],
+                                          now_s=svc.clock(), relevance_floor=floor, limit=limit)
+    found: list[tuple[MemoryRecord, float]] = []
+    extras: list[dict[str, Any]] = []
+    for i, score, recency in zip(kept, scores, recencies, strict=True):
+        rec, rel = recs[i], round(relevance[i], 6)
+        doc: dict[str, Any] = {"relevance": rel, "composite": round(score, 6), "components": {
+            "relevance": rel, "recency": round(recency, 6), "usefulness": rec.usefulness,
+            "confidence": rec.confidence, "access": round(_features(rec)[4], 6)}}
+        if salience is not None:
+            doc["salience"] = salience[i]
+        found.append((rec, relevance[i] if salience is None else salience[i]))
+        extras.append(doc)
+    return svc.answer(found, where, extras)
 
 
 async def _relevance(svc: MemoryService, org: str, index: store.SearchIndex, text: str,
@@ -55,7 +70,7 @@ async def _relevance(svc: MemoryService, org: str, index: store.SearchIndex, tex
         return {}
     query_vec = await svc.query_vector(org, text)
     cosines = cosine_scores(index.matrix, query_vec)
-    keyword = keyword_mask(index.postings, len(index.ids), content_terms(text))
+    keyword = keyword_mask(index.postings, len(index.ids), _query_terms(text))
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
     rows, relevance = select_rows(index.id_array, cosines, keyword, min_similarity=cutoff,
                                   max_candidates=svc.config.max_candidates)
@@ -80,10 +95,9 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
         records = await store.hydrate(svc.redis, org, agent, sorted(rel_of), svc.health)
     if not records:
         return JSONResponse({"memories": []})
-    ranked = rank_hydrated_hits([_candidate(rec, rel_of[mid]) for mid, rec in records.items()],
-                                now_s=svc.clock(), relevance_floor=svc.config.relevance_floor, limit=body.limit)
-    return svc.answer([(records[r.candidate.memory_id], r.candidate.relevance) for r in ranked],
-                      f"{org}/{agent}", [_extras(r) for r in ranked])
+    recs = list(records.values())
+    return _ranked(svc, f"{org}/{agent}", recs, [rel_of[r.memory_id] for r in recs], salience=None,
+                   floor=svc.config.relevance_floor, limit=body.limit)
 
 
 async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[MemoryRecord, float]],
@@ -98,9 +112,6 @@ async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[M
             vectors[rec.memory_id] = vec
     query_vec = await svc.query_vector(org, text)
     cosines = cosine_scores(np.stack([vectors[i] for i in ids]), query_vec) if ids else np.zeros(0)
-    salience = {rec.memory_id: s for rec, s in found}
-    candidates = [_candidate(rec, hot_relevance(float(c), s)) for (rec, s), c in zip(found, cosines, strict=True)]
-    ranked = rank_hydrated_hits(candidates, now_s=svc.clock(), relevance_floor=0.0, limit=len(candidates))
-    records = {rec.memory_id: rec for rec, _ in found}
-    return svc.answer([(records[r.candidate.memory_id], salience[r.candidate.memory_id]) for r in ranked],
-                      f"{org}/{agent}", [_extras(r, salience[r.candidate.memory_id]) for r in ranked])
+    relevance = [hot_relevance(float(c), s) for (_, s), c in zip(found, cosines.tolist(), strict=True)]
+    return _ranked(svc, f"{org}/{agent}", [rec for rec, _ in found], relevance, salience=[s for _, s in found],
+                   floor=0.0, limit=len(found))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,8 +23,10 @@ from ibex_context.memory.rank import (
     composite,
     cosine_scores,
     keyword_hit,
+    rank_arrays,
     rank_hydrated_hits,
     recency_score,
+    record_features,
     retrieval_relevance,
     select_candidates,
 )
@@ -180,6 +183,28 @@ def test_ranking_invariants(rows: list[tuple[float, float, float, float, int]], 
     keys = [(-r.score, r.candidate.memory_id) for r in ranked]
     assert keys == sorted(keys)
     assert all(0.0 <= r.score <= 1.0 + 1e-9 for r in ranked)
+
+
+def _arrays(cands: list[Candidate], **kw: Any) -> list[tuple[str, float, float]]:
+    feats = [record_features(c.created_at_s, c.category, c.usefulness, c.confidence, c.access_count) for c in cands]
+    kept, scores, recencies = rank_arrays([c.memory_id for c in cands], [c.relevance for c in cands], feats, **kw)
+    return [(cands[i].memory_id, s, r) for i, s, r in zip(kept, scores, recencies, strict=True)]
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), unit, unit, st.floats(-2, 400), st.integers(0, 500),
+                          st.sampled_from([*sorted(HALF_LIFE_DAYS), "other"])), max_size=30),
+       st.integers(0, 40), st.sampled_from([0.0, 0.15, 0.3]))
+def test_array_ranking_is_the_scalar_ranking(rows: list[tuple[float, float, float, float, int, str]], limit: int,
+                                             floor: float) -> None:
+    """The service ranks with rank_arrays; rank_hydrated_hits is the reference it must equal."""
+    cands = [_cand(f"m{i % 7}-{i}", rel, useful=u, conf=c, age_days=age, access=n, cat=cat)
+             for i, (rel, u, c, age, n, cat) in enumerate(rows)]
+    cands += [_cand("nan", math.nan), Candidate("inf", 0.8, "fact", math.inf, 0.5, 0.5, 0)]
+    ref = rank_hydrated_hits(cands, now_s=NOW, relevance_floor=floor, limit=limit)
+    got = _arrays(cands, now_s=NOW, relevance_floor=floor, limit=limit)
+    assert [g[0] for g in got] == [r.candidate.memory_id for r in ref]
+    assert [g[1] for g in got] == pytest.approx([r.score for r in ref], abs=1e-12)
+    assert [g[2] for g in got] == pytest.approx([r.recency for r in ref], abs=1e-12)
 
 
 # ---------------------------------------------------------------------------------- embedding
