@@ -28,6 +28,7 @@ from ibex_context.memory.embed import Embedder, Vectors
 from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from ibex_context.memory.http import ApiError, error_response
 from ibex_context.memory.models import MemoryRecord
+from ibex_context.memory.querybatch import QueryBatcher
 from ibex_context.memory.reads import Scripts
 from ibex_context.memory.store import RecordHealth
 from ibex_context.shared.tenancy import bearer_token, verify_org_token
@@ -90,6 +91,9 @@ class MemoryService:
         # Valid tokens seen -> their org: one HMAC per token, not per call (tokens never expire;
         # the secret is fixed for the process's life).
         self._verified: dict[str, str] = {}
+        # Embedders with a batched query pass (MiniLM) embed concurrent new questions together.
+        embed_queries = getattr(embedder, "embed_queries", None)
+        self._batcher = QueryBatcher(embed_queries) if embedder.blocking and callable(embed_queries) else None
 
     @property
     def redis(self) -> Redis:
@@ -159,6 +163,9 @@ class MemoryService:
         return vec
 
     async def _embed_query_text(self, text: str) -> Vectors:
+        if self._batcher is not None:
+            self.embeds_offloaded += 1
+            return await self._batcher.embed(text)
         if self.embedder.blocking or len(text) > self.config.offload_chars:
             self.embeds_offloaded += 1
             return await run_in_threadpool(self.embedder.embed_query, text)

@@ -3,6 +3,7 @@ installed by `make install`) and static (the distilled file in the repo); no tor
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import subprocess
 import sys
@@ -93,3 +94,26 @@ def test_the_default_service_ranks_a_reworded_question_first(minilm_service: Mem
         found = http.post("/v1/memories/search", headers=h,
                           json={"query": REWORDED, "agent_id": "bot", "min_similarity": 0.2}).json()["memories"]
         assert found and found[0]["memory_id"] == "m0", found
+
+
+async def test_concurrent_new_questions_are_embedded_together_and_match_alone() -> None:
+    """The service batches queries that queue behind a running embedding (memory.querybatch):
+    the batched vectors are the lone ones (the attention mask keeps the padding out)."""
+    from ibex_context.memory.minilm import MiniLMEmbedder
+    from ibex_context.memory.querybatch import QueryBatcher
+
+    emb = MiniLMEmbedder()
+    questions = [REWORDED, PARAPHRASE, "refund?", "word " * 300, *OTHERS]
+    batcher = QueryBatcher(emb.embed_queries, max_batch=4)
+    got = await asyncio.gather(*(batcher.embed(q) for q in questions))
+    assert batcher.queries == len(questions) and batcher.batches < len(questions)
+    for q, vec in zip(questions, got, strict=True):
+        assert np.abs(vec - emb.embed_query(q)).max() < 1e-5
+
+    def broken(texts: object) -> np.ndarray:
+        raise RuntimeError("no model")
+
+    failing = QueryBatcher(broken)
+    results = await asyncio.gather(failing.embed("a"), failing.embed("b"), return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert np.abs((await batcher.embed(REWORDED)) - got[0]).max() < 1e-5  # the batcher still serves
