@@ -37,9 +37,11 @@ from ibex_context.memory.service import MemoryService
 _query_terms = lru_cache(maxsize=4096)(content_terms)  # repeated questions are normalised once
 
 
-@lru_cache(maxsize=16384)
-def _features(rec: MemoryRecord) -> tuple[float, float, float, float, float]:
-    return record_features(rec.created_at.timestamp(), rec.category, rec.usefulness, rec.confidence, rec.access_count)
+@store.per_record
+def _features(rec: MemoryRecord) -> tuple[tuple[float, float, float, float, float], float]:
+    """The record's ``rank.record_features`` and its access score as the wire shows it."""
+    f = record_features(rec.created_at.timestamp(), rec.category, rec.usefulness, rec.confidence, rec.access_count)
+    return f, round(f[4], 6)
 
 
 def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float], *,
@@ -47,7 +49,7 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
     """Rank ``recs`` by the composite (``rank.rank_arrays``) and answer with each hit's relevance,
     composite and components; hot hits (``salience`` given) also carry their salience, which is
     their ``similarity``; a search hit's similarity is its relevance."""
-    kept, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r) for r in recs],
+    kept, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
                                           now_s=svc.clock(), relevance_floor=floor, limit=limit)
     found: list[tuple[MemoryRecord, float]] = []
     extras: list[dict[str, Any]] = []
@@ -55,7 +57,7 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
         rec, rel = recs[i], round(relevance[i], 6)
         doc: dict[str, Any] = {"relevance": rel, "composite": round(score, 6), "components": {
             "relevance": rel, "recency": round(recency, 6), "usefulness": rec.usefulness,
-            "confidence": rec.confidence, "access": round(_features(rec)[4], 6)}}
+            "confidence": rec.confidence, "access": _features(rec)[1]}}
         if salience is not None:
             doc["salience"] = salience[i]
         found.append((rec, relevance[i] if salience is None else salience[i]))

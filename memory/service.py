@@ -10,7 +10,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -252,7 +251,7 @@ _ANSWER_HEAD = b'{"memories":['
 _ANSWER_TAIL = b"]}"
 
 
-@lru_cache(maxsize=16384)
+@store.per_record
 def _hit_head(rec: MemoryRecord) -> bytes:
     """The fields of a record's hit that do not depend on the call, as JSON without its closing
     brace: records are frozen and read again on every call (``store.parse_record``'s cache)."""

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -179,6 +179,28 @@ def _validated(raw: bytes | str) -> MemoryRecord:
     """Records are frozen and their bytes are their identity: a record read again (every hot list,
     every repeated search) is validated once. Invalid bytes raise and are not cached."""
     return MemoryRecord.model_validate_json(raw)
+
+
+T = TypeVar("T")
+
+
+def per_record(fn: Callable[[MemoryRecord], T]) -> Callable[[MemoryRecord], T]:
+    """Memoise ``fn`` per record object, by identity (the entry keeps the record alive, so its id
+    cannot be reused): a read returns the same record objects while their bytes are the same
+    (``_validated``), and hashing a pydantic model field by field would cost more than ``fn``."""
+    cache: dict[int, tuple[MemoryRecord, T]] = {}
+
+    def wrapper(rec: MemoryRecord) -> T:
+        entry = cache.get(id(rec))
+        if entry is not None and entry[0] is rec:
+            return entry[1]
+        if len(cache) >= 16384:
+            cache.clear()
+        value = fn(rec)
+        cache[id(rec)] = (rec, value)
+        return value
+
+    return wrapper
 
 
 def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | None = None,
