@@ -235,14 +235,16 @@ class Broker(WorkerTable):
         its queue wait and a service time would not fit its deadline, or the queue is standing and
         its wait is over the target. Refused now, the caller falls back now."""
         if not self.queue:
-            self.standing.reset()  # a standing queue never empties
-        if not self.admission_queue_ns or not self.service.trusted or not self.workers:
+            self.standing.reset()  # a standing queue never empties, and only a standing queue sheds
+            return None
+        if (not self.admission_queue_ns or not self.service.trusted or not self.workers
+                or not self.standing.standing(time.monotonic_ns())):
             return None
         live = [w for w in self.workers.values() if not w.draining]
         slots = sum(w.slots for w in live)
         wait = expected_wait_ns(len(self.queue), slots, sum(max(0, w.free) for w in live), self.service.mean_ns)
         if not shed(wait_ns=wait, service_ns=self.service.mean_ns, remaining_ns=remaining_ns,
-                    target_ns=self.admission_queue_ns, standing=self.standing.standing(time.monotonic_ns())):
+                    target_ns=self.admission_queue_ns, standing=True):
             return None
         return "shed_overloaded", Overloaded(
             f"shed on receipt: about {wait / 1e6:.1f} ms of queue ahead and {self.service.mean_ns / 1e6:.1f} ms "
