@@ -71,14 +71,20 @@ def recv_forwarding(sock: zmq.Socket[Any],
     between sends; measured in ``bench.hops --pad-kb 256``). Every other frame is bytes, whatever
     its size. ``payload_at`` sees the frames with large ones still as ``zmq.Frame`` (compare small ones)."""
     frame = _recv(sock, NOBLOCK, False)
-    parts: list[Any] = [frame if len(frame) >= LARGE_FRAME else frame.bytes]
+    large = len(frame) >= LARGE_FRAME
+    parts: list[Any] = [frame if large else frame.bytes]
     while frame.more:
         frame = _recv(sock, NOBLOCK, False)
-        parts.append(frame if len(frame) >= LARGE_FRAME else frame.bytes)
-    keep = payload_at(parts)
-    for i, part in enumerate(parts):
-        if i != keep and not isinstance(part, bytes):
-            parts[i] = part.bytes
+        if len(frame) >= LARGE_FRAME:
+            large = True
+            parts.append(frame)
+        else:
+            parts.append(frame.bytes)
+    if large:  # rare: only a large frame at the payload's place stays a Frame
+        keep = payload_at(parts)
+        for i, part in enumerate(parts):
+            if i != keep and not isinstance(part, bytes):
+                parts[i] = part.bytes
     return parts, frame
 
 
