@@ -182,7 +182,8 @@ def _start_floor(log_dir: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """``bench.floor``'s zmq.proxy relay with two answering processes behind it (``FLOOR``)."""
     front, back = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = []
-    for name, args in [("relay", ["relay", front, back]), ("answer-0", ["answer", back]), ("answer-1", ["answer", back])]:
+    roles = [("relay", ["relay", front, back]), ("answer-0", ["answer", back]), ("answer-1", ["answer", back])]
+    for name, args in roles:
         with open(log_dir / f"floor-{name}.log", "ab") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "bench.floor", *args], cwd=REPO, stdout=log,
                                           stderr=subprocess.STDOUT))
