@@ -17,7 +17,6 @@ no invented memory. What a hit must look like is ``pipeline.hits`` (one memory-h
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+import orjson
 from redis.asyncio import Redis
 
 from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, to_hit
@@ -81,8 +81,8 @@ def _error_class(exc: BaseException) -> str:
 def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], list[Rejection]]:
     """Parse the memory service's ``{"memories": [...]}``; bad hits are rejected, not guessed."""
     try:
-        doc = json.loads(body)
-    except ValueError as exc:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise MalformedResponse(f"body is not JSON: {exc}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("memories"), list):
         raise MalformedResponse("body has no 'memories' list")
@@ -109,7 +109,7 @@ class Retriever:
         self.settings = settings
         self.redis = redis
         self._http: aiohttp.ClientSession | None = None
-        self._tokens: dict[str, str] = {}
+        self._auth: dict[str, dict[str, str]] = {}  # org -> its bearer header, minted once
         self._orphans: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -131,11 +131,16 @@ class Retriever:
         """
         if self._http is None:
             n = self.settings.worker_concurrency * 2
+            wall_s = max(self.settings.retrieval_wall_ms / 1000, 0.05)
+            # No per-request total timeout: every call runs under its branch's asyncio.timeout
+            # (``_run``), and aiohttp's own would arm a second timer per call. No compression
+            # asked for or undone: the memory service's JSON is small and on a local network.
             self._http = aiohttp.ClientSession(
                 base_url=self.settings.memory_url,
                 connector=aiohttp.TCPConnector(limit=n, limit_per_host=n, keepalive_timeout=60),
-                timeout=aiohttp.ClientTimeout(total=max(self.settings.retrieval_wall_ms / 1000, 0.05)),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=wall_s),
                 headers={"user-agent": "ibex-context-worker"},
+                skip_auto_headers=("Accept-Encoding",), auto_decompress=False,
                 raise_for_status=False,
             )
         return self._http
@@ -167,11 +172,16 @@ class Retriever:
             await self._http.close()
         await self.redis.aclose()
 
-    def _token(self, org_id: str) -> str:
-        tok = self._tokens.get(org_id)
-        if tok is None:
-            tok = self._tokens[org_id] = mint_org_token(self.settings.memory_secret, org_id)
-        return tok
+    def _headers(self, org_id: str, *, json: bool = False) -> dict[str, str]:
+        """The org's bearer header (its token minted once), with a JSON content type for a POST."""
+        key = f"{org_id}\x00json" if json else org_id
+        headers = self._auth.get(key)
+        if headers is None:
+            headers = {"authorization": f"Bearer {mint_org_token(self.settings.memory_secret, org_id)}"}
+            if json:
+                headers["content-type"] = "application/json"
+            self._auth[key] = headers
+        return headers
 
     # ------------------------------------------------------------------------------- branches
 
@@ -181,11 +191,16 @@ class Retriever:
 
     async def _fetch(self, method: str, path: str, org_id: str, **kw: Any) -> bytes:
         limit = self.settings.memory_max_response_bytes
-        headers = {"authorization": f"Bearer {self._token(org_id)}"}
+        headers = self._headers(org_id, json="data" in kw)
         try:
             async with self.http.request(method, path, headers=headers, **kw) as resp:
                 if resp.status != 200:
                     raise MemoryServiceStatus(resp.status)
+                length = resp.content_length
+                if length is not None:  # the usual case: one read, refused up front when too large
+                    if length > limit:
+                        raise ResponseTooLarge(f"response exceeds {limit} bytes")
+                    return await resp.read()
                 chunks: list[bytes] = []
                 size = 0
                 async for chunk in resp.content.iter_chunked(64 * 1024):
@@ -211,7 +226,7 @@ class Retriever:
         payload: dict[str, Any] = {"query": req.query, "agent_id": req.agent_id, "limit": cap}
         if self.settings.cold_min_similarity is not None:  # else the memory service's embedder's own
             payload["min_similarity"] = self.settings.cold_min_similarity
-        body = await self._fetch("POST", "/v1/memories/search", req.org_id, json=payload)
+        body = await self._fetch("POST", "/v1/memories/search", req.org_id, data=orjson.dumps(payload))
         return parse_hits(body, "cold", cap)
 
     # ---------------------------------------------------------------------------- orchestration
