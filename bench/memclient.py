@@ -23,6 +23,7 @@ import uvloop
 from bench.report import table
 from bench.run import started_stack
 from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.worker.memhttp import MemoryHTTP
 
 
 async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, dict[str, float]]:
@@ -39,7 +40,15 @@ async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, d
         async with ah.get("/v1/memories/hot", headers=headers, params=params) as r:
             return len(await r.read())
 
-    clients: dict[str, Callable[[], Awaitable[int]]] = {"aiohttp (worker)": with_aiohttp, "httpx": with_httpx}
+    pool = MemoryHTTP(url, max_body=4 << 20, max_idle=8)
+    raw = pool.request_bytes("GET", "/v1/memories/hot", f"Authorization: Bearer {token}\r\n".encode(), params=params)
+
+    async def with_pool() -> int:
+        status, body = await pool.request(raw)
+        return len(body) if status == 200 else 0
+
+    clients: dict[str, Callable[[], Awaitable[int]]] = {
+        "httptools pool (worker, worker.memhttp)": with_pool, "aiohttp": with_aiohttp, "httpx": with_httpx}
     cpu: dict[str, list[float]] = {k: [] for k in clients}
     wall: dict[str, list[float]] = {k: [] for k in clients}
     try:
@@ -58,6 +67,7 @@ async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, d
     finally:
         await hx.aclose()
         await ah.close()
+        pool.close()
     return {name: {"cpu_ms": statistics.median(cpu[name]), "p50_ms": float(np.percentile(wall[name], 50)),
                    "p99_ms": float(np.percentile(wall[name], 99))} for name in clients}
 

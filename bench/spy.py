@@ -29,7 +29,7 @@ def _frame(raw: str) -> str:
 
 # Areas of a worker's time, first match from the innermost frame outwards (module or function).
 AREAS = (
-    ("access log", ("Logger.", "LogRecord", "Handler.", "_Formatter")),
+    ("access log", ("Logger.", "LogRecord", "StreamHandler.", "_Formatter")),
     ("metrics", ("(metrics.py)", "(values.py)", "WorkerMetrics")),
     ("codec (request decode, reply encode)", ("(codec.py)",)),
     ("memory-service HTTP (aiohttp, parse)", ("(client.py)", "(client_reqrep.py)", "(http_writer.py)",
