@@ -32,7 +32,7 @@ AREAS = (
     ("access log", ("Logger.", "LogRecord", "StreamHandler.", "_Formatter")),
     ("metrics", ("(metrics.py)", "(values.py)", "WorkerMetrics")),
     ("codec (request decode, reply encode)", ("(codec.py)",)),
-    ("memory-service HTTP (aiohttp, parse)", ("(client.py)", "(client_reqrep.py)", "(http_writer.py)",
+    ("memory-service HTTP (client, parse)", ("(memhttp.py)", "(client.py)", "(client_reqrep.py)", "(http_writer.py)",
                                               "(connector.py)", "(client_proto.py)", "(streams.py)",
                                               "parse_hits", "Retriever._fetch", "Retriever._hot", "Retriever._cold")),
     ("directive (redis-py)", ("(connection.py)", "(retry.py)", "get_directive", "parse_envelope", "Redis.")),

@@ -144,14 +144,15 @@ def drive(w: Worker, tmpls: list[AssembleRequest], *, n: int, rate: float, deadl
     return {**counts, "sent": sent, "cpu_us": cpu / max(1, answered) * 1e6}
 
 
-def _py_spy(w: Worker, out_dir: Path, seconds: float) -> subprocess.Popen[bytes]:
+def _py_spy(w: Worker, out_dir: Path, seconds: float, native: bool) -> subprocess.Popen[bytes]:
     """py-spy (non-blocking sampling, 250 Hz) on ``w`` for one round: collapsed stacks, one file a
     worker, to sum with ``python -m bench.spy``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spy = Path(sys.executable).with_name("py-spy")
     out = out_dir / f"{w.name.replace(' ', '-')}.txt"
+    mode = ["--native"] if native else ["--nonblocking"]  # native frames need the process paused
     return subprocess.Popen([str(spy), "record", "--pid", str(w.proc.pid), "--duration", str(max(1, int(seconds))),
-                             "--rate", "250", "--nonblocking", "--format", "raw", "--output", str(out)],
+                             "--rate", "250", *mode, "--format", "raw", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -250,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rnd in range(args.rounds):
             order = workers[rnd % len(workers):] + workers[:rnd % len(workers)]
             for w in order:
-                spy = _py_spy(w, Path(args.profile), args.n / args.rate) if args.profile and rnd == 0 else None
+                spy = _py_spy(w, Path(args.profile), args.n / args.rate, args.native) if args.profile and rnd == 0 else None
                 rows.setdefault(w.name, []).append(
                     drive(w, tmpls, n=args.n, rate=args.rate, deadline_ms=args.deadline_ms, tag=f"r{rnd}"))
                 if spy is not None:
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-ms", type=float, default=100.0, help="each request's deadline (default 100)")
     ap.add_argument("--iterations", type=int, default=2000, help="in-process pipeline runs (default 2000)")
     ap.add_argument("--profile", metavar="DIR", help="record each worker with py-spy during the first round")
+    ap.add_argument("--native", action="store_true", help="with --profile: native (C) frames too (pauses the worker)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra worker environment")
     args = ap.parse_args(argv)
     result = run(args)
