@@ -251,7 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rnd in range(args.rounds):
             order = workers[rnd % len(workers):] + workers[:rnd % len(workers)]
             for w in order:
-                spy = _py_spy(w, Path(args.profile), args.n / args.rate, args.native) if args.profile and rnd == 0 else None
+                spy = None
+                if args.profile and rnd == 0:
+                    spy = _py_spy(w, Path(args.profile), args.n / args.rate, args.native)
                 rows.setdefault(w.name, []).append(
                     drive(w, tmpls, n=args.n, rate=args.rate, deadline_ms=args.deadline_ms, tag=f"r{rnd}"))
                 if spy is not None:
