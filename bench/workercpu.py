@@ -145,14 +145,14 @@ def drive(w: Worker, tmpls: list[AssembleRequest], *, n: int, rate: float, deadl
 
 
 def _py_spy(w: Worker, out_dir: Path, seconds: float, native: bool) -> subprocess.Popen[bytes]:
-    """py-spy (non-blocking sampling, 250 Hz) on ``w`` for one round: collapsed stacks, one file a
+    """py-spy (non-blocking sampling, 1000 Hz) on ``w`` for one round: collapsed stacks, one file a
     worker, to sum with ``python -m bench.spy``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spy = Path(sys.executable).with_name("py-spy")
     out = out_dir / f"{w.name.replace(' ', '-')}.txt"
     mode = ["--native"] if native else ["--nonblocking"]  # native frames need the process paused
     return subprocess.Popen([str(spy), "record", "--pid", str(w.proc.pid), "--duration", str(max(1, int(seconds))),
-                             "--rate", "250", *mode, "--format", "raw", "--output", str(out)],
+                             "--rate", "1000", *mode, "--format", "raw", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.workercpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", help="another checkout whose worker runs interleaved in the same run")
-    ap.add_argument("--rate", type=float, default=150.0, help="requests per second (default 150)")
-    ap.add_argument("-n", type=int, default=750, help="requests per worker per round (default 750)")
+    ap.add_argument("--rate", type=float, default=100.0, help="requests per second (default 100)")
+    ap.add_argument("-n", type=int, default=600, help="requests per worker per round (default 600)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; medians are shown (default 5)")
     ap.add_argument("--warmup", type=int, default=200, help="requests per worker before timing (default 200)")
     ap.add_argument("--deadline-ms", type=float, default=100.0, help="each request's deadline (default 100)")

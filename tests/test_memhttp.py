@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from ibex_context.worker import memhttp
 from ibex_context.worker.memhttp import (
     ConnectError,
     MalformedResponse,
@@ -164,9 +165,32 @@ async def test_a_cancelled_call_never_hands_its_late_answer_to_the_next(serve: S
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.05):
                 await c.request(c.request_bytes("GET", "/late", b""))
-        assert c.idle == []
+        assert c.idle == [] and len(c.late) == 1  # kept aside until its answer is read
         s.delay_s = 0.0
-        assert await c.request(c.request_bytes("GET", "/next", b"")) == (200, b"/next")
+        assert await c.request(c.request_bytes("GET", "/next", b"")) == (200, b"/next")  # on a new connection
+        assert s.connections == 2
+        await asyncio.sleep(0.3)  # the late answer arrived, was dropped, and its connection is reusable
+        assert c.late == set() and len(c.idle) == 2
+        for path in (b"/a", b"/b", b"/c"):
+            assert await c.request(c.request_bytes("GET", path.decode(), b"")) == (200, path)
+        assert s.connections == 2
+    finally:
+        c.close()
+
+
+async def test_a_late_answer_that_never_comes_closes_its_connection(serve: Serve,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memhttp, "LATE_S", 0.1)
+    s = await serve(lambda head, i: ok(b"x"))
+    s.delay_s = 5.0
+    c = _client(s.url)
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await c.request(c.request_bytes("GET", "/never", b""))
+        (conn,) = c.late
+        await asyncio.sleep(0.2)
+        assert c.late == set() and conn.closed and c.idle == []
     finally:
         c.close()
 

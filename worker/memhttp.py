@@ -9,17 +9,22 @@ worker needs one thing: send a small request to one service, read one bounded bo
 Contract kept from before: a response over ``max_body`` bytes is refused as soon as it crosses the
 limit (``ResponseTooLarge``, the connection dropped); a connection closed before a whole response
 is ``ServerDisconnectedError``; a refused or unreachable service is ``ConnectError``. A call
-cancelled mid-way (the branch's deadline) closes its connection, so a late answer can never be
-read as the next call's. Timeouts are the caller's (``asyncio.timeout`` around the call).
+cancelled mid-way (the branch's deadline) keeps its connection out of the pool until the late
+answer has been read and dropped (closed after ``LATE_S``), so that answer can never be read as
+the next call's, and a slow service does not also pay for new connections. Timeouts are the
+caller's (``asyncio.timeout`` around the call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlencode, urlsplit
 
 import httptools
+
+LATE_S = 1.0  # how long a cancelled call's connection waits for its answer before it is closed
 
 
 class MalformedResponse(Exception):
@@ -50,6 +55,7 @@ class _Conn(asyncio.Protocol):
         self.body: list[bytes] = []
         self.size = 0
         self.received = False  # any byte of the current response
+        self.on_late: Callable[[_Conn], None] | None = None  # set while a cancelled call's answer is awaited
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -61,7 +67,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
-        if self.waiter is None:  # bytes nobody asked for: the connection cannot be trusted
+        if self.waiter is None and self.on_late is None:  # bytes nobody asked for: cannot be trusted
             self.close()
             return
         try:
@@ -86,10 +92,13 @@ class _Conn(asyncio.Protocol):
             self.close()
         if waiter is not None and not waiter.done():
             waiter.set_result((status, b"".join(self.body)))
+        elif self.on_late is not None:  # a cancelled call's answer, read and dropped: reusable again
+            on_late, self.on_late = self.on_late, None
+            on_late(self)
 
     # -- use
     def send(self, request: bytes) -> asyncio.Future[tuple[int, bytes]]:
-        assert self.transport is not None and self.waiter is None
+        assert self.transport is not None and self.waiter is None and self.on_late is None
         self.waiter = asyncio.get_running_loop().create_future()
         self.body, self.size, self.received = [], 0, False
         self.parser = httptools.HttpResponseParser(self)
@@ -104,6 +113,7 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self.on_late = None
         if self.transport is not None:
             self.transport.close()
 
@@ -126,6 +136,7 @@ class MemoryHTTP:
         self.max_body = max_body
         self.max_idle = max_idle
         self.idle: list[_Conn] = []
+        self.late: set[_Conn] = set()  # connections whose cancelled call's answer is still coming
 
     def request_bytes(self, method: str, path: str, headers: bytes, *, params: dict[str, str] | None = None,
                       body: bytes | None = None, content_type: str = "application/json") -> bytes:
@@ -162,15 +173,44 @@ class MemoryHTTP:
     async def _exchange(self, conn: _Conn, request: bytes) -> tuple[int, bytes]:
         try:
             result = await conn.send(request)
-        except BaseException:  # cancelled (deadline) or failed: never reuse a half-read connection
+        except asyncio.CancelledError:  # the branch's deadline: let the answer finish, then reuse
+            self._await_late(conn)
+            raise
+        except BaseException:  # failed: never reuse a half-read connection
             conn.close()
             raise
+        self._release(conn)
+        return result
+
+    def _await_late(self, conn: _Conn) -> None:
+        """Keep a cancelled call's connection until its answer has been read and dropped (at most
+        ``LATE_S``), instead of closing it: a timed-out branch would otherwise cost a new TCP
+        connection on both sides, when the service is already slow."""
+        if conn.closed or len(self.late) >= self.max_idle:
+            conn.close()
+            return
+        conn.waiter = None
+        conn.on_late = self._late_done
+        self.late.add(conn)
+        asyncio.get_running_loop().call_later(LATE_S, self._late_expired, conn)
+
+    def _late_done(self, conn: _Conn) -> None:
+        self.late.discard(conn)
+        self._release(conn)
+
+    def _late_expired(self, conn: _Conn) -> None:
+        if conn in self.late:
+            self.late.discard(conn)
+            conn.close()
+
+    def _release(self, conn: _Conn) -> None:
         if not conn.closed and len(self.idle) < self.max_idle:
             self.idle.append(conn)
         else:
             conn.close()
-        return result
 
     def close(self) -> None:
         while self.idle:
             self.idle.pop().close()
+        while self.late:
+            self.late.pop().close()

@@ -109,9 +109,6 @@ class Retriever:
         redis = Redis.from_url(
             redis_url, socket_timeout=max(wall_s, 0.05), socket_connect_timeout=max(wall_s, 0.05),
             max_connections=settings.worker_concurrency * 2, decode_responses=False,
-            # No CLIENT SETINFO round trips on every (re)connect: a directive GET cancelled at its
-            # deadline drops its connection, and the next request pays for a new one.
-            lib_name=None, lib_version=None,
         )
         return cls(settings=settings, redis=redis)
 
