@@ -8,8 +8,9 @@ against a floor measured minutes apart on the same box:
   rate as the transport-mode run, by the same generator, and also closed-loop (one in flight).
 * ping-pong: client DEALER <-> the echo process directly, closed-loop (two processes, one hop).
 
-Child processes: ``python -m bench.floor relay FRONT BACK`` and ``python -m bench.floor echo
-[--bind EP] [--connect EP]``; both run until SIGTERM.
+Child processes: ``python -m bench.floor relay FRONT BACK``, ``python -m bench.floor echo
+[--bind EP] [--connect EP]`` and ``python -m bench.floor answer BACK`` (replies in the protocol, for
+``bench.peers``); all run until SIGTERM.
 """
 
 from __future__ import annotations
@@ -62,6 +63,29 @@ def serve_echo(bind: str | None, connect: str | None) -> None:
         s.connect(connect)
     while True:
         s.send_multipart(s.recv_multipart(copy=False), copy=False)
+
+
+def serve_answer(connect: str) -> None:
+    """Behind the relay: answer every request as ``--mode transport`` workers do (the canned minimal
+    reply for its request id), so the client library can drive the floor (``bench.peers``' zmq-floor:
+    the CPU and latency of the card's two hops with no Python broker at all)."""
+    from ibex_context.shared import protocol as P
+    from ibex_context.shared.codec import Envelope, encode_document, parse_header
+    from ibex_context.worker.transport import transport_response
+
+    template = transport_response("-", {}).model_dump(mode="python")
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(connect)
+    while True:
+        frames = s.recv_multipart()  # [relay id, client id, IBX1, REQUEST, header, payload]
+        env = parse_header(frames[4]) if len(frames) == 6 and frames[3] == P.REQUEST else None
+        if not isinstance(env, Envelope):
+            continue
+        rid = env.request_id
+        body = encode_document({**template, "request_id": rid, "timings_us": {}}, rid)
+        s.send_multipart([frames[0], frames[1], *P.reply_frames(P.REPLY, rid.encode(), body)])
 
 
 @dataclass
@@ -213,9 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("echo")
     e.add_argument("--bind")
     e.add_argument("--connect")
+    a = sub.add_parser("answer")
+    a.add_argument("connect")
     args = ap.parse_args(argv)
     if args.cmd == "relay":
         serve_relay(args.front, args.back)
+    elif args.cmd == "answer":
+        serve_answer(args.connect)
     else:
         serve_echo(args.bind, args.connect)
     return 0

@@ -42,7 +42,7 @@ def _pct(x: float | None) -> str:
 
 def summary_rows(res: dict[str, Any]) -> list[list[str]]:
     tr, full = res.get("transport", {}), res.get("full", {})
-    systems = list(full or tr)
+    systems = list(dict.fromkeys([*full, *tr]))  # the floor (transport only) comes last
     rows: list[list[str]] = []
 
     def row(name: str, fn: Any, src: dict[str, Any]) -> None:

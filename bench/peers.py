@@ -15,7 +15,10 @@ open-loop Poisson generator of ``bench.loadgen`` (one generator, one process); s
 within every round, in rotated order, so machine drift hits all alike. Phases:
 
 * ``transport``: each server answers a canned minimal reply (the stack's workers run
-  ``--mode transport``); CPU per request and latency at ``--transport-rate``.
+  ``--mode transport``); CPU per request and latency at ``--transport-rate``. A fourth system,
+  ``zmq-floor``, runs here only: ``zmq.proxy`` (C) in front of two bare processes that answer in
+  the protocol (``python -m bench.floor answer``), driven by the same client library: the floor of
+  the design's two ZeroMQ hops, with no Python broker and no worker server.
 * ``full``: a ladder of offered rates; per system the highest rate with >= 90 % undegraded
   on-time replies and p99 under the deadline (its saturation), then a run at 2x its own
   saturation: on-time replies, undegraded on-time replies as a share of its undegraded peak,
@@ -58,6 +61,7 @@ from ibex_context.shared import protocol as P
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ibex", "grpc", "http")
+FLOOR = "zmq-floor"  # transport phase only: zmq.proxy (C) + 2 bare answering processes, no Python broker
 
 
 @dataclass
@@ -75,6 +79,10 @@ class PeerPlan:
     seed: int = 18
     systems: tuple[str, ...] = SYSTEMS
     baseline: str | None = None  # a checkout of this project to run as "ibex-base" beside the others
+    floor: bool = True  # add FLOOR to the transport phase: the card's two hops with nothing in Python but the answer
+
+    def transport_systems(self) -> tuple[str, ...]:
+        return (*self.systems, FLOOR) if self.floor and "ibex" in self.systems else self.systems
 
 
 QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "rates": [40.0, 80.0],
@@ -98,6 +106,7 @@ class Servers:
     stack: LocalStack
     peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]]  # kind -> (port, processes)
     base: LocalStack | None = None  # the baseline checkout's broker and workers (same Redis, memory)
+    floor: tuple[str, list[subprocess.Popen[bytes]]] | None = None  # (relay frontend, relay + answerers)
 
     def stacks(self) -> list[LocalStack]:
         return [self.stack] + ([self.base] if self.base is not None else [])
@@ -108,6 +117,9 @@ class Servers:
             assert st is not None
             procs = [st.broker, *st.workers]
             return [p.pid for p in procs if p is not None and p.poll() is None]
+        if system == FLOOR:
+            assert self.floor is not None
+            return [p.pid for p in self.floor[1]]
         return [p.pid for p in self.peers[system][1]]
 
     def backend_pids(self) -> list[int]:
@@ -127,8 +139,11 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
     stack = LocalStack(workers=2, mode="transport", log_dir=log_dir)
     peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]] = {}
     base: LocalStack | None = None
+    floor: tuple[str, list[subprocess.Popen[bytes]]] | None = None
     try:
         stack.start()
+        if FLOOR in plan.transport_systems():
+            floor = _start_floor(log_dir)
         seed_demo(str(stack.redis_url))
         if plan.baseline is not None:
             base = LocalStack(workers=2, mode="transport", log_dir=log_dir / "base", redis_url=stack.redis_url,
@@ -155,12 +170,24 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
                 wait_for(f"{kind} peer {i}", lambda log=log: READY_LINE in log.read_text(errors="replace"), 60, log)
                 if proc.poll() is not None:
                     raise RuntimeError(f"{kind} peer {i} exited: {log.read_text()[-2000:]}")
-        yield Servers(stack, peers, base)
+        yield Servers(stack, peers, base, floor)
     finally:
-        stop_processes([p for _, ps in peers.values() for p in ps], timeout_s=5)
+        stop_processes([p for _, ps in [*peers.values(), *([floor] if floor else [])] for p in ps], timeout_s=5)
         if base is not None:
             base.stop()
         stack.stop()
+
+
+def _start_floor(log_dir: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """``bench.floor``'s zmq.proxy relay with two answering processes behind it (``FLOOR``)."""
+    front, back = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    procs = []
+    roles = [("relay", ["relay", front, back]), ("answer-0", ["answer", back]), ("answer-1", ["answer", back])]
+    for name, args in roles:
+        with open(log_dir / f"floor-{name}.log", "ab") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.floor", *args], cwd=REPO, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    return front, procs
 
 
 class Targets:
@@ -175,8 +202,13 @@ class Targets:
     async def open(self, tag: str) -> None:
         from bench.loadgen import ClientTarget
 
-        for system in self.plan.systems:
-            if system == "ibex":
+        systems = self.plan.transport_systems() if self.method == "transport" else self.plan.systems
+        for system in systems:
+            if system == FLOOR:
+                assert self.servers.floor is not None
+                self.clients.append(await _client(self.servers.floor[0]))
+                self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"floor-{tag}")
+            elif system == "ibex":
                 self.clients.append(await _client(self.servers.stack.frontend))
                 self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"ibex-{tag}")
             elif system == "ibex-base":
@@ -204,7 +236,7 @@ class Targets:
 
     async def aclose(self) -> None:
         for system, call in self.calls.items():
-            if not system.startswith("ibex"):
+            if system in ("grpc", "http"):
                 await call.aclose()
         for c in self.clients:
             await c.aclose()
@@ -284,21 +316,22 @@ def _healthy_undegraded(s: dict[str, Any], deadline_ms: float) -> bool:
     return p99 is not None and p99 < deadline_ms * 1000 and s["undegraded_fraction"] >= 0.9
 
 
-def _order(plan: PeerPlan, k: int) -> list[str]:
-    systems = list(plan.systems)
-    return systems[k % len(systems):] + systems[:k % len(systems)]
+def _order(plan: PeerPlan, k: int, systems: tuple[str, ...] | None = None) -> list[str]:
+    order = list(plan.systems if systems is None else systems)
+    return order[k % len(order):] + order[:k % len(order)]
 
 
 async def transport_phase(servers: Servers, plan: PeerPlan) -> dict[str, Any]:
     targets = Targets(servers, plan, "transport")
     await targets.open("t")
     try:
-        runs: dict[str, list[Measured]] = {s: [] for s in plan.systems}
+        systems = plan.transport_systems()
+        runs: dict[str, list[Measured]] = {s: [] for s in systems}
         for k in range(plan.transport_rounds):
-            for system in _order(plan, k):
+            for system in _order(plan, k, systems):
                 runs[system].append(await _one(servers, targets, system, plan.transport_rate, plan.transport_s,
                                                plan.seed * 100 + k, f"{system} transport {plan.transport_rate:.0f}/s"))
-        return {system: summarize(runs[system]) for system in plan.systems}
+        return {system: summarize(runs[system]) for system in systems}
     finally:
         await targets.aclose()
 

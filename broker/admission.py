@@ -41,27 +41,28 @@ class Limiter:
     limit: float = 0.0  # starts at the cap: a new worker is trusted with its whole credit
     last_cut_ns: int = 0
     cuts: int = 0
+    slots: int = 0  # requests it may hold now: the limit as a whole number (read on every dispatch)
 
     def __post_init__(self) -> None:
-        self.limit = float(self.cap) if self.limit <= 0 else min(float(self.cap), self.limit)
+        self._set(float(self.cap) if self.limit <= 0 else min(float(self.cap), self.limit))
 
-    @property
-    def slots(self) -> int:
-        return max(1, min(self.cap, int(self.limit)))
+    def _set(self, limit: float) -> None:
+        self.limit = limit
+        self.slots = max(1, min(self.cap, int(limit)))
 
     def set_cap(self, cap: int) -> None:
         self.cap = cap
-        self.limit = min(float(cap), self.limit)
+        self._set(min(float(cap), self.limit))
 
     def on_reply(self, *, inflight: int, overloaded: bool, loop_lag_us: int, now_ns: int, service_ns: float) -> None:
         """``inflight``: what the worker held when this reply left (this request included)."""
         if overloaded or loop_lag_us > LOOP_LAG_US:
             if now_ns - self.last_cut_ns >= service_ns:
-                self.limit = max(MIN_LIMIT, self.limit * BACKOFF)
+                self._set(max(MIN_LIMIT, self.limit * BACKOFF))
                 self.last_cut_ns = now_ns
                 self.cuts += 1
         elif inflight >= self.slots:  # only a limit that was binding has shown it could be higher
-            self.limit = min(float(self.cap), self.limit + 1.0 / self.limit)
+            self._set(min(float(self.cap), self.limit + 1.0 / self.limit))
 
 
 class ServiceTime:

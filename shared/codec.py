@@ -283,9 +283,9 @@ def parse_header(data: bytes) -> Envelope | ErrorReply:
                           message=f"request header is {len(data)} bytes, its lengths say "
                                   f"{_HEADER.size + n_rid + n_org + n_agent}")
     o = _HEADER.size
+    a, b = o + n_rid, o + n_rid + n_org
     try:
-        rid, org, agent = (data[a:b].decode("utf-8") for a, b in
-                           ((o, o + n_rid), (o + n_rid, o + n_rid + n_org), (o + n_rid + n_org, len(data))))
+        rid, org, agent = data[o:a].decode("utf-8"), data[a:b].decode("utf-8"), data[b:].decode("utf-8")
     except UnicodeDecodeError:
         return ErrorReply(code=ErrorCode.INVALID_REQUEST, field="<header>", message="request header is not UTF-8")
     request_id = rid if 1 <= len(rid) <= 128 else None

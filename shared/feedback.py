@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _FEEDBACK = struct.Struct("<BI")
 OVERLOADED_FLAG = 1
 
 
-@dataclass(frozen=True, slots=True)
-class Feedback:
+class Feedback(NamedTuple):
     """Per-reply signals for the broker's adaptive limit (``broker.admission``): a retrieval branch
     timed out or was skipped (the downstream could not keep up), and the request's wait for the
     worker's event loop in µs (the worker's CPU could not keep up)."""

@@ -18,9 +18,9 @@ broker  -> worker   [IBX1, USAGE, payload]     forwarded after the broker author
 ``feedback`` (optional, ``Feedback``): what the broker's admission control learns from the worker
 about this request (a retrieval branch timed out; how long it waited for the worker's loop).
 
-(ROUTER sockets add and strip the peer's routing id in front.) ``stamp`` is msgpack
-{deadline_ns, queued_us, sent_ns, attempt}: the broker's queue wait and dispatch time travel with the
-request so the reply can carry them. Payloads are the codec's msgpack models.
+(ROUTER sockets add and strip the peer's routing id in front.) ``stamp`` is (deadline_ns, queued_us,
+sent_ns, attempt) as little-endian unsigned ints (``Stamp``): the broker's queue wait and dispatch
+time travel with the request so the reply can carry them. Payloads are the codec's msgpack models.
 
 ``header`` (``codec.pack_header``, issue 18) carries what the broker routes and authorizes on
 (version, request_id, org_id, agent_id, deadline_ns) in a small fixed layout, so the broker's cost
@@ -39,6 +39,7 @@ after ``liveness`` silent intervals. Socket disconnect events make a killed peer
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -91,22 +92,27 @@ def backend_max_msgsize(max_request_bytes: int, max_reply_bytes: int) -> int:
     return max(max_request_bytes, max_reply_bytes) + FRAME_OVERHEAD
 
 
-@dataclass(frozen=True, slots=True)
-class Stamp:
+_STAMP = struct.Struct("<QQQI")
+
+
+class Stamp(NamedTuple):
+    """What travels with a dispatched request, in a fixed 28-byte layout (a tuple and a struct:
+    the broker builds one per dispatch, so it costs ~0.3 µs where a frozen dataclass packed with
+    msgpack cost ~2 µs)."""
+
     deadline_ns: int  # absolute, Unix epoch ns (as on the wire)
     queued_us: int  # time spent in the broker's queue
     sent_ns: int  # epoch ns when the broker dispatched
     attempt: int  # 1 for the first dispatch, 2+ after a worker died
 
     def pack(self) -> bytes:
-        return msgpack.packb([self.deadline_ns, self.queued_us, self.sent_ns, self.attempt])  # type: ignore[no-any-return]
+        return _STAMP.pack(*self)
 
     @classmethod
     def unpack(cls, data: bytes) -> Stamp:
-        raw: Any = msgpack.unpackb(data)
-        if not (isinstance(raw, list) and len(raw) == 4 and all(type(x) is int for x in raw)):
-            raise ValueError("malformed stamp frame")
-        return cls(*raw)
+        if len(data) != _STAMP.size:
+            raise ValueError(f"malformed stamp frame: {len(data)} bytes, expected {_STAMP.size}")
+        return cls._make(_STAMP.unpack(data))
 
 
 @dataclass(frozen=True, slots=True)
