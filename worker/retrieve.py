@@ -79,17 +79,20 @@ def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], 
     hits: list[MemoryHit] = []
     rejects: list[Rejection] = []
     for i, raw in enumerate(doc["memories"]):
-        mid = raw.get("memory_id") if isinstance(raw, dict) else None
-        mid_s = mid if isinstance(mid, str) and memory_id_problem(mid) is None else f"<{source}#{i}>"
         problem = hit_problem(raw)
         if problem:
-            rejects.append(Rejection(mid_s, source, "malformed", f"{source} hit {i}: {problem}"))
-            continue
-        if len(hits) >= cap:
-            rejects.append(over_cap(mid_s, source, cap))
-            continue
-        hits.append(to_hit(raw, source))
+            rejects.append(Rejection(_named(raw, source, i), source, "malformed", f"{source} hit {i}: {problem}"))
+        elif len(hits) >= cap:
+            rejects.append(over_cap(raw["memory_id"], source, cap))  # a sound hit: its id is valid
+        else:
+            hits.append(to_hit(raw, source))
     return hits, rejects
+
+
+def _named(raw: object, source: Source, i: int) -> str:
+    """A refused hit's memory_id when it is a valid one, else its place in the answer."""
+    mid = raw.get("memory_id") if isinstance(raw, dict) else None
+    return mid if isinstance(mid, str) and memory_id_problem(mid) is None else f"<{source}#{i}>"
 
 
 class Retriever:
