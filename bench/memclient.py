@@ -1,8 +1,9 @@
 """``python -m bench.memclient``: what one memory-service call costs the worker, per HTTP client.
 
 Starts the reference memory service on the embedded Redis, seeds the demo data, then makes
-sequential hot-list GETs (``/v1/memories/hot``, 20 memories) with the worker's client (aiohttp)
-and with httpx (the client it replaced), alternating rounds so drift hits both. Prints the caller's
+sequential hot-list GETs (``/v1/memories/hot``, 20 memories) with the worker's client
+(``worker.memhttp``), with aiohttp (the client it replaced in issue 18) and with httpx (the one
+before that), alternating rounds so drift hits all alike. Prints the caller's
 CPU per call (``time.process_time``) and the wall-time percentiles.
 """
 
