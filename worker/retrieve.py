@@ -208,11 +208,18 @@ class Retriever:
                 continue
             tasks[name] = asyncio.create_task(self._run(br, fn, req, t0, end_ns), name=f"retrieve-{name}")
 
+        all_done = _all_done(list(tasks.values()))
+
         async def wait() -> RetrievalResult:
-            pending = set(tasks.values())
-            if pending:
-                remaining = max(0.0, (wall_end_ns - time.monotonic_ns()) / 1e9)
-                _, late = await asyncio.wait(pending, timeout=remaining)
+            if tasks:
+                if not all_done.done():
+                    remaining = max(0.0, (wall_end_ns - time.monotonic_ns()) / 1e9)
+                    timer = asyncio.get_running_loop().call_later(remaining, _settle, all_done)
+                    try:
+                        await all_done
+                    finally:
+                        timer.cancel()
+                late = [task for task in tasks.values() if not task.done()]
                 for task in late:  # backstop: each branch already has its own timeout
                     task.cancel()
                     self._orphans.add(task)
@@ -247,6 +254,30 @@ class Retriever:
             br.detail = str(exc)[:200] or None
         finally:
             br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
+
+def _all_done(tasks: list[asyncio.Task[None]]) -> asyncio.Future[None]:
+    """A future set once every task has finished (at once when there are none): one callback per
+    task, where ``asyncio.wait`` builds a waiter, sets and a timeout handle on every call."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    left = len(tasks)
+
+    def finished(_: asyncio.Task[None]) -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            _settle(done)
+
+    for task in tasks:
+        task.add_done_callback(finished)
+    if not tasks:
+        done.set_result(None)
+    return done
+
+
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.done():  # already set, or cancelled with the request that awaited it
+        done.set_result(None)
+
 
 def _task_branch(task: asyncio.Task[Any]) -> BranchName:
     name = task.get_name().removeprefix("retrieve-")
