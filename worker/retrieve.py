@@ -128,8 +128,9 @@ class Retriever:
             # process nor the service pays first-call costs inside a live request's budget.
             warm = AssembleRequest(request_id="warm-up", org_id="ibex-warmup", agent_id="warmup", model="-",
                                    query="warm up", deadline_ns=1)
-            await self._hot(warm)
-            await self._cold(warm)
+            async with asyncio.timeout(2.0):  # the client sets no timeout of its own: a hung service must not hang us
+                await self._hot(warm)
+                await self._cold(warm)
         except (ConnectionError, TimeoutError, MalformedResponse, MemoryServiceStatus) as exc:
             log.warning("memory service not ready at start-up: %r", exc)
 
