@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 from ibex_context.client.client import AsyncClient
+from ibex_context.ops.procs import wait_for
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.models import AssembleResponse
 from tests.helpers import start_stack
@@ -39,6 +40,8 @@ async def test_access_log_is_off_by_default_and_logs_every_assembly_at_1(tmp_pat
         stack.workers[0] = stack.start_worker(0)
         stack.wait_workers(1)
         await _assemble(stack, ["loud-1", "loud-2"])
+        # The worker writes its access line after the reply has left: wait for the line, not a delay.
+        wait_for("two access lines", lambda: len(_access_lines(log)) >= 2, 10.0, log)
         lines = _access_lines(log)
         assert [line.split("request_id=")[1].split()[0] for line in lines] == ["loud-1", "loud-2"]
         assert all("org_id=acme" in line and "branches=directive:" in line for line in lines)
