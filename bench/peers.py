@@ -70,7 +70,8 @@ class PeerPlan:
     transport_rate: float = 1000.0
     transport_rounds: int = 3
     transport_s: float = 2.0
-    rates: list[float] = field(default_factory=lambda: [120.0, 180.0, 240.0, 300.0, 360.0, 450.0, 540.0])
+    # Up to where the previous ladder (top 540/s) left every system still healthy, and beyond.
+    rates: list[float] = field(default_factory=lambda: [120.0, 240.0, 360.0, 480.0, 600.0, 720.0, 840.0, 960.0])
     point_s: float = 3.0
     overload_factor: float = 2.0
     overload_s: float = 4.0
