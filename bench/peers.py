@@ -214,7 +214,10 @@ class Targets:
                 self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"ibex-{tag}")
             elif system == "ibex-base":
                 assert self.servers.base is not None
-                legacy = LegacyFramesClient(self.servers.base.frontend)
+                assert self.plan.baseline is not None
+                # A baseline that reads a header frame gets one; an older one gets headerless requests.
+                has_header = "def pack_header" in (Path(self.plan.baseline) / "shared" / "codec.py").read_text()
+                legacy = (AsyncClient if has_header else LegacyFramesClient)(self.servers.base.frontend)
                 await legacy.wait_connected(10.0)
                 await legacy.prepare_fallback()
                 self.clients.append(legacy)
