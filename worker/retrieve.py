@@ -28,10 +28,12 @@ from redis.asyncio import Redis
 
 from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, to_hit
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
-from ibex_context.shared.directives import get_directive
+from ibex_context.shared.directives import MalformedDirective, get_directive, parse_envelope
+from ibex_context.shared.keys import directive_key
 from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome, Source
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.worker import rawredis
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
 
 __all__ = ["ConnectError", "MalformedResponse", "MemoryServiceStatus", "ResponseTooLarge", "Retriever", "parse_hits"]
@@ -98,9 +100,10 @@ def _named(raw: object, source: Source, i: int) -> str:
 class Retriever:
     """One per worker process: one pooled HTTP client and one Redis pool, created once."""
 
-    def __init__(self, *, settings: Settings, redis: Redis) -> None:
+    def __init__(self, *, settings: Settings, redis: Redis, directives: rawredis.Connection | None = None) -> None:
         self.settings = settings
         self.redis = redis
+        self.directives = directives  # the directive GET's own connections; None: through redis-py
         self.http = MemoryHTTP(settings.memory_url, max_body=settings.memory_max_response_bytes,
                                max_idle=settings.worker_concurrency * 2)
         self._auth: dict[str, bytes] = {}  # org -> its bearer header line, minted once
@@ -113,12 +116,16 @@ class Retriever:
             redis_url, socket_timeout=max(wall_s, 0.05), socket_connect_timeout=max(wall_s, 0.05),
             max_connections=settings.worker_concurrency * 2, decode_responses=False,
         )
-        return cls(settings=settings, redis=redis)
+        directives = rawredis.Connection.for_url(redis_url, max_idle=settings.worker_concurrency * 2)
+        return cls(settings=settings, redis=redis, directives=directives)
 
     async def warm_up(self) -> None:
         """Open the Redis and HTTP connections now, not inside the first request's 5 ms budget."""
         try:
             await self.redis.ping()
+            if self.directives is not None:
+                async with asyncio.timeout(2.0):
+                    await self.directives.get(directive_key("ibex-warmup", "warmup"))
         except Exception as exc:  # the service must still start; requests will report the branch error
             log.warning("redis not reachable at start-up: %r", exc)
         try:
@@ -140,6 +147,8 @@ class Retriever:
         if self._orphans:
             await asyncio.gather(*self._orphans, return_exceptions=True)
         self.http.close()
+        if self.directives is not None:
+            self.directives.close()
         await self.redis.aclose()
 
     def _auth_line(self, org_id: str) -> bytes:
@@ -153,7 +162,15 @@ class Retriever:
     # ------------------------------------------------------------------------------- branches
 
     async def _directive(self, req: AssembleRequest) -> str | None:
-        env = await get_directive(self.redis, req.org_id, req.agent_id)
+        if self.directives is None:
+            env = await get_directive(self.redis, req.org_id, req.agent_id)
+        else:  # what get_directive does, on the leaner connection
+            key = directive_key(req.org_id, req.agent_id)
+            try:
+                raw = await self.directives.get(key)
+            except rawredis.ReplyError as exc:  # e.g. WRONGTYPE: a hash where a string belongs
+                raise MalformedDirective(key, str(exc)) from exc
+            env = None if raw is None else parse_envelope(key, raw)
         return env.text if env is not None else None
 
     async def _fetch(self, method: str, path: str, org_id: str, *, params: dict[str, str] | None = None,
