@@ -1,8 +1,9 @@
 """``python -m bench.memclient``: what one memory-service call costs the worker, per HTTP client.
 
 Starts the reference memory service on the embedded Redis, seeds the demo data, then makes
-sequential hot-list GETs (``/v1/memories/hot``, 20 memories) with the worker's client (aiohttp)
-and with httpx (the client it replaced), alternating rounds so drift hits both. Prints the caller's
+sequential hot-list GETs (``/v1/memories/hot``, 20 memories) with the worker's client
+(``worker.memhttp``), with aiohttp (the client it replaced in issue 18) and with httpx (the one
+before that), alternating rounds so drift hits all alike. Prints the caller's
 CPU per call (``time.process_time``) and the wall-time percentiles.
 """
 
@@ -23,6 +24,7 @@ import uvloop
 from bench.report import table
 from bench.run import started_stack
 from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.worker.memhttp import MemoryHTTP
 
 
 async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, dict[str, float]]:
@@ -39,7 +41,15 @@ async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, d
         async with ah.get("/v1/memories/hot", headers=headers, params=params) as r:
             return len(await r.read())
 
-    clients: dict[str, Callable[[], Awaitable[int]]] = {"aiohttp (worker)": with_aiohttp, "httpx": with_httpx}
+    pool = MemoryHTTP(url, max_body=4 << 20, max_idle=8)
+    raw = pool.request_bytes("GET", "/v1/memories/hot", f"Authorization: Bearer {token}\r\n".encode(), params=params)
+
+    async def with_pool() -> int:
+        status, body = await pool.request(raw)
+        return len(body) if status == 200 else 0
+
+    clients: dict[str, Callable[[], Awaitable[int]]] = {
+        "httptools pool (worker, worker.memhttp)": with_pool, "aiohttp": with_aiohttp, "httpx": with_httpx}
     cpu: dict[str, list[float]] = {k: [] for k in clients}
     wall: dict[str, list[float]] = {k: [] for k in clients}
     try:
@@ -58,6 +68,7 @@ async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, d
     finally:
         await hx.aclose()
         await ah.close()
+        pool.close()
     return {name: {"cpu_ms": statistics.median(cpu[name]), "p50_ms": float(np.percentile(wall[name], 50)),
                    "p99_ms": float(np.percentile(wall[name], 99))} for name in clients}
 

@@ -70,7 +70,8 @@ class PeerPlan:
     transport_rate: float = 1000.0
     transport_rounds: int = 3
     transport_s: float = 2.0
-    rates: list[float] = field(default_factory=lambda: [120.0, 180.0, 240.0, 300.0, 360.0, 450.0, 540.0])
+    # Up to where the previous ladder (top 540/s) left every system still healthy, and beyond.
+    rates: list[float] = field(default_factory=lambda: [120.0, 240.0, 360.0, 480.0, 600.0, 720.0, 840.0, 960.0])
     point_s: float = 3.0
     overload_factor: float = 2.0
     overload_s: float = 4.0
@@ -213,7 +214,10 @@ class Targets:
                 self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"ibex-{tag}")
             elif system == "ibex-base":
                 assert self.servers.base is not None
-                legacy = LegacyFramesClient(self.servers.base.frontend)
+                assert self.plan.baseline is not None
+                # A baseline that reads a header frame gets one; an older one gets headerless requests.
+                has_header = "def pack_header" in (Path(self.plan.baseline) / "shared" / "codec.py").read_text()
+                legacy = (AsyncClient if has_header else LegacyFramesClient)(self.servers.base.frontend)
                 await legacy.wait_connected(10.0)
                 await legacy.prepare_fallback()
                 self.clients.append(legacy)

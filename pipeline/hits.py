@@ -32,6 +32,12 @@ HIT_FIELDS: Final = ("memory_id", "content", "category", "similarity", "confiden
 MAX_CONTENT_CHARS: Final = 64_000  # the memory service's limit on a stored memory
 MAX_CATEGORY_CHARS: Final = 64
 _MEMORY_ID: Final = re.compile(IDENT_CHARS)
+_FIELD_SET: Final = frozenset(HIT_FIELDS)
+_COMPONENT_SET: Final = frozenset(COMPONENTS)
+
+
+def _is_mapping(v: object) -> bool:
+    return type(v) is dict or isinstance(v, Mapping)  # the JSON parser's dicts skip the ABC check
 
 
 def memory_id_problem(memory_id: object) -> str | None:
@@ -57,11 +63,11 @@ def shape_problem(raw: object) -> str | None:
     The alphabet is left to ``memory_id_problem`` because ``explain`` lets the scorer report a bad
     id as a ``malformed`` decision, where the retriever refuses it at once.
     """
-    if not isinstance(raw, Mapping):
+    if not _is_mapping(raw):
         return "not an object"
-    missing = [f for f in HIT_FIELDS if f not in raw]
-    if missing:
-        return f"missing {', '.join(missing)}"
+    assert isinstance(raw, Mapping)
+    if not _FIELD_SET <= raw.keys():
+        return f"missing {', '.join(f for f in HIT_FIELDS if f not in raw)}"
     if not isinstance(raw["memory_id"], str):
         return memory_id_problem(raw["memory_id"])
     if not isinstance(raw["content"], str):
@@ -83,7 +89,7 @@ def shape_problem(raw: object) -> str | None:
 def _optional_problem(raw: Mapping[str, Any]) -> str | None:
     """The optional ``components`` (an object of the five numbers) and ``salience`` (a number)."""
     comps = raw.get("components")
-    if comps is not None and (not isinstance(comps, Mapping) or set(comps) != set(COMPONENTS)
+    if comps is not None and (not _is_mapping(comps) or comps.keys() != _COMPONENT_SET
                               or not all(_is_number(comps[k]) for k in COMPONENTS)):
         return f"components must be an object of five numbers: {', '.join(COMPONENTS)}"
     if raw.get("salience") is not None and not _is_number(raw["salience"]):
@@ -93,8 +99,8 @@ def _optional_problem(raw: Mapping[str, Any]) -> str | None:
 
 def hit_problem(raw: object) -> str | None:
     """Why ``raw`` breaks the whole contract (its id first), or None."""
-    if isinstance(raw, Mapping) and "memory_id" in raw:
-        id_problem = memory_id_problem(raw["memory_id"])
+    if _is_mapping(raw) and "memory_id" in raw:  # type: ignore[operator]
+        id_problem = memory_id_problem(raw["memory_id"])  # type: ignore[index]
         if id_problem is not None:
             return id_problem
     return shape_problem(raw)

@@ -83,13 +83,30 @@ class WorkerMetrics:
         self.outcome = Counter("ibex_worker_requests_total", "Requests by terminal outcome", ["outcome"], **kw)
         self.degraded = Counter("ibex_worker_degraded_total", "Degraded assemblies", **kw)
 
+        # Label children, resolved once: ``labels()`` takes a lock and builds a key on every call,
+        # which cost a served assembly more than the updates themselves.
+        self._stages: dict[str, Any] = {}
+        self._branches: dict[tuple[str, str], Any] = {}
+        self._paths: dict[str, Any] = {}
+        self._ok = self.outcome.labels("ok")
+
     def observe(self, timings_us: dict[str, int], branches: dict[str, str], path: str, degraded: bool) -> None:
+        stages = self._stages
         for stage, us in timings_us.items():
-            self.stage.labels(stage).observe(us / 1e6)
-        for name, status in branches.items():
-            self.branch.labels(name, status).inc()
-        self.packer.labels(path).inc()
-        self.outcome.labels("ok").inc()
+            child = stages.get(stage)
+            if child is None:
+                child = stages[stage] = self.stage.labels(stage)
+            child.observe(us / 1e6)
+        for key in branches.items():
+            child = self._branches.get(key)
+            if child is None:
+                child = self._branches[key] = self.branch.labels(*key)
+            child.inc()
+        child = self._paths.get(path)
+        if child is None:
+            child = self._paths[path] = self.packer.labels(path)
+        child.inc()
+        self._ok.inc()
         if degraded:
             self.degraded.inc()
 

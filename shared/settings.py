@@ -104,6 +104,10 @@ class WorkerSettings(_LinkSettings, _TimeoutSettings):
     # request's own deadline is the binding one. Measured by bench (inproc p99 ~1 ms).
     post_retrieval_reserve_ms: float = Field(3.0, ge=0)
     max_reply_reserve_ms: float = Field(10.0, ge=0, description="Cap on the measured post-retrieval reserve.")
+    # -- the per-request access log (README "Performance"): off by default, a served assembly's
+    # log line cost ~4 % of a worker's CPU; a fraction samples that share of requests at INFO.
+    access_log_sample: float = Field(0.0, ge=0.0, le=1.0,
+                                     description="Fraction of served assemblies logged at INFO ('assembled').")
 
     # -- budget policy -------------------------------------------------------------------------
     response_reserve_fraction: float = Field(0.15, gt=0, lt=1)

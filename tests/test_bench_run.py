@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench import hops, memclient, report
+from bench import hops, memclient, report, spy, workercpu
 from bench.chaos import chaos_report
 from bench.loadgen import NOT_SENT, OK, Reply, arrival_offsets_ns, merge_runs, open_loop
 from bench.run import Plan, Progress, run_bench, targets
@@ -159,11 +159,11 @@ def test_hops_measures_every_process(capsys: pytest.CaptureFixture[str]) -> None
         assert rps > 0 and cpu > 0, r
 
 
-def test_memclient_compares_both_clients_on_real_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_memclient_compares_the_clients_on_real_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert memclient.main(["--calls", "20", "--rounds", "1", "--out", str(tmp_path / "logs")]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and not line.startswith(("| client", "| ---"))]
-    assert [r.split("|")[1].strip() for r in rows] == ["aiohttp (worker)", "httpx"]
+    assert [r.split("|")[1].strip() for r in rows] == ["httptools pool (worker, worker.memhttp)", "aiohttp", "httpx"]
     for r in rows:
         cpu, p50, p99 = (float(x) for x in r.strip("| \n").split("|")[1:])
         assert 0 < cpu and 0 < p50 <= p99, r
@@ -186,3 +186,24 @@ def test_peers_serve_the_same_pipeline_and_report_every_row(tmp_path: Path,
         assert all(p["server_cpu_us_per_reply"] > 0 for p in ladder)
     out = capsys.readouterr().out
     assert "| transport: server CPU per reply |" in out and "ibex | grpc | http" in out
+
+
+def test_workercpu_reports_a_real_worker_beside_the_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert workercpu.main(["--rounds", "1", "-n", "30", "--warmup", "10", "--rate", "60", "--iterations", "20"]) == 0
+    lines = [r for r in capsys.readouterr().out.splitlines()
+             if r.startswith("| ") and not r.startswith(("| worker", "| ---"))]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in lines}
+    assert list(rows) == ["this checkout", "in-process pipeline", "in-process pipeline + codec"]
+    cpu, _, main_thread, _, errors, unanswered = rows["this checkout"]
+    assert 0 < float(main_thread) <= float(cpu) and errors == "0" and unanswered == "0"
+    assert 0 < float(rows["in-process pipeline"][0]) < float(rows["in-process pipeline + codec"][0])
+
+
+def test_spy_sums_collapsed_stacks_by_area_and_frame(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "w.txt"
+    f.write_text("proc (a);Runner.run (asyncio/runners.py:118);Logger.info (logging/__init__.py:1) 3\n"
+                 "proc (a);Runner.run (asyncio/runners.py:118) 1\n")
+    assert spy.main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "4 samples" in out and "| 75.0% | `access log` |" in out
+    assert "| 25.0% | `event loop (uvloop C code)` |" in out

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import logging
 import os
+import random
 import secrets
 import time
 from typing import Any
@@ -26,12 +27,21 @@ from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import decode_request, encode, encode_error, header_mismatch, parse_header
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.loopsock import LoopSocket
-from ibex_context.shared.models import AssembleRequest, ErrorReply
+from ibex_context.shared.models import AssembleRequest, AssembleResponse, ErrorReply
 from ibex_context.shared.observability import WorkerMetrics
 from ibex_context.shared.settings import WorkerSettings
 from ibex_context.worker.assemble import Assembler
 
 log = logging.getLogger(__name__)
+
+
+def _access_log(req: AssembleRequest, resp: AssembleResponse) -> None:
+    """One served assembly's INFO line (``IBEX_ACCESS_LOG_SAMPLE`` of them)."""
+    log.info("assembled", extra={
+        "request_id": req.request_id, "org_id": req.org_id, "agent_id": req.agent_id,
+        "packed": len(resp.packed), "tokens": resp.packer.total_tokens, "degraded": resp.degraded,
+        "branches": ",".join(f"{k}:{v.status}" for k, v in resp.branches.items()),
+        "timings_us": resp.timings_us})
 
 
 class BrokerLink:
@@ -97,6 +107,8 @@ class WorkerServer:
         self.draining = False
         self.links: list[BrokerLink] = []
         self._stopped = asyncio.Event()
+        # Sampled, after the reply left: most deployments read the metrics, not a line per request.
+        self.access_log_sample = settings.access_log_sample if log.isEnabledFor(logging.INFO) else 0.0
 
     def info(self) -> P.Info:
         cal = self.assembler.calibrator
@@ -247,11 +259,8 @@ class WorkerServer:
             if self.metrics is not None:
                 self.metrics.observe(resp.timings_us, {k: v.status for k, v in resp.branches.items()},
                                      resp.packer.path, resp.degraded)
-            log.info("assembled", extra={
-                "request_id": req.request_id, "org_id": req.org_id, "agent_id": req.agent_id,
-                "packed": len(resp.packed), "tokens": resp.packer.total_tokens, "degraded": resp.degraded,
-                "branches": ",".join(f"{k}:{v.status}" for k, v in resp.branches.items()),
-                "timings_us": resp.timings_us})
+            if self.access_log_sample and random.random() < self.access_log_sample:
+                _access_log(req, resp)
         except IbexError as exc:
             self.stats[f"error_{exc.code.value.lower()}"] += 1
             if self.metrics is not None:
