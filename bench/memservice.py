@@ -3,14 +3,16 @@
 Starts the embedded Redis, seeds the demo data and runs the memory service (and, with
 ``--baseline DIR``, another checkout's memory service on the same Redis). Each assembly is what a
 worker sends: ``GET /v1/memories/hot`` with the question and ``POST /v1/memories/search``, side by
-side, over one pooled aiohttp session with the demo orgs' bearer tokens. Load is open-loop at a fixed
-rate (``--rate``) and closed-loop (``--concurrency`` assemblies in flight), with the demo's repeated
-questions and with a new question every time (``--new-rate``: a MiniLM query embedding costs ~10 ms
-of CPU, so a new-question run saturates far below a repeated one).
+side, with the worker's own HTTP client (``worker.memhttp``) and the demo orgs' bearer tokens.
+Load is open-loop at a fixed rate (``--rate``) and closed-loop (``--concurrency`` assemblies in
+flight), with the demo's repeated questions and with a new question every time (``--new-rate``: a
+MiniLM query embedding costs ~10 ms of CPU, so a new-question run saturates far below a repeated one).
 
-Reported per row (median of the interleaved rounds): memory-service CPU and Redis CPU per assembly
-(``bench.hops.cpu_seconds`` over the service's whole process tree, so ``--workers`` counts every
-process), and p50/p99 of each call's wall time pooled over the rounds.
+Reported per row (median of the interleaved rounds, each round shown): memory-service CPU and Redis
+CPU per assembly (``bench.hops.cpu_seconds`` over the service's process tree; the process's tick
+count when one of its threads ended during the run), and p50/p99 of each call's wall time pooled
+over the rounds. ``--redis-unix`` puts Redis on a unix socket; ``--server-args`` passes flags to
+this checkout's server.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
+import orjson
 import uvloop
 
 from bench.hops import cpu_seconds
@@ -43,6 +45,7 @@ from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.ops.procs import http_ok, read_port_file, stop_processes, wait_for
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.worker.memhttp import MalformedResponse, MemoryHTTP
 from ibex_context.worker.retrieve import HOT_QUERY_CHARS
 
 SECRET = "bench-memservice-secret"
@@ -115,22 +118,24 @@ class Run:
 
 
 class Caller:
-    """Sends assemblies the way ``worker.retrieve`` does (same routes, params and body)."""
+    """Sends assemblies the way ``worker.retrieve`` does: its HTTP client (``worker.memhttp``),
+    routes, parameters and body."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, new_questions: bool, run: Run) -> None:
-        self.session, self.url, self.run = session, url, run
+    def __init__(self, url: str, new_questions: bool, run: Run) -> None:
+        self.http = MemoryHTTP(url, max_body=8 << 20, max_idle=64)
+        self.run = run
         self.settings = Settings()
-        self.headers = {org: {"authorization": f"Bearer {mint_org_token(SECRET, org)}"}
-                        for org in {o for o, _ in AGENTS}}
+        self.auth = {org: f"Authorization: Bearer {mint_org_token(SECRET, org)}\r\n".encode()
+                     for org in {o for o, _ in AGENTS}}
         self.plan = [(org, agent, q) for (org, agent), qs in AGENTS.items() for q in qs]
         self.new_questions = new_questions
 
-    async def _call(self, method: str, path: str, org: str, out: list[float], **kw: Any) -> None:
+    async def _call(self, request: bytes, out: list[float]) -> None:
         t0 = time.perf_counter()
-        async with self.session.request(method, self.url + path, headers=self.headers[org], **kw) as resp:
-            await resp.read()
-            if resp.status != 200:
-                self.run.errors += 1
+        async with asyncio.timeout(10):
+            status, _ = await self.http.request(request)
+        if status != 200:
+            self.run.errors += 1
         out.append((time.perf_counter() - t0) * 1e3)
 
     async def assembly(self) -> None:
@@ -139,46 +144,48 @@ class Caller:
         if self.new_questions:  # never asked before in this process, nor by an earlier bench run
             query = f"{query} (case {_NONCE}-{n})"
         hot = {"agent_id": agent, "limit": str(self.settings.hot_limit), "query": query[:HOT_QUERY_CHARS]}
-        body = {"query": query, "agent_id": agent, "limit": self.settings.cold_limit}
+        body = orjson.dumps({"query": query, "agent_id": agent, "limit": self.settings.cold_limit})
         try:
-            await asyncio.gather(self._call("GET", "/v1/memories/hot", org, self.run.hot_ms, params=hot),
-                                 self._call("POST", "/v1/memories/search", org, self.run.search_ms, json=body))
+            await asyncio.gather(
+                self._call(self.http.request_bytes("GET", "/v1/memories/hot", self.auth[org], params=hot),
+                           self.run.hot_ms),
+                self._call(self.http.request_bytes("POST", "/v1/memories/search", self.auth[org], body=body),
+                           self.run.search_ms))
             self.run.assemblies += 1
-        except (aiohttp.ClientError, TimeoutError):
+        except (MalformedResponse, ConnectionError, TimeoutError):
             self.run.errors += 1
 
 
 async def _drive(system: System, redis_pid: int, *, new: bool, rate: float | None, concurrency: int,
                  duration_s: float) -> Run:
     """One run: open-loop at ``rate`` assemblies/s, or closed-loop with ``concurrency`` in flight."""
-    conn = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=10)) as session:
-        caller = Caller(session, system.url, new, Run())
-        for _ in range(20):  # warm the pool and the service's caches (repeated questions)
-            await caller.assembly()
-        run = caller.run = Run()
-        c0, r0, t0 = system.cpu(), cpu_seconds(redis_pid), time.perf_counter()
-        if rate is not None:
-            tasks = []
-            for i in range(int(rate * duration_s)):
-                delay = t0 + i / rate - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(caller.assembly()))
-            await asyncio.gather(*tasks)
-        else:
-            end = t0 + duration_s
+    caller = Caller(system.url, new, Run())
+    for _ in range(20):  # warm the pool and the service's caches (repeated questions)
+        await caller.assembly()
+    run = caller.run = Run()
+    c0, r0, t0 = system.cpu(), cpu_seconds(redis_pid), time.perf_counter()
+    if rate is not None:
+        tasks = []
+        for i in range(int(rate * duration_s)):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(caller.assembly()))
+        await asyncio.gather(*tasks)
+    else:
+        end = t0 + duration_s
 
-            async def loop() -> None:
-                while time.perf_counter() < end:
-                    await caller.assembly()
+        async def loop() -> None:
+            while time.perf_counter() < end:
+                await caller.assembly()
 
-            await asyncio.gather(*(loop() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-        done = max(run.assemblies, 1)
-        run.svc_cpu_us = cpu_delta(c0, system.cpu()) / done * 1e6
-        run.redis_cpu_us = (cpu_seconds(redis_pid) - r0) / done * 1e6
-        run.rate = run.assemblies / wall
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    done = max(run.assemblies, 1)
+    run.svc_cpu_us = cpu_delta(c0, system.cpu()) / done * 1e6
+    run.redis_cpu_us = (cpu_seconds(redis_pid) - r0) / done * 1e6
+    run.rate = run.assemblies / wall
+    caller.http.close()
     return run
 
 

@@ -187,20 +187,28 @@ T = TypeVar("T")
 def per_record(fn: Callable[[MemoryRecord], T]) -> Callable[[MemoryRecord], T]:
     """Memoise ``fn`` per record object, by identity (the entry keeps the record alive, so its id
     cannot be reused): a read returns the same record objects while their bytes are the same
-    (``_validated``), and hashing a pydantic model field by field would cost more than ``fn``."""
+    (``_validated``), and hashing a pydantic model field by field would cost more than ``fn``.
+
+    Records over ``_MEMO_MAX_CHARS`` of content are not memoised (nor kept alive): 16,384 entries of
+    64,000-character memories would hold a gigabyte, and for those ``fn`` is cheap next to sending them.
+    """
     cache: dict[int, tuple[MemoryRecord, T]] = {}
 
     def wrapper(rec: MemoryRecord) -> T:
         entry = cache.get(id(rec))
         if entry is not None and entry[0] is rec:
             return entry[1]
-        if len(cache) >= 16384:
-            cache.clear()
         value = fn(rec)
-        cache[id(rec)] = (rec, value)
+        if len(rec.content) <= _MEMO_MAX_CHARS:
+            if len(cache) >= 16384:
+                cache.clear()
+            cache[id(rec)] = (rec, value)
         return value
 
     return wrapper
+
+
+_MEMO_MAX_CHARS = 4_000
 
 
 def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | None = None,

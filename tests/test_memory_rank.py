@@ -253,3 +253,25 @@ def test_unknown_or_missing_embedders_fail_clearly() -> None:
         load_embedder("minilm")
     except EmbedderUnavailable as exc:  # the optional extra is not installed in CI
         assert "pip install" in str(exc)
+
+
+def test_per_record_memoises_by_identity_and_skips_large_records() -> None:
+    from datetime import UTC, datetime
+
+    from ibex_context.memory.models import MemoryRecord
+    from ibex_context.memory.store import per_record
+
+    calls: list[str] = []
+
+    @per_record
+    def head(rec: MemoryRecord) -> str:
+        calls.append(rec.memory_id)
+        return rec.content[:5]
+
+    def rec(mid: str, content: str) -> MemoryRecord:
+        return MemoryRecord(memory_id=mid, content=content, category="fact", confidence=0.5,
+                            created_at=datetime(2026, 1, 1, tzinfo=UTC))
+
+    small, twin, big = rec("a", "hello world"), rec("a", "hello world"), rec("b", "x" * 5000)
+    assert [head(small), head(small), head(twin), head(big), head(big)] == ["hello", "hello", "hello", "xxxxx", "xxxxx"]
+    assert calls == ["a", "a", "b", "b"]  # an equal but distinct record is computed again; a large one each time
