@@ -24,6 +24,8 @@ from urllib.parse import urlencode, urlsplit
 
 import httptools
 
+from ibex_context.worker.exchange import Exchange
+
 LATE_S = 1.0  # how long a cancelled call's connection waits for its answer before it is closed
 
 
@@ -43,14 +45,12 @@ class ServerDisconnectedError(ConnectionError):
     """The memory service closed the connection before a whole response."""
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(Exchange[tuple[int, bytes]]):
     """One keep-alive connection; at most one request on it at a time."""
 
     def __init__(self, max_body: int) -> None:
+        super().__init__()
         self.max_body = max_body
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.body: list[bytes] = []
         self.size = 0
@@ -58,12 +58,8 @@ class _Conn(asyncio.Protocol):
         self.on_late: Callable[[_Conn], None] | None = None  # set while a cancelled call's answer is awaited
 
     # -- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._fail(ServerDisconnectedError("the memory service closed the connection before a whole response"))
+    def _lost(self) -> Exception:
+        return ServerDisconnectedError("the memory service closed the connection before a whole response")
 
     def data_received(self, data: bytes) -> None:
         self.received = True
@@ -98,24 +94,14 @@ class _Conn(asyncio.Protocol):
 
     # -- use
     def send(self, request: bytes) -> asyncio.Future[tuple[int, bytes]]:
-        assert self.transport is not None and self.waiter is None and self.on_late is None
-        self.waiter = asyncio.get_running_loop().create_future()
+        assert self.on_late is None
         self.body, self.size, self.received = [], 0, False
         self.parser = httptools.HttpResponseParser(self)
-        self.transport.write(request)
-        return self.waiter
-
-    def _fail(self, exc: Exception) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-        self.close()
+        return self._ask(request)
 
     def close(self) -> None:
-        self.closed = True
         self.on_late = None
-        if self.transport is not None:
-            self.transport.close()
+        super().close()
 
 
 class MemoryHTTP:

@@ -19,6 +19,8 @@ from typing import Any
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
+from ibex_context.worker.exchange import Exchange
+
 
 def _pack(*args: str) -> bytes:
     return hiredis.pack_command(args)  # type: ignore[arg-type,no-any-return]  # its stub: a 1-tuple
@@ -28,19 +30,10 @@ class ReplyError(Exception):
     """Redis answered with an error (its message is the exception's)."""
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(Exchange[Any]):
     def __init__(self) -> None:
+        super().__init__()
         self.reader = hiredis.Reader()
-        self.transport: asyncio.Transport | None = None
-        self.waiter: asyncio.Future[Any] | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._fail(ConnectionError("Connection closed by server."))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -58,21 +51,7 @@ class _Conn(asyncio.Protocol):
         waiter.set_result(reply)
 
     def call(self, command: bytes) -> asyncio.Future[Any]:
-        assert self.transport is not None and self.waiter is None
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(command)
-        return self.waiter
-
-    def _fail(self, exc: Exception) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-        self.close()
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+        return self._ask(command)
 
 
 class Connection:
