@@ -28,7 +28,7 @@ from redis.commands.core import AsyncScript
 
 from ibex_context.memory.embed import Vectors
 from ibex_context.memory.models import MemoryRecord
-from ibex_context.memory.store import IndexTag, RecordHealth, parse_record
+from ibex_context.memory.store import IndexTag, RecordHealth, parse_record, parse_records
 from ibex_context.shared.keys import hot_key, memories_key, rev_key, vectors_key
 
 _HOT = """
@@ -96,9 +96,4 @@ async def records_if_current(scripts: Scripts, org_id: str, agent_id: str, ids: 
         keys=[rev_key(org_id, agent_id), mkey], args=list(ids)))
     if (rev, int(count)) != tag:
         return None
-    out: dict[str, MemoryRecord] = {}
-    for mid, raw in zip(ids, raws, strict=True):
-        rec = parse_record(raw, f"{mkey}/{mid}", health, memory_id=mid)
-        if rec is not None:
-            out[mid] = rec
-    return out
+    return parse_records(ids, raws, mkey, health)

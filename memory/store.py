@@ -243,7 +243,13 @@ async def hydrate(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str],
     if not ids:
         return {}
     key = memories_key(org_id, agent_id)
-    raws = await redis.hmget(key, list(ids))
+    return parse_records(ids, await redis.hmget(key, list(ids)), key, health)
+
+
+def parse_records(ids: Sequence[str], raws: Sequence[bytes | str | None], key: str,
+                  health: RecordHealth | None = None) -> dict[str, MemoryRecord]:
+    """The records of ``ids`` read from hash ``key`` (``raws`` in the same order), keyed by id;
+    missing or damaged ones are left out (and counted in ``health``)."""
     out: dict[str, MemoryRecord] = {}
     for mid, raw in zip(ids, raws, strict=True):
         rec = parse_record(raw, f"{key}/{mid}", health, memory_id=mid)
