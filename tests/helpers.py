@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +29,12 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
         stack.stop()
         pytest.fail(f"stack did not start: {exc}", pytrace=False)
     return stack
+
+
+async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait on the loop until ``check()`` holds (a condition, never a fixed delay); fail naming ``what``."""
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.01)

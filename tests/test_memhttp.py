@@ -17,6 +17,7 @@ from ibex_context.worker.memhttp import (
     ResponseTooLarge,
     ServerDisconnectedError,
 )
+from tests.helpers import eventually
 
 Script = Callable[[bytes, int], bytes | None]  # (request head, per-connection index) -> reply; None: close
 
@@ -169,8 +170,9 @@ async def test_a_cancelled_call_never_hands_its_late_answer_to_the_next(serve: S
         s.delay_s = 0.0
         assert await c.request(c.request_bytes("GET", "/next", b"")) == (200, b"/next")  # on a new connection
         assert s.connections == 2
-        await asyncio.sleep(0.3)  # the late answer arrived, was dropped, and its connection is reusable
-        assert c.late == set() and len(c.idle) == 2
+        # the late answer arrives, is dropped, and its connection is reusable
+        await eventually("the late answer read", lambda: c.late == set())
+        assert len(c.idle) == 2
         for path in (b"/a", b"/b", b"/c"):
             assert await c.request(c.request_bytes("GET", path.decode(), b"")) == (200, path)
         assert s.connections == 2
@@ -189,8 +191,8 @@ async def test_a_late_answer_that_never_comes_closes_its_connection(serve: Serve
             async with asyncio.timeout(0.05):
                 await c.request(c.request_bytes("GET", "/never", b""))
         (conn,) = c.late
-        await asyncio.sleep(0.2)
-        assert c.late == set() and conn.closed and c.idle == []
+        await eventually("the late connection given up", lambda: c.late == set())
+        assert conn.closed and c.idle == []
     finally:
         c.close()
 

@@ -81,8 +81,7 @@ async def test_a_cancelled_get_closes_its_connection(redis_url: str) -> None:
             async with asyncio.timeout(0.05):
                 await c.get("k")
         assert c.idle == []
-        await asyncio.sleep(0.3)
-        assert await c.get("k") is None
+        assert await c.get("k") is None  # on a new connection, answered once the pause ends
     finally:
         c.close()
         await admin.aclose()
