@@ -110,9 +110,14 @@ class Stamp(NamedTuple):
 
     @classmethod
     def unpack(cls, data: bytes) -> Stamp:
-        if len(data) != _STAMP.size:
-            raise ValueError(f"malformed stamp frame: {len(data)} bytes, expected {_STAMP.size}")
-        return cls._make(_STAMP.unpack(data))
+        """Also reads the msgpack array brokers before issue 18's last round sent (never 28 bytes
+        long), so workers can be upgraded before their broker (README: Processes and data flow)."""
+        if len(data) == _STAMP.size:
+            return cls._make(_STAMP.unpack(data))
+        raw: Any = msgpack.unpackb(data)
+        if not (isinstance(raw, list) and len(raw) == 4 and all(type(x) is int and x >= 0 for x in raw)):
+            raise ValueError(f"malformed stamp frame: {len(data)} bytes, neither {_STAMP.size} nor a msgpack stamp")
+        return cls(*raw)
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,11 +97,19 @@ def test_malformed_broker_message_is_refused(frames: list[bytes]) -> None:
     assert type(info.value) is P.FrameError
 
 
-@pytest.mark.parametrize("stamp", [b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["a", 1, 2, 3])])
+@pytest.mark.parametrize("stamp", [b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["a", 1, 2, 3]),
+                                   msgpack.packb([1, -2, 3, 4]), b"\x00" * 27, b"\x00" * 29])
 def test_malformed_stamp_still_names_whom_to_answer(stamp: bytes) -> None:
     with pytest.raises(P.MalformedStamp) as info:
         P.parse_broker_message([P.TAG, P.REQUEST, b"client", b"r-9", stamp, b"h", b"x"])
     assert (info.value.client, info.value.request_id) == (b"client", b"r-9")
+
+
+def test_stamp_is_28_bytes_and_an_older_brokers_msgpack_stamp_still_reads() -> None:
+    stamp = P.Stamp(deadline_ns=2**63, queued_us=12, sent_ns=2**62, attempt=2)
+    assert len(stamp.pack()) == 28 and P.Stamp.unpack(stamp.pack()) == stamp
+    older = msgpack.packb([2**63, 12, 2**62, 2])  # what a broker before this layout sent
+    assert len(older) != 28 and P.Stamp.unpack(older) == stamp
 
 
 def test_reply_with_empty_request_id_is_an_ordinary_reply() -> None:
