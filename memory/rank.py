@@ -5,11 +5,12 @@ Pure functions, no I/O, no clock: ``now_s`` is always passed in.
 Order of operations for search, and why each step sits where it does:
 
 1. Retrieval-time cosine cutoff (``min_similarity``; the spec's 0.70, or the embedder's own when a
-   search names none: ``Embedder.min_similarity``): vector candidates below it are
-   dropped before hydration, so we never load records we would not rank.
-2. Full-text hits that have no cosine at or above the cutoff get the relevance *sentinel* 0.5.
-3. Scoring-time relevance floor (default 0.15) after hydration, before the composite. A floor at
-   or above 0.5 would silently exclude every full-text sentinel hit, so it is refused.
+   search names none: ``Embedder.min_similarity``): a vector candidate below it that matched no
+   query word is dropped (``memory.fusion``).
+2. Full-text and vector scores are fused into one relevance (``memory.fusion``, README "Memory
+   search").
+3. Scoring-time relevance floor (default 0.15), before the composite. A floor at or above 0.5
+   could exclude a query's best full-text match, so it is refused.
 4. Composite = 0.40 relevance + 0.25 recency + 0.20 usefulness + 0.10 confidence + 0.05 access
    frequency; recency halves every category-specific half-life. Ties break on ``memory_id``.
 """
@@ -55,9 +56,11 @@ HALF_LIFE_DAYS: Mapping[str, float] = MappingProxyType(
 CATEGORIES = frozenset(HALF_LIFE_DAYS)
 DEFAULT_HALF_LIFE_DAYS = 30.0
 
-FULLTEXT_SENTINEL = 0.5
 DEFAULT_MIN_SIMILARITY = 0.70
 DEFAULT_RELEVANCE_FLOOR = 0.15
+# The floor stays under the relevance of a query's best full-text match with no vector support
+# (memory.fusion: TEXT_WEIGHT x 1), so no floor can silently turn the full-text side off.
+FLOOR_LIMIT = 0.5
 ACCESS_SATURATION = 100  # this many accesses (or more) scores 1.0 on access frequency
 _DAY_S = 86_400.0
 
@@ -68,10 +71,10 @@ def check_relevance_floor(floor: float) -> float:
         raise ValueError(f"relevance floor must be a finite number, got {floor!r}")
     if floor < 0.0:
         raise ValueError(f"relevance floor must be >= 0, got {floor}")
-    if floor >= FULLTEXT_SENTINEL:
+    if floor >= FLOOR_LIMIT:
         raise ValueError(
-            f"relevance floor {floor} refused: values at or above {FULLTEXT_SENTINEL} would exclude "
-            f"every full-text hit (they carry the {FULLTEXT_SENTINEL} relevance sentinel); use < 0.5"
+            f"relevance floor {floor} refused: values at or above {FLOOR_LIMIT} could exclude a query's best "
+            f"full-text match (its text half alone is {FLOOR_LIMIT}); use < {FLOOR_LIMIT}"
         )
     return float(floor)
 
@@ -107,65 +110,11 @@ def composite(
     )
 
 
-def retrieval_relevance(cosine: float | None, keyword_hit: bool, min_similarity: float) -> float | None:
-    """Relevance a candidate enters ranking with, or ``None`` if retrieval drops it.
-
-    A cosine at or above the cutoff is the relevance (clipped to [0, 1]); otherwise a full-text
-    hit gets the sentinel; otherwise the memory was not retrieved.
-    """
-    if cosine is not None and math.isfinite(cosine) and cosine >= min_similarity:
-        return min(max(cosine, 0.0), 1.0)
-    if keyword_hit:
-        return FULLTEXT_SENTINEL
-    return None
-
-
 def cosine_scores(matrix: NDArray[np.float32], query: NDArray[np.float32]) -> NDArray[np.float32]:
     """Cosine of each (unit) row with the (unit) query; zero rows and queries score 0."""
     if matrix.size == 0:
         return np.zeros(matrix.shape[0], dtype=np.float32)
     return np.asarray(matrix @ query, dtype=np.float32)
-
-
-def keyword_hit(query_terms: frozenset[str], doc_terms: Iterable[str]) -> bool:
-    """Full-text match: the memory contains at least half of the query's distinct content terms.
-
-    Stricter than OR (one shared word is noise for long queries), looser than AND (a question
-    rarely repeats every word of the memory that answers it).
-    """
-    if not query_terms:
-        return False
-    need = max(1, math.ceil(len(query_terms) / 2))
-    have = len(query_terms.intersection(doc_terms))
-    return have >= need
-
-
-def select_candidates(
-    ids: Sequence[str],
-    cosines: Sequence[float] | NDArray[np.float32],
-    keyword_ids: frozenset[str],
-    *,
-    min_similarity: float,
-    max_candidates: int,
-) -> dict[str, float]:
-    """Retrieval stage: memory_id -> relevance for everything that survives the cutoff.
-
-    ``cosines[i]`` belongs to ``ids[i]``; ids only found by full text get the sentinel. At most
-    ``max_candidates`` are kept (highest relevance, then memory_id) to bound hydration.
-    """
-    found: dict[str, float] = {}
-    seen: set[str] = set()
-    for mid, cos in zip(ids, cosines, strict=True):
-        seen.add(mid)
-        rel = retrieval_relevance(float(cos), mid in keyword_ids, min_similarity)
-        if rel is not None:
-            found[mid] = rel
-    for mid in keyword_ids - seen:
-        found[mid] = FULLTEXT_SENTINEL
-    if len(found) > max_candidates:
-        keep = sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))[:max_candidates]
-        found = dict(keep)
-    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,46 +181,6 @@ def hot_relevance(cosine: float, salience: float) -> float:
     """
     cos = min(max(cosine, 0.0), 1.0) if math.isfinite(cosine) else 0.0
     return (1.0 - HOT_SALIENCE_SHARE) * cos + HOT_SALIENCE_SHARE * min(max(salience, 0.0), 1.0)
-
-
-def keyword_mask(
-    postings: Mapping[str, NDArray[np.int64]], n_rows: int, query_terms: frozenset[str]
-) -> NDArray[np.bool_]:
-    """``keyword_hit`` for every row at once: the rows holding at least half the query's terms.
-
-    ``postings`` maps a term to the rows that contain it (each row once); the work is one array
-    add per query term, never a loop over memories.
-    """
-    if not query_terms or n_rows == 0:
-        return np.zeros(n_rows, dtype=np.bool_)
-    need = max(1, math.ceil(len(query_terms) / 2))
-    counts = np.zeros(n_rows, dtype=np.int32)
-    for term in query_terms:
-        rows = postings.get(term)
-        if rows is not None:
-            counts[rows] += 1
-    return counts >= need
-
-
-def select_rows(
-    ids: NDArray[np.str_], cosines: NDArray[np.float32], keyword: NDArray[np.bool_], *,
-    min_similarity: float, max_candidates: int,
-) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
-    """``select_candidates`` on arrays: (rows, relevance) of what survives the cutoff.
-
-    A cosine at or above ``min_similarity`` is the relevance (clipped to [0, 1]), else a full-text
-    hit gets the sentinel, else the row is dropped; at most ``max_candidates`` are kept, highest
-    relevance first and memory_id on ties, exactly as the scalar version.
-    """
-    cos = np.nan_to_num(cosines.astype(np.float64), nan=-1.0, posinf=-1.0, neginf=-1.0)
-    rel = np.where(cos >= min_similarity, np.clip(cos, 0.0, 1.0), np.where(keyword, FULLTEXT_SENTINEL, -1.0))
-    rows = np.flatnonzero(rel >= 0.0)
-    if rows.size > max_candidates:
-        kth = np.partition(rel[rows], rows.size - max_candidates)[rows.size - max_candidates]
-        above, at = rows[rel[rows] > kth], rows[rel[rows] == kth]
-        at = at[np.argsort(ids[at], kind="stable")][: max_candidates - above.size]
-        rows = np.concatenate([above, at])
-    return rows, rel[rows]
 
 
 def components(r: Ranked) -> dict[str, float]:

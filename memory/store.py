@@ -1,21 +1,17 @@
-"""Redis I/O of the memory service; every key comes from ``shared.keys`` (org first).
+"""Memory writes and record parsing of the memory service; every key comes from ``shared.keys``.
 
-Per (org, agent), written together in one MULTI so readers never see half a memory:
+Per memory, written in one MULTI with the agent's id set and hot list (one hash slot), so readers
+never see half a memory:
 
-    {org}:memories:{agent}                  HASH  memory_id -> MemoryRecord JSON
-    {org}:memory_terms:{agent}              HASH  memory_id -> full-text terms, space-joined
-    {org}:memory_vectors:{agent}:{embedder} HASH  memory_id -> float32 unit vector
-    {org}:hot_memories:{agent}              ZSET  memory_id -> salience (only memories marked hot)
-    {org}:memory_rev:{agent}                STRING random token, replaced by every write
+    mem:{org:agent}:{memory_id}  HASH  org, agent, content, created_at, rec (MemoryRecord JSON),
+                                       v_{embedder} (float32 unit vector)
+    memids:{org:agent}           SET   the agent's memory ids (the per-agent cap counts them)
+    hot:{org:agent}              ZSET  memory_id -> salience (only memories marked hot)
 
-Search needs every vector and term set of the agent, and decoding hundreds of RESP strings costs
-milliseconds in redis-py's pure-Python parser, so ``IndexCache`` keeps the decoded index per
-agent, tagged with the revision token and the record count it was built from; a search pays
-one small round trip to check the tag. (Records written to Redis by hand, bypassing this module,
-are noticed through the record count only.)
-
-Vectors are per embedder; a search that finds records without a vector for the current embedder
-(seeded with another embedder, or written straight to Redis) computes and stores them once.
+The Redis Query Engine indexes each hash as it is written (``memory.index``); nothing here keeps
+an index of its own. Vectors are per embedder; a memory without one for the current embedder
+(seeded with another, or written straight to Redis) is embedded when a read meets it and the
+vector is stored (``store_vectors``).
 
 Reads are total: a record that no longer validates (written straight to Redis, or by an older
 version with looser rules) is left out of every answer, logged and counted in ``RecordHealth``
@@ -25,23 +21,20 @@ version with looser rules) is left out of every answer, logged and counted in ``
 from __future__ import annotations
 
 import logging
-import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import numpy as np
-from numpy.typing import NDArray
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from ibex_context.memory.embed import Vectors, content_terms
+from ibex_context.memory.embed import Vectors
 from ibex_context.memory.models import MemoryRecord
-from ibex_context.shared.keys import hot_key, memories_key, rev_key, terms_key, vectors_key
+from ibex_context.shared.keys import hot_key, memory_ids_key, memory_key, vector_field
 from ibex_context.shared.validation import first_error
 
 log = logging.getLogger(__name__)
@@ -85,46 +78,23 @@ class NewMemory:
     hot: bool
 
 
-@dataclass(frozen=True, slots=True)
-class SearchIndex:
-    """What retrieval needs before hydration: ids, their vectors (rows) and their terms.
-
-    ``id_array`` and ``postings`` (term -> rows holding it) let a search score every row with
-    array operations (``rank.keyword_mask``, ``rank.select_rows``), built once per index revision.
-    """
-
-    ids: list[str]
-    matrix: Vectors
-    terms: dict[str, frozenset[str]]
-    id_array: NDArray[np.str_] = field(default_factory=lambda: np.zeros(0, dtype=np.str_))
-    postings: dict[str, NDArray[np.int64]] = field(default_factory=dict)
-
-
-def build_postings(ids: Sequence[str], terms: dict[str, frozenset[str]]) -> dict[str, NDArray[np.int64]]:
-    """Term -> the rows (positions in ``ids``) whose memory holds it."""
-    rows_of: dict[str, list[int]] = {}
-    for row, mid in enumerate(ids):
-        for term in terms.get(mid, ()):
-            rows_of.setdefault(term, []).append(row)
-    return {t: np.asarray(r, dtype=np.int64) for t, r in rows_of.items()}
-
-
-@lru_cache(maxsize=65536)
-def _terms_of(joined: bytes) -> frozenset[str]:
-    return frozenset(joined.decode("utf-8", "replace").split())
-
-
-def _joined_terms(text: str) -> str:
-    return " ".join(sorted(content_terms(text)))
+def doc_fields(org_id: str, agent_id: str, rec: MemoryRecord, vec: Vectors | None, embedder_name: str
+               ) -> dict[str, str | bytes | float]:
+    """The hash of one memory, as the index reads it (``memory.index``)."""
+    fields: dict[str, str | bytes | float] = {
+        "org": org_id, "agent": agent_id, "content": rec.content, "created_at": rec.created_at.timestamp(),
+        "rec": rec.model_dump_json()}
+    if vec is not None:
+        fields[vector_field(embedder_name)] = np.asarray(vec, dtype=np.float32).tobytes()
+    return fields
 
 
 def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str) -> None:
-    """Queue one memory's record, terms, vector and hot flag on a pipeline."""
+    """Queue one memory's hash, id and hot flag on a pipeline (all in the agent's hash slot)."""
     rec = m.record
-    pipe.hset(memories_key(m.org_id, m.agent_id), rec.memory_id, rec.model_dump_json())
-    pipe.hset(terms_key(m.org_id, m.agent_id), rec.memory_id, _joined_terms(rec.content))
-    pipe.hset(vectors_key(m.org_id, m.agent_id, embedder_name), rec.memory_id,
-              np.asarray(vec, dtype=np.float32).tobytes())
+    pipe.hset(memory_key(m.org_id, m.agent_id, rec.memory_id),
+              mapping=doc_fields(m.org_id, m.agent_id, rec, vec, embedder_name))  # type: ignore[arg-type]
+    pipe.sadd(memory_ids_key(m.org_id, m.agent_id), rec.memory_id)
     if m.hot:
         pipe.zadd(hot_key(m.org_id, m.agent_id), {rec.memory_id: rec.salience})
     else:
@@ -132,38 +102,40 @@ def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str)
 
 
 async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_name: str, embed: EmbedFn) -> None:
-    """Store memories (record, terms, vector, hot flag) in chunks of MULTI/EXEC transactions."""
+    """Store memories in chunks: one MULTI/EXEC per agent in each chunk (one hash slot each, so
+    the same code runs on a Redis Cluster)."""
     for start in range(0, len(items), _WRITE_CHUNK):
         chunk = items[start : start + _WRITE_CHUNK]
         vectors = await embed([m.record.content for m in chunk])
-        async with redis.pipeline(transaction=True) as pipe:
-            for org_id, agent_id in {(m.org_id, m.agent_id) for m in chunk}:
-                pipe.set(rev_key(org_id, agent_id), uuid.uuid4().hex)
-            for m, vec in zip(chunk, vectors, strict=True):
-                _queue_write(pipe, m, vec, embedder_name)
-            await pipe.execute()
+        by_agent: dict[tuple[str, str], list[tuple[NewMemory, Vectors]]] = {}
+        for m, vec in zip(chunk, vectors, strict=True):
+            by_agent.setdefault((m.org_id, m.agent_id), []).append((m, vec))
+        for group in by_agent.values():
+            async with redis.pipeline(transaction=True) as pipe:
+                for m, vec in group:
+                    _queue_write(pipe, m, vec, embedder_name)
+                await pipe.execute()
 
 
 async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, embed: EmbedFn,
                        max_per_agent: int) -> None:
     """Store one memory unless it would be the agent's ``max_per_agent + 1``-th.
 
-    The count check and the write are one optimistic transaction (WATCH on the agent's records),
+    The count check and the write are one optimistic transaction (WATCH on the agent's id set),
     so concurrent writers cannot overshoot the cap. ``AgentFull`` if full; rewriting an existing
     ``memory_id`` never counts as a new memory.
     """
     [vec] = await embed([item.record.content])
-    mkey = memories_key(item.org_id, item.agent_id)
+    mkey = memory_ids_key(item.org_id, item.agent_id)
     async with redis.pipeline(transaction=True) as pipe:
         for _ in range(_WATCH_ATTEMPTS):
             try:
                 await pipe.watch(mkey)
-                count = int(await pipe.hlen(mkey))
-                exists = bool(await pipe.hexists(mkey, item.record.memory_id))
+                count = int(await pipe.scard(mkey))
+                exists = bool(await pipe.sismember(mkey, item.record.memory_id))
                 if not exists and count >= max_per_agent:
                     raise AgentFull(count, max_per_agent)
                 pipe.multi()  # type: ignore[no-untyped-call]
-                pipe.set(rev_key(item.org_id, item.agent_id), uuid.uuid4().hex)
                 _queue_write(pipe, item, vec, embedder_name)
                 await pipe.execute()
                 return
@@ -237,151 +209,18 @@ def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | Non
     return rec
 
 
-async def hydrate(redis: Redis, org_id: str, agent_id: str, ids: Sequence[str],
-                  health: RecordHealth | None = None) -> dict[str, MemoryRecord]:
-    """Load full records for ``ids``; missing or damaged ones are left out."""
-    if not ids:
-        return {}
-    key = memories_key(org_id, agent_id)
-    return parse_records(ids, await redis.hmget(key, list(ids)), key, health)
-
-
-def parse_records(ids: Sequence[str], raws: Sequence[bytes | str | None], key: str,
-                  health: RecordHealth | None = None) -> dict[str, MemoryRecord]:
-    """The records of ``ids`` read from hash ``key`` (``raws`` in the same order), keyed by id;
-    missing or damaged ones are left out (and counted in ``health``)."""
-    out: dict[str, MemoryRecord] = {}
-    for mid, raw in zip(ids, raws, strict=True):
-        rec = parse_record(raw, f"{key}/{mid}", health, memory_id=mid)
-        if rec is not None:
-            out[mid] = rec
-    return out
-
-
-IndexTag = tuple[bytes | None, int]
-# Above this many memories the index is read in HSCAN pages: one HGETALL of 100,000 384-float
-# vectors (150 MB) outlasts the Redis timeout and would fail every time. The tag is read first, so
-# a write during the scan only makes the next search rebuild.
-SCAN_ABOVE = 20_000
-_SCAN_PAGE = 2_000
-
-
-async def _scan_all(redis: Redis, key: str) -> dict[bytes, bytes]:
-    out: dict[bytes, bytes] = {}
-    cursor = 0
-    while True:
-        cursor, page = await redis.hscan(key, cursor, count=_SCAN_PAGE)
-        out.update(cast(dict[bytes, bytes], page))
-        if cursor == 0:
-            return out
-
-
-class IndexCache:
-    """Decoded search indexes per (org, agent, embedder), least recently used evicted."""
-
-    def __init__(self, max_agents: int = 256) -> None:
-        self._max = max_agents
-        self._entries: OrderedDict[tuple[str, str, str], tuple[IndexTag, SearchIndex]] = OrderedDict()
-
-    def get(self, key: tuple[str, str, str], tag: IndexTag) -> SearchIndex | None:
-        entry = self._entries.get(key)
-        if entry is None or entry[0] != tag:
-            return None
-        self._entries.move_to_end(key)
-        return entry[1]
-
-    def peek(self, key: tuple[str, str, str]) -> tuple[IndexTag, SearchIndex] | None:
-        """The cached index and the tag it was built at, current or not (``memory.reads``)."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: tuple[str, str, str], tag: IndexTag, index: SearchIndex) -> None:
-        self._entries[key] = (tag, index)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-async def load_index(
-    redis: Redis, org_id: str, agent_id: str, *, embedder_name: str, dim: int, embed: EmbedFn,
-    cache: IndexCache | None = None, health: RecordHealth | None = None,
-) -> SearchIndex:
-    """Vectors and terms of every memory of the agent, backfilling any that are missing."""
-    vkey, tkey, mkey, rkey = (vectors_key(org_id, agent_id, embedder_name), terms_key(org_id, agent_id),
-                              memories_key(org_id, agent_id), rev_key(org_id, agent_id))
-    cache_key = (org_id, agent_id, embedder_name)
-    scanned = False
-    if cache is not None:
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.get(rkey)
-            pipe.hlen(mkey)
-            rev, count = await pipe.execute()
-        cached = cache.get(cache_key, (rev, count))
-        if cached is not None:
-            return cached
-        if count > SCAN_ABOVE:
-            vectors, terms = await _scan_all(redis, vkey), await _scan_all(redis, tkey)
-            scanned = True
-    if not scanned:
-        # One MULTI: the tag is read atomically with the data it describes.
-        async with redis.pipeline(transaction=True) as pipe:
-            pipe.get(rkey)
-            pipe.hlen(mkey)
-            pipe.hgetall(vkey)
-            pipe.hgetall(tkey)
-            rev, count, vectors, terms = await pipe.execute()
-    row_bytes = dim * 4
-    if len(vectors) < count or len(terms) < count:
-        await _backfill(redis, org_id, agent_id, vectors, terms, embedder_name=embedder_name, embed=embed,
-                        health=health)
-    ids: list[str] = []
-    rows: list[bytes] = []
-    term_map: dict[str, frozenset[str]] = {}
-    for raw_id, joined in terms.items():
-        term_map[raw_id.decode()] = _terms_of(joined)
-    for raw_id, vec in vectors.items():
-        if len(vec) == row_bytes:
-            ids.append(raw_id.decode())
-            rows.append(vec)
-    matrix = (np.frombuffer(b"".join(rows), dtype=np.float32).reshape(len(rows), dim) if rows
-              else np.zeros((0, dim), dtype=np.float32))
-    index = SearchIndex(ids=ids, matrix=matrix, terms=term_map, id_array=np.asarray(ids, dtype=np.str_),
-                        postings=build_postings(ids, term_map))
-    if cache is not None:
-        cache.put(cache_key, (rev, count), index)
-    return index
-
-
-async def _backfill(
-    redis: Redis, org_id: str, agent_id: str, vectors: dict[bytes, bytes], terms: dict[bytes, bytes],
-    *, embedder_name: str, embed: EmbedFn, health: RecordHealth | None = None,
-) -> None:
-    """Compute vectors/terms for records that lack them (mutates the two dicts in place)."""
-    mkey = memories_key(org_id, agent_id)
-    all_ids = [m if isinstance(m, bytes) else m.encode() for m in await redis.hkeys(mkey)]
-    missing = [m for m in all_ids if m not in vectors or m not in terms]
-    if not missing:
-        return
-    raws = await redis.hmget(mkey, missing)
-    fixed: list[tuple[bytes, MemoryRecord]] = []
-    for mid, raw in zip(missing, raws, strict=True):
-        rec = parse_record(raw, f"{mkey}/{mid.decode(errors='replace')}", health)
-        if rec is not None:
-            fixed.append((mid, rec))
-    if not fixed:
-        return
-    new_vecs = await embed([rec.content for _, rec in fixed])
-    vmap = {mid: np.asarray(v, dtype=np.float32).tobytes() for (mid, _), v in zip(fixed, new_vecs, strict=True)}
-    tmap = {mid: _joined_terms(rec.content).encode() for mid, rec in fixed}
+async def store_vectors(redis: Redis, org_id: str, agent_id: str, vectors: dict[str, Vectors],
+                        embedder_name: str) -> None:
+    """Add this embedder's vectors to memories that lack them (written by hand, or seeded with
+    another embedder); a memory deleted meanwhile is not brought back as a vector-only hash."""
+    field = vector_field(embedder_name)
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.hset(vectors_key(org_id, agent_id, embedder_name), mapping=vmap)  # type: ignore[arg-type]
-        pipe.hset(terms_key(org_id, agent_id), mapping=tmap)  # type: ignore[arg-type]
+        for mid, vec in vectors.items():
+            key = memory_key(org_id, agent_id, mid)
+            pipe.eval(_SET_IF_EXISTS, 1, key, field, np.asarray(vec, dtype=np.float32).tobytes())
         await pipe.execute()
-    vectors.update(vmap)
-    terms.update(tmap)
-    log.info("backfilled %d vectors/terms for %s (embedder %s)", len(fixed), mkey, embedder_name)
+
+
+_SET_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end"
+
+

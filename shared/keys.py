@@ -1,17 +1,23 @@
 """Every Redis key the service reads or writes, built in one place.
 
 README (Degradation and security): tenant scoping is enforced at the data
-layer, so each key starts with the org id. Identifiers are checked against the same safe
-alphabet as ``shared.models.Ident``: no ``:`` or whitespace, so no org or agent id can smuggle a
-separator and name a key in another tenant's namespace. A bad identifier raises ``ValueError``.
+layer, so every key names its org in a fixed place. Identifiers are checked against the same safe
+alphabet as ``shared.models.Ident``: no ``:``, braces or whitespace, so no org or agent id can
+smuggle a separator and name a key in another tenant's namespace. A bad identifier raises
+``ValueError``.
 
     {org}:directive:{agent}                 STRING  JSON DirectiveEnvelope (shared/directives.py)
-    {org}:hot_memories:{agent}              ZSET    memory_id -> salience in [0, 1]
-    {org}:memories:{agent}                  HASH    memory_id -> JSON memory record
-    {org}:memory_terms:{agent}              HASH    memory_id -> space-joined full-text terms
-    {org}:memory_vectors:{agent}:{embedder} HASH    memory_id -> float32 unit vector bytes
-    {org}:memory_rev:{agent}                STRING  random token, replaced on every memory write
     {org}:calibration:{model}               HASH    usage-report ratio sketch (shared/calibration_store.py)
+    mem:{{org}:{agent}}:{memory_id}         HASH    one memory: org, agent, content, created_at,
+                                                    rec (the JSON record), v_{embedder} (float32 vector)
+    memids:{{org}:{agent}}                  SET     the agent's memory ids (the per-agent cap)
+    hot:{{org}:{agent}}                     ZSET    memory_id -> salience in [0, 1]
+
+Memory keys start with their family, not the org, because the Redis Query Engine indexes hashes
+by key prefix: one index (``mem:``) covers every tenant, and every query filters on the org and
+agent TAG fields inside the engine (README "Memory search"). The ``{org:agent}`` part is a Redis
+Cluster hash tag: one agent's keys share a slot, so its writes stay atomic on a cluster, while
+agents spread over the shards.
 """
 
 from __future__ import annotations
@@ -47,29 +53,40 @@ def directive_key(org_id: str, agent_id: str) -> str:
     return f"{check_ident(org_id, 'org_id')}:directive:{check_ident(agent_id, 'agent_id')}"
 
 
+def agent_tag(org_id: str, agent_id: str) -> str:
+    """``{org:agent}``: the hash tag every memory key of one agent carries."""
+    return "{" + f"{check_ident(org_id, 'org_id')}:{check_ident(agent_id, 'agent_id')}" + "}"
+
+
+MEMORY_PREFIX = "mem:"  # the Redis Query Engine index covers every key with this prefix
+
+
+def memory_key(org_id: str, agent_id: str, memory_id: str) -> str:
+    return f"{MEMORY_PREFIX}{agent_tag(org_id, agent_id)}:{check_ident(memory_id, 'memory_id')}"
+
+
+def memory_key_prefix(org_id: str, agent_id: str) -> str:
+    """What every memory key of one agent starts with (its id follows)."""
+    return f"{MEMORY_PREFIX}{agent_tag(org_id, agent_id)}:"
+
+
+def memory_ids_key(org_id: str, agent_id: str) -> str:
+    return f"memids:{agent_tag(org_id, agent_id)}"
+
+
 def hot_key(org_id: str, agent_id: str) -> str:
-    return f"{check_ident(org_id, 'org_id')}:hot_memories:{check_ident(agent_id, 'agent_id')}"
+    return f"hot:{agent_tag(org_id, agent_id)}"
 
 
-def memories_key(org_id: str, agent_id: str) -> str:
-    return f"{check_ident(org_id, 'org_id')}:memories:{check_ident(agent_id, 'agent_id')}"
+def org_key_patterns(org_id: str) -> tuple[str, ...]:
+    """SCAN patterns that together match every key of one org (per-org cleanup)."""
+    org = check_ident(org_id, "org_id")
+    return (f"{org}:*", f"{MEMORY_PREFIX}{{{org}:*", f"memids:{{{org}:*", f"hot:{{{org}:*")
 
 
-def terms_key(org_id: str, agent_id: str) -> str:
-    return f"{check_ident(org_id, 'org_id')}:memory_terms:{check_ident(agent_id, 'agent_id')}"
-
-
-def rev_key(org_id: str, agent_id: str) -> str:
-    """Changes whenever the agent's memories do, so readers can keep a derived index cached."""
-    return f"{check_ident(org_id, 'org_id')}:memory_rev:{check_ident(agent_id, 'agent_id')}"
-
-
-def vectors_key(org_id: str, agent_id: str, embedder: str) -> str:
-    """Vectors are kept per embedder so switching models never compares unlike vectors."""
-    return (
-        f"{check_ident(org_id, 'org_id')}:memory_vectors:{check_ident(agent_id, 'agent_id')}:"
-        f"{check_ident(embedder, 'embedder')}"
-    )
+def vector_field(embedder: str) -> str:
+    """The hash field holding a memory's vector for one embedder (vectors of unlike models never mix)."""
+    return f"v_{check_ident(embedder, 'embedder').replace('-', '_').replace('.', '_')}"
 
 
 def calibration_key(org_id: str, model: str) -> str:

@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ibex_context.memory.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
+from ibex_context.memory.fusion import TEXT_WEIGHT, Fused, fuse
+from ibex_context.memory.index import query_terms, tenant_filter
 from ibex_context.memory.rank import (
     ACCESS_SATURATION,
     DEFAULT_RELEVANCE_FLOOR,
-    FULLTEXT_SENTINEL,
     HALF_LIFE_DAYS,
     WEIGHTS,
     Candidate,
@@ -22,13 +23,10 @@ from ibex_context.memory.rank import (
     check_relevance_floor,
     composite,
     cosine_scores,
-    keyword_hit,
     rank_arrays,
     rank_hydrated_hits,
     recency_score,
     record_features,
-    retrieval_relevance,
-    select_candidates,
 )
 
 DAY = 86_400.0
@@ -97,7 +95,46 @@ def test_access_score() -> None:
     assert 0 < access_score(1) < access_score(10) < 1
 
 
-# ----------------------------------------------------------------------- floor, sentinel, cutoff
+# --------------------------------------------------------------------- fusion, floor, cutoff
+
+
+def test_fusion_scales_text_by_the_best_match_and_keeps_the_cosine() -> None:
+    got = fuse({"a": 8.0, "b": 2.0}, {"a": 0.4, "b": 0.9, "c": 0.75, "d": 0.2}, min_similarity=0.7)
+    assert set(got) == {"a", "b", "c"}  # d: no word matched and its cosine is under the cutoff
+    assert got["a"] == Fused(relevance=pytest.approx(0.5 * 1.0 + 0.5 * 0.4), text=1.0, vector=pytest.approx(0.4))
+    assert got["b"].text == pytest.approx(0.25) and got["b"].relevance == pytest.approx(0.5 * 0.25 + 0.5 * 0.9)
+    assert got["c"].text == 0.0 and got["c"].relevance == pytest.approx(0.375)
+
+
+def test_fusion_is_total_on_bad_numbers() -> None:
+    got = fuse({"a": math.nan, "b": math.inf, "c": 1.0}, {"a": math.nan, "c": 1.5, "e": -0.3}, min_similarity=0.0)
+    for f in got.values():
+        assert 0.0 <= f.relevance <= 1.0 and 0.0 <= f.text <= 1.0 and 0.0 <= f.vector <= 1.0
+    assert fuse({}, {}, min_similarity=0.3) == {}
+
+
+@given(st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0.0, 50.0)),
+       st.dictionaries(st.sampled_from("abcdefgh"), st.floats(-1.0, 1.0)), st.floats(0.0, 1.0))
+def test_fusion_properties(bm25: dict[str, float], cosine: dict[str, float], cut: float) -> None:
+    got = fuse(bm25, cosine, min_similarity=cut)
+    for f in got.values():
+        assert 0.0 <= f.relevance <= 1.0
+        assert f.text > 0.0 or f.vector >= cut  # retrieval keeps a word match or a cosine over the cutoff
+        assert f.relevance == pytest.approx(TEXT_WEIGHT * f.text + (1 - TEXT_WEIGHT) * f.vector)
+    positive = {m for m, v in bm25.items() if v > 0.0}
+    assert positive <= set(got)  # every candidate that matched a word is kept
+    if positive:
+        assert max(got[m].text for m in positive) == 1.0
+
+
+def test_query_terms_and_tenant_filter_are_escaped() -> None:
+    assert query_terms("When did Caroline go to the LGBTQ support group?") == ["caroline", "go", "lgbtq", "support",
+                                                                              "group"]
+    assert query_terms("a-b|c) @org:{globex} *") == ["org", "globex"]  # punctuation never reaches the query
+    assert query_terms("") == [] and len(query_terms(" ".join(f"w{i}" for i in range(100)))) == 32
+    assert tenant_filter("ac.me", "bot-1") == "@org:{ac\\.me} @agent:{bot\\-1}"
+    with pytest.raises(ValueError):
+        tenant_filter("acme} | @org:{globex", "bot")
 
 
 @pytest.mark.parametrize("bad", [0.5, 0.51, 1.0, 7.0, -0.01, math.nan, math.inf])
@@ -109,37 +146,10 @@ def test_floor_at_or_above_half_is_refused(bad: float) -> None:
 
 
 def test_floor_refusal_says_why() -> None:
-    with pytest.raises(ValueError, match=r"full-text hit .*sentinel"):
+    with pytest.raises(ValueError, match=r"best full-text match"):
         check_relevance_floor(0.5)
     assert check_relevance_floor(0.49) == 0.49 and check_relevance_floor(0) == 0.0
     assert DEFAULT_RELEVANCE_FLOOR == 0.15
-
-
-def test_retrieval_relevance_cutoff_and_sentinel() -> None:
-    assert retrieval_relevance(0.71, False, 0.70) == pytest.approx(0.71)
-    assert retrieval_relevance(0.70, False, 0.70) == pytest.approx(0.70)  # cutoff is inclusive
-    assert retrieval_relevance(0.69, False, 0.70) is None  # below the cutoff: not retrieved
-    assert retrieval_relevance(0.69, True, 0.70) == FULLTEXT_SENTINEL == 0.5  # full text rescues it
-    assert retrieval_relevance(None, True, 0.70) == 0.5
-    assert retrieval_relevance(0.9, True, 0.70) == pytest.approx(0.9)  # a real cosine wins
-    assert retrieval_relevance(math.nan, False, 0.0) is None
-    assert retrieval_relevance(1.0000001, False, 0.7) == 1.0
-
-
-def test_sentinel_hits_survive_the_default_floor_but_weak_cosines_do_not() -> None:
-    cands = [_cand("sentinel", FULLTEXT_SENTINEL), _cand("weak", 0.10), _cand("edge", 0.15)]
-    ranked = rank_hydrated_hits(cands, now_s=NOW, limit=10)
-    assert {r.candidate.memory_id for r in ranked} == {"sentinel", "edge"}
-
-
-def test_select_candidates() -> None:
-    got = select_candidates(
-        ["a", "b", "c", "d"], np.array([0.9, 0.5, 0.71, 0.2], dtype=np.float32), frozenset({"b", "e"}),
-        min_similarity=0.7, max_candidates=10,
-    )
-    assert got == {"a": pytest.approx(0.9), "b": 0.5, "c": pytest.approx(0.71), "e": 0.5}
-    capped = select_candidates(["a", "b", "c"], [0.9, 0.8, 0.95], frozenset(), min_similarity=0.1, max_candidates=2)
-    assert set(capped) == {"a", "c"}
 
 
 def test_cosine_scores() -> None:
@@ -236,14 +246,10 @@ def test_embedding_any_text_is_finite(text: str) -> None:
     assert n == 0.0 or math.isclose(n, 1.0, rel_tol=1e-4)
 
 
-def test_content_terms_and_keyword_hits() -> None:
+def test_content_terms() -> None:
     assert content_terms("The user's Invoices were PAID") >= {"invoice", "paid"}
     assert "the" not in content_terms("The the THE")
     assert {"中文", "回复"} <= content_terms("用户偏好使用中文回复 🇨🇳")
-    doc = content_terms("Invoices are emailed monthly as PDF attachments")
-    assert keyword_hit(content_terms("where is my invoice pdf"), doc)  # 2 of 2 terms
-    assert not keyword_hit(content_terms("invoice shipping address phone"), doc)  # 1 of 4
-    assert not keyword_hit(frozenset(), doc)
 
 
 def test_unknown_or_missing_embedders_fail_clearly() -> None:

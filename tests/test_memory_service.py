@@ -18,7 +18,7 @@ import redis
 
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.memory.seed import DEMO_FILE
-from ibex_context.shared.keys import memories_key
+from ibex_context.shared.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
 
 HIT_FIELDS = {"memory_id", "content", "category", "similarity", "confidence", "rank", "created_at",
@@ -118,7 +118,8 @@ def test_hot_orders_by_salience_and_caps_at_limit(http: httpx.Client, memory: Me
     assert ids(hot(http, memory, "acme", "bot", limit=0)) == []
 
 
-def test_search_cutoff_sentinel_floor_and_composite(http: httpx.Client, memory: MemoryServiceHandle) -> None:
+def test_search_fuses_text_and_vector_then_floor_and_composite(http: httpx.Client,
+                                                                memory: MemoryServiceHandle) -> None:
     memory.seed([
         mem("acme", "bot", "Invoices are emailed monthly as PDF attachments", memory_id="exact"),
         mem("acme", "bot", "Customer wants the monthly invoice as a PDF please", memory_id="keyword"),
@@ -129,9 +130,16 @@ def test_search_cutoff_sentinel_floor_and_composite(http: httpx.Client, memory: 
     q = "Invoices are emailed monthly as PDF attachments"
     hits = search(http, memory, "acme", {"query": q, "agent_id": "bot"}).json()["memories"]
     by_id = {h["memory_id"]: h for h in hits}
-    assert by_id["exact"]["similarity"] == pytest.approx(1.0, abs=1e-4)  # cosine 1 passes the 0.70 cutoff
-    assert by_id["keyword"]["similarity"] == 0.5  # full-text hit below the cutoff: the sentinel
-    assert "unrelated" not in by_id
+    # The best full-text match with cosine 1: relevance 1.
+    assert by_id["exact"]["similarity"] == pytest.approx(1.0, abs=1e-4)
+    assert by_id["exact"]["text_score"] == 1.0 and by_id["exact"]["vector_score"] == pytest.approx(1.0, abs=1e-4)
+    # Every hit's relevance is the fusion of its two scores (README "Memory search").
+    for h in hits:
+        assert h["relevance"] == pytest.approx(0.5 * h["text_score"] + 0.5 * h["vector_score"], abs=2e-6)
+        assert h["similarity"] == h["relevance"] == h["components"]["relevance"]
+    keyword = by_id["keyword"]  # shares words, cosine under the 0.70 cutoff: in by its text score
+    assert 0.0 < keyword["text_score"] < 1.0 and keyword["vector_score"] < 0.70
+    assert "unrelated" not in by_id  # no shared word, cosine under the cutoff
     assert [h["rank"] for h in hits] == list(range(1, len(hits) + 1))
     assert hits[0]["memory_id"] == "exact"
     assert by_id["old-task"]["rank"] > by_id["exact"]["rank"]  # a 90-day-old task has decayed (7 d half-life)
@@ -152,11 +160,16 @@ def test_unknown_agent_is_an_empty_list(http: httpx.Client, memory: MemoryServic
 def test_records_without_vectors_are_backfilled(http: httpx.Client, memory: MemoryServiceHandle) -> None:
     record = {"memory_id": "raw-1", "content": "Shipping labels print from the warehouse portal",
               "category": "fact", "confidence": 0.9, "created_at": "2026-01-01T00:00:00Z"}
+    hand_written = {"org": "acme", "agent": "bot", "content": record["content"], "created_at": 1767225600,
+                    "rec": json.dumps(record)}
     with redis.Redis.from_url(memory.redis_url) as r:
-        r.hset(memories_key("acme", "bot"), "raw-1", json.dumps(record))
-        r.hset(memories_key("acme", "bot"), "broken", b"{not json")
-    got = search(http, memory, "acme", {"query": "print shipping labels warehouse", "agent_id": "bot"})
-    assert ids(got) == ["raw-1"]
+        r.hset(memory_key("acme", "bot", "raw-1"), mapping=hand_written)  # no vector
+        r.hset(memory_key("acme", "bot", "broken"), mapping={**hand_written, "rec": b"{not json"})
+        got = search(http, memory, "acme", {"query": "print shipping labels warehouse", "agent_id": "bot"})
+        assert ids(got) == ["raw-1"]
+        field = vector_field(http.get("/healthz").json()["embedder"])
+        assert r.hexists(memory_key("acme", "bot", "raw-1"), field)  # stored: the vector side finds it now
+        assert not r.hexists(memory_key("acme", "bot", "broken"), field)
     assert ids(search(http, memory, "acme", {"query": "warehouse portal labels", "agent_id": "bot"})) == ["raw-1"]
 
 

@@ -10,10 +10,12 @@ from ibex_context.shared.keys import (
     check_ident,
     directive_key,
     hot_key,
-    memories_key,
+    memory_ids_key,
+    memory_key,
+    memory_key_prefix,
+    org_key_patterns,
     org_prefix,
-    terms_key,
-    vectors_key,
+    vector_field,
 )
 from ibex_context.shared.tenancy import bearer_token, mint_org_token, verify_org_token
 
@@ -84,15 +86,17 @@ def test_bearer_header_parsing() -> None:
 
 def test_keys_have_the_documented_shape() -> None:
     assert directive_key("acme", "bot") == "acme:directive:bot"
-    assert hot_key("acme", "bot") == "acme:hot_memories:bot"
-    assert memories_key("acme", "bot") == "acme:memories:bot"
-    assert terms_key("acme", "bot") == "acme:memory_terms:bot"
-    assert vectors_key("acme", "bot", "hash1-256") == "acme:memory_vectors:bot:hash1-256"
+    assert hot_key("acme", "bot") == "hot:{acme:bot}"
+    assert memory_key("acme", "bot", "m-1") == "mem:{acme:bot}:m-1"
+    assert memory_key_prefix("acme", "bot") == "mem:{acme:bot}:"
+    assert memory_ids_key("acme", "bot") == "memids:{acme:bot}"
+    assert vector_field("hash1-256") == "v_hash1_256"
     assert org_prefix("acme") == "acme:"
+    assert org_key_patterns("acme") == ("acme:*", "mem:{acme:*", "memids:{acme:*", "hot:{acme:*")
 
 
 @pytest.mark.parametrize("bad", ["", "a:b", "a b", "x" * 65, "*", "a\nb", "ü", "acme:hot_memories:x"])
-@pytest.mark.parametrize("fn", [directive_key, hot_key, memories_key, terms_key])
+@pytest.mark.parametrize("fn", [directive_key, hot_key, memory_ids_key, memory_key_prefix])
 def test_keys_refuse_unsafe_ids(fn: object, bad: str) -> None:
     assert callable(fn)
     with pytest.raises(ValueError):
@@ -103,7 +107,11 @@ def test_keys_refuse_unsafe_ids(fn: object, bad: str) -> None:
 
 @given(org=idents, agent=idents)
 def test_keys_stay_inside_their_org(org: str, agent: str) -> None:
-    for key in (directive_key(org, agent), hot_key(org, agent), memories_key(org, agent)):
-        assert key.startswith(org_prefix(org))
-        assert key.count(":") == 2  # a key never gains a separator from its parts
+    assert directive_key(org, agent).startswith(org_prefix(org))
+    assert directive_key(org, agent).count(":") == 2  # a key never gains a separator from its parts
+    for key in (hot_key(org, agent), memory_ids_key(org, agent), memory_key(org, agent, agent)):
+        # The hash tag names exactly this org and agent: no part can close it or add a separator.
+        tag = key[key.index("{") + 1 : key.index("}")]
+        assert tag == f"{org}:{agent}" and key.count("{") == key.count("}") == 1
+        assert key.count(":") == 2 + key.startswith("mem:{")
     assert check_ident(org) == org

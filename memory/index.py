@@ -1,0 +1,240 @@
+"""The memory index on the Redis Query Engine (RediSearch): schema, creation, and the two queries
+of a hybrid search (README "Memory search").
+
+One index per embedder covers every memory hash (key prefix ``mem:``, ``shared.keys``):
+
+    org         TAG  CASESENSITIVE     the tenant; every query filters on it inside the engine
+    agent       TAG  CASESENSITIVE
+    content     TEXT                   BM25 (the engine's Okapi BM25STD scorer), English stemming
+    created_at  NUMERIC SORTABLE       epoch seconds
+    v_{embedder} VECTOR HNSW FLOAT32 COSINE, the embedder's dimension
+
+The engine indexes every write as it happens: a memory written is found by the next search, and
+no process keeps a copy of the index. Tags are case-sensitive because identifiers are: ``Acme``
+and ``acme`` are two tenants.
+
+The queries are sent as raw ``FT.SEARCH`` commands on one pipeline (one round trip for both
+halves) and their replies parsed here: redis-py's ``ft().search()`` builds a ``Document`` per hit
+and cannot share a round trip, and ``redisvl`` adds a schema layer this one index does not need.
+``ensure_index`` uses the same raw commands, so the module runs on any redis-py that speaks RESP3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from ibex_context.memory.embed import STOPWORDS, normalize
+from ibex_context.shared.keys import MEMORY_PREFIX, check_ident, vector_field
+
+# HNSW graph parameters: the engine's defaults (M 16, EF_CONSTRUCTION 200), named so a reader
+# sees them; EF_RUNTIME is raised per query to the number of neighbours asked for.
+HNSW_M = 16
+HNSW_EF_CONSTRUCTION = 200
+MAX_QUERY_TERMS = 32  # a question's distinct content words searched (the rest add little but cost)
+_MAX_TERM_CHARS = 48
+_WORD = re.compile(r"\w+", re.UNICODE)
+# Everything but ASCII letters and digits is escaped in a query: tags, words and parameters alike.
+_UNSAFE = re.compile(r"[^A-Za-z0-9]")
+
+
+class QueryEngineMissing(RuntimeError):
+    """The Redis server has no query engine (``FT.*`` commands); the memory service needs one."""
+
+
+def index_name(embedder: str) -> str:
+    return f"ibex:memories:{check_ident(embedder, 'embedder')}"
+
+
+def _escape(text: str) -> str:
+    return _UNSAFE.sub(lambda m: "\\" + m.group(), text)
+
+
+def tenant_filter(org_id: str, agent_id: str) -> str:
+    """The query clause that confines a search to one org's agent (checked identifiers, escaped)."""
+    return f"@org:{{{_escape(check_ident(org_id, 'org_id'))}}} @agent:{{{_escape(check_ident(agent_id, 'agent_id'))}}}"
+
+
+def query_terms(text: str) -> list[str]:
+    """The distinct content words of a question, in order, as full-text terms.
+
+    Stop words are dropped here (the engine would also drop its own); stemming is the engine's.
+    Words are cut at ``_MAX_TERM_CHARS`` (a clause of CJK text is one ``\\w+`` run) and at most
+    ``MAX_QUERY_TERMS`` are kept.
+    """
+    seen: dict[str, None] = {}
+    for word in _WORD.findall(normalize(text)):
+        word = word[:_MAX_TERM_CHARS]
+        if word in STOPWORDS or word in seen or (len(word) < 2 and word.isascii()):
+            continue
+        seen[word] = None
+        if len(seen) >= MAX_QUERY_TERMS:
+            break
+    return list(seen)
+
+
+def text_query(org_id: str, agent_id: str, terms: Sequence[str]) -> str:
+    """Full-text query: any of ``terms`` in ``content``, inside the tenant filter."""
+    words = "|".join(_escape(t) for t in terms)
+    return f"{tenant_filter(org_id, agent_id)} @content:({words})"
+
+
+def knn_query(org_id: str, agent_id: str, field: str, k: int) -> str:
+    """Vector query: the ``k`` nearest of the agent's memories (pre-filtered by the tenant filter)."""
+    return f"({tenant_filter(org_id, agent_id)})=>[KNN {int(k)} @{field} $vec EF_RUNTIME {max(int(k), 10)} AS vd]"
+
+
+def missing_index(exc: ResponseError) -> bool:
+    """True for the engine's error about an index that does not exist (dropped by FLUSHALL)."""
+    text = str(exc).lower()
+    return "no such index" in text or "unknown index" in text or "index not found" in text
+
+
+async def ensure_index(redis: Redis, embedder: str, dim: int, *, wait_s: float = 5.0) -> None:
+    """Create the embedder's index if it does not exist (idempotent, safe to race), and wait up to
+    ``wait_s`` for the engine to index the memories already stored (it does so in the background).
+
+    ``QueryEngineMissing`` when the server has no ``FT.CREATE``; ``RuntimeError`` when an index of
+    that name exists with another vector size (another build of the embedder).
+    """
+    name, field = index_name(embedder), vector_field(embedder)
+    try:
+        info = await redis.execute_command("FT.INFO", name)  # type: ignore[no-untyped-call]
+    except ResponseError as exc:
+        text = str(exc).lower()
+        if "unknown command" in text:
+            raise QueryEngineMissing(
+                "this Redis has no query engine (FT.INFO is an unknown command): point IBEX_REDIS_URL at "
+                "Redis 8 or Redis Stack, or leave it unset to use the bundled server") from exc
+        if not missing_index(exc):
+            raise
+        info = None
+    if info is not None:
+        _check_dim(info, field, dim, name)
+        return
+    try:
+        await redis.execute_command(  # type: ignore[no-untyped-call]
+            "FT.CREATE", name, "ON", "HASH", "PREFIX", "1", MEMORY_PREFIX, "SCHEMA",
+            "org", "TAG", "CASESENSITIVE", "agent", "TAG", "CASESENSITIVE",
+            "content", "TEXT", "created_at", "NUMERIC", "SORTABLE",
+            field, "VECTOR", "HNSW", "10", "TYPE", "FLOAT32", "DIM", str(dim), "DISTANCE_METRIC", "COSINE",
+            "M", str(HNSW_M), "EF_CONSTRUCTION", str(HNSW_EF_CONSTRUCTION))
+    except ResponseError as exc:
+        if "already exists" not in str(exc).lower():
+            raise
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        info_map = _as_map(await redis.execute_command("FT.INFO", name))  # type: ignore[no-untyped-call]
+        if not int(float(_text(info_map.get("indexing", 0)))):
+            return
+        await asyncio.sleep(0.01)
+
+
+def _check_dim(info: Any, field: str, dim: int, name: str) -> None:
+    """Refuse an existing index whose vector field has another dimension than the embedder's."""
+    info_map = _as_map(info)
+    for attr in info_map.get("attributes", []):
+        a = _as_map(attr)
+        if _text(a.get("identifier")) == field:
+            found = a.get("dim")
+            if found is not None and int(_text(found)) != dim:
+                raise RuntimeError(f"index {name} has {field} of dimension {_text(found)}, the embedder gives {dim}: "
+                                   f"drop it (FT.DROPINDEX {name}) to rebuild")
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _as_map(v: Any) -> dict[str, Any]:
+    """A RESP3 map or a RESP2 flat list as a dict with str keys."""
+    if isinstance(v, Mapping):
+        return {_text(k): val for k, val in v.items()}
+    if isinstance(v, list):
+        return {_text(v[i]): v[i + 1] for i in range(0, len(v) - 1, 2)}
+    return {}
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One memory a query returned: its id, the engine's score, and the fields asked for."""
+
+    memory_id: str
+    score: float  # BM25 for the text query; cosine similarity for the vector query
+    record: bytes | None
+    vector: bytes | None
+
+
+def parse_reply(reply: Any, prefix: str, vfield: str, *, vector_query: bool) -> list[Found]:
+    """The hits of an ``FT.SEARCH`` reply (RESP3 map or RESP2 list) whose key has ``prefix``.
+
+    The prefix check is a second tenant guard: the tenant filter already confines the query, and
+    a key of another agent is dropped here even if it were returned.
+    """
+    out: list[Found] = []
+    for key, score, fields in _rows(reply):
+        if not key.startswith(prefix):
+            continue
+        if vector_query:
+            raw = fields.get("vd")
+            try:
+                distance = float(_text(raw)) if raw is not None else math.nan
+            except ValueError:
+                distance = math.nan
+            score = 1.0 - distance  # COSINE distance is 1 - cosine
+        rec = fields.get("rec")
+        vec = fields.get(vfield)
+        out.append(Found(key[len(prefix):], score if math.isfinite(score) else 0.0,
+                         rec if isinstance(rec, bytes) else None, vec if isinstance(vec, bytes) else None))
+    return out
+
+
+def _rows(reply: Any) -> list[tuple[str, float, dict[str, Any]]]:
+    """(key, score, fields) per hit of a WITHSCORES-or-not FT.SEARCH reply."""
+    rows: list[tuple[str, float, dict[str, Any]]] = []
+    if isinstance(reply, Mapping):
+        for hit in reply.get(b"results", reply.get("results", [])):
+            h = _as_map(hit)
+            fields = _as_map(h.get("extra_attributes", {}))
+            rows.append((_text(h.get("id", b"")), float(h.get("score", 0.0) or 0.0), fields))
+        return rows
+    # RESP2: [total, id, (score,) [field, value, ...], id, ...]; scores present when the entry
+    # after an id is not a list.
+    items = list(reply)[1:]
+    i = 0
+    while i < len(items):
+        key = _text(items[i])
+        score = 0.0
+        i += 1
+        if i < len(items) and not isinstance(items[i], list):
+            score = float(_text(items[i]))
+            i += 1
+        fields = _as_map(items[i]) if i < len(items) and isinstance(items[i], list) else {}
+        i += 1
+        rows.append((key, score, fields))
+    return rows
+
+
+def search_args(query: str, *, limit: int, returns: Sequence[str], scored: bool,
+                params: Mapping[str, bytes] | None = None, sort_by: str | None = None) -> list[Any]:
+    """The argument list of one ``FT.SEARCH`` (dialect 2)."""
+    args: list[Any] = [query]
+    if scored:
+        args += ["SCORER", "BM25STD", "WITHSCORES"]
+    args += ["RETURN", str(len(returns)), *returns]
+    if sort_by is not None:
+        args += ["SORTBY", sort_by]
+    if params:
+        args += ["PARAMS", str(2 * len(params))]
+        for k, v in params.items():
+            args += [k, v]
+    args += ["LIMIT", "0", str(int(limit)), "DIALECT", "2"]
+    return args
