@@ -49,7 +49,7 @@ def test_the_bundled_server_is_redis_8_with_the_query_engine() -> None:
         c.execute_command("FT.CREATE", "t", "ON", "HASH", "PREFIX", "1", "t:", "SCHEMA", "body", "TEXT",
                           "v", "VECTOR", "HNSW", "6", "TYPE", "FLOAT32", "DIM", "2", "DISTANCE_METRIC", "COSINE")
         c.hset("t:1", mapping={"body": "hello world", "v": b"\x00\x00\x80\x3f\x00\x00\x00\x00"})
-        assert c.execute_command("FT.SEARCH", "t", "hello", "NOCONTENT")[0] == 1
+        assert c.execute_command("FT.SEARCH", "t", "hello", "NOCONTENT")[b"total_results"] == 1
 
 
 def test_stop_start_reuses_port_and_forgets_data() -> None:

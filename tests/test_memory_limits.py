@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from ibex_context.memory.models import MAX_CONTENT_CHARS
-from ibex_context.shared.keys import hot_key, memories_key
+from ibex_context.shared.keys import hot_key, memory_ids_key, memory_key
 from tests.fixtures_services import MemoryServiceHandle
 
 GOOD = "Invoices for the Acme account are emailed on the first of each month"
@@ -122,11 +122,11 @@ def test_control_character_flood_is_refused_and_reads_stay_small(http: httpx.Cli
 
 def _overwrite(memory: MemoryServiceHandle, agent: str, mid: str, **changes: Any) -> None:
     """Replace a stored record's JSON in Redis, bypassing every check of the service."""
-    key = memories_key("acme", agent)
+    key = memory_key("acme", agent, mid)
     with redis.Redis.from_url(memory.redis_url) as r:
-        record = json.loads(r.hget(key, mid))
+        record = json.loads(r.hget(key, "rec"))
         record.update(changes)
-        r.hset(key, mid, json.dumps(record))
+        r.hset(key, "rec", json.dumps(record))
 
 
 @pytest.mark.parametrize("changes", [
@@ -153,11 +153,12 @@ def test_bad_stored_record_is_skipped_and_counted(http: httpx.Client, memory: Me
 def test_unparseable_stored_records_are_skipped(http: httpx.Client, memory: MemoryServiceHandle) -> None:
     assert write(http, memory_id="m-good", hot=True).status_code == 201
     with redis.Redis.from_url(memory.redis_url) as r:
-        r.hset(memories_key("acme", "bot"), "m-junk", b"\xff{not json")
+        r.hset(memory_key("acme", "bot", "m-junk"), mapping={
+            "org": "acme", "agent": "bot", "content": GOOD, "created_at": 0, "rec": b"\xff{not json"})
         r.zadd(hot_key("acme", "bot"), {"m-junk": 1.0})
     before = skipped(http)
     assert hot_ids(http) == ["m-good"]
-    assert search_ids(http) == ["m-good"]  # the junk has no vector: the backfill skips it too
+    assert search_ids(http) == ["m-good"]  # found by its words, skipped, never embedded
     assert skipped(http) >= before + 2
 
 
@@ -201,7 +202,7 @@ async def test_per_agent_cap_holds_under_concurrent_writes(capped: MemoryService
     codes = sorted(r.status_code for r in results)
     assert codes == [201] * CAP + [409] * (12 - CAP), [r.text for r in results]
     with redis.Redis.from_url(capped.redis_url) as r:
-        assert r.hlen(memories_key("acme", "race")) == CAP
+        assert r.scard(memory_ids_key("acme", "race")) == CAP
 
 
 # ------------------------------------------------------------------------- large texts and answers
