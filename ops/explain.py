@@ -127,6 +127,8 @@ def render_table(resp: AssembleResponse, out: TextIO) -> None:
         w(f"{d.decision:<16}{d.source:<7}{tokens:>8}{score:>8}  {d.memory_id[:28]:<28} {d.reason}\n")
         if d.components:
             w(f"{'':<39}{'  '.join(f'{k} {v:.3f}' for k, v in d.components.items())}\n")
+        if d.retrieval:
+            w(f"{'':<39}{'  '.join(f'{k} score {v:.3f}' for k, v in d.retrieval.items())}\n")
     if resp.format is not None:
         _chat_table(resp, w)
     if resp.degraded:

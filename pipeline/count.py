@@ -89,7 +89,7 @@ def joins_overhead(counter: TokenCounter, sections: Sequence[CountedSection]) ->
 
 
 class LineCache:
-    """Per-worker LRU of rendered memory lines, keyed by the exact (id, category, content).
+    """Per-worker LRU of rendered memory lines, keyed by the exact (id, category, date, content).
 
     Escaping a long memory costs far more than hashing it, and the same memories come back for
     the same agent request after request. The key is the full text, so a hit can only ever return
@@ -99,10 +99,10 @@ class LineCache:
 
     def __init__(self, max_entries: int = 8192) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, str, str], tuple[str, dict[str, int]]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str, str | None, str], tuple[str, dict[str, int]]] = OrderedDict()
 
     def _entry(self, h: MemoryHit) -> tuple[str, dict[str, int]]:
-        key = (h.memory_id, h.category, h.content)
+        key = (h.memory_id, h.category, h.date, h.content)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = (fmt.memory_line(h), {})

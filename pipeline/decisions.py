@@ -29,7 +29,8 @@ def decisions(
     rows = [_rejected(r) for r in rejected]
     rows += [Decision(memory_id=m.memory_id, source=m.hit.source, decision="packed",
                       reason=f"packed: {m.tokens} tokens, {m.kind} score {m.composite_score:.4f}",
-                      tokens=m.tokens, score=m.composite_score, components=components_of(m)) for m in kept]
+                      tokens=m.tokens, score=m.composite_score, components=components_of(m),
+                      retrieval=retrieval_scores(m)) for m in kept]
     rows += [_excluded(m, _budget_reason(m, packing)) for m in excluded]
     rows += [_excluded(m, (f"packed, then dropped: the rendered memories section counted more tokens than "
                            f"its per-memory estimate, and at score {m.composite_score:.4f} this was the "
@@ -62,9 +63,18 @@ def components_of(m: ScoredMemory) -> dict[str, float] | None:
     return dict(zip(COMPONENTS, c, strict=True))
 
 
+def retrieval_scores(m: ScoredMemory) -> dict[str, float] | None:
+    """A search hit's full-text and vector scores, when the memory service sent them."""
+    h = m.hit
+    if h.text_score is None or h.vector_score is None:
+        return None
+    return {"text": h.text_score, "vector": h.vector_score}
+
+
 def _excluded(m: ScoredMemory, reason: str) -> Decision:
     return Decision(memory_id=m.memory_id, source=m.hit.source, decision="excluded_budget", reason=reason,
-                    tokens=m.tokens, score=m.composite_score, components=components_of(m))
+                    tokens=m.tokens, score=m.composite_score, components=components_of(m),
+                    retrieval=retrieval_scores(m))
 
 
 @dataclass(frozen=True, slots=True)

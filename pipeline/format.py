@@ -213,8 +213,11 @@ def tools_section(schemas: Sequence[dict[str, Any]]) -> str:
 
 
 def memory_line(h: MemoryHit) -> str:
+    """One memory: id, category and (when known) the day it was made, so the model can answer
+    "when..." and order events; the date is counted with the line like every other character."""
+    date = f' date="{escape_attribute(h.date)}"' if h.date is not None else ""
     return (
-        f'<memory id="{escape_attribute(h.memory_id)}" category="{escape_attribute(h.category)}">'
+        f'<memory id="{escape_attribute(h.memory_id)}" category="{escape_attribute(h.category)}"{date}>'
         f"{escape_body(h.content)}</memory>\n"
     )
 

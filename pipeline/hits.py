@@ -13,7 +13,10 @@ service stores memories under (README "Degradation and security": a write cannot
 * ``rank``: an integer >= 0 (the service numbers from 1; 0 is accepted so hand-written
   ``explain`` inputs stay valid);
 * optional: ``components``, an object of the composite's five numbers (``COMPONENTS``), which
-  the packer's score is built from (README "Selection quality"), and ``salience`` (hot hits).
+  the packer's score is built from (README "Selection quality"), ``salience`` (hot hits),
+  ``text_score`` and ``vector_score`` (search hits: what the relevance was fused from), and
+  ``created_at`` (a string; its leading ``YYYY-MM-DD``, when it has one, is rendered as the
+  memory's date, so "when" questions can be answered from the prompt).
 
 The worker's retriever refuses a hit that breaks the contract as ``malformed``; ``ops explain``
 refuses its input file; both build ``MemoryHit`` only through ``to_hit``.
@@ -92,9 +95,23 @@ def _optional_problem(raw: Mapping[str, Any]) -> str | None:
     if comps is not None and (not _is_mapping(comps) or comps.keys() != _COMPONENT_SET
                               or not all(_is_number(comps[k]) for k in COMPONENTS)):
         return f"components must be an object of five numbers: {', '.join(COMPONENTS)}"
-    if raw.get("salience") is not None and not _is_number(raw["salience"]):
-        return "salience must be a number"
+    for key in ("salience", "text_score", "vector_score"):
+        if raw.get(key) is not None and not _is_number(raw[key]):
+            return f"{key} must be a number"
+    if raw.get("created_at") is not None and not isinstance(raw["created_at"], str):
+        return "created_at must be a string"
     return None
+
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def hit_date(created_at: object) -> str | None:
+    """The ``YYYY-MM-DD`` a ``created_at`` string starts with, or None (no date is then rendered)."""
+    if not isinstance(created_at, str):
+        return None
+    m = _DATE.match(created_at)
+    return m.group() if m is not None else None
 
 
 def hit_problem(raw: object) -> str | None:
@@ -109,7 +126,7 @@ def hit_problem(raw: object) -> str | None:
 def to_hit(raw: Mapping[str, Any], source: Source) -> MemoryHit:
     """The ``MemoryHit`` of a mapping that passed ``shape_problem``."""
     comps = raw.get("components")
-    salience = raw.get("salience")
+    salience, text, vector = raw.get("salience"), raw.get("text_score"), raw.get("vector_score")
     return MemoryHit(
         memory_id=raw["memory_id"], content=raw["content"], category=raw["category"],
         similarity=float(raw["similarity"]), confidence=float(raw["confidence"]),
@@ -118,6 +135,8 @@ def to_hit(raw: Mapping[str, Any], source: Source) -> MemoryHit:
             float(comps["relevance"]), float(comps["recency"]), float(comps["usefulness"]),
             float(comps["confidence"]), float(comps["access"])),
         salience=None if salience is None else float(salience),
+        date=hit_date(raw.get("created_at")),
+        text_score=None if text is None else float(text), vector_score=None if vector is None else float(vector),
     )
 
 

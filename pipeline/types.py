@@ -31,6 +31,9 @@ class MemoryHit:
     # order of ``shared.models.COMPONENTS``) when the service sent them; unchecked until the scorer.
     components: tuple[float, float, float, float, float] | None = None
     salience: float | None = None  # hot hits: the stored salience
+    date: str | None = None  # the memory's creation day, YYYY-MM-DD (rendered with it)
+    text_score: float | None = None  # search hits: the full-text and vector scores their relevance
+    vector_score: float | None = None  # was fused from (shown by explain)
 
 
 @dataclass(frozen=True, slots=True)

@@ -160,6 +160,8 @@ class Decision(_Wire):
     tokens: NonNegInt | None = None
     score: Unit | None = None
     components: dict[str, float] | None = None  # the composite's five inputs, when the hit carried them
+    # A search hit's full-text and vector scores, which its relevance was fused from (README "Memory search").
+    retrieval: dict[str, float] | None = None
 
 
 CountRule = Literal["exact", "estimate", "calibrated"]
