@@ -39,7 +39,10 @@ class MemoryConfig(BaseSettings):
         DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.5."
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
-    max_candidates: int = Field(500, ge=1, description="Retrieved candidates hydrated per search.")
+    max_candidates: int = Field(
+        100, ge=1, le=1000,
+        description="IBEX_MEMORY_MAX_CANDIDATES: candidates each half of a hybrid search (full text, vectors) "
+                    "returns for fusion and ranking; a search answers at most 50.")
     redis_timeout_ms: float = Field(1000.0, gt=0)
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,

@@ -180,46 +180,41 @@ def parse_reply(reply: Any, prefix: str, vfield: str, *, vector_query: bool) -> 
     a key of another agent is dropped here even if it were returned.
     """
     out: list[Found] = []
+    bprefix, bvfield, n = prefix.encode(), vfield.encode(), len(prefix)
     for key, score, fields in _rows(reply):
-        if not key.startswith(prefix):
+        if not key.startswith(bprefix):
             continue
         if vector_query:
-            raw = fields.get("vd")
+            raw = fields.get(b"vd")
             try:
-                distance = float(_text(raw)) if raw is not None else math.nan
+                score = 1.0 - float(raw) if raw is not None else 0.0  # COSINE distance is 1 - cosine
             except ValueError:
-                distance = math.nan
-            score = 1.0 - distance  # COSINE distance is 1 - cosine
-        rec = fields.get("rec")
-        vec = fields.get(vfield)
-        out.append(Found(key[len(prefix):], score if math.isfinite(score) else 0.0,
+                score = 0.0
+        rec, vec = fields.get(b"rec"), fields.get(bvfield)
+        out.append(Found(key[n:].decode(), score if math.isfinite(score) else 0.0,
                          rec if isinstance(rec, bytes) else None, vec if isinstance(vec, bytes) else None))
     return out
 
 
-def _rows(reply: Any) -> list[tuple[str, float, dict[str, Any]]]:
-    """(key, score, fields) per hit of a WITHSCORES-or-not FT.SEARCH reply."""
-    rows: list[tuple[str, float, dict[str, Any]]] = []
-    if isinstance(reply, Mapping):
-        for hit in reply.get(b"results", reply.get("results", [])):
-            h = _as_map(hit)
-            fields = _as_map(h.get("extra_attributes", {}))
-            rows.append((_text(h.get("id", b"")), float(h.get("score", 0.0) or 0.0), fields))
-        return rows
-    # RESP2: [total, id, (score,) [field, value, ...], id, ...]; scores present when the entry
-    # after an id is not a list.
+def _rows(reply: Any) -> list[tuple[bytes, float, dict[bytes, Any]]]:
+    """(key, score, fields) per hit of a WITHSCORES-or-not FT.SEARCH reply (bytes, not decoded)."""
+    if isinstance(reply, Mapping):  # RESP3, the service's protocol
+        return [(h[b"id"], float(h.get(b"score", 0.0) or 0.0), h.get(b"extra_attributes") or {})
+                for h in reply.get(b"results", ())]
+    # RESP2: [total, id, (score,) [field, value, ...], id, ...]; a score follows an id when the
+    # entry after it is not a list.
+    rows: list[tuple[bytes, float, dict[bytes, Any]]] = []
     items = list(reply)[1:]
     i = 0
     while i < len(items):
-        key = _text(items[i])
-        score = 0.0
+        key, score = items[i], 0.0
         i += 1
         if i < len(items) and not isinstance(items[i], list):
-            score = float(_text(items[i]))
+            score = float(items[i])
             i += 1
-        fields = _as_map(items[i]) if i < len(items) and isinstance(items[i], list) else {}
+        flat = items[i] if i < len(items) and isinstance(items[i], list) else []
         i += 1
-        rows.append((key, score, fields))
+        rows.append((key, score, {flat[j]: flat[j + 1] for j in range(0, len(flat) - 1, 2)}))
     return rows
 
 

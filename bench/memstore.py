@@ -1,0 +1,266 @@
+"""The memory store at scale: search latency and CPU with a write before every search.
+
+    python -m bench.memstore [--scenario one-agent|many-agents|both] [--memories 100000]
+                             [--agents 10000 --per-agent 100] [--searches 300] [--baseline DIR]
+                             [--out R.json]
+
+Each scenario seeds a fresh bundled Redis (one agent with ``--memories`` memories, or ``--agents``
+agents with ``--per-agent`` each), starts the memory service as its own process on it, then runs
+``--searches`` rounds of: write one new memory to the agent (``POST /v1/memories``), then search
+that agent (``POST /v1/memories/search``) with a question never asked before. So every search runs
+right after a write, as for an agent that writes a memory every turn.
+
+Reported per store: search wall time (client side, p50/p90/p99), CPU per round of the memory
+service and of Redis (``/proc/<pid>/schedstat``: all threads), and Redis ``used_memory`` after
+seeding, with its extrapolation per million memories.
+
+Vectors are random unit vectors of the embedder's size (the hash embedder's 256: seeding a
+million memories through a real model would take hours, and the store's cost does not depend on
+what the vectors mean); questions are embedded by the service as usual. ``--baseline DIR`` runs
+the same rounds against another checkout's memory service and store (a ``git worktree`` of an
+earlier commit), on the same machine, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = "bench-memstore-secret"
+ORG = "benchorg"
+DIM = 256  # the hash embedder's
+EMBEDDER = "hash"
+_WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "tu", "vo", "ze", "qua", "bre")
+          for b in ("ton", "mar", "lis", "dek", "fan", "gor", "hul", "jip", "wex", "yot", "zun", "cab",
+                    "dor", "eff", "gim", "hax")]
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def _unit_rows(rng: np.random.Generator, n: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    m = rng.standard_normal((n, DIM)).astype(np.float32)
+    m /= np.linalg.norm(m, axis=1, keepdims=True)
+    return m
+
+
+async def _seed(redis_url: str, agents: int, per_agent: int, seed: int) -> None:
+    """Write ``agents`` x ``per_agent`` memories with ``memory.store.write_memories`` of whichever
+    checkout is first on ``sys.path`` (so the baseline seeds its own layout)."""
+    from redis.asyncio import Redis
+
+    from ibex_context.memory import store
+    from ibex_context.memory.models import MemoryRecord
+
+    try:  # the query engine's index (absent in stores that keep their own)
+        from ibex_context.memory.index import ensure_index
+    except ImportError:
+        ensure_index = None  # type: ignore[assignment]
+    rng, nrng = random.Random(seed), np.random.default_rng(seed)
+    base = datetime(2025, 1, 1, tzinfo=UTC)
+    client = Redis.from_url(redis_url, socket_timeout=120)
+    try:
+        if ensure_index is not None:
+            await ensure_index(client, "hash1-256", DIM)
+        batch = 2_000
+        pending: list[Any] = []
+
+        async def flush() -> None:
+            vecs = _unit_rows(nrng, len(pending))
+
+            async def embed(texts: Sequence[str]) -> Any:
+                return vecs[: len(texts)]
+
+            await store.write_memories(client, pending, embedder_name="hash1-256", embed=embed)
+            pending.clear()
+
+        for a in range(agents):
+            for i in range(per_agent):
+                rec = MemoryRecord(memory_id=f"m{i}", content=_sentence(rng, rng.randint(8, 30)), category="fact",
+                                   confidence=0.8, created_at=base + timedelta(minutes=i))
+                pending.append(store.NewMemory(ORG, f"agent{a}", rec, hot=False))
+                if len(pending) >= batch:
+                    await flush()
+        if pending:
+            await flush()
+    finally:
+        await client.aclose()
+
+
+def _start_redis() -> Any:
+    from ibex_context.memory.redis_server import EmbeddedRedis
+
+    return EmbeddedRedis(startup_timeout_s=30.0).start()
+
+
+def _service(redis_url: str, pythonpath: str | None, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port_file = workdir / "port"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    env.update({"IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": EMBEDDER, "PYTHONUNBUFFERED": "1",
+                "IBEX_MEMORY_MAX_MEMORIES_PER_AGENT": str(10**9), "IBEX_MEMORY_REDIS_TIMEOUT_MS": "30000"})
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    log = open(workdir / "service.log", "wb")  # the child keeps it open for its life
+    proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.server", "--host", "127.0.0.1", "--port", "0",
+                             "--port-file", str(port_file), "--redis-url", redis_url],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            cwd=pythonpath or str(REPO))
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"memory service did not start: {(workdir / 'service.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+    with httpx.Client(timeout=5) as c:
+        while True:
+            try:
+                c.get(f"{url}/healthz")
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+    return proc, url
+
+
+def _token() -> str:
+    from ibex_context.shared.tenancy import mint_org_token
+
+    return mint_org_token(SECRET, ORG)
+
+
+def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, redis_pid: int) -> dict[str, Any]:
+    from bench.hops import cpu_seconds
+
+    rng = random.Random(seed + 1)
+    headers = {"authorization": f"Bearer {_token()}"}
+    walls: list[float] = []
+    errors = 0
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+        for _ in range(5):  # warm-up: connections, caches, the embedder
+            c.post("/v1/memories/search", json={"query": _sentence(rng, 8), "agent_id": "agent0", "limit": 10})
+        cpu_s0, cpu_r0 = cpu_seconds(service_pid), cpu_seconds(redis_pid)
+        for i in range(searches):
+            agent = f"agent{rng.randrange(agents)}"
+            w = c.post("/v1/memories", json={"agent_id": agent, "memory_id": f"new{i}", "content": _sentence(rng, 15),
+                                             "category": "event"})
+            t0 = time.perf_counter()
+            r = c.post("/v1/memories/search", json={"query": f"q{i} {_sentence(rng, 8)}", "agent_id": agent,
+                                                    "limit": 10})
+            walls.append((time.perf_counter() - t0) * 1000.0)
+            errors += (w.status_code != 201) + (r.status_code != 200)
+        cpu_s1, cpu_r1 = cpu_seconds(service_pid), cpu_seconds(redis_pid)
+    arr = np.asarray(walls)
+    return {"searches": searches, "errors": errors,
+            "wall_ms": {k: float(np.percentile(arr, p)) for k, p in (("p50", 50), ("p90", 90), ("p99", 99))},
+            "service_cpu_ms_per_round": (cpu_s1 - cpu_s0) * 1000.0 / searches,
+            "redis_cpu_ms_per_round": (cpu_r1 - cpu_r0) * 1000.0 / searches}
+
+
+def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, searches: int,
+               seed: int) -> dict[str, Any]:
+    import redis
+
+    server = _start_redis()
+    try:
+        with redis.Redis.from_url(server.url) as r:
+            empty = int(r.info("memory")["used_memory"])
+        t0 = time.monotonic()
+        env = dict(os.environ)
+        if pythonpath:  # the seeding script runs by path, so ``ibex_context`` is the baseline's
+            env["PYTHONPATH"] = pythonpath
+        subprocess.run([sys.executable, __file__, "--seed-only", server.url, str(agents), str(per_agent), str(seed)],
+                       check=True, env=env, cwd=pythonpath or str(REPO))
+        seed_s = time.monotonic() - t0
+        with redis.Redis.from_url(server.url) as r:
+            while True:  # the query engine indexes in the background: measure a settled store
+                try:
+                    info = r.execute_command("FT.INFO", "ibex:memories:hash1-256")
+                    if not int(float(info.get(b"indexing", 0) if isinstance(info, dict) else 0)):
+                        break
+                except redis.ResponseError:
+                    break
+                time.sleep(0.5)
+            used = int(r.info("memory")["used_memory"])
+        n = agents * per_agent
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, url = _service(server.url, pythonpath, Path(tmp))
+            try:
+                result = _rounds(url, agents, searches, seed, proc.pid, int(server.pid or 0))
+            finally:
+                proc.terminate()
+                proc.wait(10)
+        result.update({"store": label, "memories": n, "agents": agents, "seed_s": seed_s,
+                       "redis_used_mb": used / 2**20,
+                       "redis_mb_per_million": (used - empty) / 2**20 * 1e6 / n})
+        return result
+    finally:
+        server.close()
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = ["store", "memories", "agents", "search p50 / p90 / p99 ms", "service CPU ms / round",
+            "Redis CPU ms / round", "Redis MB", "MB per 1M memories", "seed s", "errors"]
+    head = "| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols)
+    lines = [head]
+    for r in rows:
+        w = r["wall_ms"]
+        lines.append(f"| {r['store']} | {r['memories']:,} | {r['agents']:,} | {w['p50']:.1f} / {w['p90']:.1f} / "
+                     f"{w['p99']:.1f} | {r['service_cpu_ms_per_round']:.2f} | {r['redis_cpu_ms_per_round']:.2f} | "
+                     f"{r['redis_used_mb']:.0f} | {r['redis_mb_per_million']:.0f} | {r['seed_s']:.0f} | "
+                     f"{r['errors']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--seed-only"]:
+        url, agents, per_agent, seed = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+        asyncio.run(_seed(url, agents, per_agent, seed))
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m bench.memstore", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", choices=["one-agent", "many-agents", "both"], default="both")
+    ap.add_argument("--memories", type=int, default=100_000, help="one-agent: memories of the agent")
+    ap.add_argument("--agents", type=int, default=10_000, help="many-agents: number of agents")
+    ap.add_argument("--per-agent", type=int, default=100, help="many-agents: memories per agent")
+    ap.add_argument("--searches", type=int, default=300, help="write-then-search rounds per store")
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout to run beside this one")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    scenarios = []
+    if args.scenario in ("one-agent", "both"):
+        scenarios.append((1, args.memories))
+    if args.scenario in ("many-agents", "both"):
+        scenarios.append((args.agents, args.per_agent))
+    stores: list[tuple[str, str | None]] = [("this checkout", None)]
+    if args.baseline is not None:
+        stores.append((f"baseline {args.baseline.name}", str(args.baseline.resolve())))
+    rows = []
+    for agents, per_agent in scenarios:
+        for label, path in stores:
+            print(f"# {label}: {agents:,} agents x {per_agent:,} memories ...", file=sys.stderr, flush=True)
+            rows.append(_run_store(label, path, agents, per_agent, args.searches, args.seed))
+            print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    print(_table(rows))
+    if args.out is not None:
+        args.out.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
