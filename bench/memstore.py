@@ -77,7 +77,7 @@ async def _seed(redis_url: str, agents: int, per_agent: int, seed: int) -> None:
     client = Redis.from_url(redis_url, socket_timeout=120)
     try:
         if ensure_index is not None:
-            await ensure_index(client, "hash1-256", DIM)
+            await ensure_index(client, "hash1-256", DIM, ORG)
         batch = 2_000
         pending: list[Any] = []
 
@@ -189,7 +189,7 @@ def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, 
         with redis.Redis.from_url(server.url) as r:
             while True:  # the query engine indexes in the background: measure a settled store
                 try:
-                    info = r.execute_command("FT.INFO", "ibex:memories:hash1-256")
+                    info = r.execute_command("FT.INFO", f"ibex:mem:hash1-256:{ORG}")
                     if not int(float(info.get(b"indexing", 0) if isinstance(info, dict) else 0)):
                         break
                 except redis.ResponseError:

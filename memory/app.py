@@ -170,6 +170,7 @@ async def write(svc: MemoryService, request: Request) -> Response:
     )
     try:
         async with svc.limiter.hold(org):
+            await svc.ensure_index(org)
             await store.write_capped(svc.redis, store.NewMemory(org, body.agent_id, record, body.hot),
                                      embedder_name=svc.embedder.name, embed=svc.embed,
                                      max_per_agent=svc.config.max_memories_per_agent)

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ibex_context.memory.fusion import TEXT_WEIGHT
 from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.shared.settings import Settings
@@ -36,13 +37,17 @@ class MemoryConfig(BaseSettings):
     redis_url: str | None = Field(None, validation_alias="IBEX_REDIS_URL")
     embedder: Literal["minilm", "static", "hash"] = Field("minilm", description="IBEX_MEMORY_EMBEDDER")
     relevance_floor: float = Field(
-        DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.5."
+        DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.4."
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
     max_candidates: int = Field(
         100, ge=1, le=1000,
         description="IBEX_MEMORY_MAX_CANDIDATES: candidates each half of a hybrid search (full text, vectors) "
                     "returns for fusion and ranking; a search answers at most 50.")
+    text_weight: float = Field(
+        TEXT_WEIGHT, ge=0.0, le=1.0,
+        description="IBEX_MEMORY_TEXT_WEIGHT: the full-text share of a search hit's fused relevance; the "
+                    "vector cosine gets the rest (README \"Memory search\").")
     redis_timeout_ms: float = Field(1000.0, gt=0)
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,

@@ -1,10 +1,12 @@
-"""The memory index on the Redis Query Engine (RediSearch): schema, creation, and the two queries
+"""The memory indexes on the Redis Query Engine (RediSearch): schema, creation, and the two queries
 of a hybrid search (README "Memory search").
 
-One index per embedder covers every memory hash (key prefix ``mem:``, ``shared.keys``):
+One index per org and embedder covers the org's memory hashes (key prefix ``mem:{org:``,
+``shared.keys``):
 
-    org         TAG  CASESENSITIVE     the tenant; every query filters on it inside the engine
+    org         TAG  CASESENSITIVE     the tenant: the vector query filters on org and agent
     agent       TAG  CASESENSITIVE
+    tenant      NUMERIC                a 52-bit hash of (org, agent): the full-text query's filter
     content     TEXT                   BM25 (the engine's Okapi BM25STD scorer), English stemming
     created_at  NUMERIC SORTABLE       epoch seconds
     v_{embedder} VECTOR HNSW FLOAT32 COSINE, the embedder's dimension
@@ -12,6 +14,20 @@ One index per embedder covers every memory hash (key prefix ``mem:``, ``shared.k
 The engine indexes every write as it happens: a memory written is found by the next search, and
 no process keeps a copy of the index. Tags are case-sensitive because identifiers are: ``Acme``
 and ``acme`` are two tenants.
+
+Why an index per org: BM25 weighs a word by how many documents of the index hold it. In one index
+shared by every tenant, the scores one org sees would depend on (and so reveal) how often words
+occur in other orgs' memories. Per org, the statistics are the org's own; every query still
+filters on org and agent inside the engine. The HNSW graphs are per org too, so a vector search
+walks only the org's memories.
+
+The full-text query is a union of one intersection per query word (tenant filter AND word): the
+engine scores a union nested inside an intersection by its first matching word only, so
+``filter (a|b)`` would rank a memory holding both words like one holding just ``a``. Its tenant
+filter is the numeric ``tenant`` field because the engine scores TAG matches as words (weighted
+by the agent's share of the org and the memory's length), which would bend BM25; a numeric range
+adds nothing to the score. Every hit's key must also carry the agent's own prefix
+(``parse_reply``), so even two agents whose hashes collided could not see each other's memories.
 
 The queries are sent as raw ``FT.SEARCH`` commands on one pipeline (one round trip for both
 halves) and their replies parsed here: redis-py's ``ft().search()`` builds a ``Document`` per hit
@@ -22,6 +38,7 @@ and cannot share a round trip, and ``redisvl`` adds a schema layer this one inde
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import re
 import time
@@ -50,12 +67,23 @@ class QueryEngineMissing(RuntimeError):
     """The Redis server has no query engine (``FT.*`` commands); the memory service needs one."""
 
 
-def index_name(embedder: str) -> str:
-    return f"ibex:memories:{check_ident(embedder, 'embedder')}"
+def index_name(embedder: str, org_id: str) -> str:
+    return f"ibex:mem:{check_ident(embedder, 'embedder')}:{check_ident(org_id, 'org_id')}"
+
+
+def org_memory_prefix(org_id: str) -> str:
+    """The key prefix of every memory of one org (all its agents)."""
+    return MEMORY_PREFIX + "{" + check_ident(org_id, "org_id") + ":"
 
 
 def _escape(text: str) -> str:
     return _UNSAFE.sub(lambda m: "\\" + m.group(), text)
+
+
+def tenant_number(org_id: str, agent_id: str) -> int:
+    """The agent's ``tenant`` field: 52 bits of BLAKE2b of ``org:agent`` (exact in a double)."""
+    key = f"{check_ident(org_id, 'org_id')}:{check_ident(agent_id, 'agent_id')}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & ((1 << 52) - 1)
 
 
 def tenant_filter(org_id: str, agent_id: str) -> str:
@@ -82,9 +110,10 @@ def query_terms(text: str) -> list[str]:
 
 
 def text_query(org_id: str, agent_id: str, terms: Sequence[str]) -> str:
-    """Full-text query: any of ``terms`` in ``content``, inside the tenant filter."""
-    words = "|".join(_escape(t) for t in terms)
-    return f"{tenant_filter(org_id, agent_id)} @content:({words})"
+    """Full-text query: any of ``terms`` in ``content``, inside the tenant filter, each word its own
+    branch so a memory's score sums every word it holds (see the module docstring)."""
+    n = tenant_number(org_id, agent_id)
+    return " | ".join(f"(@tenant:[{n} {n}] @content:{_escape(t)})" for t in terms)
 
 
 def knn_query(org_id: str, agent_id: str, field: str, k: int) -> str:
@@ -98,22 +127,39 @@ def missing_index(exc: ResponseError) -> bool:
     return "no such index" in text or "unknown index" in text or "index not found" in text
 
 
-async def ensure_index(redis: Redis, embedder: str, dim: int, *, wait_s: float = 5.0) -> None:
-    """Create the embedder's index if it does not exist (idempotent, safe to race), and wait up to
-    ``wait_s`` for the engine to index the memories already stored (it does so in the background).
+def _engine_missing(exc: ResponseError) -> QueryEngineMissing | None:
+    if "unknown command" not in str(exc).lower():
+        return None
+    return QueryEngineMissing("this Redis has no query engine (FT.* commands are unknown): point IBEX_REDIS_URL at "
+                              "Redis 8 or Redis Stack, or leave it unset to use the bundled server")
+
+
+async def check_engine(redis: Redis) -> None:
+    """``QueryEngineMissing`` unless the server answers the query engine's commands."""
+    try:
+        await redis.execute_command("FT._LIST")  # type: ignore[no-untyped-call]
+    except ResponseError as exc:
+        missing = _engine_missing(exc)
+        if missing is not None:
+            raise missing from exc
+        raise
+
+
+async def ensure_index(redis: Redis, embedder: str, dim: int, org_id: str, *, wait_s: float = 5.0) -> None:
+    """Create the org's index for the embedder if it does not exist (idempotent, safe to race), and
+    wait up to ``wait_s`` for the engine to index the org's memories already stored (it does so in
+    the background).
 
     ``QueryEngineMissing`` when the server has no ``FT.CREATE``; ``RuntimeError`` when an index of
     that name exists with another vector size (another build of the embedder).
     """
-    name, field = index_name(embedder), vector_field(embedder)
+    name, field = index_name(embedder, org_id), vector_field(embedder)
     try:
         info = await redis.execute_command("FT.INFO", name)  # type: ignore[no-untyped-call]
     except ResponseError as exc:
-        text = str(exc).lower()
-        if "unknown command" in text:
-            raise QueryEngineMissing(
-                "this Redis has no query engine (FT.INFO is an unknown command): point IBEX_REDIS_URL at "
-                "Redis 8 or Redis Stack, or leave it unset to use the bundled server") from exc
+        missing = _engine_missing(exc)
+        if missing is not None:
+            raise missing from exc
         if not missing_index(exc):
             raise
         info = None
@@ -122,8 +168,8 @@ async def ensure_index(redis: Redis, embedder: str, dim: int, *, wait_s: float =
         return
     try:
         await redis.execute_command(  # type: ignore[no-untyped-call]
-            "FT.CREATE", name, "ON", "HASH", "PREFIX", "1", MEMORY_PREFIX, "SCHEMA",
-            "org", "TAG", "CASESENSITIVE", "agent", "TAG", "CASESENSITIVE",
+            "FT.CREATE", name, "ON", "HASH", "PREFIX", "1", org_memory_prefix(org_id), "SCHEMA",
+            "org", "TAG", "CASESENSITIVE", "agent", "TAG", "CASESENSITIVE", "tenant", "NUMERIC",
             "content", "TEXT", "created_at", "NUMERIC", "SORTABLE",
             field, "VECTOR", "HNSW", "10", "TYPE", "FLOAT32", "DIM", str(dim), "DISTANCE_METRIC", "COSINE",
             "M", str(HNSW_M), "EF_CONSTRUCTION", str(HNSW_EF_CONSTRUCTION))

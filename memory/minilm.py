@@ -31,7 +31,7 @@ MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
 # need (tests/test_tenant_isolation.py); memories are embedded up to MAX_TOKENS.
 MAX_QUERY_TOKENS = 64
 LAYERS, HEADS, HIDDEN = 6, 12, 384
-MINILM_MIN_SIMILARITY = 0.30  # this embedder's retrieval-time cosine cutoff (README "Selection quality")
+MINILM_MIN_SIMILARITY = 0.20  # this embedder's retrieval-time cosine cutoff (README "Memory search")
 _EPS = 1e-12
 
 

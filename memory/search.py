@@ -26,7 +26,6 @@ from ibex_context.memory import store
 from ibex_context.memory.embed import Vectors
 from ibex_context.memory.fusion import Fused, fuse
 from ibex_context.memory.index import (
-    ensure_index,
     index_name,
     knn_query,
     missing_index,
@@ -83,19 +82,20 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     text = svc.query_text(body.query)
     query_vec = np.asarray(await svc.query_vector(org, text), dtype=np.float32)
     k = svc.config.max_candidates
-    prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name)
+    prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
     terms = _query_terms(text)
     queries = [search_args(knn_query(org, agent, vfield, k), limit=k, returns=("vd", "rec"), scored=False,
                            params={"vec": query_vec.tobytes()}, sort_by="vd")]
     if terms:
         queries.insert(0, search_args(text_query(org, agent, terms), limit=k, returns=("rec", vfield), scored=True))
+    await svc.ensure_index(org)
     try:
         replies = await _run(svc, name, queries)
     except ResponseError as exc:
         if not missing_index(exc):
             raise
         # The index was dropped (FLUSHALL drops every index): make it again and index what is stored.
-        await ensure_index(svc.redis, embedder.name, embedder.dim)
+        await svc.ensure_index(org, again=True)
         replies = await _run(svc, name, queries)
     text_hits = parse_reply(replies[0], prefix, vfield, vector_query=False) if terms else []
     vector_hits = parse_reply(replies[-1], prefix, vfield, vector_query=True)
@@ -120,7 +120,8 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
         await _backfill(svc, org, agent, [records[m] for m, _ in unvectored if m in records], query_vec, cosine)
     cutoff = embedder.min_similarity if body.min_similarity is None else body.min_similarity
     fused = fuse({m: s for m, s in bm25.items() if m in records},
-                 {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff)
+                 {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff,
+                 text_weight=svc.config.text_weight)
     if not fused:
         return JSONResponse({"memories": []})
     recs = [records[m] for m in fused]

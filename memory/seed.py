@@ -179,8 +179,8 @@ async def seed_records(
 
     if flush:
         await flush_orgs(redis, orgs)
-    if memories:  # the index exists before the first memory, so every write is indexed as it lands
-        await ensure_index(redis, emb.name, emb.dim)
+    for org in sorted({m.org_id for m in memories}):  # indexes first, so every write is indexed as it lands
+        await ensure_index(redis, emb.name, emb.dim, org)
     await write_memories(redis, memories, embedder_name=emb.name, embed=embed)
     for d in directives:
         await set_directive(redis, d.org_id, d.agent_id, d.text, now=now)

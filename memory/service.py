@@ -26,7 +26,7 @@ from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import Embedder, Vectors
 from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from ibex_context.memory.http import ApiError, error_response
-from ibex_context.memory.index import ensure_index
+from ibex_context.memory.index import check_engine, ensure_index
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.querybatch import QueryBatcher
 from ibex_context.memory.reads import Scripts
@@ -77,6 +77,7 @@ class MemoryService:
         self.clock = clock
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
+        self._indexed: set[str] = set()  # orgs whose index this process has seen or made
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.queries_truncated = 0
@@ -118,10 +119,18 @@ class MemoryService:
             retry=Retry(NoBackoff(), 1), protocol=3,
         )
         self._scripts = Scripts(self._redis)
-        await ensure_index(self._redis, self.embedder.name, self.embedder.dim)
+        self._indexed.clear()
+        await check_engine(self._redis)
         load = getattr(self.embedder, "load", None)
         if callable(load):
             await run_in_threadpool(load)
+
+    async def ensure_index(self, org: str, *, again: bool = False) -> None:
+        """Make sure the org's index exists before its first write or search (once per process, or
+        ``again`` after the engine said it is gone: FLUSHALL drops every index)."""
+        if again or org not in self._indexed:
+            await ensure_index(self.redis, self.embedder.name, self.embedder.dim, org)
+            self._indexed.add(org)
 
     async def close(self) -> None:
         if self._redis is not None:

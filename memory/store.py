@@ -33,6 +33,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
 from ibex_context.memory.embed import Vectors
+from ibex_context.memory.index import tenant_number
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.shared.keys import hot_key, memory_ids_key, memory_key, vector_field
 from ibex_context.shared.validation import first_error
@@ -82,8 +83,8 @@ def doc_fields(org_id: str, agent_id: str, rec: MemoryRecord, vec: Vectors | Non
                ) -> dict[str, str | bytes | float]:
     """The hash of one memory, as the index reads it (``memory.index``)."""
     fields: dict[str, str | bytes | float] = {
-        "org": org_id, "agent": agent_id, "content": rec.content, "created_at": rec.created_at.timestamp(),
-        "rec": rec.model_dump_json()}
+        "org": org_id, "agent": agent_id, "tenant": tenant_number(org_id, agent_id), "content": rec.content,
+        "created_at": rec.created_at.timestamp(), "rec": rec.model_dump_json()}
     if vec is not None:
         fields[vector_field(embedder_name)] = np.asarray(vec, dtype=np.float32).tobytes()
     return fields

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import redis
 
+from ibex_context.memory.index import tenant_number
 from ibex_context.memory.models import MAX_CONTENT_CHARS
 from ibex_context.shared.keys import hot_key, memory_ids_key, memory_key
 from tests.fixtures_services import MemoryServiceHandle
@@ -154,7 +155,8 @@ def test_unparseable_stored_records_are_skipped(http: httpx.Client, memory: Memo
     assert write(http, memory_id="m-good", hot=True).status_code == 201
     with redis.Redis.from_url(memory.redis_url) as r:
         r.hset(memory_key("acme", "bot", "m-junk"), mapping={
-            "org": "acme", "agent": "bot", "content": GOOD, "created_at": 0, "rec": b"\xff{not json"})
+            "org": "acme", "agent": "bot", "tenant": tenant_number("acme", "bot"), "content": GOOD, "created_at": 0,
+            "rec": b"\xff{not json"})
         r.zadd(hot_key("acme", "bot"), {"m-junk": 1.0})
     before = skipped(http)
     assert hot_ids(http) == ["m-good"]

@@ -16,6 +16,7 @@ from ibex_context.memory.index import query_terms, tenant_filter
 from ibex_context.memory.rank import (
     ACCESS_SATURATION,
     DEFAULT_RELEVANCE_FLOOR,
+    FLOOR_LIMIT,
     HALF_LIFE_DAYS,
     WEIGHTS,
     Candidate,
@@ -101,9 +102,9 @@ def test_access_score() -> None:
 def test_fusion_scales_text_by_the_best_match_and_keeps_the_cosine() -> None:
     got = fuse({"a": 8.0, "b": 2.0}, {"a": 0.4, "b": 0.9, "c": 0.75, "d": 0.2}, min_similarity=0.7)
     assert set(got) == {"a", "b", "c"}  # d: no word matched and its cosine is under the cutoff
-    assert got["a"] == Fused(relevance=pytest.approx(0.5 * 1.0 + 0.5 * 0.4), text=1.0, vector=pytest.approx(0.4))
-    assert got["b"].text == pytest.approx(0.25) and got["b"].relevance == pytest.approx(0.5 * 0.25 + 0.5 * 0.9)
-    assert got["c"].text == 0.0 and got["c"].relevance == pytest.approx(0.375)
+    assert got["a"] == Fused(relevance=pytest.approx(0.4 * 1.0 + 0.6 * 0.4), text=1.0, vector=pytest.approx(0.4))
+    assert got["b"].text == pytest.approx(0.25) and got["b"].relevance == pytest.approx(0.4 * 0.25 + 0.6 * 0.9)
+    assert got["c"].text == 0.0 and got["c"].relevance == pytest.approx(0.6 * 0.75)
 
 
 def test_fusion_is_total_on_bad_numbers() -> None:
@@ -137,8 +138,8 @@ def test_query_terms_and_tenant_filter_are_escaped() -> None:
         tenant_filter("acme} | @org:{globex", "bot")
 
 
-@pytest.mark.parametrize("bad", [0.5, 0.51, 1.0, 7.0, -0.01, math.nan, math.inf])
-def test_floor_at_or_above_half_is_refused(bad: float) -> None:
+@pytest.mark.parametrize("bad", [0.4, 0.41, 0.5, 1.0, 7.0, -0.01, math.nan, math.inf])
+def test_floor_at_or_above_the_text_weight_is_refused(bad: float) -> None:
     with pytest.raises(ValueError):
         check_relevance_floor(bad)
     with pytest.raises(ValueError):
@@ -147,8 +148,9 @@ def test_floor_at_or_above_half_is_refused(bad: float) -> None:
 
 def test_floor_refusal_says_why() -> None:
     with pytest.raises(ValueError, match=r"best full-text match"):
-        check_relevance_floor(0.5)
-    assert check_relevance_floor(0.49) == 0.49 and check_relevance_floor(0) == 0.0
+        check_relevance_floor(0.4)
+    assert check_relevance_floor(0.39) == 0.39 and check_relevance_floor(0) == 0.0
+    assert FLOOR_LIMIT == TEXT_WEIGHT  # the best full-text match alone always passes the floor
     assert DEFAULT_RELEVANCE_FLOOR == 0.15
 
 

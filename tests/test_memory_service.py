@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis
 
+from ibex_context.memory.index import tenant_number
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.memory.seed import DEMO_FILE
 from ibex_context.shared.keys import memory_key, vector_field
@@ -135,7 +136,7 @@ def test_search_fuses_text_and_vector_then_floor_and_composite(http: httpx.Clien
     assert by_id["exact"]["text_score"] == 1.0 and by_id["exact"]["vector_score"] == pytest.approx(1.0, abs=1e-4)
     # Every hit's relevance is the fusion of its two scores (README "Memory search").
     for h in hits:
-        assert h["relevance"] == pytest.approx(0.5 * h["text_score"] + 0.5 * h["vector_score"], abs=2e-6)
+        assert h["relevance"] == pytest.approx(0.4 * h["text_score"] + 0.6 * h["vector_score"], abs=2e-6)
         assert h["similarity"] == h["relevance"] == h["components"]["relevance"]
     keyword = by_id["keyword"]  # shares words, cosine under the 0.70 cutoff: in by its text score
     assert 0.0 < keyword["text_score"] < 1.0 and keyword["vector_score"] < 0.70
@@ -160,8 +161,8 @@ def test_unknown_agent_is_an_empty_list(http: httpx.Client, memory: MemoryServic
 def test_records_without_vectors_are_backfilled(http: httpx.Client, memory: MemoryServiceHandle) -> None:
     record = {"memory_id": "raw-1", "content": "Shipping labels print from the warehouse portal",
               "category": "fact", "confidence": 0.9, "created_at": "2026-01-01T00:00:00Z"}
-    hand_written = {"org": "acme", "agent": "bot", "content": record["content"], "created_at": 1767225600,
-                    "rec": json.dumps(record)}
+    hand_written = {"org": "acme", "agent": "bot", "tenant": tenant_number("acme", "bot"), "content": record["content"],
+                    "created_at": 1767225600, "rec": json.dumps(record)}
     with redis.Redis.from_url(memory.redis_url) as r:
         r.hset(memory_key("acme", "bot", "raw-1"), mapping=hand_written)  # no vector
         r.hset(memory_key("acme", "bot", "broken"), mapping={**hand_written, "rec": b"{not json"})
@@ -485,12 +486,12 @@ def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subproce
                           env={**base, **(env or {})}, timeout=60)
 
 
-@pytest.mark.parametrize("how", [["--relevance-floor", "0.5"], ["--relevance-floor", "0.9"], []])
-def test_relevance_floor_at_or_above_half_is_refused_at_startup(how: list[str], redis_url: str) -> None:
-    env = {} if how else {"IBEX_MEMORY_RELEVANCE_FLOOR": "0.5"}
+@pytest.mark.parametrize("how", [["--relevance-floor", "0.4"], ["--relevance-floor", "0.9"], []])
+def test_relevance_floor_at_or_above_the_text_weight_is_refused_at_startup(how: list[str], redis_url: str) -> None:
+    env = {} if how else {"IBEX_MEMORY_RELEVANCE_FLOOR": "0.4"}
     r = _run("memory.server", "--port", "0", "--redis-url", redis_url, *how, env=env)
     assert r.returncode == 2, r.stderr
-    assert "relevance floor" in r.stderr and "0.5" in r.stderr
+    assert "relevance floor" in r.stderr and "0.4" in r.stderr
 
 
 def test_seed_cli(redis_url: str, tmp_path: Path) -> None:

@@ -206,7 +206,7 @@ async def test_a_query_is_embedded_once_per_org_even_when_its_first_caller_goes_
 
 
 def test_a_search_without_a_cutoff_gets_the_embedders_own(memory: MemoryServiceHandle) -> None:
-    """The cutoff belongs to the embedder (cosine scales differ): minilm's is 0.30, hash's the
+    """The cutoff belongs to the embedder (cosine scales differ): minilm's is 0.20, hash's the
     spec's 0.70; a search naming ``min_similarity`` gets exactly that (README "Selection quality")."""
     from ibex_context.memory.embed import HashingEmbedder
     from ibex_context.memory.minilm import MiniLMEmbedder
@@ -214,7 +214,7 @@ def test_a_search_without_a_cutoff_gets_the_embedders_own(memory: MemoryServiceH
     from ibex_context.shared.settings import Settings
 
     assert (HashingEmbedder().min_similarity, StaticEmbedder().min_similarity) == (0.70, 0.70)
-    assert MiniLMEmbedder().min_similarity == 0.30 and Settings().cold_min_similarity is None
+    assert MiniLMEmbedder().min_similarity == 0.20 and Settings().cold_min_similarity is None
     memory.seed([_mem("用户偏好使用中文回复", memory_id="far")])
     # No word in common for the full-text side (an unspaced clause is one word), cosine 0.58.
     query = "用户偏好中文"
