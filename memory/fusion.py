@@ -48,9 +48,10 @@ def fuse(bm25: Mapping[str, float], cosine: Mapping[str, float], *, min_similari
     out: dict[str, Fused] = {}
     for mid in bm25.keys() | cosine.keys():
         raw = bm25.get(mid, 0.0)
-        text = _unit(raw / best) if best > 0.0 and math.isfinite(raw) else 0.0
+        matched = math.isfinite(raw) and raw > 0.0
+        text = _unit(raw / best) if matched and best > 0.0 else 0.0
         vec = _unit(cosine.get(mid, 0.0))
-        if text <= 0.0 and vec < min_similarity:
+        if not matched and vec < min_similarity:
             continue
         out[mid] = Fused(text_weight * text + (1.0 - text_weight) * vec, text, vec)
     return out

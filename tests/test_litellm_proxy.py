@@ -76,7 +76,8 @@ def _memory_block(messages: list[dict[str, Any]]) -> tuple[str, list[str]]:
     assert len(texts) == 1, f"expected one memories block, found {len(texts)}"
     nonce = re.search(r'<memories nonce="([0-9a-f]{32})">', texts[0])
     assert nonce is not None and f'</memories nonce="{nonce.group(1)}">' in texts[0]
-    bodies = re.findall(r"<memory id=\"[^\"]*\" category=\"[^\"]*\">(.*?)</memory>", texts[0], re.DOTALL)
+    bodies = re.findall(r"<memory id=\"[^\"]*\" category=\"[^\"]*\"(?: date=\"[0-9-]*\")?>(.*?)</memory>", texts[0],
+                        re.DOTALL)
     return nonce.group(1), bodies
 
 

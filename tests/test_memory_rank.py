@@ -120,7 +120,9 @@ def test_fusion_properties(bm25: dict[str, float], cosine: dict[str, float], cut
     got = fuse(bm25, cosine, min_similarity=cut)
     for f in got.values():
         assert 0.0 <= f.relevance <= 1.0
-        assert f.text > 0.0 or f.vector >= cut  # retrieval keeps a word match or a cosine over the cutoff
+    for mid, f in got.items():
+        # retrieval keeps a word match or a cosine over the cutoff
+        assert bm25.get(mid, 0.0) > 0.0 or f.vector >= cut
         assert f.relevance == pytest.approx(TEXT_WEIGHT * f.text + (1 - TEXT_WEIGHT) * f.vector)
     positive = {m for m, v in bm25.items() if v > 0.0}
     assert positive <= set(got)  # every candidate that matched a word is kept
