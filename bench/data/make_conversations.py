@@ -223,6 +223,15 @@ SHOWS = ["that baking competition", "the new detective series", "a documentary a
 # fact), coref (evidence: fact + detail). Slots: {P} owner, {O} other, {pron}/{poss} owner's pronouns.
 
 KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
+    "job": {
+        "fact": ["I've been a {job} at {workplace} for {years} years now, and this week was the hardest yet.",
+                 "Long week at {workplace}. Being a {job} is no joke sometimes."],
+        "react": ["Oh no, what happened?", "Ugh. Want to vent?"],
+        "detail": ["Just everything at once. I'm proud of the team though.",
+                   "Nothing dramatic, just tired. It helps to talk about it."],
+        "single": [("What does {P} do for a living?", "{job}"), ("Where does {P} work?", "{workplace}")],
+        "para": [], "temporal": [], "coref": [],
+    },
     "pet": {
         "fact": ["Big news: I adopted a {species} {rel}! {Pron} came from {source} and {pron}'s called {pet}.",
                  "So {rel} I brought home a {species} from {source}. Meet {pet}!",
@@ -234,9 +243,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
                    "Settling in a bit too well. {PetPron} {quirk}."],
         "single": [("What is the name of the {species} {P} adopted?", "{pet}"),
                    ("Where did {P} get {pet}?", "From {source}")],
-        "para": [("What does the animal {O}'s friend rescued in {month} answer to?", "{pet}"),
-                 ("Which creature joined the household of {O}'s pal in {month}, and what is it called?",
-                  "A {species} called {pet}")],
+        "para": [("What is the animal companion that arrived in {month} called?", "{pet}"),
+                 ("Which creature joined the {job}'s household in {month}?", "A {species} called {pet}")],
         "temporal": ["When did {P} adopt {pet}?", "When did {pet} the {species} come home with {P}?"],
         "coref": [("What odd habit does {P}'s {species} have?", "{PetPron} {quirk}"),
                   ("What does {pet} do that drives {P} crazy?", "{PetPron} {quirk}")],
@@ -250,7 +258,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
                    "The best bit was {highlight}. We lived on {food}, no regrets."],
         "single": [("Who did {P} travel to {city} with?", "{P}'s {krel} {kin}"),
                    ("Where did {P} go with {poss} {krel} {kin}?", "{city}")],
-        "para": [("Which relative accompanied {O}'s friend abroad on a holiday in {month}?", "{P}'s {krel} {kin}")],
+        "para": [("Which relative went abroad on holiday in {month}?", "{P}'s {krel} {kin}"),
+                 ("Which family member accompanied the {job} on a holiday abroad in {month}?", "{P}'s {krel} {kin}")],
         "temporal": ["When did {P} get back from {city}?", "When did {P} return from the trip to {city}?"],
         "coref": [("What food did {P} keep eating in {city}?", "{food}"),
                   ("What was the highlight of {P}'s trip to {city}?", "{highlight}")],
@@ -263,7 +272,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
                    "Right now it's {piece}, very slowly. The neighbors are being good sports."],
         "single": [("What instrument is {P} taking lessons on?", "{instrument}"),
                    ("Who teaches {P} the {instrument}?", "{teacher}")],
-        "para": [("What musical instrument has {O}'s friend taken up?", "The {instrument}")],
+        "para": [("Which musical instrument was taken up in {month}?", "The {instrument}"),
+                 ("What musical instrument is the {job} studying?", "The {instrument}")],
         "temporal": ["When did {P} start {instrument} lessons?"],
         "coref": [("What piece is {P} practising on the {instrument}?", "{piece}")],
     },
@@ -274,8 +284,9 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
                   "That's huge, you deserve it! How are you feeling?"],
         "detail": ["{boss} told me in a tiny meeting room and I almost cried. There's a pay bump too.",
                    "Nervous, honestly. {boss} said I start managing the schedule next month."],
-        "single": [("What is {P}'s new position at {workplace}?", "{role}"), ("Where does {P} work?", "{workplace}")],
-        "para": [("What title did {O}'s friend earn when moving ahead in {poss} career?", "{role}")],
+        "single": [("What is {P}'s new position at {workplace}?", "{role}")],
+        "para": [("What job title was earned in {month}?", "{role}"),
+                 ("What rank did the {job} reach at work?", "{role}")],
         "temporal": ["When did {P} get promoted to {role}?"],
         "coref": [("Who told {P} about the promotion to {role}?", "{boss}")],
     },
@@ -286,7 +297,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["My knees are still mad at me, but {kin} was waiting at the finish with a giant sign.",
                    "Brutal last mile. {kin} ran the last stretch next to me, which saved me."],
         "single": [("What was {P}'s finishing time at {race}?", "{time}")],
-        "para": [("How quickly did {O}'s friend complete that footrace?", "{time}")],
+        "para": [("How quickly was the footrace in {month} completed?", "{time}"),
+                 ("How long did the {job} need to complete that footrace?", "{time}")],
         "temporal": ["When did {P} run {race}?"],
         "coref": [("Who supported {P} at the end of {race}?", "{P}'s {krel} {kin}")],
     },
@@ -296,7 +308,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "react": ["Ooh, what's it about?", "I've seen that cover everywhere! Is it good?"],
         "detail": ["It's about {topic}. The ending wrecked me.", "So good. It follows {topic}, you'd love it."],
         "single": [("Which book by {author} did {P} read?", "{title}"), ("Who wrote {title}?", "{author}")],
-        "para": [("Which novel did {O}'s pal devour in {month}?", "{title} by {author}")],
+        "para": [("Which novel was devoured in {month}?", "{title} by {author}"),
+                 ("Which novel kept the {job} awake at night?", "{title} by {author}")],
         "temporal": ["When did {P} finish reading {title}?"],
         "coref": [("What is {title}, the book {P} read, about?", "{topic}")],
     },
@@ -307,7 +320,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["Incredible. They closed with {song} and the whole crowd sang along.",
                    "Yes! {song} as the encore, I lost my voice."],
         "single": [("Which band did {P} see at {venue}?", "{band}"), ("Where did {P} see {band}?", "{venue}")],
-        "para": [("Which group performed live for {O}'s friend in {month}?", "{band}")],
+        "para": [("Which group performed live in {month}?", "{band}"),
+                 ("Which group did the {job} watch perform live?", "{band}")],
         "temporal": ["When did {P} see {band} live?"],
         "coref": [("Which song did {band} finish with at the show {P} went to?", "{song}")],
     },
@@ -318,7 +332,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["It has {feature}, which I've wanted forever.",
                    "Best part is {feature}. I basically live there now."],
         "single": [("Which neighborhood did {P} move to?", "{hood}")],
-        "para": [("In what area is {O}'s friend's home located these days?", "{hood}")],
+        "para": [("Which area became home in {month}?", "{hood}"),
+                 ("Where does the {job} reside these days?", "{hood}")],
         "temporal": ["When did {P} move to {hood}?"],
         "coref": [("What does {P}'s new home in {hood} have that {pron} always wanted?", "{feature}")],
     },
@@ -329,7 +344,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["I made {creation}. It's lopsided but I'm weirdly proud of it.",
                    "We made {creation} in the first session, mine looks a bit sad but whatever."],
         "single": [("Where is {P} taking the {craft} {ctype}?", "{studio}")],
-        "para": [("Which creative workshop did {O}'s friend enroll in?", "{craft}")],
+        "para": [("Which creative workshop began in {month}?", "{craft}"),
+                 ("Which craft is the {job} learning in a workshop?", "{craft}")],
         "temporal": ["When did {P} start the {craft} {ctype}?"],
         "coref": [("What did {P} make in {poss} first {craft} session?", "{creation}")],
     },
@@ -340,7 +356,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["My {krel} {kin} talked me into it, and now I'm hooked.",
                    "A bit, but {kin} comes along and it makes the morning fly by."],
         "single": [("Where does {P} volunteer?", "{charity}")],
-        "para": [("Which charity gets spare hours from {O}'s friend?", "{charity}")],
+        "para": [("Which charity has been getting spare hours since {month}?", "{charity}"),
+                 ("Which charity does the {job} give unpaid hours to?", "{charity}")],
         "temporal": ["When did {P} start volunteering at {charity}?"],
         "coref": [("Who got {P} into volunteering at {charity}?", "{P}'s {krel} {kin}")],
     },
@@ -351,7 +368,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["Apparently {kpron} hunted for it for months at flea markets.",
                    "{Kpron} said it reminded {kobj} of our grandpa. I keep it by the door."],
         "single": [("What did {kin} give {P}?", "{gift}")],
-        "para": [("Which present did {O}'s friend receive from a family member?", "{gift}")],
+        "para": [("Which present from a family member arrived in {month}?", "{gift}"),
+                 ("What present did the {job} receive from a relative?", "{gift}")],
         "temporal": ["When did {P} get {gift} from {kin}?"],
         "coref": [("Where did {kin} find the {gift_bare} for {P}?", "At flea markets, after months of hunting")],
     },
@@ -361,7 +379,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["I'll live. The doctor said two weeks in a brace and no heroics.",
                    "It's fine, just swollen. I'm stuck on the couch watching {show}."],
         "single": [("How did {P} hurt {poss} {part}?", "By {cause}")],
-        "para": [("What mishap caused {O}'s friend an injury?", "{cause}")],
+        "para": [("What mishap caused an injury in {month}?", "{cause}"),
+                 ("What accident left the {job} injured?", "{cause}")],
         "temporal": ["When did {P} sprain {poss} {part}?"],
         "coref": [("What did the doctor tell {P} after {pron} sprained {poss} {part}?", "Two weeks in a brace")],
     },
@@ -372,7 +391,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["My {krel} {kin} picked it, {kpron} knows the owner. We'll definitely go back.",
                    "Packed, but {kin} had booked ahead. That place is a gem."],
         "single": [("Which dish did {P} love at {restaurant}?", "The {dish}")],
-        "para": [("What meal impressed {O}'s friend at that {cuisine} eatery?", "The {dish}")],
+        "para": [("Which meal impressed at the {cuisine} eatery?", "The {dish}"),
+                 ("What did the {job} rave about eating at the {cuisine} eatery?", "The {dish}")],
         "temporal": ["When did {P} eat at {restaurant}?"],
         "coref": [("Who picked {restaurant} when {P} went there?", "{P}'s {krel} {kin}")],
     },
@@ -383,7 +403,8 @@ KINDS: dict[str, dict[str, list[tuple[str, str]] | list[str]]] = {
         "detail": ["Smooth! First thing we did was drive it to the coast with {kin}.",
                    "Like a dream. {kin} already wants to borrow it."],
         "single": [("What car did {P} buy?", "{a_color} {car}"), ("What color is {P}'s {car}?", "{color}")],
-        "para": [("Which vehicle did {O}'s friend purchase?", "{a_color} {car}")],
+        "para": [("Which vehicle was purchased in {month}?", "{a_color} {car}"),
+                 ("What vehicle did the {job} purchase?", "{a_color} {car}")],
         "temporal": ["When did {P} buy the {car}?"],
         "coref": [("Who was first to ride in {P}'s {car}?", "{kin}")],
     },
@@ -535,7 +556,7 @@ def _slots(kind: str, owner: Person, other: Person, pools: Pools, rng: random.Ra
     s: dict[str, str] = {"P": owner.name, "O": other.name, "pron": owner.pron, "Pron": owner.pron.capitalize(),
                          "poss": owner.poss, "krel": krel, "kin": kin, "kpron": kpron, "Kpron": kpron.capitalize(),
                          "kobj": "her" if kpron == "she" else "him", "workplace": owner.workplace, "role": owner.role,
-                         "show": str(rng.choice(SHOWS))}
+                         "show": str(rng.choice(SHOWS)), "job": owner.job, "years": str(rng.randint(3, 12))}
     if kind == "pet":
         s["species"] = str(pools.take(SPECIES))  # type: ignore[arg-type]
         s["pet"] = str(pools.take(PET_NAMES))  # type: ignore[arg-type]
@@ -597,7 +618,7 @@ def _events(conv: Conversation, rng: random.Random) -> list[Event]:
     own = OWN_KINDS[:]
     rng.shuffle(own)
     for i, (owner, other) in enumerate(((conv.a, conv.b), (conv.b, conv.a))):
-        kinds = [*SHARED_KINDS, "trip"]  # two trips each
+        kinds = ["job", *SHARED_KINDS, "trip"]  # two trips each
         kinds += ["pet"] if i == conv.index % 2 else []  # one of the two has two pets
         kinds += ["book"] if rng.random() < 0.5 else ["concert"]
         kinds += own[i * 4 : i * 4 + 4]
@@ -622,7 +643,7 @@ def _place(events: list[Event], n_sessions: int, rng: random.Random) -> None:
         counts = [sessions.count(k) for k in range(n_sessions)]
         if max(counts) > 3:
             continue
-        ok = True
+        ok = all(k <= 2 for e, k in zip(order, sessions, strict=True) if e.kind == "job")  # jobs come up early
         for i, e in enumerate(order):
             for j, f in enumerate(order):
                 if i < j and e.owner is f.owner and e.kind == f.kind and abs(sessions[i] - sessions[j]) < 3:
@@ -667,17 +688,17 @@ def build_conversation(index: int, rng: random.Random) -> Conversation:
                 e = block
                 slots = dict(e.slots)
                 kind = KINDS[e.kind]
-                day = date
-                if rng.random() < 0.85:
+                template = str(rng.choice(kind["fact"]))
+                day, rel = date, ""
+                if "{rel" in template and rng.random() < 0.85:
                     rel, e.when, day = relative(rng, date)
-                else:
-                    rel = ""
                 slots["rel"] = rel
                 e.slots["month"] = f"{day:%B %Y}"  # when it happened, for questions that must tell two apart
                 slots["rel_cap"] = rel.capitalize() if rel else "Recently"
-                fact = _fill(rng.choice(kind["fact"]), slots)  # type: ignore[arg-type]
+                fact = _fill(template, slots)
                 if rng.random() < 0.3:
-                    fact = rng.choice(["Oh! I forgot to tell you. ", "Okay so. ", "Random update: ", "Ha, "]) + fact
+                    fact = rng.choice(["Oh! I forgot to tell you. ", "Okay, update. ", "Random update: ", "Ha! "]) \
+                        + fact
                 say(e.owner, fact, f"fact:{id(e)}")
                 say(e.other, _fill(rng.choice(kind["react"]), slots))  # type: ignore[arg-type]
                 say(e.owner, _fill(rng.choice(kind["detail"]), slots), f"detail:{id(e)}")  # type: ignore[arg-type]
