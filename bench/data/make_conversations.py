@@ -456,6 +456,42 @@ SMALLTALK = [
 
     ["I made soup for the whole week.", "Meal prep queen.", "More like too lazy to cook every night."],
 ]
+# Chatter on the same topics as the events (animals, travel, music, food, races, moves), about nobody's
+# event in particular: it answers no question but looks like the turns that do.
+TOPICAL = [
+    ["My coworker just got a {species2} and won't stop showing me pictures.",
+     "Ha, those pictures are the best part of any workday.", "True, I'm not complaining."],
+    ["There's a {species2} in my building that sits in the window every morning.", "Do you say hi?",
+     "Every day. We're close now."],
+    ["My {krel} keeps sending me flight deals to places I can't afford.", "Ha, anything good?",
+     "A beach somewhere. I didn't even open it."],
+    ["Everyone at work is traveling this month except me.", "Your turn will come!", "It better."],
+    ["I had the worst takeout last night, soggy noodles everywhere.", "Nooo. Where from?",
+     "Some new place downtown. Never again."],
+    ["I started a new book but I'm not into it yet.", "Give it fifty pages.", "That's my rule too."],
+    ["Someone was playing {instrument2} outside the station today.", "Any good?",
+     "Honestly better than half the radio."],
+    ["Have you ever done a {craft2} class? My coworker keeps inviting me.", "Never! You should go.",
+     "Maybe. It's on Thursdays, which is rough."],
+    ["Our team lunch was at a {cuisine2} place, I ate way too much.", "The best kind of lunch.",
+     "Then I napped at my desk. Kidding. Mostly."],
+    ["My {krel} wants to sign us up for a race next spring.", "Are you going to?", "If there's brunch after, maybe."],
+    ["A moving truck was on my street all day, someone new moved in.", "Ooh, new neighbors!",
+     "They have a drum kit. We'll see."],
+    ["Did you hear the concert series in the park is back?", "No! When?", "Fridays all summer, I think."],
+    ["My car made a horrible noise this morning.", "Uh oh. Mechanic?", "Tomorrow. Wish me luck."],
+    ["I keep seeing ads for language apps, maybe it's a sign.", "Which language?",
+     "No idea yet. Something for the next trip, whenever that is."],
+    ["The dog next door figured out how to open the gate again.", "Oh no, did it get far?",
+     "Just to our porch. It wanted snacks."],
+    ["Do you ever replay old voice notes from your family?", "All the time, they make me cry.",
+     "Same. My {krel} sends the longest ones."],
+]
+SIDE_REMARKS = ["Anyway, work has been chaos, but that's nothing new.", "I still can't believe it, honestly.",
+                "Sorry, I'm rambling.", "It's been a week, let me tell you.",
+                "Remind me to tell you about my neighbor later.",
+                "I'm trying to say yes to more things this year.", "My phone is full of photos now, I'll send some.",
+                "Also I've had three coffees, so excuse the typing."]
 CALLBACKS = {  # kind -> (opener by the other person, answer by the owner); {x} is an earlier entity of the owner
     "pet": [("How's {x} doing these days?", "{x} is good! Getting big."),
             ("Give {x} a scratch from me!", "Will do, haha.")],
@@ -664,7 +700,7 @@ def build_conversation(index: int, rng: random.Random) -> Conversation:
     mentioned: dict[str, list[tuple[str, str]]] = {conv.a.name: [], conv.b.name: []}  # for callbacks
     for s in range(n_sessions):
         conv.session_dates.append(date)
-        target = rng.randint(16, 24)
+        target = rng.randint(18, 26)
         turns: list[tuple[str, str, str]] = []  # (speaker, text, role) role: event key or ""
         first, second = (conv.a, conv.b) if rng.random() < 0.5 else (conv.b, conv.a)
         base = {"P": first.name, "O": second.name, "weekday": WEEKDAYS[date.weekday()]}
@@ -680,7 +716,8 @@ def build_conversation(index: int, rng: random.Random) -> Conversation:
         todays = [e for e in conv.events if e.session == s]
         blocks: list[object] = [*todays]
         n_filler = max(1, (target - 4 - 4 * len(todays)) // 3)
-        talk = rng.sample(SMALLTALK, len(SMALLTALK))  # no small talk twice in one session
+        talk = rng.sample(SMALLTALK, len(SMALLTALK))  # nothing said twice in one session
+        topical = rng.sample(TOPICAL, len(TOPICAL))
         blocks += ["talk"] * n_filler
         rng.shuffle(blocks)
         for block in blocks:
@@ -699,9 +736,14 @@ def build_conversation(index: int, rng: random.Random) -> Conversation:
                 if rng.random() < 0.3:
                     fact = rng.choice(["Oh! I forgot to tell you. ", "Okay, update. ", "Random update: ", "Ha! "]) \
                         + fact
+                if rng.random() < 0.4:
+                    fact += " " + rng.choice(SIDE_REMARKS)
                 say(e.owner, fact, f"fact:{id(e)}")
                 say(e.other, _fill(rng.choice(kind["react"]), slots))  # type: ignore[arg-type]
-                say(e.owner, _fill(rng.choice(kind["detail"]), slots), f"detail:{id(e)}")  # type: ignore[arg-type]
+                detail = _fill(rng.choice(kind["detail"]), slots)  # type: ignore[arg-type]
+                if rng.random() < 0.3:
+                    detail += " " + rng.choice(SIDE_REMARKS)
+                say(e.owner, detail, f"detail:{id(e)}")
                 say(e.other, rng.choice(REACTIONS))
                 key = {"pet": "pet", "instrument": "instrument", "move": "hood", "car": "car"}.get(e.kind)
                 if key:
@@ -716,8 +758,11 @@ def build_conversation(index: int, rng: random.Random) -> Conversation:
                     say(speaker, _fill(ask, {"x": x}))
                     say(listener, _fill(answer, {"x": x}))
                 else:
-                    lines = talk.pop()
-                    fill = {"show": rng.choice(SHOWS), "weekday": WEEKDAYS[date.weekday()], "snack": rng.choice(SNACKS),
+                    lines = talk.pop() if rng.random() < 0.5 or not topical else topical.pop()
+                    fill = {"species2": rng.choice(SPECIES), "instrument2": rng.choice(INSTRUMENTS),
+                            "craft2": rng.choice(COURSES)[0], "cuisine2": rng.choice(RESTAURANTS)[1],
+                            "krel": rng.choice(speaker.kin)[0], "show": rng.choice(SHOWS),
+                            "weekday": WEEKDAYS[date.weekday()], "snack": rng.choice(SNACKS),
                             "chore": rng.choice(CHORES), "movie": rng.choice(MOVIES), "weather": rng.choice(WEATHERS)}
                     who = speaker
                     for line in lines:
