@@ -1,5 +1,8 @@
 """``python -m bench.retrieval``: selection quality on the labelled questions (issue 19).
 
+``--suite conversations`` runs the long-conversation set instead (``bench.conversations``: the stack
+beside plain BM25 and dense over the same turns); the demo questions below are the default suite.
+
 For each embedder (``--embedders``) the whole stack is started (embedded Redis, the memory
 service with ``IBEX_MEMORY_EMBEDDER``, a broker and one worker; ``bench.run.started_stack``) and
 the demo data is seeded with the same embedder. Every question of ``bench/data/retrieval_eval.jsonl``
@@ -306,7 +309,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", default="", help="comma-separated memory counts for the search-CPU-at-scale table "
                                                  "(e.g. 348,100000); skips the quality runs")
     ap.add_argument("--json", type=Path, default=None, help="also write the per-question metrics here")
+    ap.add_argument("--suite", choices=("demo", "conversations"), default="demo",
+                    help="demo: the labelled demo questions (default); conversations: the long two-person chats of "
+                         "bench/data/conversations.jsonl, the stack beside plain BM25 and dense (bench.conversations)")
+    ap.add_argument("--limit", type=int, default=None, help="conversations: only the first N questions")
+    ap.add_argument("--sessions", type=int, default=None,
+                    help="conversations: only each chat's first N sessions (and the questions they answer)")
+    ap.add_argument("--conversations", default=None, help="conversations: comma-separated chat numbers (1-5)")
+    ap.add_argument("--out", type=Path, default=None, help="conversations: write summary, per-question metrics "
+                                                           "and rankings as JSON here")
     args = ap.parse_args(argv)
+    if args.suite == "conversations":
+        from bench import conversations
+
+        chats = [int(c) for c in args.conversations.split(",")] if args.conversations else None
+        return conversations.main(limit=args.limit, out=args.out, env=args.env, sessions=args.sessions,
+                                  conversations=chats)
     questions = load_questions()
     kinds = statistics.multimode([q.kind for q in questions])
     print(f"{len(questions)} questions ({', '.join(sorted({q.kind for q in questions}))}; most: {kinds})")
