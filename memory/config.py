@@ -37,7 +37,7 @@ class MemoryConfig(BaseSettings):
     redis_url: str | None = Field(None, validation_alias="IBEX_REDIS_URL")
     embedder: Literal["minilm", "static", "hash"] = Field("minilm", description="IBEX_MEMORY_EMBEDDER")
     relevance_floor: float = Field(
-        DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.4."
+        DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.5."
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
     max_candidates: int = Field(
@@ -46,8 +46,8 @@ class MemoryConfig(BaseSettings):
                     "returns for fusion and ranking; a search answers at most 50.")
     text_weight: float = Field(
         TEXT_WEIGHT, ge=0.0, le=1.0,
-        description="IBEX_MEMORY_TEXT_WEIGHT: the full-text share of a search hit's fused relevance; the "
-                    "vector cosine gets the rest (README \"Memory search\").")
+        description="IBEX_MEMORY_TEXT_WEIGHT: how far a full match of the question's words lifts a search hit's "
+                    "relevance from its cosine toward 1; 0 ranks by cosine alone (README \"Memory search\").")
     redis_timeout_ms: float = Field(1000.0, gt=0)
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,

@@ -1,27 +1,35 @@
-"""Hybrid ranking: how a memory's full-text score and its vector score become one relevance
+"""Hybrid ranking: how a memory's full-text match and its vector score become one relevance
 (README "Memory search"). Pure: no I/O, no clock.
 
-A search asks the engine for the best full-text matches (BM25) and the nearest vectors of the
-agent's memories; every candidate of either list gets both scores (the cosine is computed for a
-text-only candidate, and a vector-only candidate's text score is 0: it matched no query word).
+The full-text side asks the engine, per content word of the question, for the agent's memories
+holding it with their BM25 scores, and how many memories hold it (the word's document frequency).
+A memory's text score is the share of the question's information it matches:
 
-    text  = bm25 / max(bm25 of this query's candidates)          in [0, 1]
-    relevance = TEXT_WEIGHT x text + (1 - TEXT_WEIGHT) x cosine  (cosine clipped to [0, 1])
+    text(m) = sum over words w of idf(w) x bm25_w(m) / max bm25_w    /  sum over words of idf(w)
 
-The text side is scaled by the query's best match only (not min-max), so a memory that matches
-no word scores 0 on it, whatever the spread; the cosine is kept as it is, so a question with no
-answer keeps low relevance instead of having its best guess stretched to 1. Retrieval keeps a
-candidate that matched a query word, or whose cosine reaches the embedder's cutoff
-(``min_similarity``); the relevance floor (``rank``) applies after.
+so a memory that best matches every word scores 1, one that matches only a word most memories
+hold scores little, and a question word no memory holds lowers every text score (the question
+asks for something the memories may not have). ``idf`` is Okapi's, over the agent's memories.
+
+    relevance = cosine + TEXT_WEIGHT x text x (1 - cosine)          (cosine clipped to [0, 1])
+
+The text side lifts a memory toward 1 by the share of the question it matches and never lowers
+one: a memory found by meaning alone keeps its cosine, so search hits stay on the cosine scale of
+hot hits and of other memory services, and a question worded unlike its answer loses nothing to
+word matches elsewhere (measured against a convex mix and reciprocal rank fusion: README "Memory
+search").
+
+Retrieval keeps a candidate that matched a question word, or whose cosine reaches the embedder's
+cutoff (``min_similarity``); the relevance floor (``rank``) applies after.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-TEXT_WEIGHT = 0.4  # measured on bench/data/conversations.jsonl: README "Memory search"
+TEXT_WEIGHT = 0.8  # measured on the conversation and demo sets: README "Memory search"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +37,7 @@ class Fused:
     """One candidate's scores: the fused relevance and the two it came from."""
 
     relevance: float
-    text: float  # BM25 scaled by the query's best, in [0, 1]
+    text: float  # the share of the question's words matched, weighted by IDF and BM25, in [0, 1]
     vector: float  # cosine with the question, clipped to [0, 1]
 
 
@@ -37,21 +45,48 @@ def _unit(x: float) -> float:
     return min(max(x, 0.0), 1.0) if math.isfinite(x) else 0.0
 
 
-def fuse(bm25: Mapping[str, float], cosine: Mapping[str, float], *, min_similarity: float,
+def idf(df: int, n_docs: int) -> float:
+    """Okapi BM25's inverse document frequency (never negative)."""
+    df = min(max(df, 0), max(n_docs, 0))
+    return math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
+
+
+def text_scores(per_word: Sequence[Mapping[str, float]], dfs: Sequence[int], n_docs: int) -> dict[str, float]:
+    """memory_id -> text score in (0, 1] for every memory that matched a word (see the module).
+
+    ``per_word[i]``: the memories holding the i-th word and their BM25 for it; ``dfs[i]``: how many
+    of the agent's ``n_docs`` memories hold it.
+    """
+    weights = [idf(df, n_docs) for df in dfs]
+    total = math.fsum(weights)
+    out: dict[str, float] = {}
+    if total <= 0.0:
+        return out
+    for w, scores in zip(weights, per_word, strict=True):
+        best = max((s for s in scores.values() if math.isfinite(s) and s > 0.0), default=0.0)
+        if best <= 0.0:
+            continue
+        for mid, s in scores.items():
+            if math.isfinite(s) and s > 0.0:
+                out[mid] = out.get(mid, 0.0) + w * min(s / best, 1.0) / total
+    return {m: min(v, 1.0) for m, v in out.items() if v > 0.0}
+
+
+def fuse(text: Mapping[str, float], cosine: Mapping[str, float], *, min_similarity: float,
          text_weight: float = TEXT_WEIGHT) -> dict[str, Fused]:
     """memory_id -> ``Fused`` for every candidate retrieval keeps.
 
-    ``bm25``: the text query's candidates and their scores (> 0); ``cosine``: the cosine of every
-    candidate of either list (a candidate missing here has no vector and scores 0 on that side).
+    ``text``: the candidates that matched a question word and their text scores (``text_scores``);
+    ``cosine``: the cosine of every candidate of either side (a candidate missing here has no
+    vector and scores 0 on that side).
     """
-    best = max((s for s in bm25.values() if math.isfinite(s)), default=0.0)
     out: dict[str, Fused] = {}
-    for mid in bm25.keys() | cosine.keys():
-        raw = bm25.get(mid, 0.0)
+    for mid in text.keys() | cosine.keys():
+        raw = text.get(mid, 0.0)
         matched = math.isfinite(raw) and raw > 0.0
-        text = _unit(raw / best) if matched and best > 0.0 else 0.0
+        score = _unit(raw) if matched else 0.0
         vec = _unit(cosine.get(mid, 0.0))
         if not matched and vec < min_similarity:
             continue
-        out[mid] = Fused(text_weight * text + (1.0 - text_weight) * vec, text, vec)
+        out[mid] = Fused(vec + text_weight * score * (1.0 - vec), score, vec)
     return out

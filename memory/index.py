@@ -21,12 +21,13 @@ occur in other orgs' memories. Per org, the statistics are the org's own; every 
 filters on org and agent inside the engine. The HNSW graphs are per org too, so a vector search
 walks only the org's memories.
 
-The full-text query is a union of one intersection per query word (tenant filter AND word): the
-engine scores a union nested inside an intersection by its first matching word only, so
-``filter (a|b)`` would rank a memory holding both words like one holding just ``a``. Its tenant
-filter is the numeric ``tenant`` field because the engine scores TAG matches as words (weighted
-by the agent's share of the org and the memory's length), which would bend BM25; a numeric range
-adds nothing to the score. Every hit's key must also carry the agent's own prefix
+The full-text side is one query per question word (tenant filter AND word), sent together: each
+reply gives that word's BM25 matches and how many of the agent's memories hold it, which the
+fusion weighs (``memory.fusion``). (One ``filter (a|b)`` query would not do: the engine scores a
+union nested inside an intersection by its first matching word only.) Its tenant filter is the
+numeric ``tenant`` field because the engine scores TAG matches as words (weighted by the agent's
+share of the org and the memory's length), which would bend BM25; a numeric range adds nothing.
+Every hit's key must also carry the agent's own prefix
 (``parse_reply``), so even two agents whose hashes collided could not see each other's memories.
 
 The queries are sent as raw ``FT.SEARCH`` commands on one pipeline (one round trip for both
@@ -109,11 +110,17 @@ def query_terms(text: str) -> list[str]:
     return list(seen)
 
 
-def text_query(org_id: str, agent_id: str, terms: Sequence[str]) -> str:
-    """Full-text query: any of ``terms`` in ``content``, inside the tenant filter, each word its own
-    branch so a memory's score sums every word it holds (see the module docstring)."""
+def word_query(org_id: str, agent_id: str, word: str) -> str:
+    """Full-text query for one word in ``content``, inside the tenant filter."""
     n = tenant_number(org_id, agent_id)
-    return " | ".join(f"(@tenant:[{n} {n}] @content:{_escape(t)})" for t in terms)
+    return f"@tenant:[{n} {n}] @content:{_escape(word)}"
+
+
+def total_results(reply: Any) -> int:
+    """How many documents an ``FT.SEARCH`` matched (RESP3 map or RESP2 list)."""
+    if isinstance(reply, Mapping):
+        return int(reply.get(b"total_results", reply.get("total_results", 0)))
+    return int(reply[0]) if reply else 0
 
 
 def knn_query(org_id: str, agent_id: str, field: str, k: int) -> str:
@@ -270,7 +277,7 @@ def search_args(query: str, *, limit: int, returns: Sequence[str], scored: bool,
     args: list[Any] = [query]
     if scored:
         args += ["SCORER", "BM25STD", "WITHSCORES"]
-    args += ["RETURN", str(len(returns)), *returns]
+    args += ["RETURN", str(len(returns)), *returns] if returns else ["NOCONTENT"]
     if sort_by is not None:
         args += ["SORTBY", sort_by]
     if params:

@@ -9,8 +9,8 @@ Order of operations for search, and why each step sits where it does:
    query word is dropped (``memory.fusion``).
 2. Full-text and vector scores are fused into one relevance (``memory.fusion``, README "Memory
    search").
-3. Scoring-time relevance floor (default 0.15), before the composite. A floor at or above 0.4
-   could exclude a query's best full-text match, so it is refused.
+3. Scoring-time relevance floor (default 0.15), before the composite. A floor at or above 0.5
+   could exclude memories found by their words alone, so it is refused.
 4. Composite = 0.40 relevance + 0.25 recency + 0.20 usefulness + 0.10 confidence + 0.05 access
    frequency; recency halves every category-specific half-life. Ties break on ``memory_id``.
 """
@@ -58,23 +58,23 @@ DEFAULT_HALF_LIFE_DAYS = 30.0
 
 DEFAULT_MIN_SIMILARITY = 0.70
 DEFAULT_RELEVANCE_FLOOR = 0.15
-# The floor stays under the relevance of a query's best full-text match with no vector support
-# (memory.fusion: TEXT_WEIGHT x 1 = 0.4), so no floor can silently turn the full-text side off.
-FLOOR_LIMIT = 0.4
+# The spec's bound: a floor at or above 0.5 would drop memories that match most of the question's
+# words but not its meaning (memory.fusion: their relevance is TEXT_WEIGHT x text, from 0.4 up).
+FLOOR_LIMIT = 0.5
 ACCESS_SATURATION = 100  # this many accesses (or more) scores 1.0 on access frequency
 _DAY_S = 86_400.0
 
 
 def check_relevance_floor(floor: float) -> float:
-    """Validate the scoring-time floor: finite, in [0, 0.4). Raises ``ValueError`` otherwise."""
+    """Validate the scoring-time floor: finite, in [0, 0.5). Raises ``ValueError`` otherwise."""
     if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not math.isfinite(floor):
         raise ValueError(f"relevance floor must be a finite number, got {floor!r}")
     if floor < 0.0:
         raise ValueError(f"relevance floor must be >= 0, got {floor}")
     if floor >= FLOOR_LIMIT:
         raise ValueError(
-            f"relevance floor {floor} refused: values at or above {FLOOR_LIMIT} could exclude a query's best "
-            f"full-text match (its text half alone is {FLOOR_LIMIT}); use < {FLOOR_LIMIT}"
+            f"relevance floor {floor} refused: values at or above {FLOOR_LIMIT} could exclude memories found by "
+            f"the question's words alone (full-text hits); use < {FLOOR_LIMIT}"
         )
     return float(floor)
 

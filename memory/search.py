@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from ibex_context.memory import store
 from ibex_context.memory.embed import Vectors
-from ibex_context.memory.fusion import Fused, fuse
+from ibex_context.memory.fusion import Fused, fuse, text_scores
 from ibex_context.memory.index import (
     index_name,
     knn_query,
@@ -32,12 +32,13 @@ from ibex_context.memory.index import (
     parse_reply,
     query_terms,
     search_args,
-    text_query,
+    total_results,
+    word_query,
 )
 from ibex_context.memory.models import MemoryRecord, SearchBody
 from ibex_context.memory.rank import cosine_scores, hot_relevance, rank_arrays, record_features
 from ibex_context.memory.service import MemoryService
-from ibex_context.shared.keys import memory_key_prefix, vector_field
+from ibex_context.shared.keys import memory_ids_key, memory_key_prefix, vector_field
 
 _query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once
 
@@ -75,51 +76,67 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
 
 
 async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
-    """Rank the agent's memories for the query: one round trip to the engine carries both halves
-    of the hybrid search and the candidates' records (``memory.index``), then the fusion
-    (``memory.fusion``) and the composite rank them."""
+    """Rank the agent's memories for the query (README "Memory search").
+
+    One round trip asks the engine, inside the tenant filter, for each question word's BM25 matches
+    (ids and scores) and how many memories hold it, the nearest vectors with their records, and the
+    agent's memory count; a second fetches the records of full-text candidates the vector side did
+    not return. ``memory.fusion`` scores each candidate and the composite ranks them.
+    """
     embedder, agent = svc.embedder, body.agent_id
     text = svc.query_text(body.query)
     query_vec = np.asarray(await svc.query_vector(org, text), dtype=np.float32)
     k = svc.config.max_candidates
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
     terms = _query_terms(text)
-    queries = [search_args(knn_query(org, agent, vfield, k), limit=k, returns=("vd", "rec"), scored=False,
-                           params={"vec": query_vec.tobytes()}, sort_by="vd")]
-    if terms:
-        queries.insert(0, search_args(text_query(org, agent, terms), limit=k, returns=("rec", vfield), scored=True))
+    commands: list[tuple[Any, ...]] = [("FT.SEARCH", name, *search_args(
+        word_query(org, agent, t), limit=k, returns=(), scored=True)) for t in terms]
+    commands.append(("FT.SEARCH", name, *search_args(
+        knn_query(org, agent, vfield, k), limit=k, returns=("vd", "rec"), scored=False,
+        params={"vec": query_vec.tobytes()}, sort_by="vd")))
+    commands.append(("SCARD", memory_ids_key(org, agent)))
     await svc.ensure_index(org)
     try:
-        replies = await _run(svc, name, queries)
+        replies = await _run(svc, commands)
     except ResponseError as exc:
         if not missing_index(exc):
             raise
         # The index was dropped (FLUSHALL drops every index): make it again and index what is stored.
         await svc.ensure_index(org, again=True)
-        replies = await _run(svc, name, queries)
-    text_hits = parse_reply(replies[0], prefix, vfield, vector_query=False) if terms else []
-    vector_hits = parse_reply(replies[-1], prefix, vfield, vector_query=True)
-    bm25 = {f.memory_id: f.score for f in text_hits if f.score > 0.0}
+        replies = await _run(svc, commands)
+    per_word = [{f.memory_id: f.score for f in parse_reply(r, prefix, vfield, vector_query=False)}
+                for r in replies[: len(terms)]]
+    vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
+    text_of = text_scores(per_word, [total_results(r) for r in replies[: len(terms)]], int(replies[-1]))
+    if len(text_of) > k:  # the best full-text candidates only: the rest would never be ranked
+        text_of = dict(sorted(text_of.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
     cosine = {f.memory_id: f.score for f in vector_hits}
-    raws = {f.memory_id: f.record for f in vector_hits}
-    unvectored: list[tuple[str, bytes | None]] = []
-    for f in text_hits:
-        raws.setdefault(f.memory_id, f.record)
-        if f.memory_id in cosine:
-            continue
-        if f.vector is not None and len(f.vector) == embedder.dim * 4:
-            cosine[f.memory_id] = float(np.frombuffer(f.vector, dtype=np.float32) @ query_vec)
-        else:
-            unvectored.append((f.memory_id, f.record))
+    raws: dict[str, bytes | None] = {f.memory_id: f.record for f in vector_hits}
+    missing = [m for m in text_of if m not in raws]
+    vectors: dict[str, bytes | None] = {}
+    if missing:
+        async with svc.redis.pipeline(transaction=False) as pipe:
+            for m in missing:
+                pipe.hmget(f"{prefix}{m}", ["rec", vfield])
+            for m, (raw, vec) in zip(missing, await pipe.execute(), strict=True):
+                raws[m], vectors[m] = raw, vec
     records: dict[str, MemoryRecord] = {}
     for mid, raw in raws.items():
         rec = store.parse_record(raw, f"{prefix}{mid}", svc.health, memory_id=mid)
         if rec is not None:
             records[mid] = rec
+    unvectored: list[MemoryRecord] = []
+    for mid, vec in vectors.items():
+        if mid not in records:
+            continue
+        if isinstance(vec, bytes) and len(vec) == embedder.dim * 4:
+            cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ query_vec)
+        else:
+            unvectored.append(records[mid])
     if unvectored:
-        await _backfill(svc, org, agent, [records[m] for m, _ in unvectored if m in records], query_vec, cosine)
+        await _backfill(svc, org, agent, unvectored, query_vec, cosine)
     cutoff = embedder.min_similarity if body.min_similarity is None else body.min_similarity
-    fused = fuse({m: s for m, s in bm25.items() if m in records},
+    fused = fuse({m: s for m, s in text_of.items() if m in records},
                  {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff,
                  text_weight=svc.config.text_weight)
     if not fused:
@@ -130,11 +147,11 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
                    fused=[fused[r.memory_id] for r in recs])
 
 
-async def _run(svc: MemoryService, name: str, queries: Sequence[Sequence[Any]]) -> list[Any]:
-    """The ``FT.SEARCH`` queries on one pipeline: one round trip."""
+async def _run(svc: MemoryService, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The commands on one pipeline: one round trip."""
     async with svc.redis.pipeline(transaction=False) as pipe:
-        for args in queries:
-            pipe.execute_command("FT.SEARCH", name, *args)
+        for args in commands:
+            pipe.execute_command(*args)
         return list(await pipe.execute())
 
 

@@ -7,7 +7,7 @@ that file (atomically, once the socket listens) so a supervisor or test can find
 ``--redis-url`` or ``IBEX_REDIS_URL`` an embedded redis-server is started for the process's
 lifetime (empty: seed it with ``python -m ibex_context.memory.seed``). The token secret is read from
 ``IBEX_MEMORY_SECRET`` only, never from the command line (it would show in ``ps``).
-Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.4, a host other
+Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.5, a host other
 than loopback (``--host`` / ``IBEX_MEMORY_HOST``) while the secret is the development default
 (anyone who read the source could mint a token for any org), or ``--enable-faults`` on a host
 other than loopback (README, "Degradation and security").

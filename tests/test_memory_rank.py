@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ibex_context.memory.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
-from ibex_context.memory.fusion import TEXT_WEIGHT, Fused, fuse
+from ibex_context.memory.fusion import TEXT_WEIGHT, Fused, fuse, idf, text_scores
 from ibex_context.memory.index import query_terms, tenant_filter
 from ibex_context.memory.rank import (
     ACCESS_SATURATION,
@@ -99,12 +99,24 @@ def test_access_score() -> None:
 # --------------------------------------------------------------------- fusion, floor, cutoff
 
 
-def test_fusion_scales_text_by_the_best_match_and_keeps_the_cosine() -> None:
-    got = fuse({"a": 8.0, "b": 2.0}, {"a": 0.4, "b": 0.9, "c": 0.75, "d": 0.2}, min_similarity=0.7)
+def test_text_scores_weigh_words_by_idf_and_bm25() -> None:
+    # 100 memories; "bergen" is in 1, "jonah" in 50. m1 holds both (best for each), m2 only "jonah".
+    got = text_scores([{"m1": 9.0}, {"m1": 2.0, "m2": 4.0}], [1, 50], 100)
+    w_rare, w_common = idf(1, 100), idf(50, 100)
+    assert w_rare > 5 * w_common
+    assert got["m1"] == pytest.approx((w_rare + w_common * 0.5) / (w_rare + w_common))
+    assert got["m2"] == pytest.approx(w_common / (w_rare + w_common)) and got["m2"] < 0.2
+    # A question word no memory holds lowers every text score (it is still asked for).
+    assert text_scores([{"m1": 9.0}, {}], [1, 0], 100)["m1"] < text_scores([{"m1": 9.0}], [1], 100)["m1"]
+    assert text_scores([], [], 100) == {} and text_scores([{}], [0], 100) == {}
+
+
+def test_fusion_lifts_the_cosine_by_the_text_score_and_never_lowers_it() -> None:
+    got = fuse({"a": 1.0, "b": 0.25}, {"a": 0.4, "b": 0.9, "c": 0.75, "d": 0.2}, min_similarity=0.7)
     assert set(got) == {"a", "b", "c"}  # d: no word matched and its cosine is under the cutoff
-    assert got["a"] == Fused(relevance=pytest.approx(0.4 * 1.0 + 0.6 * 0.4), text=1.0, vector=pytest.approx(0.4))
-    assert got["b"].text == pytest.approx(0.25) and got["b"].relevance == pytest.approx(0.4 * 0.25 + 0.6 * 0.9)
-    assert got["c"].text == 0.0 and got["c"].relevance == pytest.approx(0.6 * 0.75)
+    assert got["a"] == Fused(relevance=pytest.approx(0.4 + 0.8 * 1.0 * 0.6), text=1.0, vector=pytest.approx(0.4))
+    assert got["b"].relevance == pytest.approx(0.9 + 0.8 * 0.25 * 0.1)
+    assert got["c"].text == 0.0 and got["c"].relevance == pytest.approx(0.75)  # meaning alone: its cosine
 
 
 def test_fusion_is_total_on_bad_numbers() -> None:
@@ -114,20 +126,24 @@ def test_fusion_is_total_on_bad_numbers() -> None:
     assert fuse({}, {}, min_similarity=0.3) == {}
 
 
-@given(st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0.0, 50.0)),
+@given(st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0.0, 1.0)),
        st.dictionaries(st.sampled_from("abcdefgh"), st.floats(-1.0, 1.0)), st.floats(0.0, 1.0))
-def test_fusion_properties(bm25: dict[str, float], cosine: dict[str, float], cut: float) -> None:
-    got = fuse(bm25, cosine, min_similarity=cut)
-    for f in got.values():
-        assert 0.0 <= f.relevance <= 1.0
+def test_fusion_properties(text: dict[str, float], cosine: dict[str, float], cut: float) -> None:
+    got = fuse(text, cosine, min_similarity=cut)
     for mid, f in got.items():
-        # retrieval keeps a word match or a cosine over the cutoff
-        assert bm25.get(mid, 0.0) > 0.0 or f.vector >= cut
-        assert f.relevance == pytest.approx(TEXT_WEIGHT * f.text + (1 - TEXT_WEIGHT) * f.vector)
-    positive = {m for m, v in bm25.items() if v > 0.0}
-    assert positive <= set(got)  # every candidate that matched a word is kept
-    if positive:
-        assert max(got[m].text for m in positive) == 1.0
+        assert 0.0 <= f.relevance <= 1.0
+        assert text.get(mid, 0.0) > 0.0 or f.vector >= cut  # a word match, or a cosine over the cutoff
+        assert f.relevance == pytest.approx(f.vector + TEXT_WEIGHT * f.text * (1 - f.vector))
+        assert f.relevance >= f.vector - 1e-12  # words never lower a memory
+    assert {m for m, v in text.items() if v > 0.0} <= set(got)  # every candidate that matched a word is kept
+
+
+@given(st.lists(st.dictionaries(st.sampled_from("abcdef"), st.floats(0.0, 30.0)), max_size=6),
+       st.integers(1, 1000))
+def test_text_scores_are_in_unit_range(per_word: list[dict[str, float]], n: int) -> None:
+    dfs = [min(len(w), n) for w in per_word]
+    for v in text_scores(per_word, dfs, n).values():
+        assert 0.0 < v <= 1.0
 
 
 def test_query_terms_and_tenant_filter_are_escaped() -> None:
@@ -140,8 +156,8 @@ def test_query_terms_and_tenant_filter_are_escaped() -> None:
         tenant_filter("acme} | @org:{globex", "bot")
 
 
-@pytest.mark.parametrize("bad", [0.4, 0.41, 0.5, 1.0, 7.0, -0.01, math.nan, math.inf])
-def test_floor_at_or_above_the_text_weight_is_refused(bad: float) -> None:
+@pytest.mark.parametrize("bad", [0.5, 0.51, 1.0, 7.0, -0.01, math.nan, math.inf])
+def test_floor_at_or_above_half_is_refused(bad: float) -> None:
     with pytest.raises(ValueError):
         check_relevance_floor(bad)
     with pytest.raises(ValueError):
@@ -149,10 +165,10 @@ def test_floor_at_or_above_the_text_weight_is_refused(bad: float) -> None:
 
 
 def test_floor_refusal_says_why() -> None:
-    with pytest.raises(ValueError, match=r"best full-text match"):
-        check_relevance_floor(0.4)
-    assert check_relevance_floor(0.39) == 0.39 and check_relevance_floor(0) == 0.0
-    assert FLOOR_LIMIT == TEXT_WEIGHT  # the best full-text match alone always passes the floor
+    with pytest.raises(ValueError, match=r"full-text hits"):
+        check_relevance_floor(0.5)
+    assert check_relevance_floor(0.49) == 0.49 and check_relevance_floor(0) == 0.0
+    assert FLOOR_LIMIT == 0.5 < TEXT_WEIGHT  # a memory matching all the question's words passes any floor
     assert DEFAULT_RELEVANCE_FLOOR == 0.15
 
 
