@@ -83,17 +83,34 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     agent's memory count; a second fetches the records of full-text candidates the vector side did
     not return. ``memory.fusion`` scores each candidate and the composite ranks them.
     """
-    embedder, agent = svc.embedder, body.agent_id
+    agent = body.agent_id
     text = svc.query_text(body.query)
     query_vec = np.asarray(await svc.query_vector(org, text), dtype=np.float32)
-    k = svc.config.max_candidates
+    text_of, cosine, raws = await _candidates(svc, org, agent, _query_terms(text), query_vec)
+    records = await _hydrate(svc, org, agent, text_of, cosine, raws, query_vec)
+    cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
+    fused = fuse({m: s for m, s in text_of.items() if m in records},
+                 {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff,
+                 text_weight=svc.config.text_weight)
+    if not fused:
+        return JSONResponse({"memories": []})
+    recs = [records[m] for m in fused]
+    return _ranked(svc, f"{org}/{agent}", recs, [fused[r.memory_id].relevance for r in recs], salience=None,
+                   floor=svc.config.relevance_floor, limit=body.limit,
+                   fused=[fused[r.memory_id] for r in recs])
+
+
+async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[str], query_vec: Vectors,
+                      ) -> tuple[dict[str, float], dict[str, float], dict[str, bytes | None]]:
+    """The engine's candidates in one round trip: full-text scores (the best ``max_candidates``),
+    cosines of the nearest vectors, and the records the vector query returned with them."""
+    k, embedder = svc.config.max_candidates, svc.embedder
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
-    terms = _query_terms(text)
     commands: list[tuple[Any, ...]] = [("FT.SEARCH", name, *search_args(
         word_query(org, agent, t), limit=k, returns=(), scored=True)) for t in terms]
     commands.append(("FT.SEARCH", name, *search_args(
         knn_query(org, agent, vfield, k), limit=k, returns=("vd", "rec"), scored=False,
-        params={"vec": query_vec.tobytes()}, sort_by="vd")))
+        params={"vec": np.asarray(query_vec, dtype=np.float32).tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))
     await svc.ensure_index(org)
     try:
@@ -110,8 +127,14 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     text_of = text_scores(per_word, [total_results(r) for r in replies[: len(terms)]], int(replies[-1]))
     if len(text_of) > k:  # the best full-text candidates only: the rest would never be ranked
         text_of = dict(sorted(text_of.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
-    cosine = {f.memory_id: f.score for f in vector_hits}
-    raws: dict[str, bytes | None] = {f.memory_id: f.record for f in vector_hits}
+    return text_of, {f.memory_id: f.score for f in vector_hits}, {f.memory_id: f.record for f in vector_hits}
+
+
+async def _hydrate(svc: MemoryService, org: str, agent: str, text_of: dict[str, float], cosine: dict[str, float],
+                   raws: dict[str, bytes | None], query_vec: Vectors) -> dict[str, MemoryRecord]:
+    """Every candidate's parsed record; full-text-only candidates are read (record and vector) in
+    one more round trip and get their cosine added to ``cosine`` (embedded now if they have none)."""
+    prefix, vfield = memory_key_prefix(org, agent), vector_field(svc.embedder.name)
     missing = [m for m in text_of if m not in raws]
     vectors: dict[str, bytes | None] = {}
     if missing:
@@ -125,26 +148,18 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
         rec = store.parse_record(raw, f"{prefix}{mid}", svc.health, memory_id=mid)
         if rec is not None:
             records[mid] = rec
+    qv = np.asarray(query_vec, dtype=np.float32)
     unvectored: list[MemoryRecord] = []
     for mid, vec in vectors.items():
         if mid not in records:
             continue
-        if isinstance(vec, bytes) and len(vec) == embedder.dim * 4:
-            cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ query_vec)
+        if isinstance(vec, bytes) and len(vec) == svc.embedder.dim * 4:
+            cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ qv)
         else:
             unvectored.append(records[mid])
     if unvectored:
-        await _backfill(svc, org, agent, unvectored, query_vec, cosine)
-    cutoff = embedder.min_similarity if body.min_similarity is None else body.min_similarity
-    fused = fuse({m: s for m, s in text_of.items() if m in records},
-                 {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff,
-                 text_weight=svc.config.text_weight)
-    if not fused:
-        return JSONResponse({"memories": []})
-    recs = [records[m] for m in fused]
-    return _ranked(svc, f"{org}/{agent}", recs, [fused[r.memory_id].relevance for r in recs], salience=None,
-                   floor=svc.config.relevance_floor, limit=body.limit,
-                   fused=[fused[r.memory_id] for r in recs])
+        await _backfill(svc, org, agent, unvectored, qv, cosine)
+    return records
 
 
 async def _run(svc: MemoryService, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
