@@ -2,8 +2,9 @@
 (README "Calibrated token counts"). ``AsyncClient.report_usage`` and ``SyncClient.report_usage``
 call ``usage_payload`` and send the result without waiting for anything.
 
-A report needs the assembly's tenant and its uncalibrated count of the emitted prompt, which only
-chat-native assemblies (``format`` set) carry; any other assembly, or a count that is not a
+A report needs the assembly's tenant, its uncalibrated count of the emitted prompt and the
+``assembly_id`` the service issued, which only the service's chat-native assemblies (``format``
+set) carry (not the client's local fallback); any other assembly, or a count that is not a
 positive integer, is not sent: the reason is returned, logged and counted by the caller, never
 raised (the proxy must not fail a user's call over bookkeeping).
 """
@@ -43,10 +44,12 @@ def usage_payload(assembly: object, prompt_tokens: object, cached_tokens: object
     if assembly.prompt_tokens_uncalibrated is None or not assembly.org_id or not assembly.agent_id:
         return None, ("the assembly has no prompt count to compare (only chat-native assemblies, with format, "
                       "carry one)")
+    if assembly.assembly_id is None:
+        return None, "the assembly has no assembly_id (only the service's own assemblies are matched to reports)"
     try:
         report = UsageReport.model_validate({
             "request_id": f"{USAGE_ID_PREFIX}{uuid.uuid4().hex}", "org_id": assembly.org_id,
-            "agent_id": assembly.agent_id, "deadline_ns": now_ns + USAGE_TTL_NS, "assembly_id": assembly.request_id,
+            "agent_id": assembly.agent_id, "deadline_ns": now_ns + USAGE_TTL_NS, "assembly_id": assembly.assembly_id,
             "model": assembly.budget.model, "estimated_tokens": max(1, assembly.prompt_tokens_uncalibrated),
             "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens})
     except ValidationError as exc:

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ibex_context.memory.redis_server import default_redis_url
+from ibex_context.pipeline.budget import multiplier
 from ibex_context.shared import calibration_store as store
 from ibex_context.shared.calibration import Calibration
 from ibex_context.shared.catalog import Catalog
@@ -52,13 +53,13 @@ def build_parser(prog: str = PROG) -> CliParser:
 def describe(model: str, cal: Calibration, catalog: Catalog, settings: WorkerSettings) -> dict[str, Any]:
     """One model's row: the sketch and what the budget makes of it."""
     spec = catalog.model(model)
-    exact = spec.family.estimate_kind == "exact"
+    mult = multiplier(spec, cal)
     used = settings.calibration and cal.active(settings.calibration_min_samples)
     return {"model": model, "family": spec.family.name, "rule": "calibrated" if used else spec.family.estimate_kind,
             "samples": round(cal.samples, 1), "min_samples": settings.calibration_min_samples,
             "ratio_p50": round(cal.median, 4), f"ratio_p{cal.quantile * 100:g}": round(cal.ratio, 4),
-            "ratio_max": round(cal.top, 4), "multiplier": round(cal.multiplier(exact=exact), 4) if used else None,
-            "effective_factor": round(cal.multiplier(exact=exact) * spec.family.estimate_factor, 4) if used else None,
+            "ratio_max": round(cal.top, 4), "multiplier": round(mult, 4) if used else None,
+            "effective_factor": round(mult * spec.family.estimate_factor, 4) if used else None,
             "safety_buffer_fraction": round(cal.safety_fraction(spec.family.safety_buffer_fraction), 4)
             if used else spec.family.safety_buffer_fraction,
             "accepted": cal.accepted, "refused": cal.refused}

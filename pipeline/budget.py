@@ -41,14 +41,19 @@ def is_exact(spec: ModelSpec) -> bool:
     return spec.family.estimate_kind == "exact"
 
 
+def multiplier(spec: ModelSpec, calibration: Calibration) -> float:
+    """The multiplier a calibrated (org, model) charges, floored for the model's family."""
+    return calibration.multiplier(exact=is_exact(spec), estimate_factor=spec.family.estimate_factor)
+
+
 def counter_for(catalog: Catalog, spec: ModelSpec, calibration: Calibration | None) -> TokenCounter:
     """The counter a request is budgeted with: the family's own (exact BPE or the estimate with its
     factor) or, for a calibrated (org, model), that count times the learned multiplier (README
-    "Calibrated token counts"; exact families never below exact)."""
+    "Calibrated token counts"; never below ``shared.calibration.multiplier_floor``)."""
     base = catalog.counter(spec.family.name)
     if calibration is None:
         return base
-    return ScaledCounter(base, calibration.multiplier(exact=is_exact(spec)))
+    return ScaledCounter(base, multiplier(spec, calibration))
 
 
 def compute_budget(
@@ -92,5 +97,5 @@ def compute_budget(
         count_rule=rule,
         calibration_samples=int(calibration.samples) if calibration is not None else 0,
         calibration_quantile=calibration.quantile if calibration is not None else None,
-        calibration_ratio=calibration.multiplier(exact=is_exact(spec)) if calibration is not None else None,
+        calibration_ratio=multiplier(spec, calibration) if calibration is not None else None,
     )

@@ -8,6 +8,8 @@ smuggle a separator and name a key in another tenant's namespace. A bad identifi
 
     {org}:directive:{agent}                 STRING  JSON DirectiveEnvelope (shared/directives.py)
     {org}:calibration:{model}               HASH    usage-report ratio sketch (shared/calibration_store.py)
+    {org}:assembly:{assembly_id}            STRING  one assembly's own count for its usage report, short TTL
+                                                    (shared/calibration_store.py)
     mem:{{org}:{agent}}:{memory_id}         HASH    one memory: org, agent, content, created_at,
                                                     rec (the JSON record), v_{embedder} (float32 vector)
     memids:{{org}:{agent}}                  SET     the agent's memory ids (the per-agent cap)
@@ -93,3 +95,9 @@ def calibration_key(org_id: str, model: str) -> str:
     """One (org, model) calibration sketch: scoped by org, so one tenant's reports move only its own
     budgets. ``model`` is the catalog's name for it (aliases and dated ids share one key)."""
     return f"{check_ident(org_id, 'org_id')}:calibration:{check_ident(model, 'model')}"
+
+
+def assembly_key(org_id: str, assembly_id: str) -> str:
+    """The service's record of one assembly it issued ``assembly_id`` for: under the org that
+    assembled, so a report from another org never finds it."""
+    return f"{check_ident(org_id, 'org_id')}:assembly:{check_ident(assembly_id, 'assembly_id')}"

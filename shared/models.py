@@ -254,6 +254,9 @@ class AssembleResponse(_Wire):
     prompt_tokens_uncalibrated: NonNegInt | None = None
     org_id: str | None = None
     agent_id: str | None = None
+    # The id a usage report names: issued by the worker, which keeps its own record of the
+    # uncalibrated count under it for a short while; None when nothing was recorded.
+    assembly_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     history: list[HistoryDecision] = Field(default_factory=list)
     # Chat requests: tokens before the first part that depends on this turn's retrieval, and the
     # cache_control breakpoints added (paths such as "system.1", "messages.6.content.0").
@@ -265,8 +268,10 @@ class UsageReport(_Wire):
     """The provider's prompt count for one assembly, reported back (protocol USAGE; fire-and-forget).
 
     ``org_id``/``agent_id`` are authorized by the broker exactly as a request's are; the sample is
-    stored under that org only. ``estimated_tokens`` is the assembly's
-    ``prompt_tokens_uncalibrated``; ``prompt_tokens`` the provider's whole prompt count as the
+    stored under that org only. ``assembly_id`` is the assembly's (the service-issued id); the ratio
+    is taken against the service's own record of it, never against ``estimated_tokens`` (the
+    assembly's ``prompt_tokens_uncalibrated`` as the caller sends it, informational, and ``model``
+    likewise); ``prompt_tokens`` the provider's whole prompt count as the
     window sees it (OpenAI ``usage.prompt_tokens``; Anthropic ``input_tokens`` plus
     ``cache_read_input_tokens`` and ``cache_creation_input_tokens``). ``cached_tokens`` (the part
     served from the provider's prompt cache) is informational and never above ``prompt_tokens``.

@@ -28,9 +28,11 @@ from ibex_context.pipeline.hits import offline_result
 from ibex_context.shared import calibration_store as store
 from ibex_context.shared import protocol as P
 from ibex_context.shared.calibration import (
+    MAX_FALL_BUCKETS,
     N_BUCKETS,
     RATIO_MAX,
     RATIO_MIN,
+    UNCALIBRATED_BUCKET,
     Calibration,
     bucket_of,
     decay_per_sample,
@@ -84,7 +86,8 @@ def test_quantiles_round_up_and_follow_the_weights() -> None:
 
 def test_exact_families_never_go_below_exact_and_the_buffer_follows_the_spread() -> None:
     low = _cal(0.7, top=0.77)
-    assert low.multiplier(exact=True) == 1.0 and low.multiplier(exact=False) == 0.7
+    assert low.multiplier(exact=True) == 1.0 and low.multiplier(exact=False, estimate_factor=1.5) == 0.7
+    assert low.multiplier(exact=False, estimate_factor=1.25) == pytest.approx(0.8)  # the floor: 1 / factor
     assert _cal(1.04).multiplier(exact=True) == 1.04
     assert low.safety_fraction(0.05) == pytest.approx(0.05)  # 10 % spread: capped at the family's 5 %
     assert _cal(0.7, top=0.707).safety_fraction(0.05) == pytest.approx(0.01)  # 1 % spread, 1 % floor
@@ -123,17 +126,20 @@ async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
 def test_a_calibrated_budget_says_so_and_charges_the_learned_ratio() -> None:
     hits = offline_result(directive="Be brief.", hot=[], cold=[])
     plain = assemble(_req(), hits, catalog=CATALOG, policy=Policy())
-    cal = _cal(0.6, top=0.606)
+    cal = _cal(0.82, top=0.828)
     tuned = assemble(_req(), hits, catalog=CATALOG, policy=Policy(), calibration=cal)
     assert plain.budget.count_rule == "estimate" and plain.budget.calibration_ratio is None
     assert plain.prompt_tokens_uncalibrated == plain.prompt_tokens and plain.org_id == "acme"
     b = tuned.budget
     assert (b.count_rule, b.calibration_samples, b.calibration_quantile, b.calibration_ratio) == \
-        ("calibrated", 500, 0.995, 0.6)
+        ("calibrated", 500, 0.995, 0.82)
     assert tuned.prompt_tokens_kind == "calibrated"
     assert tuned.prompt_tokens_uncalibrated == plain.prompt_tokens  # the ratio's basis is unchanged
     assert tuned.prompt_tokens is not None and plain.prompt_tokens is not None
-    assert tuned.prompt_tokens < 0.7 * plain.prompt_tokens
+    assert tuned.prompt_tokens < 0.85 * plain.prompt_tokens
+    # a learned ratio under 1 / estimate_factor (mistral: x1.25) is charged at that floor
+    floored = assemble(_req(), hits, catalog=CATALOG, policy=Policy(), calibration=_cal(0.6, top=0.606))
+    assert floored.budget.calibration_ratio == pytest.approx(0.8)
     assert b.safety_buffer == math.ceil(b.context_window * 0.01) < plain.budget.safety_buffer
     assert b.usable > plain.budget.usable
 
@@ -152,17 +158,18 @@ def test_an_exact_family_is_never_charged_below_its_exact_count() -> None:
 
 
 def test_usage_payload_carries_the_assembly_and_refuses_what_cannot_be_matched() -> None:
-    resp = assemble(_req(), offline_result(directive=None, hot=[], cold=[]), catalog=CATALOG, policy=Policy())
+    offline = assemble(_req(), offline_result(directive=None, hot=[], cold=[]), catalog=CATALOG, policy=Policy())
+    resp = offline.model_copy(update={"assembly_id": "ab" * 16})  # what a worker issues (worker.calibration)
     payload, why = usage_payload(resp, 123, 7, time.time_ns())
     assert payload is not None and why == ""
     report = validate(unpack(payload), UsageReport)
     assert isinstance(report, UsageReport)
     assert (report.org_id, report.agent_id, report.model, report.assembly_id, report.prompt_tokens,
-            report.cached_tokens) == ("acme", "support-bot", MODEL, "r1", 123, 7)
+            report.cached_tokens) == ("acme", "support-bot", MODEL, "ab" * 16, 123, 7)
     assert report.estimated_tokens == resp.prompt_tokens_uncalibrated
     flat = resp.model_copy(update={"prompt_tokens_uncalibrated": None})
-    for args in [(flat, 10, None), ("nope", 10, None), (resp, 0, None), (resp, True, None), (resp, 10, 11),
-                 (resp, 10, -1), (resp, 2.5, None)]:
+    for args in [(flat, 10, None), (offline, 10, None), ("nope", 10, None), (resp, 0, None), (resp, True, None),
+                 (resp, 10, 11), (resp, 10, -1), (resp, 2.5, None)]:
         payload, why = usage_payload(*args, time.time_ns())
         assert payload is None and why, args
 
@@ -197,29 +204,39 @@ async def test_one_orgs_poisoned_reports_leave_another_orgs_budget_unchanged(sta
         await c.wait_connected()
         acme, evil = await _assemble(c, "acme"), await _assemble(c, evil_org)
         assert acme.budget.count_rule == evil.budget.count_rule == "estimate"
-        # evil reports that its prompts cost a quarter of what the service charged, and some nonsense
+        # evil reports that its prompts cost a quarter of what the service charged, and some nonsense;
+        # each report names an assembly of its own (a record serves one report)
         for _ in range(60):
-            c.report_usage(evil, prompt_tokens=max(1, evil.prompt_tokens_uncalibrated // 4))
+            c.report_usage(await _assemble(c, evil_org), prompt_tokens=max(1, evil.prompt_tokens_uncalibrated // 4))
         for _ in range(5):
-            c.report_usage(evil, prompt_tokens=1)  # ratio far under 0.2: refused and counted
+            c.report_usage(await _assemble(c, evil_org), prompt_tokens=1)  # ratio far under 0.2: refused, counted
         assert c.stats["usage_sent"] == 65 and c.stats["usage_not_sent"] == 0
         deadline = time.monotonic() + 20
-        while True:
+        while True:  # the multiplier falls in bounded steps, one per flush that has reports
             evil2 = await _assemble(c, evil_org)
-            if evil2.budget.count_rule == "calibrated" or time.monotonic() > deadline:
+            ratio = evil2.budget.calibration_ratio
+            if (evil2.budget.count_rule == "calibrated" and ratio is not None and ratio < 0.8001) \
+                    or time.monotonic() > deadline:
                 break
+            c.report_usage(evil2, prompt_tokens=max(1, evil.prompt_tokens_uncalibrated // 4))
             await asyncio.sleep(0.1)
         acme2 = await _assemble(c, "acme")
+        sent = c.stats["usage_sent"]
     b = evil2.budget
     assert b.count_rule == "calibrated" and b.calibration_samples >= 40 and b.calibration_ratio is not None
-    assert 0.24 <= b.calibration_ratio <= 0.27 and b.usable > evil.budget.usable
+    # a quarter is below mistral's floor (1 / 1.25): charged the floor, never less
+    assert b.calibration_ratio == pytest.approx(0.8) and b.usable > evil.budget.usable
     assert evil2.prompt_tokens_uncalibrated == evil.prompt_tokens_uncalibrated
     assert acme2.budget == acme.budget and acme2.prompt_tokens == acme.prompt_tokens  # acme: untouched
     with redis.Redis.from_url(str(stack.redis_url)) as r:
+        for _ in range(100):  # the last reports may wait for a flush
+            if int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) >= sent - 5:
+                break
+            await asyncio.sleep(0.05)
         assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "refused") or 0) == 5
-        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) == 60
+        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) == sent - 5
         assert not r.exists(f"acme:calibration:{MODEL}")
-    assert _broker_counter(stack, "usage_forwarded") - forwarded == 65
+    assert _broker_counter(stack, "usage_forwarded") - forwarded == sent
     # counted by the workers that took them
     assert _worker_counter(stack, "usage_refused_outlier", refused + 5) - refused == 5
 
@@ -281,7 +298,8 @@ async def test_calibration_show_prints_the_learned_ratio(redis_url: str) -> None
     doc = json.loads(out.stdout)
     rows = {m["model"]: m for m in doc["models"]}
     mistral, llama, claude = rows[MODEL], rows[EXACT_MODEL], rows["claude-sonnet-4"]
-    assert mistral["rule"] == "calibrated" and 0.62 <= mistral["multiplier"] == mistral["ratio_p99.5"] <= 0.63
+    assert mistral["rule"] == "calibrated" and 0.62 <= mistral["ratio_p99.5"] <= 0.63
+    assert mistral["multiplier"] == round(upper_edge(UNCALIBRATED_BUCKET - MAX_FALL_BUCKETS), 4)  # one step down
     assert mistral["effective_factor"] == pytest.approx(mistral["multiplier"] * 1.25, abs=1e-3)
     assert mistral["refused"] == 2 and mistral["accepted"] == 150
     assert llama["rule"] == "calibrated" and llama["multiplier"] == 1.0  # llama3 is exact: never below it

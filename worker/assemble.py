@@ -108,4 +108,6 @@ class Assembler:
             if "packing" in clock.started:
                 self.stats["packing"] += 1
         self.post_cost.observe(time.monotonic_ns() - t_retrieved)
+        if self.calibrator is not None:  # the id a usage report names, and the service's own count for it
+            resp = self.calibrator.issue(resp, org_id=req.org_id, model=spec.name)
         return resp

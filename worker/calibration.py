@@ -1,15 +1,25 @@
 """The worker's side of calibrated counts (README "Calibrated token counts").
 
+* ``issue`` gives a chat-native assembly an id (``assembly_id`` in the reply, unguessable) and
+  buffers the service's own record of it: the org, the catalog model and the uncalibrated count
+  of the emitted prompt. No I/O.
 * ``submit`` takes a usage report the broker forwarded (already authorized for its org): it is
-  validated, its ratio bucketed or refused as an outlier, and buffered. No I/O.
-* ``flush`` (every ``FLUSH_INTERVAL_S``, a background task) writes the buffered samples to the
-  Redis sketches, one atomic script per (org, model) (``shared.calibration_store``).
+  validated and buffered. Nothing in it but the org, the assembly id and the provider's count is
+  used: the model and the count the ratio is taken against come from the record.
+* ``flush`` (every ``FLUSH_INTERVAL_S``, a background task) writes the buffered records, matches
+  the buffered reports to records (any worker's: the broker sends a report to any worker, so the
+  records live in Redis), buckets each ratio or refuses it as an outlier, and writes the samples
+  to the Redis sketches, one atomic script per (org, model) (``shared.calibration_store``). A
+  report whose record is not there yet (its assembly was served by a worker that has not flushed)
+  is looked up again on the next ``RESOLVE_FLUSHES`` flushes, then dropped as unknown and counted,
+  like one naming an expired, used, forged or other org's assembly.
 * ``lookup`` is what a request asks: the (org, model) calibration from this worker's copy, or
   None while the key has fewer than ``calibration_min_samples`` samples. No I/O: ``refresh``
   re-reads the keys requests asked for every ``calibration_refresh_ms``, off the request path.
 
-Everything is keyed by (org, catalog model name), and a report is stored under the org the broker
-authorized, so one tenant's reports can only move its own budgets.
+Everything is keyed by (org, catalog model name), and both the record and the sample are stored
+under the org the broker authorized, so one tenant's reports can only move its own budgets, and
+only through assemblies the service really made for it.
 """
 
 from __future__ import annotations
@@ -17,17 +27,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
+import secrets
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ibex_context.shared import calibration_store as store
-from ibex_context.shared.calibration import Calibration, bucket_of, decay_per_sample
+from ibex_context.shared.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.codec import unpack, validate
-from ibex_context.shared.errors import UnknownModel
-from ibex_context.shared.models import ErrorReply, UsageReport
+from ibex_context.shared.models import AssembleResponse, ErrorReply, UsageReport
 from ibex_context.shared.observability import CalibrationMetrics
 from ibex_context.shared.protocol import MAX_USAGE_BYTES
 from ibex_context.shared.settings import WorkerSettings
@@ -37,8 +49,20 @@ log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (org_id, catalog model name)
 FLUSH_INTERVAL_S = 0.25
 MAX_ACTIVE_KEYS = 10_000  # (org, model) pairs a worker keeps a copy of (LRU)
-MAX_PENDING = 50_000  # buffered samples; beyond this (Redis down) reports are dropped and counted
+MAX_PENDING = 50_000  # buffered reports, and buffered records; beyond this (Redis down) dropped and counted
 REFRESH_BATCH = 500  # keys per Redis round trip
+# Flushes a report waits for its record: the assembling worker writes its records every
+# FLUSH_INTERVAL_S, so two of ours cover one of its; four leave room for a slow Redis.
+RESOLVE_FLUSHES = 4
+ASSEMBLY_ID = re.compile(r"[0-9a-f]{32}")  # what ``issue`` hands out: 128 random bits
+
+
+@dataclass(slots=True)
+class _Report:
+    org_id: str
+    assembly_id: str
+    prompt_tokens: int
+    tries: int = 0
 
 
 class Calibrator:
@@ -56,9 +80,8 @@ class Calibrator:
         self.metrics = metrics
         self.table: dict[Key, Calibration | None] = {}
         self.active: OrderedDict[Key, None] = OrderedDict()
-        self.pending: dict[Key, collections.Counter[int]] = {}
-        self.pending_refused: collections.Counter[Key] = collections.Counter()
-        self.pending_n = 0
+        self.records: list[store.Record] = []
+        self.reports: list[_Report] = []
         self.stats: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------------- request path
@@ -78,57 +101,103 @@ class Calibrator:
             return None
         return cal
 
+    def issue(self, resp: AssembleResponse, *, org_id: str, model: str) -> AssembleResponse:
+        """The reply with a fresh ``assembly_id``, its record buffered for the next flush. A reply
+        without an uncalibrated count (not chat-native), or one the full buffer cannot record,
+        gets no id: there is nothing a report could be matched to."""
+        count = resp.prompt_tokens_uncalibrated
+        if count is None or count < 1:
+            return resp
+        if len(self.records) >= MAX_PENDING:
+            self._count("record_dropped")
+            return resp
+        assembly_id = secrets.token_hex(16)
+        self.records.append((org_id, assembly_id, model, count))
+        return resp.model_copy(update={"assembly_id": assembly_id})
+
     def submit(self, payload: bytes) -> None:
-        """One forwarded usage report: validate, bucket (or refuse as an outlier), buffer."""
+        """One forwarded usage report: validate and buffer; it is matched to its record on flush."""
         report = validate(unpack(payload, max_bytes=MAX_USAGE_BYTES), UsageReport)
         if isinstance(report, ErrorReply):
             self._count("invalid")
             log.info("usage report refused: %s", report.message)
             return
-        try:
-            model = self.catalog.model(report.model).name
-        except UnknownModel:
-            self._count("unknown_model")
-            log.info("usage report refused: model %r is not in the catalog", report.model)
+        if not ASSEMBLY_ID.fullmatch(report.assembly_id):
+            self._count("unknown_assembly")
+            log.info("usage report dropped: %r is not an assembly id this service issues", report.assembly_id[:80],
+                     extra={"org_id": report.org_id})
             return
-        if self.pending_n >= MAX_PENDING:
+        if len(self.reports) >= MAX_PENDING:
             self._count("dropped_backlog")
             return
-        key = (report.org_id, model)
-        ratio = report.prompt_tokens / report.estimated_tokens
-        bucket = bucket_of(ratio)
-        self.pending_n += 1
-        if bucket is None:
-            self.pending_refused[key] += 1
-            self._count("refused_outlier")
-            log.info("usage report refused: ratio %.3f (provider %d / estimate %d) is outside the sane range",
-                     ratio, report.prompt_tokens, report.estimated_tokens,
-                     extra={"org_id": report.org_id, "model": model, "assembly_id": report.assembly_id})
-            return
-        self.pending.setdefault(key, collections.Counter())[bucket] += 1
-        self._count("accepted")
+        self.reports.append(_Report(report.org_id, report.assembly_id, report.prompt_tokens))
 
-    def _count(self, outcome: str) -> None:
-        self.stats[f"usage_{outcome}"] += 1
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.stats[f"usage_{outcome}"] += n
         if self.metrics is not None:
-            self.metrics.reports.labels(outcome).inc()
+            self.metrics.reports.labels(outcome).inc(n)
 
     # ------------------------------------------------------------------------ background
 
     async def flush(self) -> None:
-        """Write the buffered samples; a Redis failure drops that batch (counted), never retries
-        into an ever-growing buffer."""
-        pending, refused = self.pending, self.pending_refused
-        self.pending, self.pending_refused, self.pending_n = {}, collections.Counter(), 0
-        for key in set(pending) | set(refused):
+        """Write the buffered records, match the buffered reports, write their samples. A Redis
+        failure drops that batch (counted), never retries into an ever-growing buffer."""
+        records, reports = self.records, self.reports
+        self.records, self.reports = [], []
+        if records:
             try:
-                await store.apply_batch(self.redis, key[0], key[1], pending.get(key, {}), decay=self.decay,
-                                        refused=refused.get(key, 0))
+                await store.write_records(self.redis, records)
+            except (RedisError, OSError) as exc:
+                self._count("record_write_failed", len(records))
+                log.warning("writing %d assembly records failed: %s", len(records), exc)
+        if reports:
+            await self._apply(await self._resolve(reports))
+
+    async def _resolve(self, reports: list[_Report]) -> dict[Key, tuple[collections.Counter[int], int]]:
+        """Each report's sample against its record: {(org, model): (bucket counts, refused)}."""
+        try:
+            found = await store.take_records(self.redis, [(r.org_id, r.assembly_id) for r in reports])
+        except (RedisError, OSError) as exc:
+            self._count("lookup_failed", len(reports))
+            log.warning("matching %d usage reports failed: %s", len(reports), exc)
+            return {}
+        samples: dict[Key, tuple[collections.Counter[int], int]] = {}
+        for report, record in zip(reports, found, strict=True):
+            if record is None:
+                report.tries += 1
+                if report.tries < RESOLVE_FLUSHES:
+                    self.reports.append(report)
+                else:
+                    self._count("unknown_assembly")
+                continue
+            model, count = record
+            key = (report.org_id, model)
+            buckets, refused = samples.get(key, (collections.Counter(), 0))
+            ratio = report.prompt_tokens / count
+            bucket = bucket_of(ratio)
+            if bucket is None:
+                self._count("refused_outlier")
+                log.info("usage report refused: ratio %.3f (provider %d / service %d) is outside the sane range",
+                         ratio, report.prompt_tokens, count,
+                         extra={"org_id": report.org_id, "model": model, "assembly_id": report.assembly_id})
+                refused += 1
+            else:
+                self._count("accepted")
+                buckets[bucket] += 1
+            samples[key] = (buckets, refused)
+        return samples
+
+    async def _apply(self, samples: dict[Key, tuple[collections.Counter[int], int]]) -> None:
+        for (org_id, model), (buckets, refused) in samples.items():
+            try:
+                await store.apply_batch(self.redis, org_id, model, buckets, decay=self.decay, refused=refused,
+                                        quantile=self.quantile, min_samples=self.min_samples,
+                                        fall_interval_ms=FALL_INTERVAL_MS)
             except (RedisError, OSError) as exc:
                 self.stats["usage_write_failed"] += 1
                 if self.metrics is not None:
                     self.metrics.reports.labels("write_failed").inc()
-                log.warning("calibration write for %s/%s failed: %s", key[0], key[1], exc)
+                log.warning("calibration write for %s/%s failed: %s", org_id, model, exc)
 
     async def refresh(self) -> None:
         """Re-read the sketches of every key requests asked for (batched round trips)."""
@@ -153,7 +222,7 @@ class Calibrator:
         next_refresh = 0.0
         loop = asyncio.get_running_loop()
         while True:
-            if self.pending or self.pending_refused:
+            if self.records or self.reports:
                 await self.flush()
             if loop.time() >= next_refresh:
                 next_refresh = loop.time() + self.refresh_s
