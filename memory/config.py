@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ibex_context.memory.fusion import TEXT_WEIGHT
+from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
 from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.shared.settings import Settings
@@ -48,6 +48,9 @@ class MemoryConfig(BaseSettings):
         TEXT_WEIGHT, ge=0.0, le=1.0,
         description="IBEX_MEMORY_TEXT_WEIGHT: how far a full match of the question's words lifts a search hit's "
                     "relevance from its cosine toward 1; 0 ranks by cosine alone (README \"Memory search\").")
+    fusion: FusionRule = Field(
+        "lift", description="IBEX_MEMORY_FUSION: how a search hit's full-text and vector scores become one "
+                            "relevance: lift (default), convex or rrf (README \"Memory search\").")
     redis_timeout_ms: float = Field(1000.0, gt=0)
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,

@@ -19,8 +19,15 @@ hot hits and of other memory services, and a question worded unlike its answer l
 word matches elsewhere (measured against a convex mix and reciprocal rank fusion: README "Memory
 search").
 
+That rule (``lift``, the default) is one of three ``IBEX_MEMORY_FUSION`` selects, so the others
+can be measured on the same stack (README "Memory search"):
+
+    convex:  relevance = (1 - w) x cosine + w x text                 (w = TEXT_WEIGHT setting)
+    rrf:     relevance = ((1 - w) / (60 + rank_cosine) + w / (60 + rank_text)) x 61
+             (reciprocal rank fusion over the candidates, k = 60, scaled so rank 1 in both is 1)
+
 Retrieval keeps a candidate that matched a question word, or whose cosine reaches the embedder's
-cutoff (``min_similarity``); the relevance floor (``rank``) applies after.
+cutoff (``min_similarity``), whatever the rule; the relevance floor (``rank``) applies after.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 TEXT_WEIGHT = 0.8  # measured on the conversation and demo sets: README "Memory search"
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack, Clarke and Buettcher, 2009)
+FusionRule = Literal["lift", "convex", "rrf"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,20 +83,38 @@ def text_scores(per_word: Sequence[Mapping[str, float]], dfs: Sequence[int], n_d
 
 
 def fuse(text: Mapping[str, float], cosine: Mapping[str, float], *, min_similarity: float,
-         text_weight: float = TEXT_WEIGHT) -> dict[str, Fused]:
-    """memory_id -> ``Fused`` for every candidate retrieval keeps.
+         text_weight: float = TEXT_WEIGHT, rule: FusionRule = "lift") -> dict[str, Fused]:
+    """memory_id -> ``Fused`` for every candidate retrieval keeps, by ``rule`` (see the module).
 
     ``text``: the candidates that matched a question word and their text scores (``text_scores``);
     ``cosine``: the cosine of every candidate of either side (a candidate missing here has no
     vector and scores 0 on that side).
     """
-    out: dict[str, Fused] = {}
+    kept: dict[str, tuple[float, float]] = {}
     for mid in text.keys() | cosine.keys():
         raw = text.get(mid, 0.0)
         matched = math.isfinite(raw) and raw > 0.0
         score = _unit(raw) if matched else 0.0
         vec = _unit(cosine.get(mid, 0.0))
-        if not matched and vec < min_similarity:
-            continue
-        out[mid] = Fused(vec + text_weight * score * (1.0 - vec), score, vec)
+        if matched or vec >= min_similarity:
+            kept[mid] = (score, vec)
+    if rule == "rrf":
+        return _rrf(kept, text_weight)
+    if rule == "convex":
+        return {m: Fused((1.0 - text_weight) * v + text_weight * t, t, v) for m, (t, v) in kept.items()}
+    return {m: Fused(v + text_weight * t * (1.0 - v), t, v) for m, (t, v) in kept.items()}
+
+
+def _rrf(kept: Mapping[str, tuple[float, float]], text_weight: float) -> dict[str, Fused]:
+    """Reciprocal rank fusion of the kept candidates' two orders (ties broken by memory_id); a
+    candidate absent from one side (text score or cosine 0) gets nothing from that side."""
+    def ranks(side: int) -> dict[str, int]:
+        order = sorted((m for m, s in kept.items() if s[side] > 0.0), key=lambda m: (-kept[m][side], m))
+        return {m: i + 1 for i, m in enumerate(order)}
+    by_text, by_vec = ranks(0), ranks(1)
+    out: dict[str, Fused] = {}
+    for mid, (t, v) in kept.items():
+        score = (text_weight / (RRF_K + by_text[mid]) if mid in by_text else 0.0) + (
+            (1.0 - text_weight) / (RRF_K + by_vec[mid]) if mid in by_vec else 0.0)
+        out[mid] = Fused(min(score * (RRF_K + 1), 1.0), t, v)
     return out

@@ -91,7 +91,7 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
     fused = fuse({m: s for m, s in text_of.items() if m in records},
                  {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff,
-                 text_weight=svc.config.text_weight)
+                 text_weight=svc.config.text_weight, rule=svc.config.fusion)
     if not fused:
         return JSONResponse({"memories": []})
     recs = [records[m] for m in fused]

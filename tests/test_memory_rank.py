@@ -301,3 +301,26 @@ def test_per_record_memoises_by_identity_and_skips_large_records() -> None:
     small, twin, big = rec("a", "hello world"), rec("a", "hello world"), rec("b", "x" * 5000)
     assert [head(small), head(small), head(twin), head(big), head(big)] == ["hello", "hello", "hello", "xxxxx", "xxxxx"]
     assert calls == ["a", "a", "b", "b"]  # an equal but distinct record is computed again; a large one each time
+
+
+@given(st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0.0, 1.0)),
+       st.dictionaries(st.sampled_from("abcdefgh"), st.floats(-1.0, 1.0)), st.floats(0.0, 1.0),
+       st.floats(0.0, 1.0), st.sampled_from(["lift", "convex", "rrf"]))
+def test_every_fusion_rule_keeps_the_same_candidates_in_unit_range(
+        text: dict[str, float], cosine: dict[str, float], cut: float, w: float, rule: Any) -> None:
+    got = fuse(text, cosine, min_similarity=cut, text_weight=w, rule=rule)
+    assert set(got) == set(fuse(text, cosine, min_similarity=cut))  # the rule ranks; it never filters
+    for f in got.values():
+        assert 0.0 <= f.relevance <= 1.0
+
+
+def test_convex_and_rrf_fusion() -> None:
+    text, cosine = {"a": 1.0, "b": 0.5}, {"a": 0.2, "b": 0.9, "c": 0.8}
+    convex = fuse(text, cosine, min_similarity=0.5, text_weight=0.5, rule="convex")
+    assert convex["a"].relevance == pytest.approx(0.6) and convex["c"].relevance == pytest.approx(0.4)
+    rrf = fuse(text, cosine, min_similarity=0.5, text_weight=0.5, rule="rrf")
+    # text order a, b; cosine order b, c, a: b is 2nd and 1st, a 1st and 3rd, c only 2nd by cosine
+    assert rrf["b"].relevance == pytest.approx((0.5 / 62 + 0.5 / 61) * 61)
+    assert rrf["a"].relevance == pytest.approx((0.5 / 61 + 0.5 / 63) * 61)
+    assert rrf["c"].relevance == pytest.approx(0.5 / 62 * 61)
+    assert rrf["b"].relevance > rrf["a"].relevance > rrf["c"].relevance
