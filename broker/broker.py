@@ -58,9 +58,12 @@ __all__ = ["Authorizer", "Broker", "Key", "Pending", "WorkerState"]
 
 
 def _request_payload(frames: list[object]) -> int | None:
-    """Where a client's request payload is: [client, IBX1, REQUEST, header, payload] (a headerless
-    request's payload is read here, so it is not kept uncopied)."""
-    return 4 if len(frames) == 5 and frames[2] == P.REQUEST else None
+    """Where a client's request payload is: [client, IBX1, REQUEST, header, payload] or [client, IBX1,
+    CORRELATED, correlation_id, header, payload] (a headerless request's payload is read here, so it
+    is not kept uncopied)."""
+    if len(frames) == 5 and frames[2] == P.REQUEST:
+        return 4
+    return 5 if len(frames) == 6 and frames[2] == P.CORRELATED else None
 
 
 def _reply_payload(frames: list[object]) -> int | None:
@@ -178,7 +181,7 @@ class Broker(WorkerTable):
             parsed = P.parse_client_message(msg[1:])
         except P.FrameError as exc:
             self.stats["rejected_malformed_frames"] += 1
-            self._reply_error(client, None, InvalidRequest(str(exc), field="<frames>"))
+            self._reply_error(client, b"", InvalidRequest(str(exc), field="<frames>"))
             return
         if isinstance(parsed, P.StatusRequest):
             self._send_front([client, *P.status_reply_frames(self.snapshot())])
@@ -187,16 +190,19 @@ class Broker(WorkerTable):
             self._on_usage(client, parsed.payload, last)
             return
         header, req = self._envelope(parsed)
+        # replies are matched by the client's correlation id; a REQUEST has none: its request_id
+        correlation_id = parsed.correlation_id or (req.request_id or "").encode()
         if isinstance(req, ErrorReply):
             self.stats["rejected_invalid"] += 1
-            self._reply_error(client, req.request_id, req)
+            self._reply_error(client, correlation_id, req)
             return
-        refusal = self._refusal(client, req, last)
+        key = (client, correlation_id)
+        refusal = self._refusal(key, req, last)
         if refusal is not None:
             self.stats[refusal[0]] += 1
-            self._reply_error(client, req.request_id, refusal[1])
+            self._reply_error(client, correlation_id, refusal[1], req.request_id)
             return
-        self._enqueue((client, req.request_id), header, parsed.payload, req.deadline_ns)
+        self._enqueue(key, req.request_id, header, parsed.payload, req.deadline_ns)
 
     def _envelope(self, parsed: P.ClientRequest) -> tuple[bytes, Envelope | ErrorReply]:
         """(header frame, routing fields) of a request. With a header frame the payload is never
@@ -213,7 +219,7 @@ class Broker(WorkerTable):
                              message=f"payload of {len(parsed.payload)} bytes exceeds the limit of {limit} bytes")
         return parsed.header, env
 
-    def _refusal(self, client: bytes, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
+    def _refusal(self, key: Key, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
         """(counter, error) when a well-formed request must be answered at once, else None."""
         remaining = req.deadline_ns - time.time_ns()
         if remaining <= 0:
@@ -224,7 +230,7 @@ class Broker(WorkerTable):
                 self.authorizer(last, req)
             except IbexError as exc:
                 return f"rejected_{exc.code.value.lower()}", exc
-        if (client, req.request_id) in self.pending:
+        if key in self.pending:  # only a client that sent no correlation id can repeat one
             return "rejected_duplicate", InvalidRequest(
                 f"request_id {req.request_id!r} is already in flight from this client", field="request_id")
         if len(self.queue) >= self.settings.queue_max:
@@ -260,18 +266,19 @@ class Broker(WorkerTable):
         self.stats["usage_received"] += 1
         if len(payload) > P.MAX_USAGE_BYTES:
             self.stats["usage_rejected_invalid"] += 1
-            self._reply_error(client, None, InvalidRequest(
+            self._reply_error(client, b"", InvalidRequest(
                 f"usage report of {len(payload)} bytes exceeds {P.MAX_USAGE_BYTES} bytes", field="<payload>"))
             return
         env = peek_envelope(payload, max_bytes=P.MAX_USAGE_BYTES)
         if isinstance(env, ErrorReply):
             self.stats["usage_rejected_invalid"] += 1
-            self._reply_error(client, env.request_id, env)
+            self._reply_error(client, (env.request_id or "").encode(), env)
             return
-        refusal = self._refusal(client, env, last)
+        key = (client, env.request_id.encode())  # a report's id is the client's own (client.usage)
+        refusal = self._refusal(key, env, last)
         if refusal is not None and not refusal[0].startswith(("rejected_duplicate", "rejected_overloaded", "shed_")):
             self.stats[f"usage_{refusal[0]}"] += 1
-            self._reply_error(client, env.request_id, refusal[1])
+            self._reply_error(client, key[1], refusal[1], env.request_id)
             return
         live = sorted(w.ident for w in self.workers.values() if not w.draining)
         if not live:
@@ -283,10 +290,10 @@ class Broker(WorkerTable):
         else:
             self.stats["usage_dropped_send_failed"] += 1
 
-    def _enqueue(self, key: Key, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
+    def _enqueue(self, key: Key, request_id: str, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
         now_ns = time.monotonic_ns()
         remaining = deadline_epoch_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
-        p = Pending(key, header, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
+        p = Pending(key, request_id, header, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
         self.pending[key] = p
         self.queue.append(key)
         heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
@@ -310,7 +317,7 @@ class Broker(WorkerTable):
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms in the broker queue"))
                 continue
             stamp = P.Stamp(p.deadline_epoch_ns, (now - p.enqueued_ns) // 1000, time.time_ns(), p.attempt)
-            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1].encode(), stamp, p.header, p.payload)]):
+            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1], stamp, p.header, p.payload)]):
                 self._worker_dead(w, "send failed")
                 self.queue.appendleft(key)
                 continue

@@ -26,7 +26,9 @@ from ibex_context.shared.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
 
-Key = tuple[bytes, str]  # (client routing id, request_id)
+# (client routing id, correlation id): the caller's request_id is a label two calls may share, so
+# it keys nothing (shared.protocol); a request sent without a correlation id is keyed by its request_id.
+Key = tuple[bytes, bytes]
 MIN_RETRY_NS = 2_000_000  # re-dispatch only with at least 2 ms left
 BURST = 256  # frontend messages drained per poll round
 
@@ -39,6 +41,7 @@ Authorizer = Callable[[zmq.Frame, Envelope], None]
 @dataclass(slots=True)
 class Pending:
     key: Key
+    request_id: str  # the caller's label: logs and error payloads name it
     header: bytes
     payload: bytes
     deadline_epoch_ns: int
@@ -87,11 +90,13 @@ class BrokerBase:
     stats: collections.Counter[str]
 
     def _answer_error(self, key: Key, exc: IbexError) -> None:
-        self.pending.pop(key, None)
-        self._reply_error(key[0], key[1], exc)
+        p = self.pending.pop(key, None)
+        self._reply_error(key[0], key[1], exc, p.request_id if p is not None else None)
 
-    def _reply_error(self, client: bytes, rid: str | None, err: IbexError | ErrorReply) -> None:
-        self._send_front([client, *P.reply_frames(P.ERROR, (rid or "").encode(), encode_error(err, rid))])
+    def _reply_error(self, client: bytes, correlation_id: bytes, err: IbexError | ErrorReply,
+                     request_id: str | None = None) -> None:
+        """ERROR under the request's correlation id; the error itself names the caller's request_id."""
+        self._send_front([client, *P.reply_frames(P.ERROR, correlation_id, encode_error(err, request_id))])
 
     def _send_front(self, frames: list[bytes]) -> bool:
         try:

@@ -83,8 +83,8 @@ class WorkerTable(BrokerBase):
         w.stats = info.stats
 
     def _on_reply(self, ident: bytes, reply: P.WorkerReply) -> None:
-        client, rid = reply.client, reply.request_id
-        key = (client, rid.decode(errors="replace"))
+        client, correlation_id = reply.client, reply.request_id
+        key = (client, correlation_id)
         p = self.pending.get(key)
         w = self.workers.get(ident)
         if w is not None:
@@ -102,10 +102,11 @@ class WorkerTable(BrokerBase):
             return
         if time.monotonic_ns() >= p.deadline_ns:
             self.stats["late_reply_after_deadline"] += 1
-            self._reply_error(client, key[1], DeadlineExceeded("worker replied after the deadline"))
+            self._reply_error(client, correlation_id, DeadlineExceeded("worker replied after the deadline"),
+                              p.request_id)
             return
         self.stats["replies" if reply.cmd == P.REPLY else "worker_errors"] += 1
-        self._send_front([client, *P.reply_frames(reply.cmd, rid, reply.payload)])
+        self._send_front([client, *P.reply_frames(reply.cmd, correlation_id, reply.payload)])
 
     def _learn(self, w: WorkerState, p: Pending, feedback: P.Feedback | None) -> None:
         """Admission control's inputs from one reply: its service time, and the worker's signals."""
@@ -163,7 +164,8 @@ class WorkerTable(BrokerBase):
             else:  # the worker still holds it: answer now, keep the record until the worker frees credit
                 self.stats["expired_in_worker"] += 1
                 p.answered = True
-                self._reply_error(key[0], key[1], DeadlineExceeded("deadline passed while a worker was assembling"))
+                self._reply_error(key[0], key[1], DeadlineExceeded("deadline passed while a worker was assembling"),
+                                  p.request_id)
                 # Keep the record (it holds the worker's credit) until the late reply comes, but not
                 # for ever: a reply lost on the way must not leave pending/inflight stuck.
                 heapq.heappush(self.timers, (now + self.hb_ns * self.liveness, p.attempt, key))
@@ -175,7 +177,7 @@ class WorkerTable(BrokerBase):
             w.inflight.discard(p.key)
         self.stats["reaped_no_reply"] += 1
         log.warning("no reply from worker %s for request %s within %d ms of its deadline; freeing its credit",
-                    w.worker_id if w else "?", p.key[1], self.hb_ns * self.liveness // 1_000_000)
+                    w.worker_id if w else "?", p.request_id, self.hb_ns * self.liveness // 1_000_000)
 
     def _worker_dead(self, w: WorkerState, why: str) -> None:
         if self.workers.pop(w.ident, None) is None:

@@ -190,8 +190,8 @@ class AsyncClient:
                 if not fut.done():
                     fut.set_result(reply.snapshot)
             return
-        fut_r = conn.waiting.pop(reply.request_id, None)
-        if fut_r is None and reply.request_id.startswith(USAGE_ID_PREFIX):  # nobody waits for a report
+        fut_r = conn.waiting.pop(reply.correlation_id, None)
+        if fut_r is None and reply.correlation_id.startswith(USAGE_ID_PREFIX):  # nobody waits for a report
             self.stats["usage_refused"] += 1
             log.warning("usage report refused by broker %s: %s", conn.endpoint, decode_reply(reply.payload))
             return
@@ -284,13 +284,12 @@ class AsyncClient:
     async def _attempt(self, conn: Conn, rid: str, frames: list[bytes], remaining: float, end: float,
                        timeout: float) -> tuple[AssembleResponse | ErrorReply, bool]:
         """One try on one broker: (its answer, whether the request was sent). No answer by the
-        deadline, or one that arrives after it, is ``DeadlineExceeded``: nothing late is handed back."""
+        deadline, or one that arrives after it, is ``DeadlineExceeded``: nothing late is handed back.
+        The reply is matched by this attempt's own correlation id, never by ``rid`` (``Conn.send``)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[AssembleResponse | ErrorReply | None] = loop.create_future()
-        conn.waiting[rid] = fut
-        exc = conn.sock.send(frames)
+        key, exc = conn.send(frames, rid, fut)
         if exc is not None:  # not connected (IMMEDIATE) or pipe full
-            conn.waiting.pop(rid, None)
             return ErrorReply(request_id=rid, code=ErrorCode.UNAVAILABLE,
                               message=f"cannot send to broker {conn.endpoint}: {exc}"), False
         # A timer callback, not asyncio.timeout(): no task cancellation machinery per request.
@@ -299,7 +298,7 @@ class AsyncClient:
             reply = await fut
         finally:
             timer.cancel()
-            conn.waiting.pop(rid, None)
+            conn.waiting.pop(key, None)
         if reply is None:
             raise DeadlineExceeded(f"no reply within {timeout * 1000:.1f} ms (client-enforced deadline)",
                                    request_id=rid)

@@ -3,12 +3,19 @@
 Sockets are served by loop callbacks (``shared.loopsock``), not awaited reads: a reply costs no
 Future and no task switch on its way to the caller's future. ``IMMEDIATE`` queues only to live
 connections, so a request to a broker that is down fails over at once (README: The client library).
+
+Replies are matched to their callers by a correlation id the connection makes for each attempt,
+never by the caller's ``request_id``: that is a label two callers may share (a LiteLLM call id comes
+from the caller's own ``x-litellm-call-id`` header), and a reply matched by it could reach the
+wrong caller, with the other caller's conversation in it (``shared.protocol``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,15 +37,37 @@ class Conn:
     monitor: LoopSocket = field(init=False)
     connected: bool = False
     auth_failed: bool = False
+    # by correlation id (one per attempt), never by request_id
     waiting: dict[str, asyncio.Future[AssembleResponse | ErrorReply | None]] = field(default_factory=dict)
     status_waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
+    # a random prefix and a counter: unique on this connection, and no caller can choose or predict one
+    _prefix: str = field(default_factory=lambda: secrets.token_hex(8))
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
+
+    def send(self, frames: list[bytes], request_id: str,
+             fut: asyncio.Future[AssembleResponse | ErrorReply | None]) -> tuple[str, zmq.ZMQError | None]:
+        """Send one attempt of a request whose reply ``fut`` waits for: (the id the reply is matched
+        by, the send's error). The id is new for every attempt (hex: never a usage report's
+        ``usage-`` id). Only a headerless request (``protocol.legacy_request_frames``) has no place
+        for one and is matched by its ``request_id``; a second such request in flight under the same
+        id is not sent (the broker would refuse it, and its refusal could reach the first caller)."""
+        correlation_id = f"{self._prefix}{next(self._seq):x}"
+        correlated = P.correlated_frames(frames, correlation_id.encode())
+        key = correlation_id if correlated is not None else request_id
+        if key in self.waiting:
+            return key, zmq.ZMQError(zmq.EINVAL, f"request_id {request_id!r} is already in flight")
+        self.waiting[key] = fut
+        exc = self.sock.send(correlated or frames)
+        if exc is not None:
+            del self.waiting[key]
+        return key, exc
 
     def fail_all(self, exc: IbexError) -> None:
         """Answer every request waiting on this connection with ``exc`` (as an error reply)."""
         waiting, self.waiting = self.waiting, {}
-        for rid, fut in waiting.items():
-            if not fut.done():
-                fut.set_result(ErrorReply(request_id=rid, code=exc.code, message=exc.message))
+        for fut in waiting.values():
+            if not fut.done():  # the caller's own request_id goes on the error it raises (client.to_exc)
+                fut.set_result(ErrorReply(code=exc.code, message=exc.message))
 
     def close(self) -> None:
         self.sock.sock.disable_monitor()

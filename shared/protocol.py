@@ -2,18 +2,24 @@
 
 Every message starts with the protocol tag, then a one-byte command (zguide Majordomo style):
 
+client  -> broker   [IBX1, CORRELATED, correlation_id, header, payload]   the client library's form
 client  -> broker   [IBX1, REQUEST, header, payload]           (legacy [IBX1, REQUEST, payload] too)
-broker  -> client   [IBX1, REPLY | ERROR, request_id, payload]
+broker  -> client   [IBX1, REPLY | ERROR, correlation_id, payload]
 client  -> broker   [IBX1, STATUS]   ->   [IBX1, STATUS, msgpack snapshot]   (ops and tests)
 client  -> broker   [IBX1, USAGE, payload]     a provider's usage report; no reply unless refused
 
 worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
 worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
-worker  -> broker   [IBX1, REPLY | ERROR, client_id, request_id, payload(, feedback)]
+worker  -> broker   [IBX1, REPLY | ERROR, client_id, correlation_id, payload(, feedback)]
 worker  -> broker   [IBX1, DISCONNECT]                       stop sending me work (SIGTERM drain)
-broker  -> worker   [IBX1, REQUEST, client_id, request_id, stamp, header, payload]
+broker  -> worker   [IBX1, REQUEST, client_id, correlation_id, stamp, header, payload]
 broker  -> worker   [IBX1, HEARTBEAT]
 broker  -> worker   [IBX1, USAGE, payload]     forwarded after the broker authorized it; no reply
+
+Replies are matched by ``correlation_id``, never by the caller's ``request_id`` (a label the caller
+picks: two calls may share it, and it still names the call in logs). The client library sends each
+attempt as CORRELATED under an id of its own, which the broker keys in-flight requests by (with the
+client's routing id) and the worker echoes; a REQUEST is correlated by its request_id, one per id.
 
 ``feedback`` (optional, ``Feedback``): what the broker's admission control learns from the worker
 about this request (a retrieval branch timed out; how long it waited for the worker's loop).
@@ -57,6 +63,8 @@ HEARTBEAT = b"\x05"
 DISCONNECT = b"\x06"
 STATUS = b"\x07"
 USAGE = b"\x08"  # README "Calibrated token counts": takes no credit, never queued behind requests
+CORRELATED = b"\x09"  # a request under the client's own correlation id (module docstring)
+MAX_CORRELATION_BYTES = 64
 
 # A usage report is a few hundred bytes; anything much larger is refused by the broker.
 MAX_USAGE_BYTES = 4096
@@ -72,23 +80,19 @@ FRAME_OVERHEAD = 4096
 
 
 def frontend_max_msgsize(max_request_bytes: int) -> int:
-    """ZMQ_MAXMSGSIZE for the broker's client side: twice the request limit.
-
-    libzmq drops the whole connection on a message over this size, failing every request in flight
-    on it. The client library refuses oversized requests before sending; a request between the
-    limit and twice the limit (a raw or foreign client) still gets a typed INVALID_REQUEST naming the
-    size, and only a message beyond that costs its own sender the connection.
-    """
+    """ZMQ_MAXMSGSIZE for the broker's client side: twice the request limit. libzmq drops the whole
+    connection on a message over this size, failing every request in flight on it. The client
+    library refuses oversized requests before sending; a request between the limit and twice the
+    limit (a raw or foreign client) still gets a typed INVALID_REQUEST naming the size, and only a
+    message beyond that costs its own sender the connection."""
     return 2 * max_request_bytes + FRAME_OVERHEAD
 
 
 def backend_max_msgsize(max_request_bytes: int, max_reply_bytes: int) -> int:
-    """ZMQ_MAXMSGSIZE between broker and workers: whichever way the larger payload travels.
-
-    Workers never send a reply over ``max_reply_bytes`` (they answer a typed error instead) and
-    the broker never forwards a request over ``max_request_bytes``, so this link is never cut by
-    a peer's message size.
-    """
+    """ZMQ_MAXMSGSIZE between broker and workers: whichever way the larger payload travels. Workers
+    never send a reply over ``max_reply_bytes`` (they answer a typed error instead) and the broker
+    never forwards a request over ``max_request_bytes``, so this link is never cut by a peer's
+    message size."""
     return max(max_request_bytes, max_reply_bytes) + FRAME_OVERHEAD
 
 
@@ -192,6 +196,7 @@ def _unpack_snapshot(data: bytes) -> dict[str, Any]:
 class ClientRequest(NamedTuple):
     payload: bytes
     header: bytes | None = None  # None: a legacy request; the broker reads the payload's envelope
+    correlation_id: bytes | None = None  # None: sent as REQUEST, correlated by its request_id
 
 
 class StatusRequest(NamedTuple):
@@ -206,6 +211,11 @@ class UsageMessage(NamedTuple):
 
 def request_frames(header: bytes, payload: bytes) -> list[bytes]:
     return [TAG, REQUEST, header, payload]
+
+
+def correlated_frames(frames: list[bytes], correlation_id: bytes) -> list[bytes] | None:
+    """``request_frames`` sent as CORRELATED; None for a headerless request (it has no such form)."""
+    return [TAG, CORRELATED, correlation_id, *frames[2:]] if len(frames) == 4 and frames[1] == REQUEST else None
 
 
 def legacy_request_frames(payload: bytes) -> list[bytes]:
@@ -225,6 +235,8 @@ def usage_frames(payload: bytes) -> list[bytes]:
 def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest | UsageMessage:
     """What a client sent the broker (routing id already stripped)."""
     if frames and frames[0] == TAG:
+        if len(frames) == 5 and frames[1] == CORRELATED and 0 < len(frames[2]) <= MAX_CORRELATION_BYTES:
+            return ClientRequest(frames[4], frames[3], frames[2])
         if len(frames) == 4 and frames[1] == REQUEST:
             return ClientRequest(frames[3], frames[2])
         if len(frames) == 3 and frames[1] == REQUEST:
@@ -233,17 +245,18 @@ def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest |
             return UsageMessage(frames[2])
         if len(frames) == 2 and frames[1] == STATUS:
             return StatusRequest()
-    raise FrameError(f"expected frames [{TAG!r}, REQUEST, header, payload], got {len(frames)} frame(s)")
+    raise FrameError(f"expected frames [{TAG!r}, REQUEST, header, payload] or [{TAG!r}, CORRELATED, an id of 1 to "
+                     f"{MAX_CORRELATION_BYTES} bytes, header, payload], got {len(frames)} frame(s)")
 
 
 # broker -> client
 
 
 class Reply(NamedTuple):
-    """A REPLY or ERROR for one request; an empty request id is just an id no caller waits for."""
+    """A REPLY or ERROR for one request; an empty id is just an id no caller waits for."""
 
     is_error: bool
-    request_id: str
+    correlation_id: str  # the request's correlation id (its request_id if it was sent as REQUEST)
     payload: bytes
 
 
@@ -251,9 +264,9 @@ class StatusReply(NamedTuple):
     snapshot: dict[str, Any]
 
 
-def reply_frames(cmd: bytes, request_id: bytes, payload: bytes) -> list[bytes]:
+def reply_frames(cmd: bytes, correlation_id: bytes, payload: bytes) -> list[bytes]:
     """``cmd`` is REPLY or ERROR."""
-    return [TAG, cmd, request_id, payload]
+    return [TAG, cmd, correlation_id, payload]
 
 
 def status_reply_frames(snapshot: dict[str, Any]) -> list[bytes]:
@@ -284,7 +297,7 @@ class WorkerHeartbeat(NamedTuple):
 class WorkerReply(NamedTuple):
     cmd: bytes  # REPLY or ERROR, forwarded to the client as is
     client: bytes
-    request_id: bytes
+    request_id: bytes  # the correlation id the request was dispatched with, echoed
     payload: bytes
     feedback: Feedback | None = None
 
@@ -350,7 +363,7 @@ def parse_worker_message(frames: list[bytes]) -> WorkerMessage:
 
 class Dispatch(NamedTuple):
     client: bytes
-    request_id: bytes
+    request_id: bytes  # the correlation id: the worker's reply carries it back untouched
     stamp: Stamp
     header: bytes  # as the client sent it (or as the broker built it for a legacy request)
     payload: bytes  # untouched

@@ -30,7 +30,7 @@ from ibex_context.client.integrations.litellm_config import (
     parse_config,
     resolve_identity,
 )
-from ibex_context.client.integrations.litellm_core import HookCore, header_value, headers, last_user_text
+from ibex_context.client.integrations.litellm_core import HookCore, header_value, headers, last_user_text, record
 from ibex_context.shared import auth
 from ibex_context.shared.catalog import Catalog
 
@@ -172,9 +172,11 @@ async def test_a_stream_reports_usage_only_when_the_provider_was_asked_for_it() 
         ("s3", {"stream": True, "optional_params": {"stream_options": {"include_usage": True}}}, 2),
         ("n1", {"stream": False}, 3),
     ]:
-        core.remember(call_id, Caller("acme", "a"), assembly)
-        await hook.async_log_success_event({**kwargs, "litellm_call_id": call_id}, usage, None, None)
-        assert core.forget(call_id) is None and client.stats["usage_not_sent"] == reported
+        key = core.remember(Caller("acme", "a"), assembly)  # LiteLLM hands the record back in litellm_params
+        params = {"metadata": {"ibex_context": record(assembly, "degraded", [], key)}}
+        await hook.async_log_success_event({**kwargs, "litellm_call_id": call_id, "litellm_params": params}, usage,
+                                           None, None)
+        assert core.forget(key) is None and client.stats["usage_not_sent"] == reported
 
 
 @pytest.mark.parametrize(("messages", "status", "text"), [

@@ -268,13 +268,16 @@ class WorkerServer:
             log.warning("request failed", extra={"request_id": req.request_id, "code": exc.code.value,
                                                  "error": exc.message})
             late = P.Feedback(True, timings["worker_wait"]) if isinstance(exc, DeadlineExceeded) else None
-            self._reply_error(link, client, rid, exc, late)
+            self._reply_error(link, client, rid, exc, late, req.request_id)
         except Exception as exc:
             self.stats["error_internal"] += 1
             log.exception("request %s failed", req.request_id)
-            self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"))
+            self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"),
+                              request_id=req.request_id)
 
     def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError,
-                     feedback: P.Feedback | None = None) -> None:
-        link.send(P.worker_reply_frames(P.ERROR, client, rid, encode_error(exc, rid.decode(errors="replace") or None),
-                                        feedback))
+                     feedback: P.Feedback | None = None, request_id: str | None = None) -> None:
+        """ERROR under the dispatch's correlation id ``rid``; the error names the caller's
+        ``request_id`` once the request is decoded (before that, all the worker has is ``rid``)."""
+        label = request_id or rid.decode(errors="replace") or None
+        link.send(P.worker_reply_frames(P.ERROR, client, rid, encode_error(exc, label), feedback))

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import encode_document
+from ibex_context.shared.codec import Envelope, encode_document, parse_header
 from ibex_context.shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, PackerStats
 from ibex_context.worker.server import BrokerLink, WorkerServer
 
@@ -40,7 +40,8 @@ class TransportWorkerServer(WorkerServer):
 
     def on_request(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int) -> None:
         waited_us = (time.monotonic_ns() - received_ns) // 1000
-        rid = msg.request_id.decode(errors="replace")
+        env = parse_header(msg.header)  # the caller's request_id; msg.request_id is the correlation id
+        rid = env.request_id if isinstance(env, Envelope) else msg.request_id.decode(errors="replace")
         body = {**self._template, "request_id": rid,
                 "timings_us": {"queue_wait": msg.stamp.queued_us, "worker_wait": waited_us}}
         link.send(P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, encode_document(body, rid)))

@@ -37,7 +37,14 @@ from ibex_context.client.integrations.litellm_config import (
     Unmapped,
     load_config,
 )
-from ibex_context.client.integrations.litellm_core import RECORD_KEY, HookCore, Refused, headers, record
+from ibex_context.client.integrations.litellm_core import (
+    RECORD_KEY,
+    HookCore,
+    Refused,
+    headers,
+    record,
+    usage_key,
+)
 from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -111,8 +118,8 @@ class IbexContextHook(CustomLogger):
             raise HTTPException(status_code=500, detail="ibex-context: the assembly has no messages")
         data["messages"] = assembly.messages
         status = "degraded" if assembly.degraded else "assembled"
-        meta[RECORD_KEY] = record(assembly, status, assembly.degraded_reasons)
-        self.core.remember(data.get("litellm_call_id"), who, assembly)
+        # the usage is matched to this assembly by the hook's own key, not LiteLLM's call id (the caller's)
+        meta[RECORD_KEY] = record(assembly, status, assembly.degraded_reasons, self.core.remember(who, assembly))
         return data
 
     async def async_post_call_response_headers_hook(
@@ -126,16 +133,16 @@ class IbexContextHook(CustomLogger):
         if kwargs.get("stream") and not _asked_for_usage(kwargs):
             # LiteLLM fills a stream's usage with its own count when the provider sent none: not
             # the provider's, so not a calibration sample
-            self.core.forget(kwargs.get("litellm_call_id"))
+            self.core.forget(usage_key(kwargs))
             return
         usage = getattr(response_obj, "usage", None)
         details = getattr(usage, "prompt_tokens_details", None)
-        self.core.report(kwargs.get("litellm_call_id"), getattr(usage, "prompt_tokens", None),
+        self.core.report(usage_key(kwargs), getattr(usage, "prompt_tokens", None),
                          getattr(details, "cached_tokens", None))
 
     async def async_log_failure_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
                                       end_time: Any) -> None:
-        self.core.forget(kwargs.get("litellm_call_id"))
+        self.core.forget(usage_key(kwargs))
 
 
 _handler: IbexContextHook | None = None

@@ -3,12 +3,18 @@ request's messages, the response headers that say what happened, and the usage r
 
 ``litellm.py`` adapts this to LiteLLM's ``CustomLogger``; keeping LiteLLM out of here lets the
 same logic run (and be tested) without the proxy. README "Using it from LiteLLM proxy".
+
+LiteLLM's call id comes from the caller's ``x-litellm-call-id`` header, so two calls may share it:
+it is only the assembly's label (``request_id``), never a key. An assembly waiting for its usage is
+kept under a key the hook makes (``remember``), carried in the call's record in the request
+metadata, so one call's usage can never be reported against another call's (or org's) assembly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ from ibex_context.shared.settings import Settings
 log = logging.getLogger(__name__)
 
 RECORD_KEY = "ibex_context"  # where the outcome is kept in the request's LiteLLM metadata
+USAGE_KEY = "usage_key"  # the record's key for the assembly awaiting the call's usage (never a header)
 HEADER = "x-ibex-context"
 PENDING_MAX = 10_000  # assemblies awaiting their usage report; the oldest go first
 STATUS_CODES = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.CONTEXT_OVERFLOW: 400, ErrorCode.FORBIDDEN: 403,
@@ -120,7 +127,7 @@ class HookCore:
             "tools": data.get("tools") or [], "options": self.config.options, "history": self.config.history}
         call_id = data.get("litellm_call_id")
         if isinstance(call_id, str) and 0 < len(call_id) <= 128:
-            fields["request_id"] = call_id  # one id in LiteLLM's logs and the service's
+            fields["request_id"] = call_id  # one id in LiteLLM's logs and the service's: a label, not a key
         try:
             return await self._clients[who.org_id].assemble_or_degrade(
                 timeout=self.timeout, fallback_directive=self.config.fallback_directive, **fields)
@@ -129,23 +136,25 @@ class HookCore:
             raise Refused(STATUS_CODES.get(exc.code, 500),
                           f"ibex-context {exc.code.value}{where}: {exc.message}") from None
 
-    def remember(self, call_id: object, who: Caller, assembly: AssembleResponse) -> None:
-        """Keep the assembly until the provider's usage arrives (``report``)."""
-        if not isinstance(call_id, str):
-            return
+    def remember(self, who: Caller, assembly: AssembleResponse) -> str:
+        """Keep the assembly until the provider's usage arrives (``report``), under the key returned:
+        the hook's own, unguessable and used once (never the caller's call id)."""
         # the report needs the ids, the model and the counts, not the prompt: keep ~1 KB, not the conversation
         slim = assembly.model_copy(update={"messages": None, "system": None, "rendered": "", "sections": [],
                                            "decisions": [], "history": []})
-        self._pending[call_id] = Pending(self._clients[who.org_id], slim, asyncio.get_running_loop())
+        key = secrets.token_urlsafe(18)
+        self._pending[key] = Pending(self._clients[who.org_id], slim, asyncio.get_running_loop())
         while len(self._pending) > PENDING_MAX:
             self._pending.popitem(last=False)
+        return key
 
-    def forget(self, call_id: object) -> Pending | None:
-        return self._pending.pop(call_id, None) if isinstance(call_id, str) else None
+    def forget(self, key: object) -> Pending | None:
+        return self._pending.pop(key, None) if isinstance(key, str) else None
 
-    def report(self, call_id: object, prompt_tokens: object, cached_tokens: object) -> bool:
-        """Send the provider's prompt usage for calibration (fire and forget); False if nothing to send."""
-        pending = self.forget(call_id)
+    def report(self, key: object, prompt_tokens: object, cached_tokens: object) -> bool:
+        """Send the provider's prompt usage for the assembly ``remember`` kept under ``key`` (fire and
+        forget); False if nothing to send."""
+        pending = self.forget(key)
         if pending is None or not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
             return False
         cached = cached_tokens if isinstance(cached_tokens, int) and not isinstance(cached_tokens, bool) else None
@@ -168,14 +177,27 @@ class HookCore:
             await client.aclose()
 
 
-def record(assembly: AssembleResponse | None, status: str, reasons: list[str]) -> dict[str, Any]:
-    """What the request's metadata keeps (JSON only: LiteLLM logs it) and the headers are made of."""
+def record(assembly: AssembleResponse | None, status: str, reasons: list[str],
+           usage_key: str | None = None) -> dict[str, Any]:
+    """What the request's metadata keeps (JSON only: LiteLLM logs it) and the headers are made of,
+    with the key of the assembly awaiting the call's usage (``HookCore.remember``; no header shows it)."""
     out: dict[str, Any] = {"status": status, "reasons": reasons}
     if assembly is not None:
         out.update(request_id=assembly.request_id, degraded=assembly.degraded, memories=len(assembly.packed),
                    prompt_tokens=assembly.prompt_tokens, model=assembly.budget.model,
                    count_rule=assembly.budget.count_rule, calibration_samples=assembly.budget.calibration_samples)
+    if usage_key is not None:
+        out[USAGE_KEY] = usage_key
     return out
+
+
+def usage_key(kwargs: Mapping[str, Any]) -> object:
+    """The key ``remember`` returned for this call, from the record the pre-call hook wrote into the
+    request's metadata (LiteLLM hands it back to the logging callbacks in ``litellm_params``)."""
+    params = kwargs.get("litellm_params")
+    meta = params.get("metadata") if isinstance(params, Mapping) else None
+    rec = meta.get(RECORD_KEY) if isinstance(meta, Mapping) else None
+    return rec.get(USAGE_KEY) if isinstance(rec, Mapping) else None
 
 
 def headers(rec: Mapping[str, Any] | None) -> dict[str, str] | None:
