@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
+from ibex_context.memory.index import EXACT_KNN_MAX
 from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.shared.settings import Settings
@@ -51,6 +52,10 @@ class MemoryConfig(BaseSettings):
     fusion: FusionRule = Field(
         "lift", description="IBEX_MEMORY_FUSION: how a search hit's full-text and vector scores become one "
                             "relevance: lift (default), convex or rrf (README \"Memory search\").")
+    exact_knn_max: int = Field(
+        EXACT_KNN_MAX, ge=0,
+        description="IBEX_MEMORY_EXACT_KNN_MAX: an agent with at most this many memories gets an exact vector "
+                    "search (every memory compared); larger ones the HNSW graph's approximate one.")
     redis_timeout_ms: float = Field(1000.0, gt=0)
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,

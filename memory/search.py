@@ -40,6 +40,7 @@ from ibex_context.memory.rank import cosine_scores, hot_relevance, rank_arrays, 
 from ibex_context.memory.service import MemoryService
 from ibex_context.shared.keys import memory_ids_key, memory_key_prefix, vector_field
 
+AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
 _query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once
 
 
@@ -108,8 +109,9 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
     commands: list[tuple[Any, ...]] = [("FT.SEARCH", name, *search_args(
         word_query(org, agent, t), limit=k, returns=(), scored=True)) for t in terms]
+    exact = await _agent_size(svc, org, agent) <= svc.config.exact_knn_max
     commands.append(("FT.SEARCH", name, *search_args(
-        knn_query(org, agent, vfield, k), limit=k, returns=("vd", "rec"), scored=False,
+        knn_query(org, agent, vfield, k, exact=exact), limit=k, returns=("vd", "rec"), scored=False,
         params={"vec": np.asarray(query_vec, dtype=np.float32).tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))
     await svc.ensure_index(org)
@@ -121,6 +123,7 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
         # The index was dropped (FLUSHALL drops every index): make it again and index what is stored.
         await svc.ensure_index(org, again=True)
         replies = await _run(svc, commands)
+    _remember_size(svc, org, agent, int(replies[-1]))
     per_word = [{f.memory_id: f.score for f in parse_reply(r, prefix, vfield, vector_query=False)}
                 for r in replies[: len(terms)]]
     vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
@@ -160,6 +163,22 @@ async def _hydrate(svc: MemoryService, org: str, agent: str, text_of: dict[str, 
     if unvectored:
         await _backfill(svc, org, agent, unvectored, qv, cosine)
     return records
+
+
+async def _agent_size(svc: MemoryService, org: str, agent: str) -> int:
+    """The agent's memory count as its last search saw it (it only picks the vector query's
+    strategy, never what a search may see); read from Redis on the agent's first search."""
+    size = svc.agent_sizes.get((org, agent))
+    if size is None:
+        size = int(await svc.redis.scard(memory_ids_key(org, agent)))
+        _remember_size(svc, org, agent, size)
+    return size
+
+
+def _remember_size(svc: MemoryService, org: str, agent: str, size: int) -> None:
+    if len(svc.agent_sizes) >= AGENT_SIZES_KEPT and (org, agent) not in svc.agent_sizes:
+        svc.agent_sizes.clear()  # bounded: a cleared entry costs one SCARD
+    svc.agent_sizes[(org, agent)] = size
 
 
 async def _run(svc: MemoryService, commands: Sequence[tuple[Any, ...]]) -> list[Any]:

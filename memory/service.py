@@ -78,6 +78,7 @@ class MemoryService:
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
         self._indexed: set[str] = set()  # orgs whose index this process has seen or made
+        self.agent_sizes: dict[tuple[str, str], int] = {}  # (org, agent) -> memories, as last searched
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.queries_truncated = 0

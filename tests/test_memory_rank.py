@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ibex_context.memory.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
 from ibex_context.memory.fusion import TEXT_WEIGHT, Fused, fuse, idf, text_scores
-from ibex_context.memory.index import query_terms, tenant_filter
+from ibex_context.memory.index import MAX_QUERY_TERMS, query_terms, tenant_filter
 from ibex_context.memory.rank import (
     ACCESS_SATURATION,
     DEFAULT_RELEVANCE_FLOOR,
@@ -150,7 +150,7 @@ def test_query_terms_and_tenant_filter_are_escaped() -> None:
     assert query_terms("When did Caroline go to the LGBTQ support group?") == ["caroline", "go", "lgbtq", "support",
                                                                               "group"]
     assert query_terms("a-b|c) @org:{globex} *") == ["org", "globex"]  # punctuation never reaches the query
-    assert query_terms("") == [] and len(query_terms(" ".join(f"w{i}" for i in range(100)))) == 32
+    assert query_terms("") == [] and len(query_terms(" ".join(f"w{i}" for i in range(100)))) == MAX_QUERY_TERMS == 16
     assert tenant_filter("ac.me", "bot-1") == "@org:{ac\\.me} @agent:{bot\\-1}"
     with pytest.raises(ValueError):
         tenant_filter("acme} | @org:{globex", "bot")

@@ -527,3 +527,33 @@ async def test_concurrent_clients(memory: MemoryServiceHandle) -> None:
         ))
     assert all(r.status_code == 200 for r in results)
     assert all(len(r.json()["memories"]) == 20 for r in results[::2])
+
+
+@pytest.fixture
+def approximate(redis_url: str, tmp_path: Path) -> Any:
+    """A service that gives every agent the HNSW graph's approximate vector search."""
+    handle = MemoryServiceHandle(redis_url=redis_url, workdir=tmp_path, extra_env={"IBEX_MEMORY_EXACT_KNN_MAX": "0"})
+    handle.start()
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_approximate_vector_search_stays_in_the_agent_and_sees_writes(approximate: MemoryServiceHandle) -> None:
+    approximate.flush()
+    approximate.seed([mem("acme", "bot", f"note {i} about the quarterly invoice run", memory_id=f"b{i}")
+                      for i in range(40)]
+                     + [mem("acme", "other", f"note {i} about the quarterly invoice run", memory_id=f"o{i}")
+                        for i in range(40)]
+                     + [mem("globex", "bot", "note about the quarterly invoice run", memory_id="g0")])
+    with httpx.Client(base_url=approximate.url, timeout=10.0) as http:
+        body = {"query": "quarterly invoice run", "agent_id": "bot", "limit": 50, "min_similarity": 0.0}
+        got = ids(search(http, approximate, "acme", body))
+        assert len(got) == 40 and all(m.startswith("b") for m in got)  # never the other agent or org
+        r = http.post("/v1/memories", headers=approximate.headers("acme"),
+                      json={"agent_id": "bot", "memory_id": "fresh", "content": "zebra crossing permits renewed",
+                            "category": "fact"})
+        assert r.status_code == 201
+        found = ids(search(http, approximate, "acme", {"query": "zebra crossing permits", "agent_id": "bot"}))
+        assert found[0] == "fresh"
