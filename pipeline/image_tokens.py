@@ -51,7 +51,10 @@ _TILE_MODELS: dict[str, TileCost] = {
     "o3": TileCost(75, 150),
     "computer-use-preview": TileCost(65, 129),
 }
-# A model OpenAI publishes nothing for is charged with the largest known constants (gpt-4o-mini's).
+# A model OpenAI publishes nothing for is charged with the largest known constants (gpt-4o-mini's),
+# as high detail whatever ``detail`` says: "low" is OpenAI's price, and other providers reached
+# through this format charge a large image more than its base of 2,833 (Gemini 2.x: 258 per 768-px
+# tile, 4,128 for a 3072-px square; Pixtral: a token per 16-px patch, ~4,160 at 1024x1024).
 _TILE_FALLBACK = TileCost(2833, 5667)
 _FIT_PX = 2048
 _SHORT_PX = 768
@@ -134,7 +137,9 @@ def openai_image_tokens(width: int | None, height: int | None, detail: str, *, m
     if multiplier is not None:
         patches = _MAX_PATCHES if size is None else openai_patches(*size)
         return math.ceil(patches * multiplier)
-    cost = _TILE_MODELS.get(key, _TILE_FALLBACK)
+    cost = _TILE_MODELS.get(key)
+    if cost is None:  # ``detail`` is OpenAI's: another provider charges an image by its own rules
+        cost, detail = _TILE_FALLBACK, "high"
     if detail == "low":
         return cost.base
     tiles = _MAX_TILES if size is None else _tiles(*size)

@@ -3,17 +3,19 @@
 Counts carry their tokenizer family and kind. Adding counts from different families or kinds
 raises ``TokenizerMismatch``: the spec wants mixed assumptions to fail, not to be averaged.
 
-The estimate is built to over-count: it charges each run of characters by its class (common
-words, mixed identifiers, digits, punctuation, non-ASCII) at or above what the BPE encodings
-charge in the worst case we measured (tests/test_tokens.py checks it on a varied corpus).
+The estimate (``estimate_tokens``) is an upper bound, on any text, of every exact encoding the
+service ships (o200k_base, cl100k_base, llama3, qwen3; ``token_bound`` says why), times the
+family's ``estimate_factor`` for the tokenizer the service cannot see.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
 import re
+import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -49,50 +51,6 @@ class TokenCounter(Protocol):
     def kind(self) -> CountKind: ...
 
     def count(self, text: str) -> int: ...
-
-
-# Character classes, in the order the regex tries them.
-_RUNS = re.compile(
-    r"(?P<word>[A-Z]?[a-z]+)"  # ordinary word, optionally capitalised
-    r"|(?P<alnum>[A-Za-z0-9]+)"  # identifiers, hex, CamelCase, mixed
-    r"|(?P<space>[ \t]+)"
-    r"|(?P<nl>[\r\n]+)"
-    r"|(?P<punct>[\x21-\x2f\x3a-\x40\x5b-\x60\x7b-\x7e])"
-    r"|(?P<ctrl>[\x00-\x08\x0b\x0c\x0e-\x1f\x7f])"
-    r"|(?P<other>[^\x00-\x7f]+)"
-)
-
-
-def estimate_tokens(text: str, *, factor: float = 1.0) -> int:
-    """Conservative token estimate; ``factor`` scales it for families with denser tokenizers."""
-    total = 0.0
-    for m in _RUNS.finditer(text):
-        kind = m.lastgroup
-        run = m.group()
-        if kind == "word":  # common words are one token; long ones look like gibberish
-            total += 1 if len(run) <= 6 else 2 if len(run) <= 12 else math.ceil(len(run) / 2.5)
-        elif kind == "alnum":
-            total += math.ceil(len(run) / 1.4)
-        elif kind == "space":  # a single space merges into the next word
-            total += 0 if len(run) == 1 else 1
-        elif kind in ("nl", "punct", "ctrl"):
-            total += 1
-        else:  # non-ASCII run: measured worst case ~0.8 tokens per UTF-8 byte
-            total += math.ceil(0.8 * len(run.encode("utf-8", "surrogatepass")))
-    return math.ceil(total * factor)
-
-
-class EstimateCounter:
-    """Conservative estimate for families without an offline exact tokenizer."""
-
-    kind: EstimateKind = "estimate"
-
-    def __init__(self, family: str, factor: float = 1.0) -> None:
-        self.family = family
-        self.factor = factor
-
-    def count(self, text: str) -> int:
-        return estimate_tokens(text, factor=self.factor)
 
 
 _ENCODINGS: dict[str, Any] = {}
@@ -161,10 +119,11 @@ class ExactCounter:
         where the pre-tokenizer always splits: before a space that follows a letter, digit or
         punctuation and precedes a letter (that space starts the next pre-token, `` ?\p{L}+``),
         so the halves' counts add up exactly. Text with no such place is charged its UTF-8 bytes,
-        which no BPE count can exceed."""
+        which no byte-level BPE count can exceed, or those of its NFC form when longer (Qwen
+        normalizes first, and NFC can lengthen text: U+0958 becomes two characters)."""
         i = split_point(text)
         if i is None:
-            return len(text.encode("utf-8"))
+            return max(len(t.encode("utf-8", "surrogatepass")) for t in (text, unicodedata.normalize("NFC", text)))
         return self.count(text[:i]) + self.count(text[i:])
 
 
@@ -176,6 +135,117 @@ def split_point(text: str) -> int | None:
         if text[i] == " " and text[i + 1].isalpha() and not text[i - 1].isspace():
             return i
     return None
+
+
+# --- The estimate: an upper bound of every shipped exact encoding ---------------------------------
+
+# Non-ASCII characters of Unicode's general category N (Nd, Nl, No; Unicode 17, from the ``regex``
+# module's tables, newer than Python's): with the ASCII digits, the numbers Qwen's pre-tokenizer
+# takes one character at a time. Ranges of hex code points; tests/test_estimate_bound.py checks
+# the table against both sets of tables.
+_NUMERAL_RANGES = (
+    "B2-B3 B9 BC-BE 660-669 6F0-6F9 7C0-7C9 966-96F 9E6-9EF 9F4-9F9 A66-A6F AE6-AEF B66-B6F B72-B77 "
+    "BE6-BF2 C66-C6F C78-C7E CE6-CEF D58-D5E D66-D78 DE6-DEF E50-E59 ED0-ED9 F20-F33 1040-1049 1090-1099 "
+    "1369-137C 16EE-16F0 17E0-17E9 17F0-17F9 1810-1819 1946-194F 19D0-19DA 1A80-1A89 1A90-1A99 1B50-1B59 "
+    "1BB0-1BB9 1C40-1C49 1C50-1C59 2070 2074-2079 2080-2089 2150-2182 2185-2189 2460-249B 24EA-24FF "
+    "2776-2793 2CFD 3007 3021-3029 3038-303A 3192-3195 3220-3229 3248-324F 3251-325F 3280-3289 32B1-32BF "
+    "A620-A629 A6E6-A6EF A830-A835 A8D0-A8D9 A900-A909 A9D0-A9D9 A9F0-A9F9 AA50-AA59 ABF0-ABF9 FF10-FF19 "
+    "10107-10133 10140-10178 1018A-1018B 102E1-102FB 10320-10323 10341 1034A 103D1-103D5 104A0-104A9 "
+    "10858-1085F 10879-1087F 108A7-108AF 108FB-108FF 10916-1091B 109BC-109BD 109C0-109CF 109D2-109FF "
+    "10A40-10A48 10A7D-10A7E 10A9D-10A9F 10AEB-10AEF 10B58-10B5F 10B78-10B7F 10BA9-10BAF 10CFA-10CFF "
+    "10D30-10D39 10D40-10D49 10E60-10E7E 10F1D-10F26 10F51-10F54 10FC5-10FCB 11052-1106F 110F0-110F9 "
+    "11136-1113F 111D0-111D9 111E1-111F4 112F0-112F9 11450-11459 114D0-114D9 11650-11659 116C0-116C9 "
+    "116D0-116E3 11730-1173B 118E0-118F2 11950-11959 11BF0-11BF9 11C50-11C6C 11D50-11D59 11DA0-11DA9 "
+    "11DE0-11DE9 11F50-11F59 11FC0-11FD4 12400-1246F 12475-1247F 12550-12686 16130-16139 16A60-16A69 "
+    "16AC0-16AC9 16B50-16B59 16B5B-16B61 16D70-16D79 16E80-16E96 16FF4-16FF6 1CCF0-1CCF9 1D2C0-1D2D3 "
+    "1D2E0-1D2F3 1D360-1D378 1D7CE-1D7FF 1E140-1E149 1E2F0-1E2F9 1E4F0-1E4F9 1E5F1-1E5FA 1E8C7-1E8CF "
+    "1E950-1E959 1EC71-1ECAB 1ECAD-1ECAF 1ECB1-1ECB4 1ED01-1ED2D 1ED2F-1ED3D 1F100-1F10C 1FBF0-1FBF9 "
+)
+
+
+def _numeral_class() -> re.Pattern[str]:
+    spans = []
+    for item in _NUMERAL_RANGES.split():
+        lo, _, hi = item.partition("-")
+        spans.append(chr(int(lo, 16)) + (f"-{chr(int(hi, 16))}" if hi else ""))
+    return re.compile(f"[{''.join(spans)}]")
+
+
+_NUMERAL = _numeral_class()  # one non-ASCII numeral
+_DIGIT_RUN = re.compile(r"[0-9]+")
+
+
+def numeral_surplus(text: str) -> int:
+    """The most Qwen's one-character number pre-tokens can cost over cl100k's pre-tokens of up to
+    three: for each run of numerals, its UTF-8 bytes (the most Qwen charges, a token per byte) minus
+    one token per three characters (the least cl100k charges)."""
+    if text.isascii():
+        return sum(len(run) - (len(run) + 2) // 3 for run in _DIGIT_RUN.findall(text))
+    # The table's class is slow to scan with: look for its characters among the distinct ones, and
+    # scan the text for runs of the ASCII digits and those alone.
+    found = _NUMERAL.findall("".join(set(text)))
+    runs = re.compile(f"[0-9{''.join(sorted(found))}]+") if found else _DIGIT_RUN
+    return sum(len(run.encode("utf-8")) - (len(run) + 2) // 3 for run in runs.findall(text))
+
+
+@functools.cache
+def _bound_counters() -> tuple[ExactCounter, ExactCounter]:
+    return ExactCounter("o200k", "o200k_base"), ExactCounter("cl100k", "cl100k_base")
+
+
+def token_bound(text: str) -> int:
+    r"""An upper bound of the o200k_base, cl100k_base, llama3 and qwen3 counts of ``text``.
+
+    o200k and cl100k are counted (``bpe-openai``, loaded wherever the service counts); the two
+    quicktok encodings, which the client's fallback does not load, are bounded through cl100k:
+
+    * llama3 pre-tokenizes like cl100k, and its first 100,256 tokens are cl100k's in the same rank
+      order, every other token ranked after them. BPE merges the adjacent pair of lowest rank
+      first, so on every pre-token llama3 makes each merge cl100k makes, in the same order, and
+      then perhaps more: never more tokens than cl100k.
+    * qwen3 normalizes to NFC, then pre-tokenizes like cl100k except that numbers (\p{N}) go one
+      character at a time where cl100k takes up to three. Its vocabulary is cl100k's without the
+      1,100 tokens of two or three digits, in the same rank order, its own tokens after them. Away
+      from numbers the llama3 argument holds (no digit token can occur there); a run of numerals
+      costs Qwen at most its UTF-8 bytes and cl100k at least a token per three characters. So
+      qwen3(t) <= cl100k(NFC(t)) + numeral_surplus(NFC(t)).
+
+    Over the encoders' per-call limits, ``ExactCounter`` splits where all four pre-tokenizers split
+    or charges UTF-8 bytes, which no byte-level BPE count exceeds, so the bound holds there too.
+    tests/test_estimate_bound.py checks the vocabulary facts and the bound on generated text.
+    """
+    o200k, cl100k = _bound_counters()
+    bound = max(o200k.count(text), cl100k.count(text) + numeral_surplus(text))
+    if not text.isascii() and not unicodedata.is_normalized("NFC", text):
+        nfc = unicodedata.normalize("NFC", text)
+        bound = max(bound, cl100k.count(nfc) + numeral_surplus(nfc))
+    return bound
+
+
+def _check_factor(factor: float) -> float:
+    if not (math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"an estimate factor must be a number >= 1 (below 1 the estimate would undercount), "
+                         f"got {factor!r}")
+    return factor
+
+
+def estimate_tokens(text: str, *, factor: float = 1.0) -> int:
+    """Conservative token count: ``token_bound`` times ``factor`` (>= 1, a family's margin for a
+    tokenizer denser than the shipped ones), rounded up."""
+    return math.ceil(token_bound(text) * _check_factor(factor))
+
+
+class EstimateCounter:
+    """Conservative estimate for families without an offline exact tokenizer."""
+
+    kind: EstimateKind = "estimate"
+
+    def __init__(self, family: str, factor: float = 1.0) -> None:
+        self.family = family
+        self.factor = _check_factor(factor)
+
+    def count(self, text: str) -> int:
+        return estimate_tokens(text, factor=self.factor)
 
 
 class CachedCounter:
