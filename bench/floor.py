@@ -79,13 +79,19 @@ def serve_answer(connect: str) -> None:
     s.setsockopt(zmq.LINGER, 0)
     s.connect(connect)
     while True:
-        frames = s.recv_multipart()  # [relay id, client id, IBX1, REQUEST, header, payload]
-        env = parse_header(frames[4]) if len(frames) == 6 and frames[3] == P.REQUEST else None
+        # [relay id, client id, IBX1, REQUEST, header, payload] or [..., CORRELATED, id, header, payload]
+        frames = s.recv_multipart()
+        if len(frames) == 6 and frames[3] == P.REQUEST:
+            env, cid = parse_header(frames[4]), None
+        elif len(frames) == 7 and frames[3] == P.CORRELATED:
+            env, cid = parse_header(frames[5]), frames[4]
+        else:
+            continue
         if not isinstance(env, Envelope):
             continue
         rid = env.request_id
         body = encode_document({**template, "request_id": rid, "timings_us": {}}, rid)
-        s.send_multipart([frames[0], frames[1], *P.reply_frames(P.REPLY, rid.encode(), body)])
+        s.send_multipart([frames[0], frames[1], *P.reply_frames(P.REPLY, cid or rid.encode(), body)])
 
 
 @dataclass
