@@ -16,7 +16,7 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -41,7 +41,7 @@ from ibex_context.shared.calibration import (
 )
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.keys import calibration_key
-from tests.helpers import start_stack
+from tests.helpers import eventually, start_stack
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -172,13 +172,6 @@ def _workers_stat(stack: LocalStack, name: str) -> int:
     return sum(w["stats"].get(name, 0) for w in status["workers"].values()) if status else 0
 
 
-async def _until(what: str, check: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        await asyncio.sleep(0.05)
-
 
 def exact_counts(messages: list[dict[str, Any]]) -> dict[str, int]:
     return {f: cc.openai_prompt_tokens(messages, [], CATALOG.counter(f), model=MODEL) for f in EXACT_FAMILIES}
@@ -236,8 +229,8 @@ async def test_reports_naming_a_forged_unknown_or_used_assembly_are_dropped(stac
         c.report_usage(resp, prompt_tokens=low)
         c.report_usage(resp, prompt_tokens=low)  # the same assembly again: its record is used once
         assert c.stats["usage_sent"] == 8
-        await _until("7 reports dropped as unknown", lambda: _workers_stat(stack, "usage_unknown_assembly")
-                     - before >= 7)
+        await eventually("7 reports dropped as unknown", lambda: _workers_stat(stack, "usage_unknown_assembly")
+                         - before >= 7, timeout_s=15.0)
     sketch = _sketch(stack, org)
     assert int(sketch.get(b"n", 0)) == 1, sketch
 
@@ -252,9 +245,11 @@ async def test_another_org_cannot_report_for_this_orgs_assemblies(stack: LocalSt
         mine = [await _assemble(c, acme) for _ in range(3)]
         for resp in mine:
             c.report_usage(resp.model_copy(update={"org_id": evil}), prompt_tokens=1)
-        await _until("evil's reports dropped", lambda: _workers_stat(stack, "usage_unknown_assembly") - before >= 3)
+        await eventually("evil's reports dropped", lambda: _workers_stat(stack, "usage_unknown_assembly") - before >= 3,
+                         timeout_s=15.0)
         assert not _sketch(stack, evil).get(b"n") and not _sketch(stack, acme)
         for resp in mine:  # acme's records were not used up by evil's attempts
             c.report_usage(resp, prompt_tokens=resp.prompt_tokens_uncalibrated)
-        await _until("acme's reports accepted", lambda: int(_sketch(stack, acme).get(b"n", 0)) == 3)
+        await eventually("acme's reports accepted", lambda: int(_sketch(stack, acme).get(b"n", 0)) == 3,
+                         timeout_s=15.0)
     assert not _sketch(stack, evil).get(b"n")
