@@ -112,7 +112,7 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
     exact = await _agent_size(svc, org, agent) <= svc.config.exact_knn_max
     commands.append(("FT.SEARCH", name, *search_args(
         knn_query(org, agent, vfield, k, exact=exact), limit=k, returns=("vd", "rec"), scored=False,
-        params={"vec": np.asarray(query_vec, dtype=np.float32).tobytes()}, sort_by="vd")))
+        params={"vec": query_vec.tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))
     await svc.ensure_index(org)
     try:
@@ -151,17 +151,16 @@ async def _hydrate(svc: MemoryService, org: str, agent: str, text_of: dict[str, 
         rec = store.parse_record(raw, f"{prefix}{mid}", svc.health, memory_id=mid)
         if rec is not None:
             records[mid] = rec
-    qv = np.asarray(query_vec, dtype=np.float32)
     unvectored: list[MemoryRecord] = []
     for mid, vec in vectors.items():
         if mid not in records:
             continue
         if isinstance(vec, bytes) and len(vec) == svc.embedder.dim * 4:
-            cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ qv)
+            cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ query_vec)
         else:
             unvectored.append(records[mid])
     if unvectored:
-        await _backfill(svc, org, agent, unvectored, qv, cosine)
+        await _backfill(svc, org, agent, unvectored, query_vec, cosine)
     return records
 
 
