@@ -6,11 +6,12 @@ from fetching the model cost map (its tokenizers ship in the wheel), and keys co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,21 @@ class LiteLLMProxy:
 
     def stop(self) -> None:
         stop_processes([self.proc])
+
+
+@contextlib.contextmanager
+def hooked_proxy(work: Path, hook: Mapping[str, Any], models: Mapping[str, str], keys: Mapping[str, Any], *,
+                 aliases: Mapping[str, str] | None = None) -> Iterator[tuple[Upstream, LiteLLMProxy]]:
+    """An upstream and a LiteLLM proxy in front of it with the ibex-context hook configured by
+    ``hook`` (written to ``work/hook.json``); both stopped after, the proxy first."""
+    upstream = proxy = None
+    try:
+        upstream = Upstream(work)
+        (work / "hook.json").write_text(json.dumps(hook))
+        proxy = LiteLLMProxy(work / "proxy", proxy_config(upstream, models, hook=True, aliases=aliases), keys,
+                             env={"IBEX_LITELLM_CONFIG": str(work / "hook.json")})
+        yield upstream, proxy
+    finally:
+        for part in (proxy, upstream):
+            if part is not None:
+                part.stop()

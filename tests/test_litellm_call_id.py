@@ -9,7 +9,6 @@ upstream that records what it received, and the real stack (plaintext loopback b
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.litellm_rig import LiteLLMProxy, Upstream, proxy_config
+from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.ops.stack import LocalStack
 from tests.helpers import eventually, start_stack
 
@@ -46,18 +45,12 @@ class Rig:
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     d = tmp_path_factory.mktemp("litellm-call-id")
     stack = start_stack(tmp_path_factory.mktemp("stack"), seed=False, workers=2, env=ENV)
-    upstream = proxy = None
     try:
-        upstream = Upstream(d)
         hook = {"endpoints": [stack.frontend], "timeout_ms": 3000, "orgs": {"acme": {}, "globex": {}}}
-        (d / "hook.json").write_text(json.dumps(hook))
-        proxy = LiteLLMProxy(d / "proxy", proxy_config(upstream, {"gpt-4o": "gpt-4o"}, hook=True), KEYS,
-                             env={"IBEX_LITELLM_CONFIG": str(d / "hook.json")})
-        yield Rig(stack, upstream, proxy)
+        with hooked_proxy(d, hook, {"gpt-4o": "gpt-4o"}, KEYS) as (upstream, proxy):
+            yield Rig(stack, upstream, proxy)
     finally:
-        for part in (proxy, upstream, stack):
-            if part is not None:
-                part.stop()
+        stack.stop()
 
 
 def _text(key: str, rnd: int, i: int) -> str:

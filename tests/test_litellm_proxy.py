@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 
-from bench.litellm_rig import LiteLLMProxy, Upstream, proxy_config
+from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy, proxy_config
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
 from ibex_context.pipeline.budget import response_reserve
 from ibex_context.pipeline.format import escape_body
@@ -122,21 +122,15 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
            "IBEX_BROKER_PUBLIC_KEY": str(d / "broker.pub"), "IBEX_WORKER_KEY_FILE": str(d / "worker.key")}
     ops = auth.curve_client(auth.load_keypair(d / "acme-proxy.key"), auth.load_public_key(str(d / "broker.pub")))
     stack = start_stack(tmp_path_factory.mktemp("stack"), workers=1, env=env, status_socket=ops)
-    upstream = proxy = None
     try:
-        upstream = Upstream(d)
         hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
                 "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
                          "globex": {"key_file": str(d / "globex-proxy.key")}},
                 "identity": {"org_from": ["key", "team"], "agent_from": ["request", "key", "team"]}}
-        (d / "hook.json").write_text(json.dumps(hook))
-        proxy = LiteLLMProxy(d / "proxy", proxy_config(upstream, MODELS, hook=True, aliases={"claude": "sonnet"}), KEYS,
-                             env={"IBEX_LITELLM_CONFIG": str(d / "hook.json")})
-        yield Rig(stack, upstream, proxy)
+        with hooked_proxy(d, hook, MODELS, KEYS, aliases={"claude": "sonnet"}) as (upstream, proxy):
+            yield Rig(stack, upstream, proxy)
     finally:
-        for part in (proxy, upstream, stack):
-            if part is not None:
-                part.stop()
+        stack.stop()
 
 
 def test_the_upstream_gets_the_orgs_directive_and_nonce_tagged_memories(rig: Rig) -> None:
