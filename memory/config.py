@@ -19,6 +19,7 @@ from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
 from ibex_context.memory.index import EXACT_KNN_MAX
 from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
+from ibex_context.memory.terms import TERM_SCAN_MAX
 from ibex_context.shared.settings import Settings
 
 DEV_SECRET: str = Settings.model_fields["memory_secret"].default
@@ -56,6 +57,11 @@ class MemoryConfig(BaseSettings):
         EXACT_KNN_MAX, ge=0,
         description="IBEX_MEMORY_EXACT_KNN_MAX: an agent with at most this many memories gets an exact vector "
                     "search (every memory compared); larger ones the HNSW graph's approximate one.")
+    term_scan_max: int = Field(
+        TERM_SCAN_MAX, ge=1,
+        description="IBEX_MEMORY_TERM_SCAN_MAX: a question word held by more of the agent's memories than this "
+                    "is common: it scores only the other words' and the vector side's candidates instead of "
+                    "being scanned in full (README \"Memory search\").")
     redis_timeout_ms: float = Field(1000.0, gt=0)
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,

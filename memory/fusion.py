@@ -61,19 +61,23 @@ def idf(df: int, n_docs: int) -> float:
     return math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
 
 
-def text_scores(per_word: Sequence[Mapping[str, float]], dfs: Sequence[int], n_docs: int) -> dict[str, float]:
+def text_scores(per_word: Sequence[Mapping[str, float]], dfs: Sequence[int], n_docs: int,
+                bests: Sequence[float] | None = None) -> dict[str, float]:
     """memory_id -> text score in (0, 1] for every memory that matched a word (see the module).
 
     ``per_word[i]``: the memories holding the i-th word and their BM25 for it; ``dfs[i]``: how many
-    of the agent's ``n_docs`` memories hold it.
+    of the agent's ``n_docs`` memories hold it; ``bests[i]``, when positive, the word's best BM25
+    over all of them (a common word scores only some: ``memory.terms``), else the best here.
     """
     weights = [idf(df, n_docs) for df in dfs]
     total = math.fsum(weights)
     out: dict[str, float] = {}
     if total <= 0.0:
         return out
-    for w, scores in zip(weights, per_word, strict=True):
+    for i, (w, scores) in enumerate(zip(weights, per_word, strict=True)):
         best = max((s for s in scores.values() if math.isfinite(s) and s > 0.0), default=0.0)
+        if bests is not None and math.isfinite(bests[i]) and bests[i] > 0.0:
+            best = bests[i]
         if best <= 0.0:
             continue
         for mid, s in scores.items():

@@ -281,9 +281,12 @@ def _rows(reply: Any) -> list[tuple[bytes, float, dict[bytes, Any]]]:
 
 
 def search_args(query: str, *, limit: int, returns: Sequence[str], scored: bool,
-                params: Mapping[str, bytes] | None = None, sort_by: str | None = None) -> list[Any]:
-    """The argument list of one ``FT.SEARCH`` (dialect 2)."""
+                params: Mapping[str, bytes] | None = None, sort_by: str | None = None,
+                in_keys: Sequence[str] = ()) -> list[Any]:
+    """The argument list of one ``FT.SEARCH`` (dialect 2); ``in_keys``: only these documents."""
     args: list[Any] = [query]
+    if in_keys:
+        args += ["INKEYS", str(len(in_keys)), *in_keys]
     if scored:
         args += ["SCORER", "BM25STD", "WITHSCORES"]
     args += ["RETURN", str(len(returns)), *returns] if returns else ["NOCONTENT"]

@@ -38,6 +38,7 @@ from ibex_context.memory.index import (
 from ibex_context.memory.models import MemoryRecord, SearchBody
 from ibex_context.memory.rank import cosine_scores, hot_relevance, rank_arrays, record_features
 from ibex_context.memory.service import MemoryService
+from ibex_context.memory.terms import split_terms
 from ibex_context.shared.keys import memory_ids_key, memory_key_prefix, vector_field
 
 AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
@@ -103,34 +104,70 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
 
 async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[str], query_vec: Vectors,
                       ) -> tuple[dict[str, float], dict[str, float], dict[str, bytes | None]]:
-    """The engine's candidates in one round trip: full-text scores (the best ``max_candidates``),
-    cosines of the nearest vectors, and the records the vector query returned with them."""
-    k, embedder = svc.config.max_candidates, svc.embedder
+    """The engine's candidates: full-text scores (the best ``max_candidates``), cosines of the
+    nearest vectors, and the records the vector query returned with them. One round trip, and one
+    more when the question has common words (``memory.terms``), which score only these candidates."""
+    k, embedder, now = svc.config.max_candidates, svc.embedder, svc.clock()
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
+    scanned, common = split_terms(terms, svc.common_terms, org, agent, now)
     commands: list[tuple[Any, ...]] = [("FT.SEARCH", name, *search_args(
-        word_query(org, agent, t), limit=k, returns=(), scored=True)) for t in terms]
+        word_query(org, agent, t), limit=k, returns=(), scored=True)) for t in scanned]
     exact = await _agent_size(svc, org, agent) <= svc.config.exact_knn_max
     commands.append(("FT.SEARCH", name, *search_args(
         knn_query(org, agent, vfield, k, exact=exact), limit=k, returns=("vd", "rec"), scored=False,
         params={"vec": query_vec.tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))
+    replies = await _engine(svc, org, commands)
+    size = int(replies[-1])
+    _remember_size(svc, org, agent, size)
+    per_word = [{f.memory_id: f.score for f in parse_reply(r, prefix, vfield, vector_query=False)}
+                for r in replies[: len(scanned)]]
+    dfs = [total_results(r) for r in replies[: len(scanned)]]
+    for word, scores, df in zip(scanned, per_word, dfs, strict=True):
+        svc.common_terms.learn(org, agent, word, df=df, best=max(scores.values(), default=0.0),
+                               scan_max=svc.config.term_scan_max, now=now)
+    vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
+    cosine = {f.memory_id: f.score for f in vector_hits}
+    bests = [0.0] * len(scanned)  # a scanned word's best is among its own hits
+    if common:
+        pool = _best(text_scores(per_word, dfs, size), k).keys() | cosine.keys()
+        per_word += await _score_common(svc, org, agent, list(common), sorted(pool))
+        dfs += [s.df for s in common.values()]
+        bests += [s.best for s in common.values()]
+    text_of = _best(text_scores(per_word, dfs, size, bests), k)
+    return text_of, cosine, {f.memory_id: f.record for f in vector_hits}
+
+
+def _best(text_of: dict[str, float], k: int) -> dict[str, float]:
+    """The ``k`` best full-text candidates: the rest would never be ranked."""
+    if len(text_of) <= k:
+        return text_of
+    return dict(sorted(text_of.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
+
+
+async def _score_common(svc: MemoryService, org: str, agent: str, words: Sequence[str],
+                        pool: Sequence[str]) -> list[dict[str, float]]:
+    """Each common word's BM25 over the candidates ``pool`` only (``INKEYS``): one round trip."""
+    if not pool:
+        return [{} for _ in words]
+    prefix, vfield = memory_key_prefix(org, agent), vector_field(svc.embedder.name)
+    name, keys = index_name(svc.embedder.name, org), [f"{prefix}{m}" for m in pool]
+    replies = await _engine(svc, org, [("FT.SEARCH", name, *search_args(
+        word_query(org, agent, w), limit=len(keys), returns=(), scored=True, in_keys=keys)) for w in words])
+    return [{f.memory_id: f.score for f in parse_reply(r, prefix, vfield, vector_query=False)} for r in replies]
+
+
+async def _engine(svc: MemoryService, org: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The commands on one pipeline, the org's index made first; a dropped index (FLUSHALL drops
+    every index) is made again, what is stored indexed, and the commands sent once more."""
     await svc.ensure_index(org)
     try:
-        replies = await _run(svc, commands)
+        return await _run(svc, commands)
     except ResponseError as exc:
         if not missing_index(exc):
             raise
-        # The index was dropped (FLUSHALL drops every index): make it again and index what is stored.
         await svc.ensure_index(org, again=True)
-        replies = await _run(svc, commands)
-    _remember_size(svc, org, agent, int(replies[-1]))
-    per_word = [{f.memory_id: f.score for f in parse_reply(r, prefix, vfield, vector_query=False)}
-                for r in replies[: len(terms)]]
-    vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
-    text_of = text_scores(per_word, [total_results(r) for r in replies[: len(terms)]], int(replies[-1]))
-    if len(text_of) > k:  # the best full-text candidates only: the rest would never be ranked
-        text_of = dict(sorted(text_of.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
-    return text_of, {f.memory_id: f.score for f in vector_hits}, {f.memory_id: f.record for f in vector_hits}
+        return await _run(svc, commands)
 
 
 async def _hydrate(svc: MemoryService, org: str, agent: str, text_of: dict[str, float], cosine: dict[str, float],

@@ -31,6 +31,7 @@ from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.querybatch import QueryBatcher
 from ibex_context.memory.reads import Scripts
 from ibex_context.memory.store import RecordHealth
+from ibex_context.memory.terms import CommonTerms
 from ibex_context.shared.tenancy import bearer_token, verify_org_token
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class MemoryService:
         self._scripts: Scripts | None = None
         self._indexed: set[str] = set()  # orgs whose index this process has seen or made
         self.agent_sizes: dict[tuple[str, str], int] = {}  # (org, agent) -> memories, as last searched
+        self.common_terms = CommonTerms()  # large agents' common words (memory.terms)
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.queries_truncated = 0

@@ -58,7 +58,7 @@ def assert_healthy(http: httpx.Client) -> None:
 # ------------------------------------------------------------------------------- happy paths
 
 
-COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers_trimmed")
+COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers_trimmed", "common_words_scored")
 
 
 def test_healthz(http: httpx.Client) -> None:
