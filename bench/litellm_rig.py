@@ -81,13 +81,17 @@ class Upstream:
 
 def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool,
                  aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """LiteLLM's config: each public model name served by ``openai/<model>`` on the upstream, plus
-    router ``model_group_alias`` entries (alias -> public name)."""
+    """LiteLLM's config: each public model name served on the upstream by ``openai/<model>``, or by
+    the deployment named when it has a provider (``anthropic/claude-...`` speaks ``/v1/messages``),
+    plus router ``model_group_alias`` entries (alias -> public name)."""
+    def deployment(model: str) -> dict[str, str]:
+        if model.startswith("anthropic/"):
+            return {"model": model, "api_base": upstream.base, "api_key": "upstream-key"}
+        return {"model": model if "/" in model else f"openai/{model}", "api_base": f"{upstream.base}/v1",
+                "api_key": "upstream-key"}
+
     cfg: dict[str, Any] = {
-        "model_list": [{"model_name": name, "litellm_params": {"model": f"openai/{model}",
-                                                               "api_base": f"{upstream.base}/v1",
-                                                               "api_key": "upstream-key"}}
-                       for name, model in models.items()],
+        "model_list": [{"model_name": name, "litellm_params": deployment(model)} for name, model in models.items()],
         "general_settings": {"master_key": MASTER_KEY, "custom_auth": "ibex_litellm_auth.user_api_key_auth"},
         "litellm_settings": {"callbacks": [HOOK] if hook else []},
         "router_settings": {"model_group_alias": dict(aliases or {})},

@@ -1,9 +1,11 @@
-"""A local OpenAI-compatible upstream standing in for the paid provider (bench.litellm, the
-LiteLLM end-to-end test): ``POST /v1/chat/completions`` records the request and answers with a
-``usage`` whose ``prompt_tokens`` is the exact count of the prompt it received (the model's BPE
-encoding when the catalog gives it one, else o200k; OpenAI's per-message and tool formula). With
-``stream`` it answers server-sent events, the usage chunk only under ``stream_options.include_usage``
-(as OpenAI does).
+"""A local OpenAI- and Anthropic-compatible upstream standing in for the paid provider
+(bench.litellm, the LiteLLM end-to-end tests): ``POST /v1/chat/completions`` records the request and
+answers with a ``usage`` whose ``prompt_tokens`` is the exact count of the prompt it received (the
+model's BPE encoding when the catalog gives it one, else o200k; OpenAI's per-message and tool
+formula). With ``stream`` it answers server-sent events, the usage chunk only under
+``stream_options.include_usage`` (as OpenAI does). ``/v1/messages`` (Anthropic's formula over o200k),
+``/v1/responses``, ``/v1/completions`` and ``/v1/embeddings`` answer in their own shapes (the last
+three billed as o200k tokens of the input's JSON), unstreamed.
 
     python -m bench.litellm_upstream --port-file F      # binds 127.0.0.1:0, writes the port to F
 
@@ -17,11 +19,12 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from ibex_context.pipeline.chat_count import openai_prompt_tokens
+from ibex_context.pipeline.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import UnknownModel
 
@@ -42,6 +45,55 @@ def prompt_tokens(body: dict[str, Any]) -> int:
         pass
     return openai_prompt_tokens(body.get("messages") or [], body.get("tools") or [], CATALOG.counter(family),
                                 model=name)
+
+
+def _json_tokens(*parts: Any) -> int:
+    return sum(CATALOG.counter("o200k").count(canonical_json(p)) for p in parts if p is not None)
+
+
+def _messages_tokens(body: dict[str, Any]) -> int:
+    return anthropic_prompt_tokens(body.get("system"), body.get("messages") or [], body.get("tools") or [],
+                                   CATALOG.counter("o200k"), model=str(body.get("model")))
+
+
+def _messages_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
+    return {"id": f"msg_{time.monotonic_ns()}", "type": "message", "role": "assistant", "model": body.get("model"),
+            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": n, "output_tokens": 1, "cache_read_input_tokens": 0,
+                      "cache_creation_input_tokens": 0}}
+
+
+def _responses_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
+    text = {"type": "output_text", "text": "ok", "annotations": []}
+    return {"id": f"resp_{time.monotonic_ns()}", "object": "response", "created_at": int(time.time()),
+            "status": "completed", "model": body.get("model"), "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "output": [{"type": "message", "id": f"msg_{time.monotonic_ns()}", "status": "completed",
+                                     "role": "assistant", "content": [text]}],
+            "usage": {"input_tokens": n, "output_tokens": 1, "total_tokens": n + 1,
+                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def _completions_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
+    return {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model"), "choices": [{"text": "ok", "index": 0, "logprobs": None,
+                                                     "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}}
+
+
+def _embeddings_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
+    inputs = body.get("input")
+    count = len(inputs) if isinstance(inputs, list) else 1
+    return {"object": "list", "model": body.get("model"), "usage": {"prompt_tokens": n, "total_tokens": n},
+            "data": [{"object": "embedding", "index": i, "embedding": [0.1, 0.2, 0.3]} for i in range(count)]}
+
+
+# route (after /v1) -> (the prompt count, the reply in that route's shape)
+OTHER_ROUTES: dict[str, tuple[Callable[[dict[str, Any]], int], Callable[[dict[str, Any], int], dict[str, Any]]]] = {
+    "/messages": (_messages_tokens, _messages_reply),
+    "/responses": (lambda b: _json_tokens(b.get("instructions"), b.get("input"), b.get("tools")), _responses_reply),
+    "/completions": (lambda b: _json_tokens(b.get("prompt")), _completions_reply),
+    "/embeddings": (lambda b: _json_tokens(b.get("input")), _embeddings_reply),
+}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -70,12 +122,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", "0"))) or b"{}")
-        if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
-            self._send(404, {"error": {"message": f"this upstream answers /v1/chat/completions only, not {self.path}"}})
+        route = self.path.split("?")[0].rstrip("/").removeprefix("/v1")
+        other = OTHER_ROUTES.get(route)
+        if other is not None:
+            n = other[0](body)
+            with _LOCK:
+                _RECEIVED.append({"path": route, "body": body, "prompt_tokens": n})
+            self._send(200, other[1](body, n))
+            return
+        if route != "/chat/completions":
+            self._send(404, {"error": {"message": f"this upstream does not answer {self.path}"}})
             return
         n = prompt_tokens(body)
         with _LOCK:
-            _RECEIVED.append({"body": body, "prompt_tokens": n})
+            _RECEIVED.append({"path": route, "body": body, "prompt_tokens": n})
         head = {"id": f"chatcmpl-{time.monotonic_ns()}", "created": int(time.time()), "model": body.get("model")}
         usage = {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
                  "prompt_tokens_details": {"cached_tokens": 0}}

@@ -149,10 +149,30 @@ async def test_an_unmapped_caller_is_refused_by_default() -> None:
     assert exc.value.status_code == 403 and "org 'initech' has no client key" in str(exc.value.detail)
 
 
-async def test_calls_other_than_chat_completions_are_untouched() -> None:
+@pytest.mark.parametrize("call_type", ["aembedding", "atext_completion", "aimage_generation", "acreate_file",
+                                       "pass_through_endpoint", "arerank"])
+async def test_every_call_type_applies_the_identity_policy_first(call_type: str) -> None:
+    """Not only chat: an unmapped caller is refused on any route; a mapped caller's call that is
+    not assembled goes on as sent, saying so."""
     data: dict[str, Any] = {"model": "text-embedding-3-small", "input": ["x"]}
-    assert await _hook().async_pre_call_hook(UserAPIKeyAuth(api_key="k"), None, data, "aembedding") is data
-    assert await _hook().async_post_call_response_headers_hook(data, None, None) is None
+    with pytest.raises(HTTPException) as exc:
+        await _hook().async_pre_call_hook(UserAPIKeyAuth(api_key="k"), None, data, call_type)
+    assert exc.value.status_code == 403 and "no org mapping for this caller" in str(exc.value.detail)
+    key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot"})
+    out = await _hook().async_pre_call_hook(key, None, data, call_type)
+    assert out["input"] == ["x"] and out["model"] == "text-embedding-3-small"
+    assert await _hook().async_post_call_response_headers_hook(out, None, None) == {
+        "x-ibex-context": "passed_through", "x-ibex-context-reason": f"{call_type} calls are not assembled"}
+
+
+async def test_the_record_goes_where_litellm_keeps_its_own_metadata() -> None:
+    """On /v1/messages and /v1/responses ``metadata`` is the provider's field (Anthropic's
+    ``user_id``): the hook's record goes into ``litellm_metadata`` there, never to the provider."""
+    key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot"})
+    data: dict[str, Any] = {"model": "m", "input": "x", "metadata": {"user_id": "u1"}, "litellm_metadata": {}}
+    out = await _hook().async_pre_call_hook(key, None, data, "acreate_file")
+    assert out["metadata"] == {"user_id": "u1"}
+    assert out["litellm_metadata"]["ibex_context"]["status"] == "passed_through"
 
 
 async def test_a_stream_reports_usage_only_when_the_provider_was_asked_for_it() -> None:

@@ -6,13 +6,16 @@ In the proxy's config (README "Using it from LiteLLM proxy")::
       callbacks: ibex_context.client.integrations.litellm.proxy_handler
 
 ``proxy_handler`` is built on first access from the file named by ``IBEX_LITELLM_CONFIG``, so a
-bad config stops the proxy at start with one line. Per chat completion:
+bad config stops the proxy at start with one line.
 
-* pre-call: the caller's org and agent from the LiteLLM key's or team's metadata (or the request
-  metadata, as configured; never message text), the model mapped onto the catalog, then
-  ``assemble_or_degrade`` and the request's ``messages`` replaced with the assembled ones. A
-  service fault degrades (the call proceeds with history only); a caller fault, an unknown model
-  or (by default) a caller with no org mapping is refused with one line;
+* pre-call, every call type LiteLLM hands a hook (chat, ``/v1/messages``, ``/v1/responses``,
+  embeddings, text completions, files, pass-through routes...): first the caller's org and agent
+  from the LiteLLM key's or team's metadata (or the request metadata, as configured; never message
+  text); a caller with no org mapping is refused (by default) whatever the route;
+* chat completions: the model mapped onto the catalog, then ``assemble_or_degrade`` and the
+  request's ``messages`` replaced with the assembled ones. A service fault degrades (the call
+  proceeds with history only); a caller fault or an unknown model is refused with one line. Other
+  call types of a mapped caller go on unassembled (``passed_through``, with the call type);
 * response headers: ``x-ibex-context: assembled | degraded | passed_through`` and why;
 * success: the provider's ``usage.prompt_tokens`` reported back for calibration (a stream's only
   when it asked for ``stream_options.include_usage``).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import HTTPException
@@ -54,16 +58,24 @@ CHAT_CALLS = frozenset({"completion", "acompletion"})
 __all__ = ["IbexContextHook"]  # and proxy_handler, built on first access (__getattr__)
 
 
+def _meta_key(data: Mapping[str, Any]) -> str:
+    """Where LiteLLM keeps its metadata for this request: ``litellm_metadata`` on the routes where
+    ``metadata`` is the provider's own field (``/v1/messages``, ``/v1/responses``, files, batches),
+    else ``metadata``."""
+    return "litellm_metadata" if isinstance(data.get("litellm_metadata"), dict) else "metadata"
+
+
 def _metadata(data: dict[str, Any]) -> dict[str, Any]:
-    meta = data.get("metadata")
+    key = _meta_key(data)
+    meta = data.get(key)
     if not isinstance(meta, dict):
-        meta = data["metadata"] = {}
+        meta = data[key] = {}
     return meta
 
 
 def _sources(user_api_key_dict: Any, data: dict[str, Any]) -> dict[Source, object]:
     """The metadata the identity may come from: the key's, its team's, and what the caller sent."""
-    meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    meta = data.get(_meta_key(data))
     sent = meta.get("requester_metadata", meta) if isinstance(meta, dict) else {}
     return {"key": getattr(user_api_key_dict, "metadata", None),
             "team": getattr(user_api_key_dict, "team_metadata", None), "request": sent}
@@ -101,13 +113,15 @@ class IbexContextHook(CustomLogger):
 
     async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict[str, Any],
                                   call_type: str) -> dict[str, Any]:
-        if call_type not in CHAT_CALLS or not isinstance(data.get("messages"), list):
-            return data
         meta = _metadata(data)
         try:
+            # the identity policy comes first, on every call type: no route is a way around it
             who = self.core.caller(_sources(user_api_key_dict, data))
             if isinstance(who, Unmapped):
                 meta[RECORD_KEY] = record(None, "passed_through", [f"no org mapping for this caller: {who.reason}"])
+                return data
+            if call_type not in CHAT_CALLS or not isinstance(data.get("messages"), list):
+                meta[RECORD_KEY] = record(None, "passed_through", [f"{call_type} calls are not assembled"])
                 return data
             requested = str(data.get("model"))
             model = self.core.model(requested, _deployments(requested, getattr(user_api_key_dict, "team_id", None)))
@@ -125,7 +139,7 @@ class IbexContextHook(CustomLogger):
     async def async_post_call_response_headers_hook(
             self, data: dict[str, Any], user_api_key_dict: Any, response: Any,
             request_headers: Any = None) -> dict[str, str] | None:
-        meta = data.get("metadata")
+        meta = data.get(_meta_key(data))
         return headers(meta.get(RECORD_KEY) if isinstance(meta, dict) else None)
 
     async def async_log_success_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
