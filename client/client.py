@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ibex_context.client.connection import Conn, open_conn, time_out
-from ibex_context.client.degrade import degraded_response, load_fallback_in_background
+from ibex_context.client.degrade import Fallback, degraded_response
 from ibex_context.client.requests import (  # ClientClosed is part of this module's API
     ClientClosed,
     build,
@@ -108,7 +108,7 @@ class AsyncClient:
                                       "usage_sent": 0, "usage_not_sent": 0, "usage_refused": 0}
         self._started = False
         self._closed = False
-        self._fallback: asyncio.Future[Catalog | Exception] | None = None
+        self._fallback: Fallback | None = None
 
     async def __aenter__(self) -> AsyncClient:
         await self.start()
@@ -130,7 +130,7 @@ class AsyncClient:
         self._started = True
         # The fallback's catalog, BPE vocabularies and pipeline modules take ~1 s to load; on the
         # loop that is a ~1 s stall of every request the proxy is serving (README: The client library).
-        self._fallback = load_fallback_in_background(asyncio.get_running_loop(), self.settings)
+        self._fallback = Fallback(asyncio.get_running_loop(), self.settings)
         if self.ctx is None:
             self.ctx = zmq.Context()
         for ep in self.endpoints:
@@ -146,10 +146,7 @@ class AsyncClient:
         await self.start()
         if self._fallback is None:  # pragma: no cover - start() sets it before its first await
             raise Internal("the client's fallback was never started")
-        loaded = await asyncio.shield(self._fallback)  # a cancelled caller must not cancel the load
-        if isinstance(loaded, Exception):
-            raise Internal(f"the fallback cannot load the model catalog: {loaded}") from loaded
-        return loaded
+        return await self._fallback.ready()
 
     async def wait_connected(self, timeout: float = 5.0, *, require_all: bool = True) -> None:
         """Wait until every endpoint (or, with ``require_all=False``, any) has completed a handshake."""
@@ -353,21 +350,26 @@ class AsyncClient:
             raise InvalidRequest(f"fallback_directive must be a str or None, got {type(fallback_directive).__name__}",
                                  field="fallback_directive")
         req = build(request, fields, time.time_ns())
+        seconds = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
+        end = time.monotonic() + seconds
         try:
-            return await self.assemble(req, timeout=timeout)
+            return await self.assemble(req, timeout=seconds)
         except IbexError as exc:
             if exc.code in CALLER_FAULTS:
                 raise
             failure = exc
-        return await self._degrade(req, failure, fallback_directive)
+        return await self._degrade(req, failure, fallback_directive, end)
 
-    async def _degrade(self, req: AssembleRequest, exc: IbexError, fallback_directive: str | None) -> AssembleResponse:
-        """The degraded response, after the checks the worker would have made (an outage skipped them)."""
-        catalog = await self.prepare_fallback()
+    async def _degrade(self, req: AssembleRequest, exc: IbexError, fallback_directive: str | None,
+                       end: float) -> AssembleResponse:
+        """The degraded response by ``end`` (``Fallback.catalog``), after the checks the worker would
+        have made (an outage skipped them)."""
+        if self._fallback is None:  # pragma: no cover - assemble() started the client before any service fault
+            raise Internal("the client's fallback was never started")
         checked = validate(req.model_dump(mode="python"), AssembleRequest)  # e.g. NaN inside tool_schemas
         if isinstance(checked, ErrorReply):
             raise to_exc(checked, req.request_id)
-        return degraded_response(req, exc, fallback_directive, catalog=catalog, settings=self.settings)
+        return await self._fallback.respond(req, exc, fallback_directive, end)
 
     async def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:
         """The broker's counters and worker table (ops and tests)."""

@@ -4,38 +4,48 @@
 with what the pure pipeline (``pipeline.assemble``, the one the worker runs) makes of no
 memories, with the reason recorded. Only the pure pipeline is imported, so a proxy that imports
 the client never loads aiohttp, redis or the worker (tests/test_client_imports.py).
+
+A fallback is due at the call's deadline, also while ``start()``'s thread is still loading the BPE
+vocabularies (0.3-3 s after a process starts): until then ``Fallback.catalog`` answers with a
+catalog that bounds every count by the text's UTF-8 bytes (``ByteBoundCatalog``), which needs no
+vocabulary and never undercounts, so the conversation still fits its window (trimmed harder); a
+conversation over the window by that bound waits for the exact count rather than be refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
+import math
 import threading
+import time
+import unicodedata
+from collections.abc import Sequence
+from typing import Any
 
+# The pipeline a degraded response runs, its chat-native part included: pipeline.assemble imports
+# that on a chat request's first use, ~0.2-0.5 s of schema building (1.5 s on a loaded machine)
+# that would land inside the first fallback's deadline, and on the loop. Code loads at import.
+from ibex_context.pipeline import chat_assemble as _chat_assemble  # noqa: F401
 from ibex_context.pipeline.assemble import Policy, assemble
 from ibex_context.pipeline.hits import failed_result
 from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import IbexError
+from ibex_context.shared.errors import ContextOverflow, IbexError, Internal
 from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchOutcome
 from ibex_context.shared.settings import Settings
+from ibex_context.shared.tokens import CachedCounter, EstimateKind
 
 log = logging.getLogger(__name__)
 
-# Modules the degraded response runs; ``load_fallback`` imports them off the event loop (numpy and
-# the packer take a noticeable part of the ~1 s a cold fallback would stall the loop).
-FALLBACK_MODULES = ("ibex_context.pipeline.assemble",)
-
 
 def load_fallback(settings: Settings) -> Catalog | Exception:
-    """Load what ``degraded_response`` needs (on a thread, from ``AsyncClient.start()``).
+    """Load the catalog and vocabularies ``degraded_response`` counts with (on a thread, from
+    ``AsyncClient.start()``).
 
     A failure is returned, not raised, so it reaches the first fallback instead of an
     unretrieved-exception warning.
     """
     try:
-        for name in FALLBACK_MODULES:
-            importlib.import_module(name)
         catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries,
                                slow_vocabularies=False)
         catalog.warm_up()
@@ -70,12 +80,104 @@ def load_fallback_in_background(loop: asyncio.AbstractEventLoop,
     return future
 
 
+class ByteBound:
+    """A token count bound that needs no vocabulary: the text's UTF-8 bytes (or its NFC form's,
+    when longer) times the family's estimate factor. No byte-level BPE (o200k, cl100k, Llama 3,
+    Qwen) makes more tokens than the bytes it encodes, so this bounds each of them, and the
+    factor keeps an estimate family's margin over them."""
+
+    kind: EstimateKind = "estimate"
+
+    def __init__(self, family: str, factor: float) -> None:
+        self.family = family
+        self.factor = max(1.0, factor)
+
+    def count(self, text: str) -> int:
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if not text.isascii():
+            n = max(n, len(unicodedata.normalize("NFC", text).encode("utf-8", "surrogatepass")))
+        return math.ceil(n * self.factor)
+
+
+class ByteBoundCatalog(Catalog):
+    """The catalog's models and windows with every family estimated by ``ByteBound``: what a
+    fallback counts with before the vocabularies have loaded."""
+
+    def __init__(self, data: dict[str, Any], *, cache_entries: int = 0, slow_vocabularies: bool = False) -> None:
+        fams = data.get("families")
+        if isinstance(fams, dict):
+            data = {**data, "families": {name: {**f, "estimate_kind": "estimate", "encoding": None}
+                                         for name, f in fams.items() if isinstance(f, dict)}}
+        super().__init__(data, cache_entries=0, slow_vocabularies=False)
+        self._bounds: dict[str, CachedCounter] = {}
+
+    def counter(self, family: str) -> CachedCounter:
+        c = self._bounds.get(family)
+        if c is None:
+            c = self._bounds[family] = CachedCounter(ByteBound(family, self.families[family].estimate_factor), 0)
+        return c
+
+    def warm_up(self) -> None:
+        pass
+
+
+BYTE_BOUND_NOTE = ("counted by UTF-8 bytes: the fallback's vocabularies were still loading "
+                   "(AsyncClient.prepare_fallback waits for them)")
+
+
+class Fallback:
+    """What degraded responses are built with: the catalog ``start()`` loads on a thread, and until
+    it is there one bounding counts by bytes (a call's fallback never waits past its deadline)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, settings: Settings) -> None:
+        self.settings = settings
+        self.loaded = load_fallback_in_background(loop, settings)
+        self._bytes: Catalog | None = None
+
+    async def ready(self) -> Catalog:
+        """The loaded catalog, waited for; ``Internal`` when it cannot load."""
+        loaded = await asyncio.shield(self.loaded)  # a cancelled caller must not cancel the load
+        if isinstance(loaded, Exception):
+            raise Internal(f"the fallback cannot load the model catalog: {loaded}") from loaded
+        return loaded
+
+    async def catalog(self, end: float) -> tuple[Catalog, str | None]:
+        """(the catalog to build a fallback with by ``end`` (``time.monotonic()``), a note for the
+        degraded reasons when it is the byte bound)."""
+        remaining = end - time.monotonic()
+        if not self.loaded.done() and remaining > 0:
+            await asyncio.wait({self.loaded}, timeout=remaining)  # never cancels the load
+        if self.loaded.done():
+            return await self.ready(), None
+        if self._bytes is None:  # ~1 ms: the catalog's JSON, no vocabulary
+            try:
+                self._bytes = ByteBoundCatalog.load(self.settings.catalog_path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise Internal(f"the fallback cannot load the model catalog: {exc}") from exc
+        return self._bytes, BYTE_BOUND_NOTE
+
+    async def respond(self, req: AssembleRequest, exc: IbexError, fallback_directive: str | None,
+                      end: float) -> AssembleResponse:
+        """The degraded response, by ``end`` unless the byte bound finds the conversation over the
+        window: that is no proof it is, so the exact count decides (after the vocabularies load)."""
+        catalog, note = await self.catalog(end)
+        try:
+            return degraded_response(req, exc, fallback_directive, catalog=catalog, settings=self.settings,
+                                     notes=[note] if note else [])
+        except ContextOverflow:
+            if note is None:
+                raise
+        return degraded_response(req, exc, fallback_directive, catalog=await self.ready(), settings=self.settings)
+
+
 def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: str | None = None,
-                      *, catalog: Catalog | None = None, settings: Settings | None = None) -> AssembleResponse:
+                      *, catalog: Catalog | None = None, settings: Settings | None = None,
+                      notes: Sequence[str] = ()) -> AssembleResponse:
     """History-only (or directive + history) context built locally by the pure pipeline; every
-    branch is recorded as failed with ``exc``'s code."""
+    branch is recorded as failed with ``exc``'s code; ``notes`` follow the reason."""
     failed = BranchOutcome(status="error", elapsed_ms=0.0, error_class=exc.code.value, detail=exc.message[:200])
     resp = assemble(req, failed_result(fallback_directive, failed), catalog=catalog or Catalog.load(),
                     policy=Policy.from_settings(settings or Settings()))
     reason = f"context service {exc.code.value}: {exc.message}"
-    return resp.model_copy(update={"degraded": True, "degraded_reasons": [reason, *resp.degraded_reasons]})
+    reasons = [reason, *notes, *resp.degraded_reasons]
+    return resp.model_copy(update={"degraded": True, "degraded_reasons": reasons})

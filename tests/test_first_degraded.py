@@ -1,0 +1,141 @@
+"""The first degraded call honours its deadline too (README "The client library").
+
+A fresh process (as a proxy starts) with the broker down: the client starts and at once calls
+``assemble_or_degrade(timeout=0.05)``. The fallback's vocabularies are still loading on the
+client's thread then, and the chat pipeline would be imported on first use; neither may hold
+the call past its deadline. Before the vocabularies are there the fallback counts by UTF-8 bytes
+(``ByteBoundCatalog``): never under the real count, so the trimmed conversation still fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibex_context.client import AssembleRequest, Unavailable, degraded_response
+from ibex_context.client.degrade import BYTE_BOUND_NOTE, ByteBoundCatalog, Fallback
+from ibex_context.ops.stack import free_port
+from ibex_context.pipeline.budget import response_reserve
+from ibex_context.pipeline.chat_count import openai_prompt_tokens
+from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.errors import ContextOverflow
+from ibex_context.shared.settings import Settings
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 0.05
+# What a call may run past its deadline: the degraded response itself (~1 ms), the loop's
+# scheduling, and the GIL bpe_openai holds while it builds a vocabulary on the client's thread
+# (~40 ms for o200k on an idle 2-core box). The first call used to take 0.6-3.6 s.
+SLACK_S = 0.06
+CATALOG = Catalog.load()
+
+FIRST_CALLS = r"""
+import asyncio, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from ibex_context.client import AsyncClient
+
+async def main(endpoint, timeout):
+    client = AsyncClient(endpoint)
+    await client.start()
+    calls = []
+    for form in ("openai", "anthropic", None, "openai"):
+        chat = {"format": form, "messages": [{"role": "user", "content": "where is my invoice?"}]}
+        fields = chat if form else {"recent_messages": chat["messages"]}
+        t0 = time.perf_counter()
+        resp = await client.assemble_or_degrade(timeout=timeout, org_id="acme", agent_id="bot", model="gpt-4o",
+                                                query="invoice", fallback_directive="Be brief.", **fields)
+        calls.append({"elapsed_s": time.perf_counter() - t0, "degraded": resp.degraded,
+                      "reasons": resp.degraded_reasons, "messages": resp.messages, "system": resp.system,
+                      "sections": [s.name for s in resp.sections], "kind": resp.budget.count_rule})
+    await client.prepare_fallback()
+    t0 = time.perf_counter()
+    resp = await client.assemble_or_degrade(timeout=timeout, org_id="acme", agent_id="bot", model="gpt-4o",
+                                            query="q", format="openai", messages=[{"role": "user", "content": "q"}])
+    calls.append({"elapsed_s": time.perf_counter() - t0, "degraded": resp.degraded, "reasons": resp.degraded_reasons,
+                  "kind": resp.budget.count_rule})
+    await client.aclose()
+    print(json.dumps(calls))
+
+asyncio.run(main(sys.argv[2], float(sys.argv[3])))
+"""
+
+
+def _first_calls() -> list[dict[str, Any]]:
+    out = subprocess.run([sys.executable, "-W", "error", "-W", "ignore:open_binary is deprecated:DeprecationWarning",
+                          "-c", FIRST_CALLS, str(REPO), f"tcp://127.0.0.1:{free_port()}", str(TIMEOUT_S)],
+                         capture_output=True, text=True, timeout=90, check=False, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    calls: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return calls
+
+
+def test_the_first_degraded_calls_after_start_end_by_their_deadline() -> None:
+    calls = _first_calls()
+    print("\nms:", [round(c["elapsed_s"] * 1000, 1) for c in calls], "kinds:", [c["kind"] for c in calls])
+    for call in calls:
+        assert call["degraded"] and call["reasons"][0].startswith("context service UNAVAILABLE")
+        assert call["elapsed_s"] <= TIMEOUT_S + SLACK_S, calls
+    openai, anthropic, legacy = calls[:3]
+    user = {"role": "user", "content": "where is my invoice?"}
+    assert openai["messages"] == [{"role": "system", "content": "Be brief."}, user]
+    assert anthropic["messages"] == [user] and anthropic["system"] == [{"type": "text", "text": "Be brief."}]
+    assert legacy["sections"] == ["directive", "history"]
+    # counted by bytes while the vocabularies load, by the exact encoding once they are there
+    for call in calls[:4]:
+        assert (BYTE_BOUND_NOTE in call["reasons"]) == (call["kind"] == "estimate"), call
+    assert calls[-1]["kind"] == "exact" and BYTE_BOUND_NOTE not in calls[-1]["reasons"]
+
+
+TEXTS = ["hello", "Is invoice 42 paid? 1234567890 " * 20, "日本語のテキスト、絵文字 🎉🎉", "a\u0301e\u0301" * 50,
+         "def f(x):\n    return x ** 2\n" * 30, " " * 500, "ﬁ ﬂ ﬀ" * 40]
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_the_byte_bound_never_undercounts(text: str) -> None:
+    bound = ByteBoundCatalog.load()
+    assert set(bound.families) == set(CATALOG.families)
+    for family in CATALOG.families:  # exact families, and the estimates with their margins
+        assert bound.counter(family).count(text) >= CATALOG.counter(family).count(text), family
+
+
+def _turns(n: int, words: int) -> list[dict[str, Any]]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "lorem ipsum dolor " * words}
+            for i in range(n)]
+
+
+def test_a_byte_bound_fallback_fits_the_window() -> None:
+    """A long conversation degraded with byte counts still fits gpt-4's 8,192 by the exact count."""
+    turns = _turns(24, 60)
+    req = AssembleRequest.model_validate({"request_id": "r", "org_id": "acme", "agent_id": "a", "model": "gpt-4",
+                                          "query": "q", "format": "openai", "messages": turns, "deadline_ns": 1})
+    resp = degraded_response(req, Unavailable("down"), catalog=ByteBoundCatalog.load(), notes=[BYTE_BOUND_NOTE])
+    assert resp.messages is not None and resp.messages[-1] == turns[-1] and len(resp.messages) < len(turns)
+    spec = CATALOG.model("gpt-4")
+    exact = openai_prompt_tokens(resp.messages, [], CATALOG.counter("cl100k"), model="gpt-4")
+    assert resp.prompt_tokens is not None
+    assert exact <= resp.prompt_tokens <= spec.context_window - response_reserve(spec)
+    assert resp.prompt_tokens_kind == "estimate" and resp.degraded_reasons[1] == BYTE_BOUND_NOTE
+
+
+async def test_over_the_window_by_the_byte_bound_waits_for_the_exact_count() -> None:
+    """Pinned turns over the window by bytes but not by tokens: no refusal, the exact count decides
+    (late: the vocabularies load first)."""
+    turns = _turns(24, 300)  # the latest user turn and the reply: ~11K bytes, ~2.7K tokens
+    req = AssembleRequest.model_validate({"request_id": "r", "org_id": "acme", "agent_id": "a", "model": "gpt-4",
+                                          "query": "q", "format": "openai", "messages": turns, "deadline_ns": 1})
+    with pytest.raises(ContextOverflow):
+        degraded_response(req, Unavailable("down"), catalog=ByteBoundCatalog.load())
+    fallback = Fallback(asyncio.get_running_loop(), Settings())
+    assert not fallback.loaded.done()  # delivered to this loop, which has not run since
+    resp = await fallback.respond(req, Unavailable("down"), None, time.monotonic() - 1)  # the deadline has passed
+    assert fallback.loaded.done() and resp.budget.count_rule == "exact" and BYTE_BOUND_NOTE not in resp.degraded_reasons
+    assert resp.messages is not None and resp.messages[-2:] == turns[-2:]
