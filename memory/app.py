@@ -189,7 +189,7 @@ async def healthz(svc: MemoryService, request: Request) -> Response:
     info: dict[str, Any] = {"embedder": svc.embedder.name, "faults_enabled": svc.faults is not None,
                             "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated,
                             "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed,
-                            "common_words_scored": svc.common_terms.scored}
+                            "common_words_scored": svc.terms.scored}
     try:
         await svc.redis.ping()
     except (RedisError, OSError, ApiError) as exc:

@@ -21,7 +21,8 @@ occur in other orgs' memories. Per org, the statistics are the org's own; every 
 filters on org and agent inside the engine. The HNSW graphs are per org too, so a vector search
 walks only the org's memories.
 
-The full-text side is one query per question word (tenant filter AND word), sent together: each
+The full-text side is one query per question word (tenant filter AND word), sent together (a
+large agent's common words score only the candidates instead: ``memory.terms``): each
 reply gives that word's BM25 matches and how many of the agent's memories hold it, which the
 fusion weighs (``memory.fusion``). (One ``filter (a|b)`` query would not do: the engine scores a
 union nested inside an intersection by its first matching word only.) Its tenant filter is the

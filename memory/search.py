@@ -24,7 +24,8 @@ from starlette.responses import JSONResponse, Response
 
 from ibex_context.memory import store
 from ibex_context.memory.embed import Vectors
-from ibex_context.memory.fusion import Fused, fuse, text_scores
+from ibex_context.memory.fulltext import FullText
+from ibex_context.memory.fusion import Fused, fuse
 from ibex_context.memory.index import (
     index_name,
     knn_query,
@@ -32,13 +33,11 @@ from ibex_context.memory.index import (
     parse_reply,
     query_terms,
     search_args,
-    total_results,
-    word_query,
 )
 from ibex_context.memory.models import MemoryRecord, SearchBody
 from ibex_context.memory.rank import cosine_scores, hot_relevance, rank_arrays, record_features
 from ibex_context.memory.service import MemoryService
-from ibex_context.memory.terms import split_terms
+from ibex_context.memory.terms import SAMPLE_SIZE
 from ibex_context.shared.keys import memory_ids_key, memory_key_prefix, vector_field
 
 AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
@@ -106,55 +105,37 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
                       ) -> tuple[dict[str, float], dict[str, float], dict[str, bytes | None]]:
     """The engine's candidates: full-text scores (the best ``max_candidates``), cosines of the
     nearest vectors, and the records the vector query returned with them. One round trip, and one
-    more when the question has common words (``memory.terms``), which score only these candidates."""
-    k, embedder, now = svc.config.max_candidates, svc.embedder, svc.clock()
+    more when the question has common or new words (``memory.fulltext``)."""
+    k, embedder, now, scan_max = svc.config.max_candidates, svc.embedder, svc.clock(), svc.config.term_scan_max
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
-    scanned, common = split_terms(terms, svc.common_terms, org, agent, now)
-    commands: list[tuple[Any, ...]] = [("FT.SEARCH", name, *search_args(
-        word_query(org, agent, t), limit=k, returns=(), scored=True)) for t in scanned]
-    exact = await _agent_size(svc, org, agent) <= svc.config.exact_knn_max
+    size = await _agent_size(svc, org, agent)
+    sample = await _sample(svc, org, agent, now) if size > scan_max else ()
+    text = FullText(svc.terms, embedder.name, org, agent, terms, size=size, sample=sample, scan_max=scan_max,
+                    limit=k, now=now)
+    commands = text.first()
     commands.append(("FT.SEARCH", name, *search_args(
-        knn_query(org, agent, vfield, k, exact=exact), limit=k, returns=("vd", "rec"), scored=False,
-        params={"vec": query_vec.tobytes()}, sort_by="vd")))
+        knn_query(org, agent, vfield, k, exact=size <= svc.config.exact_knn_max), limit=k,
+        returns=("vd", "rec"), scored=False, params={"vec": query_vec.tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))
     replies = await _engine(svc, org, commands)
-    size = int(replies[-1])
-    _remember_size(svc, org, agent, size)
-    per_word = [{f.memory_id: f.score for f in parse_reply(r, prefix, vfield, vector_query=False)}
-                for r in replies[: len(scanned)]]
-    dfs = [total_results(r) for r in replies[: len(scanned)]]
-    for word, scores, df in zip(scanned, per_word, dfs, strict=True):
-        svc.common_terms.learn(org, agent, word, df=df, best=max(scores.values(), default=0.0),
-                               scan_max=svc.config.term_scan_max, now=now)
+    _remember_size(svc, org, agent, int(replies[-1]))
+    text.read_first(replies[:-2], int(replies[-1]))
     vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
     cosine = {f.memory_id: f.score for f in vector_hits}
-    bests = [0.0] * len(scanned)  # a scanned word's best is among its own hits
-    if common:
-        pool = _best(text_scores(per_word, dfs, size), k).keys() | cosine.keys()
-        per_word += await _score_common(svc, org, agent, list(common), sorted(pool))
-        dfs += [s.df for s in common.values()]
-        bests += [s.best for s in common.values()]
-    text_of = _best(text_scores(per_word, dfs, size, bests), k)
-    return text_of, cosine, {f.memory_id: f.record for f in vector_hits}
+    if text.needs_second:
+        pool = text.scores(k).keys() | cosine.keys()
+        text.read_second(await _engine(svc, org, text.second(pool)), pool)
+    return text.scores(k), cosine, {f.memory_id: f.record for f in vector_hits}
 
 
-def _best(text_of: dict[str, float], k: int) -> dict[str, float]:
-    """The ``k`` best full-text candidates: the rest would never be ranked."""
-    if len(text_of) <= k:
-        return text_of
-    return dict(sorted(text_of.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
-
-
-async def _score_common(svc: MemoryService, org: str, agent: str, words: Sequence[str],
-                        pool: Sequence[str]) -> list[dict[str, float]]:
-    """Each common word's BM25 over the candidates ``pool`` only (``INKEYS``): one round trip."""
-    if not pool:
-        return [{} for _ in words]
-    prefix, vfield = memory_key_prefix(org, agent), vector_field(svc.embedder.name)
-    name, keys = index_name(svc.embedder.name, org), [f"{prefix}{m}" for m in pool]
-    replies = await _engine(svc, org, [("FT.SEARCH", name, *search_args(
-        word_query(org, agent, w), limit=len(keys), returns=(), scored=True, in_keys=keys)) for w in words])
-    return [{f.memory_id: f.score for f in parse_reply(r, prefix, vfield, vector_query=False)} for r in replies]
+async def _sample(svc: MemoryService, org: str, agent: str, now: float) -> tuple[str, ...]:
+    """A random sample of the agent's memory ids, drawn again each ``terms.SAMPLE_TTL_S``."""
+    got = svc.terms.sample(org, agent, now)
+    if got is None:
+        raw = await svc.redis.srandmember(memory_ids_key(org, agent), SAMPLE_SIZE)
+        got = tuple(sorted(m.decode() if isinstance(m, bytes) else str(m) for m in raw or ()))
+        svc.terms.keep_sample(org, agent, got, now)
+    return got
 
 
 async def _engine(svc: MemoryService, org: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:

@@ -30,8 +30,9 @@ from ibex_context.memory.index import check_engine, ensure_index
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.querybatch import QueryBatcher
 from ibex_context.memory.reads import Scripts
+from ibex_context.memory.resp import HiredisPackedConnection
 from ibex_context.memory.store import RecordHealth
-from ibex_context.memory.terms import CommonTerms
+from ibex_context.memory.terms import TermTable
 from ibex_context.shared.tenancy import bearer_token, verify_org_token
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class MemoryService:
         self._scripts: Scripts | None = None
         self._indexed: set[str] = set()  # orgs whose index this process has seen or made
         self.agent_sizes: dict[tuple[str, str], int] = {}  # (org, agent) -> memories, as last searched
-        self.common_terms = CommonTerms()  # large agents' common words (memory.terms)
+        self.terms = TermTable()  # large agents' common words and memory samples (memory.terms)
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.queries_truncated = 0
@@ -117,9 +118,12 @@ class MemoryService:
         timeout_s = self.config.redis_timeout_ms / 1000.0
         # One immediate retry (a pooled connection may be stale after a Redis restart), no
         # backoff: callers run on 15-45 ms budgets and need a fast 503, not a slow success.
+        # Plain TCP connections pack commands in C (memory.resp); TLS and unix sockets keep
+        # redis-py's own connection classes.
+        packed: dict[str, Any] = {"connection_class": HiredisPackedConnection} if self.config.redis_url.startswith("redis://") else {}
         self._redis = Redis.from_url(
             self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1), protocol=3,
+            retry=Retry(NoBackoff(), 1), protocol=3, **packed,
         )
         self._scripts = Scripts(self._redis)
         self._indexed.clear()
