@@ -120,7 +120,8 @@ class MemoryService:
         # backoff: callers run on 15-45 ms budgets and need a fast 503, not a slow success.
         # Plain TCP connections pack commands in C (memory.resp); TLS and unix sockets keep
         # redis-py's own connection classes.
-        packed: dict[str, Any] = {"connection_class": HiredisPackedConnection} if self.config.redis_url.startswith("redis://") else {}
+        tcp = self.config.redis_url.startswith("redis://")
+        packed: dict[str, Any] = {"connection_class": HiredisPackedConnection} if tcp else {}
         self._redis = Redis.from_url(
             self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1), protocol=3, **packed,
