@@ -1,7 +1,8 @@
 """A real LiteLLM proxy and a local upstream as child processes (bench.litellm and
 tests/test_litellm_proxy.py). LiteLLM runs offline: ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it
 from fetching the model cost map (its tokenizers ship in the wheel), and keys come from a
-``custom_auth`` module written next to its config (key and team metadata without a database).
+``custom_auth`` (the product's: bearer keys to key and team metadata from a keys file, without a
+database).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from ibex_context.client.integrations.litellm_auth import KEYS_ENV, key_hash
 from ibex_context.ops.procs import die_with_parent, read_port_file, stop_processes, wait_for
 from ibex_context.ops.stack import free_port
 
@@ -25,20 +27,14 @@ HOOK = "ibex_context.client.integrations.litellm.proxy_handler"
 OFFLINE_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
 _RUN_LITELLM = "import sys; from litellm import run_server; sys.argv[0] = 'litellm'; sys.exit(run_server())"
 
-AUTH_MODULE = '''"""custom_auth for the test proxy: bearer token -> key metadata / team metadata."""
-import json
-from pathlib import Path
-
-from litellm.proxy._types import UserAPIKeyAuth
-
-KEYS = json.loads((Path(__file__).parent / "keys.json").read_text())
+AUTH = "ibex_context.client.integrations.litellm_auth.user_api_key_auth"  # the product's custom_auth
 
 
-async def user_api_key_auth(request, api_key: str) -> UserAPIKeyAuth:
-    if api_key not in KEYS:
-        raise Exception("unknown key")
-    return UserAPIKeyAuth(api_key=api_key, **KEYS[api_key])
-'''
+def keys_file(keys: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys file (client.integrations.litellm_auth) for ``{bearer key: {metadata, team_id,
+    team_metadata, ...}}``: each key's hash, never the key."""
+    return {"keys": [{"name": f"key-{i}", "sha256": key_hash(key), **attrs}
+                     for i, (key, attrs) in enumerate(keys.items())]}
 
 
 def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -92,7 +88,7 @@ def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool,
 
     cfg: dict[str, Any] = {
         "model_list": [{"model_name": name, "litellm_params": deployment(model)} for name, model in models.items()],
-        "general_settings": {"master_key": MASTER_KEY, "custom_auth": "ibex_litellm_auth.user_api_key_auth"},
+        "general_settings": {"master_key": MASTER_KEY, "custom_auth": AUTH},
         "litellm_settings": {"callbacks": [HOOK] if hook else []},
         "router_settings": {"model_group_alias": dict(aliases or {})},
     }
@@ -106,8 +102,7 @@ class LiteLLMProxy:
                  env: Mapping[str, str] | None = None, timeout_s: float = 90.0) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.yaml").write_text(json.dumps(config, indent=1))  # JSON is YAML
-        (workdir / "keys.json").write_text(json.dumps(keys))
-        (workdir / "ibex_litellm_auth.py").write_text(AUTH_MODULE)
+        (workdir / "keys.json").write_text(json.dumps(keys_file(keys)))
         self.log = workdir / "litellm.log"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -115,7 +110,8 @@ class LiteLLMProxy:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _RUN_LITELLM, "--config", str(workdir / "config.yaml"),
                  "--host", "127.0.0.1", "--port", str(self.port)],
-                cwd=workdir, env=_child_env({"LITELLM_MASTER_KEY": MASTER_KEY, **(env or {})}),
+                cwd=workdir, env=_child_env({"LITELLM_MASTER_KEY": MASTER_KEY, KEYS_ENV: str(workdir / "keys.json"),
+                                             **(env or {})}),
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         try:
             wait_for("LiteLLM proxy", self._live, timeout_s, self.log)
