@@ -16,6 +16,8 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
   monotonic ns. Expired requests are dropped at receipt, in the queue and at dispatch, counted by
   reason, and the client is told DEADLINE_EXCEEDED. A request whose deadline passes while a worker
   holds it is answered DEADLINE_EXCEEDED by the broker; the worker's late reply only frees credit.
+* Usage reports (``broker.usage``) take no credit and never enter the queue: they are held to
+  token buckets per caller key, per org and in total, and shed while requests wait for a worker.
 * Liveness: heartbeats both ways; a backend disconnect event triggers an immediate probe
   (ROUTER_MANDATORY makes a send to a vanished peer fail with EHOSTUNREACH). Requests in flight on a
   dead worker are re-dispatched if their deadline still allows (assembly is read-only), else
@@ -37,6 +39,8 @@ import zmq
 
 from ibex_context.broker.admission import ServiceTime, StandingQueue, expected_wait_ns, shed
 from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
+from ibex_context.broker.usage import UsageIntake
+from ibex_context.broker.usage_limits import UsageLimits
 from ibex_context.broker.workers import WorkerTable
 from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import Envelope, pack_header, parse_header, peek_envelope
@@ -71,7 +75,7 @@ def _reply_payload(frames: list[object]) -> int | None:
     return 5 if len(frames) in (6, 7) and frames[2] in (P.REPLY, P.ERROR) else None
 
 
-class Broker(WorkerTable):
+class Broker(UsageIntake, WorkerTable):
     def __init__(self, *, settings: BrokerSettings, frontend: str | None = None, backend: str | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None, authorizer: Authorizer | None = None,
                  configure_frontend: Callable[[zmq.Socket[bytes]], None] | None = None,
@@ -105,6 +109,8 @@ class Broker(WorkerTable):
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
         self.usage_rr = 0  # round-robin position for usage reports
+        self.usage_limits = UsageLimits(per_key=settings.usage_rate_per_key, per_org=settings.usage_rate_per_org,
+                                        total=settings.usage_rate_total, burst_s=settings.usage_burst_s)
 
     def _socket(self, configure: Callable[[zmq.Socket[bytes]], None] | None, max_msgsize: int) -> zmq.Socket[bytes]:
         s = self.ctx.socket(zmq.ROUTER)
@@ -187,6 +193,8 @@ class Broker(WorkerTable):
             self._send_front([client, *P.status_reply_frames(self.snapshot())])
             return
         if isinstance(parsed, P.UsageMessage):
+            if self.queue:
+                self._dispatch()  # requests waiting for a worker go before any report
             self._on_usage(client, parsed.payload, last)
             return
         header, req = self._envelope(parsed)
@@ -221,15 +229,10 @@ class Broker(WorkerTable):
 
     def _refusal(self, key: Key, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
         """(counter, error) when a well-formed request must be answered at once, else None."""
+        checked = self._checked(req, last)
+        if checked is not None:
+            return checked
         remaining = req.deadline_ns - time.time_ns()
-        if remaining <= 0:
-            return "expired_at_receipt", DeadlineExceeded(
-                f"deadline passed {-remaining / 1e6:.2f} ms before the broker received the request")
-        if self.authorizer is not None:
-            try:
-                self.authorizer(last, req)
-            except IbexError as exc:
-                return f"rejected_{exc.code.value.lower()}", exc
         if key in self.pending:  # only a client that sent no correlation id can repeat one
             return "rejected_duplicate", InvalidRequest(
                 f"request_id {req.request_id!r} is already in flight from this client", field="request_id")
@@ -257,38 +260,6 @@ class Broker(WorkerTable):
         return "shed_overloaded", Overloaded(
             f"shed on receipt: about {wait / 1e6:.1f} ms of queue ahead and {self.service.mean_ns / 1e6:.1f} ms "
             f"of service with {slots} request(s) in service; retry with backoff or another broker")
-
-    def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame) -> None:
-        """A usage report (README "Calibrated token counts"): authorized like a request, then sent
-        straight to one live worker, round-robin. It takes no credit and never enters the request
-        queue, so reports cannot delay assemblies; with no worker it is dropped and counted. Only
-        a refusal is answered (the client counts it): a report is fire-and-forget."""
-        self.stats["usage_received"] += 1
-        if len(payload) > P.MAX_USAGE_BYTES:
-            self.stats["usage_rejected_invalid"] += 1
-            self._reply_error(client, b"", InvalidRequest(
-                f"usage report of {len(payload)} bytes exceeds {P.MAX_USAGE_BYTES} bytes", field="<payload>"))
-            return
-        env = peek_envelope(payload, max_bytes=P.MAX_USAGE_BYTES)
-        if isinstance(env, ErrorReply):
-            self.stats["usage_rejected_invalid"] += 1
-            self._reply_error(client, (env.request_id or "").encode(), env)
-            return
-        key = (client, env.request_id.encode())  # a report's id is the client's own (client.usage)
-        refusal = self._refusal(key, env, last)
-        if refusal is not None and not refusal[0].startswith(("rejected_duplicate", "rejected_overloaded", "shed_")):
-            self.stats[f"usage_{refusal[0]}"] += 1
-            self._reply_error(client, key[1], refusal[1], env.request_id)
-            return
-        live = sorted(w.ident for w in self.workers.values() if not w.draining)
-        if not live:
-            self.stats["usage_dropped_no_worker"] += 1
-            return
-        self.usage_rr = (self.usage_rr + 1) % len(live)
-        if self._send_back([live[self.usage_rr], *P.usage_frames(payload)]):
-            self.stats["usage_forwarded"] += 1
-        else:
-            self.stats["usage_dropped_send_failed"] += 1
 
     def _enqueue(self, key: Key, request_id: str, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
         now_ns = time.monotonic_ns()

@@ -69,6 +69,12 @@ class BrokerSettings(_LinkSettings):
     admission_queue_ms: float = Field(5.0, ge=0, description="Shed on receipt above this expected queue wait.")
     # false: every worker holds exactly its credit (the fixed behaviour before issue 18).
     adaptive_limit: bool = Field(True, description="Adaptive per-worker concurrency limit, credit as the cap.")
+    # Usage reports (broker/usage_limits.py): token buckets per caller key, per org and in total;
+    # a report over one is shed (dropped, counted). 0 turns that limit off.
+    usage_rate_per_key: float = Field(250.0, ge=0, description="Usage reports a second one caller key may send.")
+    usage_rate_per_org: float = Field(500.0, ge=0, description="Usage reports a second one org may send.")
+    usage_rate_total: float = Field(2000.0, ge=0, description="Usage reports a second the broker forwards in all.")
+    usage_burst_s: float = Field(2.0, gt=0, le=60, description="Each usage bucket holds this many seconds of its rate.")
     # -- authentication (CURVE + ZAP; README: Authentication) --------------------------------
     auth_keys_file: str | None = Field(None, description="Broker: keys file mapping client keys to orgs.")
     broker_key_file: str | None = Field(None, description="Broker: its own CURVE keypair file.")

@@ -55,6 +55,9 @@ REFRESH_BATCH = 500  # keys per Redis round trip
 # FLUSH_INTERVAL_S, so two of ours cover one of its; four leave room for a slow Redis.
 RESOLVE_FLUSHES = 4
 ASSEMBLY_ID = re.compile(r"[0-9a-f]{32}")  # what ``issue`` hands out: 128 random bits
+# Refused reports are summed into one INFO line at most this often (one line each only at DEBUG):
+# a caller's flood of bad reports must not become a flood of log lines.
+REFUSAL_LOG_S = 10.0
 
 
 @dataclass(slots=True)
@@ -83,6 +86,9 @@ class Calibrator:
         self.records: list[store.Record] = []
         self.reports: list[_Report] = []
         self.stats: collections.Counter[str] = collections.Counter()
+        self.refusals: collections.Counter[str] = collections.Counter()  # since the last summary line
+        self.last_refusal = ""
+        self.next_refusal_log = 0.0
 
     # ------------------------------------------------------------------------- request path
 
@@ -119,18 +125,33 @@ class Calibrator:
         """One forwarded usage report: validate and buffer; it is matched to its record on flush."""
         report = validate(unpack(payload, max_bytes=MAX_USAGE_BYTES), UsageReport)
         if isinstance(report, ErrorReply):
-            self._count("invalid")
-            log.info("usage report refused: %s", report.message)
+            self._refused("invalid", f"{report.message!r}")
             return
         if not ASSEMBLY_ID.fullmatch(report.assembly_id):
-            self._count("unknown_assembly")
-            log.info("usage report dropped: %r is not an assembly id this service issues", report.assembly_id[:80],
-                     extra={"org_id": report.org_id})
+            self._refused("unknown_assembly", f"{report.assembly_id[:80]!r} is not an assembly id this service issues",
+                          org_id=report.org_id)
             return
         if len(self.reports) >= MAX_PENDING:
             self._count("dropped_backlog")
             return
         self.reports.append(_Report(report.org_id, report.assembly_id, report.prompt_tokens))
+
+    def _refused(self, outcome: str, why: str, **fields: str) -> None:
+        """Count a refused report; it is logged one line each at DEBUG, else summed (``log_refusals``).
+        ``why`` quotes caller text with ``repr``, so no report can write a line of its own."""
+        self._count(outcome)
+        self.refusals[outcome] += 1
+        self.last_refusal = f"{outcome}: {why}"
+        log.debug("usage report refused (%s): %s", outcome, why, extra=fields)
+
+    def log_refusals(self, now_s: float) -> None:
+        """One INFO line for the reports refused since the last one, at most every ``REFUSAL_LOG_S``."""
+        if not self.refusals or now_s < self.next_refusal_log:
+            return
+        counts = ", ".join(f"{outcome} {n}" for outcome, n in sorted(self.refusals.items()))
+        log.info("usage reports refused: %s (the last: %s)", counts, self.last_refusal)
+        self.refusals.clear()
+        self.next_refusal_log = now_s + REFUSAL_LOG_S
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.stats[f"usage_{outcome}"] += n
@@ -176,10 +197,9 @@ class Calibrator:
             ratio = report.prompt_tokens / count
             bucket = bucket_of(ratio)
             if bucket is None:
-                self._count("refused_outlier")
-                log.info("usage report refused: ratio %.3f (provider %d / service %d) is outside the sane range",
-                         ratio, report.prompt_tokens, count,
-                         extra={"org_id": report.org_id, "model": model, "assembly_id": report.assembly_id})
+                self._refused("refused_outlier", f"ratio {ratio:.3f} (provider {report.prompt_tokens} / service "
+                              f"{count}) is outside the sane range", org_id=report.org_id, model=model,
+                              assembly_id=report.assembly_id)
                 refused += 1
             else:
                 self._count("accepted")
@@ -227,6 +247,7 @@ class Calibrator:
             if loop.time() >= next_refresh:
                 next_refresh = loop.time() + self.refresh_s
                 await self.refresh()
+            self.log_refusals(loop.time())
             await asyncio.sleep(min(FLUSH_INTERVAL_S, self.refresh_s))
 
     async def aclose(self) -> None:

@@ -1,0 +1,111 @@
+"""The broker's usage-report path (README "Calibrated token counts", "Admission control").
+
+A report is admitted by its caller key's, its org's and the broker's token buckets
+(``broker.usage_limits``), authorized like a request, then sent straight to one live worker,
+round-robin. It takes no credit and never enters the request queue; the broker dispatches the
+requests it can before it looks at a report, and while requests still wait for a worker reports
+are shed: assemblies come first. Every report is counted under exactly one outcome:
+``usage_forwarded``, ``usage_rejected_*`` (answered), ``usage_shed_{busy,key,org,total}``
+(dropped; the caller's first shed in a second is answered OVERLOADED, counted in
+``usage_overloaded_replies``), ``usage_dropped_no_worker`` or ``usage_dropped_send_failed``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from ibex_context.broker.state import Authorizer, BrokerBase
+from ibex_context.broker.usage_limits import UsageLimits, shed_message
+from ibex_context.shared import protocol as P
+from ibex_context.shared.codec import Envelope, peek_envelope, scan_request_id
+from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded
+from ibex_context.shared.models import ErrorReply
+
+
+class UsageIntake(BrokerBase):
+    authorizer: Authorizer | None
+    usage_limits: UsageLimits
+    usage_rr: int  # round-robin position over the live workers
+
+    def _checked(self, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
+        """(counter, error) when a request or report is past its deadline or its caller may not
+        act for its org and agent, else None."""
+        remaining = req.deadline_ns - time.time_ns()
+        if remaining <= 0:
+            return "expired_at_receipt", DeadlineExceeded(
+                f"deadline passed {-remaining / 1e6:.2f} ms before the broker received the request")
+        if self.authorizer is not None:
+            try:
+                self.authorizer(last, req)
+            except IbexError as exc:
+                return f"rejected_{exc.code.value.lower()}", exc
+        return None
+
+    def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame) -> None:
+        """One report (module doc): shed while requests wait, then the key's bucket before it is
+        decoded, the envelope and the caller's grant as for a request, the org's and the total
+        bucket, and forwarded. Refusals of a bad or unauthorized report are answered as before."""
+        self.stats["usage_received"] += 1
+        now = time.monotonic_ns()
+        caller = self._caller(client, last)
+        if self.queue:  # the broker dispatched what it could before this: these wait for a worker
+            self._shed_usage(caller, client, payload, None, "busy", now)
+            return
+        if not self.usage_limits.admit_key(caller, now):
+            self._shed_usage(caller, client, payload, None, "key", now)
+            return
+        if len(payload) > P.MAX_USAGE_BYTES:
+            self.stats["usage_rejected_invalid"] += 1
+            self._reply_error(client, b"", InvalidRequest(
+                f"usage report of {len(payload)} bytes exceeds {P.MAX_USAGE_BYTES} bytes", field="<payload>"))
+            return
+        env = peek_envelope(payload, max_bytes=P.MAX_USAGE_BYTES)
+        if isinstance(env, ErrorReply):
+            self.stats["usage_rejected_invalid"] += 1
+            self._reply_error(client, (env.request_id or "").encode(), env)
+            return
+        refusal = self._checked(env, last)
+        if refusal is not None:
+            self.stats[f"usage_{refusal[0]}"] += 1
+            self._reply_error(client, env.request_id.encode(), refusal[1], env.request_id)
+            return
+        over = self.usage_limits.admit_org(env.org_id, now)
+        if over is not None:
+            self._shed_usage(caller, client, payload, env.request_id, over, now)
+            return
+        self._forward_usage(payload)
+
+    def _caller(self, client: bytes, last: zmq.Frame) -> bytes:
+        """Whom a report's per-key limit counts: the CURVE key with authentication on, else the
+        connection (without authentication every caller is on this host: README, Authentication)."""
+        if self.authorizer is not None:
+            try:
+                return b"k:" + str(last.get("User-Id")).encode()
+            except zmq.ZMQError:
+                pass
+        return b"c:" + client
+
+    def _shed_usage(self, caller: bytes, client: bytes, payload: bytes, request_id: str | None,
+                    why: str, now_ns: int) -> None:
+        """Count a shed report; answer OVERLOADED if it is the caller's first shed in a second."""
+        self.stats[f"usage_shed_{why}"] += 1
+        if not self.usage_limits.notice(caller, now_ns):
+            return
+        rid = request_id or scan_request_id(payload)
+        if rid is None:
+            return
+        self.stats["usage_overloaded_replies"] += 1
+        self._reply_error(client, rid.encode(), Overloaded(shed_message(why)), rid)
+
+    def _forward_usage(self, payload: bytes) -> None:
+        live = sorted(w.ident for w in self.workers.values() if not w.draining)
+        if not live:
+            self.stats["usage_dropped_no_worker"] += 1
+            return
+        self.usage_rr = (self.usage_rr + 1) % len(live)
+        if self._send_back([live[self.usage_rr], *P.usage_frames(payload)]):
+            self.stats["usage_forwarded"] += 1
+        else:
+            self.stats["usage_dropped_send_failed"] += 1
