@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from ibex_context.memory import reads, store
+from ibex_context.memory import quotas, reads, store
 from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import Embedder, load_embedder
 from ibex_context.memory.http import (
@@ -169,11 +169,19 @@ async def write(svc: MemoryService, request: Request) -> Response:
         salience=body.salience if body.salience is not None else body.confidence,
     )
     try:
-        async with svc.limiter.hold(org):
+        async with svc.write_limiter.hold(org), svc.limiter.hold(org), svc.write_embeds:
+            await svc.store_pressure.check(svc.redis, svc.config.write_floor_fraction)
+            added = await quotas.check_write(svc.redis, svc.config.quotas, org, body.agent_id, record.memory_id,
+                                             record.content)
             await svc.ensure_index(org)
             await store.write_capped(svc.redis, store.NewMemory(org, body.agent_id, record, body.hot),
                                      embedder_name=svc.embedder.name, embed=svc.embed,
                                      max_per_agent=svc.config.max_memories_per_agent)
+            await quotas.account_write(svc.redis, org, body.agent_id, added)
+    except quotas.QuotaExceeded as exc:
+        raise ApiError(409, str(exc), field=exc.field) from exc
+    except quotas.StoreFull as exc:
+        raise ApiError(507, str(exc)) from exc
     except AgentFull as exc:
         raise ApiError(409, f"agent_id: {body.agent_id!r} already has {exc.count} memories, the cap is {exc.cap}",
                        field="agent_id") from exc

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
 from ibex_context.memory.index import EXACT_KNN_MAX
 from ibex_context.memory.models import MAX_QUERY_CHARS
+from ibex_context.memory.quotas import Quotas
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.memory.terms import TERM_SCAN_MAX
 from ibex_context.shared.settings import Settings
@@ -89,6 +90,29 @@ class MemoryConfig(BaseSettings):
         description="IBEX_MEMORY_MAX_MEMORIES_PER_AGENT: a write that would add one more is refused "
                     "with 409 (rewriting an existing memory_id is always allowed).",
     )
+    max_agents_per_org: int = Field(
+        100_000, ge=1,
+        description="IBEX_MEMORY_MAX_AGENTS_PER_ORG: a write for a new agent of an org that already has this "
+                    "many agents with memories is refused with 409.")
+    max_bytes_per_org: int = Field(
+        1 << 30, ge=1,
+        description="IBEX_MEMORY_MAX_BYTES_PER_ORG: UTF-8 bytes of memory text one org may store; a write "
+                    "that would pass it is refused with 409.")
+    write_floor_fraction: float = Field(
+        0.90, gt=0.0, le=1.0,
+        description="IBEX_MEMORY_WRITE_FLOOR_FRACTION: with a Redis maxmemory, memory writes are refused "
+                    "(507) once Redis uses this share of it; reads go on.")
+    max_writes_per_org: int = Field(
+        1, ge=1,
+        description="IBEX_MEMORY_MAX_WRITES_PER_ORG: writes of one org embedded at once; more wait their turn.")
+    max_write_embeds: int = Field(
+        2, ge=1,
+        description="IBEX_MEMORY_MAX_WRITE_EMBEDS: writes of all orgs embedded at once, so searches never "
+                    "queue behind writes for the CPU.")
+
+    @property
+    def quotas(self) -> Quotas:
+        return Quotas(self.max_agents_per_org, self.max_bytes_per_org, self.write_floor_fraction)
 
     @field_validator("relevance_floor")
     @classmethod

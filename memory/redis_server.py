@@ -81,17 +81,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def default_maxmemory() -> int:
+    """Half the machine's physical memory: the embedded server's ``maxmemory``."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX system
+        return 4 << 30
+
+
 def server_args(exe: str, *, port: int, bind: str, workdir: str, unixsocket: str | None = None,
-                persist: bool = False) -> list[str]:
+                persist: bool = False, maxmemory: int | None = None) -> list[str]:
     """Command line for a server with no daemon, logging to stdout.
 
     Without ``persist`` nothing is written to disk; with it, every write goes to an append-only
     file in ``workdir`` (fsynced every second, and at shutdown), which the next start replays.
+    ``maxmemory`` (default: half the machine's memory) with ``noeviction``: a full server refuses
+    writes and never drops data; the memory service refuses memory writes before that
+    (``memory.quotas``), so directives and calibration keep room.
     """
     durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
     args = [
         exe, "--port", str(port), "--bind", bind, "--save", "", *durability,
         "--dir", workdir, "--daemonize", "no", "--logfile", "", "--protected-mode", "yes",
+        "--maxmemory", str(default_maxmemory() if maxmemory is None else int(maxmemory)),
+        "--maxmemory-policy", "noeviction",
         "--loadmodule", search_module(),
     ]
     if unixsocket:
@@ -346,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="working dir; with --persist, where the data is kept (created if missing)")
     ap.add_argument("--persist", action="store_true",
                     help="keep the data in --dir (append-only file, fsynced every second)")
+    ap.add_argument("--maxmemory", type=int, default=None,
+                    help="bytes the server may use before it refuses writes (default: half the machine's memory)")
     args = ap.parse_args(argv)
     try:
         exe = redis_executable()
@@ -355,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     argv_exec = server_args(exe, port=args.port, bind=args.bind, workdir=args.dir, unixsocket=args.unixsocket,
-                            persist=args.persist)
+                            persist=args.persist, maxmemory=args.maxmemory)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(exe, argv_exec)

@@ -29,6 +29,7 @@ from ibex_context.memory.http import ApiError, error_response
 from ibex_context.memory.index import check_engine, ensure_index
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.querybatch import QueryBatcher
+from ibex_context.memory.quotas import StorePressure
 from ibex_context.memory.reads import Scripts
 from ibex_context.memory.resp import HiredisPackedConnection
 from ibex_context.memory.store import RecordHealth
@@ -84,6 +85,9 @@ class MemoryService:
         self.terms = TermTable()  # large agents' common words and memory samples (memory.terms)
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
+        self.write_limiter = OrgLimiter(config.max_writes_per_org)  # memory.quotas
+        self.write_embeds = asyncio.Semaphore(config.max_write_embeds)
+        self.store_pressure = StorePressure()
         self.queries_truncated = 0
         self.embeds_offloaded = 0
         self.answers_trimmed = 0

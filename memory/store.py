@@ -35,6 +35,7 @@ from redis.exceptions import WatchError
 from ibex_context.memory.embed import Vectors
 from ibex_context.memory.index import tenant_number
 from ibex_context.memory.models import MemoryRecord
+from ibex_context.memory.quotas import account_write
 from ibex_context.shared.keys import hot_key, memory_ids_key, memory_key, vector_field
 from ibex_context.shared.validation import first_error
 
@@ -111,11 +112,13 @@ async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_n
         by_agent: dict[tuple[str, str], list[tuple[NewMemory, Vectors]]] = {}
         for m, vec in zip(chunk, vectors, strict=True):
             by_agent.setdefault((m.org_id, m.agent_id), []).append((m, vec))
-        for group in by_agent.values():
+        for (org, agent), group in by_agent.items():
             async with redis.pipeline(transaction=True) as pipe:
                 for m, vec in group:
                     _queue_write(pipe, m, vec, embedder_name)
                 await pipe.execute()
+            # Counted for the org's quotas (memory.quotas); a seeded rewrite counts in full.
+            await account_write(redis, org, agent, sum(len(m.record.content.encode()) for m, _ in group))
 
 
 async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, embed: EmbedFn,

@@ -80,6 +80,16 @@ def hot_key(org_id: str, agent_id: str) -> str:
     return f"hot:{agent_tag(org_id, agent_id)}"
 
 
+def org_memory_agents_key(org_id: str) -> str:
+    """The org's agents that have memories (the agents-per-org quota, ``memory.quotas``)."""
+    return f"{check_ident(org_id, 'org_id')}:mem_agents"
+
+
+def org_memory_bytes_key(org_id: str) -> str:
+    """The UTF-8 bytes of the org's stored memory text (the bytes-per-org quota, ``memory.quotas``)."""
+    return f"{check_ident(org_id, 'org_id')}:mem_bytes"
+
+
 def org_key_patterns(org_id: str) -> tuple[str, ...]:
     """SCAN patterns that together match every key of one org (per-org cleanup)."""
     org = check_ident(org_id, "org_id")
