@@ -12,10 +12,12 @@ bad config stops the proxy at start with one line.
   embeddings, text completions, files, pass-through routes...): first the caller's org and agent
   from the LiteLLM key's or team's metadata (or the request metadata, as configured; never message
   text); a caller with no org mapping is refused (by default) whatever the route;
-* chat completions: the model mapped onto the catalog, then ``assemble_or_degrade`` and the
-  request's ``messages`` replaced with the assembled ones. A service fault degrades (the call
-  proceeds with history only); a caller fault or an unknown model is refused with one line. Other
-  call types of a mapped caller go on unassembled (``passed_through``, with the call type);
+* chat completions, ``/v1/messages`` and ``/v1/responses`` (``litellm_routes``): the model mapped
+  onto the catalog, then ``assemble_or_degrade`` and the request's conversation replaced with the
+  assembled one, in the route's own shape. A service fault degrades (the call proceeds with
+  history only); a caller fault or an unknown model is refused with one line. Other call types of
+  a mapped caller, and requests those forms cannot carry, go on unassembled (``passed_through``,
+  with the reason);
 * response headers: ``x-ibex-context: assembled | degraded | passed_through`` and why;
 * success: the provider's ``usage.prompt_tokens`` reported back for calibration (a stream's only
   when it asked for ``stream_options.include_usage``).
@@ -49,11 +51,11 @@ from ibex_context.client.integrations.litellm_core import (
     record,
     usage_key,
 )
+from ibex_context.client.integrations.litellm_responses import Unconvertible
+from ibex_context.client.integrations.litellm_routes import NotAssembled, request_form
 from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
-
-CHAT_CALLS = frozenset({"completion", "acompletion"})
 
 __all__ = ["IbexContextHook"]  # and proxy_handler, built on first access (__getattr__)
 
@@ -120,17 +122,19 @@ class IbexContextHook(CustomLogger):
             if isinstance(who, Unmapped):
                 meta[RECORD_KEY] = record(None, "passed_through", [f"no org mapping for this caller: {who.reason}"])
                 return data
-            if call_type not in CHAT_CALLS or not isinstance(data.get("messages"), list):
-                meta[RECORD_KEY] = record(None, "passed_through", [f"{call_type} calls are not assembled"])
+            form = request_form(call_type, data)
+            if isinstance(form, str):
+                meta[RECORD_KEY] = record(None, "passed_through", [form])
                 return data
             requested = str(data.get("model"))
             model = self.core.model(requested, _deployments(requested, getattr(user_api_key_dict, "team_id", None)))
-            assembly = await self.core.assemble(who, model, data)
+            assembly = await self.core.assemble(who, model, form, data.get("litellm_call_id"))
         except Refused as exc:
             raise HTTPException(status_code=exc.status, detail=exc.message) from None
-        if assembly.messages is None:  # pragma: no cover - a chat request always answers messages
-            raise HTTPException(status_code=500, detail="ibex-context: the assembly has no messages")
-        data["messages"] = assembly.messages
+        try:
+            form.write(data, assembly)  # in the route's own shape
+        except (NotAssembled, Unconvertible) as exc:  # pragma: no cover - a chat request always answers messages
+            raise HTTPException(status_code=500, detail=f"ibex-context: {exc}") from None
         status = "degraded" if assembly.degraded else "assembled"
         # the usage is matched to this assembly by the hook's own key, not LiteLLM's call id (the caller's)
         meta[RECORD_KEY] = record(assembly, status, assembly.degraded_reasons, self.core.remember(who, assembly))

@@ -29,6 +29,7 @@ from ibex_context.client.integrations.litellm_config import (
     map_model,
     resolve_identity,
 )
+from ibex_context.client.integrations.litellm_routes import Form
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import ErrorCode, IbexError
 from ibex_context.shared.models import AssembleResponse
@@ -61,16 +62,16 @@ class Pending:
 
 
 def last_user_text(messages: list[Any], limit: int) -> str:
-    """The retrieval query: the text of the latest user message (text parts only), cut to ``limit``."""
+    """The retrieval query: the text of the latest user message that has text (text parts only;
+    an Anthropic user turn of tool results only has none), cut to ``limit``."""
     for msg in reversed(messages):
         if isinstance(msg, Mapping) and msg.get("role") == "user":
             content = msg.get("content")
-            if isinstance(content, str):
-                return content[:limit]
             if isinstance(content, list):
                 texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
-                return " ".join(t for t in texts if isinstance(t, str))[:limit]
-            return ""
+                content = " ".join(t for t in texts if isinstance(t, str))
+            if isinstance(content, str) and content:
+                return content[:limit]
     return ""
 
 
@@ -117,15 +118,15 @@ class HookCore:
         except IbexError as exc:
             raise Refused(400, f"ibex-context: {exc.message}") from None
 
-    async def assemble(self, who: Caller, model: str, data: dict[str, Any]) -> AssembleResponse:
-        """The assembly for this call (``assemble_or_degrade``: a service fault degrades, a caller
-        fault is ``Refused`` with the service's one-line reason)."""
-        messages = data.get("messages") or []
+    async def assemble(self, who: Caller, model: str, form: Form, call_id: object = None) -> AssembleResponse:
+        """The assembly for this call's conversation (``assemble_or_degrade``: a service fault
+        degrades, a caller fault is ``Refused`` with the service's one-line reason)."""
         fields: dict[str, Any] = {
-            "org_id": who.org_id, "agent_id": who.agent_id, "model": model, "format": "openai",
-            "query": last_user_text(messages, self.config.query_chars), "messages": messages,
-            "tools": data.get("tools") or [], "options": self.config.options, "history": self.config.history}
-        call_id = data.get("litellm_call_id")
+            "org_id": who.org_id, "agent_id": who.agent_id, "model": model, "format": form.format,
+            "query": last_user_text(form.messages, self.config.query_chars), "messages": form.messages,
+            "tools": form.tools, "options": self.config.options, "history": self.config.history}
+        if form.system is not None:
+            fields["system"] = form.system
         if isinstance(call_id, str) and 0 < len(call_id) <= 128:
             fields["request_id"] = call_id  # one id in LiteLLM's logs and the service's: a label, not a key
         try:
