@@ -263,7 +263,7 @@ def create_app(
     clock: Callable[[], float] = time.time,
 ) -> MemoryApp:
     """Build the ASGI app. ``clock`` (epoch seconds) is only used for recency and defaults."""
-    svc = MemoryService(config, embedder or load_embedder(config.embedder), enable_faults=enable_faults,
+    svc = MemoryService(config, embedder or load_embedder(config.embedder, config), enable_faults=enable_faults,
                         clock=clock)
 
     @asynccontextmanager

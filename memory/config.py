@@ -38,7 +38,18 @@ class MemoryConfig(BaseSettings):
 
     secret: str = Field(DEV_SECRET, min_length=8, description="IBEX_MEMORY_SECRET: token HMAC key.")
     redis_url: str | None = Field(None, validation_alias="IBEX_REDIS_URL")
-    embedder: Literal["minilm", "static", "hash"] = Field("minilm", description="IBEX_MEMORY_EMBEDDER")
+    embedder: Literal["minilm", "static", "hash", "openai"] = Field(
+        "minilm", description="IBEX_MEMORY_EMBEDDER: minilm, static, hash, or openai (an OpenAI-compatible "
+                              "/v1/embeddings endpoint: IBEX_MEMORY_EMBED_URL, IBEX_MEMORY_EMBED_MODEL).")
+    embed_url: str | None = Field(None, description="IBEX_MEMORY_EMBED_URL: base URL of the embeddings endpoint.")
+    embed_model: str = Field("", description="IBEX_MEMORY_EMBED_MODEL: the model the endpoint is asked for.")
+    embed_api_key: str | None = Field(None, description="IBEX_MEMORY_EMBED_API_KEY: sent as a bearer token.")
+    embed_dim: int | None = Field(None, ge=1, le=8192,
+                                  description="IBEX_MEMORY_EMBED_DIM: expected dimension (default: probed at start).")
+    embed_min_similarity: float = Field(
+        0.30, ge=0.0, le=1.0,
+        description="IBEX_MEMORY_EMBED_MIN_SIMILARITY: the remote model's retrieval cosine cutoff.")
+    embed_timeout_ms: float = Field(2000.0, gt=0, description="IBEX_MEMORY_EMBED_TIMEOUT_MS: per request.")
     relevance_floor: float = Field(
         DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.5."
     )

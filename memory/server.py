@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     # machine made one MiniLM query cost 430 ms of wall instead of 13 ms (README "Selection quality").
     threadpool_limits(limits=1, user_api="blas")
     try:
-        embedder = load_embedder(config.embedder)
+        embedder = load_embedder(config.embedder, config)
     except EmbedderUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
