@@ -30,6 +30,7 @@ from ibex_context.memory.app import create_app
 from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import EMBEDDERS, EmbedderUnavailable, load_embedder
 from ibex_context.memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
+from ibex_context.memory.http import ApiError
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
 from ibex_context.shared.netloc import is_loopback_host
 from ibex_context.shared.observability import setup_logging
@@ -112,8 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     threadpool_limits(limits=1, user_api="blas")
     try:
         embedder = load_embedder(config.embedder, config)
+        probe = getattr(embedder, "load", None) if config.embedder == "openai" else None
+        if callable(probe):  # a remote endpoint must answer (and say its dimension) before serving
+            probe()
     except EmbedderUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ApiError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
         return 2
     embedded: EmbeddedRedis | None = None
     try:

@@ -148,3 +148,17 @@ def test_configuration_errors_are_one_line() -> None:
         RemoteEmbedder("http://127.0.0.1:1", "")
     with pytest.raises(RuntimeError, match="after load"):
         _ = RemoteEmbedder("http://127.0.0.1:1", MODEL).dim
+
+
+def test_an_endpoint_down_at_start_is_a_one_line_error(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("IBEX_")},
+           "IBEX_MEMORY_EMBEDDER": "openai", "IBEX_MEMORY_EMBED_URL": "http://127.0.0.1:9",
+           "IBEX_MEMORY_EMBED_MODEL": MODEL}
+    r = subprocess.run([sys.executable, "-m", "ibex_context.memory.server", "--port", "0"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "unreachable" in r.stderr
