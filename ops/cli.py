@@ -2,7 +2,8 @@
 
     ibex-context demo                 start the stack (if needed), seed demo data, print assemblies
     ibex-context up | down | status   the stack under supervisord, in the background (state in
-                                      $IBEX_RUN_DIR, default ./.run)
+                                      $IBEX_RUN_DIR, default ./.run); up --role broker|workers|memory|redis
+                                      runs one host's part of a deployment over several machines
     ibex-context assemble ...         one assembly against the running stack
     ibex-context explain ...          the whole CPU pipeline offline on JSON files (no network)
     ibex-context directive ...        set / show / delete an agent's directive in Redis
@@ -44,13 +45,30 @@ def _explain_parser(sub: Any) -> None:
     p.add_argument("--format", choices=["json", "table"], default="table", help="output format (default: table)")
 
 
+def _up_parser(sub: Any) -> None:
+    p = sub.add_parser("up", help="start this host's roles in the background under supervisord",
+                       description="Start the stack, or this host's part of a deployment over several machines "
+                                   "(README \"Deploying on several machines\"), in the background under supervisord.")
+    p.add_argument("--role", action="append", default=[], metavar="ROLE[,ROLE]", type=utf8_arg,
+                   help="all (default: every role, a private Redis unless IBEX_REDIS_URL is set), or any of "
+                        "broker, workers, memory, redis")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes on this host (default: IBEX_WORKERS, else one per usable CPU)")
+    p.add_argument("--connect", action="append", default=[], metavar="URL", type=utf8_arg,
+                   help="what this host uses but does not run: tcp://HOST:PORT a broker backend (repeat for "
+                        "several), http://HOST:PORT the memory service, redis://... the Redis")
+    p.add_argument("--name", default=None, type=utf8_arg,
+                   help="this host's name in worker ids, NAME-w00... (default: the host name)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = CliParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _explain_parser(sub)
     assemble_parser(sub)
-    for name, text in [("up", "start the stack in the background under supervisord"),
-                       ("down", "stop the background stack"), ("status", "show the broker's counters and workers")]:
+    _up_parser(sub)
+    for name, text in [("down", "stop the background stack"),
+                       ("status", "show this host's roles: the broker's counters and workers, program states")]:
         sub.add_parser(name, help=text, description=text)
     d = sub.add_parser("demo", help="start the stack, seed demo data and print demo assemblies")
     d.add_argument("--keep", action="store_true", default=True, help="leave the stack running (default)")
@@ -77,16 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _status() -> int:
-    """The broker's counters as JSON; one line and exit 1 when there is nothing to ask."""
+    """This host's report as JSON (ops.hoststatus); one line and exit 1 when a role is not healthy."""
     import ibex_context.ops.stack as stack
-    status = stack.status()
-    if status is not None:
-        print(json.dumps(status, indent=2))
-        return 0
-    if not stack.running():
-        return _fail(PROG, "stack is not running (start it with `make up`)", 1)
-    return _fail(f"{PROG} status", f"the broker did not answer within 1 s although the stack is up "
-                                   f"(logs in {stack.run_dir_of(stack.CONF) / 'logs'})", 1)
+    from ibex_context.ops.hoststatus import StatusFailed, host_status
+
+    try:
+        report, problems = host_status(stack.CONF)
+    except StatusFailed as exc:
+        prog = PROG if not stack.running() else f"{PROG} status"
+        return _fail(prog, str(exc), 1)
+    print(json.dumps(report, indent=2))
+    if problems:
+        return _fail(f"{PROG} status", f"not healthy: {', '.join(problems)}", 1)
+    return 0
 
 
 def _keys(args: Any) -> int:
@@ -166,11 +187,13 @@ def _stack_command(args: Any) -> int:
     if args.cmd == "status":
         return _status()
     if args.cmd == "up":
-        return stack.up()
+        return stack.up(roles=args.role, workers=args.workers, connect=args.connect, name=args.name)
     if args.cmd == "down":
         return stack.down()
     if args.cmd == "demo":
-        return stack.demo(keep=args.keep, show=print_response)
+        from ibex_context.ops.demo import demo
+
+        return demo(keep=args.keep, show=print_response)
     return 2
 
 

@@ -1,0 +1,88 @@
+"""Checks against the running deployment before a host's workers start (``ibex-context up``).
+
+The settings every host must share are compared with what the deployment already uses, each
+failure one line naming the setting: the Redis answers at ``IBEX_REDIS_URL``, the memory service
+at ``IBEX_MEMORY_URL`` accepts a token minted with this host's ``IBEX_MEMORY_SECRET``, and this
+host's nonce secret has the fingerprint the running workers hold in Redis (``ops.nonce``).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import redis
+
+from ibex_context.ops.nonce import refused as nonce_refused
+from ibex_context.ops.nonce import worker_fingerprint
+from ibex_context.shared.settings import Settings
+from ibex_context.shared.tenancy import mint_org_token
+
+PROBE_ORG = "ibex-ops"  # an org no tenant uses: its hot list is empty, reading it changes nothing
+PROBE_AGENT = "status"
+
+
+class CheckFailed(Exception):
+    """A shared setting disagrees with the deployment (``code`` 2) or a service does not answer (1)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def redacted(url: str) -> str:
+    """A URL without its password, for messages and ``status``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.netloc.rpartition("@")[2]
+        user = parts.username or ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+def redis_ok(url: str) -> bool:
+    try:
+        with redis_client(url, 0.5) as client:
+            return bool(client.ping())
+    except (redis.RedisError, ValueError):
+        return False
+
+
+def memory_secret_accepted(url: str, secret: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether the memory service at ``url`` accepts a token minted with ``secret``; None if it does not answer."""
+    token = mint_org_token(secret, PROBE_ORG)
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/memories/hot", params={"agent_id": PROBE_AGENT, "limit": 1},
+                      headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return r.status_code != 401
+
+
+def check_workers_host(settings: Settings, env: dict[str, str], *, private_redis: bool) -> None:
+    """Everything a host's workers need from the deployment, before they start (``CheckFailed``)."""
+    url = env["IBEX_REDIS_URL"]
+    try:
+        with redis_client(url) as client:
+            client.ping()
+            fp = worker_fingerprint(env.get("IBEX_NONCE_SECRET"), settings.memory_secret)
+            # A private Redis is this host's alone: no other host's workers can hold its lease.
+            why = None if private_redis else nonce_refused(client, fp)
+    except (redis.RedisError, ValueError) as exc:
+        raise CheckFailed(f"the Redis at IBEX_REDIS_URL {redacted(url)} does not answer: {exc}", 1) from None
+    if why is not None:
+        raise CheckFailed(why, 2)
+    memory = env["IBEX_MEMORY_URL"]
+    accepted = memory_secret_accepted(memory, settings.memory_secret)
+    if accepted is None:
+        raise CheckFailed(f"the memory service at IBEX_MEMORY_URL {redacted(memory)} does not answer", 1)
+    if not accepted:
+        raise CheckFailed(f"the memory service at IBEX_MEMORY_URL {redacted(memory)} refuses tokens minted with "
+                          "this host's IBEX_MEMORY_SECRET: set the same IBEX_MEMORY_SECRET on every host", 2)

@@ -1,0 +1,173 @@
+"""One ``ibex-context up``: start this host's roles under supervisord, in order, each one ready
+before what needs it (README, Quickstart and "Deploying on several machines").
+
+1. The key for the broker's STATUS when authentication is on (``ops.opskey``).
+2. supervisord, which starts this host's Redis, memory service and broker at once.
+3. Each of those ready: Redis answers PING, the memory service ``/healthz``, the broker STATUS.
+4. The settings a host's workers share with the deployment checked (``ops.deploy_checks``); on a
+   host with nothing of its own to wait for, before supervisord starts, so a refused host starts
+   nothing at all.
+5. The workers (and the nonce lease) started, then waited for: listed by the broker when this host
+   runs it or knows the frontends (``IBEX_BROKER_ENDPOINTS``), else running under supervisord.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ibex_context.ops import opskey
+from ibex_context.ops import stack as S
+from ibex_context.ops.deploy_checks import CheckFailed, check_workers_host, redacted, redis_ok
+from ibex_context.ops.procs import broker_status, wait_for
+from ibex_context.ops.roles import HostPlan
+from ibex_context.shared.settings import Settings
+
+
+class LaunchError(Exception):
+    """``up`` cannot go on: one line, and the exit status (2: a setting, 1: a service)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def host_workers(snapshot: dict[str, Any] | None, name: str) -> int:
+    """How many of host ``name``'s workers (ids ``NAME-wNN``) a broker's STATUS lists."""
+    if snapshot is None:
+        return -1
+    return sum(1 for wid in snapshot.get("workers", {}) if str(wid).startswith(f"{name}-w"))
+
+
+class Launch:
+    def __init__(self, *, conf: Path, run_dir: Path, settings: Settings, plan: HostPlan, timeout_s: float) -> None:
+        self.conf, self.run_dir, self.settings, self.plan = conf, run_dir, settings, plan
+        self.timeout_s = timeout_s
+        self.env = plan.env
+        self.logs = run_dir / "logs"
+        self.key: opskey.StatusKey | None = None
+        self.note: str | None = None
+        self.broker = S.probe_endpoint(settings.broker_frontend) if "broker" in plan.roles else None
+        self.checked = False
+
+    # ----------------------------------------------------------------------------- before start
+
+    def prepare(self) -> None:
+        """The STATUS key, the broker's public key for this host's workers, and the early checks."""
+        if "broker" in self.plan.roles:
+            self.key, self.note = opskey.broker_host_key(self.settings, self.run_dir, self.plan.name)
+            public = opskey.broker_public_key(self.settings)
+            if public is not None and not self.settings.broker_public_key:
+                self.env["IBEX_BROKER_PUBLIC_KEY"] = public.decode()  # workers here need it; it is public
+        elif self.settings.worker_key_file:
+            self.key = opskey.client_key(self.settings)
+        if "workers" in self.plan.roles and not self.plan.runs_redis and "memory" not in self.plan.roles:
+            self._check()
+
+    def _check(self) -> None:
+        try:
+            check_workers_host(self.settings, self.env, private_redis=self.plan.private_redis)
+        except CheckFailed as exc:
+            raise LaunchError(str(exc), exc.code) from None
+        self.checked = True
+
+    def frontends(self) -> list[str]:
+        """The brokers this host asks for STATUS: its own, else the configured frontends it can authenticate to."""
+        if self.broker is not None:
+            return [self.broker]
+        if "broker_endpoints" not in self.settings.model_fields_set:
+            return []
+        if self.settings.worker_key_file and self.key is None:
+            return []  # auth is on and no client key: readiness falls back to supervisord's view
+        return self.settings.endpoints()
+
+    def configure(self) -> Callable[[Any], None] | None:
+        return self.key.configure() if self.key is not None else None
+
+    # ----------------------------------------------------------------------------------- start
+
+    def run(self) -> int:
+        why = S._start_supervisord(self.conf, self.env)
+        if why is not None:
+            print(f"ibex-context up: supervisord did not start: {why}", file=sys.stderr)
+            return 1
+        if self.note:
+            print(self.note)
+        print(f"ibex-context: starting {self.plan.describe()} under supervisord ...")
+        try:
+            self._wait_services()
+            if "workers" in self.plan.roles:
+                if not self.checked:
+                    self._check()
+                self._start_workers()
+        except (RuntimeError, LaunchError) as exc:
+            code = exc.code if isinstance(exc, LaunchError) else 1
+            tail = "" if isinstance(exc, LaunchError) else f"\n(logs in {self.logs})"
+            print(f"ibex-context up: {exc}{tail}", file=sys.stderr)
+            S.down(conf=self.conf)
+            return code
+        self._record()
+        print(f"ibex-context: up. {self._summary()}; logs in {self.logs}")
+        return 0
+
+    def _wait_services(self) -> None:
+        if self.plan.runs_redis:
+            wait_for("redis", lambda: redis_ok(self.plan.redis_url), self.timeout_s, self.logs / "redis.log")
+        if "memory" in self.plan.roles:
+            wait_for("memory service", lambda: S.memory_healthy(self.plan.memory_url), self.timeout_s,
+                     self.logs / "memory.log")
+        if self.broker is not None:
+            broker = self.broker
+            wait_for("broker", lambda: broker_status(broker, 0.5, configure=self.configure()) is not None,
+                     self.timeout_s, self.logs / "broker.log")
+
+    def _start_workers(self) -> None:
+        names = ["worker:*"] if self.plan.private_redis else ["nonce-lease", "worker:*"]
+        out = S._supervisor("supervisorctl", self.conf, "start", *names, env=self.env)
+        if "ERROR" in out.stdout or "ERROR" in out.stderr:
+            raise RuntimeError(f"supervisorctl start {' '.join(names)}: {' '.join(out.stdout.split())}")
+        n, name, frontends = self.plan.workers, self.plan.name, self.frontends()
+        log = self.logs / "worker-00.log"
+        if frontends:
+            def listed() -> bool:
+                return all(host_workers(broker_status(f, 0.5, configure=self.configure()), name) >= n
+                           for f in frontends)
+
+            wait_for(f"{n} worker(s) of {name} at {', '.join(frontends)}", listed, self.timeout_s, log)
+            return
+
+        def running() -> bool:
+            states = S.programs(self.conf)
+            return sum(1 for p, st in states.items() if p.startswith("worker:") and st == "RUNNING") >= n
+
+        wait_for(f"{n} worker(s) running", running, self.timeout_s, log)
+
+    # ------------------------------------------------------------------------------------ after
+
+    def _record(self) -> None:
+        roles = sorted(self.plan.roles) + (["redis"] if self.plan.private_redis else [])
+        state = {"roles": sorted(set(roles)), "split": self.plan.split, "private_redis": self.plan.private_redis,
+                 "name": self.plan.name,
+                 "workers": self.plan.workers, "broker": self.broker, "frontends": self.frontends(),
+                 "memory_url": self.plan.memory_url, "redis_url": self.plan.redis_url,
+                 "status_key": None if self.key is None else {"key_file": self.key.key_file,
+                                                               "broker_public": self.key.broker_public}}
+        S.write_host_file(self.run_dir, state)
+        if self.plan.redis_url:
+            S._record_redis_url(self.plan.redis_url, self.run_dir)
+
+    def _summary(self) -> str:
+        parts = []
+        if self.broker is not None:
+            parts.append(f"broker {self.broker}")
+        if "workers" in self.plan.roles:
+            parts.append(f"{self.plan.workers} worker(s) as {self.plan.name}-wNN")
+        if "memory" in self.plan.roles or "workers" in self.plan.roles:
+            parts.append(f"memory {self.plan.memory_url}")
+        if self.plan.redis_url:
+            parts.append(f"redis {redacted(self.plan.redis_url)}")
+        if self.broker is not None:
+            parts.append(S._metrics_text(int(self.env["IBEX_METRICS_PORT"])))
+        return ", ".join(parts)
