@@ -28,7 +28,7 @@ from threadpoolctl import threadpool_limits
 
 from ibex_context.memory.app import create_app
 from ibex_context.memory.config import MemoryConfig
-from ibex_context.memory.embed import EMBEDDERS, EmbedderUnavailable, load_embedder
+from ibex_context.memory.embed import EMBEDDERS, Embedder, EmbedderUnavailable, load_embedder
 from ibex_context.memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
 from ibex_context.memory.http import ApiError
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
@@ -91,6 +91,23 @@ def write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
+def _embedder(config: MemoryConfig) -> Embedder | None:
+    """The configured embedder, or None after one line on stderr; a remote endpoint must answer
+    (and say its dimension) before the service serves."""
+    try:
+        embedder = load_embedder(config.embedder, config)
+        probe = getattr(embedder, "load", None) if config.embedder == "openai" else None
+        if callable(probe):
+            probe()
+    except EmbedderUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    except ApiError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return None
+    return embedder
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = MemoryServiceSettings()
     args = _parser(settings).parse_args(argv)
@@ -111,16 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     # One BLAS thread: requests already run side by side, and OpenBLAS threads spinning on a busy
     # machine made one MiniLM query cost 430 ms of wall instead of 13 ms (README "Selection quality").
     threadpool_limits(limits=1, user_api="blas")
-    try:
-        embedder = load_embedder(config.embedder, config)
-        probe = getattr(embedder, "load", None) if config.embedder == "openai" else None
-        if callable(probe):  # a remote endpoint must answer (and say its dimension) before serving
-            probe()
-    except EmbedderUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ApiError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+    embedder = _embedder(config)
+    if embedder is None:
         return 2
     embedded: EmbeddedRedis | None = None
     try:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,17 @@ class MemoryServiceHandle:
 
     def flush(self) -> None:
         flush_redis(self.redis_url)
+
+
+@contextmanager
+def memory_service_with(redis_url: str, workdir: Path, **env: str) -> Iterator[MemoryServiceHandle]:
+    """A memory service of its own with extra ``IBEX_MEMORY_*`` settings, running for the block."""
+    handle = MemoryServiceHandle(redis_url=redis_url, workdir=workdir, extra_env=env)
+    handle.start()
+    try:
+        yield handle
+    finally:
+        handle.stop()
 
 
 @pytest.fixture(scope="session")

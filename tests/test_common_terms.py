@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from ibex_context.memory.terms import TermTable, estimate_df, split_terms
-from tests.fixtures_services import MemoryServiceHandle
+from tests.fixtures_services import MemoryServiceHandle, memory_service_with
 from tests.test_memory_service import mem
 
 SCAN_MAX = 5
@@ -53,13 +53,8 @@ def test_a_sample_count_estimates_the_document_frequency() -> None:
 
 @pytest.fixture
 def service(redis_url: str, tmp_path: Path) -> Iterator[MemoryServiceHandle]:
-    handle = MemoryServiceHandle(redis_url=redis_url, workdir=tmp_path,
-                                 extra_env={"IBEX_MEMORY_TERM_SCAN_MAX": str(SCAN_MAX)})
-    handle.start()
-    try:
+    with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_TERM_SCAN_MAX=str(SCAN_MAX)) as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 def _search(http: httpx.Client, service: MemoryServiceHandle, org: str, query: str) -> list[dict[str, Any]]:
@@ -100,10 +95,8 @@ def test_a_common_word_scores_candidates_as_a_full_scan_does(service: MemoryServ
 
 
 def test_a_rare_word_is_still_scanned_in_a_large_agent(redis_url: str, tmp_path: Path) -> None:
-    handle = MemoryServiceHandle(redis_url=redis_url, workdir=tmp_path, extra_env={
-        "IBEX_MEMORY_TERM_SCAN_MAX": str(SCAN_MAX), "IBEX_MEMORY_MAX_CANDIDATES": "3"})
-    handle.start()
-    try:
+    with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_TERM_SCAN_MAX=str(SCAN_MAX),
+                             IBEX_MEMORY_MAX_CANDIDATES="3") as handle:
         handle.flush()
         handle.seed([mem("acme", "bot", f"filler {i} about the weekly standup", memory_id=f"f{i}")
                      for i in range(300)]
@@ -112,8 +105,6 @@ def test_a_rare_word_is_still_scanned_in_a_large_agent(redis_url: str, tmp_path:
         with httpx.Client(base_url=handle.url, timeout=10.0) as http:
             # New words counted in the sample, then known.
             rounds = [_search(http, handle, "acme", "zebra standup") for _ in range(2)]
-    finally:
-        handle.stop()
     # standup (300 of 302) is common, zebra (2) rare: scanned in full, so both of its memories are
     # found although the vector side's 3 candidates need not hold them.
     for hits in rounds:
@@ -121,10 +112,8 @@ def test_a_rare_word_is_still_scanned_in_a_large_agent(redis_url: str, tmp_path:
 
 
 def test_a_common_word_never_brings_in_a_memory_nothing_else_found(redis_url: str, tmp_path: Path) -> None:
-    handle = MemoryServiceHandle(redis_url=redis_url, workdir=tmp_path, extra_env={
-        "IBEX_MEMORY_TERM_SCAN_MAX": str(SCAN_MAX), "IBEX_MEMORY_MAX_CANDIDATES": "3"})
-    handle.start()
-    try:
+    with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_TERM_SCAN_MAX=str(SCAN_MAX),
+                             IBEX_MEMORY_MAX_CANDIDATES="3") as handle:
         handle.flush()
         handle.seed([mem("acme", "bot", f"invoice invoice invoice {i}", memory_id=f"i{i}") for i in range(10)]
                     + [mem("acme", "bot", "zebra crossing permits", memory_id="z0")])
@@ -132,8 +121,6 @@ def test_a_common_word_never_brings_in_a_memory_nothing_else_found(redis_url: st
             _search(http, handle, "acme", "invoice")  # learnt common
             hits = _search(http, handle, "acme", "zebra permits invoice")
             assert _scored(http) == 1
-    finally:
-        handle.stop()
     found = [h["memory_id"] for h in hits]
     assert found[0] == "z0"
     # The pool is the rare words' and the vector side's 3 best each: the common word scores

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from ibex_context.memory.embed import HashingEmbedder
 from ibex_context.memory.remote_embed import RemoteEmbedder
-from tests.fixtures_services import MemoryServiceHandle
+from tests.fixtures_services import MemoryServiceHandle, memory_service_with
 
 MODEL = "text-embedder-test"
 KEY = "sk-embed-test"
@@ -91,15 +91,10 @@ def endpoint() -> Iterator[Endpoint]:
 
 @pytest.fixture
 def service(endpoint: Endpoint, redis_url: str, tmp_path: Path) -> Iterator[MemoryServiceHandle]:
-    handle = MemoryServiceHandle(redis_url=redis_url, workdir=tmp_path, extra_env={
-        "IBEX_MEMORY_EMBEDDER": "openai", "IBEX_MEMORY_EMBED_URL": endpoint.url, "IBEX_MEMORY_EMBED_MODEL": MODEL,
-        "IBEX_MEMORY_EMBED_API_KEY": KEY})
-    handle.start()
-    handle.flush()
-    try:
+    with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_EMBEDDER="openai", IBEX_MEMORY_EMBED_URL=endpoint.url,
+                             IBEX_MEMORY_EMBED_MODEL=MODEL, IBEX_MEMORY_EMBED_API_KEY=KEY) as handle:
+        handle.flush()
         yield handle
-    finally:
-        handle.stop()
 
 
 def test_writes_and_searches_embed_through_the_endpoint(service: MemoryServiceHandle, endpoint: Endpoint) -> None:

@@ -15,19 +15,15 @@ import pytest
 import redis
 
 from ibex_context.shared.keys import org_memory_bytes_key
-from tests.fixtures_services import MemoryServiceHandle
+from tests.fixtures_services import MemoryServiceHandle, memory_service_with
 
 
 @pytest.fixture
 def quota_service(redis_url: str, tmp_path: Path) -> Iterator[MemoryServiceHandle]:
-    handle = MemoryServiceHandle(redis_url=redis_url, workdir=tmp_path, extra_env={
-        "IBEX_MEMORY_MAX_AGENTS_PER_ORG": "2", "IBEX_MEMORY_MAX_BYTES_PER_ORG": "300"})
-    handle.start()
-    handle.flush()
-    try:
+    with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_MAX_AGENTS_PER_ORG="2",
+                             IBEX_MEMORY_MAX_BYTES_PER_ORG="300") as handle:
+        handle.flush()
         yield handle
-    finally:
-        handle.stop()
 
 
 def _write(http: httpx.Client, svc: MemoryServiceHandle, org: str, agent: str, content: str,
