@@ -15,6 +15,8 @@
   bad fields or timeout, text that is not UTF-8, a payload over ``IBEX_MAX_REQUEST_BYTES`` (the
   broker would drop the whole connection, failing every request in flight on it), a malformed
   endpoint, and any use after ``close()`` (``ClientClosed``). README: The client library.
+* A chat conversation's images travel as their size and digest, and a reply as a layout over the
+  caller's own conversation, which the client rebuilds (``client.wire``; README "Size limits").
 
 Thread safety: ``AsyncClient`` belongs to the event loop that first uses it and is safe to share
 across tasks on that loop. ``SyncClient`` runs its own loop on a background thread and is safe to
@@ -46,9 +48,10 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
 )
 from ibex_context.client.sync import SyncClient
 from ibex_context.client.usage import USAGE_ID_PREFIX, usage_payload
+from ibex_context.client.wire import Outgoing, outgoing, too_large
 from ibex_context.shared import protocol as P
 from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.codec import decode_reply, validate
+from ibex_context.shared.codec import decode_reply
 from ibex_context.shared.errors import (
     DeadlineExceeded,
     ErrorCode,
@@ -226,18 +229,15 @@ class AsyncClient:
         return None
 
     def _encode(self, request: AssembleRequest | None, fields: dict[str, Any],
-                deadline_ns: int) -> tuple[str, list[bytes]]:
-        """(request_id, request frames), refused here when the payload is over the size limit.
-
-        The broker's ZMQ_MAXMSGSIZE drops the whole connection on an oversized message, failing
-        every request in flight on it; only the client can keep one big request from doing that.
-        """
-        rid, header, payload = encode_request(request, fields, deadline_ns)
+                deadline_ns: int) -> tuple[Outgoing, list[bytes]]:
+        """(the call's request as made and as sent, its frames); a payload over the size limit is
+        refused here: the broker's ZMQ_MAXMSGSIZE would drop the whole connection, failing every
+        request in flight on it, and only the client can keep one big request from doing that."""
+        out = outgoing(build(request, fields, deadline_ns))  # images as stubs (client.wire)
+        _, header, payload = encode_request(out.sent, {}, deadline_ns)
         if len(payload) > self.max_request_bytes:
-            raise InvalidRequest(f"request payload is {len(payload)} bytes, over the limit of {self.max_request_bytes} "
-                                 "bytes (IBEX_MAX_REQUEST_BYTES); shorten recent_messages or tool_schemas",
-                                 field="<payload>", request_id=rid)
-        return rid, P.request_frames(header, payload)
+            raise too_large(out.sent, len(payload), self.max_request_bytes)
+        return out, P.request_frames(header, payload)
 
     async def assemble(self, request: AssembleRequest | None = None, *, timeout: float | None = None,
                        **fields: Any) -> AssembleResponse:
@@ -249,7 +249,11 @@ class AsyncClient:
         """
         self._check_open()
         timeout = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
-        rid, frames = self._encode(request, fields, time.time_ns() + int(timeout * 1e9))
+        out, frames = self._encode(request, fields, time.time_ns() + int(timeout * 1e9))
+        return out.restore(await self._send(out.sent.request_id, frames, timeout))
+
+    async def _send(self, rid: str, frames: list[bytes], timeout: float) -> AssembleResponse:
+        """The reply to ``frames``, from the first broker that answers in time (failing over)."""
         await self.start()
         end = time.monotonic() + timeout
         tried: set[int] = set()
@@ -349,26 +353,22 @@ class AsyncClient:
         if fallback_directive is not None and not isinstance(fallback_directive, str):
             raise InvalidRequest(f"fallback_directive must be a str or None, got {type(fallback_directive).__name__}",
                                  field="fallback_directive")
-        req = build(request, fields, time.time_ns())
         seconds = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
         end = time.monotonic() + seconds
+        out, frames = self._encode(request, fields, time.time_ns() + int(seconds * 1e9))
         try:
-            return await self.assemble(req, timeout=seconds)
+            return out.restore(await self._send(out.sent.request_id, frames, seconds))
         except IbexError as exc:
             if exc.code in CALLER_FAULTS:
                 raise
             failure = exc
-        return await self._degrade(req, failure, fallback_directive, end)
+        return out.restore(await self._degrade(out.sent, failure, fallback_directive, end))
 
     async def _degrade(self, req: AssembleRequest, exc: IbexError, fallback_directive: str | None,
                        end: float) -> AssembleResponse:
-        """The degraded response by ``end`` (``Fallback.catalog``), after the checks the worker would
-        have made (an outage skipped them)."""
-        if self._fallback is None:  # pragma: no cover - assemble() started the client before any service fault
+        """The degraded response by ``end`` (``Fallback.respond``) to the request as sent."""
+        if self._fallback is None:  # pragma: no cover - _send() started the client before any service fault
             raise Internal("the client's fallback was never started")
-        checked = validate(req.model_dump(mode="python"), AssembleRequest)  # e.g. NaN inside tool_schemas
-        if isinstance(checked, ErrorReply):
-            raise to_exc(checked, req.request_id)
         return await self._fallback.respond(req, exc, fallback_directive, end)
 
     async def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:

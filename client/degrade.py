@@ -23,6 +23,8 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
+from ibex_context.client.requests import to_exc
+
 # The pipeline a degraded response runs, its chat-native part included: pipeline.assemble imports
 # that on a chat request's first use, ~0.2-0.5 s of schema building (1.5 s on a loaded machine)
 # that would land inside the first fallback's deadline, and on the loop. Code loads at import.
@@ -30,8 +32,9 @@ from ibex_context.pipeline import chat_assemble as _chat_assemble  # noqa: F401
 from ibex_context.pipeline.assemble import Policy, assemble
 from ibex_context.pipeline.hits import failed_result
 from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.codec import validate
 from ibex_context.shared.errors import ContextOverflow, IbexError, Internal
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchOutcome
+from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
 from ibex_context.shared.settings import Settings
 from ibex_context.shared.tokens import CachedCounter, EstimateKind
 
@@ -159,7 +162,11 @@ class Fallback:
     async def respond(self, req: AssembleRequest, exc: IbexError, fallback_directive: str | None,
                       end: float) -> AssembleResponse:
         """The degraded response, by ``end`` unless the byte bound finds the conversation over the
-        window: that is no proof it is, so the exact count decides (after the vocabularies load)."""
+        window: that is no proof it is, so the exact count decides (after the vocabularies load).
+        The request is checked as the worker would have checked it first (an outage skipped that)."""
+        checked = validate(req.model_dump(mode="python"), AssembleRequest)  # e.g. NaN inside tool_schemas
+        if isinstance(checked, ErrorReply):
+            raise to_exc(checked, req.request_id)
         catalog, note = await self.catalog(end)
         try:
             return degraded_response(req, exc, fallback_directive, catalog=catalog, settings=self.settings,

@@ -25,7 +25,7 @@ from typing import Any
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.budget import compute_budget
-from ibex_context.pipeline.chat_render import add_breakpoints, render_anthropic, render_openai
+from ibex_context.pipeline.chat_render import Layout, add_breakpoints, anthropic_layout, openai_layout
 from ibex_context.pipeline.count import (
     CountedSection,
     LineCache,
@@ -40,12 +40,12 @@ from ibex_context.pipeline.history import (
     HistoryPolicy,
     fit_history,
     history_budget,
-    latest_user_index,
 )
 from ibex_context.pipeline.types import ScoredMemory
 from ibex_context.shared.calibration import Calibration
 from ibex_context.shared.catalog import ModelSpec
 from ibex_context.shared.chat import Conversation, parse_conversation, to_wire, wire_system, wire_tools
+from ibex_context.shared.chat_layout import materialize
 from ibex_context.shared.errors import ContextOverflow, InvalidRequest
 from ibex_context.shared.models import AssembleRequest, BudgetBreakdown, HistoryDecision
 from ibex_context.shared.tokens import TokenCount, TokenCounter
@@ -182,49 +182,64 @@ def _budget(spec: ModelSpec, fam: str, kind: Any, prompt: Prompt, mem_text: int,
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ChatRender:
+    """What the proxy sends the provider: the layout (what a reply carries), the messages and, for
+    Anthropic, the system blocks it renders to here, and the ``cache_control`` breakpoints added."""
+
+    layout: Layout
+    messages: list[Message]
+    system: list[Any] | None
+    marked: list[str]
+
+
 def render_chat(plan: ChatPlan, directive: str | None, memory_block: str | None, *,
-                breakpoints: bool = False) -> tuple[list[Message], Any, list[str]]:
-    """The messages (and, for Anthropic, the system blocks) the proxy sends the provider as is,
-    and the ``cache_control`` breakpoints added (Anthropic, when asked)."""
+                breakpoints: bool = False) -> ChatRender:
+    """The provider-ready conversation, laid out over the caller's (``pipeline.chat_render``);
+    breakpoints are added for Anthropic when asked."""
+    kept, indices = plan.fit.kept, plan.fit.kept_indices
     if plan.conversation.format == "openai":
-        return render_openai(plan.fit.kept, directive=directive, memory_block=memory_block,
-                             system_role=plan.prompt.role), None, []  # type: ignore[arg-type]
-    system_blocks, messages = render_anthropic(plan.system, plan.fit.kept, directive=directive,
-                                               memory_block=memory_block)
-    marked = add_breakpoints(system_blocks, messages, plan.tools) if breakpoints else []
-    return messages, system_blocks, marked
+        layout = openai_layout(kept, indices, directive=directive, memory_block=memory_block,
+                               system_role=plan.prompt.role)  # type: ignore[arg-type]
+        return ChatRender(layout, materialize(layout.wire, plan.messages)[0], None, [])
+    layout = anthropic_layout(plan.system, kept, indices, directive=directive, memory_block=memory_block)
+    messages, system = materialize(layout.wire, plan.messages, plan.system)
+    marked: list[str] = []
+    if breakpoints:
+        layout, marked = add_breakpoints(layout, system or [], messages, plan.tools)
+        messages, system = materialize(layout.wire, plan.messages, plan.system)
+    return ChatRender(layout, messages, system, marked)
 
 
-def stable_prefix_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, messages: list[Message],
-                         system: Any, block: str | None) -> int:
+def stable_prefix_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, out: ChatRender) -> int:
     """Tokens before the first part that depends on this turn's retrieval (the memory block):
     tools, system, directive and the conversation before it, counted by the provider's rules.
 
     The parts after it (the latest user turn, the reply priming) are not in it. Without a memory
     block everything but the priming is stable.
     """
+    messages, system, at = out.messages, out.system, out.layout.memory_message
     if plan.conversation.format == "openai":
-        at = next((i for i, m in enumerate(messages) if block is not None and m.get("content") is block),
-                  len(messages))
-        return cc.openai_prompt_tokens(messages[:at], plan.tools, counter, model=spec.name) - cc.REPLY_PRIMING
-    if block is not None and system and system[-1].get("text") is block:
+        before = messages if at is None else messages[:at]
+        return cc.openai_prompt_tokens(before, plan.tools, counter, model=spec.name) - cc.REPLY_PRIMING
+    if out.layout.memory_in_system and system:
         return cc.anthropic_prompt_tokens(system[:-1], [], plan.tools, counter, model=spec.name)
-    latest = latest_user_index("anthropic", messages) if block is not None else None
-    return cc.anthropic_prompt_tokens(system, messages[:latest], plan.tools, counter, model=spec.name)
+    return cc.anthropic_prompt_tokens(system, messages[:at], plan.tools, counter, model=spec.name)
 
 
-def prompt_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, messages: list[Message],
-                  system: Any, *, block: str | None = None, block_tokens: int | None = None) -> int:
+def prompt_tokens(plan: ChatPlan, spec: ModelSpec, counter: TokenCounter, out: ChatRender, *,
+                  block_tokens: int | None = None) -> int:
     """The count of exactly what is emitted, by the provider's rules. With ``block_tokens`` (the
     memories block's exact count, ``memory_block_tokens``) the OpenAI memory message is charged
     its frame plus that, instead of a fresh BPE pass over the block."""
+    messages, at = out.messages, out.layout.memory_message
     if plan.conversation.format == "openai":
-        if block is None or block_tokens is None:
+        if at is None or block_tokens is None:
             return cc.openai_prompt_tokens(messages, plan.tools, counter, model=spec.name)
-        rest = [m for m in messages if m.get("content") is not block]
+        rest = [*messages[:at], *messages[at + 1:]]
         return cc.openai_prompt_tokens(rest, plan.tools, counter, model=spec.name) + plan.prompt.memory_frame + \
             block_tokens
-    return cc.anthropic_prompt_tokens(system, messages, plan.tools, counter, model=spec.name)
+    return cc.anthropic_prompt_tokens(out.system, messages, plan.tools, counter, model=spec.name)
 
 
 def memory_block_tokens(counter: TokenCounter, kept: list[ScoredMemory], nonce: str,

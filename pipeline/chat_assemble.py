@@ -55,27 +55,26 @@ def assemble_chat(
         nonce = block_nonce(req, result, lines, base_nonce, derive=derive_nonce)
         formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
         block = next((s.text for s in formatted.rendered.sections if s.name == "memories"), "") or None
-        messages, system, marked = chat.render_chat(plan, retrieval.directive, block,
-                                                    breakpoints=req.options.cache_breakpoints)
+        out = chat.render_chat(plan, retrieval.directive, block, breakpoints=req.options.cache_breakpoints)
         exact_block = (chat.memory_block_tokens(counter, formatted.kept, nonce, lines)
                        if block is not None and counter.kind == "exact" else None)
-        total = chat.prompt_tokens(plan, spec, counter, messages, system, block=block, block_tokens=exact_block)
+        total = chat.prompt_tokens(plan, spec, counter, out, block_tokens=exact_block)
         if total <= limit or not result.packed:
             break
         # A bound was wrong (it never has been in the tests): pack again with the overshoot removed.
         result = pack(scored.scored, max(0, result.token_budget - (total - limit)))
     # What a usage report's ratio is taken against: the same prompt by the catalog's rule alone.
     uncalibrated = total if calibration is None else chat.prompt_tokens(
-        plan, spec, catalog.counter(spec.family.name), messages, system)
+        plan, spec, catalog.counter(spec.family.name), out)
     timings["formatting"] = _us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)
     resp = response(req, retrieval, planned, scored, result, formatted, timings=timings, nonce=nonce,
                     worker_id=worker_id)
     return resp.model_copy(update={
-        "format": plan.conversation.format, "messages": messages, "system": system, "prompt_tokens": total,
-        "prompt_tokens_kind": counter.kind, "prompt_tokens_uncalibrated": uncalibrated,
-        "history": chat.history_decisions(plan.fit),
-        "stable_prefix_tokens": chat.stable_prefix_tokens(plan, spec, counter, messages, system, block),
-        "cache_breakpoints": marked})
+        "format": plan.conversation.format, "messages": out.messages, "system": out.system,
+        "layout": out.layout.wire, "prompt_tokens": total, "prompt_tokens_kind": counter.kind,
+        "prompt_tokens_uncalibrated": uncalibrated, "history": chat.history_decisions(plan.fit),
+        "stable_prefix_tokens": chat.stable_prefix_tokens(plan, spec, counter, out),
+        "cache_breakpoints": out.marked})
 
 

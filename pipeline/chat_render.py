@@ -1,8 +1,12 @@
 """Provider-ready output: the kept conversation with the directive and the memory block placed in it.
 
-Pure and deterministic: the caller's message and block objects pass through as the same objects
-(images, tool calls and ``cache_control`` untouched); only the directive and memory block become
-new messages or blocks. Empty or absent text adds nothing (Anthropic refuses empty text blocks).
+Pure and deterministic. Each render is a ``ChatLayout`` (``shared.models``): the kept caller
+messages by index, and the directive, memory block and ``cache_control`` marks placed among them;
+``shared.chat_layout.materialize`` turns it into messages, here for counting and in the client
+library from the caller's own conversation. The caller's message and block objects pass through
+as the same objects (images, tool calls and ``cache_control`` untouched); only the directive and
+memory block become new messages or blocks. Empty or absent text adds nothing (Anthropic refuses
+empty text blocks).
 
 Placement follows how prompt caching works: "cache hits are only possible for exact prefix
 matches ... place static content like instructions and examples at the beginning of your
@@ -38,13 +42,26 @@ when retrieval returns the same memories the block, too, is the same bytes as la
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ibex_context.pipeline.history import Message, latest_user_index
+from ibex_context.shared.chat_layout import blocks_of, materialize
 from ibex_context.shared.errors import InvalidRequest
+from ibex_context.shared.models import ChatLayout, Piece, Placed
 
 SystemRole = Literal["system", "developer"]
 SYSTEM_ROLES: tuple[SystemRole, ...] = ("system", "developer")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A render: the wire layout, and where the memory block went (the output message holding it,
+    or the last system block), for the counts that stop before it."""
+
+    wire: ChatLayout
+    memory_message: int | None = None
+    memory_in_system: bool = False
 
 
 def _leading_system_count(messages: Sequence[Message]) -> int:
@@ -54,62 +71,73 @@ def _leading_system_count(messages: Sequence[Message]) -> int:
     return count
 
 
-def render_openai(kept_messages: Sequence[Message], *, directive: str | None, memory_block: str | None,
-                  system_role: SystemRole = "system") -> list[Message]:
+def openai_layout(kept: Sequence[Message], indices: Sequence[int], *, directive: str | None,
+                  memory_block: str | None, system_role: SystemRole = "system") -> Layout:
     """Chat Completions ``messages``: leading system messages, directive, history, memory block,
-    latest user turn and what follows it. ``system_role`` is the role of the two added messages."""
+    latest user turn and what follows it. ``indices`` are the kept messages' places in the caller's
+    conversation; ``system_role`` is the role of the two added messages."""
     if system_role not in SYSTEM_ROLES:
         raise InvalidRequest(f"system_role: must be one of {SYSTEM_ROLES}, got {system_role!r}", field="system_role")
-    out: list[Message] = list(kept_messages)
-    latest = latest_user_index("openai", out)
-    memory_at = len(out) if latest is None else latest
-    directive_at = _leading_system_count(out)
+    items: list[int | Placed] = list(indices)
+    latest = latest_user_index("openai", kept)
+    memory_at = len(items) if latest is None else latest
+    directive_at = _leading_system_count(kept)
     # Insert at the later position first so the earlier index stays valid (memory_at >= directive_at:
     # a user message is never a leading system message).
+    memory_message = None
     if memory_block:
-        out.insert(memory_at, {"role": system_role, "content": memory_block})
+        items.insert(memory_at, Placed(role=system_role, text=memory_block))
+        memory_message = memory_at
     if directive:
-        out.insert(directive_at, {"role": system_role, "content": directive})
-    return out
+        items.insert(directive_at, Placed(role=system_role, text=directive))
+        memory_message = None if memory_message is None else memory_message + 1
+    return Layout(ChatLayout(messages=items), memory_message)
 
 
-def _system_blocks(system: str | Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The caller's ``system`` as text blocks: a string becomes one block, a list passes through."""
-    if system is None or system == "":
-        return []
-    if isinstance(system, str):
-        return [{"type": "text", "text": system}]
-    return list(system)
+def render_openai(kept_messages: Sequence[Message], *, directive: str | None, memory_block: str | None,
+                  system_role: SystemRole = "system") -> list[Message]:
+    """``openai_layout``'s messages for the kept messages alone."""
+    layout = openai_layout(kept_messages, range(len(kept_messages)), directive=directive,
+                           memory_block=memory_block, system_role=system_role)
+    return materialize(layout.wire, kept_messages)[0]
 
 
-def _with_block_first(message: Message, text: str) -> Message:
-    """A copy of ``message`` with a text block placed first, after its leading ``tool_result`` blocks
+def _tool_results_first(blocks: Sequence[Any]) -> int:
+    """Where a text block may go in a user message: after its leading ``tool_result`` blocks
     (Anthropic requires tool results to come first in a user message's content)."""
-    content = message.get("content")
-    blocks: list[Any] = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
     at = 0
     while at < len(blocks) and isinstance(blocks[at], dict) and blocks[at].get("type") == "tool_result":
         at += 1
-    blocks.insert(at, {"type": "text", "text": text})
-    return {**message, "content": blocks}
+    return at
+
+
+def anthropic_layout(system: str | Sequence[dict[str, Any]] | None, kept: Sequence[Message],
+                     indices: Sequence[int], *, directive: str | None, memory_block: str | None) -> Layout:
+    """Messages API ``(system, messages)``: system blocks are the caller's then the directive; the
+    memory block is a text block at the start of the latest user turn (in ``system``, last, when
+    there is no user turn). Every other message passes through as the same object."""
+    pieces = [Piece(ref=k) for k in range(len(blocks_of(system)))] if system else []  # "" adds no block
+    if directive:
+        pieces.append(Piece(text=directive))
+    items: list[int | Placed] = list(indices)
+    latest = latest_user_index("anthropic", kept) if memory_block else None
+    if memory_block and latest is None:
+        pieces.append(Piece(text=memory_block))
+    elif memory_block and latest is not None:
+        blocks = blocks_of(kept[latest].get("content"))
+        content = [Piece(ref=k) for k in range(len(blocks))]
+        content.insert(_tool_results_first(blocks), Piece(text=memory_block))
+        items[latest] = Placed(ref=indices[latest], content=content)
+    return Layout(ChatLayout(messages=items, system=pieces), latest, bool(memory_block) and latest is None)
 
 
 def render_anthropic(system: str | Sequence[dict[str, Any]] | None, kept_messages: Sequence[Message], *,
                      directive: str | None, memory_block: str | None) -> tuple[list[dict[str, Any]], list[Message]]:
-    """Messages API ``(system, messages)``: system blocks are the caller's then the directive; the
-    memory block is a text block at the start of the latest user turn (in ``system``, last, when
-    there is no user turn). Every other message passes through as the same object."""
-    blocks = _system_blocks(system)
-    if directive:
-        blocks.append({"type": "text", "text": directive})
-    out: list[Message] = list(kept_messages)
-    if memory_block:
-        latest = latest_user_index("anthropic", out)
-        if latest is None:
-            blocks.append({"type": "text", "text": memory_block})
-        else:
-            out[latest] = _with_block_first(out[latest], memory_block)
-    return blocks, out
+    """``anthropic_layout``'s ``(system, messages)`` for the kept messages alone."""
+    layout = anthropic_layout(system, kept_messages, range(len(kept_messages)), directive=directive,
+                              memory_block=memory_block)
+    messages, blocks = materialize(layout.wire, kept_messages, system)
+    return blocks or [], messages
 
 
 MAX_BREAKPOINTS = 4  # Anthropic: "you can define up to 4 cache breakpoints"
@@ -127,37 +155,49 @@ def _caller_breakpoints(system: Sequence[dict[str, Any]], messages: Sequence[Mes
     return sum(map(_has_breakpoint, system)) + in_messages + sum(map(_has_breakpoint, tools))
 
 
-def add_breakpoints(system: list[dict[str, Any]], messages: list[Message], tools: Sequence[dict[str, Any]]
-                    ) -> list[str]:
-    """Mark ``{"type": "ephemeral"}`` after the stable parts, in place on copies of the blocks.
+def add_breakpoints(layout: Layout, system: Sequence[dict[str, Any]], messages: Sequence[Message],
+                    tools: Sequence[dict[str, Any]]) -> tuple[Layout, list[str]]:
+    """``layout`` with ``{"type": "ephemeral"}`` marks after the stable parts, and the paths marked;
+    ``system`` and ``messages`` are what ``layout`` renders to.
 
     The last system block (tools and system are then one cached prefix) and the last content block
     of the message just before the latest user turn (the whole earlier conversation). Anthropic
     allows four breakpoints per request, the caller's own included: with three or more already
-    used only what fits is added (the system one first). No user turn: nothing is marked. Returns
-    the paths marked.
+    used only what fits is added (the system one first). No user turn: nothing is marked.
     """
     latest = latest_user_index("anthropic", messages)
     if latest is None:  # the memory block is then the last system block: nothing stable to mark
-        return []
+        return layout, []
     room = MAX_BREAKPOINTS - _caller_breakpoints(system, messages, tools)
-    targets: list[tuple[str, list[Any], int]] = []
+    targets: list[tuple[str, int, Any]] = []
     if system:
-        targets.append(("system", system, len(system) - 1))
-    if latest > 0:
-        before = messages[latest - 1]
-        content = before.get("content")
-        blocks: list[Any] = [{"type": "text", "text": content}] if isinstance(content, str) and content else \
-            list(content) if isinstance(content, list) else []
-        if blocks:
-            messages[latest - 1] = {**before, "content": blocks}
-            targets.append((f"messages.{latest - 1}.content", blocks, len(blocks) - 1))
-    marked: list[str] = []
-    for prefix, blocks, i in targets:
-        block = blocks[i]
+        targets.append(("system", len(system) - 1, system[-1]))
+    content = messages[latest - 1].get("content") if latest > 0 else None
+    blocks = blocks_of(content) if content else []
+    if blocks:
+        targets.append((f"messages.{latest - 1}.content", len(blocks) - 1, blocks[-1]))
+    wire, marked = layout.wire, []
+    for prefix, i, block in targets:
         if room <= 0 or not isinstance(block, dict) or block.get("type") in _UNCACHEABLE or _has_breakpoint(block):
             continue
-        blocks[i] = {**block, "cache_control": {"type": "ephemeral"}}
+        wire = _mark_system(wire) if prefix == "system" else _mark_message(wire, latest - 1, len(blocks))
         marked.append(f"{prefix}.{i}")
         room -= 1
-    return marked
+    return Layout(wire, layout.memory_message, layout.memory_in_system), marked
+
+
+def _marked_last(pieces: Sequence[Piece]) -> list[Piece]:
+    return [*pieces[:-1], pieces[-1].model_copy(update={"cache": True})]
+
+
+def _mark_system(wire: ChatLayout) -> ChatLayout:
+    return wire.model_copy(update={"system": _marked_last(wire.system or [])})
+
+
+def _mark_message(wire: ChatLayout, at: int, n_blocks: int) -> ChatLayout:
+    """The layout with the last block of output message ``at`` (a caller's message) marked."""
+    item = wire.messages[at]
+    if isinstance(item, int):
+        item = Placed(ref=item, content=[Piece(ref=k) for k in range(n_blocks)])
+    placed = item.model_copy(update={"content": _marked_last(item.content or [])})
+    return wire.model_copy(update={"messages": [*wire.messages[:at], placed, *wire.messages[at + 1:]]})

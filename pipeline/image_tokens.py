@@ -1,7 +1,8 @@
 """What an image costs in prompt tokens, by the providers' published formulas.
 
-Pure functions over pixel sizes, plus ``image_size``, which reads the size from the header of a
-base64 PNG, JPEG, GIF or WebP image without decoding the picture. When the size is unknown (an
+Pure functions over pixel sizes, plus ``image_size``, which reads the size from the stub the
+client library sends for an image's bytes or from the header of a base64 PNG, JPEG, GIF or WebP
+image, without decoding the picture (``shared.images``). When the size is unknown (an
 image URL, a file id, a header we cannot read) every function charges the largest amount its
 formula allows for that model and detail: a request counted short is one the provider rejects.
 
@@ -18,13 +19,16 @@ Sources:
 
 from __future__ import annotations
 
-import binascii
 import math
 import re
-import struct
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
+
+from ibex_context.shared.images import STUB_PREFIX, base64_size, part_payload, sniff_size, stub_size
+
+__all__ = ["ANTHROPIC_IMAGE_CAP", "anthropic_image_tokens", "image_size", "model_key", "openai_image_tokens",
+           "openai_patches", "sniff_size"]
 
 # --- OpenAI: tile-based models -------------------------------------------------------------------
 # "detail: low" costs the base tokens; high and auto scale the image to fit 2048x2048, then (only
@@ -159,108 +163,16 @@ def anthropic_image_tokens(width: int | None, height: int | None) -> int:
     return math.ceil(area / _ANTHROPIC_PX_PER_TOKEN)
 
 
-# --- Image size from a base64 header -------------------------------------------------------------
-# Headers sit in the first bytes, except JPEG's frame header, which follows any EXIF/ICC segments
-# (usually well under 64 KiB). So we decode 4 KiB of base64, then 64 KiB, and the whole payload
-# only for a JPEG whose first 48 KiB held no frame: a large photo is not decoded on every count.
-_PREFIX_CHARS = (4096, 65536)
+# --- Image size ----------------------------------------------------------------------------------
 
 
 def image_size(part_or_block: dict[str, Any]) -> tuple[int, int] | None:
-    """(width, height) of an OpenAI ``image_url`` part or an Anthropic ``image`` block holding
+    """(width, height) of an OpenAI ``image_url`` part or an Anthropic ``image`` block: from the
+    stub the client library sent for its bytes (``shared.images``), else from the header of its
     base64 data; None for URLs, file ids, other encodings and headers we cannot read."""
-    data = _base64_payload(part_or_block)
-    if data is None:
+    payload = part_payload(part_or_block)
+    if payload is None:
         return None
-    for limit in (*_PREFIX_CHARS, len(data)):
-        head = _b64decode(data[:limit])
-        if head is None:
-            return None
-        size = sniff_size(head)
-        if size is not None or not head.startswith(b"\xff\xd8") or limit >= len(data):
-            return size
-    return None
-
-
-def _base64_payload(part: dict[str, Any]) -> str | None:
-    source = part.get("source")
-    if isinstance(source, dict):  # Anthropic: {"type": "base64", "media_type": ..., "data": ...}
-        data = source.get("data")
-        return data if source.get("type") == "base64" and isinstance(data, str) else None
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
-    if not isinstance(url, str) or not url.startswith("data:"):
-        return None
-    meta, comma, payload = url.partition(",")
-    return payload if comma and meta.endswith(";base64") else None
-
-
-def _b64decode(text: str) -> bytes | None:
-    text = "".join(text.split())
-    text = text[: len(text) // 4 * 4]
-    try:
-        return binascii.a2b_base64(text)
-    except (binascii.Error, ValueError):
-        return None
-
-
-def sniff_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a PNG, GIF, WebP or JPEG header; None for anything else."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR" and len(data) >= 24:
-        return _positive(*struct.unpack(">II", data[16:24]))
-    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
-        return _positive(*struct.unpack("<HH", data[6:10]))
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return _webp_size(data)
-    if data.startswith(b"\xff\xd8"):
-        return _jpeg_size(data)
-    return None
-
-
-def _positive(width: int, height: int) -> tuple[int, int] | None:
-    return (width, height) if width > 0 and height > 0 else None
-
-
-def _webp_size(data: bytes) -> tuple[int, int] | None:
-    """The three WebP bitstreams (https://developers.google.com/speed/webp/docs/riff_container)."""
-    chunk = data[12:16]
-    if chunk == b"VP8 " and len(data) >= 30 and data[23:26] == b"\x9d\x01\x2a":
-        w, h = struct.unpack("<HH", data[26:30])
-        return _positive(w & 0x3FFF, h & 0x3FFF)
-    if chunk == b"VP8L" and len(data) >= 25 and data[20] == 0x2F:
-        bits = int.from_bytes(data[21:25], "little")
-        return _positive((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1)
-    if chunk == b"VP8X" and len(data) >= 30:
-        w = int.from_bytes(data[24:27], "little") + 1
-        h = int.from_bytes(data[27:30], "little") + 1
-        return _positive(w, h)
-    return None
-
-
-# Start-of-frame markers carry the size; C4 (DHT), C8 (JPG) and CC (DAC) share the range but do not.
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-
-
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """Walk the JPEG segments to the first start-of-frame (ITU T.81, B.2.2)."""
-    i = 2
-    while i + 4 <= len(data):
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # standalone markers carry no length
-            i += 2
-            continue
-        (length,) = struct.unpack(">H", data[i + 2 : i + 4])
-        if marker in _SOF:
-            if i + 9 > len(data):
-                return None
-            height, width = struct.unpack(">HH", data[i + 5 : i + 9])
-            return _positive(width, height)
-        if length < 2:
-            return None
-        i += 2 + length
-    return None
+    if payload.startswith(STUB_PREFIX):
+        return stub_size(payload)
+    return base64_size(payload)

@@ -223,6 +223,48 @@ class HistoryDecision(_Wire):
     reason: str
 
 
+class Piece(_Wire):
+    """One content block of an assembled message (or of Anthropic's ``system``): block ``ref`` of
+    the caller's own content (a string content is one text block) or a new text
+    block ``text``; ``cache`` adds ``cache_control: {"type": "ephemeral"}`` to it."""
+
+    ref: NonNegInt | None = None
+    text: str | None = None
+    cache: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Piece:
+        if (self.ref is None) == (self.text is None):
+            raise ValueError("a piece is either ref (a caller block) or text (a new block)")
+        return self
+
+
+class Placed(_Wire):
+    """One message of the assembled conversation that is not a caller's message unchanged: caller
+    message ``ref`` with its content rebuilt from ``content``, or a new message (``role``, ``text``)."""
+
+    ref: NonNegInt | None = None
+    content: list[Piece] | None = None
+    role: Literal["system", "developer"] | None = None
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Placed:
+        if (self.ref is None) == (self.role is None) or (self.ref is None) == (self.text is None) \
+                or (self.content is None) != (self.ref is None):
+            raise ValueError("a placed message is either ref with content, or role with text")
+        return self
+
+
+class ChatLayout(_Wire):
+    """How the provider-ready conversation is made from the caller's own (README "Size limits"):
+    ``messages`` in order, an int being the caller's message at that index, unchanged; ``system``
+    Anthropic's system blocks (None for OpenAI). ``shared.chat_layout.materialize`` applies it."""
+
+    messages: list[NonNegInt | Placed]
+    system: list[Piece] | None = None
+
+
 class AssembleResponse(_Wire):
     v: int = PROTOCOL_VERSION
     request_id: RequestId
@@ -242,10 +284,13 @@ class AssembleResponse(_Wire):
     nonce: str
     worker_id: str = ""
     # Chat-native requests only: what the proxy sends the provider, as is (README "Chat-native
-    # assembly"), its exact (or estimated) token count, and the messages trimmed to fit.
+    # assembly"), its exact (or estimated) token count, and the messages trimmed to fit. On the
+    # wire a reply carries ``layout`` alone; the client library rebuilds ``messages`` and
+    # ``system`` from the caller's own conversation (``shared.chat_layout``).
     format: ChatFormat | None = None
     messages: list[dict[str, Any]] | None = None
     system: list[dict[str, Any]] | None = None
+    layout: ChatLayout | None = None
     prompt_tokens: NonNegInt | None = None
     prompt_tokens_kind: CountRule | None = None
     # What a usage report needs to match the provider's count to this assembly (README

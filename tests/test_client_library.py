@@ -75,7 +75,7 @@ async def test_oversized_request_fails_alone(stack: LocalStack) -> None:
         disconnects = c.stats["disconnects"]
     oversized = results.pop(4)
     assert type(oversized) is InvalidRequest, oversized
-    assert oversized.field == "<payload>" and oversized.request_id == "lib-99"
+    assert oversized.field == "recent_messages" and oversized.request_id == "lib-99"
     limit = Settings().max_request_bytes
     assert f"over the limit of {limit} bytes" in oversized.message
     size = int(oversized.message.split(" bytes")[0].rsplit(" ", 1)[1])
@@ -98,7 +98,7 @@ async def test_size_limit_is_the_setting_and_checked_before_sending(call: str) -
         with pytest.raises(InvalidRequest) as exc:
             await fn(timeout=5.0, **_fields(2, query="y" * 5000))
         assert time.monotonic() - t0 < 1.0  # refused, not sent and timed out
-    assert "over the limit of 4096 bytes" in exc.value.message and exc.value.field == "<payload>"
+    assert "over the limit of 4096 bytes" in exc.value.message and exc.value.field == "query"
 
 
 async def _outcome(coro: Any) -> Any:

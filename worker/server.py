@@ -24,6 +24,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ibex_context.shared import protocol as P
+from ibex_context.shared.chat_layout import for_wire
 from ibex_context.shared.codec import decode_request, encode, encode_error, header_mismatch, parse_header
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.loopsock import LoopSocket
@@ -242,13 +243,14 @@ class WorkerServer:
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)
-            body = encode(resp)
+            body = encode(for_wire(resp))  # a chat reply: the layout, not the caller's conversation again
             if len(body) > self.settings.max_reply_bytes:
                 self.stats["reply_too_large"] += 1
+                sent = "messages or tools" if req.format is not None else "recent_messages or tool_schemas"
                 raise InvalidRequest(
                     f"the reply would be {len(body)} bytes, over the {self.settings.max_reply_bytes}-byte reply "
-                    "limit (IBEX_MAX_REPLY_BYTES; it carries the history twice): send less history or fewer "
-                    "tool schemas", field="<reply>", request_id=req.request_id)
+                    f"limit (IBEX_MAX_REPLY_BYTES): send less in {sent}", field="<reply>",
+                    request_id=req.request_id)
             # What the broker's adaptive limit learns: a branch that timed out (or never started for
             # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
             overloaded = any(b.status == "timeout" for b in resp.branches.values())
