@@ -16,9 +16,10 @@ from pydantic import BaseModel, ValidationError
 from ibex_context.shared.errors import ErrorCode, IbexError, InvalidRequest
 from ibex_context.shared.keys import is_ident
 from ibex_context.shared.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.settings import default_max_request_bytes
 from ibex_context.shared.validation import first_error
 
-DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB; settings.max_request_bytes overrides
+DEFAULT_MAX_BYTES = default_max_request_bytes()  # settings.max_request_bytes overrides
 MAX_DEPTH = 32
 # Request fields that carry free-form JSON (tool schemas, a chat conversation): walked for depth
 # and for values JSON cannot carry before the model sees them.

@@ -9,10 +9,43 @@ environment surface and are converted to nanoseconds once by the code that uses 
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from importlib import resources
+from typing import Any
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# A conversation that fits the largest window in the model catalog must fit the wire (README "Size
+# limits"): the request limit is that window times this many bytes a token. Measured with o200k
+# (bench/wire_size.py): prose ~3.7 bytes a token, code ~4.0, JSON ~2.9, CJK ~1.8, deeply indented
+# code ~6.3; only long runs of one character pack more (a token can hold 128 spaces). Images do
+# not count: they travel as their size (shared.images).
+WIRE_BYTES_PER_TOKEN = 8
+# Room in a reply for what is not history: the memories block (twice, in rendered and sections),
+# decisions and the layout.
+REPLY_ALLOWANCE_BYTES = 4 << 20
+
+
+@functools.cache
+def largest_catalog_window() -> int:
+    """The largest ``context_window`` in the bundled model catalog, in tokens."""
+    text = resources.files(__package__ or "ibex_context.shared").joinpath("catalog.json").read_text("utf-8")
+    return max(int(m["context_window"]) for m in json.loads(text)["models"].values())
+
+
+def default_max_request_bytes() -> int:
+    """``IBEX_MAX_REQUEST_BYTES`` unset: the largest window at ``WIRE_BYTES_PER_TOKEN`` (16 MiB)."""
+    return largest_catalog_window() * WIRE_BYTES_PER_TOKEN
+
+
+def _default_max_reply_bytes(data: dict[str, Any]) -> int:
+    """Twice the request limit (a flat-form reply holds its history in ``rendered`` and again in
+    ``sections``) plus ``REPLY_ALLOWANCE_BYTES``."""
+    request = data.get("max_request_bytes")
+    return 2 * (request if isinstance(request, int) else default_max_request_bytes()) + REPLY_ALLOWANCE_BYTES
 
 
 def usable_cpus() -> int:
@@ -28,7 +61,8 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="IBEX_", extra="ignore", frozen=True, populate_by_name=True)
 
-    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request payload the service accepts.")
+    max_request_bytes: int = Field(default_factory=default_max_request_bytes, ge=1024,
+                                   description="Largest request payload the service accepts.")
     broker_public_key: str | None = Field(None, description="Clients and workers: broker public key or file.")
     log_level: str = "INFO"
 
@@ -45,11 +79,13 @@ class _LinkSettings(CommonSettings):
     """The broker <-> worker link: both ends must agree on these."""
 
     broker_backend: str = "tcp://127.0.0.1:5556"
-    # A reply carries the history twice (``rendered`` and ``sections``) plus memories and
-    # decisions, so it may legitimately be larger than its request: 4x by default. The worker
-    # checks every reply against this before sending and answers a typed error instead; the
-    # broker's backend accepts messages up to it, so no reply can ever disconnect a worker.
-    max_reply_bytes: int = Field(4 << 20, ge=64 << 10, description="Largest reply a worker sends.")
+    # A chat reply is a layout over the caller's conversation (shared.chat_layout), a flat one
+    # carries its history twice (``rendered`` and ``sections``): by default twice the request
+    # limit plus room for memories. The worker checks every reply against this before sending and
+    # answers a typed error instead; the broker's backend accepts messages up to it, so no reply
+    # can ever disconnect a worker.
+    max_reply_bytes: int = Field(default_factory=_default_max_reply_bytes, ge=64 << 10,
+                                 description="Largest reply a worker sends.")
     heartbeat_interval_ms: int = Field(1000, ge=10)
     heartbeat_liveness: int = Field(3, ge=1)
 

@@ -64,7 +64,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 # ---------------------------------------------------------------------------- 1. oversized requests
 
 async def test_oversized_request_fails_alone(stack: LocalStack) -> None:
-    big = _fields(99, recent_messages=[{"role": "user", "content": "x" * 1_200_000}])
+    big = _fields(99, recent_messages=[{"role": "user", "content": "x" * 2_000_000}] * 9)  # 18 MB, over 16 MiB
     async with AsyncClient(stack.frontend) as c:
         await c.wait_connected()
         calls = [c.assemble(timeout=10.0, **_fields(i)) for i in range(4)]
@@ -79,7 +79,7 @@ async def test_oversized_request_fails_alone(stack: LocalStack) -> None:
     limit = Settings().max_request_bytes
     assert f"over the limit of {limit} bytes" in oversized.message
     size = int(oversized.message.split(" bytes")[0].rsplit(" ", 1)[1])
-    assert size > 1_200_000
+    assert size > limit == 16 << 20  # the catalog's largest window (2M tokens) at 8 bytes a token
     assert [type(r) for r in results] == [AssembleResponse] * 8, results
     assert sorted(r.request_id for r in results if isinstance(r, AssembleResponse)) == [f"lib-{i}" for i in range(8)]
     assert after.request_id == "lib-100"

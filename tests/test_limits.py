@@ -48,7 +48,9 @@ def _pack(doc: dict[str, Any]) -> bytes:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {**FAST_HEARTBEAT, "IBEX_MAX_REPLY_BYTES": str(REPLY_LIMIT)}
+    # 1 MiB requests (the default is sized for the catalog's largest window): these tests are about
+    # what the limits do, not their defaults
+    env = {**FAST_HEARTBEAT, "IBEX_MAX_REQUEST_BYTES": str(MIB), "IBEX_MAX_REPLY_BYTES": str(REPLY_LIMIT)}
     s = start_stack(tmp_path_factory.mktemp("limits"), workers=2, env=env)
     try:
         yield s

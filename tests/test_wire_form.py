@@ -28,6 +28,7 @@ from ibex_context.shared.codec import encode
 from ibex_context.shared.errors import Internal
 from ibex_context.shared.images import MIN_STUBBED, stub_for, stub_size
 from ibex_context.shared.models import AssembleRequest, AssembleResponse, ChatLayout, Piece, Placed
+from ibex_context.shared.settings import WIRE_BYTES_PER_TOKEN, Settings
 from tests.test_chat_count import gif, jpeg, png, webp
 
 CATALOG = Catalog.load()
@@ -164,3 +165,12 @@ def test_a_layout_that_does_not_fit_the_conversation_is_internal() -> None:
     for bad_placed in ({"ref": 1}, {"role": "system"}, {"ref": 1, "role": "system", "text": "x", "content": []}):
         with pytest.raises(ValidationError):
             Placed.model_validate(bad_placed)
+
+
+def test_the_size_limits_fit_the_largest_window_in_the_catalog() -> None:
+    window = max(m.context_window for m in CATALOG.models.values())
+    limits = Settings()
+    assert limits.max_request_bytes == window * WIRE_BYTES_PER_TOKEN == 16 << 20  # gemini-1.5-pro, 2M tokens
+    assert limits.max_reply_bytes > 2 * limits.max_request_bytes  # a flat reply holds its history twice
+    assert Settings(max_request_bytes=1 << 20).max_reply_bytes == (2 << 20) + (4 << 20)
+    assert Settings(max_request_bytes=1 << 20, max_reply_bytes=1 << 20).max_reply_bytes == 1 << 20
