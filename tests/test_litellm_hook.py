@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +23,7 @@ from ibex_context.client import AssembleRequest, Unavailable, degraded_response
 from ibex_context.client.integrations.litellm import IbexContextHook
 from ibex_context.client.integrations.litellm_config import (
     Caller,
+    Denied,
     HookConfigError,
     ModelNotMapped,
     Unmapped,
@@ -31,6 +33,7 @@ from ibex_context.client.integrations.litellm_config import (
     resolve_identity,
 )
 from ibex_context.client.integrations.litellm_core import HookCore, header_value, headers, last_user_text, record
+from ibex_context.client.integrations.litellm_degraded import DirectiveCopies
 from ibex_context.shared import auth
 from ibex_context.shared.catalog import Catalog
 
@@ -90,13 +93,108 @@ def test_what_is_not_an_identity_is_unmapped(sources: dict[str, Any], reason: st
     assert isinstance(who, Unmapped) and reason in who.reason
 
 
+REQ = ["request", "key", "team"]  # the README's agent_from
+
+
 def test_request_metadata_picks_only_among_granted_orgs() -> None:
     cfg = _cfg(identity={"org_from": ["request", "key"], "agent_from": ["request"]})
-    granted = {"ibex_orgs": ["acme"]}
+    granted = {"ibex_orgs": ["acme"], "ibex_agents": ["bot"]}
     ok = resolve_identity(cfg, {"key": granted, "request": {"ibex_org": "acme", "ibex_agent": "bot"}})
     assert ok == Caller("acme", "bot")
     refused = resolve_identity(cfg, {"key": granted, "request": {"ibex_org": "globex", "ibex_agent": "bot"}})
-    assert isinstance(refused, Unmapped) and "not in the key's or team's ibex_orgs" in refused.reason
+    assert isinstance(refused, Denied) and "not in the key's or team's ibex_orgs" in refused.reason
+
+
+@pytest.mark.parametrize(("request_meta", "reason"), [
+    ({"ibex_agent": ["support-bot"]}, "request metadata ibex_agent is not an agent id"),
+    ({"ibex_org": "globex"}, "org 'globex' from the request metadata is not in the key's or team's ibex_orgs"),
+    ({"ibex_org": "initech"}, "org 'initech' has no client key"),  # granted, but the config has no key for it
+    ({"ibex_org": "acme/x"}, "request metadata ibex_org is not an org id"),
+])
+async def test_what_the_request_sends_never_picks_pass_through(request_meta: dict[str, Any], reason: str) -> None:
+    """A mapped caller who makes its own identity unmappable from the request would otherwise go
+    through unassembled, without the directive, under ``unmapped: pass_through``: refused instead."""
+    hook = _hook(unmapped="pass_through", identity={"org_from": ["request", "key"], "agent_from": REQ})
+    key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot",
+                                                "ibex_orgs": ["acme", "initech"]})
+    data: dict[str, Any] = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                            "metadata": request_meta}
+    with pytest.raises(HTTPException) as exc:
+        await hook.async_pre_call_hook(key, None, data, "acompletion")
+    assert exc.value.status_code == 403 and reason in str(exc.value.detail)
+
+
+@pytest.mark.parametrize(("orgs", "sources", "expected"), [
+    # the request names an agent: only one some allow-list grants, or the key's or team's own
+    ({}, {"key": {"ibex_org": "acme", "ibex_agent": "support-bot"}, "request": {"ibex_agent": "sales-assistant"}},
+     "agent 'sales-assistant' from the request metadata is not granted"),
+    ({}, {"key": {"ibex_org": "acme", "ibex_agent": "support-bot"}, "request": {"ibex_agent": "support-bot"}},
+     Caller("acme", "support-bot")),
+    ({}, {"key": {"ibex_org": "acme", "ibex_agents": ["support-*"]}, "request": {"ibex_agent": "support-eu"}},
+     Caller("acme", "support-eu")),
+    ({}, {"key": {"ibex_org": "acme", "ibex_agents": ["support-*"]}, "request": {"ibex_agent": "devops-helper"}},
+     "agent 'devops-helper' is not in the key's ibex_agents"),
+    ({"agents": ["support-bot", "sales-?"]}, {"key": {"ibex_org": "acme"}, "request": {"ibex_agent": "sales-1"}},
+     Caller("acme", "sales-1")),
+    # every list set must match, whatever the agent's source
+    ({"agents": ["support-bot"]}, {"key": {"ibex_org": "acme", "ibex_agent": "devops-helper"}},
+     "agent 'devops-helper' is not in orgs.acme.agents in the ibex-context hook config"),
+    ({"agents": ["*"]}, {"key": {"ibex_org": "acme", "ibex_agents": ["a"]}, "team": {"ibex_agents": ["b"]},
+                         "request": {"ibex_agent": "a"}}, "agent 'a' is not in the team's ibex_agents"),
+    ({}, {"key": {"ibex_org": "acme", "ibex_agent": "a", "ibex_agents": "a"}},
+     "key metadata ibex_agents is not a list of agent ids or patterns"),
+    ({}, {"key": {"ibex_org": "acme", "ibex_agent": "Support-Bot", "ibex_agents": ["support-bot"]}},
+     "agent 'Support-Bot' is not in the key's ibex_agents"),  # case-sensitive, as ids are
+])
+def test_the_agent_must_be_in_the_mappings_allow_lists(orgs: dict[str, Any], sources: dict[str, Any],
+                                                        expected: Caller | str) -> None:
+    cfg = _cfg(orgs={"acme": orgs}, identity={"agent_from": REQ})
+    who = resolve_identity(cfg, sources)  # type: ignore[arg-type]
+    if isinstance(expected, Caller):
+        assert who == expected
+    else:
+        assert isinstance(who, Denied) and expected in who.reason, who
+
+
+def test_on_degraded_comes_from_key_team_org_or_default_never_the_request() -> None:
+    cfg = _cfg(orgs={"acme": {"on_degraded": "refuse"}, "globex": {}}, on_degraded="pass")
+    key = {"ibex_org": "acme", "ibex_agent": "a"}
+    assert resolve_identity(cfg, {"key": key}) == Caller("acme", "a", "refuse")
+    assert resolve_identity(cfg, {"key": {**key, "ibex_org": "globex"}}) == Caller("globex", "a", "pass")
+    got = resolve_identity(cfg, {"key": key, "team": {"ibex_on_degraded": "fallback_directive"},
+                                 "request": {"ibex_on_degraded": "pass"}})
+    assert got == Caller("acme", "a", "fallback_directive")
+    assert resolve_identity(_cfg(), {"key": key}) == Caller("acme", "a", "fallback_directive")  # the default
+    bad = resolve_identity(cfg, {"key": {**key, "ibex_on_degraded": "ignore"}})
+    assert isinstance(bad, Denied) and "must be one of pass, refuse, fallback_directive" in bad.reason
+
+
+async def test_a_denied_agent_is_refused_even_under_pass_through() -> None:
+    hook = _hook(unmapped="pass_through", identity={"agent_from": REQ})
+    key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot"})
+    data: dict[str, Any] = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                            "metadata": {"ibex_agent": "devops-helper"}}
+    with pytest.raises(HTTPException) as exc:
+        await hook.async_pre_call_hook(key, None, data, "acompletion")
+    assert exc.value.status_code == 403 and "'devops-helper' from the request metadata is not granted" in str(
+        exc.value.detail)
+
+
+def test_directive_copies_are_bounded_and_age_out() -> None:
+    copies = DirectiveCopies(parse_config({**BASE, "directive_copies": {"max_entries": 2, "max_chars": 10,
+                                                                         "max_age_s": 0.05}}).directive_copies)
+    copies.keep("acme", "a", "12345")
+    copies.keep("acme", "b", "")
+    copies.keep("acme", "c", "678")  # three entries: the oldest goes
+    assert copies.get("acme", "a") is None and copies.get("acme", "b") is not None and len(copies) == 2
+    copies.keep("acme", "d", "9" * 9)  # over max_chars with "678": that goes too
+    assert copies.get("acme", "c") is None and copies.chars == 9
+    copies.keep("acme", "e", "x" * 11)  # larger than every copy together: never kept
+    assert copies.get("acme", "e") is None and copies.chars == 9
+    got = copies.get("acme", "d")
+    assert got is not None and got.text == "9" * 9 and got.source == "copy"
+    time.sleep(0.06)
+    assert copies.get("acme", "d") is None  # too old to be used
 
 
 @pytest.mark.parametrize(("doc", "message"), [
@@ -105,6 +203,10 @@ def test_request_metadata_picks_only_among_granted_orgs() -> None:
     ({"orgs": {"acme": {}}, "unmapped": "allow"}, "unmapped: Input should be 'refuse' or 'pass_through'"),
     ({"orgs": {"acme": {"key": "k"}}}, "orgs.acme.key: Extra inputs are not permitted"),
     ({"orgs": {"acme": {}}, "identity": {"org_from": ["text"]}}, "identity.org_from.0"),
+    ({"orgs": {"acme": {"agents": ["support bot"]}}}, "orgs.acme.agents.0: String should match pattern"),
+    ({"orgs": {"acme": {"agents": []}}}, "orgs.acme.agents: List should have at least 1 item"),
+    ({"orgs": {"acme": {}}, "on_degraded": "ignore"}, "on_degraded: Input should be 'pass', 'refuse' or"),
+    ({"orgs": {"acme": {}}, "directive_copies": {"max_age_s": 0}}, "directive_copies.max_age_s: Input should be"),
 ])
 def test_a_bad_config_is_one_line_naming_the_field(doc: dict[str, Any], message: str) -> None:
     with pytest.raises(HookConfigError, match=message.replace(".", r"\.")) as exc:
@@ -208,7 +310,7 @@ async def test_caller_faults_are_refused_even_when_the_service_is_down(messages:
                                                                        text: str) -> None:
     """``assemble_or_degrade`` raises caller faults (a degraded prompt would overflow too, a broken
     conversation stays broken): the hook refuses the call with the service's one line."""
-    hook = _hook(timeout_ms=100)  # nobody listens on the configured endpoint: every call degrades
+    hook = _hook(timeout_ms=100, on_degraded="pass")  # nobody listens on the endpoint: every call degrades
     key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot"})
     try:
         with pytest.raises(HTTPException) as exc:
@@ -217,8 +319,37 @@ async def test_caller_faults_are_refused_even_when_the_service_is_down(messages:
         data: dict[str, Any] = {"model": "gpt-4", "messages": [{"role": "user", "content": "hello"}]}
         out = await hook.async_pre_call_hook(key, None, data, "acompletion")
         got = await hook.async_post_call_response_headers_hook(out, None, None)
-        assert got is not None and got["x-ibex-context"] == "degraded"
+        assert got is not None and got["x-ibex-context"] == "degraded" and got["x-ibex-context-directive"] == "absent"
         assert got["x-ibex-context-reason"].startswith("context service ") and out["messages"][-1]["content"] == "hello"
+    finally:
+        await hook.core.aclose()
+
+
+@pytest.mark.parametrize(("over", "directive"), [
+    ({}, None),  # the default, fallback_directive, with no copy and nothing configured: refused
+    ({"on_degraded": "refuse", "fallback_directive": "Be brief."}, None),
+    ({"fallback_directive": "Be brief."}, "configured"),
+    ({"on_degraded": "pass", "fallback_directive": "Be brief."}, "configured"),
+])
+async def test_with_the_service_down_each_policy_before_any_copy(over: dict[str, Any], directive: str | None) -> None:
+    """Before any assembly has fetched the agent's directive the hook holds no copy of it (the
+    proxy test covers the copies): the config's fallback_directive, else a refusal."""
+    hook = _hook(timeout_ms=100, **over)
+    key = UserAPIKeyAuth(api_key="k", metadata={"ibex_org": "acme", "ibex_agent": "support-bot"})
+    data: dict[str, Any] = {"model": "gpt-4", "messages": [{"role": "user", "content": "hello"}]}
+    try:
+        if directive is None:
+            with pytest.raises(HTTPException) as exc:
+                await hook.async_pre_call_hook(key, None, data, "acompletion")
+            assert exc.value.status_code == 503 and "could not assemble this call (context service " in str(
+                exc.value.detail)
+            assert f"on_degraded is {over.get('on_degraded', 'fallback_directive')}" in str(exc.value.detail)
+            return
+        out = await hook.async_pre_call_hook(key, None, data, "acompletion")
+        got = await hook.async_post_call_response_headers_hook(out, None, None)
+        assert got is not None and got["x-ibex-context"] == "degraded" and got["x-ibex-context-directive"] == directive
+        assert got["x-ibex-context-reason"].endswith("directive: fallback_directive of the ibex-context hook config")
+        assert out["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     finally:
         await hook.core.aclose()
 

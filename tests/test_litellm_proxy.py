@@ -257,14 +257,20 @@ def test_a_streamed_call_is_assembled_and_reports_the_providers_usage(rig: Rig) 
 
 
 def test_with_the_broker_stopped_the_call_proceeds_degraded(rig: Rig) -> None:
+    """With the directive from the hook's copy (``on_degraded`` defaults to fallback_directive; each
+    policy: tests/test_litellm_degraded.py)."""
+    first = rig.chat("sk-acme", "gpt-4o", TURN, tools=TOOLS)  # the hook keeps a copy of the directive
+    assert first.status_code == 200 and first.headers["x-ibex-context-directive"] == "service", first.headers
     rig.stack.stop_broker()
     try:
         resp = rig.chat("sk-acme", "gpt-4o", TURN, tools=TOOLS)
         assert resp.status_code == 200, resp.text
-        assert resp.headers["x-ibex-context"] == "degraded"
+        assert resp.headers["x-ibex-context"] == "degraded" and resp.headers["x-ibex-context-directive"] == "copy"
         assert "context service" in resp.headers["x-ibex-context-reason"]
         messages = rig.received()["body"]["messages"]
-        assert messages == _norm(TURN)  # history only: nothing retrieved, the conversation as sent
+        directive, _ = _demo("acme", "support-bot")
+        # nothing retrieved: the conversation as sent, with the directive after the caller's system message
+        assert messages == _norm([TURN[0], {"role": "system", "content": directive}, *TURN[1:]])
         assert resp.json()["choices"][0]["message"]["content"] == "ok"
     finally:
         rig.stack.start_broker()

@@ -172,14 +172,19 @@ def _wait_accepted(rig: Rig, model: str) -> None:
 
 
 def test_v1_messages_with_the_broker_stopped_proceeds_degraded(rig: Rig) -> None:
+    """With the directive in ``system`` from the hook's copy (``on_degraded: fallback_directive``)."""
+    body = {"model": "claude", "max_tokens": 64, "system": "sys", "messages": A_TURN}
+    first = rig.post("sk-acme", "/v1/messages", body)  # the hook keeps a copy of the directive
+    assert first.status_code == 200 and first.headers["x-ibex-context-directive"] == "service", first.headers
     rig.stack.stop_broker()
     try:
-        body = {"model": "claude", "max_tokens": 64, "system": "sys", "messages": A_TURN}
         resp = rig.post("sk-acme", "/v1/messages", body)
         assert resp.status_code == 200, resp.text
-        assert resp.headers["x-ibex-context"] == "degraded"
+        assert resp.headers["x-ibex-context"] == "degraded" and resp.headers["x-ibex-context-directive"] == "copy"
         (got,) = rig.upstream.received()
         assert got["body"]["messages"] == A_TURN and "<memories" not in json.dumps(got["body"])
+        directive, _ = _demo("acme", "support-bot")
+        assert [b["text"] for b in got["body"]["system"]] == ["sys", directive]
     finally:
         rig.stack.start_broker()
 

@@ -14,11 +14,14 @@ bad config stops the proxy at start with one line.
   text); a caller with no org mapping is refused (by default) whatever the route;
 * chat completions, ``/v1/messages`` and ``/v1/responses`` (``litellm_routes``): the model mapped
   onto the catalog, then ``assemble_or_degrade`` and the request's conversation replaced with the
-  assembled one, in the route's own shape. A service fault degrades (the call proceeds with
-  history only); a caller fault or an unknown model is refused with one line. Other call types of
-  a mapped caller, and requests those forms cannot carry, go on unassembled (``passed_through``,
-  with the reason);
-* response headers: ``x-ibex-context: assembled | degraded | passed_through`` and why;
+  assembled one, in the route's own shape. A service fault degrades, and the caller's
+  ``on_degraded`` says what goes out (``litellm_degraded``: by default the agent's directive all
+  the same, from the hook's copy); a caller fault or an unknown model is refused with one line.
+  An agent outside the mapping's allow-lists is refused (403). Other call types of a mapped
+  caller, and requests those forms cannot carry, go on unassembled (``passed_through``, with the
+  reason);
+* response headers: ``x-ibex-context: assembled | degraded | passed_through``, why, and where
+  the directive came from (``x-ibex-context-directive``);
 * success: the provider's ``usage.prompt_tokens`` reported back for calibration (a stream's only
   when it asked for ``stream_options.include_usage``).
 
@@ -128,16 +131,17 @@ class IbexContextHook(CustomLogger):
                 return data
             requested = str(data.get("model"))
             model = self.core.model(requested, _deployments(requested, getattr(user_api_key_dict, "team_id", None)))
-            assembly = await self.core.assemble(who, model, form, data.get("litellm_call_id"))
+            settled = await self.core.assemble(who, model, form, data.get("litellm_call_id"))
         except Refused as exc:
             raise HTTPException(status_code=exc.status, detail=exc.message) from None
+        assembly = settled.assembly
         try:
             form.write(data, assembly)  # in the route's own shape
         except (NotAssembled, Unconvertible) as exc:  # pragma: no cover - a chat request always answers messages
             raise HTTPException(status_code=500, detail=f"ibex-context: {exc}") from None
         status = "degraded" if assembly.degraded else "assembled"
         # the usage is matched to this assembly by the hook's own key, not LiteLLM's call id (the caller's)
-        meta[RECORD_KEY] = record(assembly, status, assembly.degraded_reasons, self.core.remember(who, assembly))
+        meta[RECORD_KEY] = record(assembly, status, settled.reasons, self.core.remember(who, assembly), settled)
         return data
 
     async def async_post_call_response_headers_hook(

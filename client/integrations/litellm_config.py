@@ -4,8 +4,9 @@ README "Using it from LiteLLM proxy". The file named by ``IBEX_LITELLM_CONFIG`` 
 says which orgs the hook serves and with which client key each (one CURVE key per org: the broker
 takes the org from the key, so a wrong mapping can at worst be FORBIDDEN, never read another
 org's memories), where the org and agent ids are read (LiteLLM key metadata, team metadata or
-request metadata; never message text), what a caller with no mapping gets, and how LiteLLM model
-names map onto the catalog.
+request metadata; never message text), which agents each mapping may use, what a caller with no
+mapping gets, what goes out when the service cannot answer (``on_degraded``,
+``litellm_degraded``), and how LiteLLM model names map onto the catalog.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import UnknownModel
@@ -25,6 +27,12 @@ from ibex_context.shared.models import AssemblyOptions, HistoryOptions
 
 CONFIG_ENV = "IBEX_LITELLM_CONFIG"
 Source = Literal["key", "team", "request"]
+# What goes out when the service cannot answer (litellm_degraded): the degraded assembly as is, a
+# refusal (503), or the agent's directive all the same (the service's, the hook's copy, the config's).
+OnDegraded = Literal["pass", "refuse", "fallback_directive"]
+ON_DEGRADED: tuple[OnDegraded, ...] = get_args(OnDegraded)
+# An agent id or an fnmatch pattern over ids (``support-*``, ``bot-[0-9]``), matched case-sensitively.
+AgentPattern = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.*?!\[\]-]{1,64}$")]
 
 
 class HookConfigError(ValueError):
@@ -37,6 +45,10 @@ class OrgEntry(BaseModel):
     # This org's CURVE client keypair (``ibex-context keys generate``), registered for this org
     # only. Unset: a plaintext client, which only a broker without a keys file (loopback) accepts.
     key_file: str | None = None
+    # The agents this org's callers may use (ids or patterns); unset: any, but an agent named by
+    # the request metadata must then be granted on the key or team (Identity.allowed_agents_field).
+    agents: Annotated[list[AgentPattern], Field(min_length=1)] | None = None
+    on_degraded: OnDegraded | None = None  # default: the config's on_degraded
 
 
 class Identity(BaseModel):
@@ -51,6 +63,22 @@ class Identity(BaseModel):
     # With "request" in org_from, the caller's choice must be listed here in its key's or team's
     # metadata: request metadata picks among the orgs the proxy admin granted, never beyond.
     allowed_orgs_field: str = "ibex_orgs"
+    # Agents (ids or patterns) a key or team may use: every list set (the org's agents, the key's,
+    # the team's) must match the agent; one from the request metadata needs at least one list, or
+    # to be the key's or team's own agent_field.
+    allowed_agents_field: str = "ibex_agents"
+    # The proxy admin's per-key or per-team on_degraded (key first, then team; never the request's).
+    on_degraded_field: str = "ibex_on_degraded"
+
+
+class DirectiveCopies(BaseModel):
+    """The hook's in-memory copies of each agent's directive, for ``on_degraded: fallback_directive``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_age_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 86400.0  # older copies are not used
+    max_entries: Annotated[int, Field(ge=0, le=1_000_000)] = 10_000  # (org, agent) pairs; 0: keep none
+    max_chars: Annotated[int, Field(ge=0, le=1_000_000_000)] = 16_000_000  # all copies' text together
 
 
 class HookConfig(BaseModel):
@@ -65,6 +93,8 @@ class HookConfig(BaseModel):
     timeout_ms: Annotated[float, Field(gt=0, le=60_000)] | None = None  # default IBEX_CONTEXT_TIMEOUT
     query_chars: Annotated[int, Field(ge=1, le=100_000)] = 2000
     fallback_directive: str | None = None
+    on_degraded: OnDegraded = "fallback_directive"
+    directive_copies: DirectiveCopies = Field(default_factory=DirectiveCopies)
     options: AssemblyOptions = Field(default_factory=AssemblyOptions)
     history: HistoryOptions = Field(default_factory=HistoryOptions)
 
@@ -110,10 +140,20 @@ def parse_config(doc: Any, *, where: str = "config") -> HookConfig:
 class Caller:
     org_id: str
     agent_id: str
+    on_degraded: OnDegraded = "fallback_directive"
 
 
 @dataclass(frozen=True, slots=True)
 class Unmapped:
+    """No mapping: refused, or passed through under ``unmapped: pass_through``."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Denied:
+    """A mapping that does not allow this call (an agent outside its allow-list): always refused."""
+
     reason: str
 
 
@@ -121,29 +161,78 @@ def _field(meta: object, name: str) -> object:
     return meta.get(name) if isinstance(meta, Mapping) else None
 
 
-def resolve_identity(cfg: HookConfig, sources: Mapping[Source, object]) -> Caller | Unmapped:
-    """The caller's org and agent from the metadata ``sources`` (key, team, request), or why not.
+def resolve_identity(cfg: HookConfig, sources: Mapping[Source, object]) -> Caller | Unmapped | Denied:
+    """The caller's org, agent and ``on_degraded`` from the metadata ``sources`` (key, team,
+    request), or why not.
 
     Only metadata fields are read, by name; a value that is not an id, or an org the config does
-    not list, is unmapped, never guessed.
+    not list, is unmapped (denied when the request sent it), never guessed; an agent outside the
+    mapping's allow-lists is denied.
     """
     ident = cfg.identity
     org, org_src = _first(sources, ident.org_from, ident.org_field)
     if org is None:
         return Unmapped(f"no {ident.org_field} in the {' or '.join(ident.org_from)} metadata")
     if not is_ident(org):
-        return Unmapped(f"{org_src} metadata {ident.org_field} is not an org id")
+        return _not_mapped(org_src, f"{org_src} metadata {ident.org_field} is not an org id")
     if org_src == "request" and not _granted(sources, ident.allowed_orgs_field, org):
-        return Unmapped(f"org {org!r} from the request metadata is not in the key's or team's "
-                        f"{ident.allowed_orgs_field}")
+        return Denied(f"org {org!r} from the request metadata is not in the key's or team's "
+                      f"{ident.allowed_orgs_field}")
     if org not in cfg.orgs:
-        return Unmapped(f"org {org!r} has no client key in the ibex-context hook config")
+        return _not_mapped(org_src, f"org {org!r} has no client key in the ibex-context hook config")
     agent, agent_src = _first(sources, ident.agent_from, ident.agent_field)
     if agent is None:
         return Unmapped(f"no {ident.agent_field} in the {' or '.join(ident.agent_from)} metadata")
     if not is_ident(agent):
-        return Unmapped(f"{agent_src} metadata {ident.agent_field} is not an agent id")
-    return Caller(org, agent)
+        return _not_mapped(agent_src, f"{agent_src} metadata {ident.agent_field} is not an agent id")
+    denied = _agent_denied(cfg, sources, org, agent, agent_src == "request")
+    if denied is not None:
+        return Denied(denied)
+    policy = _on_degraded(cfg, sources, org)
+    return policy if isinstance(policy, Denied) else Caller(org, agent, policy)
+
+
+def _not_mapped(src: Source | None, reason: str) -> Unmapped | Denied:
+    """A value that maps nothing: unmapped when the proxy admin set it (key, team), denied when the
+    caller did (request): what the request sends must never pick ``unmapped: pass_through``."""
+    return Denied(reason) if src == "request" else Unmapped(reason)
+
+
+def _agent_denied(cfg: HookConfig, sources: Mapping[Source, object], org: str, agent: str,
+                  from_request: bool) -> str | None:
+    """Why the mapping does not allow ``agent``, or None: every allow-list that is set must match
+    it, and an agent the request names needs a list (or to be the key's or team's own agent)."""
+    ident = cfg.identity
+    lists: list[tuple[str, Sequence[object]]] = []
+    if cfg.orgs[org].agents is not None:
+        lists.append((f"orgs.{org}.agents in the ibex-context hook config", cfg.orgs[org].agents or []))
+    for src in ("key", "team"):
+        granted = _field(sources.get(src), ident.allowed_agents_field)
+        if granted is None:
+            continue
+        if not isinstance(granted, list):
+            return f"{src} metadata {ident.allowed_agents_field} is not a list of agent ids or patterns"
+        lists.append((f"the {src}'s {ident.allowed_agents_field}", granted))
+    for where, patterns in lists:
+        if not any(isinstance(p, str) and fnmatchcase(agent, p) for p in patterns):
+            return f"agent {agent!r} is not in {where}"
+    own = {_field(sources.get(src), ident.agent_field) for src in ("key", "team")}
+    if from_request and not lists and agent not in own:
+        return (f"agent {agent!r} from the request metadata is not granted: list it in the key's or team's "
+                f"{ident.allowed_agents_field} or under orgs.{org}.agents in the ibex-context hook config")
+    return None
+
+
+def _on_degraded(cfg: HookConfig, sources: Mapping[Source, object], org: str) -> OnDegraded | Denied:
+    """The mapping's ``on_degraded``: the key's, the team's, the org's, the config's default (a
+    value that is not a policy is denied, never read as the default)."""
+    name = cfg.identity.on_degraded_field
+    for src in ("key", "team"):
+        value = _field(sources.get(src), name)
+        if value is not None:
+            policy = next((p for p in ON_DEGRADED if p == value), None)
+            return policy or Denied(f"{src} metadata {name} must be one of {', '.join(ON_DEGRADED)}")
+    return cfg.orgs[org].on_degraded or cfg.on_degraded
 
 
 def _first(sources: Mapping[Source, object], order: Sequence[Source], name: str) -> tuple[object, Source | None]:

@@ -2,7 +2,8 @@
 request's messages, the response headers that say what happened, and the usage report.
 
 ``litellm.py`` adapts this to LiteLLM's ``CustomLogger``; keeping LiteLLM out of here lets the
-same logic run (and be tested) without the proxy. README "Using it from LiteLLM proxy".
+same logic run (and be tested) without the proxy. README "Using it from LiteLLM proxy". What a
+degraded assembly becomes (``on_degraded``) is ``settle``'s, with ``litellm_degraded``.
 
 LiteLLM's call id comes from the caller's ``x-litellm-call-id`` header, so two calls may share it:
 it is only the assembly's label (``request_id``), never a key. An assembly waiting for its usage is
@@ -15,14 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ibex_context.client.client import AsyncClient
+from ibex_context.client.client import AsyncClient, degraded_response
+from ibex_context.client.integrations import litellm_degraded as D
 from ibex_context.client.integrations.litellm_config import (
     Caller,
+    Denied,
     HookConfig,
     Source,
     Unmapped,
@@ -30,8 +35,9 @@ from ibex_context.client.integrations.litellm_config import (
     resolve_identity,
 )
 from ibex_context.client.integrations.litellm_routes import Form
+from ibex_context.client.requests import build
 from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import ErrorCode, IbexError
+from ibex_context.shared.errors import ErrorCode, IbexError, Unavailable
 from ibex_context.shared.models import AssembleResponse
 from ibex_context.shared.settings import Settings
 
@@ -52,6 +58,17 @@ class Refused(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What a call goes out with: the assembly, where its directive came from (``litellm_degraded``:
+    service, none, copy, configured, absent, off) and the copy's age."""
+
+    assembly: AssembleResponse
+    directive: str
+    directive_age_s: float | None = None
+    reasons: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -91,6 +108,8 @@ class HookCore:
         self.catalog = catalog or Catalog.load(self.settings.catalog_path)
         self._clients: dict[str, AsyncClient] = {}
         self._pending: OrderedDict[str, Pending] = OrderedDict()
+        self.copies = D.DirectiveCopies(config.directive_copies)
+        self._counting = threading.Lock()  # the catalog's count caches are not thread-safe
         self.timeout = None if config.timeout_ms is None else config.timeout_ms / 1000
         for org in config.orgs:  # a bad key file or endpoint stops the proxy at start, not per call
             self._clients[org] = self._new_client(org)
@@ -104,8 +123,10 @@ class HookCore:
 
     def caller(self, sources: Mapping[Source, object]) -> Caller | Unmapped:
         """The caller's identity, or why it has none (to pass through); ``Refused`` under
-        ``unmapped: refuse``."""
+        ``unmapped: refuse``, and always for a mapping that denies the call."""
         who = resolve_identity(self.config, sources)
+        if isinstance(who, Denied):
+            raise Refused(403, f"ibex-context: {who.reason}")
         if isinstance(who, Unmapped):
             if self.config.unmapped == "refuse":
                 raise Refused(403, f"ibex-context: no org mapping for this caller: {who.reason}")
@@ -118,9 +139,10 @@ class HookCore:
         except IbexError as exc:
             raise Refused(400, f"ibex-context: {exc.message}") from None
 
-    async def assemble(self, who: Caller, model: str, form: Form, call_id: object = None) -> AssembleResponse:
+    async def assemble(self, who: Caller, model: str, form: Form, call_id: object = None) -> Settled:
         """The assembly for this call's conversation (``assemble_or_degrade``: a service fault
-        degrades, a caller fault is ``Refused`` with the service's one-line reason)."""
+        degrades, a caller fault is ``Refused`` with the service's one-line reason), settled by the
+        caller's ``on_degraded``."""
         fields: dict[str, Any] = {
             "org_id": who.org_id, "agent_id": who.agent_id, "model": model, "format": form.format,
             "query": last_user_text(form.messages, self.config.query_chars), "messages": form.messages,
@@ -129,13 +151,61 @@ class HookCore:
             fields["system"] = form.system
         if isinstance(call_id, str) and 0 < len(call_id) <= 128:
             fields["request_id"] = call_id  # one id in LiteLLM's logs and the service's: a label, not a key
+        fallback = self.fallback(who)
         try:
-            return await self._clients[who.org_id].assemble_or_degrade(
-                timeout=self.timeout, fallback_directive=self.config.fallback_directive, **fields)
+            assembly = await self._clients[who.org_id].assemble_or_degrade(
+                timeout=self.timeout, fallback_directive=fallback.text if fallback and fallback.text else None,
+                **fields)
+            return await self.settle(who, fields, assembly, fallback)  # which may build the prompt again
         except IbexError as exc:
             where = f" ({exc.field})" if exc.field else ""
             raise Refused(STATUS_CODES.get(exc.code, 500),
                           f"ibex-context {exc.code.value}{where}: {exc.message}") from None
+
+    def fallback(self, who: Caller) -> D.Fallback | None:
+        """The directive a degraded call of ``who`` would go out with: the hook's copy of the agent's
+        (``fallback_directive`` policy), else the config's ``fallback_directive``."""
+        copy = self.copies.get(who.org_id, who.agent_id) if who.on_degraded == "fallback_directive" else None
+        configured = self.config.fallback_directive
+        return copy or (D.Fallback(configured, D.CONFIGURED) if configured is not None else None)
+
+    async def settle(self, who: Caller, fields: dict[str, Any], assembly: AssembleResponse,
+                     fallback: D.Fallback | None) -> Settled:
+        """What the call goes out with, by the caller's ``on_degraded`` (``litellm_degraded``);
+        ``Refused`` (503) when the policy or a missing directive says so."""
+        fetched = D.fetched_directive(assembly)
+        if fetched is not None:
+            self.copies.keep(who.org_id, who.agent_id, fetched)
+        reasons = list(assembly.degraded_reasons)
+        off = not self.config.options.include_directive
+        found = D.OFF if off else D.SERVICE if fetched else D.NONE
+        if not assembly.degraded:
+            return Settled(assembly, found, reasons=reasons)
+        why = reasons[0] if reasons else "degraded"
+        if who.on_degraded == "refuse":
+            raise Refused(503, f"ibex-context: the context service could not assemble this call ({why}); "
+                               "on_degraded is refuse for this caller")
+        if fetched is not None or off:  # the directive is there (or not wanted); memories may be missing
+            return Settled(assembly, found, reasons=reasons)
+        if who.on_degraded == "pass":
+            if fallback is not None and D.carries_directive(assembly):
+                return Settled(assembly, D.CONFIGURED, reasons=[*reasons, D.source_note(fallback)])
+            return Settled(assembly, D.ABSENT, reasons=reasons)
+        if fallback is None:
+            raise Refused(503, f"ibex-context: the context service could not assemble this call ({why}) and the "
+                               f"hook holds no copy of agent {who.agent_id!r}'s directive (nor a fallback_directive); "
+                               "on_degraded is fallback_directive for this caller")
+        if fallback.text and not D.carries_directive(assembly):
+            # the worker answered without the directive (its branch failed): the prompt again, with it
+            assembly = await asyncio.to_thread(self._with_directive, fields, fallback.text, why)
+        return Settled(assembly, fallback.source if fallback.text else D.NONE, fallback.age_s,
+                       [*reasons, D.source_note(fallback)])
+
+    def _with_directive(self, fields: dict[str, Any], directive: str, why: str) -> AssembleResponse:
+        """The client's degraded assembly of this call, with ``directive`` (on a thread: it counts)."""
+        req = build(None, fields, time.time_ns() + 1_000_000_000)
+        with self._counting:
+            return degraded_response(req, Unavailable(why), directive, catalog=self.catalog, settings=self.settings)
 
     def remember(self, who: Caller, assembly: AssembleResponse) -> str:
         """Keep the assembly until the provider's usage arrives (``report``), under the key returned:
@@ -179,10 +249,14 @@ class HookCore:
 
 
 def record(assembly: AssembleResponse | None, status: str, reasons: list[str],
-           usage_key: str | None = None) -> dict[str, Any]:
+           usage_key: str | None = None, settled: Settled | None = None) -> dict[str, Any]:
     """What the request's metadata keeps (JSON only: LiteLLM logs it) and the headers are made of,
     with the key of the assembly awaiting the call's usage (``HookCore.remember``; no header shows it)."""
     out: dict[str, Any] = {"status": status, "reasons": reasons}
+    if settled is not None:
+        out["directive"] = settled.directive
+        if settled.directive_age_s is not None:
+            out["directive_age_s"] = int(settled.directive_age_s)
     if assembly is not None:
         out.update(request_id=assembly.request_id, degraded=assembly.degraded, memories=len(assembly.packed),
                    prompt_tokens=assembly.prompt_tokens, model=assembly.budget.model,
@@ -204,13 +278,15 @@ def usage_key(kwargs: Mapping[str, Any]) -> object:
 def headers(rec: Mapping[str, Any] | None) -> dict[str, str] | None:
     """Response headers from a call's record: ``x-ibex-context`` (assembled, degraded or
     passed_through), the reason when not assembled, and the assembly's id and figures (memories
-    packed, prompt tokens, catalog model, the count rule and its calibration samples)."""
+    packed, prompt tokens, catalog model, the count rule and its calibration samples, where the
+    directive came from and the age of the hook's copy when it was one)."""
     if not rec:
         return None
     out = {HEADER: str(rec.get("status"))}
     if rec.get("reasons"):
         out[f"{HEADER}-reason"] = header_value("; ".join(str(r) for r in rec["reasons"]))
-    for key in ("request_id", "memories", "prompt_tokens", "model", "count_rule", "calibration_samples"):
+    for key in ("request_id", "memories", "prompt_tokens", "model", "count_rule", "calibration_samples", "directive",
+                "directive_age_s"):
         if rec.get(key) is not None:
             out[f"{HEADER}-{key.replace('_', '-')}"] = header_value(str(rec[key]))
     return out
