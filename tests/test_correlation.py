@@ -25,8 +25,9 @@ import zmq.asyncio
 from ibex_context.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared import protocol as P
+from ibex_context.shared.chat_layout import materialize
 from ibex_context.shared.codec import Envelope, pack_header
-from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.models import AssembleResponse, ChatLayout
 from tests.helpers import start_stack
 
 STACK_ENV = {
@@ -148,8 +149,23 @@ async def test_the_same_request_id_from_two_clients_and_in_sequence(stack: Local
 # ------------------------------------------------------------------------------ the broker, raw frames
 
 
+def _raw_messages(user: str, i: int) -> list[dict[str, Any]]:
+    """A raw caller's conversation: bob's is two messages longer than alice's, so a reply's layout
+    applied to the other caller's conversation can never give back this one's."""
+    earlier = [{"role": "user", "content": "earlier turn"}, {"role": "assistant", "content": "noted"}]
+    return [*(earlier if user == "bob" else []), {"role": "user", "content": _marker(user, 9, i)}]
+
+
+def _rebuilt_last(body: dict[str, Any], user: str, i: int) -> str:
+    """The last message of the conversation a raw reply's layout gives this caller's own messages
+    (a reply carries the layout, never the caller's messages: README "Size limits")."""
+    content: str = materialize(ChatLayout.model_validate(body["layout"]), _raw_messages(user, i))[0][-1]["content"]
+    return content
+
+
 def _frames(user: str, i: int, correlation: bytes | None) -> list[bytes]:
-    doc = {"v": 1, **_chat(user, 9, i), "deadline_ns": time.time_ns() + 5 * 10**9}
+    doc = {"v": 1, **_chat(user, 9, i), "deadline_ns": time.time_ns() + 5 * 10**9,
+           "messages": _raw_messages(user, i)}
     header = pack_header(Envelope(doc["request_id"], doc["org_id"], doc["agent_id"], doc["deadline_ns"]))
     frames = P.request_frames(header, msgpack.packb(doc))
     return frames if correlation is None else [P.TAG, P.CORRELATED, correlation, *frames[2:]]
@@ -178,7 +194,7 @@ async def test_the_broker_keys_requests_by_their_correlation_id(stack: LocalStac
     assert sorted(by_corr) == [b"c-1", b"c-2"] and all(f[1] == P.REPLY for f in got), got
     for corr, user in ((b"c-1", "alice"), (b"c-2", "bob")):
         body = by_corr[corr]
-        assert body["request_id"] == SHARED_ID and body["messages"][-1]["content"] == _marker(user, 9, 0)
+        assert body["request_id"] == SHARED_ID and _rebuilt_last(body, user, 0) == _marker(user, 9, 0)
 
 
 async def test_a_request_without_a_correlation_frame_is_matched_by_its_request_id(stack: LocalStack) -> None:
@@ -191,7 +207,7 @@ async def test_a_request_without_a_correlation_frame_is_matched_by_its_request_i
     refused = [b for cmd, b in bodies if cmd == P.ERROR]
     served = [b for cmd, b in bodies if cmd == P.REPLY]
     assert len(refused) == 1 and refused[0]["field"] == "request_id" and "already in flight" in refused[0]["message"]
-    assert len(served) == 1 and served[0]["messages"][-1]["content"] == _marker("alice", 9, 1)
+    assert len(served) == 1 and _rebuilt_last(served[0], "alice", 1) == _marker("alice", 9, 1)
 
 
 def test_correlated_requests_round_trip_and_their_ids_are_bounded() -> None:
