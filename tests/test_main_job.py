@@ -25,6 +25,7 @@ from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared import protocol as P
 from ibex_context.shared.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
 from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.settings import Settings
 from tests.helpers import start_stack
 
 # Functional tests: branch timeouts far above the spec's 5/15/45 ms so a loaded CI box does not turn
@@ -297,7 +298,8 @@ async def test_a_payload_that_disagrees_with_its_header_is_refused_by_the_worker
 async def test_bad_headers_are_refused_by_the_broker(stack: LocalStack) -> None:
     from ibex_context.shared.codec import Envelope, pack_header
 
-    big = {"v": 1, **_req(50, query="x" * (3 << 19)), "deadline_ns": time.time_ns() + 10**9}
+    over = Settings().max_request_bytes + (1 << 20)  # over the request limit, under the frontend's cap (twice it)
+    big = {"v": 1, **_req(50, query="x" * over), "deadline_ns": time.time_ns() + 10**9}
     big_head = pack_header(Envelope("req-50", "acme", "support-bot", big["deadline_ns"]))
     before = stack.status()["stats"]  # type: ignore[index]
     got = await _raw_answers(stack, [
