@@ -202,20 +202,24 @@ class MiniLMEmbedder:
                 from threadpoolctl import threadpool_limits
 
                 threadpool_limits(limits=1, user_api="blas")
-                self._model = MiniLM.from_wheel()
+                self._model = self._make_model()
+
+    def _make_model(self) -> MiniLM:
+        """The network ``load`` keeps: the numpy pass here (``memory.minilm_onnx`` compiles it)."""
+        return MiniLM.from_wheel()
+
+    @property
+    def model(self) -> MiniLM:
+        self.load()
+        assert self._model is not None
+        return self._model
 
     def embed(self, texts: Sequence[str]) -> Array:
-        self.load()
-        assert self._model is not None
-        return self._model.encode(texts)
+        return self.model.encode(texts)
 
     def embed_query(self, text: str) -> Array:
-        self.load()
-        assert self._model is not None
-        return self._model.encode_query(text)
+        return self.model.encode_query(text)
 
     def embed_queries(self, texts: Sequence[str]) -> Array:
         """Several queries' vectors in one forward pass (``MemoryService`` batches concurrent ones)."""
-        self.load()
-        assert self._model is not None
-        return self._model.encode_queries(texts)
+        return self.model.encode_queries(texts)

@@ -24,7 +24,6 @@ import importlib.util
 import logging
 import os
 import tempfile
-import threading
 import time
 import zipfile
 from collections.abc import Sequence
@@ -37,9 +36,9 @@ from ibex_context.memory.minilm import (
     HEADS,
     HIDDEN,
     LAYERS,
-    MINILM_MIN_SIMILARITY,
     Array,
     MiniLM,
+    MiniLMEmbedder,
     load_tokenizer,
     model_zip,
 )
@@ -305,62 +304,26 @@ class OnnxMiniLM(MiniLM):
         return np.asarray(out, dtype=np.float32)
 
 
-class MiniLMOnnxEmbedder:
+class MiniLMOnnxEmbedder(MiniLMEmbedder):
     """``IBEX_MEMORY_EMBEDDER=minilm`` when onnxruntime and onnx are installed (``memory.embed``):
-    the numpy embedder's vectors, name and cutoff, from the compiled graph."""
+    the numpy embedder's vectors, name, cutoff and loading (BLAS held to one thread too), from the
+    compiled graph."""
 
     def __init__(self, *, weights: Weights = "fp32", cache_dir: Path | None = None) -> None:
-        model_zip()  # fail at start-up, with the install command, not at the first search
+        super().__init__()
         self._weights: Weights = weights
         self._cache_dir = cache_dir
-        self._model: OnnxMiniLM | None = None
-        self._lock = threading.Lock()
 
-    @property
-    def name(self) -> str:
-        return "minilm-l6-v2-np"  # the same vectors as memory.minilm: stored ones stay valid
-
-    @property
-    def dim(self) -> int:
-        return HIDDEN
-
-    @property
-    def blocking(self) -> bool:
-        return True
-
-    @property
-    def min_similarity(self) -> float:
-        return MINILM_MIN_SIMILARITY
-
-    def load(self) -> None:
-        """Load (or build and cache) the graph; called from a worker thread at service start.
-
-        BLAS is held to one thread too, as the numpy embedder does: the service's own matrix
-        products (search) would otherwise spin OpenBLAS threads on a busy machine.
-        """
-        with self._lock:
-            if self._model is None:
-                from threadpoolctl import threadpool_limits
-
-                threadpool_limits(limits=1, user_api="blas")
-                started = time.perf_counter()
-                session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir)
-                self._model = OnnxMiniLM(session, tokenizer)
-                log.info("minilm: onnxruntime graph (%s) %s in %.2f s", self._weights,
-                         "built" if built else "loaded", time.perf_counter() - started)
+    def _make_model(self) -> OnnxMiniLM:
+        """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
+        started = time.perf_counter()
+        session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir)
+        log.info("minilm: onnxruntime graph (%s) %s in %.2f s", self._weights,
+                 "built" if built else "loaded", time.perf_counter() - started)
+        return OnnxMiniLM(session, tokenizer)
 
     @property
     def model(self) -> OnnxMiniLM:
-        self.load()
-        assert self._model is not None
-        return self._model
-
-    def embed(self, texts: Sequence[str]) -> Array:
-        return self.model.encode(texts)
-
-    def embed_query(self, text: str) -> Array:
-        return self.model.encode_query(text)
-
-    def embed_queries(self, texts: Sequence[str]) -> Array:
-        """Several queries' vectors in one pass (``MemoryService`` batches concurrent ones)."""
-        return self.model.encode_queries(texts)
+        model = super().model
+        assert isinstance(model, OnnxMiniLM)
+        return model
