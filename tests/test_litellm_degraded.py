@@ -21,10 +21,8 @@ import redis
 
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared import auth
 from ibex_context.shared.keys import directive_key
-from tests.helpers import start_stack
-from tests.test_litellm_proxy import ENV_FAST, TURN, _demo, _keys, _norm
+from tests.test_litellm_proxy import TURN, _demo, _keys, _norm, curve_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,10 +61,7 @@ class Rig:
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     d = tmp_path_factory.mktemp("litellm-degraded")
     _keys(d)
-    env = {**ENV_FAST, "IBEX_AUTH_KEYS_FILE": str(d / "keys.json"), "IBEX_BROKER_KEY_FILE": str(d / "broker.key"),
-           "IBEX_BROKER_PUBLIC_KEY": str(d / "broker.pub"), "IBEX_WORKER_KEY_FILE": str(d / "worker.key")}
-    ops = auth.curve_client(auth.load_keypair(d / "acme-proxy.key"), auth.load_public_key(str(d / "broker.pub")))
-    stack = start_stack(tmp_path_factory.mktemp("stack"), workers=1, env=env, status_socket=ops)
+    stack = curve_stack(d, tmp_path_factory.mktemp("stack"))
     try:
         hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
                 "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},

@@ -114,14 +114,20 @@ def _keys(d: Path) -> None:
     auth.register(kf, public_key=(d / "worker.pub").read_bytes().strip(), role="worker", name="worker")
 
 
+def curve_stack(d: Path, stack_dir: Path) -> LocalStack:
+    """One worker's stack with CURVE on, the keys ``_keys`` wrote in ``d``; its STATUS probe speaks
+    as acme's proxy."""
+    env = {**ENV_FAST, "IBEX_AUTH_KEYS_FILE": str(d / "keys.json"), "IBEX_BROKER_KEY_FILE": str(d / "broker.key"),
+           "IBEX_BROKER_PUBLIC_KEY": str(d / "broker.pub"), "IBEX_WORKER_KEY_FILE": str(d / "worker.key")}
+    ops = auth.curve_client(auth.load_keypair(d / "acme-proxy.key"), auth.load_public_key(str(d / "broker.pub")))
+    return start_stack(stack_dir, workers=1, env=env, status_socket=ops)
+
+
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     d = tmp_path_factory.mktemp("litellm")
     _keys(d)
-    env = {**ENV_FAST, "IBEX_AUTH_KEYS_FILE": str(d / "keys.json"), "IBEX_BROKER_KEY_FILE": str(d / "broker.key"),
-           "IBEX_BROKER_PUBLIC_KEY": str(d / "broker.pub"), "IBEX_WORKER_KEY_FILE": str(d / "worker.key")}
-    ops = auth.curve_client(auth.load_keypair(d / "acme-proxy.key"), auth.load_public_key(str(d / "broker.pub")))
-    stack = start_stack(tmp_path_factory.mktemp("stack"), workers=1, env=env, status_socket=ops)
+    stack = curve_stack(d, tmp_path_factory.mktemp("stack"))
     try:
         hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
                 "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
