@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from ibex_context.client.client import AsyncClient, SyncClient
+from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.client.usage import usage_payload
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.assemble import Policy, assemble

@@ -20,7 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from ibex_context.client.client import AsyncClient, SyncClient
+from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared import protocol as P
 from ibex_context.shared.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
