@@ -8,11 +8,13 @@ stay small; the stages are shared, so a chat request's memories get the same dec
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from ibex_context.pipeline import chat
 from ibex_context.pipeline.assemble import (
     STAGES,
     Clock,
+    Formatted,
     Planned,
     Policy,
     _tick,
@@ -25,9 +27,10 @@ from ibex_context.pipeline.assemble import (
 from ibex_context.pipeline.budget import counter_for
 from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.pack import pack
-from ibex_context.pipeline.types import RetrievalResult
+from ibex_context.pipeline.types import PackResult, RetrievalResult
 from ibex_context.shared.calibration import Calibration
 from ibex_context.shared.catalog import Catalog
+from ibex_context.shared.errors import Internal
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 
 MAX_REPACKS = 3
@@ -51,18 +54,29 @@ def assemble_chat(
     scored, result, t4 = score_and_pack(req, retrieval, counter, lines, plan.budget.usable, clock, timings)
     limit = spec.context_window - plan.budget.response_reserve
     base_nonce = nonce
-    for _ in range(MAX_REPACKS):
-        nonce = block_nonce(req, result, lines, base_nonce, derive=derive_nonce)
-        formatted = formatting_stage(planned, result, counter, nonce=nonce, lines=lines, verify=policy.verify_format)
+
+    def emit(result: PackResult) -> tuple[str, Formatted, chat.ChatRender, int]:
+        n = block_nonce(req, result, lines, base_nonce, derive=derive_nonce)
+        formatted = formatting_stage(planned, result, counter, nonce=n, lines=lines, verify=policy.verify_format)
         block = next((s.text for s in formatted.rendered.sections if s.name == "memories"), "") or None
         out = chat.render_chat(plan, retrieval.directive, block, breakpoints=req.options.cache_breakpoints)
-        exact_block = (chat.memory_block_tokens(counter, formatted.kept, nonce, lines)
+        exact_block = (chat.memory_block_tokens(counter, formatted.kept, n, lines)
                        if block is not None and counter.kind == "exact" else None)
-        total = chat.prompt_tokens(plan, spec, counter, out, block_tokens=exact_block)
+        return n, formatted, out, chat.prompt_tokens(plan, spec, counter, out, block_tokens=exact_block)
+
+    nonce, formatted, out, total = emit(result)
+    for _ in range(MAX_REPACKS):
         if total <= limit or not result.packed:
             break
         # A bound was wrong (it never has been in the tests): pack again with the overshoot removed.
         result = pack(scored.scored, max(0, result.token_budget - (total - limit)))
+        nonce, formatted, out, total = emit(result)
+    while total > limit and result.packed:  # the repacks did not converge: drop the lowest-valued memory
+        result = without_lowest(result)
+        nonce, formatted, out, total = emit(result)
+    if total > limit:
+        raise Internal(f"the emitted prompt counts {total} tokens, over the {limit} the window allows, "
+                       "with no memories left to drop")
     # What a usage report's ratio is taken against: the same prompt by the catalog's rule alone.
     uncalibrated = total if calibration is None else chat.prompt_tokens(
         plan, spec, catalog.counter(spec.family.name), out)
@@ -78,3 +92,12 @@ def assemble_chat(
         "cache_breakpoints": out.marked})
 
 
+
+
+def without_lowest(result: PackResult) -> PackResult:
+    """``result`` with its lowest-scored packed memory moved to the excluded ones."""
+    victim = min(result.packed, key=lambda m: (m.composite_score, m.memory_id))
+    packed = tuple(m for m in result.packed if m is not victim)
+    return replace(result, packed=packed, excluded=(*result.excluded, victim),
+                   excluded_for_budget=result.excluded_for_budget + 1, budget_reached=True,
+                   total_tokens=sum(m.tokens for m in packed), total_score=sum(m.composite_score for m in packed))
