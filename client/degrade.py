@@ -10,6 +10,11 @@ vocabularies (0.3-3 s after a process starts): until then ``Fallback.catalog`` a
 catalog that bounds every count by the text's UTF-8 bytes (``ByteBoundCatalog``), which needs no
 vocabulary and never undercounts, so the conversation still fits its window (trimmed harder); a
 conversation over the window by that bound waits for the exact count rather than be refused.
+
+What the first fallback needs beside the vocabularies is made ready on that thread before them (the
+byte-bound catalog, and one degraded build on it: the pipeline's first run compiles and caches), and
+the fallback stops waiting for the vocabularies ``BUILD_RESERVE_S`` before the deadline, so the
+first call's build fits inside its deadline rather than after it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import math
 import threading
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ibex_context.client.requests import to_exc
@@ -40,6 +45,11 @@ from ibex_context.shared.tokens import CachedCounter, EstimateKind
 
 log = logging.getLogger(__name__)
 
+# Time kept before a call's deadline for building its fallback: a short conversation's degraded
+# build (~0.5-1 ms) and the loop's wait for the GIL while the loading thread holds it (up to the
+# interpreter's 5 ms switch interval) end by the deadline, not after it.
+BUILD_RESERVE_S = 0.003
+
 
 def load_fallback(settings: Settings) -> Catalog | Exception:
     """Load the catalog and vocabularies ``degraded_response`` counts with (on a thread, from
@@ -58,9 +68,10 @@ def load_fallback(settings: Settings) -> Catalog | Exception:
         return exc
 
 
-def load_fallback_in_background(loop: asyncio.AbstractEventLoop,
-                                settings: Settings) -> asyncio.Future[Catalog | Exception]:
-    """``load_fallback`` on a daemon thread, its result delivered to ``loop`` as a future.
+def load_fallback_in_background(loop: asyncio.AbstractEventLoop, settings: Settings,
+                                first: Callable[[], None] | None = None) -> asyncio.Future[Catalog | Exception]:
+    """``load_fallback`` on a daemon thread (after ``first``, which must not raise), its result
+    delivered to ``loop`` as a future.
 
     Not the loop's default executor: ``asyncio.run`` waits for that executor's threads when it
     ends, so a short-lived caller (a CLI call to a stopped broker) would wait ~1 s for a fallback
@@ -73,6 +84,8 @@ def load_fallback_in_background(loop: asyncio.AbstractEventLoop,
             future.set_result(result)
 
     def work() -> None:
+        if first is not None:
+            first()
         result = load_fallback(settings)
         try:
             loop.call_soon_threadsafe(deliver, result)
@@ -134,8 +147,22 @@ class Fallback:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, settings: Settings) -> None:
         self.settings = settings
-        self.loaded = load_fallback_in_background(loop, settings)
         self._bytes: Catalog | None = None
+        self.loaded = load_fallback_in_background(loop, settings, first=self._prepare_bytes)
+
+    def _prepare_bytes(self) -> None:
+        """The byte-bound catalog, with one degraded build run on it (on the loading thread, before
+        the vocabularies): the first call finds both ready. A failure is left to that call to meet."""
+        try:
+            catalog = ByteBoundCatalog.load(self.settings.catalog_path)
+            warm = AssembleRequest(request_id="warm-up", org_id="warm-up", agent_id="warm-up", query="",
+                                   model=next(iter(catalog.models)), format="openai", deadline_ns=1,
+                                   messages=[{"role": "user", "content": "warm up"}])
+            degraded_response(warm, Internal("warm-up"), "warm up", catalog=catalog, settings=self.settings)
+        except Exception as exc:  # the call meets it again, as a typed error
+            log.debug("the byte-bound fallback did not warm up: %s", exc)
+            return
+        self._bytes = self._bytes or catalog
 
     async def ready(self) -> Catalog:
         """The loaded catalog, waited for; ``Internal`` when it cannot load."""
@@ -147,7 +174,7 @@ class Fallback:
     async def catalog(self, end: float) -> tuple[Catalog, str | None]:
         """(the catalog to build a fallback with by ``end`` (``time.monotonic()``), a note for the
         degraded reasons when it is the byte bound)."""
-        remaining = end - time.monotonic()
+        remaining = end - BUILD_RESERVE_S - time.monotonic()
         if not self.loaded.done() and remaining > 0:
             await asyncio.wait({self.loaded}, timeout=remaining)  # never cancels the load
         if self.loaded.done():
