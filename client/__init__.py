@@ -1,6 +1,11 @@
 """Python client library for ibex-context (see ``client.client`` for the contract)."""
 
-from ibex_context.client.client import AsyncClient, ClientClosed, SyncClient, degraded_response
+# One file, one module: loaded as ``client`` too, every class here would exist twice.
+if not __name__.startswith("ibex_context."):
+    raise ImportError("import ibex_context.client, not client")
+
+from ibex_context.client.client import AsyncClient, ClientClosed, degraded_response
+from ibex_context.client.sync import SyncClient
 from ibex_context.shared.errors import (
     ContextOverflow,
     DeadlineExceeded,

@@ -1,0 +1,3 @@
+# One file, one module: loaded as ``worker`` too, every class here would exist twice.
+if not __name__.startswith("ibex_context."):
+    raise ImportError("import ibex_context.worker, not worker")
