@@ -1,4 +1,5 @@
-"""The proxy's client library: asyncio and sync clients over ZeroMQ DEALER sockets.
+"""The proxy's client library: the asyncio client over ZeroMQ DEALER sockets (``client.sync`` wraps
+it for threads).
 
 * ``assemble(request, timeout=...)`` stamps the absolute deadline (Unix epoch ns = now + timeout)
   and enforces it itself: nothing is handed back after the deadline, whatever the network does.
@@ -46,7 +47,6 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
     parse_endpoints,
     to_exc,
 )
-from ibex_context.client.sync import SyncClient
 from ibex_context.client.usage import USAGE_ID_PREFIX, usage_payload
 from ibex_context.client.wire import Outgoing, outgoing, too_large
 from ibex_context.shared import protocol as P
@@ -66,7 +66,7 @@ from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncClient", "ClientClosed", "SyncClient", "degraded_response"]
+__all__ = ["AsyncClient", "ClientClosed", "degraded_response"]
 
 RETRYABLE = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.UNAUTHENTICATED}
 # Faults of the request itself: a degraded response would not cure them (an overflowing

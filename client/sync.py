@@ -12,13 +12,11 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from ibex_context.client.client import AsyncClient
 from ibex_context.client.requests import ClientClosed
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
-
-if TYPE_CHECKING:
-    from ibex_context.client.client import AsyncClient
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -32,8 +30,6 @@ class SyncClient:
     """
 
     def __init__(self, endpoints: Sequence[str] | str | None = None, **kwargs: Any) -> None:
-        from ibex_context.client.client import AsyncClient  # client.client re-exports this module's class
-
         self._client: AsyncClient = AsyncClient(endpoints, **kwargs)
         self._lock = threading.Lock()  # orders submissions against close()
         self._closed = False
