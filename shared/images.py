@@ -10,10 +10,14 @@ and the caller's own part goes back into the provider-ready messages (``shared.c
 The bytes are read once, by the client: the header for the size, the payload for the digest, so
 a stub names one image. A size the header does not give is ``0x0``, charged as an unknown size
 (the formula's maximum). A stub is no shorter than ``MIN_STUBBED`` payloads: tiny images travel
-as they are.
+as they are. A caller of the raw protocol may send base64 images as they are: the worker stubs
+them on receipt with the same ``stub_messages``, so every later stage reads each image once.
 
 Headers: PNG (IHDR), GIF, WebP (VP8, VP8L, VP8X: https://developers.google.com/speed/webp/docs/
-riff_container) and JPEG (segments walked to the first start-of-frame, ITU T.81 B.2.2).
+riff_container) and JPEG (segments walked to the first start-of-frame, ITU T.81 B.2.2). Reading
+a header costs the same whatever the image holds: at most ``JPEG_SCAN_CHARS`` of base64 are
+decoded, runs of fill bytes are skipped in one step, and at most ``JPEG_MAX_SEGMENTS`` segments are
+walked; a frame header not found within them is an unknown size.
 """
 
 from __future__ import annotations
@@ -28,10 +32,15 @@ STUB_PREFIX = "ibex-image:"
 _STUB = re.compile(r"ibex-image:(\d{1,9})x(\d{1,9});sha256=[0-9a-f]{64}")
 MIN_STUBBED = 256  # payload characters below which an image is sent as is (a stub is ~95)
 
-# Headers sit in the first bytes, except JPEG's frame header, which follows any EXIF/ICC segments
-# (usually well under 64 KiB). So we decode 4 KiB of base64, then 64 KiB, and the whole payload
-# only for a JPEG whose first 48 KiB held no frame.
-_PREFIX_CHARS = (4096, 65536)
+# Headers sit in the first bytes, except JPEG's frame header, which follows any EXIF/ICC/XMP
+# segments (usually well under 64 KiB, each segment at most 64 KiB). So we decode 4 KiB of base64,
+# then 64 KiB, then for a JPEG whose first 48 KiB held no frame, up to JPEG_SCAN_CHARS (768 KiB).
+JPEG_SCAN_CHARS = 1 << 20
+_PREFIX_CHARS = (4096, 65536, JPEG_SCAN_CHARS)
+# Real files have a dozen segments before the frame header; a walk of 4-byte segments could
+# otherwise cost a Python step per 4 bytes.
+JPEG_MAX_SEGMENTS = 512
+_NOT_FILL = re.compile(rb"[^\xff]")
 
 
 def stub_for(payload: str) -> str:
@@ -78,7 +87,7 @@ def part_payload(part: dict[str, Any]) -> str | None:
 
 def base64_size(data: str) -> tuple[int, int] | None:
     """(width, height) from the header of a base64 image, decoding no more than it needs."""
-    for limit in (*_PREFIX_CHARS, len(data)):
+    for limit in _PREFIX_CHARS:
         head = _b64decode(data[:limit])
         if head is None:
             return None
@@ -135,12 +144,15 @@ _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     i = 2
-    while i + 4 <= len(data):
-        if data[i] != 0xFF:
+    for _ in range(JPEG_MAX_SEGMENTS):
+        if i + 4 > len(data) or data[i] != 0xFF:
             return None
         marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
+        if marker == 0xFF:  # fill bytes (B.1.1.2): the marker is the first byte after the run
+            found = _NOT_FILL.search(data, i + 1)
+            if found is None:
+                return None
+            i = found.start() - 1
             continue
         if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # standalone markers carry no length
             i += 2
@@ -155,3 +167,45 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
             return None
         i += 2 + length
     return None
+
+
+# --- stubbing a conversation's images ------------------------------------------------------------
+
+
+def stub_messages(messages: list[Any]) -> list[Any]:
+    """``messages`` with every base64 image as its stub, nothing else changed: a message without
+    one is the caller's own object, and the list itself when none has one."""
+    stubbed = [_stub_message(m) for m in messages]
+    return messages if all(a is b for a, b in zip(stubbed, messages, strict=True)) else stubbed
+
+
+def _stub_message(message: Any) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    stubbed = _stub_blocks(content)
+    return message if stubbed is content else {**message, "content": stubbed}
+
+
+def _stub_blocks(blocks: list[Any]) -> list[Any]:
+    stubbed = [_stub_block(b) for b in blocks]
+    return blocks if all(a is b for a, b in zip(stubbed, blocks, strict=True)) else stubbed
+
+
+def _stub_block(block: Any) -> Any:
+    """An OpenAI ``image_url`` part or Anthropic ``image`` block with its base64 payload as a stub
+    (inside ``tool_result`` content too); any other block, or a shape the service will refuse, as is."""
+    if not isinstance(block, dict):
+        return block
+    kind = block.get("type")
+    if kind == "image_url" and isinstance(image := block.get("image_url"), dict):
+        payload = data_url_payload(image.get("url"))
+        if stubbable(payload):
+            return {**block, "image_url": {**image, "url": stub_for(payload)}}  # type: ignore[arg-type]
+    elif kind == "image" and isinstance(source := block.get("source"), dict):
+        if source.get("type") == "base64" and stubbable(source.get("data")):
+            return {**block, "source": {**source, "data": stub_for(source["data"])}}
+    elif kind == "tool_result" and isinstance(content := block.get("content"), list):
+        stubbed = _stub_blocks(content)
+        return block if stubbed is content else {**block, "content": stubbed}
+    return block
