@@ -10,13 +10,12 @@ A degraded response is built from the same stubbed request and restored the same
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 
 from ibex_context.shared.chat_layout import restore
 from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.images import data_url_payload, stub_for, stubbable
+from ibex_context.shared.images import stub_messages
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 
 # The fields a caller's conversation travels in, per request form: what a size error names.
@@ -41,43 +40,10 @@ def outgoing(request: AssembleRequest) -> Outgoing:
     (a message without one is the caller's own object)."""
     if request.format is None or not request.messages:
         return Outgoing(request, request)
-    messages = [_slim_message(m) for m in request.messages]
-    if all(a is b for a, b in zip(messages, request.messages, strict=True)):
+    messages = stub_messages(request.messages)
+    if messages is request.messages:
         return Outgoing(request, request)
     return Outgoing(request, request.model_copy(update={"messages": messages}))
-
-
-def _slim_message(message: Any) -> Any:
-    content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, list):
-        return message
-    slim = _slim_blocks(content)
-    return message if slim is content else {**message, "content": slim}
-
-
-def _slim_blocks(blocks: list[Any]) -> list[Any]:
-    """``blocks`` with each image as a stub; the same list when nothing changed."""
-    slim = [_slim_block(b) for b in blocks]
-    return blocks if all(a is b for a, b in zip(slim, blocks, strict=True)) else slim
-
-
-def _slim_block(block: Any) -> Any:
-    """An OpenAI ``image_url`` part or Anthropic ``image`` block with its base64 payload as a stub
-    (inside ``tool_result`` content too); any other block, or a shape the service will refuse, as is."""
-    if not isinstance(block, dict):
-        return block
-    kind = block.get("type")
-    if kind == "image_url" and isinstance(image := block.get("image_url"), dict):
-        payload = data_url_payload(image.get("url"))
-        if stubbable(payload):
-            return {**block, "image_url": {**image, "url": stub_for(payload)}}  # type: ignore[arg-type]
-    elif kind == "image" and isinstance(source := block.get("source"), dict):
-        if source.get("type") == "base64" and stubbable(source.get("data")):
-            return {**block, "source": {**source, "data": stub_for(source["data"])}}
-    elif kind == "tool_result" and isinstance(content := block.get("content"), list):
-        slim = _slim_blocks(content)
-        return block if slim is content else {**block, "content": slim}
-    return block
 
 
 def too_large(request: AssembleRequest, size: int, limit: int) -> InvalidRequest:
