@@ -189,6 +189,15 @@ class WorkerSettings(_LinkSettings, _TimeoutSettings):
     # Credit: requests one worker holds in flight. Measured (bench.run, 2 cores): 4 keeps goodput at
     # 2x saturation at 100 % of peak; 16 let work pile up inside workers and goodput fell to 27 %.
     worker_concurrency: int = Field(4, ge=1, description="Credit: requests one worker holds in flight.")
+    # Per-request CPU bounds (README "Size limits"): a request's maps and arrays are counted while it
+    # is decoded, before any other work; at 10,000 (~2,000 tool-call pairs) decoding and assembling
+    # cost ~100 ms of a worker's core. Requests of several orgs take CPU turns fairly (worker.fair).
+    max_request_items: int = Field(
+        10_000, ge=100, description="Maps and arrays one request may hold (messages, content parts, tool calls, "
+                                    "schemas); over it the request is refused INVALID_REQUEST, naming the field.")
+    worker_org_concurrency: int = Field(
+        0, ge=0, description="Assemblies of one org one worker runs at once; more of that org wait in its queue "
+                             "while other orgs go on (0: up to the worker's credit).")
     pin_cpus: bool = True
     worker_key_file: str | None = Field(None, description="Worker: its CURVE keypair file.")
 
