@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from ibex_context.client import AsyncClient, ClientClosed, SyncClient
 from ibex_context.ops.stack import LocalStack, free_port
@@ -355,20 +356,50 @@ def test_sync_client_used_after_close(name: str) -> None:
     assert "client is closed" in exc.value.message
 
 
-async def test_async_calls_in_flight_at_close_end_with_client_closed() -> None:
-    c = AsyncClient(_nobody())
+@pytest.fixture
+def silent_broker() -> Iterator[tuple[str, zmq.Socket[bytes]]]:
+    """A real ROUTER that takes every request and never answers: what the client sends stays in flight."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield f"tcp://127.0.0.1:{port}", sock
+    finally:
+        sock.close()
+        ctx.term()
+
+
+async def _received(peer: zmq.Socket[bytes], n: int, timeout_s: float = 5.0) -> None:
+    """Wait (without blocking the loop) until ``peer`` has received ``n`` messages."""
+    end = time.monotonic() + timeout_s
+    while n:
+        if peer.poll(0):
+            peer.recv_multipart()
+            n -= 1
+        else:
+            assert time.monotonic() < end, f"the broker is still waiting for {n} message(s)"
+            await asyncio.sleep(0.005)
+
+
+async def test_async_calls_in_flight_at_close_end_with_client_closed(
+        silent_broker: tuple[str, zmq.Socket[bytes]]) -> None:
+    endpoint, peer = silent_broker
+    c = AsyncClient(endpoint)
     await c.start()
     calls = [asyncio.create_task(c.assemble(timeout=5.0, **_fields(1))),
              asyncio.create_task(c.assemble_or_degrade(timeout=5.0, **_fields(2))),
              asyncio.create_task(c.status(timeout=5.0))]
-    await asyncio.sleep(0.05)  # all three are waiting for a broker that is not there
+    await _received(peer, 3)  # the broker has all three and will never answer
+    assert (len(c.conns[0].waiting), len(c.conns[0].status_waiters)) == (2, 1)  # in flight at close
     await c.aclose()
     results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 2.0)
     assert [type(r) for r in results] == [ClientClosed] * 3, results
 
 
-def test_sync_calls_in_flight_at_close_end_with_client_closed() -> None:
-    c = SyncClient(_nobody())
+def test_sync_calls_in_flight_at_close_end_with_client_closed(silent_broker: tuple[str, zmq.Socket[bytes]]) -> None:
+    endpoint, peer = silent_broker
+    c = SyncClient(endpoint)
     results: list[BaseException | object] = []
 
     def call() -> None:
@@ -379,11 +410,14 @@ def test_sync_calls_in_flight_at_close_end_with_client_closed() -> None:
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.05)  # let the call reach the client's loop (it then waits for the absent broker)
+    assert peer.poll(5000), "the request never reached the broker"
+    peer.recv_multipart()
+    assert len(c._client.conns[0].waiting) == 1  # the call waits for its reply: in flight at close
     c.close()
     t.join(timeout=5)
     assert not t.is_alive()
     assert [type(r) for r in results] == [ClientClosed], results
+    assert "while the call was in flight" in results[0].message  # type: ignore[union-attr]
 
 
 def test_sync_client_raises_typed_errors() -> None:
