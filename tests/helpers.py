@@ -1,18 +1,30 @@
-"""Helpers shared by the tests that run a whole stack as child processes."""
+"""Helpers shared by the tests: a whole stack as child processes, frames no product code sends,
+and the scalar reference of the memory service's ranking."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ibex_context.memory.rank import (
+    DEFAULT_RELEVANCE_FLOOR,
+    WEIGHTS,
+    Weights,
+    access_score,
+    check_relevance_floor,
+    half_life_days,
+)
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
+from ibex_context.shared import protocol as P
 
 
 def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
@@ -38,3 +50,67 @@ async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.
         if time.monotonic() > end:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+def legacy_request_frames(payload: bytes) -> list[bytes]:
+    """A request without a header frame (raw clients; the broker's payload checks)."""
+    return [P.TAG, P.REQUEST, payload]
+
+
+# ------------------------------------------------------------- the ranking's scalar reference
+# ``memory.rank.rank_arrays`` ranks with array operations; this is the same composite one
+# candidate at a time, in the same floating-point order, so the tests can hold the two equal.
+DAY_S = 86_400.0
+
+
+def recency_score(age_s: float, category: str) -> float:
+    """0.5 ** (age / half-life); 1.0 for a memory from "now" (or the future: clock skew)."""
+    if not math.isfinite(age_s):
+        return 0.0
+    return float(0.5 ** (max(age_s, 0.0) / (half_life_days(category) * DAY_S)))
+
+
+def composite(*, relevance: float, recency: float, usefulness: float, confidence: float, access: float,
+              weights: Weights = WEIGHTS) -> float:
+    return (weights.relevance * relevance + weights.recency * recency + weights.usefulness * usefulness
+            + weights.confidence * confidence + weights.access * access)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A hydrated memory with the relevance retrieval gave it."""
+
+    memory_id: str
+    relevance: float
+    category: str
+    created_at_s: float
+    usefulness: float
+    confidence: float
+    access_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    candidate: Candidate
+    score: float
+    recency: float
+    rank: int  # 1-based position in the returned list
+
+
+def rank_hydrated_hits(candidates: Iterable[Candidate], *, now_s: float,
+                       relevance_floor: float = DEFAULT_RELEVANCE_FLOOR, limit: int,
+                       weights: Weights = WEIGHTS) -> list[Ranked]:
+    """Apply the relevance floor, score the composite, sort (score desc, memory_id) and cut."""
+    floor = check_relevance_floor(relevance_floor)
+    scored: list[tuple[float, float, Candidate]] = []
+    for c in candidates:
+        numbers = (c.relevance, c.usefulness, c.confidence, c.created_at_s)
+        if not all(math.isfinite(x) for x in numbers) or c.relevance < floor:
+            continue
+        rec = recency_score(now_s - c.created_at_s, c.category)
+        score = composite(relevance=c.relevance, recency=rec, usefulness=c.usefulness, confidence=c.confidence,
+                          access=access_score(c.access_count), weights=weights)
+        scored.append((score, rec, c))
+    scored.sort(key=lambda t: (-t[0], t[2].memory_id))
+    return [Ranked(candidate=c, score=score, recency=rec, rank=i + 1)
+            for i, (score, rec, c) in enumerate(scored[: max(limit, 0)])]
