@@ -28,7 +28,7 @@ from ibex_context.shared import protocol as P
 from ibex_context.shared.chat_layout import materialize
 from ibex_context.shared.codec import Envelope, pack_header
 from ibex_context.shared.models import AssembleResponse, ChatLayout
-from tests.helpers import start_stack
+from tests.helpers import legacy_request_frames, start_stack
 
 STACK_ENV = {
     "IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16",
@@ -214,7 +214,7 @@ def test_correlated_requests_round_trip_and_their_ids_are_bounded() -> None:
     longest = b"c" * P.MAX_CORRELATION_BYTES
     frames = P.correlated_frames(P.request_frames(b"head", b"payload"), longest)
     assert frames is not None and P.parse_client_message(frames) == P.ClientRequest(b"payload", b"head", longest)
-    assert P.correlated_frames(P.legacy_request_frames(b"payload"), b"c") is None  # no place for one
+    assert P.correlated_frames(legacy_request_frames(b"payload"), b"c") is None  # no place for one
     for bad in (b"", longest + b"c"):
         with pytest.raises(P.FrameError, match="CORRELATED, an id of 1 to 64 bytes"):
             P.parse_client_message([P.TAG, P.CORRELATED, bad, b"head", b"payload"])

@@ -19,16 +19,13 @@ from ibex_context.memory.rank import (
     FLOOR_LIMIT,
     HALF_LIFE_DAYS,
     WEIGHTS,
-    Candidate,
     access_score,
     check_relevance_floor,
-    composite,
     cosine_scores,
     rank_arrays,
-    rank_hydrated_hits,
-    recency_score,
     record_features,
 )
+from tests.helpers import Candidate, composite, rank_hydrated_hits, recency_score
 
 DAY = 86_400.0
 NOW = 1_800_000_000.0

@@ -17,6 +17,7 @@ from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import encode
 from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.settings import Settings
+from tests.helpers import legacy_request_frames
 
 STAMP = P.Stamp(deadline_ns=123, queued_us=4, sent_ns=5, attempt=1)
 INFO = P.Info(capacity=4, worker_id="w-1", pid=42, stats={"replied": 3}, draining=False)
@@ -27,7 +28,7 @@ INFO = P.Info(capacity=4, worker_id="w-1", pid=42, stats={"replied": 3}, drainin
 
 def test_client_messages_round_trip() -> None:
     assert P.parse_client_message(P.request_frames(b"head", b"payload")) == P.ClientRequest(b"payload", b"head")
-    assert P.parse_client_message(P.legacy_request_frames(b"payload")) == P.ClientRequest(b"payload", None)
+    assert P.parse_client_message(legacy_request_frames(b"payload")) == P.ClientRequest(b"payload", None)
     assert P.parse_client_message(P.status_request_frames()) == P.StatusRequest()
 
 
