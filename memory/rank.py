@@ -18,7 +18,7 @@ Order of operations for search, and why each step sits where it does:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -83,13 +83,6 @@ def half_life_days(category: str) -> float:
     return HALF_LIFE_DAYS.get(category, DEFAULT_HALF_LIFE_DAYS)
 
 
-def recency_score(age_s: float, category: str) -> float:
-    """0.5 ** (age / half-life); 1.0 for a memory from "now" (or the future: clock skew)."""
-    if not math.isfinite(age_s):
-        return 0.0
-    return float(0.5 ** (max(age_s, 0.0) / (half_life_days(category) * _DAY_S)))
-
-
 def access_score(access_count: int) -> float:
     """Log-scaled access frequency in [0, 1]: the first accesses matter most."""
     if access_count <= 0:
@@ -97,73 +90,11 @@ def access_score(access_count: int) -> float:
     return min(1.0, math.log1p(access_count) / math.log1p(ACCESS_SATURATION))
 
 
-def composite(
-    *, relevance: float, recency: float, usefulness: float, confidence: float, access: float,
-    weights: Weights = WEIGHTS,
-) -> float:
-    return (
-        weights.relevance * relevance
-        + weights.recency * recency
-        + weights.usefulness * usefulness
-        + weights.confidence * confidence
-        + weights.access * access
-    )
-
-
 def cosine_scores(matrix: NDArray[np.float32], query: NDArray[np.float32]) -> NDArray[np.float32]:
     """Cosine of each (unit) row with the (unit) query; zero rows and queries score 0."""
     if matrix.size == 0:
         return np.zeros(matrix.shape[0], dtype=np.float32)
     return np.asarray(matrix @ query, dtype=np.float32)
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A hydrated memory with the relevance retrieval gave it."""
-
-    memory_id: str
-    relevance: float
-    category: str
-    created_at_s: float
-    usefulness: float
-    confidence: float
-    access_count: int
-
-
-@dataclass(frozen=True, slots=True)
-class Ranked:
-    candidate: Candidate
-    score: float
-    recency: float
-    rank: int  # 1-based position in the returned list
-
-
-def rank_hydrated_hits(
-    candidates: Iterable[Candidate],
-    *,
-    now_s: float,
-    relevance_floor: float = DEFAULT_RELEVANCE_FLOOR,
-    limit: int,
-    weights: Weights = WEIGHTS,
-) -> list[Ranked]:
-    """Apply the relevance floor, score the composite, sort (score desc, memory_id) and cut."""
-    floor = check_relevance_floor(relevance_floor)
-    scored: list[tuple[float, float, Candidate]] = []
-    for c in candidates:
-        numbers = (c.relevance, c.usefulness, c.confidence, c.created_at_s)
-        if not all(math.isfinite(x) for x in numbers) or c.relevance < floor:
-            continue
-        rec = recency_score(now_s - c.created_at_s, c.category)
-        score = composite(
-            relevance=c.relevance, recency=rec, usefulness=c.usefulness, confidence=c.confidence,
-            access=access_score(c.access_count), weights=weights,
-        )
-        scored.append((score, rec, c))
-    scored.sort(key=lambda t: (-t[0], t[2].memory_id))
-    return [
-        Ranked(candidate=c, score=score, recency=rec, rank=i + 1)
-        for i, (score, rec, c) in enumerate(scored[: max(limit, 0)])
-    ]
 
 
 # ------------------------------------------------------------------ vectorised retrieval, hot relevance
@@ -183,22 +114,17 @@ def hot_relevance(cosine: float, salience: float) -> float:
     return (1.0 - HOT_SALIENCE_SHARE) * cos + HOT_SALIENCE_SHARE * min(max(salience, 0.0), 1.0)
 
 
-def components(r: Ranked) -> dict[str, float]:
-    """The five composite components of a ranked hit, as the hit carries them on the wire."""
-    c = r.candidate
-    return {"relevance": round(c.relevance, 6), "recency": round(r.recency, 6), "usefulness": c.usefulness,
-            "confidence": c.confidence, "access": round(access_score(c.access_count), 6)}
-
-
 def rank_arrays(
     memory_ids: Sequence[str], relevance: Sequence[float], features: Sequence[tuple[float, float, float, float, float]],
     *, now_s: float, relevance_floor: float = DEFAULT_RELEVANCE_FLOOR, limit: int, weights: Weights = WEIGHTS,
 ) -> tuple[list[int], list[float], list[float]]:
-    """``rank_hydrated_hits`` with array operations: (positions, composites, recencies) of the kept
-    hits, best first. ``features[i]`` is ``record_features`` of the i-th hit.
+    """Apply the relevance floor, score the composite, sort (score desc, memory_id) and cut, with
+    array operations: (positions, composites, recencies) of the kept hits, best first.
+    ``features[i]`` is ``record_features`` of the i-th hit.
 
-    The same floating-point operations in the same order as the scalar path (which stays the
-    reference, and the tests hold the two equal), without a Python object per candidate.
+    Recency is 0.5 ** (age / half-life), 1.0 for a memory from "now" (or the future: clock skew),
+    0 for a non-finite age. The tests hold this equal to a scalar reference of the same
+    floating-point operations in the same order, one candidate at a time.
     """
     floor = check_relevance_floor(relevance_floor)
     n = len(memory_ids)
