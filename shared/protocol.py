@@ -218,11 +218,6 @@ def correlated_frames(frames: list[bytes], correlation_id: bytes) -> list[bytes]
     return [TAG, CORRELATED, correlation_id, *frames[2:]] if len(frames) == 4 and frames[1] == REQUEST else None
 
 
-def legacy_request_frames(payload: bytes) -> list[bytes]:
-    """A request without a header frame (raw clients, tests of the broker's payload checks)."""
-    return [TAG, REQUEST, payload]
-
-
 def status_request_frames() -> list[bytes]:
     return [TAG, STATUS]
 
