@@ -15,6 +15,8 @@ import asyncio
 import collections
 import time
 from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 
 from ibex_context.pipeline.assemble import Clock, Policy, assemble
 from ibex_context.pipeline.budget import counter_for
@@ -24,6 +26,12 @@ from ibex_context.shared.models import AssembleRequest, AssembleResponse
 from ibex_context.shared.settings import Settings
 from ibex_context.worker.calibration import Calibrator
 from ibex_context.worker.retrieve import Retriever
+
+Turn = Callable[[], AbstractAsyncContextManager[None]]
+
+
+def _turn(turn: Turn | None) -> AbstractAsyncContextManager[None]:
+    return turn() if turn is not None else nullcontext()
 
 
 class StageCostTracker:
@@ -81,9 +89,10 @@ class Assembler:
 
     async def assemble(
         self, req: AssembleRequest, *, deadline_mono_ns: int, nonce: str | None = None,
-        timings_us: dict[str, int] | None = None, transit_ns: int | None = None,
+        timings_us: dict[str, int] | None = None, transit_ns: int | None = None, turn: Turn | None = None,
     ) -> AssembleResponse:
-        """Retrieve against the live backing services, then run the pipeline on what came back."""
+        """Retrieve against the live backing services, then run the pipeline on what came back;
+        ``turn`` gives each synchronous stage its fair turn on the worker's loop (``worker.fair``)."""
         if transit_ns is not None:
             self.transit.observe(max(0, transit_ns))
         if self.retriever is None:
@@ -96,17 +105,19 @@ class Assembler:
         wait = self.retriever.start(req, wall_end_ns=wall_end)
         # Let the branches send their requests, then count what needs no I/O while they are in flight.
         await asyncio.sleep(0)
-        sections = count_request(counter_for(self.catalog, spec, calibration), req)
+        async with _turn(turn):
+            sections = count_request(counter_for(self.catalog, spec, calibration), req)
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = {**(timings_us or {}), "retrieval": max(0, (t_retrieved - t_start) // 1000)}
-        try:
-            resp = assemble(req, retrieval, catalog=self.catalog, policy=self.policy, nonce=nonce, clock=clock,
-                            lines=self.lines, sections=sections, timings_us=timings, worker_id=self.worker_id,
-                            calibration=calibration)
-        finally:
-            if "packing" in clock.started:
-                self.stats["packing"] += 1
+        async with _turn(turn):
+            try:
+                resp = assemble(req, retrieval, catalog=self.catalog, policy=self.policy, nonce=nonce, clock=clock,
+                                lines=self.lines, sections=sections, timings_us=timings, worker_id=self.worker_id,
+                                calibration=calibration)
+            finally:
+                if "packing" in clock.started:
+                    self.stats["packing"] += 1
         self.post_cost.observe(time.monotonic_ns() - t_retrieved)
         if self.calibrator is not None:  # the id a usage report names, and the service's own count for it
             resp = self.calibrator.issue(resp, org_id=req.org_id, model=spec.name)
