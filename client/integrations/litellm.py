@@ -22,8 +22,9 @@ bad config stops the proxy at start with one line.
   reason);
 * response headers: ``x-ibex-context: assembled | degraded | passed_through``, why, and where
   the directive came from (``x-ibex-context-directive``);
-* success: the provider's ``usage.prompt_tokens`` reported back for calibration (a stream's only
-  when it asked for ``stream_options.include_usage``).
+* success: the provider's ``usage.prompt_tokens`` reported back for calibration, streamed or not (a
+  chat completion's stream only when it asked for ``stream_options.include_usage``; Anthropic's
+  messages and OpenAI's responses always stream their usage).
 
 LiteLLM is imported here only: ``ibex_context.client`` never loads it.
 """
@@ -55,7 +56,12 @@ from ibex_context.client.integrations.litellm_core import (
     usage_key,
 )
 from ibex_context.client.integrations.litellm_responses import Unconvertible
-from ibex_context.client.integrations.litellm_routes import NotAssembled, request_form
+from ibex_context.client.integrations.litellm_routes import (
+    ANTHROPIC_CALLS,
+    RESPONSES_CALLS,
+    NotAssembled,
+    request_form,
+)
 from ibex_context.shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -103,8 +109,18 @@ def _deployments(model_group: str, team_id: object) -> list[str]:
     return [model_group if "*" in m else m for m in models if isinstance(m, str)]
 
 
-def _asked_for_usage(kwargs: dict[str, Any]) -> bool:
-    """Whether a streamed call asked the provider for its usage (``stream_options.include_usage``)."""
+def _get(obj: object, name: str) -> object:
+    """A field of LiteLLM's response or usage, an object or a dict (a streamed ``/v1/responses``
+    call's usage is a dict)."""
+    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+
+
+def _streams_usage(kwargs: dict[str, Any]) -> bool:
+    """Whether a streamed call's provider sends its usage in the stream: Anthropic's messages
+    (``message_start``, ``message_delta``) and OpenAI's responses (``response.completed``) always
+    do; a chat completion only when it asked (``stream_options.include_usage``)."""
+    if kwargs.get("call_type") in ANTHROPIC_CALLS | RESPONSES_CALLS:
+        return True
     options = kwargs.get("stream_options") or (kwargs.get("optional_params") or {}).get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
 
@@ -152,15 +168,14 @@ class IbexContextHook(CustomLogger):
 
     async def async_log_success_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
                                       end_time: Any) -> None:
-        if kwargs.get("stream") and not _asked_for_usage(kwargs):
+        if kwargs.get("stream") and not _streams_usage(kwargs):
             # LiteLLM fills a stream's usage with its own count when the provider sent none: not
             # the provider's, so not a calibration sample
             self.core.forget(usage_key(kwargs))
             return
-        usage = getattr(response_obj, "usage", None)
-        details = getattr(usage, "prompt_tokens_details", None)
-        self.core.report(usage_key(kwargs), getattr(usage, "prompt_tokens", None),
-                         getattr(details, "cached_tokens", None))
+        usage = _get(response_obj, "usage")
+        self.core.report(usage_key(kwargs), _get(usage, "prompt_tokens"),
+                         _get(_get(usage, "prompt_tokens_details"), "cached_tokens"))
 
     async def async_log_failure_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
                                       end_time: Any) -> None:
