@@ -31,7 +31,7 @@ from typing import Final
 
 from ibex_context.pipeline.hits import memory_id_problem
 from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory
-from ibex_context.shared.models import COMPONENTS
+from ibex_context.shared.models import COMPONENTS, ScoreWeights
 
 # (similarity weight, confidence weight) of the interim score; README "Scoring and packing".
 INTERIM_WEIGHTS: Final[tuple[float, float]] = (0.85, 0.15)
@@ -39,8 +39,8 @@ Weights5 = tuple[float, float, float, float, float]
 # The packer's default weights (README "Selection quality"): relevance first. The memory service
 # ranks its candidates with the spec's (0.40, 0.25, 0.20, 0.10, 0.05); packing with those put
 # fresh, much-used but unrelated memories first (bench.retrieval, minilm at cutoff 0.30: MRR 0.48
-# against 0.72 with these, recall@10 0.79 against 0.89). Must equal ScoreWeights' defaults.
-DEFAULT_WEIGHTS: Final[Weights5] = (0.70, 0.10, 0.10, 0.05, 0.05)
+# against 0.72 with these, recall@10 0.79 against 0.89). Defined once: ScoreWeights' defaults.
+DEFAULT_WEIGHTS: Final[Weights5] = ScoreWeights().as_tuple()
 
 
 def _unit_problem(name: str, value: object) -> str | None:
