@@ -25,13 +25,15 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ibex_context.shared import protocol as P
 from ibex_context.shared.chat_layout import for_wire
-from ibex_context.shared.codec import decode_request, encode, encode_error, header_mismatch, parse_header
+from ibex_context.shared.codec import Envelope, encode, encode_error, header_mismatch, parse_header
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.loopsock import LoopSocket
 from ibex_context.shared.models import AssembleRequest, AssembleResponse, ErrorReply
 from ibex_context.shared.observability import WorkerMetrics
 from ibex_context.shared.settings import WorkerSettings
 from ibex_context.worker.assemble import Assembler
+from ibex_context.worker.cost import decode, stub_images
+from ibex_context.worker.fair import FairTurns
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ class WorkerServer:
         self.configure_socket = configure_socket
         self.endpoints = endpoints or settings.backends()
         self.capacity = settings.worker_concurrency
+        self.turns = FairTurns(per_org=settings.worker_org_concurrency)
         self.metrics = metrics
         self.stats: collections.Counter[str] = collections.Counter()
         self.inflight: set[asyncio.Task[None]] = set()
@@ -114,7 +117,8 @@ class WorkerServer:
     def info(self) -> P.Info:
         cal = self.assembler.calibrator
         return P.Info(self.capacity, self.worker_id, os.getpid(),
-                      {**self.stats, **self.assembler.stats, **(cal.stats if cal is not None else {})}, self.draining)
+                      {**self.stats, **self.turns.stats, **self.assembler.stats,
+                                                    **(cal.stats if cal is not None else {})}, self.draining)
 
     async def run(self) -> None:
         self.links = [BrokerLink(self, ep) for ep in self.endpoints]
@@ -162,6 +166,7 @@ class WorkerServer:
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic_ns()
+            self.turns.sweep()
             for link in self.links:
                 link.send(P.heartbeat_frames(self.info()))
                 if now - link.broker_seen_ns > silent_ns:
@@ -213,33 +218,54 @@ class WorkerServer:
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
-    def _decode(self, msg: P.Dispatch) -> AssembleRequest | ErrorReply:
-        """The whole request, validated, and checked against the header the broker routed on."""
-        env = parse_header(msg.header)
+    def _decode(self, msg: P.Dispatch, env: Envelope | ErrorReply) -> AssembleRequest | ErrorReply:
+        """The whole request, validated, within the item limit (``worker.cost``), checked against the
+        header the broker routed on, and its base64 images read once, as stubs."""
         if isinstance(env, ErrorReply):
             return env
-        req = decode_request(msg.payload, max_bytes=self.settings.max_request_bytes)
+        req, _ = decode(msg.payload, max_bytes=self.settings.max_request_bytes,
+                        max_items=self.settings.max_request_items)
         if isinstance(req, ErrorReply):
             return req
         mismatch = header_mismatch(env, req)
         if mismatch is not None:
             self.stats["header_mismatch"] += 1
             return mismatch
-        return req
+        return stub_images(req)
 
     async def _handle(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int,
                       transit_ns: int) -> None:
+        """One request: its org's slot, a fair turn to decode it (``worker.fair``), then ``_serve``.
+        Waiting past the deadline for either is answered as expired work is."""
         started = time.monotonic_ns()
+        env = parse_header(msg.header)
+        org = "" if isinstance(env, ErrorReply) else env.org_id
+        try:
+            async with self.turns.slot(org, deadline_ns):
+                async with self.turns.turn(org, deadline_ns):
+                    decoding_ns = time.monotonic_ns()
+                    req = self._decode(msg, env)
+                if isinstance(req, ErrorReply):
+                    self.stats["invalid"] += 1
+                    link.send(P.worker_reply_frames(P.ERROR, msg.client, msg.request_id, encode(req)))
+                    return
+                timings = {"queue_wait": msg.stamp.queued_us, "worker_wait": (decoding_ns - received_ns) // 1000}
+                await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+        except DeadlineExceeded as exc:  # only the waits above raise here: _serve answers its own errors
+            self.stats["expired_waiting"] += 1
+            if self.metrics is not None:
+                self.metrics.outcome.labels("expired_waiting").inc()
+            waited_us = (time.monotonic_ns() - started) // 1000
+            self._reply_error(link, msg.client, msg.request_id, exc, P.Feedback(True, waited_us),
+                              None if isinstance(env, ErrorReply) else env.request_id)
+
+    async def _serve(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
+                     transit_ns: int, timings: dict[str, int]) -> None:
         client, rid = msg.client, msg.request_id
-        req = self._decode(msg)
-        if isinstance(req, ErrorReply):
-            self.stats["invalid"] += 1
-            link.send(P.worker_reply_frames(P.ERROR, client, rid, encode(req)))
-            return
-        timings = {"queue_wait": msg.stamp.queued_us, "worker_wait": (started - received_ns) // 1000}
         try:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
-                                                 transit_ns=transit_ns)
+                                                 transit_ns=transit_ns,
+                                                 turn=lambda: self.turns.turn(req.org_id, deadline_ns))
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)
