@@ -5,7 +5,9 @@ model's BPE encoding when the catalog gives it one, else o200k; OpenAI's per-mes
 formula). With ``stream`` it answers server-sent events, the usage chunk only under
 ``stream_options.include_usage`` (as OpenAI does). ``/v1/messages`` (Anthropic's formula over o200k),
 ``/v1/responses``, ``/v1/completions`` and ``/v1/embeddings`` answer in their own shapes (the last
-three billed as o200k tokens of the input's JSON), unstreamed.
+three billed as o200k tokens of the input's JSON); ``/v1/messages`` and ``/v1/responses`` stream
+too, as Anthropic and OpenAI do (their usage always in the stream: ``message_start`` and
+``message_delta``, ``response.completed``).
 
     python -m bench.litellm_upstream --port-file F      # binds 127.0.0.1:0, writes the port to F
 
@@ -73,6 +75,46 @@ def _responses_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
                       "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
+Events = list[tuple[str | None, dict[str, Any]]]  # (SSE event name, data), in order
+
+
+def _messages_events(body: dict[str, Any], n: int) -> Events:
+    """``_messages_reply`` as Anthropic streams it: the input usage first, the output's last."""
+    reply = _messages_reply(body, n)
+    start = {**reply, "content": [], "stop_reason": None, "usage": {**reply["usage"], "output_tokens": 0}}
+    events: Events = [
+        ("message_start", {"type": "message_start", "message": start}),
+        ("content_block_start", {"type": "content_block_start", "index": 0,
+                                 "content_block": {"type": "text", "text": ""}}),
+        ("ping", {"type": "ping"}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": "ok"}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                           "usage": {"output_tokens": 1}}),
+        ("message_stop", {"type": "message_stop"})]
+    return events
+
+
+def _responses_events(body: dict[str, Any], n: int) -> Events:
+    """``_responses_reply`` as OpenAI streams it: the usage in ``response.completed``."""
+    done = _responses_reply(body, n)
+    item, part = done["output"][0], done["output"][0]["content"][0]
+    ids = {"item_id": item["id"], "output_index": 0}
+    started = {**done, "status": "in_progress", "output": [], "usage": None}
+    kinds: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": started}),
+        ("response.in_progress", {"response": started}),
+        ("response.output_item.added", {"output_index": 0, "item": {**item, "status": "in_progress", "content": []}}),
+        ("response.content_part.added", {**ids, "content_index": 0, "part": {**part, "text": ""}}),
+        ("response.output_text.delta", {**ids, "content_index": 0, "delta": "ok", "logprobs": []}),
+        ("response.output_text.done", {**ids, "content_index": 0, "text": "ok", "logprobs": []}),
+        ("response.content_part.done", {**ids, "content_index": 0, "part": part}),
+        ("response.output_item.done", {"output_index": 0, "item": item}),
+        ("response.completed", {"response": done})]
+    return [(kind, {"type": kind, "sequence_number": i, **data}) for i, (kind, data) in enumerate(kinds)]
+
+
 def _completions_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
     return {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
             "model": body.get("model"), "choices": [{"text": "ok", "index": 0, "logprobs": None,
@@ -94,6 +136,8 @@ OTHER_ROUTES: dict[str, tuple[Callable[[dict[str, Any]], int], Callable[[dict[st
     "/completions": (lambda b: _json_tokens(b.get("prompt")), _completions_reply),
     "/embeddings": (lambda b: _json_tokens(b.get("input")), _embeddings_reply),
 }
+STREAMS: dict[str, Callable[[dict[str, Any], int], Events]] = {"/messages": _messages_events,
+                                                              "/responses": _responses_events}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -128,7 +172,10 @@ class Handler(BaseHTTPRequestHandler):
             n = other[0](body)
             with _LOCK:
                 _RECEIVED.append({"path": route, "body": body, "prompt_tokens": n})
-            self._send(200, other[1](body, n))
+            if body.get("stream") and route in STREAMS:
+                self._sse(STREAMS[route](body, n), done=False)
+            else:
+                self._send(200, other[1](body, n))
             return
         if route != "/chat/completions":
             self._send(404, {"error": {"message": f"this upstream does not answer {self.path}"}})
@@ -154,7 +201,13 @@ class Handler(BaseHTTPRequestHandler):
                   {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
         if usage is not None:
             events.append({**chunk, "choices": [], "usage": usage})
-        out = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+        self._sse([(None, e) for e in events], done=True)
+
+    def _sse(self, events: Events, *, done: bool) -> None:
+        """Server-sent events, each with its ``event:`` line when named; OpenAI's chat stream ends
+        with ``data: [DONE]``."""
+        out = "".join((f"event: {name}\n" if name else "") + f"data: {json.dumps(e)}\n\n"
+                      for name, e in events).encode() + (b"data: [DONE]\n\n" if done else b"")
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("content-length", str(len(out)))
