@@ -14,7 +14,7 @@ the replies of that round.
 drift on the shared machine hits both alike. Medians over rounds are printed.
 
 The ``pipeline`` row is this process running, for the same requests, what a worker runs between
-retrieval and the reply's bytes: ``count_request`` + ``pipeline.assemble.assemble`` on a retrieval
+retrieval and the reply's bytes: ``count_turns`` + ``pipeline.assemble.assemble`` on a retrieval
 result fetched once from the same memory service and Redis (``worker.retrieve.Retriever``), with
 one worker's line cache and a warm token cache; ``codec`` adds decoding the request and encoding
 the reply (``shared.codec``). CPU is ``time.thread_time_ns``. Nothing is asserted.
@@ -170,7 +170,8 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
     """CPU µs per request of what a worker runs after retrieval, in this process, for ``tmpls``."""
     from ibex_context.pipeline.assemble import Clock, Policy, assemble
     from ibex_context.pipeline.budget import counter_for
-    from ibex_context.pipeline.count import LineCache, count_request
+    from ibex_context.pipeline.count import LineCache
+    from ibex_context.pipeline.turns import count_turns
     from ibex_context.shared.catalog import Catalog
     from ibex_context.shared.settings import Settings
     from ibex_context.worker.retrieve import Retriever
@@ -198,8 +199,8 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
         t = decode_request(payloads[i]) if codec else tmpls[i]
         assert isinstance(t, AssembleRequest)
         spec = catalog.model(t.model)
-        sections = count_request(counter_for(catalog, spec, None), t)
-        resp = assemble(t, results[i], catalog=catalog, policy=policy, lines=lines, sections=sections,
+        counted = count_turns(t, spec, counter_for(catalog, spec, None))
+        resp = assemble(t, results[i], catalog=catalog, policy=policy, lines=lines, counted=counted,
                         clock=Clock(time.monotonic_ns() + 10**12, t.request_id), worker_id="bench")
         if codec:
             encode(resp)

@@ -3,7 +3,7 @@
 The budget subtracts the formatter's overhead *before* packing, so each piece is counted here in
 the units the packer will spend:
 
-* history and tool schemas are counted line by line (``count_request``), so the per-worker count
+* history and tool schemas are counted line by line (``count_lines``), so the per-worker count
   cache answers for every message already seen;
 * ``memory_cost`` is the tokens of one rendered memory line including its wrapper and newline;
 * ``memory_overhead`` is the frame of the memories section (safety sentence, nonce tags) plus the
@@ -24,7 +24,7 @@ from typing import Any
 
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
-from ibex_context.shared.models import AssembleRequest, Message
+from ibex_context.shared.models import Message
 from ibex_context.shared.tokens import ScaledCounter, TokenCounter
 
 
@@ -34,14 +34,6 @@ class CountedSection:
 
     text: str
     tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSections:
-    """The sections that come from the request alone: countable while retrieval is in flight."""
-
-    history: CountedSection
-    tools: CountedSection
 
 
 def count_lines(counter: TokenCounter, header: str, lines: list[str]) -> CountedSection:
@@ -70,11 +62,6 @@ def history_counted(counter: TokenCounter, messages: Sequence[Message]) -> Count
 
 def tools_counted(counter: TokenCounter, schemas: Sequence[dict[str, Any]]) -> CountedSection:
     return count_lines(counter, fmt.TOOLS_HEADER, fmt.tool_lines(schemas))
-
-
-def count_request(counter: TokenCounter, req: AssembleRequest) -> RequestSections:
-    """History and tool-schema sections with their token counts: the parts that need no I/O."""
-    return RequestSections(history_counted(counter, req.recent_messages), tools_counted(counter, req.tool_schemas))
 
 
 def directive_counted(counter: TokenCounter, directive: str | None) -> CountedSection:

@@ -38,7 +38,6 @@ This module only renders text; every token count of what it renders is ``pipelin
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import json
@@ -50,6 +49,7 @@ from typing import Any
 
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.models import Message, Section, SectionName
+from ibex_context.shared.settings import Settings
 
 NONCE_BYTES = 16
 SECTION_JOIN = "\n\n"
@@ -128,15 +128,14 @@ _PROCESS_KEY = secrets.token_bytes(32)
 
 
 def nonce_key(nonce_secret: str | None, memory_secret: str) -> bytes:
-    """The HMAC key of ``derive_nonce`` (README "Chat-native assembly").
+    """The HMAC key of ``derive_nonce`` (README "Chat-native assembly"), from the settings the
+    caller read (``pipeline.policy.Policy.from_settings``): this module reads no environment.
 
     ``IBEX_NONCE_SECRET`` when set; otherwise a key derived from ``IBEX_MEMORY_SECRET`` when that
-    is not the development default; otherwise a random key drawn once per process. That last key
-    is stable within one process only: two workers then derive different nonces for the same
-    memories (no shared cache prefix), so set a secret in production.
+    is not the development default; otherwise ``process_nonce_key()``. That last key is stable
+    within one process only: two workers then derive different nonces for the same memories (no
+    shared cache prefix), so set a secret in production.
     """
-    from ibex_context.shared.settings import Settings
-
     if nonce_secret:
         return nonce_secret.encode()
     if memory_secret != Settings.model_fields["memory_secret"].default:
@@ -144,13 +143,9 @@ def nonce_key(nonce_secret: str | None, memory_secret: str) -> bytes:
     return _PROCESS_KEY
 
 
-@functools.cache
-def default_nonce_key() -> bytes:
-    """``nonce_key`` from this process's environment, read once."""
-    from ibex_context.shared.settings import Settings
-
-    settings = Settings()
-    return nonce_key(settings.nonce_secret, settings.memory_secret)
+def process_nonce_key() -> bytes:
+    """A random key drawn once per process, for a caller that has no secret to give."""
+    return _PROCESS_KEY
 
 
 def derive_nonce(key: bytes, lines: Sequence[str]) -> str:
@@ -184,9 +179,14 @@ HISTORY_HEADER = "## Recent conversation\n"
 TOOLS_HEADER = "## Tools\n"
 
 
+def history_line(role: str, content: str) -> str:
+    """One message as one line (or more, if its content has line breaks), role first."""
+    return f"[{role}] {defuse_headings(neutralise(content))}"
+
+
 def history_lines(messages: Sequence[Message]) -> list[str]:
     """One line per message, role first; counted line by line by ``pipeline.count``."""
-    return [f"[{m.role}] {defuse_headings(neutralise(m.content))}" for m in messages]
+    return [history_line(m.role, m.content) for m in messages]
 
 
 def tool_lines(schemas: Sequence[dict[str, Any]]) -> list[str]:

@@ -7,8 +7,9 @@ The vocabularies (``Source``, ``PackPath``, ``RejectKind``) are the wire's, defi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from ibex_context.shared.models import BranchName, BranchOutcome, PackPath, RejectKind, Source
+from ibex_context.shared.models import BranchName, BranchOutcome, ChatFormat, PackPath, RejectKind, Source
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +106,24 @@ class RetrievalResult:
             for name, o in self.outcomes.items()
             if o.status in ("timeout", "error")
         ]
+
+
+Target = Literal["text", "openai", "anthropic"]
+
+
+@dataclass(frozen=True, slots=True)
+class Turns:
+    """A request's conversation in the one form the pipeline works on (``pipeline.turns`` makes it).
+
+    ``messages`` and ``tools`` are plain dicts in the provider's shape (the simple form's
+    ``recent_messages`` are OpenAI-shaped ``{"role", "content"}`` messages and its
+    ``tool_schemas`` its tools); ``format`` says how its history splits into units,
+    ``target`` which renderer emits it, ``field`` what a refusal names.
+    """
+
+    format: ChatFormat
+    target: Target
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    system: Any = None
+    field: str = "messages"

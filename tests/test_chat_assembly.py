@@ -239,9 +239,9 @@ async def test_a_proxy_turn_through_the_stack(stack: LocalStack, tmp_path: Path)
        st.sampled_from(["o200k", "cl100k", "llama3", "qwen"]))
 def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: str) -> None:
     """The block's count from cached line counts equals a fresh BPE pass over the block, for any
-    memory text (``pipeline.chat.memory_block_tokens``: the pre-tokenizers split between lines)."""
+    memory text (``pipeline.render_openai.memory_block_tokens``: the pre-tokenizers split between lines)."""
     from ibex_context.pipeline import format as fmt
-    from ibex_context.pipeline.chat import memory_block_tokens
+    from ibex_context.pipeline.render_openai import memory_block_tokens
     from ibex_context.pipeline.count import LineCache
     from ibex_context.pipeline.types import ScoredMemory
 

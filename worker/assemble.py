@@ -20,7 +20,8 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 
 from ibex_context.pipeline.assemble import Clock, Policy, assemble
 from ibex_context.pipeline.budget import counter_for
-from ibex_context.pipeline.count import LineCache, count_request
+from ibex_context.pipeline.count import LineCache
+from ibex_context.pipeline.turns import count_turns
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 from ibex_context.shared.settings import Settings
@@ -106,14 +107,14 @@ class Assembler:
         # Let the branches send their requests, then count what needs no I/O while they are in flight.
         await asyncio.sleep(0)
         async with _turn(turn):
-            sections = count_request(counter_for(self.catalog, spec, calibration), req)
+            counted = count_turns(req, spec, counter_for(self.catalog, spec, calibration))
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = {**(timings_us or {}), "retrieval": max(0, (t_retrieved - t_start) // 1000)}
         async with _turn(turn):
             try:
                 resp = assemble(req, retrieval, catalog=self.catalog, policy=self.policy, nonce=nonce, clock=clock,
-                                lines=self.lines, sections=sections, timings_us=timings, worker_id=self.worker_id,
+                                lines=self.lines, counted=counted, timings_us=timings, worker_id=self.worker_id,
                                 calibration=calibration)
             finally:
                 if "packing" in clock.started:

@@ -1,0 +1,88 @@
+"""The Anthropic Messages target: ``system`` blocks (the caller's, then the directive) and the
+memories block at the start of the latest user turn (``pipeline.chat_render.anthropic_layout``),
+with ``cache_control`` breakpoints on request, counted by ``pipeline.chat_count``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline.chat_render import add_breakpoints, anthropic_layout
+from ibex_context.pipeline.count import CountedSection
+from ibex_context.pipeline.history import HistoryFit
+from ibex_context.pipeline.render import Block, ChatOut, Emitted, Message, text_sections
+from ibex_context.pipeline.types import Turns
+from ibex_context.shared.catalog import ModelSpec
+from ibex_context.shared.chat_layout import materialize
+from ibex_context.shared.errors import InvalidRequest
+from ibex_context.shared.tokens import TokenCounter
+
+
+def _message_tokens(message: Message, i: int, counter: TokenCounter, model: str) -> int:
+    """One message's tokens; a refusal names its place in the conversation (``messages.4.content.1``)."""
+    try:
+        return cc.anthropic_prompt_tokens(None, [message], [], counter, model=model)
+    except InvalidRequest as exc:
+        field = exc.field or "messages.0"
+        rest = field.partition(".")[2].partition(".")[2]
+        path = f"messages.{i}" + (f".{rest}" if rest else "")
+        raise InvalidRequest(path + exc.message[len(field):], field=path) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class AnthropicRenderer:
+    """``pipeline.render.Renderer`` for the Messages API."""
+
+    turns: Turns
+    model: str
+    counter: TokenCounter
+    costs: tuple[int, ...]
+    fixed: int  # the caller's system and tools
+    tools: int
+
+    @classmethod
+    def create(cls, turns: Turns, spec: ModelSpec, counter: TokenCounter) -> AnthropicRenderer:
+        model, system = spec.name, turns.system
+        costs = tuple(_message_tokens(m, i, counter, model) for i, m in enumerate(turns.messages))
+        caller = list(system) if isinstance(system, list) else ([{"type": "text", "text": system}] if system else [])
+        fixed = cc.anthropic_prompt_tokens(caller or None, [], turns.tools, counter, model=model)
+        tools_n = cc.anthropic_tools_tokens(turns.tools, counter, model=model) if turns.tools else 0
+        return cls(turns, model, counter, costs, fixed, tools_n)
+
+    def _block(self, text: str) -> int:
+        return cc.anthropic_prompt_tokens([{"type": "text", "text": text}], [], [], self.counter, model=self.model)
+
+    def directive_tokens(self, directive: str | None) -> int:
+        return self._block(directive) if directive else 0
+
+    def frame_tokens(self, directive: str | None) -> int:
+        return self._block("")
+
+    def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
+               breakpoints: bool) -> Emitted:
+        """Breakpoints are added after the stable parts when asked (``chat_render.add_breakpoints``)."""
+        system, messages_in = self.turns.system, self.turns.messages
+        layout = anthropic_layout(system, fit.kept, fit.kept_indices, directive=directive,
+                                  memory_block=block.text or None)
+        messages, blocks = materialize(layout.wire, messages_in, system)
+        marked: list[str] = []
+        if breakpoints:
+            layout, marked = add_breakpoints(layout, blocks or [], messages, self.turns.tools)
+            messages, blocks = materialize(layout.wire, messages_in, system)
+        return Emitted(text_sections(directive_text, block), ChatOut("anthropic", layout, messages, blocks, marked))
+
+    def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
+        assert out.chat is not None
+        return cc.anthropic_prompt_tokens(out.chat.system, out.chat.messages, self.turns.tools, counter,
+                                          model=self.model)
+
+    def stable_prefix(self, out: Emitted) -> int | None:
+        """Tools, system, directive and the turns before the latest user turn (which holds the block)."""
+        assert out.chat is not None
+        messages, system, layout = out.chat.messages, out.chat.system, out.chat.layout
+        tools: list[Any] = self.turns.tools
+        if layout.memory_in_system and system:
+            return cc.anthropic_prompt_tokens(system[:-1], [], tools, self.counter, model=self.model)
+        return cc.anthropic_prompt_tokens(system, messages[:layout.memory_message], tools, self.counter,
+                                          model=self.model)

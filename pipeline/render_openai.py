@@ -1,0 +1,94 @@
+"""The OpenAI Chat Completions target: the caller's messages with the directive and the memories
+block as system (``developer`` for o-series) messages (``pipeline.chat_render.openai_layout``),
+counted by the cookbook's rules (``pipeline.chat_count``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.chat_render import SystemRole, openai_layout
+from ibex_context.pipeline.count import CountedSection, LineCache, memory_cost
+from ibex_context.pipeline.history import HistoryFit
+from ibex_context.pipeline.render import Block, ChatOut, Emitted, text_sections
+from ibex_context.pipeline.types import ScoredMemory, Turns
+from ibex_context.shared.catalog import ModelSpec
+from ibex_context.shared.chat_layout import materialize
+from ibex_context.shared.tokens import TokenCounter
+
+
+def system_role(spec: ModelSpec) -> SystemRole:
+    """o-series models take their instructions as ``developer`` messages (OpenAI API reference)."""
+    name = spec.name
+    return "developer" if len(name) > 1 and name[0] == "o" and name[1].isdigit() else "system"
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRenderer:
+    """``pipeline.render.Renderer`` for Chat Completions."""
+
+    turns: Turns
+    model: str
+    counter: TokenCounter
+    role: SystemRole
+    costs: tuple[int, ...]
+    fixed: int  # reply priming and tools
+    tools: int
+    frame: int  # the memories block's own message, without its text
+
+    @classmethod
+    def create(cls, turns: Turns, spec: ModelSpec, counter: TokenCounter) -> OpenAIRenderer:
+        model, role = spec.name, system_role(spec)
+        costs = tuple(cc.openai_message_tokens(m, counter, model=model, path=f"messages.{i}")
+                      for i, m in enumerate(turns.messages))
+        tools_n = cc.openai_tools_tokens(turns.tools, counter, model=model) if turns.tools else 0
+        fixed = cc.openai_prompt_tokens([], turns.tools, counter, model=model)
+        frame = cc.openai_message_tokens({"role": role, "content": ""}, counter, model=model)
+        return cls(turns, model, counter, role, costs, fixed, tools_n, frame)
+
+    def directive_tokens(self, directive: str | None) -> int:
+        if not directive:
+            return 0
+        return cc.openai_message_tokens({"role": self.role, "content": directive}, self.counter, model=self.model)
+
+    def frame_tokens(self, directive: str | None) -> int:
+        return self.frame
+
+    def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
+               breakpoints: bool) -> Emitted:
+        layout = openai_layout(fit.kept, fit.kept_indices, directive=directive, memory_block=block.text or None,
+                               system_role=self.role)
+        messages = materialize(layout.wire, self.turns.messages)[0]
+        return Emitted(text_sections(directive_text, block), ChatOut("openai", layout, messages, None, []))
+
+    def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
+        """With ``block_tokens`` the memories message is charged its frame plus that, instead of a
+        fresh BPE pass over the block."""
+        assert out.chat is not None
+        messages, at, tools = out.chat.messages, out.chat.layout.memory_message, self.turns.tools
+        if at is None or block_tokens is None:
+            return cc.openai_prompt_tokens(messages, tools, counter, model=self.model)
+        rest = [*messages[:at], *messages[at + 1:]]
+        return cc.openai_prompt_tokens(rest, tools, counter, model=self.model) + self.frame + block_tokens
+
+    def stable_prefix(self, out: Emitted) -> int | None:
+        """Tools, system, directive and the conversation before the memories message, without
+        the reply priming (it comes after the latest user turn)."""
+        assert out.chat is not None
+        messages, at = out.chat.messages, out.chat.layout.memory_message
+        before = messages if at is None else messages[:at]
+        return cc.openai_prompt_tokens(before, self.turns.tools, self.counter, model=self.model) - cc.REPLY_PRIMING
+
+
+def memory_block_tokens(counter: TokenCounter, kept: list[ScoredMemory], nonce: str,
+                        lines: LineCache | None) -> int:
+    """The exact tokens of the memories block, from counts already cached, for exact BPE families.
+
+    Each line ends with ``>`` and a newline and the next starts with ``<``; the o200k and cl100k
+    pre-tokenizers always split there (a punctuation run takes the trailing newlines and stops
+    before ``<``), and BPE never merges across a split, so the block's count is the sum of its
+    pieces. Only the frame, which carries this assembly's nonce, is counted afresh.
+    """
+    head, tail = fmt.memory_frame(nonce)
+    return counter.count(head) + sum(memory_cost(counter, m.hit, lines) for m in kept) + counter.count(tail)

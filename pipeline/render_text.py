@@ -1,0 +1,71 @@
+"""The flat text target: the simple form's ``rendered`` text, sections ``## Directive``,
+``## Recent conversation``, the memories block and ``## Tools`` (``pipeline.format`` renders them).
+
+Counted line by line (``pipeline.count.count_lines``): each history line is one message's cost,
+so the history fit trims this form as it trims a provider's conversation, oldest units first.
+Each line is charged with its newline and the last one the larger of with and without it (the
+last message is always kept: it is pinned), so the kept lines' costs bound the section's count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.count import CountedSection, directive_counted, joins_overhead, tools_counted
+from ibex_context.pipeline.history import HistoryFit
+from ibex_context.pipeline.render import Block, Emitted, text_sections
+from ibex_context.pipeline.types import Turns
+from ibex_context.shared.tokens import TokenCounter
+
+
+@dataclass(frozen=True, slots=True)
+class TextRenderer:
+    """``pipeline.render.Renderer`` for the flat text."""
+
+    lines: tuple[str, ...]
+    costs: tuple[int, ...]
+    header: int  # the history header's tokens (0 without history)
+    tools_section: CountedSection
+    counter: TokenCounter
+
+    @property
+    def fixed(self) -> int:
+        return self.header + self.tools_section.tokens
+
+    @property
+    def tools(self) -> int:
+        return self.tools_section.tokens
+
+    @classmethod
+    def create(cls, turns: Turns, counter: TokenCounter) -> TextRenderer:
+        lines = [fmt.history_line(m["role"], m["content"]) for m in turns.messages]
+        costs = [counter.count(line + "\n") for line in lines]
+        if lines:
+            costs[-1] = max(costs[-1], counter.count(lines[-1]))
+        header = counter.count(fmt.HISTORY_HEADER) if lines else 0
+        return cls(tuple(lines), tuple(costs), header, tools_counted(counter, turns.tools), counter)
+
+    def directive_tokens(self, directive: str | None) -> int:
+        return directive_counted(self.counter, directive).tokens
+
+    def frame_tokens(self, directive: str | None) -> int:
+        """The joins between the sections outside the memories block (the one before the block
+        is in ``count.memory_overhead``)."""
+        history = CountedSection("x" if self.lines else "", 0)
+        return joins_overhead(self.counter, (directive_counted(self.counter, directive), history, self.tools_section))
+
+    def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
+               breakpoints: bool) -> Emitted:
+        kept = [self.lines[i] for i in fit.kept_indices]
+        history = CountedSection(fmt.join_section(fmt.HISTORY_HEADER, kept), self.header + fit.kept_tokens if kept
+                                 else 0)
+        return Emitted(text_sections(directive_text, block, history, self.tools_section))
+
+    def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
+        """The sections' counts and the joins between them: the bound the budget spent."""
+        sections = out.text.sections
+        return sum(s.tokens for s in sections) + counter.count(fmt.SECTION_JOIN) * max(0, len(sections) - 1)
+
+    def stable_prefix(self, out: Emitted) -> int | None:
+        return None
