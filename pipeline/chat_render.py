@@ -148,9 +148,16 @@ def _has_breakpoint(block: Any) -> bool:
     return isinstance(block, dict) and "cache_control" in block
 
 
+def _marks_in(block: Any) -> int:
+    """A block's own mark plus those of the blocks nested in it (a ``tool_result``'s content):
+    Anthropic counts every ``cache_control`` toward its limit, wherever it sits."""
+    nested = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+    return _has_breakpoint(block) + (sum(map(_has_breakpoint, nested)) if isinstance(nested, list) else 0)
+
+
 def _caller_breakpoints(system: Sequence[dict[str, Any]], messages: Sequence[Message],
                         tools: Sequence[dict[str, Any]]) -> int:
-    in_messages = sum(_has_breakpoint(b) for m in messages if isinstance(m.get("content"), list)
+    in_messages = sum(_marks_in(b) for m in messages if isinstance(m.get("content"), list)
                       for b in m["content"])
     return sum(map(_has_breakpoint, system)) + in_messages + sum(map(_has_breakpoint, tools))
 
