@@ -50,27 +50,32 @@ def _first_unpackable(obj: Any, path: str = "") -> tuple[str, str] | None:
     while stack:
         cur, p = stack.pop()
         where = p or "<root>"
-        if isinstance(cur, str):
-            try:
-                cur.encode("utf-8")
-            except UnicodeEncodeError:
-                return where, "text is not valid UTF-8 (it holds a lone surrogate)"
-        elif isinstance(cur, bool) or cur is None or isinstance(cur, float | bytes | bytearray):
-            continue
-        elif isinstance(cur, int):
-            if not -(1 << 63) <= cur < (1 << 64):
-                return where, "integer does not fit in 64 bits"
-        elif isinstance(cur, dict):
+        if isinstance(cur, dict):
+            if not all(isinstance(k, str) for k in cur):
+                return where, "map keys must be strings"
             for k, v in reversed(cur.items()):
-                if not isinstance(k, str):
-                    return where, "map keys must be strings"
                 stack.append((k, where))
                 stack.append((v, f"{p}.{k}" if p else k))
         elif isinstance(cur, list | tuple):
             stack.extend((v, f"{p}[{i}]") for i, v in reversed(list(enumerate(cur))))
-        else:
-            return where, f"a {type(cur).__name__} cannot be sent (JSON-like values only)"
+        elif (why := _scalar_problem(cur)) is not None:
+            return where, why
     return None
+
+
+def _scalar_problem(value: Any) -> str | None:
+    """Why msgpack cannot carry ``value`` (not a map or a list), or None when it can."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "text is not valid UTF-8 (it holds a lone surrogate)"
+        return None
+    if isinstance(value, bool) or value is None or isinstance(value, float | bytes | bytearray):
+        return None
+    if isinstance(value, int):
+        return None if -(1 << 63) <= value < (1 << 64) else "integer does not fit in 64 bits"
+    return f"a {type(value).__name__} cannot be sent (JSON-like values only)"
 
 
 def encode_error(exc: IbexError | ErrorReply, request_id: str | None = None) -> bytes:
