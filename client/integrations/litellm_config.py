@@ -90,13 +90,27 @@ class HookConfig(BaseModel):
     identity: Identity = Field(default_factory=Identity)
     unmapped: Literal["refuse", "pass_through"] = "refuse"
     models: dict[str, str] = Field(default_factory=dict)  # LiteLLM model name -> catalog name
-    timeout_ms: Annotated[float, Field(gt=0, le=60_000)] | None = None  # default IBEX_CONTEXT_TIMEOUT
+    # A call's timeout: timeout_ms (default: the client's IBEX_CONTEXT_TIMEOUT, 45 ms) plus
+    # timeout_ms_per_mb for each million characters of its conversation (messages, system, tools),
+    # at most timeout_max_ms (never under timeout_ms). Counting, packing and carrying a 5 MB
+    # conversation takes ~0.25 s, far past a timeout that suits a short one; a fast assembly still
+    # answers as soon as it is done, and only a service that cannot answer makes a call wait it out.
+    timeout_ms: Annotated[float, Field(gt=0, le=60_000)] | None = None
+    timeout_ms_per_mb: Annotated[float, Field(ge=0, le=60_000)] = 150.0
+    timeout_max_ms: Annotated[float, Field(gt=0, le=600_000)] = 10_000.0
     query_chars: Annotated[int, Field(ge=1, le=100_000)] = 2000
     fallback_directive: str | None = None
     on_degraded: OnDegraded = "fallback_directive"
     directive_copies: DirectiveCopies = Field(default_factory=DirectiveCopies)
     options: AssemblyOptions = Field(default_factory=AssemblyOptions)
     history: HistoryOptions = Field(default_factory=HistoryOptions)
+
+    def call_timeout_s(self, chars: int, default_ms: float) -> float:
+        """The timeout (seconds) of a call whose conversation has ``chars`` characters; ``default_ms``
+        is the base when ``timeout_ms`` is unset (the client's default timeout)."""
+        base = self.timeout_ms if self.timeout_ms is not None else default_ms
+        scaled = base + self.timeout_ms_per_mb * max(0, chars) / 1_000_000
+        return min(scaled, max(base, self.timeout_max_ms)) / 1000
 
     @field_validator("orgs")
     @classmethod

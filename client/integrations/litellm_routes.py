@@ -27,6 +27,21 @@ ANTHROPIC_CALLS = frozenset({"anthropic_messages", "aanthropic_messages"})
 RESPONSES_CALLS = frozenset({"responses", "aresponses"})
 
 
+def text_chars(*docs: Any) -> int:
+    """Characters in the strings of JSON-like documents (a conversation's size, for its timeout:
+    ``HookConfig.call_timeout_s``); a walk over the nodes, no serialisation."""
+    total, stack = 0, list(docs)
+    while stack:
+        doc = stack.pop()
+        if isinstance(doc, str):
+            total += len(doc)
+        elif isinstance(doc, dict):
+            stack.extend(doc.values())
+        elif isinstance(doc, list | tuple):
+            stack.extend(doc)
+    return total
+
+
 class NotAssembled(Exception):
     """The assembly has no messages to write back (never for a chat-native request)."""
 
@@ -40,6 +55,11 @@ class Form:
     write: Callable[[dict[str, Any], AssembleResponse], None]
     system: Any = None
     tools: list[Any] = field(default_factory=list)
+
+    @property
+    def chars(self) -> int:
+        """The conversation's size in characters (messages, system, tools)."""
+        return text_chars(self.messages, self.system, self.tools)
 
 
 def _messages(assembly: AssembleResponse) -> list[dict[str, Any]]:
