@@ -110,7 +110,6 @@ class HookCore:
         self._pending: OrderedDict[str, Pending] = OrderedDict()
         self.copies = D.DirectiveCopies(config.directive_copies)
         self._counting = threading.Lock()  # the catalog's count caches are not thread-safe
-        self.timeout = None if config.timeout_ms is None else config.timeout_ms / 1000
         for org in config.orgs:  # a bad key file or endpoint stops the proxy at start, not per call
             self._clients[org] = self._new_client(org)
 
@@ -153,9 +152,10 @@ class HookCore:
             fields["request_id"] = call_id  # one id in LiteLLM's logs and the service's: a label, not a key
         fallback = self.fallback(who)
         try:
-            assembly = await self._clients[who.org_id].assemble_or_degrade(
-                timeout=self.timeout, fallback_directive=fallback.text if fallback and fallback.text else None,
-                **fields)
+            client = self._clients[who.org_id]
+            assembly = await client.assemble_or_degrade(
+                timeout=self.config.call_timeout_s(form.chars, client.default_timeout * 1000),
+                fallback_directive=fallback.text if fallback and fallback.text else None, **fields)
             return await self.settle(who, fields, assembly, fallback)  # which may build the prompt again
         except IbexError as exc:
             where = f" ({exc.field})" if exc.field else ""
