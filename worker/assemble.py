@@ -11,7 +11,6 @@ of the reply's transit.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import time
 from collections import deque
@@ -102,12 +101,12 @@ class Assembler:
         t_start = clock.check("retrieval")
         spec = self.catalog.model(req.model)  # unknown model: INVALID_REQUEST before any I/O
         calibration = self.calibrator.lookup(req.org_id, spec.name) if self.calibrator is not None else None
-        wall_end = min(t_start + int(self.settings.retrieval_wall_ms * 1e6), deadline_mono_ns - self.reserve_ns())
-        wait = self.retriever.start(req, wall_end_ns=wall_end)
-        # Let the branches send their requests, then count what needs no I/O while they are in flight.
-        await asyncio.sleep(0)
+        # Parse and count the conversation first: a bad one is refused before any Redis or memory-service call.
         async with _turn(turn):
             counted = count_turns(req, spec, counter_for(self.catalog, spec, calibration))
+        t_start = time.monotonic_ns()
+        wall_end = min(t_start + int(self.settings.retrieval_wall_ms * 1e6), deadline_mono_ns - self.reserve_ns())
+        wait = self.retriever.start(req, wall_end_ns=wall_end)
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = {**(timings_us or {}), "retrieval": max(0, (t_retrieved - t_start) // 1000)}

@@ -202,7 +202,8 @@ class Retriever:
     def start(self, req: AssembleRequest, *, wall_end_ns: int) -> Callable[[], Awaitable[RetrievalResult]]:
         """Launch the branches now; the returned coroutine function waits for them (up to the wall).
 
-        Splitting start from wait lets the caller count history tokens while the I/O is in flight.
+        Splitting start from wait lets the caller do CPU work while the I/O is in flight (the
+        conversation is parsed and counted before: a bad one costs no call).
         """
         s = self.settings
         t0 = time.monotonic_ns()
