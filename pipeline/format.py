@@ -24,7 +24,9 @@ zero-width characters and Unicode line/paragraph separators, so nothing invisibl
 what the model reads. And in every untrusted section a line that starts with ``#`` (after
 optional blanks) gets one leading space (``defuse_headings``), so raw newlines in a message cannot
 add a line that looks like one of the formatter's ``## Section`` headings, which always start at
-column 0. A space is the cheapest marker: `` ##`` is one token wherever ``##`` is, so the space
+column 0; in history, a line that starts with a role marker (``[system]``) gets the same
+(``defuse_roles``), so a message cannot add a line that reads as another message. A space is
+the cheapest marker: `` ##`` is one token wherever ``##`` is, so the space
 usually costs nothing, where a backslash or ``>`` costs a token per line.
 
 The memories block is wrapped in tags carrying a nonce (derived by ``derive_nonce`` with a server
@@ -70,6 +72,8 @@ _UNSAFE = re.compile(
 )
 # A line break followed by optional blanks and '#': where a forged heading would start.
 _HEADING_START = re.compile(r"\n(?=[ \t]*#)")
+# A line break followed by optional blanks and a role marker: where a forged history line would start.
+_ROLE_START = re.compile(r"\n(?=[ \t]*\[(?:system|developer|user|assistant|tool)\])", re.IGNORECASE)
 
 
 def _neutralise(match: re.Match[str]) -> str:
@@ -179,9 +183,18 @@ HISTORY_HEADER = "## Recent conversation\n"
 TOOLS_HEADER = "## Tools\n"
 
 
+def defuse_roles(text: str) -> str:
+    """Indent by one space every line after the first that starts with a role marker (``[system]``
+    after blanks): history lines start at column 0 with their role, so a message's own line
+    breaks cannot add a line that reads as another message."""
+    if "[" not in text or "\n" not in text:
+        return text
+    return _ROLE_START.sub("\n ", text)
+
+
 def history_line(role: str, content: str) -> str:
     """One message as one line (or more, if its content has line breaks), role first."""
-    return f"[{role}] {defuse_headings(neutralise(content))}"
+    return f"[{role}] {defuse_roles(defuse_headings(neutralise(content)))}"
 
 
 def history_lines(messages: Sequence[Message]) -> list[str]:
