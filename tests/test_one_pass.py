@@ -13,6 +13,7 @@ import redis
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Policy, assemble
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
@@ -100,3 +101,13 @@ def test_a_chat_request_and_a_simple_one_run_the_same_stages_in_the_same_order()
     assert calls[:1] == ["assemble.assemble"] and "fit.fit_stage" in calls and "emit.emit_stage" in calls
     assert _stage_calls(chat) == calls
     assert _stage_calls(anthropic) == calls
+
+
+def test_the_nonce_key_comes_in_through_the_policy() -> None:
+    """The pure pipeline reads no environment: the derived nonce is keyed by ``Policy.nonce_key``."""
+    req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model="gpt-4o", query="q", deadline_ns=1)
+    retrieval = offline_result(directive=None, hot=HITS, cold=[])
+    a = assemble(req, retrieval, catalog=CATALOG, policy=Policy(nonce_key=b"a" * 32))
+    b = assemble(req, retrieval, catalog=CATALOG, policy=Policy(nonce_key=b"b" * 32))
+    lines = [fmt.memory_line(h) for h in HITS if h.memory_id in {p.memory_id for p in a.packed}]
+    assert a.packed and a.nonce == fmt.derive_nonce(b"a" * 32, lines) != b.nonce
