@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = BrokerSettings()
     from ibex_context.shared.observability import setup_logging
 
-    setup_logging(settings.log_level, "broker")
+    setup_logging(settings.log_level, "broker", settings.log_format)
     import zmq
 
     from ibex_context.broker.broker import Broker

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from ibex_context.shared.codec import Envelope, encode_document, pack_header
 from ibex_context.shared.errors import ERROR_BY_CODE, IbexError, Internal, InvalidRequest
 from ibex_context.shared.models import AssembleRequest, ErrorReply
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import ClientSettings, env_name
 from ibex_context.shared.validation import first_error
 
 # Longest timeout a call accepts: anything longer is a unit mistake (milliseconds passed as seconds),
@@ -39,13 +39,14 @@ class ClientClosed(InvalidRequest):
     (``assemble_or_degrade`` too: degrading would hide the bug)."""
 
 
-def load_settings() -> Settings:
-    """Settings from the environment; a bad ``IBEX_*`` value is an ``InvalidRequest`` naming it."""
+def load_settings() -> ClientSettings:
+    """The client's settings from the environment (only its own variables: a server's are not read);
+    a bad ``IBEX_*`` value is an ``InvalidRequest`` naming the variable."""
     try:
-        return Settings()
+        return ClientSettings()
     except ValidationError as exc:
         err = first_error(exc)
-        name = err.loc[0] if err.loc else "<settings>"
+        name = env_name(ClientSettings, err.loc[0]) if err.loc else "<settings>"
         raise InvalidRequest(f"setting {name}: {err.message}", field=name) from None
 
 

@@ -1,7 +1,9 @@
-"""Settings of the reference memory service, read from ``IBEX_MEMORY_*`` (and ``IBEX_REDIS_URL``).
+"""Settings of the reference memory service: its part of the settings tree (``shared.settings``).
 
-The HMAC secret is the same ``IBEX_MEMORY_SECRET`` the workers mint tokens with
-(``shared.settings.Settings.memory_secret``), with the same development default. That default is
+``MemoryConfig`` is ``MemoryServiceSettings`` (log, ``IBEX_REDIS_URL``, host, port, embedder) plus
+the service's own ``IBEX_MEMORY_*`` variables; the service loads this class only. The HMAC secret is
+the same ``IBEX_MEMORY_SECRET`` the workers mint tokens with (``WorkerSettings.memory_secret``),
+with the same development default. That default is
 in the source, so anyone can mint a token for any org with it: the service only runs with it on a
 loopback address (README, "Degradation and security").
 
@@ -10,10 +12,8 @@ The limits below keep one tenant (or one bad write) from hurting the others (REA
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
 from ibex_context.memory.index import EXACT_KNN_MAX
@@ -21,9 +21,9 @@ from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.quotas import Quotas
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.memory.terms import TERM_SCAN_MAX
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import DEV_MEMORY_SECRET, MemoryServiceSettings, shown
 
-DEV_SECRET: str = Settings.model_fields["memory_secret"].default
+DEV_SECRET = DEV_MEMORY_SECRET
 
 # Hashing embedder, worst case (distinct CJK characters, cold feature cache), dev machine:
 # ~4 us a character: 1,000 chars ~4 ms, 4,000 ~16 ms, 100,000 ~660 ms. A normal search is ~2 ms,
@@ -31,94 +31,92 @@ DEV_SECRET: str = Settings.model_fields["memory_secret"].default
 DEFAULT_MAX_QUERY_CHARS = 1_000
 
 
-class MemoryConfig(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="IBEX_MEMORY_", extra="ignore", frozen=True, populate_by_name=True
-    )
+class MemoryConfig(MemoryServiceSettings):
+    """The memory service process (``memory.server``); fields below read ``IBEX_MEMORY_<NAME>``."""
 
-    secret: str = Field(DEV_SECRET, min_length=8, description="IBEX_MEMORY_SECRET: token HMAC key.")
-    redis_url: str | None = Field(None, validation_alias="IBEX_REDIS_URL")
-    embedder: Literal["minilm", "static", "hash", "openai"] = Field(
-        "minilm", description="IBEX_MEMORY_EMBEDDER: minilm, static, hash, or openai (an OpenAI-compatible "
-                              "/v1/embeddings endpoint: IBEX_MEMORY_EMBED_URL, IBEX_MEMORY_EMBED_MODEL).")
-    embed_url: str | None = Field(None, description="IBEX_MEMORY_EMBED_URL: base URL of the embeddings endpoint.")
-    embed_model: str = Field("", description="IBEX_MEMORY_EMBED_MODEL: the model the endpoint is asked for.")
-    embed_api_key: str | None = Field(None, description="IBEX_MEMORY_EMBED_API_KEY: sent as a bearer token.")
+    model_config = SettingsConfigDict(env_prefix="IBEX_MEMORY_")
+
+    secret: str = Field(DEV_SECRET, min_length=8, json_schema_extra=shown("dev value"),
+                        description="Token HMAC key; the dev value only on a loopback host.")
+    embed_url: str | None = Field(None, description="`openai` embedder: base URL of the embeddings endpoint.")
+    embed_model: str = Field("", description="The model the endpoint is asked for.")
+    embed_api_key: str | None = Field(None, description="Sent as a bearer token.")
     embed_dim: int | None = Field(None, ge=1, le=8192,
-                                  description="IBEX_MEMORY_EMBED_DIM: expected dimension (default: probed at start).")
+                                  description="Expected dimension (default: probed at start).")
     embed_min_similarity: float = Field(
         0.30, ge=0.0, le=1.0,
-        description="IBEX_MEMORY_EMBED_MIN_SIMILARITY: the remote model's retrieval cosine cutoff.")
-    embed_timeout_ms: float = Field(2000.0, gt=0, description="IBEX_MEMORY_EMBED_TIMEOUT_MS: per request.")
+        description="`openai` embedder: the remote model's retrieval cosine cutoff.")
+    embed_timeout_ms: float = Field(2000.0, gt=0, description="Timeout of each embeddings request.")
     relevance_floor: float = Field(
-        DEFAULT_RELEVANCE_FLOOR, description="IBEX_MEMORY_RELEVANCE_FLOOR: scoring-time floor, < 0.5."
-    )
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+        DEFAULT_RELEVANCE_FLOOR, description="Scoring-time relevance floor; 0.5 or more is refused at start.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, json_schema_extra=shown("1 MiB"),
+                                description="Larger request bodies get 413.")
     max_candidates: int = Field(
         100, ge=1, le=1000,
-        description="IBEX_MEMORY_MAX_CANDIDATES: candidates each half of a hybrid search (full text, vectors) "
+        description="Candidates each half of a hybrid search (full text, vectors) "
                     "returns for fusion and ranking; a search answers at most 50.")
     text_weight: float = Field(
         TEXT_WEIGHT, ge=0.0, le=1.0,
-        description="IBEX_MEMORY_TEXT_WEIGHT: how far a full match of the question's words lifts a search hit's "
+        description="How far a full match of the question's words lifts a search hit's "
                     "relevance from its cosine toward 1; 0 ranks by cosine alone (README \"Memory search\").")
     fusion: FusionRule = Field(
-        "lift", description="IBEX_MEMORY_FUSION: how a search hit's full-text and vector scores become one "
+        "lift", description="How a search hit's full-text and vector scores become one "
                             "relevance: lift (default), convex or rrf (README \"Memory search\").")
     exact_knn_max: int = Field(
         EXACT_KNN_MAX, ge=0,
-        description="IBEX_MEMORY_EXACT_KNN_MAX: an agent with at most this many memories gets an exact vector "
+        description="An agent with at most this many memories gets an exact vector "
                     "search (every memory compared); larger ones the HNSW graph's approximate one.")
     term_scan_max: int = Field(
         TERM_SCAN_MAX, ge=1,
-        description="IBEX_MEMORY_TERM_SCAN_MAX: a question word held by more of the agent's memories than this "
+        description="A question word held by more of the agent's memories than this "
                     "is common: it scores only the other words' and the vector side's candidates instead of "
                     "being scanned in full (README \"Memory search\").")
-    redis_timeout_ms: float = Field(1000.0, gt=0)
+    redis_timeout_ms: float = Field(1000.0, gt=0, description="Timeout of each Redis command.")
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,
-        description="IBEX_MEMORY_MAX_QUERY_CHARS: only this many leading characters of a search query "
-                    "are embedded and matched; the rest is ignored (the wire allows 100,000).",
+        description="Only this many leading characters of a search query are embedded and matched; the rest is "
+                    "ignored (the wire allows 100,000). The hashing embedder's worst case (distinct CJK "
+                    "characters) is ~4 µs a character: 1,000 ≈ 4 ms, 100,000 ≈ 660 ms.",
     )
     offload_chars: int = Field(
         4_000, ge=0,
-        description="IBEX_MEMORY_OFFLOAD_CHARS: texts to embed longer than this (in total) are embedded "
+        description="Texts to embed longer than this (in total) are embedded "
                     "in a worker thread, so a large write does not hold the event loop.",
     )
     max_concurrent_per_org: int = Field(
         4, ge=1,
-        description="IBEX_MEMORY_MAX_CONCURRENT_PER_ORG: searches and writes of one org computed at "
+        description="Searches and writes of one org computed at "
                     "once; more wait their turn, other orgs do not wait behind them.",
     )
     max_answer_bytes: int = Field(
         4 << 20, ge=64 << 10,
-        description="IBEX_MEMORY_MAX_ANSWER_BYTES: a hot or search answer ends before the hit that would take "
+        description="A hot or search answer ends before the hit that would take "
                     "it over this size (the lowest ranks go); half the size workers accept by default "
                     "(IBEX_MEMORY_MAX_RESPONSE_BYTES, 8 MiB).",
     )
     max_memories_per_agent: int = Field(
         10_000, ge=1,
-        description="IBEX_MEMORY_MAX_MEMORIES_PER_AGENT: a write that would add one more is refused "
+        description="A write that would add one more is refused "
                     "with 409 (rewriting an existing memory_id is always allowed).",
     )
     max_agents_per_org: int = Field(
         100_000, ge=1,
-        description="IBEX_MEMORY_MAX_AGENTS_PER_ORG: a write for a new agent of an org that already has this "
+        description="A write for a new agent of an org that already has this "
                     "many agents with memories is refused with 409.")
     max_bytes_per_org: int = Field(
         1 << 30, ge=1,
-        description="IBEX_MEMORY_MAX_BYTES_PER_ORG: UTF-8 bytes of memory text one org may store; a write "
+        description="UTF-8 bytes of memory text one org may store; a write "
                     "that would pass it is refused with 409.")
     write_floor_fraction: float = Field(
         0.90, gt=0.0, le=1.0,
-        description="IBEX_MEMORY_WRITE_FLOOR_FRACTION: with a Redis maxmemory, memory writes are refused "
+        description="With a Redis maxmemory, memory writes are refused "
                     "(507) once Redis uses this share of it; reads go on.")
     max_writes_per_org: int = Field(
         1, ge=1,
-        description="IBEX_MEMORY_MAX_WRITES_PER_ORG: writes of one org embedded at once; more wait their turn.")
+        description="Writes of one org embedded at once; more wait their turn.")
     max_write_embeds: int = Field(
         2, ge=1,
-        description="IBEX_MEMORY_MAX_WRITE_EMBEDS: writes of all orgs embedded at once, so searches never "
+        description="Writes of all orgs embedded at once, so searches never "
                     "queue behind writes for the CPU.")
 
     @property

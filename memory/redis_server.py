@@ -33,10 +33,10 @@ from types import TracebackType
 
 import redis
 
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import RedisSettings, StackSettings
 
 RUN_DIR: Path | None = None  # overrides default_run_dir() (tests point the CLIs at a private stack)
-RUN_DIR_ENV = "IBEX_RUN_DIR"  # the `up` stack's state dir (README, Quickstart); default ./.run
+RUN_DIR_ENV = "IBEX_RUN_DIR"  # StackSettings.run_dir: the `up` stack's state dir (README, Quickstart)
 STACK_REDIS_URL_FILE = "redis-url"  # in the run dir: the URL `up` gave the stack (README, Quickstart)
 STARTUP_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
@@ -283,15 +283,15 @@ class EmbeddedRedis:
         return f"EmbeddedRedis({where}, {state})"
 
 
-def resolve_redis_url(settings: Settings | str | None = None) -> tuple[str, EmbeddedRedis | None]:
+def resolve_redis_url(settings: RedisSettings | str | None = None) -> tuple[str, EmbeddedRedis | None]:
     """The Redis URL to use, starting an embedded server only when none is configured.
 
-    Accepts a ``Settings`` (uses ``redis_url``, i.e. ``IBEX_REDIS_URL``), an explicit URL, or
-    ``None`` (reads ``Settings()``). Returns ``(url, server)``; ``server`` is the started
+    Accepts settings (uses ``redis_url``, i.e. ``IBEX_REDIS_URL``), an explicit URL, or
+    ``None`` (reads ``RedisSettings()``). Returns ``(url, server)``; ``server`` is the started
     ``EmbeddedRedis`` the caller owns and must ``close()``, or ``None`` for a configured URL.
     """
     if settings is None:
-        settings = Settings()
+        settings = RedisSettings()
     url = settings if isinstance(settings, str) else settings.redis_url
     if url:
         return url, None
@@ -304,11 +304,12 @@ def default_run_dir() -> Path:
 
     Never inside the installed package (README, Quickstart): ``make up`` in a checkout keeps using
     the checkout's ``.run/``, and an installed ``ibex-context up`` works from any directory.
-    Read from the environment at each call because ``up`` and the admin CLIs share it.
+    Read from the environment (``StackSettings.run_dir``) at each call because ``up`` and the admin
+    CLIs share it.
     """
     if RUN_DIR is not None:
         return RUN_DIR
-    return Path(os.environ.get(RUN_DIR_ENV) or ".run").absolute()
+    return Path(StackSettings().run_dir or ".run").absolute()
 
 
 def stack_redis_url(run_dir: Path | None = None) -> str | None:
@@ -330,7 +331,7 @@ def record_stack_redis_url(url: str | None, run_dir: Path) -> None:
     path.write_text(url + "\n", "utf-8")
 
 
-def default_redis_url(explicit: str | None, settings: Settings | None = None,
+def default_redis_url(explicit: str | None, settings: RedisSettings | None = None,
                       run_dir: Path | None = None) -> tuple[str | None, str]:
     """The URL an admin CLI should use, and where it came from (for error messages).
 
@@ -339,7 +340,7 @@ def default_redis_url(explicit: str | None, settings: Settings | None = None,
     """
     if explicit:
         return explicit, "--redis-url"
-    configured = (settings or Settings()).redis_url
+    configured = (settings or RedisSettings()).redis_url
     if configured:
         return configured, "IBEX_REDIS_URL"
     run_dir = run_dir or default_run_dir()

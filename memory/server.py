@@ -34,12 +34,12 @@ from ibex_context.memory.http import ApiError
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
 from ibex_context.shared.netloc import is_loopback_host
 from ibex_context.shared.observability import setup_logging
-from ibex_context.shared.settings import MemoryServiceSettings
+from ibex_context.shared.settings import env_name
 
 log = logging.getLogger(__name__)
 
 
-def _parser(settings: MemoryServiceSettings) -> argparse.ArgumentParser:
+def _parser(settings: MemoryConfig) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ibex_context.memory.server", description="Reference memory service.")
     ap.add_argument("--host", default=settings.memory_host)
     ap.add_argument("--port", type=int, default=settings.memory_port, help="0 picks a free port")
@@ -108,18 +108,27 @@ def _embedder(config: MemoryConfig) -> Embedder | None:
     return embedder
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings = MemoryServiceSettings()
-    args = _parser(settings).parse_args(argv)
-    # The same log setup as broker and workers, so IBEX_LOG_FORMAT=json holds here too (README: Observability).
-    setup_logging(args.log_level.upper(), "memory")
-    overrides: dict[str, Any] = {"redis_url": args.redis_url, "embedder": args.embedder,
-                                 "relevance_floor": args.relevance_floor}
+def _config(**overrides: Any) -> MemoryConfig | None:
+    """The memory service's settings (the environment, ``overrides`` on top), or None after a line
+    on stderr for each bad value, naming its variable."""
     try:
-        config = MemoryConfig(**{k: v for k, v in overrides.items() if v is not None})
+        return MemoryConfig(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         for err in exc.errors():
-            print(f"error: {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
+            print(f"error: {env_name(MemoryConfig, str(err['loc'][0])) if err['loc'] else '<settings>'}: "
+                  f"{err['msg']}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = _config()
+    if settings is None:
+        return 2
+    args = _parser(settings).parse_args(argv)
+    # The same log setup as broker and workers, so IBEX_LOG_FORMAT=json holds here too (README: Observability).
+    setup_logging(args.log_level.upper(), "memory", settings.log_format)
+    config = _config(redis_url=args.redis_url, embedder=args.embedder, relevance_floor=args.relevance_floor)
+    if config is None:
         return 2
     refused = exposure_error(args.host, config, enable_faults=args.enable_faults)
     if refused is not None:

@@ -83,7 +83,7 @@ def main() -> int:
     from ibex_context.shared.settings import WorkerSettings
 
     settings = WorkerSettings()
-    setup_logging(settings.log_level, "nonce-lease")
+    setup_logging(settings.log_level, "nonce-lease", settings.log_format)
     if not settings.redis_url:
         print("nonce-lease: IBEX_REDIS_URL is not set", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ibex_context.memory.redis_server import RedisStartError, redis_executable, server_args
 from ibex_context.ops.roles import RoleError, redis_listen
+from ibex_context.shared.settings import RedisSettings
 
 AUTH_CONF = "auth.conf"
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", required=True, help="where the data is kept (created if missing)")
     args = ap.parse_args(argv)
     try:
-        bind, port, password = redis_listen(os.environ.get("IBEX_REDIS_URL", ""))
+        bind, port, password = redis_listen(RedisSettings().redis_url or "")
         exe = redis_executable()
         directory = Path(args.dir)
         directory.mkdir(parents=True, exist_ok=True)

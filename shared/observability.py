@@ -58,8 +58,8 @@ class _Formatter(logging.Formatter):
         return line
 
 
-def setup_logging(level: str, process_name: str, fmt: str | None = None) -> None:
-    fmt = fmt or os.environ.get("IBEX_LOG_FORMAT", "text")
+def setup_logging(level: str, process_name: str, fmt: str = "text") -> None:
+    """One stderr handler for the process: ``fmt`` is its ``log_format`` setting (text or json)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter(as_json=fmt == "json", process_name=process_name))
     root = logging.getLogger()

@@ -1,10 +1,24 @@
-"""Settings per process role, read from ``IBEX_*`` environment variables (README: Settings).
+"""Settings per process role, read from ``IBEX_*`` environment variables (docs/settings.md).
 
-Each process reads the view it needs: ``BrokerSettings``, ``WorkerSettings``, ``ClientSettings``,
-``MemoryServiceSettings``, all on ``CommonSettings``; ``Settings`` is their union, for the ops
-CLI, the stack launcher and the client's local fallback (which runs the worker's pipeline). Every
-field is documented in the README table (keep them in step). Times are milliseconds on the
-environment surface and are converted to nanoseconds once by the code that uses them.
+One tree; each process loads only its role's class and neither reads nor refuses the others'
+variables::
+
+    IbexSettings                 log level and format: every process
+    +-- CommonSettings           request limit, broker public key: broker, worker, client
+    |   +-- _LinkSettings        the broker <-> worker link
+    |   |   +-- BrokerSettings
+    |   |   +-- WorkerSettings   (+ PipelineSettings, RedisSettings)
+    |   +-- ClientSettings       (+ PipelineSettings): the client library and the LiteLLM hook
+    +-- PipelineSettings         the pure pipeline's policy: worker, and the client's degraded reply
+    +-- RedisSettings            the deployment's Redis
+    |   +-- MemoryServiceSettings   (memory.config.MemoryConfig adds the service's IBEX_MEMORY_*)
+    +-- StackSettings            the ``up`` launcher's own
+    Settings                     every class above but the memory service's own: the ops CLI and launcher
+
+Fields inherited by the memory service's ``IBEX_MEMORY_`` prefixed config name their variable
+(``validation_alias``). Every field has a ``description``: docs/settings.md is generated from them
+(``python -m ibex_context.shared.settings_doc``). Times are milliseconds on the environment surface
+and are converted to nanoseconds once by the code that uses them.
 """
 
 from __future__ import annotations
@@ -12,10 +26,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # A conversation that fits the largest window in the model catalog must fit the wire (README "Size
@@ -27,6 +42,17 @@ WIRE_BYTES_PER_TOKEN = 8
 # Room in a reply for what is not history: the memories block (twice, in rendered and sections),
 # decisions and the layout.
 REPLY_ALLOWANCE_BYTES = 4 << 20
+# The development HMAC key of memory-service tokens (workers and the memory service): it is in the
+# source, so it is refused off loopback (README "Degradation and security").
+DEV_MEMORY_SECRET = "ibex-dev-secret-change-me"
+# Before the split, one variable was both the client's call timeout and the worker's retrieval
+# limit; it still sets both, with a DeprecationWarning.
+LEGACY_TIMEOUT_ENV = ("IBEX_CONTEXT_TIMEOUT", "IBEX_CONTEXT_TIMEOUT_MS")
+
+
+def shown(text: str) -> Any:
+    """The default docs/settings.md shows for a computed (or machine-dependent) default."""
+    return {"shown_default": text}
 
 
 @functools.cache
@@ -56,15 +82,28 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class CommonSettings(BaseSettings):
-    """What every process reads: its log level, the request size limit, the broker's public key."""
+def env_name(cls: type[BaseSettings], field: str) -> str:
+    """The environment variable ``cls`` reads ``field`` from; ``field`` may be an error's location
+    (a field name, or the variable itself for a field that names its variable)."""
+    info = cls.model_fields.get(field)
+    if info is None:
+        return field
+    alias = info.validation_alias
+    if isinstance(alias, AliasChoices):
+        alias = alias.choices[0]
+    if isinstance(alias, str):
+        return alias
+    return (str(cls.model_config.get("env_prefix") or "") + field).upper()
+
+
+class IbexSettings(BaseSettings):
+    """The root: what every process reads."""
 
     model_config = SettingsConfigDict(env_prefix="IBEX_", extra="ignore", frozen=True, populate_by_name=True)
 
-    max_request_bytes: int = Field(default_factory=default_max_request_bytes, ge=1024,
-                                   description="Largest request payload the service accepts.")
-    broker_public_key: str | None = Field(None, description="Clients and workers: broker public key or file.")
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", validation_alias="IBEX_LOG_LEVEL", description="DEBUG, INFO, WARNING or ERROR.")
+    log_format: Literal["text", "json"] = Field(
+        "text", validation_alias="IBEX_LOG_FORMAT", description="`json` for one JSON object per log line.")
 
     @field_validator("log_level")
     @classmethod
@@ -75,36 +114,103 @@ class CommonSettings(BaseSettings):
         return v
 
 
+class CommonSettings(IbexSettings):
+    """What the broker, the workers and the client agree on."""
+
+    max_request_bytes: int = Field(
+        default_factory=default_max_request_bytes, ge=1024, json_schema_extra=shown("16 MiB"),
+        description="Largest request payload (client, broker, worker): the catalog's largest window × 8 bytes "
+                    "a token (README \"Size limits\").")
+    broker_public_key: str | None = Field(
+        None, description="Clients and workers: the broker's public key (z85 or a file).")
+
+
+class _LegacyTimeout(IbexSettings):
+    """``IBEX_CONTEXT_TIMEOUT``: set before the split, it still sets the new timeouts of this class."""
+
+    context_timeout_ms: float | None = Field(
+        None, gt=0, exclude=True, validation_alias=AliasChoices(*LEGACY_TIMEOUT_ENV),
+        description="Deprecated (also `IBEX_CONTEXT_TIMEOUT_MS`): sets `IBEX_CLIENT_TIMEOUT_MS` and "
+                    "`IBEX_RETRIEVAL_TIMEOUT_MS` where they are unset, with a DeprecationWarning.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_timeout(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        old = next((data[k] for k in (LEGACY_TIMEOUT_ENV[0], "context_timeout_ms") if data.get(k) is not None), None)
+        if old is None:
+            return data
+        warnings.warn("IBEX_CONTEXT_TIMEOUT is deprecated: set IBEX_CLIENT_TIMEOUT_MS (the client's call timeout) "
+                      "and IBEX_RETRIEVAL_TIMEOUT_MS (the worker's retrieval limit)", DeprecationWarning, stacklevel=2)
+        data = dict(data)
+        for new in ("client_timeout_ms", "retrieval_timeout_ms"):
+            if new in cls.model_fields and data.get(new) is None:
+                data[new] = old
+        return data
+
+
+class PipelineSettings(IbexSettings):
+    """The pure pipeline's policy, catalog and nonce key: the worker, and the client's degraded reply
+    (which runs the same pipeline locally)."""
+
+    response_reserve_fraction: float = Field(
+        0.15, gt=0, lt=1, description="Response reserve, a share of the window (bounded to [500, 4096] and the "
+                                      "model's max output).")
+    constrained_below_tokens: int = Field(256, ge=0, description="A usable budget below this is flagged `constrained`.")
+    catalog_path: str | None = Field(None, json_schema_extra=shown("bundled"),
+                                     description="The model capability catalog JSON; unset: the bundled one.")
+    token_cache_entries: int = Field(65536, ge=0, description="Token-count cache entries, keyed by content hash.")
+    # The memories block's nonce key (pipeline.format.nonce_key): the client's degraded reply derives
+    # it like a worker, from the nonce secret only (a client holds no memory-service secret).
+    nonce_secret: str | None = Field(
+        None, min_length=8,
+        description="HMAC key of the memories block's derived nonce; unset: derived from `IBEX_MEMORY_SECRET` "
+                    "when that is not the dev value, else random per process (set it in production). `up` draws "
+                    "one into `<run dir>/nonce.secret` so all its workers agree.")
+
+    def nonce_inputs(self) -> tuple[str | None, str]:
+        """(nonce secret, memory secret) the memories block's nonce key is derived from."""
+        return self.nonce_secret, DEV_MEMORY_SECRET
+
+
+class RedisSettings(IbexSettings):
+    """The deployment's Redis: directives, calibration sketches and the memory store."""
+
+    redis_url: str | None = Field(
+        None, validation_alias="IBEX_REDIS_URL",
+        description="Unset: an embedded redis-server is started (the admin CLIs use the `up` stack's).")
+
+
 class _LinkSettings(CommonSettings):
     """The broker <-> worker link: both ends must agree on these."""
 
-    broker_backend: str = "tcp://127.0.0.1:5556"
+    broker_backend: str = Field("tcp://127.0.0.1:5556", description="The broker's bind for workers.")
     # A chat reply is a layout over the caller's conversation (shared.chat_layout), a flat one
     # carries its history twice (``rendered`` and ``sections``): by default twice the request
     # limit plus room for memories. The worker checks every reply against this before sending and
     # answers a typed error instead; the broker's backend accepts messages up to it, so no reply
     # can ever disconnect a worker.
-    max_reply_bytes: int = Field(default_factory=_default_max_reply_bytes, ge=64 << 10,
-                                 description="Largest reply a worker sends.")
-    heartbeat_interval_ms: int = Field(1000, ge=10)
-    heartbeat_liveness: int = Field(3, ge=1)
-
-
-class _TimeoutSettings(CommonSettings):
-    context_timeout_ms: float = Field(
-        45.0, gt=0, validation_alias=AliasChoices("IBEX_CONTEXT_TIMEOUT", "IBEX_CONTEXT_TIMEOUT_MS"),
-        description="Client-side retrieval timeout; the outer wall is min(this, deadline_ms).",
-    )
+    max_reply_bytes: int = Field(
+        default_factory=_default_max_reply_bytes, ge=64 << 10,
+        json_schema_extra=shown("twice the request limit + 4 MiB"),
+        description="Largest reply a worker sends; larger is INVALID_REQUEST (README \"Size limits\").")
+    heartbeat_interval_ms: int = Field(1000, ge=10, description="Paranoid-Pirate heartbeat interval.")
+    heartbeat_liveness: int = Field(3, ge=1, description="Heartbeats missed before the peer is taken for dead.")
 
 
 class BrokerSettings(_LinkSettings):
-    broker_frontend: str = "tcp://127.0.0.1:5555"
-    queue_max: int = Field(1024, ge=1)
-    # Admission control (issue 18, broker/admission.py): requests whose expected queue wait is over
-    # this are refused OVERLOADED on receipt; 0 turns the estimate off (only queue_max then).
-    admission_queue_ms: float = Field(5.0, ge=0, description="Shed on receipt above this expected queue wait.")
-    # false: every worker holds exactly its credit (the fixed behaviour before issue 18).
-    adaptive_limit: bool = Field(True, description="Adaptive per-worker concurrency limit, credit as the cap.")
+    broker_frontend: str = Field("tcp://127.0.0.1:5555", description="The broker's bind for clients.")
+    queue_max: int = Field(1024, ge=1, description="Broker queue bound; beyond it, OVERLOADED at once.")
+    # Admission control (broker/admission.py): requests whose expected queue wait is over this are
+    # refused OVERLOADED on receipt; 0 turns the estimate off (only queue_max then).
+    admission_queue_ms: float = Field(
+        5.0, ge=0, description="With a standing queue, a request expected to wait longer than this (and than a "
+                               "quarter of its time), or too long to finish by its deadline, is refused OVERLOADED "
+                               "on receipt; 0 = off.")
+    adaptive_limit: bool = Field(
+        True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
+                          "worker holds exactly its credit.")
     # Usage reports (broker/usage_limits.py): token buckets per caller key, per org and in total;
     # a report over one is shed (dropped, counted). 0 turns that limit off.
     usage_rate_per_key: float = Field(250.0, ge=0, description="Usage reports a second one caller key may send.")
@@ -112,83 +218,111 @@ class BrokerSettings(_LinkSettings):
     usage_rate_total: float = Field(2000.0, ge=0, description="Usage reports a second the broker forwards in all.")
     usage_burst_s: float = Field(2.0, gt=0, le=60, description="Each usage bucket holds this many seconds of its rate.")
     # -- authentication (CURVE + ZAP; README: Authentication) --------------------------------
-    auth_keys_file: str | None = Field(None, description="Broker: keys file mapping client keys to orgs.")
-    broker_key_file: str | None = Field(None, description="Broker: its own CURVE keypair file.")
-    metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the Prometheus endpoint.")
+    auth_keys_file: str | None = Field(
+        None, description="Keys file (client key → org, agents; worker keys); turns CURVE on.")
+    broker_key_file: str | None = Field(None, description="The broker's CURVE keypair file.")
+    metrics_port: int = Field(0, ge=0, le=65535, json_schema_extra=shown("0 (9464 under `up` when unset)"),
+                              description="Prometheus endpoint port; 0 = off, also under `up`.")
 
 
-class ClientSettings(_TimeoutSettings):
-    broker_endpoints: str = Field(
-        "tcp://127.0.0.1:5555", description="Comma-separated frontends the client and CLI talk to."
-    )
-    client_key_file: str | None = Field(None, description="Client library and CLI: the caller's keypair file.")
+class ClientSettings(CommonSettings, PipelineSettings, _LegacyTimeout):
+    """The client library, its CLI commands and the LiteLLM proxy hook."""
+
+    client_timeout_ms: float = Field(45.0, gt=0, description="The client library's default timeout of a call.")
+    broker_endpoints: str = Field("tcp://127.0.0.1:5555", description="Frontends the client uses (comma-separated).")
+    client_key_file: str | None = Field(None, description="The caller's CURVE keypair file.")
+    litellm_config: str | None = Field(
+        None, description="The LiteLLM proxy hook's YAML or JSON config; required when the hook is loaded.")
+    litellm_keys: str | None = Field(
+        None, description="The LiteLLM proxy's keys file (`.json`, else YAML); required when its auth hook is "
+                          "loaded.")
 
     def endpoints(self) -> list[str]:
         return [e.strip() for e in self.broker_endpoints.split(",") if e.strip()]
 
 
-class MemoryServiceSettings(CommonSettings):
-    memory_host: str = "127.0.0.1"
-    memory_port: int = Field(8765, ge=0, le=65535)
+class MemoryServiceSettings(RedisSettings):
+    """Where the memory service listens and how it embeds; ``memory.config.MemoryConfig`` adds the rest."""
+
+    memory_host: str = Field("127.0.0.1", validation_alias="IBEX_MEMORY_HOST",
+                             description="Where the memory service listens.")
+    memory_port: int = Field(8765, ge=0, le=65535, validation_alias="IBEX_MEMORY_PORT",
+                             description="The memory service's port.")
+    embedder: Literal["minilm", "static", "hash", "openai"] = Field(
+        "minilm", validation_alias="IBEX_MEMORY_EMBEDDER",
+        description="minilm, static, hash, or openai (an OpenAI-compatible /v1/embeddings endpoint: "
+                    "`IBEX_MEMORY_EMBED_URL`, `IBEX_MEMORY_EMBED_MODEL`); README \"Selection quality\".")
 
 
-class WorkerSettings(_LinkSettings, _TimeoutSettings):
+class StackSettings(IbexSettings):
+    """The ``up`` launcher's own (README, Quickstart)."""
+
+    run_dir: str | None = Field(
+        None, json_schema_extra=shown("`./.run`"),
+        description="State dir of `up`: supervisord pid and socket, `logs/`, `redis/`, `redis-url`, `prometheus/`.")
+    redis_port: int | None = Field(None, ge=0, le=65535, json_schema_extra=shown("6479"),
+                                   description="Port of the private Redis of `up` (data in `$IBEX_RUN_DIR/redis/`).")
+
+
+class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTimeout):
+    """A worker process: its retrieval, budget and calibration, and the services it calls."""
+
     # -- deadlines (README: Deadlines) ---------------------------------------------------------
-    context_deadline_ms: float = Field(40.0, gt=0, description="Server-side retrieval deadline.")
-    directive_timeout_ms: float = Field(5.0, gt=0)
+    retrieval_timeout_ms: float = Field(
+        45.0, gt=0, description="The worker's retrieval limit; the retrieval wall is min(this, "
+                                "`IBEX_CONTEXT_DEADLINE_MS`).")
+    context_deadline_ms: float = Field(40.0, gt=0, description="The worker's server-side deadline for retrieval.")
+    directive_timeout_ms: float = Field(5.0, gt=0, description="Directive branch (Redis).")
     # 45, was 15: the hot call now carries the question, which the memory service embeds (README
     # "Selection quality"); hot and cold run side by side, so the wall does not grow.
-    hot_timeout_ms: float = Field(45.0, gt=0)
-    cold_timeout_ms: float = Field(45.0, gt=0)
-    hot_limit: int = Field(20, ge=0, le=20)
-    cold_limit: int = Field(50, ge=0, le=50)
+    hot_timeout_ms: float = Field(45.0, gt=0, description="Hot memories branch (the call carries the question, "
+                                                          "which the memory service embeds).")
+    cold_timeout_ms: float = Field(45.0, gt=0, description="Cold search branch.")
+    hot_limit: int = Field(20, ge=0, le=20, description="Hot hits requested and accepted.")
+    cold_limit: int = Field(50, ge=0, le=50, description="Cold hits requested and accepted.")
     # Time the worker keeps back after retrieval for budget, pack, format and reply when the
     # request's own deadline is the binding one. Measured by bench (inproc p99 ~1 ms).
-    post_retrieval_reserve_ms: float = Field(3.0, ge=0)
-    max_reply_reserve_ms: float = Field(10.0, ge=0, description="Cap on the measured post-retrieval reserve.")
+    post_retrieval_reserve_ms: float = Field(
+        3.0, ge=0, description="Initial reserve for budget, pack, format and reply until measured.")
+    max_reply_reserve_ms: float = Field(
+        10.0, ge=0, description="Cap on the measured reserve (p95 of the CPU stages + 2 × transit + 1 ms).")
     # -- the per-request access log (README "Performance"): off by default, a served assembly's
     # log line cost ~4 % of a worker's CPU; a fraction samples that share of requests at INFO.
-    access_log_sample: float = Field(0.0, ge=0.0, le=1.0,
-                                     description="Fraction of served assemblies logged at INFO ('assembled').")
-
-    # -- budget policy -------------------------------------------------------------------------
-    response_reserve_fraction: float = Field(0.15, gt=0, lt=1)
-    constrained_below_tokens: int = Field(256, ge=0)
-    catalog_path: str | None = Field(None, description="Override the bundled model catalog JSON.")
-    token_cache_entries: int = Field(65536, ge=0)
+    access_log_sample: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Fraction of served assemblies logged at INFO (`assembled`, with ids, branch outcomes and "
+                    "timings); 0 = none, 1 = all; failures are always logged.")
     # -- calibrated counts from usage reports (README "Calibrated token counts") ---------------
-    calibration: bool = Field(True, description="Use learned (org, model) ratios once a key has enough samples.")
-    calibration_min_samples: int = Field(200, ge=1, description="Effective samples before a key is used.")
+    calibration: bool = Field(
+        True, description="Use learned (org, model) ratios from usage reports; false keeps the reports but "
+                          "budgets by the catalog.")
+    calibration_min_samples: int = Field(200, ge=1, description="Effective samples a key needs before budgets use it.")
     calibration_quantile: float = Field(0.995, gt=0.5, lt=1.0, description="Quantile of the ratio charged.")
     calibration_window: int = Field(2000, ge=10, description="Samples the decaying sketch follows.")
-    calibration_refresh_ms: float = Field(2000.0, ge=50, description="How often workers re-read the sketches.")
-
+    calibration_refresh_ms: float = Field(
+        2000.0, ge=50, description="How often each worker re-reads the sketches its requests use.")
     # -- backing services ----------------------------------------------------------------------
-    redis_url: str | None = Field(None, description="Unset: an embedded redis-server is started.")
-    memory_url: str = "http://127.0.0.1:8765"
+    memory_url: str = Field("http://127.0.0.1:8765", description="The memory service's base URL.")
     memory_secret: str = Field(
-        "ibex-dev-secret-change-me", min_length=8,
-        description="HMAC key shared by workers and the memory service to mint per-org tokens.",
-    )
-    nonce_secret: str | None = Field(
-        None, min_length=8,
-        description="HMAC key of the derived memories-block nonce; unset: derived from memory_secret, "
-                    "or random per process when that is the development default.",
-    )
-    memory_max_response_bytes: int = Field(8 << 20, ge=1024, description="Larger memory replies are an error.")
+        DEV_MEMORY_SECRET, min_length=8, json_schema_extra=shown("dev value"),
+        description="HMAC key of per-org memory-service tokens, shared by workers and the memory service; the "
+                    "dev value is refused off loopback (memory service host, worker's `IBEX_MEMORY_URL`).")
+    memory_max_response_bytes: int = Field(8 << 20, ge=1024, json_schema_extra=shown("8 MiB"),
+                                           description="Larger memory replies are a branch error.")
     cold_min_similarity: float | None = Field(
         None, ge=0.0, le=1.0,
         description="Retrieval-time cosine cutoff sent to search; unset: the memory service's embedder's own "
-                    "(minilm 0.30, static and hash 0.70, README 'Selection quality').")
-
+                    "(README \"Selection quality\").")
     # -- the worker process --------------------------------------------------------------------
     broker_backends: str = Field(
-        "", description="Comma-separated backends a worker connects to; empty means broker_backend."
-    )
-    workers: int = Field(default_factory=usable_cpus, ge=1)
+        "", json_schema_extra=shown("= `IBEX_BROKER_BACKEND`"),
+        description="Backends a worker connects to (comma-separated); empty: `IBEX_BROKER_BACKEND`.")
+    workers: int = Field(default_factory=usable_cpus, ge=1, json_schema_extra=shown("usable CPUs"),
+                         description="Worker processes under supervisord.")
     # Credit: requests one worker holds in flight. Measured (bench.run, 2 cores): 4 keeps goodput at
     # 2x saturation at 100 % of peak; 16 let work pile up inside workers and goodput fell to 27 %.
-    worker_concurrency: int = Field(4, ge=1, description="Credit: requests one worker holds in flight.")
+    worker_concurrency: int = Field(
+        4, ge=1, description="Credit: the most requests one worker holds in flight, the cap of its adaptive limit.")
     # Per-request CPU bounds (README "Size limits"): a request's maps and arrays are counted while it
     # is decoded, before any other work; at 10,000 (~2,000 tool-call pairs) decoding and assembling
     # cost ~100 ms of a worker's core. Requests of several orgs take CPU turns fairly (worker.fair).
@@ -198,19 +332,26 @@ class WorkerSettings(_LinkSettings, _TimeoutSettings):
     worker_org_concurrency: int = Field(
         0, ge=0, description="Assemblies of one org one worker runs at once; more of that org wait in its queue "
                              "while other orgs go on (0: up to the worker's credit).")
-    pin_cpus: bool = True
-    worker_key_file: str | None = Field(None, description="Worker: its CURVE keypair file.")
+    pin_cpus: bool = Field(True, description="Pin each worker to its own core.")
+    worker_key_file: str | None = Field(None, description="The worker's CURVE keypair file.")
+
+    def nonce_inputs(self) -> tuple[str | None, str]:
+        return self.nonce_secret, self.memory_secret
 
     @property
     def retrieval_wall_ms(self) -> float:
-        """README, Deadlines: the outer retrieval wall is min(IBEX_CONTEXT_TIMEOUT, IBEX_CONTEXT_DEADLINE_MS)."""
-        return min(self.context_timeout_ms, self.context_deadline_ms)
+        """README, Deadlines: the outer retrieval wall is min(IBEX_RETRIEVAL_TIMEOUT_MS, IBEX_CONTEXT_DEADLINE_MS)."""
+        return min(self.retrieval_timeout_ms, self.context_deadline_ms)
 
     def backends(self) -> list[str]:
         found = [e.strip() for e in self.broker_backends.split(",") if e.strip()]
         return found or [self.broker_backend]
 
 
-class Settings(BrokerSettings, WorkerSettings, ClientSettings, MemoryServiceSettings):
-    """Every setting: for the ops CLI and stack, tests, and the client's fallback (it runs the
-    worker's pipeline, so it reads the worker's budget settings too)."""
+class Settings(BrokerSettings, WorkerSettings, ClientSettings, MemoryServiceSettings, StackSettings):
+    """Every setting but the memory service's own: the ops CLI and the launcher, which start and
+    check every role, and tests."""
+
+
+__all__ = ["BrokerSettings", "ClientSettings", "CommonSettings", "IbexSettings", "MemoryServiceSettings",
+           "PipelineSettings", "RedisSettings", "Settings", "StackSettings", "WorkerSettings"]

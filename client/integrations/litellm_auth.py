@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ibex_context.client.integrations.litellm_config import HookConfigError
 from ibex_context.shared.keys import is_ident
+from ibex_context.shared.settings import ClientSettings
 
 KEYS_ENV = "IBEX_LITELLM_KEYS"
 KEY_PREFIX = "sk-ibex-"
@@ -141,7 +141,7 @@ def __getattr__(name: str) -> Any:
     if name != "user_api_key_auth":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _auth is None:
-        path = os.environ.get(KEYS_ENV)
+        path = ClientSettings().litellm_keys
         if not path:
             raise HookConfigError(f"{KEYS_ENV} is not set: point it at the proxy's keys file "
                                   "(README: Using it from LiteLLM proxy)")
