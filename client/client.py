@@ -62,7 +62,7 @@ from ibex_context.shared.errors import (
     Unavailable,
 )
 from ibex_context.shared.models import AssembleRequest, AssembleResponse, ErrorReply
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,11 @@ class AsyncClient:
     """Async client. Use ``async with AsyncClient([...]) as c: await c.assemble(req, timeout=0.05)``.
 
     ``default_timeout`` (seconds) applies when a call gives none; unset, it is
-    ``IBEX_CONTEXT_TIMEOUT`` (milliseconds) from the settings. Endpoints default to
+    ``IBEX_CLIENT_TIMEOUT_MS`` from the settings. Endpoints default to
     ``IBEX_BROKER_ENDPOINTS``. Bad arguments raise ``InvalidRequest`` naming the argument.
     """
 
-    def __init__(self, endpoints: Sequence[str] | str | None = None, *, settings: Settings | None = None,
+    def __init__(self, endpoints: Sequence[str] | str | None = None, *, settings: ClientSettings | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  configure_socket: Callable[[zmq.Socket[bytes]], None] | None = None,
                  default_timeout: float | None = None) -> None:
@@ -92,7 +92,7 @@ class AsyncClient:
         self.settings = settings
         self.endpoints = parse_endpoints(settings.broker_endpoints if endpoints is None else endpoints)
         self.default_timeout = check_timeout(
-            settings.context_timeout_ms / 1000 if default_timeout is None else default_timeout, "default_timeout")
+            settings.client_timeout_ms / 1000 if default_timeout is None else default_timeout, "default_timeout")
         self.max_request_bytes = settings.max_request_bytes
         if configure_socket is None and settings.client_key_file:
             from ibex_context.shared import auth
