@@ -38,7 +38,7 @@ from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.codec import validate
 from ibex_context.shared.errors import ContextOverflow, IbexError, Internal
 from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import PipelineSettings
 from ibex_context.shared.tokens import CachedCounter, EstimateKind
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 BUILD_RESERVE_S = 0.003
 
 
-def load_fallback(settings: Settings) -> Catalog | Exception:
+def load_fallback(settings: PipelineSettings) -> Catalog | Exception:
     """Load the catalog and vocabularies ``degraded_response`` counts with (on a thread, from
     ``AsyncClient.start()``).
 
@@ -66,7 +66,7 @@ def load_fallback(settings: Settings) -> Catalog | Exception:
         return exc
 
 
-def load_fallback_in_background(loop: asyncio.AbstractEventLoop, settings: Settings,
+def load_fallback_in_background(loop: asyncio.AbstractEventLoop, settings: PipelineSettings,
                                 first: Callable[[], None] | None = None) -> asyncio.Future[Catalog | Exception]:
     """``load_fallback`` on a daemon thread (after ``first``, which must not raise), its result
     delivered to ``loop`` as a future.
@@ -143,7 +143,7 @@ class Fallback:
     """What degraded responses are built with: the catalog ``start()`` loads on a thread, and until
     it is there one bounding counts by bytes (a call's fallback never waits past its deadline)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, settings: Settings) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, settings: PipelineSettings) -> None:
         self.settings = settings
         self._bytes: Catalog | None = None
         self.loaded = load_fallback_in_background(loop, settings, first=self._prepare_bytes)
@@ -203,13 +203,13 @@ class Fallback:
 
 
 def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: str | None = None,
-                      *, catalog: Catalog | None = None, settings: Settings | None = None,
+                      *, catalog: Catalog | None = None, settings: PipelineSettings | None = None,
                       notes: Sequence[str] = ()) -> AssembleResponse:
     """History-only (or directive + history) context built locally by the pure pipeline; every
     branch is recorded as failed with ``exc``'s code; ``notes`` follow the reason."""
     failed = BranchOutcome(status="error", elapsed_ms=0.0, error_class=exc.code.value, detail=exc.message[:200])
     resp = assemble(req, failed_result(fallback_directive, failed), catalog=catalog or Catalog.load(),
-                    policy=Policy.from_settings(settings or Settings()))
+                    policy=Policy.from_settings(settings or PipelineSettings()))
     reason = f"context service {exc.code.value}: {exc.message}"
     reasons = [reason, *notes, *resp.degraded_reasons]
     return resp.model_copy(update={"degraded": True, "degraded_reasons": reasons})
