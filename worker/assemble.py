@@ -4,7 +4,7 @@ Deadlines (README "Deadlines"): the wire's absolute epoch deadline is converted 
 (worker/server.py), into a local monotonic ``deadline_mono_ns``; ``pipeline.assemble.Clock``
 checks it before every stage, retrieval included.
 
-The retrieval wall is min(IBEX_CONTEXT_TIMEOUT, IBEX_CONTEXT_DEADLINE_MS) and never later than the
+The retrieval wall is min(IBEX_RETRIEVAL_TIMEOUT_MS, IBEX_CONTEXT_DEADLINE_MS) and never later than the
 request deadline minus the measured p95 of the post-retrieval stages (``StageCostTracker``) and
 of the reply's transit.
 """
@@ -23,7 +23,7 @@ from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.turns import count_turns
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import WorkerSettings
 from ibex_context.worker.calibration import Calibrator
 from ibex_context.worker.retrieve import Retriever
 
@@ -67,7 +67,7 @@ class StageCostTracker:
 class Assembler:
     """Runs assemblies for one worker process: retrieval, then ``pipeline.assemble``."""
 
-    def __init__(self, *, settings: Settings, catalog: Catalog, retriever: Retriever | None,
+    def __init__(self, *, settings: WorkerSettings, catalog: Catalog, retriever: Retriever | None,
                  worker_id: str = "", calibrator: Calibrator | None = None) -> None:
         self.settings = settings
         self.calibrator = calibrator  # usage-report calibration (README "Calibrated token counts")
