@@ -31,7 +31,7 @@ from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.directives import MalformedDirective, get_directive, parse_envelope
 from ibex_context.shared.keys import directive_key
 from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome, Source
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import WorkerSettings
 from ibex_context.shared.tenancy import mint_org_token
 from ibex_context.worker import rawredis
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
@@ -100,7 +100,8 @@ def _named(raw: object, source: Source, i: int) -> str:
 class Retriever:
     """One per worker process: one pooled HTTP client and one Redis pool, created once."""
 
-    def __init__(self, *, settings: Settings, redis: Redis, directives: rawredis.Connection | None = None) -> None:
+    def __init__(self, *, settings: WorkerSettings, redis: Redis,
+                 directives: rawredis.Connection | None = None) -> None:
         self.settings = settings
         self.redis = redis
         self.directives = directives  # the directive GET's own connections; None: through redis-py
@@ -110,7 +111,7 @@ class Retriever:
         self._orphans: set[asyncio.Task[Any]] = set()
 
     @classmethod
-    def create(cls, settings: Settings, redis_url: str) -> Retriever:
+    def create(cls, settings: WorkerSettings, redis_url: str) -> Retriever:
         wall_s = settings.retrieval_wall_ms / 1000
         redis = Redis.from_url(
             redis_url, socket_timeout=max(wall_s, 0.05), socket_connect_timeout=max(wall_s, 0.05),
