@@ -42,5 +42,6 @@ def utf8_arg(value: str) -> str:
 def settings_error(exc: ValidationError, prefix: str = "IBEX_") -> str:
     """One line naming a malformed environment variable (README, Settings)."""
     err = first_error(exc)
-    name = prefix + "_".join(err.loc).upper()
+    name = "_".join(err.loc).upper()
+    name = name if name.startswith("IBEX_") else prefix + name  # a field that names its variable
     return f"settings: {name}: {err.message}"
