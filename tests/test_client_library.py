@@ -455,17 +455,16 @@ async def test_dated_model_name_on_the_stack(stack: LocalStack) -> None:
 
 # ---------------------------------------------------------------------------- 5. settings
 
-@pytest.mark.parametrize("var", ["IBEX_CONTEXT_TIMEOUT", "IBEX_CONTEXT_TIMEOUT_MS"])
-def test_context_timeout_setting_is_the_default_timeout(var: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_client_timeout_setting_is_the_default_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     assert AsyncClient(_nobody()).default_timeout == pytest.approx(0.045)
-    monkeypatch.setenv(var, "250")
+    monkeypatch.setenv("IBEX_CLIENT_TIMEOUT_MS", "250")
     assert AsyncClient(_nobody()).default_timeout == pytest.approx(0.25)
     assert AsyncClient(_nobody(), default_timeout=0.01).default_timeout == 0.01  # an argument wins
-    assert AsyncClient(_nobody(), settings=Settings(context_timeout_ms=70)).default_timeout == pytest.approx(0.07)
+    assert AsyncClient(_nobody(), settings=Settings(client_timeout_ms=70)).default_timeout == pytest.approx(0.07)
 
 
 async def test_default_timeout_bounds_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("IBEX_CONTEXT_TIMEOUT", "300")
+    monkeypatch.setenv("IBEX_CLIENT_TIMEOUT_MS", "300")
     async with AsyncClient(_nobody()) as c:
         t0 = time.monotonic()
         with pytest.raises(Unavailable):
@@ -476,8 +475,8 @@ async def test_default_timeout_bounds_a_call(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize(("value", "arg"), [("abc", None), ("-5", None), ("50", float("nan")), ("50", "1")])
 def test_bad_timeout_settings_or_arguments_are_refused(value: str, arg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("IBEX_CONTEXT_TIMEOUT", value)
+    monkeypatch.setenv("IBEX_CLIENT_TIMEOUT_MS", value)
     with pytest.raises(InvalidRequest) as exc:
         AsyncClient(_nobody(), default_timeout=arg)
-    assert exc.value.field in ("IBEX_CONTEXT_TIMEOUT", "context_timeout_ms", "default_timeout")
+    assert exc.value.field in ("IBEX_CLIENT_TIMEOUT_MS", "default_timeout")
     assert "\n" not in exc.value.message
