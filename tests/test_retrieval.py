@@ -44,7 +44,7 @@ def _settings(memory: Any, **over: Any) -> Settings:
     base: dict[str, Any] = {
         "redis_url": memory.redis_url, "memory_url": memory.url, "memory_secret": memory.secret,
         "directive_timeout_ms": 200, "hot_timeout_ms": 300, "cold_timeout_ms": 400,
-        "context_timeout_ms": 500, "context_deadline_ms": 500, "cold_min_similarity": 0.0,
+        "retrieval_timeout_ms": 500, "context_deadline_ms": 500, "cold_min_similarity": 0.0,
     }
     base.update(over)
     return Settings(**base)
@@ -173,7 +173,7 @@ async def test_redis_paused_directive_times_out(make: Any, memory: Any) -> None:
 
 async def test_all_three_fail_and_wall_holds_when_everything_hangs(make: Any, memory: Any) -> None:
     memory.set_fault("all", latency_ms=2000)
-    a = make(context_timeout_ms=50, context_deadline_ms=50, directive_timeout_ms=1000, hot_timeout_ms=1000,
+    a = make(retrieval_timeout_ms=50, context_deadline_ms=50, directive_timeout_ms=1000, hot_timeout_ms=1000,
              cold_timeout_ms=1000)
     with redis.Redis.from_url(memory.redis_url) as admin:
         admin.execute_command("CLIENT", "PAUSE", "500", "ALL")
@@ -237,7 +237,7 @@ async def test_expired_request_stops_before_any_stage(make: Any) -> None:
 async def test_deadline_bounds_the_wall(make: Any, memory: Any) -> None:
     """With a generous wall, the request's own deadline (minus the reply reserve) binds."""
     memory.set_fault("all", latency_ms=1000)
-    a = make(context_timeout_ms=1000, context_deadline_ms=1000, hot_timeout_ms=1000, cold_timeout_ms=1000)
+    a = make(retrieval_timeout_ms=1000, context_deadline_ms=1000, hot_timeout_ms=1000, cold_timeout_ms=1000)
     t0 = time.perf_counter()
     resp = await _run(a, deadline_s=0.08)
     elapsed_ms = (time.perf_counter() - t0) * 1000
