@@ -28,13 +28,13 @@ UNBOUND_TCP = "tcp://127.0.0.1:0"  # port 0: the broker binds a free port and re
 class LocalStack:
     """The stack as child processes of the caller, on free loopback ports, with fault handles."""
 
-    def __init__(self, *, workers: int = 2, redis_url: str | None = None, mode: str = "full",
+    def __init__(self, *, workers: int = 2, redis_url: str | None = None, worker_module: str = "ibex_context.worker",
                  enable_faults: bool = False, env: dict[str, str] | None = None,
                  log_dir: Path | None = None, secret: str | None = None,
                  status_socket: Callable[[zmq.Socket[Any]], None] | None = None, brokers: int = 1) -> None:
         self.n_workers = workers
         self.status_socket = status_socket
-        self.mode = mode
+        self.worker_module = worker_module  # or another module with the worker's CLI (the bench's transport worker)
         self.enable_faults = enable_faults
         self.extra_env = dict(env or {})
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="ibex-stack-"))
@@ -140,8 +140,7 @@ class LocalStack:
         p.wait(10)
 
     def start_worker(self, i: int) -> subprocess.Popen[bytes]:
-        return self._spawn(f"worker-{i}", ["-m", "ibex_context.worker", "--cpu", str(i), "--worker-id", f"w{i}",
-                                           "--mode", "transport" if self.mode == "transport" else "full"])
+        return self._spawn(f"worker-{i}", ["-m", self.worker_module, "--cpu", str(i), "--worker-id", f"w{i}"])
 
     def status(self, timeout_s: float = 1.0, broker: int = 0) -> dict[str, Any] | None:
         return broker_status(self.frontends[broker], timeout_s, configure=self.status_socket)

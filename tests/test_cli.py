@@ -94,8 +94,9 @@ def test_usage_errors_are_one_line() -> None:
 
 
 def test_malformed_setting_is_one_line() -> None:
-    out = _cli(*ASSEMBLE, env=_env(IBEX_WORKERS="many"))
-    assert_one_line(out, 2, "ibex-context assemble: ", "workers")
+    # a client command reads the client's settings only: a worker's malformed one is not its concern
+    out = _cli(*ASSEMBLE, env=_env(IBEX_CLIENT_TIMEOUT_MS="soon", IBEX_WORKERS="many"))
+    assert_one_line(out, 2, "ibex-context assemble: ", "IBEX_CLIENT_TIMEOUT_MS")
     out = _cli("status", env=_env(IBEX_WORKERS="many"))
     assert_one_line(out, 2, "ibex-context status: ", "IBEX_WORKERS")
     out = _cli(*ASSEMBLE, env=_env(IBEX_CLIENT_KEY_FILE="/nonexistent/me.key", IBEX_BROKER_PUBLIC_KEY="x"))

@@ -15,10 +15,14 @@ import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from ibex_context.shared.netloc import is_loopback_url
 from ibex_context.shared.settings import Settings, WorkerSettings, usable_cpus
+
+if TYPE_CHECKING:
+    from ibex_context.worker.server import WorkerServer
 
 DEV_MEMORY_SECRET: str = WorkerSettings.model_fields["memory_secret"].default
 
@@ -45,14 +49,15 @@ def pin(cpu: int | None) -> int | None:
     return chosen
 
 
-async def serve(settings: Settings, worker_id: str, mode: str) -> None:
+async def serve(settings: Settings, worker_id: str, server_cls: type[WorkerServer] | None = None) -> None:
+    """Run one worker until it is drained. ``server_cls``: a ``WorkerServer`` subclass to run instead
+    (the bench's transport-mode worker)."""
     import zmq
 
     from ibex_context.shared.catalog import Catalog
     from ibex_context.worker.assemble import Assembler
     from ibex_context.worker.retrieve import Retriever
     from ibex_context.worker.server import WorkerServer
-    from ibex_context.worker.transport import TransportWorkerServer
 
     if settings.redis_url is None:
         raise SystemExit("IBEX_REDIS_URL is not set; `ibex-context up` sets it (or start an embedded Redis)")
@@ -79,9 +84,8 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
         raise SystemExit(str(exc)) from None
     from ibex_context.shared.observability import WorkerMetrics
 
-    server_cls = TransportWorkerServer if mode == "transport" else WorkerServer
-    server = server_cls(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
-                        configure_socket=configure, metrics=WorkerMetrics())
+    server = (server_cls or WorkerServer)(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
+                                          configure_socket=configure, metrics=WorkerMetrics())
     # Everything built so far (catalog, tokenizer tables, pools) lives as long as the process. A
     # full collection over it takes ~44 ms on the dev machine, longer than a whole 40 ms request;
     # frozen, later collections skip it (measured: 0.003 ms).
@@ -106,12 +110,10 @@ async def serve(settings: Settings, worker_id: str, mode: str) -> None:
         ctx.term()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, server_cls: type[WorkerServer] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ibex_context.worker", description=__doc__)
     ap.add_argument("--cpu", type=int, default=None, help="pin to the Nth usable CPU (modulo their count)")
     ap.add_argument("--worker-id", default=None)
-    ap.add_argument("--mode", choices=["full", "transport"], default="full",
-                    help="transport: answer at once without assembling (bench: isolates broker overhead)")
     args = ap.parse_args(argv)
     settings = Settings()
     refused = exposure_error(settings)
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger(__name__).info("worker %s pinned to cpu %s of %d", worker_id, chosen, cpus)
     import uvloop
 
-    uvloop.run(serve(settings, worker_id, args.mode))
+    uvloop.run(serve(settings, worker_id, server_cls))
     return 0
 
 
