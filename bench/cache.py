@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.report import table
+from bench.lib.percentiles import median, percentile
+from bench.lib.tables import table
 from ibex_context.pipeline.assemble import Policy, assemble
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
@@ -329,8 +329,7 @@ def turn_cost(fmt: str, tokens: int, prefix: int) -> float:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
+    return percentile(xs, q * 100) if xs else float("nan")
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -374,7 +373,7 @@ def summarise(name: str, fmt: str, layout: str, per_turn: list[dict[str, Any]]) 
     billed = [openai_cached(p["prefix"], p["tokens"]) / p["tokens"] for p in calls] if fmt == "openai" else []
 
     def med(xs: list[float]) -> float:
-        return statistics.median(xs) if xs else float("nan")
+        return median(xs) if xs else float("nan")
     return {"script": name, "format": fmt, "layout": layout, "turns": len(per_turn),
             "turns_over_1024": len(big), "median_reuse": med(big), "p10_reuse": _pct(big, 0.10),
             "median_reuse_new_turn": med([p["reuse"] for p in calls if p.get("step", 0) == 0]),

@@ -22,13 +22,13 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.report import table
+from bench.lib.percentiles import median, percentile
+from bench.lib.tables import table
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Policy, assemble
@@ -104,11 +104,11 @@ def figures(rows: list[Row]) -> dict[str, Any]:
     full = sorted(t / limit for _, t, limit, trimmed in rows if trimmed)
 
     def q(p: float) -> float:
-        return over[min(len(over) - 1, int(p * len(over)))]
+        return percentile(over, p * 100)
 
-    return {"n": len(rows), "median": statistics.median(over), "p10": q(0.10), "p90": q(0.90), "p99": q(0.99),
+    return {"n": len(rows), "median": median(over), "p10": q(0.10), "p90": q(0.90), "p99": q(0.99),
             "over_window": sum(1 for _, t, limit, _ in rows if t > limit), "trimmed": len(full),
-            "trimmed_fill_median": statistics.median(full) if full else None, "fill_max": max(full) if full else None}
+            "trimmed_fill_median": median(full) if full else None, "fill_max": max(full) if full else None}
 
 
 async def simulate(args: argparse.Namespace) -> dict[str, Any]:

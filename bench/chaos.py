@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
+from bench.lib.percentiles import percentiles
 from bench.loadgen import ClientTarget, RunResult, open_loop
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, broker_status
@@ -72,8 +71,7 @@ def chaos_report(run: RunResult, events: dict[str, float], before: dict[str, int
     lost = s["sent"] - s["responses"] - typed
     late = run.lateness_ms()
     pcts = (0, 50, 90, 99, 99.9, 100)
-    lateness = ({f"p{p:g}".replace(".", "_"): round(float(np.percentile(late, p)), 3) for p in pcts}
-                if late.size else {})
+    lateness = {k: round(v, 3) for k, v in percentiles(late, pcts).items()} if late.size else {}
     # Outcomes over time in 0.5 s buckets by scheduled send time (plots, and to see the fault window).
     buckets: dict[int, dict[str, int]] = {}
     for smp in run.samples:

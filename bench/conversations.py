@@ -4,7 +4,7 @@ The set is ``bench/data/conversations.jsonl`` (one memory per dialog turn, with 
 ``bench/data/conversation_questions.jsonl`` (questions with their evidence turn ids, labelled by
 construction: ``bench/data/make_conversations.py``). Each conversation is seeded as its own agent of
 org ``evalconv`` into a real stack (embedded Redis, the memory service with ``IBEX_MEMORY_EMBEDDER``,
-a broker and one worker: ``bench.run.started_stack``). Every question is assembled through the broker
+a broker and one worker: ``bench.lib.stack.started_stack``). Every question is assembled through the broker
 with the client library (``gpt-4o``); the ranking judged is the packed memories by the packer's score
 (highest first, memory_id on ties), as ``python -m bench.retrieval`` does for the demo set.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import statistics
 import sys
@@ -43,8 +42,9 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from bench.report import table
-from bench.run import started_stack
+from bench.lib.percentiles import median, percentile
+from bench.lib.stack import started_stack
+from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
 from ibex_context.memory.embed import Embedder, Vectors, content_words, load_embedder
 from ibex_context.memory.seed import seed_records
@@ -277,7 +277,7 @@ async def run_suite(turns: list[dict[str, Any]], questions: list[ConvQuestion], 
     _plain(turns, vectors, emb, questions, res)
     env = {**QUALITY_DEADLINES, "IBEX_MEMORY_EMBEDDER": embedder, **(extra_env or {})}
     log_dir = log_dir or Path(f"/tmp/ibex-bench-conversations-{uuid.uuid4().hex[:8]}")
-    with started_stack(mode="full", workers=1, env=env, log_dir=log_dir, seed=False) as stack:
+    with started_stack(workers=1, env=env, log_dir=log_dir, seed=False) as stack:
         redis = Redis.from_url(str(stack.redis_url))
         try:
             t0 = time.perf_counter()
@@ -311,8 +311,7 @@ def summarize(res: SuiteResult, questions: list[ConvQuestion], retriever: str,
 
 
 def _pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
+    return percentile(values, p * 100)
 
 
 def report(res: SuiteResult, questions: list[ConvQuestion]) -> list[str]:
@@ -339,7 +338,7 @@ def report(res: SuiteResult, questions: list[ConvQuestion]) -> list[str]:
     stats = [
         ["no-answer questions", n_none],
         ["stack: cold memories packed per question, mean / median",
-         f"{statistics.fmean(res.none_cold):.1f} / {statistics.median(res.none_cold):.0f}" if res.none_cold else "-"],
+         f"{statistics.fmean(res.none_cold):.1f} / {median(res.none_cold):.0f}" if res.none_cold else "-"],
         ["stack: questions with at least one cold memory packed",
          sum(1 for n in res.none_cold if n) if res.none_cold else "-"],
         ["stack: memories packed per question, mean", f"{statistics.fmean(res.none_packed):.1f}"

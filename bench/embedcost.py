@@ -7,7 +7,7 @@ variant and round, one query at a time (``embed_query``, as the memory service e
 it has not seen), or ``--batch N`` at a time (``embed_queries``, as it embeds concurrent ones;
 the figures are then per query). The variants take turns on every question, in rotated order,
 so drift on a shared machine hits all alike. CPU is the calling thread's
-(``time.thread_time_ns``: onnxruntime and BLAS run on it, one thread each); wall is
+(``bench.lib.cpu.thread_cpu_seconds``: onnxruntime and BLAS run on it, one thread each); wall is
 ``time.perf_counter_ns``.
 
 Variants: ``numpy`` (``memory.minilm``, the reference), and the onnxruntime graph
@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import table
+from bench.lib.cpu import thread_cpu_seconds
+from bench.lib.percentiles import median, percentile
+from bench.lib.tables import table
 from ibex_context.memory.minilm import MAX_QUERY_TOKENS, MiniLMEmbedder, load_tokenizer, model_zip
 from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder
 
@@ -85,9 +87,9 @@ def measure(fns: dict[str, Embed], texts: list[str], rounds: int, batch: int) ->
         for i, chunk in enumerate(chunks):
             shift = (i + r) % len(names)
             for name in names[shift:] + names[:shift]:
-                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                w0, c0 = time.perf_counter_ns(), thread_cpu_seconds() * 1e9
                 rows = fns[name](chunk)
-                c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+                c1, w1 = thread_cpu_seconds() * 1e9, time.perf_counter_ns()
                 cpu[name].append((c1 - c0) / len(chunk))
                 wall[name].append((w1 - w0) / len(chunk))
                 if r == rounds - 1:
@@ -96,7 +98,7 @@ def measure(fns: dict[str, Embed], texts: list[str], rounds: int, batch: int) ->
 
 
 def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values) / 1e6, q))
+    return percentile(values, q) / 1e6
 
 
 def main() -> None:
@@ -113,17 +115,17 @@ def main() -> None:
     started = time.perf_counter()
     cpu, wall, vecs = measure(fns, texts, args.rounds, max(1, args.batch))
     ref = np.stack(vecs["numpy"])
-    base = statistics.median(cpu["numpy"])
+    base = median(cpu["numpy"])
     rows = []
     for name in names:
         cos = np.sum(np.stack(vecs[name]) * ref, axis=1)
         rows.append([name, f"{statistics.mean(cpu[name]) / 1e6:.2f}", f"{_pct(cpu[name], 50):.2f}",
                      f"{_pct(cpu[name], 99):.2f}", f"{_pct(wall[name], 50):.2f}", f"{_pct(wall[name], 99):.2f}",
-                     f"{base / statistics.median(cpu[name]):.1f}x", f"{cos.min():.5f}", f"{np.median(cos):.6f}"])
+                     f"{base / median(cpu[name]):.1f}x", f"{cos.min():.5f}", f"{median(cos):.6f}"])
     with zipfile.ZipFile(model_zip()) as z:
         tokenizer = load_tokenizer(z.read("tokenizer.json").decode("utf-8"))
     tokens = [min(len(e.ids), MAX_QUERY_TOKENS) for e in tokenizer.encode_batch(texts)]
-    print(f"\n{len(texts)} questions (tokens: median {statistics.median(tokens):.0f}, max {max(tokens)}) x "
+    print(f"\n{len(texts)} questions (tokens: median {median(tokens):.0f}, max {max(tokens)}) x "
           f"{args.rounds} rounds, {'one query' if args.batch <= 1 else f'{args.batch} queries'} per call, "
           f"{time.perf_counter() - started:.0f} s; "
           f"{platform.processor() or platform.machine()}")

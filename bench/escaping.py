@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import table
+from bench.lib.tables import table
 from ibex_context.memory.seed import derived_memory_id
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory

@@ -66,12 +66,12 @@ def serve_echo(bind: str | None, connect: str | None) -> None:
 
 
 def serve_answer(connect: str) -> None:
-    """Behind the relay: answer every request as ``--mode transport`` workers do (the canned minimal
+    """Behind the relay: answer every request as transport-mode workers do (the canned minimal
     reply for its request id), so the client library can drive the floor (``bench.peers``' zmq-floor:
     the CPU and latency of the card's two hops with no Python broker at all)."""
+    from bench.lib.transport import transport_response
     from ibex_context.shared import protocol as P
     from ibex_context.shared.codec import Envelope, encode_document, parse_header
-    from ibex_context.worker.transport import transport_response
 
     template = transport_response("-", {}).model_dump(mode="python")
     ctx = zmq.Context()

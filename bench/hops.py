@@ -3,11 +3,11 @@
 The open-loop bench (``bench.run``) shows latency; this shows where CPU goes, which is what a change
 to the broker, the worker's socket loop or the frames moves. Each row drives one real process with
 a pipelined synchronous peer (window of 4 in flight) and reads the process's CPU time
-(``/proc/<pid>/stat``, all threads, so ZeroMQ's I/O thread is included):
+(``bench.lib.cpu``: all threads, so ZeroMQ's I/O thread is included):
 
 * ``broker``: ``python -m ibex_context.broker`` between a DEALER client and a bare echo worker;
-* ``worker (transport mode)``: ``python -m ibex_context.worker --mode transport``'s server loop behind a bare
-  ROUTER acting as the broker;
+* ``worker (transport mode)``: the transport-mode worker's server loop (``bench.lib.transport``) behind
+  a bare ROUTER acting as the broker;
 * ``relay (zmq.proxy, C)`` and ``echo (pyzmq, sync)``: the floor's processes, for reference.
 
 Medians of ``--repeats`` runs; the machine is shared, so compare rows from the same invocation.
@@ -20,36 +20,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import ClassVar
 
 import zmq
 
-from bench.report import table
+from bench.lib.cpu import cpu_seconds
+from bench.lib.percentiles import median
+from bench.lib.stack import REPO
+from bench.lib.tables import table
 from bench.workload import request_templates
 from ibex_context.ops.stack import free_port, stop_processes
 from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import Envelope, encode, pack_header
 from ibex_context.shared.models import AssembleRequest, Message
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of ``pid``, in nanosecond resolution (``/proc/.../schedstat``):
-    /proc/PID/stat counts clock ticks (10 ms here), too coarse for a fast process on a short run."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that ended while we looked
-            continue
-    return total / 1e9
 
 
 def template(pad_kb: int = 0) -> AssembleRequest:
@@ -85,8 +72,8 @@ def transport_worker(endpoint: str) -> None:
     """The real worker server in transport mode (no retrieval, so no Redis or memory service)."""
     import uvloop
 
+    from bench.lib.transport import TransportWorkerServer
     from ibex_context.shared.settings import Settings
-    from ibex_context.worker.transport import TransportWorkerServer
 
     class NoAssembler:
         stats: ClassVar[dict[str, int]] = {}
@@ -136,7 +123,7 @@ def measure_broker(n: int, window: int, pad_kb: int = 0, legacy: bool = False) -
         tmpl = template(pad_kb)
         far = time.time_ns() + 3600 * 10**9
         reqs = [tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}) for i in range(n)]
-        frames = [P.legacy_request_frames(encode(r)) if legacy
+        frames = [[P.TAG, P.REQUEST, encode(r)] if legacy  # the headerless form
                   else P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
                   for r in reqs]
         end = time.monotonic() + 20
@@ -228,7 +215,7 @@ def run(*, n: int, window: int, repeats: int, pad_kb: int = 0) -> dict[str, dict
         relay, echo = measure_floor(n, window, pad_kb)
         rows.setdefault("relay (zmq.proxy, C)", []).append(relay)
         rows.setdefault("echo (pyzmq, sync)", []).append(echo)
-    return {name: {k: statistics.median(r[k] for r in runs) for k in ("rps", "cpu_us")}
+    return {name: {k: median([r[k] for r in runs]) for k in ("rps", "cpu_us")}
             for name, runs in rows.items()}
 
 

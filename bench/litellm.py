@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,9 +24,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.lib.percentiles import median, percentiles
+from bench.lib.stack import started_stack
+from bench.lib.tables import table
 from bench.litellm_rig import LiteLLMProxy, Upstream, proxy_config
-from bench.report import table
-from bench.run import started_stack
 from ibex_context.client import SyncClient
 from ibex_context.client.integrations.litellm_core import last_user_text
 
@@ -91,18 +91,17 @@ def measure(urls: dict[str, str], endpoint: str, rounds: int, warmup: int, seed:
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     lat = {k: np.asarray(v) for k, v in res["latency_ms"].items()}
-    pct = {k: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)), "n": len(v)}
-           for k, v in lat.items()}
+    pct = {k: {**percentiles(v, (50, 99)), "n": len(v)} for k, v in lat.items()}
     paired = lat["hook"] - lat["no_hook"]
     return {"arms": pct, "added_p50_ms": pct["hook"]["p50"] - pct["no_hook"]["p50"],
             "added_p99_ms": pct["hook"]["p99"] - pct["no_hook"]["p99"],
-            "added_median_paired_ms": float(statistics.median(paired.tolist())),
+            "added_median_paired_ms": median(paired),
             "outcomes": res["outcomes"]}
 
 
 def run(rounds: int, warmup: int, seed: int, workers: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="ibex-bench-litellm-"))
-    with started_stack(mode="full", workers=workers, env=STACK_ENV, log_dir=work / "stack", seed=True) as stack:
+    with started_stack(workers=workers, env=STACK_ENV, log_dir=work / "stack", seed=True) as stack:
         upstream = Upstream(work)
         proxies: list[LiteLLMProxy] = []
         try:

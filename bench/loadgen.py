@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.lib.cpu import cpu_seconds
 from bench.stats import COMPONENTS, WORKER_STAGES, Histograms
 from ibex_context.client.client import AsyncClient
 from ibex_context.shared.errors import IbexError
@@ -231,7 +232,7 @@ async def open_loop(call: Call, *, rate: float, duration_s: float, deadline_ms: 
     ticked = 0
     with gc_paused():
         t0 = time.monotonic_ns() + int(start_delay_s * 1e9)
-        cpu0, wall0 = time.process_time(), time.monotonic()
+        cpu0, wall0 = cpu_seconds(), time.monotonic()
         for i, off in enumerate(offsets.tolist()):
             at = t0 + off
             delay = at - time.monotonic_ns()
@@ -250,7 +251,7 @@ async def open_loop(call: Call, *, rate: float, duration_s: float, deadline_ms: 
                 task.cancel()
             await asyncio.gather(*hung, return_exceptions=True)
         wall = time.monotonic() - wall0
-        cpu = time.process_time() - cpu0
+        cpu = cpu_seconds() - cpu0
     if tick is not None:
         tick(len(offsets) - ticked)
     final = [s if s is not None else Sample(i, int(offsets[i]), 0, int(wall * 1e9), Reply("HUNG"))
@@ -261,8 +262,8 @@ async def open_loop(call: Call, *, rate: float, duration_s: float, deadline_ms: 
 class ClientTarget:
     """Sends through the real ``AsyncClient``; each send gets a fresh request_id.
 
-    Workers started with ``--mode transport`` answer at once with a minimal valid response
-    (``worker.transport.transport_response``), which counts as a reply like any other.
+    Transport-mode workers (``bench.lib.transport``) answer at once with a minimal valid response
+    (``bench.lib.transport.transport_response``), which counts as a reply like any other.
     """
 
     def __init__(self, client: AsyncClient, templates: Sequence[AssembleRequest], *, tag: str) -> None:

@@ -4,13 +4,12 @@ Starts the reference memory service on the embedded Redis, seeds the demo data, 
 sequential hot-list GETs (``/v1/memories/hot``, 20 memories) with the worker's client
 (``worker.memhttp``), with aiohttp (the client it replaced in issue 18) and with httpx (the one
 before that), alternating rounds so drift hits all alike. Prints the caller's
-CPU per call (``time.process_time``) and the wall-time percentiles.
+CPU per call (this process's, ``bench.lib.cpu``) and the wall-time percentiles.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -18,11 +17,12 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-import numpy as np
 import uvloop
 
-from bench.report import table
-from bench.run import started_stack
+from bench.lib.cpu import cpu_seconds
+from bench.lib.percentiles import median, percentile
+from bench.lib.stack import started_stack
+from bench.lib.tables import table
 from ibex_context.shared.tenancy import mint_org_token
 from ibex_context.worker.memhttp import MemoryHTTP
 
@@ -57,20 +57,20 @@ async def _measure(calls: int, rounds: int, url: str, token: str) -> dict[str, d
             for name, call in clients.items():
                 for _ in range(20):  # warm the pool
                     await call()
-                c0 = time.process_time()
+                c0 = cpu_seconds()
                 for _ in range(calls):
                     t0 = time.perf_counter()
                     size = await call()
                     wall[name].append((time.perf_counter() - t0) * 1e3)
                     if size < 100:
                         raise RuntimeError(f"{name}: the hot list came back empty ({size} bytes)")
-                cpu[name].append((time.process_time() - c0) / calls * 1e3)
+                cpu[name].append((cpu_seconds() - c0) / calls * 1e3)
     finally:
         await hx.aclose()
         await ah.close()
         pool.close()
-    return {name: {"cpu_ms": statistics.median(cpu[name]), "p50_ms": float(np.percentile(wall[name], 50)),
-                   "p99_ms": float(np.percentile(wall[name], 99))} for name in clients}
+    return {name: {"cpu_ms": median(cpu[name]), "p50_ms": percentile(wall[name], 50),
+                   "p99_ms": percentile(wall[name], 99)} for name in clients}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/memclient-logs"), help="stack logs")
     args = ap.parse_args(argv)
-    with started_stack(mode="full", workers=0, env={}, log_dir=args.out, seed=True) as stack:
+    with started_stack(workers=0, env={}, log_dir=args.out, seed=True) as stack:
         env = stack.env()
         token = mint_org_token(env["IBEX_MEMORY_SECRET"], "acme")
         result = uvloop.run(_measure(args.calls, args.rounds, env["IBEX_MEMORY_URL"], token))

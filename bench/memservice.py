@@ -9,8 +9,7 @@ flight), with the demo's repeated questions and with a new question every time (
 MiniLM query embedding costs ~10 ms of CPU, so a new-question run saturates far below a repeated one).
 
 Reported per row (median of the interleaved rounds, each round shown): memory-service CPU and Redis
-CPU per assembly (``bench.hops.cpu_seconds`` over the service's process tree; the process's tick
-count when one of its threads ended during the run), and p50/p99 of each call's wall time pooled
+CPU per assembly (``bench.lib.cpu`` over the service's process tree), and p50/p99 of each call's wall time pooled
 over the rounds. ``--redis-unix`` puts Redis on a unix socket; ``--server-args`` passes flags to
 this checkout's server.
 """
@@ -22,7 +21,6 @@ import asyncio
 import itertools
 import os
 import secrets
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import uvloop
 
-from bench.hops import cpu_seconds
-from bench.report import table
-from bench.run import seed_demo
+from bench.lib.cpu import cpu_seconds, descendants
+from bench.lib.percentiles import median, percentile
+from bench.lib.stack import seed_demo
+from bench.lib.tables import table
 from bench.workload import AGENTS
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.ops.procs import http_ok, read_port_file, stop_processes, wait_for
@@ -61,49 +59,17 @@ class System:
     proc: subprocess.Popen[bytes]
     url: str
 
-    def pids(self) -> list[int]:
-        """The server and every descendant (uvicorn ``--workers`` children)."""
-        parent_of: dict[int, int] = {}
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    parent_of[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-        tree, grew = {self.proc.pid}, True
-        while grew:
-            add = {p for p, pp in parent_of.items() if pp in tree and p not in tree}
-            tree |= add
-            grew = bool(add)
-        return sorted(tree)
-
     def cpu(self) -> CpuSnapshot:
-        return {pid: _cpu_of(pid) for pid in self.pids()}
+        """CPU seconds of the server and every process below it (uvicorn ``--workers`` children)."""
+        return {pid: cpu_seconds(pid) for pid in descendants(self.proc.pid)}
 
 
-# pid -> (its thread ids, CPU of those threads in ns resolution, CPU of the whole process in ticks)
-CpuSnapshot = dict[int, tuple[frozenset[str], float, float]]
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_of(pid: int) -> tuple[frozenset[str], float, float]:
-    try:
-        tids = frozenset(t.name for t in Path(f"/proc/{pid}/task").iterdir())
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return frozenset(), 0.0, 0.0
-    return tids, cpu_seconds(pid), (int(fields[11]) + int(fields[12])) / _TICK
+CpuSnapshot = dict[int, float]  # pid -> its CPU seconds (bench.lib.cpu: ended threads included)
 
 
 def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> float:
-    """CPU seconds between two snapshots. ``bench.hops.cpu_seconds`` (ns, per live thread) when no
-    thread ended in between; else the process's tick count, which keeps ended threads' time (the
-    embedding threads of the service come and go, and their CPU would go missing)."""
-    total = 0.0
-    for pid, (tids, fine, coarse) in after.items():
-        old_tids, old_fine, old_coarse = before.get(pid, (frozenset(), 0.0, 0.0))
-        total += fine - old_fine if old_tids <= tids else coarse - old_coarse
-    return total
+    """CPU seconds between two snapshots (a process started in between counts from zero)."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
 @dataclass
@@ -209,7 +175,7 @@ def _service(name: str, checkout: str | None, redis_url: str, log_dir: Path, ext
 
 
 def _pct(values: list[float], q: float) -> str:
-    return f"{float(np.percentile(values, q)):.2f}" if values else "-"
+    return f"{percentile(values, q):.2f}" if values else "-"
 
 
 def _rows(results: dict[tuple[str, str], list[Run]]) -> list[list[Any]]:
@@ -217,9 +183,9 @@ def _rows(results: dict[tuple[str, str], list[Run]]) -> list[list[Any]]:
     for (system, load), runs in results.items():
         hot = [v for r in runs for v in r.hot_ms]
         search = [v for r in runs for v in r.search_ms]
-        svc = statistics.median(r.svc_cpu_us for r in runs)
-        red = statistics.median(r.redis_cpu_us for r in runs)
-        rows.append([system, load, f"{statistics.median(r.rate for r in runs):.0f}", f"{svc:.0f}",
+        svc = median([r.svc_cpu_us for r in runs])
+        red = median([r.redis_cpu_us for r in runs])
+        rows.append([system, load, f"{median([r.rate for r in runs]):.0f}", f"{svc:.0f}",
                      " ".join(f"{r.svc_cpu_us:.0f}" for r in runs), f"{red:.0f}", f"{svc + red:.0f}",
                      f"{_pct(hot, 50)} / {_pct(hot, 99)}", f"{_pct(search, 50)} / {_pct(search, 99)}",
                      sum(r.errors for r in runs)])

@@ -11,7 +11,7 @@ that agent (``POST /v1/memories/search``) with a question never asked before. So
 right after a write, as for an agent that writes a memory every turn.
 
 Reported per store: search wall time (client side, p50/p90/p99), CPU per round of the memory
-service and of Redis (``/proc/<pid>/schedstat``: all threads), and Redis ``used_memory`` after
+service and of Redis (``bench.lib.cpu``: all threads), and Redis ``used_memory`` after
 seeding, with its extrapolation per million memories.
 
 Vectors are random unit vectors of the embedder's size (the hash embedder's 256: seeding a
@@ -144,7 +144,8 @@ def _token() -> str:
 
 
 def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, redis_pid: int) -> dict[str, Any]:
-    from bench.hops import cpu_seconds
+    from bench.lib.cpu import cpu_seconds  # here: the seeding child runs this file by path, without the bench
+    from bench.lib.percentiles import percentiles
 
     rng = random.Random(seed + 1)
     headers = {"authorization": f"Bearer {_token()}"}
@@ -164,9 +165,7 @@ def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, r
             walls.append((time.perf_counter() - t0) * 1000.0)
             errors += (w.status_code != 201) + (r.status_code != 200)
         cpu_s1, cpu_r1 = cpu_seconds(service_pid), cpu_seconds(redis_pid)
-    arr = np.asarray(walls)
-    return {"searches": searches, "errors": errors,
-            "wall_ms": {k: float(np.percentile(arr, p)) for k, p in (("p50", 50), ("p90", 90), ("p99", 99))},
+    return {"searches": searches, "errors": errors, "wall_ms": percentiles(walls, (50, 90, 99)),
             "service_cpu_ms_per_round": (cpu_s1 - cpu_s0) * 1000.0 / searches,
             "redis_cpu_ms_per_round": (cpu_r1 - cpu_r0) * 1000.0 / searches}
 
@@ -213,17 +212,16 @@ def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, 
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
+    from bench.lib.tables import table
+
     cols = ["store", "memories", "agents", "search p50 / p90 / p99 ms", "service CPU ms / round",
             "Redis CPU ms / round", "Redis MB", "MB per 1M memories", "seed s", "errors"]
-    head = "| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols)
-    lines = [head]
-    for r in rows:
-        w = r["wall_ms"]
-        lines.append(f"| {r['store']} | {r['memories']:,} | {r['agents']:,} | {w['p50']:.1f} / {w['p90']:.1f} / "
-                     f"{w['p99']:.1f} | {r['service_cpu_ms_per_round']:.2f} | {r['redis_cpu_ms_per_round']:.2f} | "
-                     f"{r['redis_used_mb']:.0f} | {r['redis_mb_per_million']:.0f} | {r['seed_s']:.0f} | "
-                     f"{r['errors']} |")
-    return "\n".join(lines)
+    body = [[r["store"], f"{r['memories']:,}", f"{r['agents']:,}",
+             " / ".join(f"{r['wall_ms'][k]:.1f}" for k in ("p50", "p90", "p99")),
+             f"{r['service_cpu_ms_per_round']:.2f}", f"{r['redis_cpu_ms_per_round']:.2f}",
+             f"{r['redis_used_mb']:.0f}", f"{r['redis_mb_per_million']:.0f}", f"{r['seed_s']:.0f}", r["errors"]]
+            for r in rows]
+    return "\n".join(table(cols, body))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.lib.percentiles import percentile
 from ibex_context.pipeline.pack import pack
 from ibex_context.pipeline.score import score_candidates
 from ibex_context.pipeline.types import MemoryHit
@@ -33,15 +33,6 @@ _CANDIDATE_KEYS = ("memory_id", "tokens", "similarity", "confidence")
 
 class CaseError(ValueError):
     """A case that is not shaped as the input format says."""
-
-
-def percentile(samples: Sequence[int | float], pct: float) -> float:
-    """Nearest-rank percentile: a value that was actually observed, never interpolated."""
-    if not samples:
-        raise ValueError("no samples")
-    ordered = sorted(samples)
-    rank = max(1, math.ceil(pct / 100.0 * len(ordered)))
-    return float(ordered[rank - 1])
 
 
 def _hits(case: dict[str, Any]) -> tuple[list[MemoryHit], dict[int, Any]]:

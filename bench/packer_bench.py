@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from bench.pack import percentile
+from bench.lib.percentiles import percentile
+from bench.lib.tables import table
 from ibex_context.pipeline.pack import MAX_CONSECUTIVE_SKIPS, pack
 from ibex_context.pipeline.score import score_candidates
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
@@ -290,21 +291,14 @@ def render(rows: list[dict[str, Any]], targets: list[tuple[str, str, bool]]) -> 
     def lat(r: dict[str, Any], name: str) -> str:
         return f"{r[name]['p50_us']:.0f} / {r[name]['p99_us']:.0f}"
 
-    head = (
-        "| case | n | path | packer p50/p99 µs | sketch p50/p99 µs | greedy p50/p99 µs | milp p50/p99 µs "
-        "| util packer / greedy / sketch | % of optimum packer / greedy / sketch | sketch over budget |"
-    )
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        util = " / ".join(f"{100 * r[a]['utilization']:.1f}" for a in ("packer", "greedy", "sketch"))
-        pct = " / ".join(f"{r[a]['pct_of_optimum']:.2f}" for a in ("packer", "greedy", "sketch"))
-        over = "yes" if r["sketch"]["over_budget"] else "no"
-        lines.append(
-            f"| {r['case']} | {r['n']} | {r['path']} | {lat(r, 'packer')} | {lat(r, 'sketch')} | "
-            f"{lat(r, 'greedy')} | {lat(r, 'milp')} | {util} | {pct} | {over} |"
-        )
-    lines += ["", "| target | measured | met |", "|---|---|---|"]
-    lines += [f"| {name} | {measured} | {'yes' if met else 'NO'} |" for name, measured, met in targets]
+    head = ["case", "n", "path", "packer p50/p99 µs", "sketch p50/p99 µs", "greedy p50/p99 µs", "milp p50/p99 µs",
+            "util packer / greedy / sketch", "% of optimum packer / greedy / sketch", "sketch over budget"]
+    body = [[r["case"], r["n"], r["path"], *(lat(r, a) for a in ("packer", "sketch", "greedy", "milp")),
+             " / ".join(f"{100 * r[a]['utilization']:.1f}" for a in ("packer", "greedy", "sketch")),
+             " / ".join(f"{r[a]['pct_of_optimum']:.2f}" for a in ("packer", "greedy", "sketch")),
+             "yes" if r["sketch"]["over_budget"] else "no"] for r in rows]
+    lines = [*table(head, body), "",
+             *table(["target", "measured", "met"], [[n, m, "yes" if met else "NO"] for n, m, met in targets])]
     return "\n".join(lines)
 
 

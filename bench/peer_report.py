@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import table
-
-
-def _ms(us: float | None) -> str:
-    return "-" if us is None else f"{us / 1000:.2f}"
+from bench.lib.tables import ms, table
 
 
 def _lat(s: dict[str, Any], key: str, comp: str = "latency") -> float | None:
@@ -18,7 +14,7 @@ def _lat(s: dict[str, Any], key: str, comp: str = "latency") -> float | None:
 
 
 def _p50_p99(s: dict[str, Any]) -> str:
-    return f"{_ms(_lat(s, 'p50'))} / {_ms(_lat(s, 'p99'))} ms"
+    return f"{ms(_lat(s, 'p50'))} / {ms(_lat(s, 'p99'))} ms"
 
 
 def _split(s: dict[str, Any]) -> str:
@@ -33,7 +29,7 @@ def _shed(s: dict[str, Any]) -> str:
     lat = shed.get("latency_us") or {}
     if not shed.get("count"):
         return "0"
-    return f"{shed['count']} (p50 {_ms(lat.get('p50'))} / p99 {_ms(lat.get('p99'))} ms)"
+    return f"{shed['count']} (p50 {ms(lat.get('p50'))} / p99 {ms(lat.get('p99'))} ms)"
 
 
 def _pct(x: float | None) -> str:
@@ -89,7 +85,7 @@ def ladder_rows(full: dict[str, Any]) -> list[list[str]]:
     for system, v in full.items():
         for p in [*v["ladder"], v["overload"]]:
             rows.append([system, f"{p['offered_rps']:.0f}", f"{p['goodput_rps']:.0f}", f"{p['complete_rps']:.0f}",
-                         _pct(p["undegraded_fraction"]), _ms(_lat(p, "p50")), _ms(_lat(p, "p99")),
+                         _pct(p["undegraded_fraction"]), ms(_lat(p, "p50")), ms(_lat(p, "p99")),
                          f"{p['server_cpu_us_per_reply']:.0f}", f"{p['backend_cpu_us_per_reply']:.0f}",
                          ", ".join(f"{k} {n}" for k, n in p["errors"].items()) or "-", _split(p), _limits(p)])
     return rows

@@ -14,7 +14,7 @@ and the reply are the same bytes as through the broker; only the serving differs
 decoded and validated once, its epoch deadline converted once to local monotonic time, and the
 reply is an ``AssembleResponse`` or an ``ErrorReply`` (DEADLINE_EXCEEDED once the deadline has
 passed, exactly like the worker). ``Transport`` answers the canned minimal response without
-decoding, like ``python -m ibex_context.worker --mode transport``.
+decoding, like the transport-mode worker (``bench.lib.transport``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import sys
 import time
 from typing import Any
 
+from bench.lib.transport import transport_response
 from ibex_context.shared.codec import decode_request, encode, encode_document, encode_error, scan_request_id
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal
 from ibex_context.shared.models import ErrorReply
 from ibex_context.shared.settings import Settings
 from ibex_context.worker.assemble import Assembler
-from ibex_context.worker.transport import transport_response
 
 READY_LINE = "peer serving"
 

@@ -14,8 +14,8 @@ Each peer runs this project's ``Assembler`` and codec, so only the serving diffe
 open-loop Poisson generator of ``bench.loadgen`` (one generator, one process); systems take turns
 within every round, in rotated order, so machine drift hits all alike. Phases:
 
-* ``transport``: each server answers a canned minimal reply (the stack's workers run
-  ``--mode transport``); CPU per request and latency at ``--transport-rate``. A fourth system,
+* ``transport``: each server answers a canned minimal reply (the stack's workers are
+  ``bench.lib.transport``); CPU per request and latency at ``--transport-rate``. A fourth system,
   ``zmq-floor``, runs here only: ``zmq.proxy`` (C) in front of two bare processes that answer in
   the protocol (``python -m bench.floor answer``), driven by the same client library: the floor of
   the design's two ZeroMQ hops, with no Python broker and no worker server.
@@ -24,8 +24,8 @@ within every round, in rotated order, so machine drift hits all alike. Phases:
   saturation: on-time replies, undegraded on-time replies as a share of its undegraded peak,
   requests shed (OVERLOADED) and how fast, replies after deadline + 5 ms.
 
-Server CPU is read from ``/proc/<pid>/task/*/schedstat`` of every server process (broker and workers,
-or the two peer processes) around each run and divided by the replies of that run; the memory
+Server CPU (``bench.lib.cpu``) of every server process (broker and workers, or the two peer
+processes) is read around each run and divided by the replies of that run; the memory
 service and Redis are reported separately. Outputs: ``bench/out/peers.json`` and ``peers.md``.
 Nothing is asserted.
 """
@@ -45,12 +45,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.hops import cpu_seconds
+from bench.lib.cpu import tree_cpu_seconds
+from bench.lib.stack import (
+    FULL_WORKER,
+    OUT,
+    TRANSPORT_WORKER,
+    child_env,
+    connected_client,
+    git_commit,
+    runner,
+    seed_demo,
+    set_workers,
+)
 from bench.loadgen import OK, RunResult, Sample, merge_runs, open_loop
 from bench.peer_report import markdown
 from bench.peer_servers import READY_LINE
 from bench.peer_targets import GrpcTarget, HttpTarget
-from bench.run import OUT, _client, _git_commit, _runner, seed_demo, set_workers
 from bench.stats import Histograms
 from bench.workload import request_templates
 from ibex_context.client.client import AsyncClient
@@ -99,7 +109,7 @@ class LegacyFramesClient(AsyncClient):
 
     def _encode(self, request: Any, fields: dict[str, Any], deadline_ns: int) -> tuple[str, list[bytes]]:
         rid, frames = super()._encode(request, fields, deadline_ns)
-        return rid, P.legacy_request_frames(frames[-1])
+        return rid, [P.TAG, P.REQUEST, frames[-1]]  # the headerless form
 
 
 @dataclass
@@ -130,14 +140,25 @@ class Servers:
         return pids
 
 
-def _cpu(pids: list[int]) -> float:
-    return sum(cpu_seconds(p) for p in pids)
+_cpu = tree_cpu_seconds
+
+
+class BaselineStack(LocalStack):
+    """The baseline checkout's broker and workers. A checkout without ``bench/lib/transport.py``
+    has the transport mode in its worker (``--mode transport``)."""
+
+    def start_worker(self, i: int) -> subprocess.Popen[bytes]:
+        root = Path(self.extra_env["PYTHONPATH"])
+        if (root / "bench" / "lib" / "transport.py").exists():
+            return super().start_worker(i)
+        mode = "transport" if self.worker_module == TRANSPORT_WORKER else "full"
+        return self._spawn(f"worker-{i}", ["-m", FULL_WORKER, "--cpu", str(i), "--worker-id", f"w{i}", "--mode", mode])
 
 
 @contextlib.contextmanager
 def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = LocalStack(workers=2, mode="transport", log_dir=log_dir)
+    stack = LocalStack(workers=2, worker_module=TRANSPORT_WORKER, log_dir=log_dir, env=child_env())
     peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]] = {}
     base: LocalStack | None = None
     floor: tuple[str, list[subprocess.Popen[bytes]]] | None = None
@@ -147,8 +168,8 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
             floor = _start_floor(log_dir)
         seed_demo(str(stack.redis_url))
         if plan.baseline is not None:
-            base = LocalStack(workers=2, mode="transport", log_dir=log_dir / "base", redis_url=stack.redis_url,
-                              secret=stack.secret, env={"PYTHONPATH": plan.baseline})
+            base = BaselineStack(workers=2, worker_module=TRANSPORT_WORKER, log_dir=log_dir / "base",
+                                 redis_url=stack.redis_url, secret=stack.secret, env={"PYTHONPATH": plan.baseline})
             (log_dir / "base").mkdir(exist_ok=True)
             base.memory_port = stack.memory_port  # one memory service for every system
             base.start_broker(0)
@@ -207,10 +228,10 @@ class Targets:
         for system in systems:
             if system == FLOOR:
                 assert self.servers.floor is not None
-                self.clients.append(await _client(self.servers.floor[0]))
+                self.clients.append(await connected_client(self.servers.floor[0]))
                 self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"floor-{tag}")
             elif system == "ibex":
-                self.clients.append(await _client(self.servers.stack.frontend))
+                self.clients.append(await connected_client(self.servers.stack.frontend))
                 self.calls[system] = ClientTarget(self.clients[-1], self.templates, tag=f"ibex-{tag}")
             elif system == "ibex-base":
                 assert self.servers.base is not None
@@ -371,15 +392,15 @@ async def full_phase(servers: Servers, plan: PeerPlan) -> dict[str, Any]:
 
 def run(plan: PeerPlan, out_dir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {"meta": {"started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                                        "commit": _git_commit(), "plan": plan.__dict__}}
+                                        "commit": git_commit(), "plan": plan.__dict__}}
     t0 = time.monotonic()
-    with _runner() as runner, started(plan, out_dir / "peer-logs") as servers:
-        results["transport"] = runner.run(transport_phase(servers, plan))
+    with runner() as loop, started(plan, out_dir / "peer-logs") as servers:
+        results["transport"] = loop.run(transport_phase(servers, plan))
         for st in servers.stacks():
             set_workers(st, 0)
-            st.mode = "full"
+            st.worker_module = FULL_WORKER
             set_workers(st, 2)
-        results["full"] = runner.run(full_phase(servers, plan))
+        results["full"] = loop.run(full_phase(servers, plan))
     results["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
     return results
 

@@ -7,31 +7,18 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bench.lib.tables import ms, table
 from bench.stats import COMPONENTS
 
 PLOT_STAGES = COMPONENTS  # stacked bottom-up in the breakdown plot
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v / 1000:.2f}"
-
-
-def _row(cells: Iterable[Any]) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def table(head: list[str], rows: list[list[Any]]) -> list[str]:
-    """A Markdown table as lines (results.md, and the summaries bench.hops and bench.memclient print)."""
-    return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows)]
-
-
 def _lat(s: dict[str, Any], comp: str = "latency") -> list[str]:
     h = s.get("latency_us", {}).get(comp) or {}
-    return [_ms(h.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")]
+    return [ms(h.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")]
 
 
 def _errors(s: dict[str, Any]) -> str:
@@ -66,15 +53,15 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         rows = []
         if fl:
             rows.append(["bare ping-pong, closed loop (2 processes)", "-", *(
-                _ms(fl["pingpong_us"].get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")), "-"])
+                ms(fl["pingpong_us"].get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")), "-"])
             rows.append(["bare relay (zmq.proxy) + echo, closed loop", "-", *(
-                _ms(fl["relay_pingpong_us"].get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")), "-"])
+                ms(fl["relay_pingpong_us"].get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")), "-"])
             r = fl["relay_open_loop"]
             rows.append(["bare relay + echo, open loop", f"{r['offered_rps']:.0f}", *_lat(r), _errors(r)])
         if tr:
             cl = tr["closed_loop"]["latency_us"]
             rows.append([f"transport mode, {tr['workers']} worker(s), AsyncClient, closed loop", "-",
-                         *(_ms(cl.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")), "-"])
+                         *(ms(cl.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")), "-"])
             t = tr["half_saturation"]
             rows.append([f"transport mode, {tr['workers']} worker(s), AsyncClient, open loop",
                          f"{t['offered_rps']:.0f}", *_lat(t), _errors(t)])
@@ -139,7 +126,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
                 continue
             for comp in ("wall", "budget", "scoring", "packing", "formatting"):
                 h = ip[cache][comp]
-                rows.append([cache, comp, *(_ms(h.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")),
+                rows.append([cache, comp, *(ms(h.get(k)) for k in ("p50", "p90", "p99", "p99_9", "max")),
                              h["count"]])
         out += table(["token cache", "stage", *PCT_HEAD, "n"], rows)
         out.append("")

@@ -4,7 +4,7 @@
 beside plain BM25 and dense over the same turns); the demo questions below are the default suite.
 
 For each embedder (``--embedders``) the whole stack is started (embedded Redis, the memory
-service with ``IBEX_MEMORY_EMBEDDER``, a broker and one worker; ``bench.run.started_stack``) and
+service with ``IBEX_MEMORY_EMBEDDER``, a broker and one worker; ``bench.lib.stack.started_stack``) and
 the demo data is seeded with the same embedder. Every question of ``bench/data/retrieval_eval.jsonl``
 is then assembled through the broker with the client library (``gpt-4o``, the ``make run`` demo
 model), once per scoring rule (``--rules``, sent as ``options.score``) and cosine cutoff
@@ -17,8 +17,8 @@ have no answer: their row counts the cold hits packed (fewer is better). Reworde
 checked to share no content term with their answers (``memory.embed.content_terms``); a label that
 names no memory, or more than one, fails the run.
 
-The memory service's CPU is read from ``/proc/<pid>/stat`` (user + system ticks) around the
-assemblies (hot + search per assembly) and around a loop of direct searches. Nothing is asserted.
+The memory service's CPU (``bench.lib.cpu``) is read around the assemblies (hot + search per
+assembly) and around a loop of direct searches. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.hops import cpu_seconds
-from bench.report import table
-from bench.run import started_stack
+from bench.lib.cpu import cpu_seconds
+from bench.lib.percentiles import median
+from bench.lib.stack import started_stack
+from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
 from ibex_context.memory.embed import content_terms
 from ibex_context.memory.seed import DEMO_FILE, derived_memory_id
@@ -191,7 +192,7 @@ async def _run_stack(embedder: str, cutoff: float | None, rules: list[str], ques
         env["IBEX_COLD_MIN_SIMILARITY"] = str(cutoff)
     log_dir = Path(f"/tmp/ibex-bench-retrieval-{uuid.uuid4().hex[:8]}")
     os.environ["IBEX_MEMORY_EMBEDDER"] = embedder  # the seed tool embeds with the service's embedder
-    with started_stack(mode="full", workers=1, env=env, log_dir=log_dir, seed=True) as stack:
+    with started_stack(workers=1, env=env, log_dir=log_dir, seed=True) as stack:
         assert stack.memory is not None
         pid = stack.memory.pid
         out: dict[str, Any] = {"embedder": embedder, "cutoff": "own" if cutoff is None else cutoff, "rules": {}}
@@ -239,7 +240,7 @@ async def _scale(n: int, embedder: str, queries: list[Question], rounds: int) ->
     env = {"IBEX_MEMORY_EMBEDDER": embedder}
     log_dir = Path(f"/tmp/ibex-bench-scale-{uuid.uuid4().hex[:8]}")
     rows: list[list[Any]] = []
-    with started_stack(mode="full", workers=1, env=env, log_dir=log_dir, seed=False) as stack:
+    with started_stack(workers=1, env=env, log_dir=log_dir, seed=False) as stack:
         assert stack.memory is not None and stack.redis_url
         redis = Redis.from_url(stack.redis_url)
         t0 = time.perf_counter()
@@ -263,7 +264,7 @@ async def _scale(n: int, embedder: str, queries: list[Question], rounds: int) ->
                                     "min_similarity": cutoff}) for r in range(rounds) for q in queries]
                 cpu = (cpu_seconds(pid) - c0) / len(walls) * 1e3
                 walls.sort()
-                rows.append([n, embedder, cutoff, len(walls), f"{cpu:.2f}", f"{statistics.median(walls):.2f}",
+                rows.append([n, embedder, cutoff, len(walls), f"{cpu:.2f}", f"{median(walls):.2f}",
                              f"{walls[int(0.9 * (len(walls) - 1))]:.2f}", f"{walls[int(0.99 * (len(walls) - 1))]:.2f}"])
     return rows
 

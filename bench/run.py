@@ -25,12 +25,9 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,15 +36,24 @@ import zmq
 
 from bench import floor, inproc
 from bench.chaos import run_chaos
+from bench.lib.stack import (
+    FULL_WORKER,
+    OUT,
+    TRANSPORT_WORKER,
+    connected_client,
+    git_commit,
+    runner,
+    set_workers,
+    started_stack,
+)
 from bench.loadgen import ClientTarget, RunResult, merge_runs, open_loop
 from bench.stats import Histograms
 from bench.workload import request_templates
 from ibex_context.client.client import AsyncClient
-from ibex_context.ops.stack import DEMO_DATA, LocalStack, broker_status
+from ibex_context.ops.stack import LocalStack, broker_status
 from ibex_context.shared.codec import encode
 from ibex_context.shared.models import AssembleRequest
 
-OUT = Path(__file__).resolve().parent / "out"
 MODES = ("inproc", "transport", "floor", "full", "chaos")
 KNEE_MAX_ERROR_FRACTION = 0.01
 
@@ -144,50 +150,6 @@ class Progress:
         for bar in (self.inner, self.outer):
             if bar is not None:
                 bar.close()
-
-
-# -------------------------------------------------------------------------------------- stack
-
-
-def seed_demo(redis_url: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "ibex_context.memory.seed", "--file", str(DEMO_DATA),
-                           "--redis-url", redis_url],
-                          capture_output=True, text=True, timeout=120, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"seeding the demo data failed: {done.stderr[-2000:]}")
-
-
-@contextlib.contextmanager
-def started_stack(*, mode: str, workers: int, env: dict[str, str], log_dir: Path, seed: bool) -> Iterator[LocalStack]:
-    shutil.rmtree(log_dir, ignore_errors=True)
-    log_dir.mkdir(parents=True)
-    stack = LocalStack(workers=workers, mode=mode, env=env, log_dir=log_dir)
-    try:
-        stack.start()
-        if seed:
-            seed_demo(str(stack.redis_url))
-        yield stack
-    finally:
-        stack.stop()
-
-
-def set_workers(stack: LocalStack, n: int, timeout_s: float = 30.0) -> None:
-    """Run exactly ``n`` workers: drain the surplus (SIGTERM), start any missing ones."""
-    for i, p in enumerate(stack.workers):
-        if i >= n and p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            p.wait(15)
-    for i in range(n):
-        p = stack.workers[i]
-        if p is None or p.poll() is not None:
-            stack.workers[i] = stack.start_worker(i)
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        st = stack.status(0.5)
-        if st is not None and len(st["workers"]) == n:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"broker did not settle on {n} worker(s) within {timeout_s:.0f}s")
 
 
 # --------------------------------------------------------------------------------------- load
@@ -288,19 +250,12 @@ class Driver:
         return {"saturation_rps": best["goodput_rps"], "reached": broke, "steps": steps}
 
 
-async def _client(endpoint: str) -> AsyncClient:
-    c = AsyncClient(endpoint)
-    await c.wait_connected(10.0)
-    await c.prepare_fallback()  # the client loads its fallback on a thread at start: not during a timed run
-    return c
-
-
 async def transport_phase(endpoint: str, plan: Plan, progress: Progress, workers: int,
                           fp: floor.FloorProcs | None, payload: bytes) -> dict[str, Any]:
     """Ramp to saturation, then half of it. With the floor processes up, the half-saturation run
     is interleaved with the bare relay in ``plan.segments`` A/B segments at the same offered rate,
     so machine drift hits both alike."""
-    c = await _client(endpoint)
+    c = await connected_client(endpoint)
     raw: floor.RawTarget | None = None
     zctx = None
     try:
@@ -350,7 +305,7 @@ async def full_phase(endpoint: str, plan: Plan, progress: Progress, workers: int
     """Ramp to saturation, then sweep fractions of it. ``after_ramp`` (a blocking call, run in a
     thread) restarts the workers so the sweep starts from fresh per-worker state: a worker's
     stage-cost trackers remember the ramp's overload step for hundreds of requests."""
-    c = await _client(endpoint)
+    c = await connected_client(endpoint)
     try:
         d = Driver(c, request_templates(seed=plan.seed), status_endpoint=status_endpoint, plan=plan,
                    progress=progress, meta={"mode": "full", "workers": workers})
@@ -387,7 +342,7 @@ async def full_phase(endpoint: str, plan: Plan, progress: Progress, workers: int
 
 
 async def chaos_phase(stack: LocalStack, plan: Plan, progress: Progress, rate: float) -> dict[str, Any]:
-    c = await _client(stack.frontend)
+    c = await connected_client(stack.frontend)
     try:
         templates = request_templates(seed=plan.seed)
         d = Driver(c, templates, status_endpoint=stack.frontend, plan=plan, progress=progress,
@@ -405,15 +360,6 @@ async def chaos_phase(stack: LocalStack, plan: Plan, progress: Progress, rate: f
 # ------------------------------------------------------------------------------------- driver
 
 
-def _runner() -> asyncio.Runner:
-    try:
-        import uvloop
-
-        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.Runner()
-
-
 def run_bench(plan: Plan, *, modes: set[str], endpoint: str | None, env: dict[str, str], out_dir: Path,
               progress: Progress, argv: list[str]) -> dict[str, Any]:
     """Run the selected phases and return the results document (see the module docstring).
@@ -425,7 +371,7 @@ def run_bench(plan: Plan, *, modes: set[str], endpoint: str | None, env: dict[st
     results: dict[str, Any] = {"meta": _meta(plan, modes, endpoint, env, argv)}
     max_workers = max(plan.workers)
     own_stack = endpoint is None and bool(modes & {"transport", "full", "chaos"})
-    with _runner() as runner, contextlib.ExitStack() as cleanup:
+    with runner() as loop, contextlib.ExitStack() as cleanup:
         if "inproc" in modes:
             progress.phase("inproc")
             results["inproc"] = inproc.run(iterations=plan.inproc_iterations,
@@ -435,14 +381,14 @@ def run_bench(plan: Plan, *, modes: set[str], endpoint: str | None, env: dict[st
         if own_stack:
             progress.phase("starting the stack")
             stack = cleanup.enter_context(started_stack(
-                mode="transport" if "transport" in modes else "full", workers=max_workers, env=env,
-                log_dir=out_dir / "logs", seed=bool(modes & {"full", "chaos"})))
+                workers=max_workers, env=env, log_dir=out_dir / "logs", seed=bool(modes & {"full", "chaos"}),
+                worker_module=TRANSPORT_WORKER if "transport" in modes else FULL_WORKER))
             progress.phase_done()
         payload = encode(request_templates(seed=plan.seed)[0])  # floor messages: a real request's size
         if "transport" in modes and stack is not None:
             progress.phase("transport" + (" + floor" if "floor" in modes else ""))
             with floor.floor_processes() if "floor" in modes else contextlib.nullcontext() as fp:
-                tr = runner.run(transport_phase(stack.frontend, plan, progress, max_workers, fp, payload))
+                tr = loop.run(transport_phase(stack.frontend, plan, progress, max_workers, fp, payload))
                 relay = tr.pop("floor_relay_open_loop", None)
                 results["transport"] = tr
                 if fp is not None and relay is not None:
@@ -457,16 +403,16 @@ def run_bench(plan: Plan, *, modes: set[str], endpoint: str | None, env: dict[st
             rate = plan.floor_rate or 200.0
             results["floor"] = floor.measure(
                 rate=rate, duration_s=plan.transport_s, pingpongs=plan.pingpongs, payload=payload,
-                tick=progress.run(f"floor {rate:.0f}/s", int(rate * plan.transport_s)), run=runner.run)
+                tick=progress.run(f"floor {rate:.0f}/s", int(rate * plan.transport_s)), run=loop.run)
             progress.phase_done()
         if "full" in modes and endpoint is not None:
             progress.phase("full (external)")
-            results["full"] = {"sweeps": [runner.run(full_phase(endpoint, plan, progress, None, endpoint))]}
+            results["full"] = {"sweeps": [loop.run(full_phase(endpoint, plan, progress, None, endpoint))]}
             progress.phase_done()
         if stack is not None and modes & {"full", "chaos"}:
-            if stack.mode != "full":  # the transport-mode workers make way for full ones
+            if stack.worker_module != FULL_WORKER:  # the transport-mode workers make way for full ones
                 set_workers(stack, 0)
-                stack.mode = "full"
+                stack.worker_module = FULL_WORKER
             sweeps: list[dict[str, Any]] = []
             for n in sorted(set(plan.workers)) if "full" in modes else []:
                 progress.phase(f"full, {n} worker(s)")
@@ -476,7 +422,7 @@ def run_bench(plan: Plan, *, modes: set[str], endpoint: str | None, env: dict[st
                     set_workers(stack, 0)
                     set_workers(stack, n)
 
-                sweeps.append(runner.run(full_phase(stack.frontend, plan, progress, n, stack.frontend,
+                sweeps.append(loop.run(full_phase(stack.frontend, plan, progress, n, stack.frontend,
                                                     fresh if plan.fresh_workers else None)))
                 progress.phase_done()
             if sweeps:
@@ -488,7 +434,7 @@ def run_bench(plan: Plan, *, modes: set[str], endpoint: str | None, env: dict[st
                 set_workers(stack, max_workers)
                 sat = next((s["saturation_rps"] for s in sweeps if s["workers"] == max_workers), None)
                 rate = plan.chaos_rate or (plan.chaos_fraction * sat if sat else 100.0)
-                results["chaos"] = runner.run(chaos_phase(stack, plan, progress, rate))
+                results["chaos"] = loop.run(chaos_phase(stack, plan, progress, rate))
                 progress.phase_done()
     results["targets"] = targets(results, plan)
     results["meta"]["elapsed_s"] = round(time.monotonic() - started, 1)
@@ -497,20 +443,11 @@ def run_bench(plan: Plan, *, modes: set[str], endpoint: str | None, env: dict[st
     return results
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent, check=False)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
-
-
 def _meta(plan: Plan, modes: set[str], endpoint: str | None, env: dict[str, str], argv: list[str]) -> dict[str, Any]:
     return {
         "command": " ".join(["python -m bench.run", *argv]),
         "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "host": platform.node(),
         "python": platform.python_version(),
         "usable_cpus": len(os.sched_getaffinity(0)),

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench.report import table
+from bench.lib.tables import table
 
 _LINE = re.compile(r"^(.*) (\d+)$")
 _IDLE = ("select (selectors.py", "epoll", "_run_once", "run_forever")

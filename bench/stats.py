@@ -1,6 +1,7 @@
 """HDR histograms per latency component, and their summaries (issue 9).
 
-Every value is recorded in integer microseconds. ``HdrHistogram`` keeps 3 significant digits from
+Percentiles are nearest-rank over the histogram's counts (``bench.lib.percentiles``, the bench's
+one definition). Every value is recorded in integer microseconds. ``HdrHistogram`` keeps 3 significant digits from
 1 µs up to ``HIGHEST_US``; a value outside that range is clamped (and counted) rather than dropped,
 so a histogram's count always equals the number of requests it describes.
 """
@@ -12,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hdrh.histogram import HdrHistogram
+
+from bench.lib.percentiles import hdr_percentiles
 
 HIGHEST_US = 60_000_000  # one minute: far beyond any deadline, so clamping means a broken run
 SIGFIG = 3
@@ -71,7 +74,7 @@ def summarize(h: HdrHistogram, *, clamped: int = 0, total: int | None = None) ->
     if n == 0:
         out.update({k: None for k, _ in PERCENTILES} | {"max": None, "mean": None})
         return out
-    values = h.get_percentile_to_value_dict([pct for _, pct in PERCENTILES])
+    values = hdr_percentiles(h, [pct for _, pct in PERCENTILES])
     for key, pct in PERCENTILES:
         out[key] = int(values[pct])
     out["max"] = int(h.get_max_value())

@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from bench.report import table
+from bench.lib.tables import table
 from ibex_context.client.requests import build, encode_request
 from ibex_context.client.wire import outgoing
 from ibex_context.shared import protocol as P

@@ -6,7 +6,7 @@ no workers of its own); each measured worker is a real ``python -m ibex_context.
 (full mode, not pinned) behind a bare ROUTER that plays the broker, as ``bench.hops.measure_worker``
 does for transport mode. The ROUTER sends the demo requests (``bench.workload.request_templates``)
 at a fixed rate, each with a deadline ``--deadline-ms`` after its scheduled send, and reads every
-reply; the worker's CPU (all threads, ``bench.hops.cpu_seconds``) around each round is divided by
+reply; the worker's CPU (all threads, ``bench.lib.cpu``) around each round is divided by
 the replies of that round.
 
 ``--baseline DIR`` runs another checkout's worker (e.g. ``git worktree add /work/base main
@@ -17,7 +17,7 @@ The ``pipeline`` row is this process running, for the same requests, what a work
 retrieval and the reply's bytes: ``count_turns`` + ``pipeline.assemble.assemble`` on a retrieval
 result fetched once from the same memory service and Redis (``worker.retrieve.Retriever``), with
 one worker's line cache and a warm token cache; ``codec`` adds decoding the request and encoding
-the reply (``shared.codec``). CPU is ``time.thread_time_ns``. Nothing is asserted.
+the reply (``shared.codec``). CPU is this thread's (``bench.lib.cpu``). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,9 +39,10 @@ from typing import Any
 import msgpack
 import zmq
 
-from bench.hops import cpu_seconds
-from bench.report import table
-from bench.run import seed_demo
+from bench.lib.cpu import cpu_seconds, thread_cpu_seconds
+from bench.lib.percentiles import median
+from bench.lib.stack import seed_demo
+from bench.lib.tables import table
 from bench.workload import request_templates
 from ibex_context.ops.local import LocalStack
 from ibex_context.ops.procs import stop_processes
@@ -116,7 +116,7 @@ def drive(w: Worker, tmpls: list[AssembleRequest], *, n: int, rate: float, deadl
     counts = {"replies": 0, "errors": 0, "degraded": 0}
     gc.collect()
     gc.disable()
-    cpu0, main0 = cpu_seconds(w.proc.pid), _main_thread_cpu(w.proc.pid)
+    cpu0, main0 = cpu_seconds(w.proc.pid), thread_cpu_seconds(w.proc.pid)
     sent = answered = 0
     end = start + int((n / rate + 2.0) * 1e9)
     try:
@@ -138,17 +138,11 @@ def drive(w: Worker, tmpls: list[AssembleRequest], *, n: int, rate: float, deadl
                     continue
                 counts["replies"] += 1
                 counts["degraded"] += bool(msgpack.unpackb(f[5]).get("degraded"))
-        cpu, main = cpu_seconds(w.proc.pid) - cpu0, _main_thread_cpu(w.proc.pid) - main0
+        cpu, main = cpu_seconds(w.proc.pid) - cpu0, thread_cpu_seconds(w.proc.pid) - main0
     finally:
         gc.enable()
     per = max(1, answered)
     return {**counts, "sent": sent, "cpu_us": cpu / per * 1e6, "main_us": main / per * 1e6}
-
-
-def _main_thread_cpu(pid: int) -> float:
-    """CPU seconds of the process's main thread alone (the event loop; the rest is ZeroMQ's I/O
-    thread and any helper threads)."""
-    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
 def _py_spy(w: Worker, out_dir: Path, seconds: float, native: bool) -> subprocess.Popen[bytes]:
@@ -210,10 +204,10 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
         for i in range(len(tmpls)):  # warm the token and line caches, as a serving worker's are
             once(i, codec)
         gc.collect()
-        t0 = time.thread_time_ns()
+        t0 = thread_cpu_seconds()
         for k in range(iterations):
             once(k % len(tmpls), codec)
-        out["pipeline + codec" if codec else "pipeline"] = (time.thread_time_ns() - t0) / iterations / 1000
+        out["pipeline + codec" if codec else "pipeline"] = (thread_cpu_seconds() - t0) / iterations * 1e6
     return out
 
 
@@ -292,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, runs in result["rows"].items():
         cpu = [r["cpu_us"] for r in runs]
         ans = sum(r["replies"] + r["errors"] for r in runs)
-        body.append([name, f"{statistics.median(cpu):.0f}", f"{min(cpu):.0f}-{max(cpu):.0f}",
-                     f"{statistics.median(r['main_us'] for r in runs):.0f}",
+        body.append([name, f"{median(cpu):.0f}", f"{min(cpu):.0f}-{max(cpu):.0f}",
+                     f"{median([r['main_us'] for r in runs]):.0f}",
                      f"{sum(r['degraded'] for r in runs) / max(1, ans):.1%}",
                      f"{sum(r['errors'] for r in runs)}", f"{sum(r['sent'] for r in runs) - ans}"])
     for name, us in result["inproc"].items():

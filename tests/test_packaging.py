@@ -35,6 +35,10 @@ SLOW_BOX_ENV = {"IBEX_DIRECTIVE_TIMEOUT_MS": "2000", "IBEX_HOT_TIMEOUT_MS": "200
                 "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000"}
 REQUIRED_DATA = ["ibex_context/ops/supervisord.conf", "ibex_context/shared/catalog.json",
                  "ibex_context/memory/data/demo.jsonl"]
+# What only the bench or the tests use lives in bench/ and tests/helpers.py, never in the wheel.
+BENCH_ONLY_MODULES = ["ibex_context/worker/transport.py"]
+BENCH_ONLY_DEFINITIONS = ["class TransportWorkerServer", "def transport_response", "def legacy_request_frames",
+                          "def rank_hydrated_hits", "def recency_score"]
 
 
 def _run(args: list[str | Path], *, cwd: Path, env: dict[str, str],
@@ -110,6 +114,13 @@ def test_wheel_holds_one_namespace_and_its_data(wheel: Path) -> None:
     for data in REQUIRED_DATA:
         assert data in names, data
     assert not [n for n in names if re.match(r"(ibex_context/)?(tests|bench)/", n)]
+    assert not set(BENCH_ONLY_MODULES) & set(names)
+    with zipfile.ZipFile(wheel) as zf:
+        sources = {n: zf.read(n).decode("utf-8") for n in names if n.endswith(".py")}
+    found = [f"{n}: {d}" for n, text in sources.items() for d in BENCH_ONLY_DEFINITIONS if d + "(" in text]
+    assert not found, found
+    imports = [n for n, text in sources.items() if re.search(r"^\s*(from|import) (bench|tests)\b", text, re.M)]
+    assert not imports, f"product modules importing the bench or the tests: {imports}"
     meta = _wheel_metadata(wheel)
     base = [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
     assert sorted(re.split(r"[<>=!~; ]", r)[0] for r in base) == sorted(

@@ -1,11 +1,15 @@
-"""Benchmark-only "transport" worker: answers every request at once with a minimal valid response,
-without decoding the payload, so a run measures sockets, broker and client library alone
-(README: Performance). ``python -m ibex_context.worker --mode transport`` and ``bench.hops`` run
-it; the production request path (``WorkerServer.on_request``) knows nothing about it.
+"""The transport-mode worker: answers every request at once with a minimal valid response, without
+decoding the payload, so a run measures sockets, broker and client library alone
+(docs/performance.md). A ``WorkerServer`` subclass: the production request path knows nothing about it.
+
+``python -m bench.lib.transport [--cpu N] [--worker-id ID]`` is the worker's own entry point
+(``ibex_context.worker``, same settings and start-up) serving with it; ``LocalStack`` runs it with
+``worker_module=bench.lib.stack.TRANSPORT_WORKER``, ``bench.hops`` runs the server loop alone.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -46,3 +50,13 @@ class TransportWorkerServer(WorkerServer):
                 "timings_us": {"queue_wait": msg.stamp.queued_us, "worker_wait": waited_us}}
         link.send(P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, encode_document(body, rid)))
         self.stats["replied"] += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ibex_context.worker.__main__ import main as worker_main
+
+    return worker_main(argv, server_cls=TransportWorkerServer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

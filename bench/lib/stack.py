@@ -1,0 +1,115 @@
+"""Starting what a suite measures: a ``LocalStack``, a connected client, the event loop runner.
+
+Stacks started here run their Python children with the repo on ``PYTHONPATH`` (``child_env``),
+so a child can be a bench module (the transport-mode worker, ``bench.lib.transport``) whatever
+the working directory ``LocalStack`` gives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ibex_context.client.client import AsyncClient
+from ibex_context.ops.stack import DEMO_DATA, LocalStack
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "bench" / "out"
+FULL_WORKER = "ibex_context.worker"  # LocalStack's worker_module: the product's worker
+TRANSPORT_WORKER = "bench.lib.transport"  # ... or the transport-mode worker
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` plus ``PYTHONPATH`` with the repo first (kept when ``env`` sets its own)."""
+    out = dict(env or {})
+    if "PYTHONPATH" not in out:
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return out
+
+
+def runner() -> asyncio.Runner:
+    """An ``asyncio.Runner`` on uvloop, the loop the product's client runs on in production."""
+    import uvloop
+
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
+async def connected_client(endpoint: str) -> AsyncClient:
+    """An ``AsyncClient`` that is connected and has loaded its fallback (on a thread at start: not
+    during a timed run)."""
+    c = AsyncClient(endpoint)
+    await c.wait_connected(10.0)
+    await c.prepare_fallback()
+    return c
+
+
+def seed_demo(redis_url: str) -> None:
+    """Seed the demo memories (``ibex_context.memory.seed``) into ``redis_url``."""
+    done = subprocess.run([sys.executable, "-m", "ibex_context.memory.seed", "--file", str(DEMO_DATA),
+                           "--redis-url", redis_url],
+                          capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"seeding the demo data failed: {done.stderr[-2000:]}")
+
+
+@contextlib.contextmanager
+def started_stack(*, workers: int, env: dict[str, str], log_dir: Path, seed: bool,
+                  worker_module: str | None = None) -> Iterator[LocalStack]:
+    """A started ``LocalStack`` (logs in a fresh ``log_dir``), seeded with the demo data when asked,
+    stopped on exit. ``worker_module``: ``TRANSPORT_WORKER`` for transport-mode workers."""
+    shutil.rmtree(log_dir, ignore_errors=True)
+    log_dir.mkdir(parents=True)
+    stack = new_stack(workers=workers, env=env, log_dir=log_dir, worker_module=worker_module)
+    try:
+        stack.start()
+        if seed:
+            seed_demo(str(stack.redis_url))
+        yield stack
+    finally:
+        stack.stop()
+
+
+def new_stack(*, workers: int, log_dir: Path, env: dict[str, str] | None = None,
+              worker_module: str | None = None, **kw: object) -> LocalStack:
+    """A ``LocalStack`` (not started) whose children can import the bench."""
+    stack = LocalStack(workers=workers, env=child_env(env), log_dir=log_dir, **kw)  # type: ignore[arg-type]
+    if worker_module is not None:
+        stack.worker_module = worker_module
+    return stack
+
+
+def set_workers(stack: LocalStack, n: int, timeout_s: float = 30.0) -> None:
+    """Run exactly ``n`` workers: drain the surplus (SIGTERM), start any missing ones."""
+    for i, p in enumerate(stack.workers):
+        if i >= n and p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(15)
+    for i in range(n):
+        p = stack.workers[i]
+        if p is None or p.poll() is not None:
+            stack.workers[i] = stack.start_worker(i)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        st = stack.status(0.5)
+        if st is not None and len(st["workers"]) == n:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"broker did not settle on {n} worker(s) within {timeout_s:.0f}s")
+
+
+def git_commit() -> str | None:
+    """The short commit of the checkout the bench runs from (None outside git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=REPO, check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
