@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from ibex_context.ops.procs import broker_status, die_with_parent, http_ok, read_port_file, stop_processes, wait_for
+from ibex_context.shared.settings import MemoryServiceSettings
 
 UNBOUND_TCP = "tcp://127.0.0.1:0"  # port 0: the broker binds a free port and reports it
 
@@ -70,8 +71,9 @@ class LocalStack:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-        if os.environ.get("IBEX_MEMORY_EMBEDDER"):  # the seed tool reads it here too: same vectors on both sides
-            env["IBEX_MEMORY_EMBEDDER"] = os.environ["IBEX_MEMORY_EMBEDDER"]
+        memory = MemoryServiceSettings()
+        if "embedder" in memory.model_fields_set:  # the seed tool reads it here too: same vectors on both sides
+            env["IBEX_MEMORY_EMBEDDER"] = memory.embedder
         env.update({
             "IBEX_REDIS_URL": self.redis_url or "",
             "IBEX_MEMORY_URL": self.memory_url,

@@ -19,12 +19,10 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from ibex_context.shared.netloc import is_loopback_url
-from ibex_context.shared.settings import Settings, WorkerSettings, usable_cpus
+from ibex_context.shared.settings import DEV_MEMORY_SECRET, WorkerSettings, usable_cpus
 
 if TYPE_CHECKING:
     from ibex_context.worker.server import WorkerServer
-
-DEV_MEMORY_SECRET: str = WorkerSettings.model_fields["memory_secret"].default
 
 
 def exposure_error(settings: WorkerSettings) -> str | None:
@@ -49,7 +47,7 @@ def pin(cpu: int | None) -> int | None:
     return chosen
 
 
-async def serve(settings: Settings, worker_id: str, server_cls: type[WorkerServer] | None = None) -> None:
+async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[WorkerServer] | None = None) -> None:
     """Run one worker until it is drained. ``server_cls``: a ``WorkerServer`` subclass to run instead
     (the bench's transport-mode worker)."""
     import zmq
@@ -115,14 +113,14 @@ def main(argv: list[str] | None = None, *, server_cls: type[WorkerServer] | None
     ap.add_argument("--cpu", type=int, default=None, help="pin to the Nth usable CPU (modulo their count)")
     ap.add_argument("--worker-id", default=None)
     args = ap.parse_args(argv)
-    settings = Settings()
+    settings = WorkerSettings()
     refused = exposure_error(settings)
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
     from ibex_context.shared.observability import setup_logging
 
-    setup_logging(settings.log_level, "worker")
+    setup_logging(settings.log_level, "worker", settings.log_format)
     cpus = usable_cpus()  # before pinning: afterwards the mask holds one CPU
     chosen = pin(args.cpu if settings.pin_cpus else None)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"

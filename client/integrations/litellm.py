@@ -32,7 +32,6 @@ LiteLLM is imported here only: ``ibex_context.client`` never loads it.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,7 +61,7 @@ from ibex_context.client.integrations.litellm_routes import (
     NotAssembled,
     request_form,
 )
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ def _streams_usage(kwargs: dict[str, Any]) -> bool:
 class IbexContextHook(CustomLogger):
     """A LiteLLM ``CustomLogger`` that assembles each chat completion's context (module docstring)."""
 
-    def __init__(self, config: HookConfig, *, settings: Settings | None = None) -> None:
+    def __init__(self, config: HookConfig, *, settings: ClientSettings | None = None) -> None:
         super().__init__()
         self.core = HookCore(config, settings=settings)
 
@@ -191,9 +190,10 @@ def __getattr__(name: str) -> Any:
     if name != "proxy_handler":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _handler is None:
-        path = os.environ.get(CONFIG_ENV)
+        settings = ClientSettings()
+        path = settings.litellm_config
         if not path:
             raise HookConfigError(f"{CONFIG_ENV} is not set: point it at the hook's YAML or JSON config "
                                   "(README: Using it from LiteLLM proxy)")
-        _handler = IbexContextHook(load_config(path))
+        _handler = IbexContextHook(load_config(path), settings=settings)
     return _handler

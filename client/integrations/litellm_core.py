@@ -39,7 +39,7 @@ from ibex_context.client.requests import build
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import ErrorCode, IbexError, Unavailable
 from ibex_context.shared.models import AssembleResponse
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,10 @@ class HookCore:
     """One ``AsyncClient`` per configured org, each with that org's own key (README: the broker
     checks the org against the key, so one tenant's call can never assemble another's memories)."""
 
-    def __init__(self, config: HookConfig, *, settings: Settings | None = None,
+    def __init__(self, config: HookConfig, *, settings: ClientSettings | None = None,
                  catalog: Catalog | None = None) -> None:
         self.config = config
-        self.settings = settings or Settings()
+        self.settings = settings or ClientSettings()
         self.catalog = catalog or Catalog.load(self.settings.catalog_path)
         self._clients: dict[str, AsyncClient] = {}
         self._pending: OrderedDict[str, Pending] = OrderedDict()
