@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from bench.lib.transport import transport_response
 from ibex_context.broker.admission import (
     BACKOFF,
     LOOP_LAG_US,
@@ -32,7 +33,6 @@ from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import encode
 from ibex_context.shared.errors import IbexError, Overloaded
 from ibex_context.shared.settings import BrokerSettings
-from ibex_context.worker.transport import transport_response
 
 MS = 1_000_000
 

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.codec import decode_reply, encode
-from ibex_context.shared.models import AssembleResponse
 from ibex_context.shared.settings import Settings
 from ibex_context.worker.assemble import Assembler, StageCostTracker
-from ibex_context.worker.transport import transport_response
 
 
 def test_tracker_uses_initial_floor_until_warm_then_p95() -> None:
@@ -36,7 +33,3 @@ def test_reserve_is_capped() -> None:
         a.transit.observe(80_000_000)
     assert a.reserve_ns() == 10_000_000
 
-
-def test_transport_mode_reply_is_a_valid_response() -> None:
-    out = decode_reply(encode(transport_response("r-1", {"queue_wait": 5})))
-    assert isinstance(out, AssembleResponse) and out.request_id == "r-1" and out.timings_us == {"queue_wait": 5}
