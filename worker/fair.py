@@ -12,8 +12,8 @@ every heavy stage queued before it.
 0: no bound below the worker's credit). Waiting for a slot or a turn ends at the request's
 deadline with ``DeadlineExceeded``, the error expired work gets before it starts.
 
-When a stage ends, the next turn is granted a few loop iterations later, not at once, so requests
-whose frames or answers arrived during the stage have read them and queued by then.
+When a stage ends, the next turn is granted a few loop iterations later, not at once: the requests
+whose frames or answers arrived during the stage could not run while it did, and queue by then.
 """
 
 from __future__ import annotations
@@ -134,12 +134,11 @@ class FairTurns:
         self._after_turn()
 
     def _after_turn(self) -> None:
-        """The turn is free: reserve it for the next waiter, granted after ``GRANT_HOPS`` iterations."""
-        if any(state.turns for state in self.orgs.values()):
-            self.busy = True
-            _later(asyncio.get_running_loop(), GRANT_HOPS, self._grant)
-        else:
-            self.busy = False
+        """The stage is over: the turn stays reserved for ``GRANT_HOPS`` iterations, so the tasks
+        that became ready during the stage (they could not run while it did) queue for it, then it
+        goes to the fairest of them (or is free when none came)."""
+        self.busy = True
+        _later(asyncio.get_running_loop(), GRANT_HOPS, self._grant)
 
     def _grant(self) -> None:
         """Hand the turn to the oldest live waiter of the org that has used the least CPU lately."""
