@@ -187,7 +187,9 @@ def _stack_command(args: Any) -> int:
     if args.cmd == "status":
         return _status()
     if args.cmd == "up":
-        return stack.up(roles=args.role, workers=args.workers, connect=args.connect, name=args.name)
+        from ibex_context.ops.launch import up
+
+        return up(roles=args.role, workers=args.workers, connect=args.connect, name=args.name)
     if args.cmd == "down":
         return stack.down()
     if args.cmd == "demo":

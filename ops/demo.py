@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ibex_context.ops import stack
+from ibex_context.ops.launch import up
 from ibex_context.shared.keys import directive_key, memory_key
 from ibex_context.shared.settings import Settings
 
@@ -86,7 +87,7 @@ def demo(*, keep: bool, show: Callable[[Any], None]) -> int:
     from ibex_context.client.client import AsyncClient
     from ibex_context.shared.errors import IbexError
 
-    if stack.up() != 0:
+    if up() != 0:
         return 1
     state = stack.read_host_file(stack.run_dir_of(stack.CONF))
     url = state["redis_url"] if state else stack._supervisor_env(Settings())["IBEX_REDIS_URL"]

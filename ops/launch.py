@@ -14,7 +14,7 @@ before what needs it (README, Quickstart and "Deploying on several machines").
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from ibex_context.ops import opskey
 from ibex_context.ops import stack as S
 from ibex_context.ops.deploy_checks import CheckFailed, check_workers_host, redacted, redis_ok
 from ibex_context.ops.procs import broker_status, wait_for
-from ibex_context.ops.roles import HostPlan
+from ibex_context.ops.roles import HostPlan, RoleError, parse_connect, settings_for
 from ibex_context.shared.settings import Settings
 
 
@@ -171,3 +171,33 @@ class Launch:
         if self.broker is not None:
             parts.append(S._metrics_text(int(self.env["IBEX_METRICS_PORT"])))
         return ", ".join(parts)
+
+
+def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str] = (), workers: int | None = None,
+       connect: Iterable[str] = (), name: str | None = None) -> int:
+    """Start this host's roles under supervisord and wait for them (README, Quickstart and "Deploying on several
+    machines"); record what runs for ``status`` and the Redis URL for the admin CLIs."""
+    from ibex_context.shared.auth import AuthConfigError
+
+    conf = conf or S.CONF
+    run_dir = S.run_dir_of(conf)
+    if S.running(conf):
+        print(f"ibex-context: the stack is already up ({run_dir / 'supervisord.pid'}); `ibex-context down` stops it")
+        return 0
+    try:
+        settings = settings_for(parse_connect(connect), workers)
+        plan = S._plan(settings, run_dir, roles, name)
+        launch = Launch(conf=conf, run_dir=run_dir, settings=settings, plan=plan, timeout_s=timeout_s)
+        launch.prepare()
+    except (RoleError, AuthConfigError) as exc:
+        print(f"ibex-context up: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"ibex-context up: {exc}", file=sys.stderr)
+        return exc.code
+    busy = S._busy_ports(plan, settings)
+    if busy:
+        print(f"ibex-context up: port(s) already in use: {', '.join(busy)}; set IBEX_* ports "
+              "(see README, Settings) or stop what holds them", file=sys.stderr)
+        return 1
+    return launch.run()

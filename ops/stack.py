@@ -36,7 +36,7 @@ from ibex_context.ops.procs import port_in_use as port_in_use
 from ibex_context.ops.procs import stop_processes as stop_processes
 from ibex_context.ops.procs import wait_for as wait_for
 from ibex_context.ops.roles import UP_METRICS_PORT as UP_METRICS_PORT
-from ibex_context.ops.roles import HostPlan, RoleError, host_name, parse_connect, parse_roles, plan_host
+from ibex_context.ops.roles import HostPlan, host_name, parse_roles, plan_host
 from ibex_context.ops.roles import metrics_port as metrics_port
 from ibex_context.shared.settings import Settings
 
@@ -189,39 +189,6 @@ def _record_redis_url(url: str, run_dir: Path) -> None:
     path.unlink(missing_ok=True)
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     record_stack_redis_url(url, run_dir)
-
-
-def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str] = (), workers: int | None = None,
-       connect: Iterable[str] = (), name: str | None = None) -> int:
-    """Start this host's roles under supervisord and wait for them (README, Quickstart and "Deploying on several
-    machines"); record what runs for ``status`` and the Redis URL for the admin CLIs."""
-    from ibex_context.ops.launch import Launch, LaunchError
-    from ibex_context.shared.auth import AuthConfigError
-
-    conf = conf or CONF
-    run_dir = run_dir_of(conf)
-    if running(conf):
-        print(f"ibex-context: the stack is already up ({run_dir / 'supervisord.pid'}); `ibex-context down` stops it")
-        return 0
-    try:
-        from ibex_context.ops.roles import settings_for
-
-        settings = settings_for(parse_connect(connect), workers)
-        plan = _plan(settings, run_dir, roles, name)
-        launch = Launch(conf=conf, run_dir=run_dir, settings=settings, plan=plan, timeout_s=timeout_s)
-        launch.prepare()
-    except (RoleError, AuthConfigError) as exc:
-        print(f"ibex-context up: {exc}", file=sys.stderr)
-        return 2
-    except LaunchError as exc:
-        print(f"ibex-context up: {exc}", file=sys.stderr)
-        return exc.code
-    busy = _busy_ports(plan, settings)
-    if busy:
-        print(f"ibex-context up: port(s) already in use: {', '.join(busy)}; set IBEX_* ports "
-              "(see README, Settings) or stop what holds them", file=sys.stderr)
-        return 1
-    return launch.run()
 
 
 def down(*, conf: Path | None = None) -> int:
