@@ -26,8 +26,9 @@ from tests.helpers import start_stack
 
 # Branch timeouts far above the spec's so a loaded 2-core box does not turn "success" into "timeout".
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",
-            "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000",
-            "IBEX_POST_RETRIEVAL_RESERVE_MS": "15", "IBEX_MAX_REPLY_RESERVE_MS": "30"}
+            "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CLIENT_TIMEOUT_MS": "3000", "IBEX_RETRIEVAL_TIMEOUT_MS": "3000",
+            "IBEX_CONTEXT_DEADLINE_MS": "3000", "IBEX_POST_RETRIEVAL_RESERVE_MS": "15",
+            "IBEX_MAX_REPLY_RESERVE_MS": "30"}
 ERROR_SLACK_S = 0.5  # a loaded CI box can stall a process this long
 BAD_BYTE = os.fsdecode(b"\xff")  # what Python makes of an argv byte that is not UTF-8
 
