@@ -44,19 +44,32 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, 
         stack.stop()
 
 
+def _warm(sdk: openai.OpenAI) -> None:
+    """Short calls until one is assembled on the 45 ms default: a fresh stack's first calls load its
+    vocabularies and embedder, and may degrade (refused here: the hook has no directive copy yet)."""
+    for _ in range(50):
+        try:
+            raw = sdk.chat.completions.with_raw_response.create(
+                model="gpt-4.1", messages=[{"role": "user", "content": "When will my invoice be paid?"}])
+        except openai.InternalServerError:
+            continue
+        if raw.headers["x-ibex-context"] == "assembled":
+            return
+    pytest.fail("no short call was assembled on the default timeout")
+
+
 def test_a_5_mb_conversation_is_assembled_on_the_default_timeout(rig: Any) -> None:
     _, upstream, proxy = rig
     messages = cases()[FIVE_MB]["messages"]
     assert text_chars(messages) > 4_900_000
     sdk = openai.OpenAI(api_key="sk-acme", base_url=f"{proxy.url}/v1", max_retries=0, timeout=300)
-    warm = sdk.chat.completions.with_raw_response.create(model="gpt-4.1", messages=messages[-1:])  # type: ignore[arg-type]
-    assert warm.headers["x-ibex-context"] == "assembled"  # the stack is warm (vocabularies, embedder)
+    _warm(sdk)
     for _ in range(3):
         upstream.clear()
         t0 = time.perf_counter()
         raw = sdk.chat.completions.with_raw_response.create(model="gpt-4.1", messages=messages)  # type: ignore[arg-type]
         print(f"\n5 MB through the proxy: {time.perf_counter() - t0:.3f} s, {raw.headers.get('x-ibex-context')}")
-    assert raw.headers["x-ibex-context"] == "assembled", raw.headers.get("x-ibex-context-reason")
+        assert raw.headers["x-ibex-context"] == "assembled", raw.headers.get("x-ibex-context-reason")
     assert raw.parse().choices[0].message.content == "ok"
     (got,) = upstream.received()
     spec = Catalog.load().model("gpt-4.1")
