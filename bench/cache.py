@@ -1,6 +1,6 @@
 """``python -m bench.cache``: how much of each turn's prompt a provider's prefix cache can reuse.
 
-Why: a provider bills a cached prefix at a fraction of the price (README "Chat-native assembly"
+Why: a provider bills a cached prefix at a fraction of the price (docs/assembly.md "Chat-native assembly"
 places the memory block late for that reason). Scripted tool-using agent conversations, with
 memories that change every user turn (``--churn call``: every model call), are assembled under
 three layouts and each call's prompt is compared with the previous call's, token by token, as the

@@ -1,6 +1,6 @@
 """``python -m bench.calibration``: budget over-charge before and after usage-report calibration.
 
-Why (issue 16, README "Calibrated token counts"): families without an offline vocabulary are
+Why (docs/assembly.md "Calibrated token counts"): families without an offline vocabulary are
 charged a conservative estimate, so real tokens are left unused. This simulates a provider whose
 true counts the service cannot see: the catalog entry (default ``mistral-small-3``) says
 *estimate*, while the "provider" counts every emitted prompt exactly with o200k by the same

@@ -1,4 +1,4 @@
-"""Chaos under steady load (issue 8): kill -9 one worker, restart it, account for every request.
+"""Chaos under steady load: kill -9 one worker, restart it, account for every request.
 
 The open-loop generator runs at a steady rate; at ``kill_at`` of the run worker ``victim`` gets
 SIGKILL, at ``restart_at`` a fresh worker process takes its slot. Every request must end in a

@@ -3,7 +3,7 @@
 Before: every untrusted string (history, tool schemas, memory bodies and attributes) was
 HTML-escaped, quotes included (``_old_escape`` below, kept verbatim for this comparison). After:
 memory bodies escape ``&``, ``<``, ``>``; attributes also quotes; history and tool schemas are only
-neutralised (``worker.format``, README "Degradation and security"). Both renderings are counted in
+neutralised (``worker.format``, docs/security.md "Degradation and security"). Both renderings are counted in
 one run with the exact o200k counter on: every memory of ``memory/data/demo.jsonl`` in one
 memories section, an OpenAI-style tools list, and a short conversation with apostrophes and
 quotes. Measurement only: nothing here is used by the service.

@@ -1,4 +1,4 @@
-"""The transport floor (README: Performance): bare pyzmq, no application code, measured in the same run.
+"""The transport floor (docs/performance.md): bare pyzmq, no application code, measured in the same run.
 
 Absolute times on these shared machines drift from run to run, so the broker's overhead is judged
 against a floor measured minutes apart on the same box:

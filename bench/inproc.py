@@ -1,4 +1,4 @@
-"""The CPU pipeline with no transport (``inproc`` mode, README "Performance").
+"""The CPU pipeline with no transport (``inproc`` mode, docs/performance.md).
 
 ``pipeline.assemble.assemble`` (budget, scoring, packing, formatting and the response model) on a
 ``RetrievalResult`` from ``pipeline.hits.offline_result`` with n = 70 candidates (20 hot + 50
@@ -43,7 +43,7 @@ def _request(model: str) -> AssembleRequest:
 
 
 def _chat_request(model: str) -> AssembleRequest:
-    """A 20-message tool-using OpenAI conversation (README "Chat-native assembly"): a system
+    """A 20-message tool-using OpenAI conversation (docs/assembly.md "Chat-native assembly"): a system
     message, four rounds of a question, an assistant tool call, its result and an answer, then the
     current turn: a question, a tool call and its result (the agent loop mid-turn)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are Acme Cloud's support agent."}]

@@ -1,4 +1,4 @@
-"""Open-loop load generation (issue 9): Poisson arrivals against absolute send times.
+"""Open-loop load generation: Poisson arrivals against absolute send times.
 
 Arrival times are drawn up front (exponential gaps at the offered rate) and each request is sent
 by its own task at its scheduled instant, whatever happened to earlier requests: a slow server
@@ -32,7 +32,7 @@ from ibex_context.shared.models import AssembleRequest
 
 OK = "OK"
 NOT_SENT = "NOT_SENT"
-LATE_SLACK_MS = 5.0  # issue 9: no reply may arrive later than deadline + 5 ms
+LATE_SLACK_MS = 5.0  # the target: no reply may arrive later than deadline + 5 ms
 
 
 @dataclass(frozen=True, slots=True)

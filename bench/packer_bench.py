@@ -255,7 +255,7 @@ def measure(case: Case, repeat: int, oracle_repeat: int, interleave: bool) -> di
 
 
 def _targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
-    """(target, measured, met) for each target of issue 3."""
+    """(target, measured, met) for each of the packer's targets."""
     key = next(r for r in rows if r["case"] == KEY_CASE)
     adv = [r for r in rows if r["case"].startswith("adversarial")]
     pct = [r["packer"]["pct_of_optimum"] for r in rows]

@@ -1,4 +1,4 @@
-"""The tables of ``bench.peers`` (peers.md): one column per system, rows as in issue 18."""
+"""The tables of ``bench.peers`` (peers.md): one column per system, one row per figure."""
 
 from __future__ import annotations
 

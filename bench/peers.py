@@ -1,5 +1,5 @@
 """``python -m bench.peers [--quick]``: this stack against the same pipeline served the way a user
-would otherwise serve it (issue 18), in one run, interleaved.
+would otherwise serve it, in one run, interleaved.
 
 Three systems share one embedded Redis and one memory service seeded with the demo data:
 
@@ -105,7 +105,7 @@ QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "ra
 
 class LegacyFramesClient(AsyncClient):
     """The client library sending headerless requests, for a baseline broker from before the header
-    frame (issue 18); everything else is the same client."""
+    frame; everything else is the same client."""
 
     def _encode(self, request: Any, fields: dict[str, Any], deadline_ns: int) -> tuple[str, list[bytes]]:
         rid, frames = super()._encode(request, fields, deadline_ns)

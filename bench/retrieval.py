@@ -1,4 +1,4 @@
-"""``python -m bench.retrieval``: selection quality on the labelled questions (issue 19).
+"""``python -m bench.retrieval``: selection quality on the labelled questions.
 
 ``--suite conversations`` runs the long-conversation set instead (``bench.conversations``: the stack
 beside plain BM25 and dense over the same turns); the demo questions below are the default suite.

@@ -1,4 +1,4 @@
-"""``python -m bench.run [--quick] [--modes ...]``: the issue 9 bench harness.
+"""``python -m bench.run [--quick] [--modes ...]``: the stack under open-loop load.
 
 Without ``--endpoint`` the harness starts its own stack (``ibex_context.ops.stack.LocalStack``: embedded
 Redis, memory service, broker, workers) and seeds the demo data. Phases, in order:
@@ -474,7 +474,7 @@ def _target(name: str, target: str, measured: str, met: bool | None) -> dict[str
 
 
 def targets(results: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
-    """Issue 9's targets, reported (never asserted)."""
+    """The stack's performance targets, reported (never asserted)."""
     out = []
     tr = results.get("transport", {}).get("half_saturation")
     fl = results.get("floor", {}).get("relay_open_loop")

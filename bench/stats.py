@@ -1,4 +1,4 @@
-"""HDR histograms per latency component, and their summaries (issue 9).
+"""HDR histograms per latency component, and their summaries.
 
 Percentiles are nearest-rank over the histogram's counts (``bench.lib.percentiles``, the bench's
 one definition). Every value is recorded in integer microseconds. ``HdrHistogram`` keeps 3 significant digits from

@@ -2,7 +2,7 @@
 
 Each case is assembled on a real stack (broker, worker, Redis, memory service) through the same
 frames the client library sends: the request with its images as stubs and the reply as a layout
-(README "Size limits"). "before" is what the same call carried as the whole conversation both
+(docs/assembly.md "Size limits"). "before" is what the same call carried as the whole conversation both
 ways: the request with the caller's image bytes, the reply with the provider-ready messages. The
 stack it starts has no directive or memories, so its replies are the layout and decisions alone
 (tests/test_wire_stack.py runs the same cases on a seeded stack).

@@ -1,5 +1,5 @@
 """``python -m bench.workercpu [--baseline DIR]``: a full-mode worker's CPU per served assembly,
-beside the CPU of the in-process pipeline for the same requests (issue 18, item 4).
+beside the CPU of the in-process pipeline for the same requests.
 
 One embedded Redis and one memory service seeded with the demo data (``ops.local.LocalStack``,
 no workers of its own); each measured worker is a real ``python -m ibex_context.worker`` process
