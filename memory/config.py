@@ -16,7 +16,6 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
-from ibex_context.memory.index import EXACT_KNN_MAX
 from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.quotas import Quotas
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
@@ -29,6 +28,7 @@ DEV_SECRET = DEV_MEMORY_SECRET
 # ~4 us a character: 1,000 chars ~4 ms, 4,000 ~16 ms, 100,000 ~660 ms. A normal search is ~2 ms,
 # so 1,000 characters keeps the dearest query within a few normal ones.
 DEFAULT_MAX_QUERY_CHARS = 1_000
+EXACT_KNN_MAX = 5_000  # an agent up to this many memories gets an exact vector search (index.knn_query)
 
 
 class MemoryConfig(MemoryServiceSettings):

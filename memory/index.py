@@ -59,7 +59,6 @@ from ibex_context.shared.keys import MEMORY_PREFIX, check_ident, vector_field
 HNSW_M = 16
 HNSW_EF_CONSTRUCTION = 200
 MAX_QUERY_TERMS = 16  # a question's distinct content words searched: each is one engine query
-EXACT_KNN_MAX = 5_000  # an agent up to this many memories gets an exact vector search (knn_query)
 _MAX_TERM_CHARS = 48
 _WORD = re.compile(r"\w+", re.UNICODE)
 # Everything but ASCII letters and digits is escaped in a query: tags, words and parameters alike.
@@ -128,7 +127,7 @@ def total_results(reply: Any) -> int:
 def knn_query(org_id: str, agent_id: str, field: str, k: int, *, exact: bool) -> str:
     """Vector query: the ``k`` nearest of the agent's memories, inside the tenant filter.
 
-    ``exact`` (an agent with at most ``EXACT_KNN_MAX`` memories) compares the question with every
+    ``exact`` (an agent with at most ``IBEX_MEMORY_EXACT_KNN_MAX`` memories) compares the question with every
     memory of the agent (``ADHOC_BF``): exact, and cheap at that size. Above it the engine walks the
     HNSW graph in batches and keeps the agent's hits (``BATCHES``): approximate, but its cost does
     not grow with the agent (at 100,000 memories of 256 dimensions, 2.4 ms against 47 ms for the

@@ -20,9 +20,11 @@ from typing import Any
 
 import httpx
 import numpy as np
+from numpy.typing import NDArray
 
-from ibex_context.memory.embed import Vectors
 from ibex_context.memory.http import ApiError
+
+Vectors = NDArray[np.float32]  # memory.embed's rows; that module loads this one, so not imported from it
 
 MAX_BATCH = 64  # texts per request: servers commonly cap a request's inputs
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
