@@ -90,7 +90,7 @@ class HookConfig(BaseModel):
     identity: Identity = Field(default_factory=Identity)
     unmapped: Literal["refuse", "pass_through"] = "refuse"
     models: dict[str, str] = Field(default_factory=dict)  # LiteLLM model name -> catalog name
-    # A call's timeout: timeout_ms (default: the client's IBEX_CONTEXT_TIMEOUT, 45 ms) plus
+    # A call's timeout: timeout_ms (default: the client's IBEX_CLIENT_TIMEOUT_MS, 45 ms) plus
     # timeout_ms_per_mb for each million characters of its conversation (messages, system, tools),
     # at most timeout_max_ms (never under timeout_ms). Counting, packing and carrying a 5 MB
     # conversation takes ~0.25 s, far past a timeout that suits a short one; a fast assembly still
