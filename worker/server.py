@@ -251,8 +251,9 @@ class WorkerServer:
                     return
                 timings = {"queue_wait": msg.stamp.queued_us, "worker_wait": (decoding_ns - received_ns) // 1000}
                 await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
-        except DeadlineExceeded as exc:  # only the waits above raise here: _serve answers its own errors
-            self.stats["expired_waiting"] += 1
+        except DeadlineExceeded as exc:
+            # Only the waits for a slot or the decoding turn end here (FairTurns counts them): _serve
+            # answers every error of its own.
             if self.metrics is not None:
                 self.metrics.outcome.labels("expired_waiting").inc()
             waited_us = (time.monotonic_ns() - started) // 1000
