@@ -241,8 +241,8 @@ def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: 
     """The block's count from cached line counts equals a fresh BPE pass over the block, for any
     memory text (``pipeline.render_openai.memory_block_tokens``: the pre-tokenizers split between lines)."""
     from ibex_context.pipeline import format as fmt
-    from ibex_context.pipeline.render_openai import memory_block_tokens
     from ibex_context.pipeline.count import LineCache
+    from ibex_context.pipeline.render_openai import memory_block_tokens
     from ibex_context.pipeline.types import ScoredMemory
 
     kept = [ScoredMemory(MemoryHit(f"m{i}", c, "fact", 0.9, 0.9, i + 1, "hot"), 1, 0.9)
