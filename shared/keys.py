@@ -7,6 +7,8 @@ smuggle a separator and name a key in another tenant's namespace. A bad identifi
 ``ValueError``.
 
     {org}:directive:{agent}                 STRING  JSON DirectiveEnvelope (shared/directives.py)
+    {org}:summary:{agent}:{key}             STRING  JSON {text, covers}: a conversation's compaction
+                                                    summary (shared/summary_store.py)
     {org}:calibration:{model}               HASH    usage-report ratio sketch (shared/calibration_store.py)
     {org}:assembly:{assembly_id}            STRING  one assembly's own count for its usage report, short TTL
                                                     (shared/calibration_store.py)
@@ -27,10 +29,11 @@ from __future__ import annotations
 import re
 from typing import TypeGuard
 
-from ibex_context.shared.models import IDENT_CHARS
+from ibex_context.shared.models import IDENT_CHARS, SUMMARY_KEY_CHARS
 
 IDENT_PATTERN = f"^{IDENT_CHARS}$"  # as written in error messages
 _IDENT = re.compile(IDENT_CHARS)
+_SUMMARY_KEY = re.compile(SUMMARY_KEY_CHARS)
 
 
 def is_ident(value: object) -> TypeGuard[str]:
@@ -53,6 +56,15 @@ def org_prefix(org_id: str) -> str:
 
 def directive_key(org_id: str, agent_id: str) -> str:
     return f"{check_ident(org_id, 'org_id')}:directive:{check_ident(agent_id, 'agent_id')}"
+
+
+def summary_key(org_id: str, agent_id: str, key: str) -> str:
+    """One conversation's stored summary. ``key`` is the caller's opaque conversation key; it
+    comes last, after the org and the agent (neither may hold ``:``), so whatever it holds the key
+    stays in that org's and agent's namespace."""
+    if not isinstance(key, str) or _SUMMARY_KEY.fullmatch(key) is None:
+        raise ValueError(f"summary_key must match ^{SUMMARY_KEY_CHARS}$ (got {key!r:.80})")
+    return f"{check_ident(org_id, 'org_id')}:summary:{check_ident(agent_id, 'agent_id')}:{key}"
 
 
 def agent_tag(org_id: str, agent_id: str) -> str:

@@ -93,6 +93,23 @@ class HistoryOptions(_Wire):
     min_memory_share: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.0
 
 
+# Opaque conversation keys (a summary's, README "Compaction summaries"): the last part of a Redis key,
+# after the org and agent, so ':' may appear (it cannot reach another org's or agent's keys).
+SUMMARY_KEY_CHARS = r"[A-Za-z0-9._:\-]{1,128}"
+MAX_SUMMARY_CHARS = 32_000
+
+
+class SummarySlot(_Wire):
+    """A compaction summary that stands in for the conversation's first ``covers`` non-system
+    messages (README "Compaction summaries"). A count, not message ids: a count is what a proxy
+    knows, and a conversation only grows at its end, so its first N non-system messages are the
+    same messages call after call. ``covers`` must end on a unit boundary (never between a tool
+    call and its results) and before the latest user turn."""
+
+    text: Annotated[str, StringConstraints(min_length=1, max_length=MAX_SUMMARY_CHARS)]
+    covers: NonNegInt
+
+
 class AssembleRequest(_Wire):
     v: Annotated[int, Field(ge=1)] = PROTOCOL_VERSION
     request_id: RequestId
@@ -110,6 +127,10 @@ class AssembleRequest(_Wire):
     system: Any = None
     tools: Annotated[list[Any], Field(max_length=128)] = Field(default_factory=list)
     history: HistoryOptions = Field(default_factory=HistoryOptions)
+    # A compaction summary of the conversation's start, or the key the worker loads one by
+    # (``{org}:summary:{agent}:{summary_key}``) when the request carries none.
+    summary: SummarySlot | None = None
+    summary_key: Annotated[str, StringConstraints(pattern=f"^{SUMMARY_KEY_CHARS}$")] | None = None
     # Absolute deadline, Unix epoch nanoseconds (clocks across hosts are assumed NTP-synced).
     deadline_ns: Annotated[int, Field(gt=0)]
 
@@ -125,7 +146,8 @@ class AssembleRequest(_Wire):
 
 # ---------------------------------------------------------------------------------------- response
 
-BranchName = Literal["directive", "hot", "cold"]
+# "summary": the stored summary, read in the directive's round trip (present only with summary_key).
+BranchName = Literal["directive", "hot", "cold", "summary"]
 BranchStatus = Literal["success", "timeout", "error", "skipped"]
 Source = Literal["hot", "cold"]
 PackPath = Literal["dp", "greedy", "all_fit", "empty"]
@@ -133,7 +155,7 @@ PackPath = Literal["dp", "greedy", "all_fit", "empty"]
 # are the packer's own.
 RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"]
 DecisionKind = Literal["packed", "excluded_budget", RejectKind]
-SectionName = Literal["directive", "history", "memories", "tools"]
+SectionName = Literal["directive", "summary", "history", "memories", "tools"]
 
 
 class Section(_Wire):
@@ -223,6 +245,17 @@ class HistoryDecision(_Wire):
     reason: str
 
 
+class SummaryReport(_Wire):
+    """What became of a request's summary: the messages it covers, its tokens as charged, whether
+    it was sent, where it came from, and why not when it was not."""
+
+    covers: NonNegInt
+    tokens: NonNegInt
+    placed: bool
+    source: Literal["request", "stored"]
+    reason: str | None = None
+
+
 class Piece(_Wire):
     """One content block of an assembled message (or of Anthropic's ``system``): block ``ref`` of
     the caller's own content (a string content is one text block) or a new text
@@ -245,7 +278,7 @@ class Placed(_Wire):
 
     ref: NonNegInt | None = None
     content: list[Piece] | None = None
-    role: Literal["system", "developer"] | None = None
+    role: Literal["system", "developer", "user"] | None = None  # "user": Anthropic's summary-only turn
     text: str | None = None
 
     @model_validator(mode="after")
@@ -303,6 +336,11 @@ class AssembleResponse(_Wire):
     # uncalibrated count under it for a short while; None when nothing was recorded.
     assembly_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     history: list[HistoryDecision] = Field(default_factory=list)
+    # The request's summary (README "Compaction summaries"), and how many leading non-system
+    # messages of the caller's conversation were not sent (summarized or trimmed): the next
+    # summary covers at least these.
+    summary: SummaryReport | None = None
+    history_dropped_upto: NonNegInt = 0
     # Chat requests: tokens before the first part that depends on this turn's retrieval, and the
     # cache_control breakpoints added (paths such as "system.1", "messages.6.content.0").
     stable_prefix_tokens: NonNegInt | None = None
