@@ -1,7 +1,7 @@
 """The pipeline's one entry point, one pass for every request form:
 
-    count_turns (parse, count)  ->  fit_stage (history, budget)  ->  scoring_stage  ->  pack
-    ->  emit_stage (memories block, render, count)  ->  response
+    count_turns (parse, count)  ->  summary_slot  ->  fit_stage (history, budget)  ->  scoring_stage
+    ->  pack  ->  emit_stage (memories block, render, count)  ->  response
 
 ``assemble`` turns a request and what retrieval returned into the ``AssembleResponse``. The worker
 calls it after its retrieval wall (having parsed and counted the conversation before any I/O),
@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline import summary
 from ibex_context.pipeline.budget import counter_for
 from ibex_context.pipeline.count import LineCache, MemoryCost
 from ibex_context.pipeline.decisions import decisions
@@ -27,6 +28,7 @@ from ibex_context.pipeline.fit import Limits, Plan, fit_stage, history_decisions
 from ibex_context.pipeline.pack import pack
 from ibex_context.pipeline.policy import Clock, Policy, elapsed_us, tick
 from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.summary import Slot
 from ibex_context.pipeline.turns import Counted, count_turns
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
 from ibex_context.shared.calibration import Calibration
@@ -68,8 +70,9 @@ def assemble(
     counter = counter_for(catalog, spec, calibration)
     t = tick(clock, "budget")
     counted = counted if counted is not None else count_turns(req, spec, counter)
+    slot = summary_slot(req, retrieval, counted, chosen)
     plan = fit_stage(counted, req.history, retrieval.directive, spec, counter, nonce=chosen.value,
-                     limits=Limits(policy.reserve_fraction, policy.constrained_below, calibration))
+                     limits=Limits(policy.reserve_fraction, policy.constrained_below, calibration), summary=slot)
     t2 = tick(clock, "scoring")
     timings["budget"] = elapsed_us(t, t2)
     scored = scoring_stage(req, retrieval, MemoryCost(counter, lines))
@@ -86,7 +89,17 @@ def assemble(
     timings["formatting"] = elapsed_us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)
     return response(req, retrieval, plan, scored, out, uncalibrated, counter.kind, timings=timings,
-                    worker_id=worker_id)
+                    worker_id=worker_id, slot=slot)
+
+
+def summary_slot(req: AssembleRequest, retrieval: RetrievalResult, counted: Counted, nonce: Nonce) -> Slot | None:
+    """The summary to place (the request's, else the one stored under ``summary_key``), framed:
+    its nonce derived from its text like the memories block's from its lines, or the one given."""
+    slot = summary.choose(req, retrieval.summary, counted.turns)
+    if slot is None:
+        return None
+    key = nonce.key if nonce.key is not None else fmt.process_nonce_key()
+    return summary.framed(slot, key, None if nonce.derive else nonce.value)
 
 
 def scoring_stage(req: AssembleRequest, retrieval: RetrievalResult, cost: MemoryCost) -> Scored:
@@ -110,7 +123,7 @@ def scoring_stage(req: AssembleRequest, retrieval: RetrievalResult, cost: Memory
 
 def response(
     req: AssembleRequest, retrieval: RetrievalResult, plan: Plan, scored: Scored, out: Output, uncalibrated: int,
-    kind: CountRule, *, timings: dict[str, int], worker_id: str,
+    kind: CountRule, *, timings: dict[str, int], worker_id: str, slot: Slot | None = None,
 ) -> AssembleResponse:
     """The wire response, from one render: what was packed, every decision, the budget, the
     packer's stats and, for a conversation target, the messages and their count."""
@@ -142,6 +155,8 @@ def response(
         org_id=req.org_id,
         agent_id=req.agent_id,
         history=history_decisions(plan.fit),
+        summary=summary.report(slot, plan.summary is not None, plan.summary_tokens, plan.summary_dropped),
+        history_dropped_upto=summary.dropped_upto(plan.counted.turns, plan.fit.kept_indices),
         format=chat.format if chat else None,
         messages=chat.messages if chat else None,
         system=chat.system if chat else None,

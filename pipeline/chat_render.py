@@ -42,7 +42,7 @@ when retrieval returns the same memories the block, too, is the same bytes as la
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ibex_context.pipeline.history import Message, latest_user_index
@@ -57,11 +57,14 @@ SYSTEM_ROLES: tuple[SystemRole, ...] = ("system", "developer")
 @dataclass(frozen=True, slots=True)
 class Layout:
     """A render: the wire layout, and where the memory block went (the output message holding it,
-    or the last system block), for the counts that stop before it."""
+    or the last system block), for the counts that stop before it; where the compaction summary
+    went (its output message, and its block there when it is a block in a caller's message)."""
 
     wire: ChatLayout
     memory_message: int | None = None
     memory_in_system: bool = False
+    summary_message: int | None = None
+    summary_block: int | None = None
 
 
 def _leading_system_count(messages: Sequence[Message]) -> int:
@@ -72,10 +75,10 @@ def _leading_system_count(messages: Sequence[Message]) -> int:
 
 
 def openai_layout(kept: Sequence[Message], indices: Sequence[int], *, directive: str | None,
-                  memory_block: str | None, system_role: SystemRole = "system") -> Layout:
-    """Chat Completions ``messages``: leading system messages, directive, history, memory block,
-    latest user turn and what follows it. ``indices`` are the kept messages' places in the caller's
-    conversation; ``system_role`` is the role of the two added messages."""
+                  memory_block: str | None, system_role: SystemRole = "system", summary: str | None = None) -> Layout:
+    """Chat Completions ``messages``: leading system messages, directive, compaction summary,
+    history, memory block, latest user turn and what follows it. ``indices`` are the kept messages'
+    places in the caller's conversation; ``system_role`` is the role of the added messages."""
     if system_role not in SYSTEM_ROLES:
         raise InvalidRequest(f"system_role: must be one of {SYSTEM_ROLES}, got {system_role!r}", field="system_role")
     items: list[int | Placed] = list(indices)
@@ -83,15 +86,17 @@ def openai_layout(kept: Sequence[Message], indices: Sequence[int], *, directive:
     memory_at = len(items) if latest is None else latest
     directive_at = _leading_system_count(kept)
     # Insert at the later position first so the earlier index stays valid (memory_at >= directive_at:
-    # a user message is never a leading system message).
+    # a user message is never a leading system message); the directive goes in last, before the summary.
     memory_message = None
     if memory_block:
         items.insert(memory_at, Placed(role=system_role, text=memory_block))
         memory_message = memory_at
-    if directive:
-        items.insert(directive_at, Placed(role=system_role, text=directive))
-        memory_message = None if memory_message is None else memory_message + 1
-    return Layout(ChatLayout(messages=items), memory_message)
+    added = [text for text in (summary, directive) if text]
+    for text in added:
+        items.insert(directive_at, Placed(role=system_role, text=text))
+    memory_message = None if memory_message is None else memory_message + len(added)
+    summary_message = directive_at + (1 if directive else 0) if summary else None
+    return Layout(ChatLayout(messages=items), memory_message, summary_message=summary_message)
 
 
 def render_openai(kept_messages: Sequence[Message], *, directive: str | None, memory_block: str | None,
@@ -112,23 +117,40 @@ def _tool_results_first(blocks: Sequence[Any]) -> int:
 
 
 def anthropic_layout(system: str | Sequence[dict[str, Any]] | None, kept: Sequence[Message],
-                     indices: Sequence[int], *, directive: str | None, memory_block: str | None) -> Layout:
+                     indices: Sequence[int], *, directive: str | None, memory_block: str | None,
+                     summary: str | None = None) -> Layout:
     """Messages API ``(system, messages)``: system blocks are the caller's then the directive; the
     memory block is a text block at the start of the latest user turn (in ``system``, last, when
-    there is no user turn). Every other message passes through as the same object."""
+    there is no user turn). The compaction summary is a text block at the start of the first kept
+    message when that is a user message (before the memory block when it is the latest turn too),
+    else a user message of its own before it, so the turns still alternate. Every other message
+    passes through as the same object."""
     pieces = [Piece(ref=k) for k in range(len(blocks_of(system)))] if system else []  # "" adds no block
     if directive:
         pieces.append(Piece(text=directive))
     items: list[int | Placed] = list(indices)
+    edits: dict[int, list[Piece]] = {}
+
+    def place(k: int, text: str) -> int:
+        blocks = blocks_of(kept[k].get("content"))
+        content = edits.setdefault(k, [Piece(ref=j) for j in range(len(blocks))])
+        content.insert(at := _tool_results_first(blocks), Piece(text=text))
+        return at
+
     latest = latest_user_index("anthropic", kept) if memory_block else None
     if memory_block and latest is None:
         pieces.append(Piece(text=memory_block))
     elif memory_block and latest is not None:
-        blocks = blocks_of(kept[latest].get("content"))
-        content = [Piece(ref=k) for k in range(len(blocks))]
-        content.insert(_tool_results_first(blocks), Piece(text=memory_block))
-        items[latest] = Placed(ref=indices[latest], content=content)
-    return Layout(ChatLayout(messages=items, system=pieces), latest, bool(memory_block) and latest is None)
+        place(latest, memory_block)
+    in_first = bool(summary) and bool(kept) and kept[0].get("role") == "user"
+    summary_block = place(0, summary) if summary and in_first else None
+    for k, content in edits.items():
+        items[k] = Placed(ref=indices[k], content=content)
+    if summary and not in_first:
+        items.insert(0, Placed(role="user", text=summary))
+        latest = None if latest is None else latest + 1
+    return Layout(ChatLayout(messages=items, system=pieces), latest, bool(memory_block) and latest is None,
+                  0 if summary else None, summary_block)
 
 
 def render_anthropic(system: str | Sequence[dict[str, Any]] | None, kept_messages: Sequence[Message], *,
@@ -167,30 +189,35 @@ def add_breakpoints(layout: Layout, system: Sequence[dict[str, Any]], messages: 
     """``layout`` with ``{"type": "ephemeral"}`` marks after the stable parts, and the paths marked;
     ``system`` and ``messages`` are what ``layout`` renders to.
 
-    The last system block (tools and system are then one cached prefix) and the last content block
-    of the message just before the latest user turn (the whole earlier conversation). Anthropic
-    allows four breakpoints per request, the caller's own included: with three or more already
-    used only what fits is added (the system one first). No user turn: nothing is marked.
+    The last system block (tools and system are then one cached prefix), the last content block
+    of the message just before the latest user turn (the whole earlier conversation), and the
+    compaction summary's block (it stays the same while the history after it is trimmed; not when
+    it is a message of its own, whose string content takes no mark). Anthropic allows four
+    breakpoints per request, the caller's own included: with three or more already used only what
+    fits is added, in that order. No user turn: nothing is marked.
     """
     latest = latest_user_index("anthropic", messages)
     if latest is None:  # the memory block is then the last system block: nothing stable to mark
         return layout, []
     room = MAX_BREAKPOINTS - _caller_breakpoints(system, messages, tools)
-    targets: list[tuple[str, int, Any]] = []
+    targets: list[tuple[str, int, int, Any]] = []  # (path prefix, message or -1 for system, block, block)
     if system:
-        targets.append(("system", len(system) - 1, system[-1]))
+        targets.append(("system", -1, len(system) - 1, system[-1]))
     content = messages[latest - 1].get("content") if latest > 0 else None
     blocks = blocks_of(content) if content else []
     if blocks:
-        targets.append((f"messages.{latest - 1}.content", len(blocks) - 1, blocks[-1]))
+        targets.append((f"messages.{latest - 1}.content", latest - 1, len(blocks) - 1, blocks[-1]))
+    at, k = layout.summary_message, layout.summary_block
+    if at is not None and k is not None and (at, k) != (latest - 1, len(blocks) - 1):
+        targets.append((f"messages.{at}.content", at, k, blocks_of(messages[at].get("content"))[k]))
     wire, marked = layout.wire, []
-    for prefix, i, block in targets:
+    for prefix, m, i, block in targets:
         if room <= 0 or not isinstance(block, dict) or block.get("type") in _UNCACHEABLE or _has_breakpoint(block):
             continue
-        wire = _mark_system(wire) if prefix == "system" else _mark_message(wire, latest - 1, len(blocks))
+        wire = _mark_system(wire) if m < 0 else _mark_block(wire, m, i, len(blocks_of(messages[m].get("content"))))
         marked.append(f"{prefix}.{i}")
         room -= 1
-    return Layout(wire, layout.memory_message, layout.memory_in_system), marked
+    return replace(layout, wire=wire), marked
 
 
 def _marked_last(pieces: Sequence[Piece]) -> list[Piece]:
@@ -201,10 +228,12 @@ def _mark_system(wire: ChatLayout) -> ChatLayout:
     return wire.model_copy(update={"system": _marked_last(wire.system or [])})
 
 
-def _mark_message(wire: ChatLayout, at: int, n_blocks: int) -> ChatLayout:
-    """The layout with the last block of output message ``at`` (a caller's message) marked."""
+def _mark_block(wire: ChatLayout, at: int, k: int, n_blocks: int) -> ChatLayout:
+    """The layout with block ``k`` of output message ``at`` (a caller's message) marked."""
     item = wire.messages[at]
     if isinstance(item, int):
-        item = Placed(ref=item, content=[Piece(ref=k) for k in range(n_blocks)])
-    placed = item.model_copy(update={"content": _marked_last(item.content or [])})
+        item = Placed(ref=item, content=[Piece(ref=j) for j in range(n_blocks)])
+    content = list(item.content or [])
+    content[k] = content[k].model_copy(update={"cache": True})
+    placed = item.model_copy(update={"content": content})
     return wire.model_copy(update={"messages": [*wire.messages[:at], placed, *wire.messages[at + 1:]]})

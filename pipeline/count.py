@@ -69,6 +69,11 @@ def directive_counted(counter: TokenCounter, directive: str | None) -> CountedSe
     return CountedSection(text, counter.count(text))
 
 
+def summary_counted(counter: TokenCounter, summary: str | None) -> CountedSection:
+    """The framed compaction summary as a flat section (empty without one)."""
+    return CountedSection(summary, counter.count(summary)) if summary else CountedSection("", 0)
+
+
 def joins_overhead(counter: TokenCounter, sections: Sequence[CountedSection]) -> int:
     """Tokens of the joins between the non-empty sections outside the memories block."""
     joins = sum(1 for s in sections if s.text)

@@ -79,7 +79,8 @@ def emit_stage(plan: Plan, scored: list[ScoredMemory], result: PackResult, count
     def once(result: PackResult) -> Output:
         block = memory_block(result, counter, block_nonce(result, lines, nonce), plan.memory_overhead, lines,
                              verify=verify)
-        out = renderer.render(plan.fit, plan.directive, plan.directive_text, block, breakpoints=breakpoints)
+        out = renderer.render(plan.fit, plan.directive, plan.directive_text, block, breakpoints=breakpoints,
+                              summary=plan.summary.block if plan.summary is not None else None)
         exact = (memory_block_tokens(counter, block.kept, block.nonce, lines)
                  if block.text and counter.kind == "exact" else None)
         return Output(result, block, out, renderer.count(out, counter, block_tokens=exact))

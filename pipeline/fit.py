@@ -22,6 +22,7 @@ from ibex_context.pipeline.history import (
     history_budget,
 )
 from ibex_context.pipeline.render import Message
+from ibex_context.pipeline.summary import Slot, fit_rest
 from ibex_context.pipeline.turns import Counted
 from ibex_context.shared.calibration import Calibration
 from ibex_context.shared.catalog import ModelSpec
@@ -33,7 +34,9 @@ from ibex_context.shared.tokens import TokenCount, TokenCounter
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The fit stage's output: what of the conversation is sent, the budget left for memories,
-    the directive (and its flat text), and the memories block's flat frame (``memory_overhead``)."""
+    the directive (and its flat text), the memories block's flat frame (``memory_overhead``), and
+    the compaction summary: the one placed (None when none is, or it was dropped), its tokens as
+    charged and, when dropped, why."""
 
     counted: Counted
     fit: HistoryFit
@@ -41,6 +44,9 @@ class Plan:
     directive: str | None
     directive_text: CountedSection
     memory_overhead: int
+    summary: Slot | None = None
+    summary_tokens: int = 0
+    summary_dropped: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +57,13 @@ class Limits:
 
 
 def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, spec: ModelSpec,
-              counter: TokenCounter, *, nonce: str, limits: Limits) -> Plan:
-    """Fit the history, then budget the memories with the kept history's cost."""
+              counter: TokenCounter, *, nonce: str, limits: Limits, summary: Slot | None = None) -> Plan:
+    """Fit the history, then budget the memories with the kept history's cost.
+
+    With a ``summary`` (framed, its ``covers`` checked) the covered messages go first and the
+    summary's cost comes off the history's budget; if the rest that cannot be dropped does not fit
+    with it, the summary is dropped (reported) and the whole conversation fitted without it.
+    """
     r = counted.renderer
     mem_text = memory_overhead(counter, nonce)
     frame = r.frame_tokens(directive) + mem_text
@@ -60,24 +71,52 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
     probe = _budget(spec, counter, fixed, 0, limits)  # everything but the history: what is left for it
     policy = HistoryPolicy(mode=options.mode, min_recent_turns=options.min_recent_turns,
                            min_memory_share=options.min_memory_share)
-    turns = counted.turns
-    where = {id(m): i for i, m in enumerate(turns.messages)}
-    costs = r.costs
+    available = history_budget(max(0, probe.unclamped), policy)
+    placed = summary if summary is not None and summary.problem is None else None
+    cost = r.summary_tokens(summary.block) if summary is not None and summary.block else 0
+    dropped = None
+    try:
+        fit = _fit(counted, placed, cost, available, policy)
+    except HistoryOverflow as exc:
+        if placed is None:
+            raise _overflow(counted, spec, probe.unclamped, exc) from exc
+        try:
+            fit = _fit(counted, None, 0, available, policy)
+        except HistoryOverflow as exc2:
+            raise _overflow(counted, spec, probe.unclamped, exc2) from exc2
+        dropped = (f"dropped: with it the conversation needs {exc.needed} tokens that cannot be dropped "
+                   f"({exc.reason}), over the {available} available for it; fitted without the summary")
+        placed = None
+    sent = cost if placed is not None else 0
+    budget = _budget(spec, counter, fixed, fit.kept_tokens + sent, limits)
+    return Plan(counted, fit, budget, directive, directive_counted(counter, directive), mem_text,
+                placed, cost, dropped)
 
-    def cost(m: Message) -> int:
+
+def _fit(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy) -> HistoryFit:
+    """The history fitted into what is ``available``, less the summary's ``cost`` when it is placed."""
+    turns, costs = counted.turns, counted.renderer.costs
+    where = {id(m): i for i, m in enumerate(turns.messages)}
+
+    def message_cost(m: Message) -> int:
         return costs[where[id(m)]]
 
+    if summary is None:
+        return fit_history(turns.format, turns.messages, cost=message_cost, budget=available, policy=policy)
+    if cost > available:
+        raise HistoryOverflow(needed=cost, available=available, reason="pinned")
     try:
-        fit = fit_history(turns.format, turns.messages, cost=cost,
-                          budget=history_budget(max(0, probe.unclamped), policy), policy=policy)
-    except HistoryOverflow as exc:
-        over = exc.over_by + max(0, -probe.unclamped)
-        raise ContextOverflow(
-            f"{turns.field}: the conversation needs {exc.needed} tokens that cannot be dropped ({exc.reason}) but "
-            f"{max(0, probe.unclamped)} are available for it in {spec.name}'s window: {over} tokens over",
-            field=turns.field) from exc
-    budget = _budget(spec, counter, fixed, fit.kept_tokens, limits)
-    return Plan(counted, fit, budget, directive, directive_counted(counter, directive), mem_text)
+        return fit_rest(turns, summary.covers, cost=message_cost, budget=available - cost, policy=policy)
+    except HistoryOverflow as exc:  # what it needed with the summary, in the conversation's budget
+        raise HistoryOverflow(needed=exc.needed + cost, available=available, reason=exc.reason) from exc
+
+
+def _overflow(counted: Counted, spec: ModelSpec, unclamped: int, exc: HistoryOverflow) -> ContextOverflow:
+    field = counted.turns.field
+    over = exc.over_by + max(0, -unclamped)
+    return ContextOverflow(
+        f"{field}: the conversation needs {exc.needed} tokens that cannot be dropped ({exc.reason}) but "
+        f"{max(0, unclamped)} are available for it in {spec.name}'s window: {over} tokens over", field=field)
 
 
 def _budget(spec: ModelSpec, counter: TokenCounter, fixed: tuple[int, int, int, int], history: int,

@@ -41,13 +41,14 @@ from ibex_context.shared.errors import InvalidRequest
 ChatFormat = Literal["openai", "anthropic"]
 HistoryMode = Literal["trim_oldest", "fail"]
 UnitKind = Literal["system", "tool_exchange", "message"]
-DropReason = Literal["trim_oldest", "start_on_user"]
+DropReason = Literal["trim_oldest", "start_on_user", "summarized"]
 OverflowReason = Literal["pinned", "fail_mode"]
 Message = dict[str, Any]
 
 REASON_TEXT: dict[DropReason, str] = {
     "trim_oldest": "dropped to fit the budget: the oldest turns that are not pinned go first",
     "start_on_user": "dropped after the trim so the kept history starts on a user turn (its question was trimmed)",
+    "summarized": "replaced by the compaction summary (summary.covers)",
 }
 
 

@@ -83,9 +83,13 @@ class Renderer(Protocol):
         or block; the joins between the flat sections)."""
         ...
 
+    def summary_tokens(self, summary: str) -> int:
+        """What the framed compaction summary adds as this target places it (at most)."""
+        ...
+
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool) -> Emitted:
-        """The kept history with the directive and the memories block placed."""
+               breakpoints: bool, summary: str | None = None) -> Emitted:
+        """The kept history with the directive, the framed compaction summary and the memories block placed."""
         ...
 
     def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
@@ -99,9 +103,10 @@ class Renderer(Protocol):
 
 
 def text_sections(directive: CountedSection, block: Block, history: CountedSection = EMPTY,
-                  tools: CountedSection = EMPTY) -> fmt.Rendered:
+                  tools: CountedSection = EMPTY, summary: CountedSection = EMPTY) -> fmt.Rendered:
     """The flat text: the non-empty sections in their fixed order."""
     parts: Sequence[tuple[SectionName, str, int]] = [("directive", directive.text, directive.tokens),
+                                              ("summary", summary.text, summary.tokens),
                                               ("history", history.text, history.tokens),
                                               ("memories", block.text, block.tokens),
                                               ("tools", tools.text, tools.tokens)]

@@ -1,5 +1,6 @@
-"""The Anthropic Messages target: ``system`` blocks (the caller's, then the directive) and the
-memories block at the start of the latest user turn (``pipeline.chat_render.anthropic_layout``),
+"""The Anthropic Messages target: ``system`` blocks (the caller's, then the directive), the
+compaction summary at the start of the first kept user turn and the memories block at the start
+of the latest one (``pipeline.chat_render.anthropic_layout``),
 with ``cache_control`` breakpoints on request, counted by ``pipeline.chat_count``."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.chat_render import add_breakpoints, anthropic_layout
-from ibex_context.pipeline.count import CountedSection
+from ibex_context.pipeline.count import CountedSection, summary_counted
 from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.render import Block, ChatOut, Emitted, Message, text_sections
 from ibex_context.pipeline.types import Turns
@@ -59,18 +60,25 @@ class AnthropicRenderer:
     def frame_tokens(self, directive: str | None) -> int:
         return self._block("")
 
+    def summary_tokens(self, summary: str) -> int:
+        """A user message of its own, the most it adds: as a block of the first kept user message
+        it adds its text alone (a string content counts as its one text block)."""
+        return cc.anthropic_prompt_tokens(None, [{"role": "user", "content": summary}], [], self.counter,
+                                          model=self.model)
+
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool) -> Emitted:
+               breakpoints: bool, summary: str | None = None) -> Emitted:
         """Breakpoints are added after the stable parts when asked (``chat_render.add_breakpoints``)."""
         system, messages_in = self.turns.system, self.turns.messages
         layout = anthropic_layout(system, fit.kept, fit.kept_indices, directive=directive,
-                                  memory_block=block.text or None)
+                                  memory_block=block.text or None, summary=summary)
         messages, blocks = materialize(layout.wire, messages_in, system)
         marked: list[str] = []
         if breakpoints:
             layout, marked = add_breakpoints(layout, blocks or [], messages, self.turns.tools)
             messages, blocks = materialize(layout.wire, messages_in, system)
-        return Emitted(text_sections(directive_text, block), ChatOut("anthropic", layout, messages, blocks, marked))
+        text = text_sections(directive_text, block, summary=summary_counted(self.counter, summary))
+        return Emitted(text, ChatOut("anthropic", layout, messages, blocks, marked))
 
     def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
         assert out.chat is not None
@@ -78,11 +86,14 @@ class AnthropicRenderer:
                                           model=self.model)
 
     def stable_prefix(self, out: Emitted) -> int | None:
-        """Tools, system, directive and the turns before the latest user turn (which holds the block)."""
+        """Tools, system, directive and the turns before the latest user turn (which holds the block),
+        with the compaction summary when it opens that turn."""
         assert out.chat is not None
         messages, system, layout = out.chat.messages, out.chat.system, out.chat.layout
         tools: list[Any] = self.turns.tools
         if layout.memory_in_system and system:
             return cc.anthropic_prompt_tokens(system[:-1], [], tools, self.counter, model=self.model)
-        return cc.anthropic_prompt_tokens(system, messages[:layout.memory_message], tools, self.counter,
-                                          model=self.model)
+        at, before = layout.memory_message, messages[:layout.memory_message]
+        if at is not None and layout.summary_message == at and layout.summary_block is not None:
+            before = [*before, {"role": "user", "content": messages[at]["content"][:layout.summary_block + 1]}]
+        return cc.anthropic_prompt_tokens(system, before, tools, self.counter, model=self.model)

@@ -1,5 +1,5 @@
-"""The OpenAI Chat Completions target: the caller's messages with the directive and the memories
-block as system (``developer`` for o-series) messages (``pipeline.chat_render.openai_layout``),
+"""The OpenAI Chat Completions target: the caller's messages with the directive, the compaction
+summary and the memories block as system (``developer`` for o-series) messages (``pipeline.chat_render.openai_layout``),
 counted by the cookbook's rules (``pipeline.chat_count``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.chat_render import SystemRole, openai_layout
-from ibex_context.pipeline.count import CountedSection, LineCache, memory_cost
+from ibex_context.pipeline.count import CountedSection, LineCache, memory_cost, summary_counted
 from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.render import Block, ChatOut, Emitted, text_sections
 from ibex_context.pipeline.types import ScoredMemory, Turns
@@ -55,12 +55,17 @@ class OpenAIRenderer:
     def frame_tokens(self, directive: str | None) -> int:
         return self.frame
 
+    def summary_tokens(self, summary: str) -> int:
+        """Its own message, exact: the cookbook's count is additive in messages."""
+        return cc.openai_message_tokens({"role": self.role, "content": summary}, self.counter, model=self.model)
+
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool) -> Emitted:
+               breakpoints: bool, summary: str | None = None) -> Emitted:
         layout = openai_layout(fit.kept, fit.kept_indices, directive=directive, memory_block=block.text or None,
-                               system_role=self.role)
+                               system_role=self.role, summary=summary)
         messages = materialize(layout.wire, self.turns.messages)[0]
-        return Emitted(text_sections(directive_text, block), ChatOut("openai", layout, messages, None, []))
+        text = text_sections(directive_text, block, summary=summary_counted(self.counter, summary))
+        return Emitted(text, ChatOut("openai", layout, messages, None, []))
 
     def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
         """With ``block_tokens`` the memories message is charged its frame plus that, instead of a

@@ -1,5 +1,6 @@
-"""The flat text target: the simple form's ``rendered`` text, sections ``## Directive``,
-``## Recent conversation``, the memories block and ``## Tools`` (``pipeline.format`` renders them).
+"""The flat text target: the simple form's ``rendered`` text, sections ``## Directive``, the
+compaction summary's block, ``## Recent conversation``, the memories block and ``## Tools``
+(``pipeline.format`` renders them).
 
 Counted line by line (``pipeline.count.count_lines``): each history line is one message's cost,
 so the history fit trims this form as it trims a provider's conversation, oldest units first.
@@ -12,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.count import CountedSection, directive_counted, joins_overhead, tools_counted
+from ibex_context.pipeline.count import (
+    CountedSection,
+    directive_counted,
+    joins_overhead,
+    summary_counted,
+    tools_counted,
+)
 from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.render import Block, Emitted, text_sections
 from ibex_context.pipeline.types import Turns
@@ -55,12 +62,17 @@ class TextRenderer:
         history = CountedSection("x" if self.lines else "", 0)
         return joins_overhead(self.counter, (directive_counted(self.counter, directive), history, self.tools_section))
 
+    def summary_tokens(self, summary: str) -> int:
+        """Its section and the join it adds."""
+        return self.counter.count(summary) + self.counter.count(fmt.SECTION_JOIN)
+
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool) -> Emitted:
+               breakpoints: bool, summary: str | None = None) -> Emitted:
         kept = [self.lines[i] for i in fit.kept_indices]
         history = CountedSection(fmt.join_section(fmt.HISTORY_HEADER, kept), self.header + fit.kept_tokens if kept
                                  else 0)
-        return Emitted(text_sections(directive_text, block, history, self.tools_section))
+        return Emitted(text_sections(directive_text, block, history, self.tools_section,
+                                     summary_counted(self.counter, summary)))
 
     def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
         """The sections' counts and the joins between them: the bound the budget spent."""

@@ -18,6 +18,7 @@ from ibex_context.pipeline.render import Renderer
 from ibex_context.pipeline.render_anthropic import AnthropicRenderer
 from ibex_context.pipeline.render_openai import OpenAIRenderer
 from ibex_context.pipeline.render_text import TextRenderer
+from ibex_context.pipeline.summary import request_slot
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.catalog import ModelSpec
 from ibex_context.shared.chat import parse_conversation, to_wire, wire_system, wire_tools
@@ -53,6 +54,8 @@ def renderer_for(turns: Turns, spec: ModelSpec, counter: TokenCounter) -> Render
 
 
 def count_turns(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter) -> Counted:
-    """Parse and count: everything of an assembly that needs the request alone."""
+    """Parse and count: everything of an assembly that needs the request alone, the request's
+    summary's ``covers`` checked against its conversation (``InvalidRequest`` naming ``summary.covers``)."""
     turns = to_turns(req)
+    request_slot(req, turns)
     return Counted(turns, renderer_for(turns, spec, counter))

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ibex_context.shared.models import BranchName, BranchOutcome, ChatFormat, PackPath, RejectKind, Source
+from ibex_context.shared.models import (
+    BranchName,
+    BranchOutcome,
+    ChatFormat,
+    PackPath,
+    RejectKind,
+    Source,
+    SummarySlot,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +95,7 @@ class PackResult:
 @dataclass(frozen=True, slots=True)
 class RetrievalResult:
     """What retrieval handed the pipeline: the directive, each branch's kept hits, the hits it
-    refused (malformed or over a branch cap) and every branch's outcome.
+    refused (malformed or over a branch cap), every branch's outcome and the stored summary.
 
     Copies of one memory_id in ``hot`` and ``cold`` both stay here: the scorer picks the copy
     (README "Scoring and packing").
@@ -98,6 +106,7 @@ class RetrievalResult:
     cold: tuple[MemoryHit, ...]
     rejections: tuple[Rejection, ...]
     outcomes: dict[BranchName, BranchOutcome]
+    summary: SummarySlot | None = None  # the one stored under the request's summary_key, decoded
 
     @property
     def degraded_reasons(self) -> list[str]:
