@@ -1,6 +1,7 @@
 """Retrieval: exactly three concurrent branches under one wall (README "Processes and data flow").
 
-    directive  Redis  {org_id}:directive:{agent_id}          5 ms
+    directive  Redis  {org_id}:directive:{agent_id}          5 ms   (with summary_key: MGET, the stored
+                      {org_id}:summary:{agent_id}:{key}             summary in the same round trip)
     hot        GET  /v1/memories/hot     (memory service)   15 ms   with the question: ranked for it
     cold       POST /v1/memories/search  (embeds inside)    45 ms
 
@@ -17,6 +18,7 @@ no invented memory. What a hit must look like is ``pipeline.hits`` (one memory-h
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,13 +27,15 @@ from typing import Any, Literal
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, to_hit
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.directives import MalformedDirective, get_directive, parse_envelope
-from ibex_context.shared.keys import directive_key
-from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome, Source
+from ibex_context.shared.keys import directive_key, summary_key
+from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome, Source, SummarySlot
 from ibex_context.shared.settings import WorkerSettings
+from ibex_context.shared.summary_store import decode_summary
 from ibex_context.shared.tenancy import mint_org_token
 from ibex_context.worker import rawredis
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
@@ -174,6 +178,26 @@ class Retriever:
             env = None if raw is None else parse_envelope(key, raw)
         return env.text if env is not None else None
 
+    async def _with_summary(self, req: AssembleRequest, stored: _Stored) -> str | None:
+        """The directive and the stored summary in one round trip (the summary alone when the
+        request turned the directive off). The summary's raw value is kept before the directive
+        is parsed, so a damaged directive costs the directive only."""
+        assert req.summary_key is not None
+        skey = summary_key(req.org_id, req.agent_id, req.summary_key)
+        if not req.options.include_directive:
+            try:
+                stored.raw = _bytes(await (self.redis.get(skey) if self.directives is None
+                                           else self.directives.get(skey)))
+            except (rawredis.ReplyError, ResponseError) as exc:  # e.g. WRONGTYPE: the summary part only
+                stored.problem = str(exc)
+            stored.fetched = True
+            return None
+        dkey = directive_key(req.org_id, req.agent_id)
+        got = await (self.redis.mget([dkey, skey]) if self.directives is None else self.directives.mget(dkey, skey))
+        raw, stored.raw = _bytes(got[0]), _bytes(got[1])
+        stored.fetched = True
+        return None if raw is None else parse_envelope(dkey, raw).text
+
     async def _fetch(self, method: str, path: str, org_id: str, *, params: dict[str, str] | None = None,
                      body: bytes | None = None) -> bytes:
         request = self.http.request_bytes(method, path, self._auth_line(org_id), params=params, body=body)
@@ -209,8 +233,11 @@ class Retriever:
         s = self.settings
         t0 = time.monotonic_ns()
         opts = req.options
+        stored = _Stored(wanted=req.summary_key is not None and req.summary is None)
+        directive: Callable[[AssembleRequest], Awaitable[Any]] = (
+            functools.partial(self._with_summary, stored=stored) if stored.wanted else self._directive)
         plan: list[tuple[BranchName, bool, float, Callable[[AssembleRequest], Awaitable[Any]]]] = [
-            ("directive", opts.include_directive, s.directive_timeout_ms, self._directive),
+            ("directive", opts.include_directive or stored.wanted, s.directive_timeout_ms, directive),
             ("hot", opts.include_hot and s.hot_limit > 0, s.hot_timeout_ms, self._hot),
             ("cold", opts.include_cold and s.cold_limit > 0, s.cold_timeout_ms, self._cold),
         ]
@@ -247,7 +274,7 @@ class Retriever:
                     br = branches[_task_branch(task)]
                     br.status, br.error_class = "timeout", "WallExceeded"
                     br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
-            return _result(branches)
+            return _result(branches, stored, include_directive=opts.include_directive)
 
         return wait
 
@@ -305,13 +332,49 @@ def _task_branch(task: asyncio.Task[Any]) -> BranchName:
     return name  # type: ignore[return-value]
 
 
-def _result(branches: dict[BranchName, _Branch]) -> RetrievalResult:
-    """What the pipeline gets: each successful branch's hits and refusals, every branch's outcome."""
+def _bytes(value: bytes | str | None) -> bytes | None:
+    """redis-py's reply types say str too; the pool decodes nothing, so it is bytes."""
+    return value.encode() if isinstance(value, str) else value
+
+
+@dataclass
+class _Stored:
+    """The stored summary's part of the directive branch: its raw value once read."""
+
+    wanted: bool
+    fetched: bool = False
+    raw: bytes | None = None
+    problem: str | None = None  # Redis refused the read (e.g. WRONGTYPE)
+
+
+def _summary(d: _Branch, stored: _Stored) -> tuple[SummarySlot | None, BranchOutcome]:
+    """The stored summary and its outcome: the round trip's when it never completed; else found,
+    absent (success, count 0: no summary made yet) or unusable (error ``MalformedSummary``)."""
+    elapsed = round(d.elapsed_ms, 3)
+    if not stored.fetched:
+        status = d.status if d.status in ("timeout", "error") else "error"
+        return None, BranchOutcome(status=status, elapsed_ms=elapsed, error_class=d.error_class, detail=d.detail)
+    decoded = stored.problem or (None if stored.raw is None else decode_summary(stored.raw))
+    if isinstance(decoded, str):
+        return None, BranchOutcome(status="error", elapsed_ms=elapsed, error_class="MalformedSummary",
+                                   detail=f"stored summary ignored: {decoded}"[:200])
+    detail = None if decoded is not None else "no summary stored under this summary_key"
+    return decoded, BranchOutcome(status="success", elapsed_ms=elapsed, count=int(decoded is not None), detail=detail)
+
+
+def _result(branches: dict[BranchName, _Branch], stored: _Stored, *, include_directive: bool) -> RetrievalResult:
+    """What the pipeline gets: each successful branch's hits and refusals, every branch's outcome,
+    and the stored summary when the request asked for it."""
     d = branches["directive"]
     directive = d.value if d.status == "success" else None
     hot, hot_rej = branches["hot"].value if branches["hot"].status == "success" else ([], [])
     cold, cold_rej = branches["cold"].value if branches["cold"].status == "success" else ([], [])
     counts = {"directive": int(directive is not None), "hot": len(hot), "cold": len(cold)}
     outcomes: dict[BranchName, BranchOutcome] = {name: br.outcome(counts[name]) for name, br in branches.items()}
+    if not include_directive:  # the branch ran for the summary alone
+        outcomes["directive"] = _Branch("directive", detail="disabled by request options or settings").outcome(0)
+    summary = None
+    if stored.wanted:
+        summary, outcomes["summary"] = _summary(d, stored)
     return RetrievalResult(directive=directive, hot=tuple(hot), cold=tuple(cold),
-                           rejections=tuple([*hot_rej, *cold_rej]), outcomes=outcomes)
+                           rejections=tuple([*hot_rej, *cold_rej]), outcomes=outcomes, summary=summary)
