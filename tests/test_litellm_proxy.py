@@ -33,7 +33,8 @@ pytestmark = pytest.mark.timeout(300)
 
 MIN_SAMPLES = 5
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",
-            "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000",
+            "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CLIENT_TIMEOUT_MS": "3000", "IBEX_RETRIEVAL_TIMEOUT_MS": "3000",
+            "IBEX_CONTEXT_DEADLINE_MS": "3000",
             # a learned ratio is charged after 5 reports (200 in production), re-read every 100 ms
             "IBEX_CALIBRATION_MIN_SAMPLES": str(MIN_SAMPLES), "IBEX_CALIBRATION_REFRESH_MS": "100"}
 MODELS = {"gpt-4o": "gpt-4o", "small": "gpt-4", "sonnet": "claude-sonnet-4-20250514", "mystery": "mystery-model-9",
