@@ -1,7 +1,7 @@
 """``ibex-context assemble``: one assembly through the running broker, from options or a request file.
 
 Every caller mistake is one line naming the option or the file's field (exit 2); a service fault is
-one line (exit 1). A request file is the wire's ``AssembleRequest`` as JSON, in either form (README
+one line (exit 1). A request file is the wire's ``AssembleRequest`` as JSON, in either form (docs/assembly.md
 "Chat-native assembly"), so a proxy engineer can replay the conversation they hold.
 """
 
@@ -102,6 +102,10 @@ def print_response(resp: Any) -> None:
     print("  timings (us): " + ", ".join(f"{k} {v}" for k, v in t.items()))
     if resp.degraded:
         print(f"  DEGRADED: {'; '.join(resp.degraded_reasons)}")
+    if resp.summary is not None:
+        from ibex_context.ops.explain import summary_line
+
+        print(f"  {summary_line(resp)}")
     if resp.format is not None:
         _print_prompt(resp)
         return
@@ -222,7 +226,7 @@ def run_assemble(args: Any) -> int:
         return fail(prog, _field_error(exc), 2)
     except zmq.ZMQError as exc:  # an endpoint zmq cannot parse
         return fail(prog, f"--endpoint {args.endpoint or '(from IBEX_BROKER_ENDPOINTS)'}: {exc}", 2)
-    except AuthConfigError as exc:  # IBEX_CLIENT_KEY_FILE / IBEX_BROKER_PUBLIC_KEY (README, Authentication)
+    except AuthConfigError as exc:  # IBEX_CLIENT_KEY_FILE / IBEX_BROKER_PUBLIC_KEY (docs/security.md "Authentication")
         return fail(prog, _one_line(exc), 2)
     except (ValueError, TypeError) as exc:  # CliError, and the client's own argument checks
         return fail(prog, _one_line(exc), 2)

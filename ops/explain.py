@@ -131,6 +131,8 @@ def render_table(resp: AssembleResponse, out: TextIO) -> None:
             w(f"{'':<39}{'  '.join(f'{k} score {v:.3f}' for k, v in d.retrieval.items())}\n")
     if resp.format is not None:
         _chat_table(resp, w)
+    if resp.summary is not None:
+        w(f"\n{summary_line(resp)}\n")
     if resp.degraded:
         w(f"\nDEGRADED: {'; '.join(resp.degraded_reasons)}\n")
     w(f"\nsections: {', '.join(f'{s.name} ({s.tokens} tokens)' for s in resp.sections) or 'none'}   "
@@ -143,6 +145,15 @@ def _chat_table(resp: AssembleResponse, w: Any) -> None:
       f"({resp.prompt_tokens_kind}); history left out: {len(resp.history)}\n")
     for h in resp.history:
         w(f"  dropped message {h.index:>4} {h.role:<10}{h.tokens:>8} tokens  {h.reason}\n")
+
+
+def summary_line(resp: AssembleResponse) -> str:
+    """The compaction summary: what it covers, its tokens, whether it was sent, and why not."""
+    s = resp.summary
+    assert s is not None
+    sent = "placed" if s.placed else f"NOT placed: {s.reason}"
+    return (f"Summary ({s.source}): covers {s.covers} messages, {s.tokens} tokens, {sent}; leading messages "
+            f"not sent: {resp.history_dropped_upto}")
 
 
 def run(args: Any, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:

@@ -4,8 +4,13 @@ the real Redis and memory service, in process and through a real stack."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +31,7 @@ from tests.helpers import start_stack
 
 CATALOG = Catalog.load()
 CATALOG.warm_up()
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SEED = [
     {"kind": "directive", "org_id": "acme", "agent_id": "bot", "text": "You are Acme's billing assistant."},
     {"kind": "directive", "org_id": "globex", "agent_id": "bot", "text": "GLOBEX SECRET DIRECTIVE"},
@@ -226,3 +232,33 @@ async def test_a_stored_summary_through_the_stack_and_never_across_orgs(stack: L
         other = await c.assemble(org_id="acme", agent_id="bot", model="gpt-4o", query="invoice", format="openai",
                                  messages=MESSAGES, summary_key="conv-8", timeout=5.0)
         assert other.summary is None and "GLOBEX" not in other.model_dump_json()
+
+
+def _cli(*args: str, stack: LocalStack) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    env["IBEX_BROKER_ENDPOINTS"] = stack.frontend
+    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", *args], capture_output=True, text=True,
+                          timeout=60, check=False, env=env)
+
+
+def test_assemble_request_file_carries_the_summary_and_the_summary_key(stack: LocalStack, tmp_path: Path) -> None:
+    example = EXAMPLES / "chat_request_summary.json"
+    out = _cli("assemble", "--request", str(example), "--json", "--timeout-ms", "5000", stack=stack)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["summary"] == {"covers": 4, "tokens": doc["summary"]["tokens"], "placed": True, "source": "request",
+                              "reason": None}
+    assert doc["history_dropped_upto"] == 4 and [h["index"] for h in doc["history"]] == [1, 2, 3, 4]
+    assert any("12 EUR storage charge that September" in str(m["content"]) for m in doc["messages"])
+    table = _cli("assemble", "--request", str(example), "--timeout-ms", "5000", stack=stack)
+    assert table.returncode == 0 and "Summary (request): covers 4 messages" in table.stdout, table.stderr
+    _store(str(stack.redis_url), "acme", "conv-cli", encode_summary(ACME_SUMMARY, 4))
+    keyed = {k: v for k, v in json.loads(example.read_text()).items() if k != "summary"}
+    path = tmp_path / "keyed.json"
+    path.write_text(json.dumps({**keyed, "agent_id": "bot", "summary_key": "conv-cli"}))
+    out = _cli("assemble", "--request", str(path), "--json", "--timeout-ms", "5000", stack=stack)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["summary"]["source"] == "stored"
+    path.write_text(json.dumps({**json.loads(example.read_text()), "summary": {"text": "s", "covers": 2}}))
+    out = _cli("assemble", "--request", str(path), "--timeout-ms", "5000", stack=stack)
+    assert out.returncode == 2 and "summary.covers" in out.stderr and "use 1 or 3" in out.stderr, out.stderr
