@@ -2,8 +2,8 @@
 
 Starts the reference memory service on the embedded Redis, seeds the demo data, then makes
 sequential hot-list GETs (``/v1/memories/hot``, 20 memories) with the worker's client
-(``worker.memhttp``), with aiohttp (the client it replaced) and with httpx (the one
-before that), alternating rounds so drift hits all alike. Prints the caller's
+(``worker.memhttp``), with aiohttp and with httpx (general-purpose clients,
+for comparison), alternating rounds so drift hits all alike. Prints the caller's
 CPU per call (this process's, ``bench.lib.cpu``) and the wall-time percentiles.
 """
 

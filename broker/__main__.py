@@ -14,7 +14,7 @@ from ibex_context.shared.settings import BrokerSettings
 
 
 def _secure(settings: BrokerSettings, ctx: Any, endpoints: list[str]) -> tuple[Any, dict[str, Any]]:
-    """CURVE + ZAP when a keys file is set (README, Authentication); otherwise refuse any endpoint
+    """CURVE + ZAP when a keys file is set (docs/security.md "Authentication"); otherwise refuse any endpoint
     another host could reach. Returns the running authenticator (or None) and the Broker options;
     raises AuthConfigError with a one-line reason before anything is bound."""
     from ibex_context.shared import auth

@@ -1,4 +1,4 @@
-"""Admission control (issue 18): admit only what can be answered in full, shed the rest at once.
+"""Admission control: admit only what can be answered in full, shed the rest at once.
 
 Two parts, both pure bookkeeping on numbers the broker already sees:
 

@@ -11,7 +11,7 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
   ties to the one dispatched to least recently. With a standing queue, a request that could not
   be answered in full is refused OVERLOADED on receipt.
 * The broker routes and authorizes on the request's header frame and never reads the payload; a
-  large payload is forwarded as the frame it arrived in, uncopied (README: Processes and data flow).
+  large payload is forwarded as the frame it arrived in, uncopied (docs/architecture.md "Processes and data flow").
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
   monotonic ns. Expired requests are dropped at receipt, in the queue and at dispatch, counted by
   reason, and the client is told DEADLINE_EXCEEDED. A request whose deadline passes while a worker
@@ -303,7 +303,7 @@ class Broker(UsageIntake, WorkerTable):
 
     def _pick_worker(self) -> WorkerState | None:
         """The live worker with most free slots; ties go to the one dispatched to least recently, so
-        equal workers get equal work (issue 18: a stable tie-break loaded one worker 2-3x more)."""
+        equal workers get equal work (a stable tie-break would load one worker 2-3x more)."""
         best: WorkerState | None = None
         best_free = 0
         for w in self.workers.values():

@@ -3,7 +3,7 @@
 ``BrokerBase`` holds the request table (pending, queue, deadline timers), the worker table and
 the counters; ``broker.workers`` (backend side) and ``broker.broker`` (frontend, dispatch, loop)
 build on it. Every request ends in exactly one reply, always sent through ``_reply_error`` or a
-forwarded worker reply (README: Processes and data flow).
+forwarded worker reply (docs/architecture.md "Processes and data flow").
 """
 
 from __future__ import annotations

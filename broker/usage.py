@@ -1,4 +1,5 @@
-"""The broker's usage-report path (README "Calibrated token counts", "Admission control").
+"""The broker's usage-report path (docs/assembly.md "Calibrated token counts",
+docs/architecture.md "Admission control").
 
 A report is admitted by its caller key's, its org's and the broker's token buckets
 (``broker.usage_limits``), authorized like a request, then sent straight to one live worker,
@@ -46,7 +47,7 @@ class UsageIntake(BrokerBase):
     def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame) -> None:
         """One report (module doc): shed while requests wait, then the key's bucket before it is
         decoded, the envelope and the caller's grant as for a request, the org's and the total
-        bucket, and forwarded. Refusals of a bad or unauthorized report are answered as before."""
+        bucket, and forwarded. Refusals of a bad or unauthorized report are answered."""
         self.stats["usage_received"] += 1
         now = time.monotonic_ns()
         caller = self._caller(client, last)
@@ -79,7 +80,7 @@ class UsageIntake(BrokerBase):
 
     def _caller(self, client: bytes, last: zmq.Frame) -> bytes:
         """Whom a report's per-key limit counts: the CURVE key with authentication on, else the
-        connection (without authentication every caller is on this host: README, Authentication)."""
+        connection (without authentication every caller is on this host: docs/security.md "Authentication")."""
         if self.authorizer is not None:
             try:
                 return b"k:" + str(last.get("User-Id")).encode()

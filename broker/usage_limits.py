@@ -13,7 +13,7 @@ A report over a limit is shed: dropped and counted (``usage_shed_key``, ``usage_
 ``usage_shed_total``). The first shed report of a key in each ``NOTICE_NS`` is answered
 OVERLOADED, so the caller learns it is over its limit (the client counts it in
 ``usage_refused``), without one reply per shed report. Reports are samples for a calibration
-sketch (README "Calibrated token counts"): shedding above the limit samples them, it loses no
+sketch (docs/assembly.md "Calibrated token counts"): shedding above the limit samples them, it loses no
 assembly's answer.
 
 A bucket holds ``rate * burst_s`` tokens (at least one) and refills at ``rate`` a second; a rate

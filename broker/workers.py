@@ -3,7 +3,7 @@
 Liveness follows the zguide's Paranoid Pirate (heartbeats both ways, ``liveness`` silent intervals
 and the worker is dead); a backend disconnect event triggers an immediate probe (ROUTER_MANDATORY
 makes a send to a vanished peer fail). Requests held by a dead worker are re-dispatched while
-their deadline allows, else answered UNAVAILABLE (README: Processes and data flow).
+their deadline allows, else answered UNAVAILABLE (docs/architecture.md "Processes and data flow").
 """
 
 from __future__ import annotations

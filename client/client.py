@@ -15,9 +15,9 @@ it for threads).
 * Every caller mistake is an ``InvalidRequest`` naming the field, raised before anything is sent:
   bad fields or timeout, text that is not UTF-8, a payload over ``IBEX_MAX_REQUEST_BYTES`` (the
   broker would drop the whole connection, failing every request in flight on it), a malformed
-  endpoint, and any use after ``close()`` (``ClientClosed``). README: The client library.
+  endpoint, and any use after ``close()`` (``ClientClosed``). README "The client library".
 * A chat conversation's images travel as their size and digest, and a reply as a layout over the
-  caller's own conversation, which the client rebuilds (``client.wire``; README "Size limits").
+  caller's own conversation, which the client rebuilds (``client.wire``; docs/assembly.md "Size limits").
 
 Thread safety: ``AsyncClient`` belongs to the event loop that first uses it and is safe to share
 across tasks on that loop. ``SyncClient`` runs its own loop on a background thread and is safe to
@@ -132,7 +132,7 @@ class AsyncClient:
             return
         self._started = True
         # The fallback's catalog, BPE vocabularies and pipeline modules take ~1 s to load; on the
-        # loop that is a ~1 s stall of every request the proxy is serving (README: The client library).
+        # loop that is a ~1 s stall of every request the proxy is serving (README "The client library").
         self._fallback = Fallback(asyncio.get_running_loop(), self.settings)
         if self.ctx is None:
             self.ctx = zmq.Context()
@@ -321,7 +321,7 @@ class AsyncClient:
                      cached_tokens: int | None = None) -> None:
         """Fire-and-forget: never raises (bad input is logged and counted), never blocks.
 
-        Carries the provider's count for a chat-native assembly back to the service (README
+        Carries the provider's count for a chat-native assembly back to the service (docs/assembly.md
         "Calibrated token counts"): ``prompt_tokens`` is the whole prompt as the window sees it
         (OpenAI ``usage.prompt_tokens``; Anthropic ``input_tokens`` + ``cache_read_input_tokens`` +
         ``cache_creation_input_tokens``), ``cached_tokens`` the part served from the provider's cache.

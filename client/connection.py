@@ -2,7 +2,7 @@
 
 Sockets are served by loop callbacks (``shared.loopsock``), not awaited reads: a reply costs no
 Future and no task switch on its way to the caller's future. ``IMMEDIATE`` queues only to live
-connections, so a request to a broker that is down fails over at once (README: The client library).
+connections, so a request to a broker that is down fails over at once (README "The client library").
 
 Replies are matched to their callers by a correlation id the connection makes for each attempt,
 never by the caller's ``request_id``: that is a label two callers may share (a LiteLLM call id comes

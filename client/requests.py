@@ -1,6 +1,6 @@
 """The client library's checks on what a caller passes, all before any socket exists.
 
-Every caller mistake is an ``InvalidRequest`` naming the field (README: The client library): bad
+Every caller mistake is an ``InvalidRequest`` naming the field (README "The client library"): bad
 fields or timeout, text that is not UTF-8, a malformed endpoint, and any use after ``close()``
 (``ClientClosed``). The request document is stamped with its deadline and packed here, through
 ``shared.codec``.

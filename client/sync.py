@@ -1,4 +1,4 @@
-"""The blocking client: an ``AsyncClient`` on a private event-loop thread (README: The client library).
+"""The blocking client: an ``AsyncClient`` on a private event-loop thread (README "The client library").
 
 Arguments are checked (``InvalidRequest``) before the thread starts; the client is safe to share
 across threads.

@@ -1,5 +1,5 @@
 """Usage reports: the provider's prompt count for an assembly, carried back to the service
-(README "Calibrated token counts"). ``AsyncClient.report_usage`` and ``SyncClient.report_usage``
+(docs/assembly.md "Calibrated token counts"). ``AsyncClient.report_usage`` and ``SyncClient.report_usage``
 call ``usage_payload`` and send the result without waiting for anything.
 
 A report needs the assembly's tenant, its uncalibrated count of the emitted prompt and the

@@ -1,4 +1,4 @@
-"""What the client library sends for a request, and what it makes of the reply (README "Size limits").
+"""What the client library sends for a request, and what it makes of the reply (docs/assembly.md "Size limits").
 
 A chat request travels with every base64 image replaced by its stub (``shared.images``: its size
 from the header and a digest, read here, once per call); the pictures stay in this process. The

@@ -19,7 +19,7 @@ faults included. Errors are ``{"error": message}`` with 400 (bad input), 401 (to
 (Redis unreachable); the service keeps serving after any of them. An agent with no data is not an
 error: 200 with an empty list.
 
-One tenant cannot starve the others (README, "Degradation and security"): a search embeds and
+One tenant cannot starve the others (docs/security.md "Degradation and security"): a search embeds and
 matches only the first ``max_query_chars`` characters of its query, large texts are embedded in a
 worker thread, and each org has at most ``max_concurrent_per_org`` searches and writes computing
 at once. Reads are total and bounded: a stored record that no longer validates is skipped and
@@ -105,7 +105,7 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
                 log.exception("unhandled error in %s", fn.__name__)
                 response = error_response(500, "internal error")
             # One line per call that went wrong; the 200s only at DEBUG (formatting and writing a
-            # line for every read is CPU spent on every assembly, issue 18).
+            # line for every read is CPU spent on every assembly).
             level = logging.DEBUG if response.status_code < 400 else logging.INFO
             if log.isEnabledFor(level):
                 log.log(level, "%s %s %d %.2fms", request.method, request.scope["path"], response.status_code,
@@ -239,8 +239,8 @@ class MemoryApp(Starlette):
     """Starlette with the two reads of every assembly dispatched straight to their handlers.
 
     Each handler already turns every exception into a JSON response (``_endpoint``), so Starlette's
-    error middlewares and router add nothing to them but a tenth of their CPU (issue 18). Any other
-    method or path (HEAD, a trailing slash, the writes, faults) goes through Starlette as before.
+    error middlewares and router add nothing to them but a tenth of their CPU. Any other
+    method or path (HEAD, a trailing slash, the writes, faults) goes through Starlette.
     """
 
     direct: dict[tuple[str, str], Handler]  # set by create_app

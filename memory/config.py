@@ -5,9 +5,9 @@ the service's own ``IBEX_MEMORY_*`` variables; the service loads this class only
 the same ``IBEX_MEMORY_SECRET`` the workers mint tokens with (``WorkerSettings.memory_secret``),
 with the same development default. That default is
 in the source, so anyone can mint a token for any org with it: the service only runs with it on a
-loopback address (README, "Degradation and security").
+loopback address (docs/security.md "Degradation and security").
 
-The limits below keep one tenant (or one bad write) from hurting the others (README, "Settings").
+The limits below keep one tenant (or one bad write) from hurting the others (docs/settings.md).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ class MemoryConfig(MemoryServiceSettings):
     text_weight: float = Field(
         TEXT_WEIGHT, ge=0.0, le=1.0,
         description="How far a full match of the question's words lifts a search hit's "
-                    "relevance from its cosine toward 1; 0 ranks by cosine alone (README \"Memory search\").")
+                    "relevance from its cosine toward 1; 0 ranks by cosine alone (docs/memory-search.md).")
     fusion: FusionRule = Field(
         "lift", description="How a search hit's full-text and vector scores become one "
-                            "relevance: lift (default), convex or rrf (README \"Memory search\").")
+                            "relevance: lift (default), convex or rrf (docs/memory-search.md).")
     exact_knn_max: int = Field(
         EXACT_KNN_MAX, ge=0,
         description="An agent with at most this many memories gets an exact vector "
@@ -70,7 +70,7 @@ class MemoryConfig(MemoryServiceSettings):
         TERM_SCAN_MAX, ge=1,
         description="A question word held by more of the agent's memories than this "
                     "is common: it scores only the other words' and the vector side's candidates instead of "
-                    "being scanned in full (README \"Memory search\").")
+                    "being scanned in full (docs/memory-search.md).")
     redis_timeout_ms: float = Field(1000.0, gt=0, description="Timeout of each Redis command.")
     max_query_chars: int = Field(
         DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,

@@ -6,8 +6,8 @@
     ibex-context directive delete --org acme --agent support-bot
 
 ``python -m ibex_context.memory.directive_cli`` is the same tool. The Redis URL comes from ``--redis-url``, else
-``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` for the running stack (README,
-Quickstart); with none of them there is no Redis to talk to (an embedded server would be empty),
+``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` for the running stack (README
+"Quickstart"); with none of them there is no Redis to talk to (an embedded server would be empty),
 so the CLI says so and exits 2. Every mistake is one line on stderr, ``PROG: what is wrong``.
 Exit codes: 0 done, 1 not found / Redis unreachable / malformed value, 2 usage error.
 

@@ -1,7 +1,7 @@
 """Query and memory embedding, done inside the memory service (workers never embed: spec,
 "Retrieval": embedding in the context service would pay its latency twice inside the deadline).
 
-Three embedders share one small interface (README "Selection quality" compares them):
+Three embedders share one small interface (docs/selection-quality.md compares them):
 
 * ``HashingEmbedder`` (``IBEX_MEMORY_EMBEDDER=hash``): deterministic feature hashing of
   word unigrams, word bigrams and character trigrams into a fixed-dimension unit vector. Pure,
@@ -116,7 +116,7 @@ class Embedder(Protocol):
     def min_similarity(self) -> float:
         """The retrieval-time cosine cutoff for this embedder's cosines, used when a search names
         none: cosine scales differ between embedders, so the spec's 0.70 is not right for every
-        one (README "Selection quality")."""
+        one (docs/selection-quality.md)."""
         ...
 
     def embed(self, texts: Sequence[str]) -> Vectors: ...

@@ -31,7 +31,7 @@ class CoalescingTransport:
     """A transport whose writes of one loop iteration go out as one ``write``.
 
     uvicorn writes a response's head and its body separately, two sends where one does; on
-    loopback each send costs the service more CPU than the whole response's Python (issue 18).
+    loopback each send costs the service more CPU than the whole response's Python.
     Buffered bytes are sent at the end of the current loop iteration, or first by ``close``.
     Everything else is the wrapped transport's.
     """

@@ -1,4 +1,4 @@
-"""The full-text side of one hybrid search (README "Memory search"): which engine query each
+"""The full-text side of one hybrid search (docs/memory-search.md): which engine query each
 question word gets, and the replies turned into text scores (``memory.fusion.text_scores``).
 
 The first round trip (shared with the vector query) scans the words known rare, or all words of

@@ -1,5 +1,5 @@
 """Hybrid ranking: how a memory's full-text match and its vector score become one relevance
-(README "Memory search"). Pure: no I/O, no clock.
+(docs/memory-search.md). Pure: no I/O, no clock.
 
 The full-text side asks the engine, per content word of the question, for the agent's memories
 holding it with their BM25 scores, and how many memories hold it (the word's document frequency).
@@ -16,11 +16,11 @@ asks for something the memories may not have). ``idf`` is Okapi's, over the agen
 The text side lifts a memory toward 1 by the share of the question it matches and never lowers
 one: a memory found by meaning alone keeps its cosine, so search hits stay on the cosine scale of
 hot hits and of other memory services, and a question worded unlike its answer loses nothing to
-word matches elsewhere (measured against a convex mix and reciprocal rank fusion: README "Memory
+word matches elsewhere (measured against a convex mix and reciprocal rank fusion: docs/memory-search.md "Memory
 search").
 
 That rule (``lift``, the default) is one of three ``IBEX_MEMORY_FUSION`` selects, so the others
-can be measured on the same stack (README "Memory search"):
+can be measured on the same stack (docs/memory-search.md):
 
     convex:  relevance = (1 - w) x cosine + w x text                 (w = TEXT_WEIGHT setting)
     rrf:     relevance = ((1 - w) / (60 + rank_cosine) + w / (60 + rank_text)) x 61
@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-TEXT_WEIGHT = 0.8  # measured on the conversation and demo sets: README "Memory search"
+TEXT_WEIGHT = 0.8  # measured on the conversation and demo sets: docs/memory-search.md
 RRF_K = 60  # reciprocal rank fusion's constant (Cormack, Clarke and Buettcher, 2009)
 FusionRule = Literal["lift", "convex", "rrf"]
 

@@ -1,5 +1,5 @@
-"""Request parsing and error rendering of the memory service's HTTP contract (README: Backing
-services): strict JSON bodies with a size cap, known query parameters only, the first validation
+"""Request parsing and error rendering of the memory service's HTTP contract (docs/deploy.md "Backing
+services"): strict JSON bodies with a size cap, known query parameters only, the first validation
 error named in one line, and every error as ``{"error": message, "field": ...}``.
 """
 

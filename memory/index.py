@@ -1,5 +1,5 @@
 """The memory indexes on the Redis Query Engine (RediSearch): schema, creation, and the two queries
-of a hybrid search (README "Memory search").
+of a hybrid search (docs/memory-search.md).
 
 One index per org and embedder covers the org's memory hashes (key prefix ``mem:{org:``,
 ``shared.keys``):
@@ -131,7 +131,7 @@ def knn_query(org_id: str, agent_id: str, field: str, k: int, *, exact: bool) ->
     memory of the agent (``ADHOC_BF``): exact, and cheap at that size. Above it the engine walks the
     HNSW graph in batches and keeps the agent's hits (``BATCHES``): approximate, but its cost does
     not grow with the agent (at 100,000 memories of 256 dimensions, 2.4 ms against 47 ms for the
-    brute force the engine picks by itself when the agent is most of the org: README "Memory search").
+    brute force the engine picks by itself when the agent is most of the org: docs/memory-search.md).
     """
     policy = "HYBRID_POLICY ADHOC_BF" if exact else f"HYBRID_POLICY BATCHES EF_RUNTIME {max(int(k), 10)}"
     return f"({tenant_filter(org_id, agent_id)})=>[KNN {int(k)} @{field} $vec {policy} AS vd]"

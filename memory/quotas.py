@@ -1,5 +1,5 @@
 """Write quotas: one org cannot fill the shared store or take the service's CPU with writes
-(README "Degradation and security").
+(docs/security.md "Degradation and security").
 
 Checked before a write is embedded, so a refused write costs nothing:
 
@@ -10,7 +10,7 @@ Checked before a write is embedded, so a refused write costs nothing:
 * **The store's own memory**: when Redis has a ``maxmemory`` and uses more than
   ``IBEX_MEMORY_WRITE_FLOOR_FRACTION`` of it (0.90), every memory write is refused (507) while
   reads go on, leaving the rest to directives, calibration and the index's own growth. The embedded
-  server runs with a ``maxmemory`` and ``noeviction`` (README "Backing services").
+  server runs with a ``maxmemory`` and ``noeviction`` (docs/deploy.md "Backing services").
 * **Embedding CPU**: an org's writes are embedded one at a time (``IBEX_MEMORY_MAX_WRITES_PER_ORG``),
   and at most ``IBEX_MEMORY_MAX_WRITE_EMBEDS`` writes of all orgs at once, so a tenant sending large
   writes queues behind itself and searches never queue behind writes.

@@ -7,7 +7,7 @@ Order of operations for search, and why each step sits where it does:
 1. Retrieval-time cosine cutoff (``min_similarity``; the spec's 0.70, or the embedder's own when a
    search names none: ``Embedder.min_similarity``): a vector candidate below it that matched no
    query word is dropped (``memory.fusion``).
-2. Full-text and vector scores are fused into one relevance (``memory.fusion``, README "Memory
+2. Full-text and vector scores are fused into one relevance (``memory.fusion``, docs/memory-search.md "Memory
    search").
 3. Scoring-time relevance floor (default 0.15), before the composite. A floor at or above 0.5
    could exclude memories found by their words alone, so it is refused.

@@ -7,7 +7,7 @@ atomic, and valid on a Redis Cluster.
 
 Records are read from Redis on every call, never served from process memory: a record changed
 straight in Redis is seen by the next read, and a damaged one is skipped and counted on every
-read that meets it (README, "Degradation and security").
+read that meets it (docs/security.md "Degradation and security").
 """
 
 from __future__ import annotations

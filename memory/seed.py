@@ -3,7 +3,7 @@
     ibex-context seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder minilm|static|hash]
 
 (``python -m ibex_context.memory.seed`` is the same tool.) The Redis URL comes from ``--redis-url``, else
-``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` (README, Quickstart).
+``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` (README "Quickstart").
 
 Without ``--file`` the bundled demo dataset (``memory/data/demo.jsonl``) is loaded. One JSON
 object per line; blank lines and lines starting with ``#`` are skipped:

@@ -10,7 +10,7 @@ lifetime (empty: seed it with ``python -m ibex_context.memory.seed``). The token
 Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.5, a host other
 than loopback (``--host`` / ``IBEX_MEMORY_HOST``) while the secret is the development default
 (anyone who read the source could mint a token for any org), or ``--enable-faults`` on a host
-other than loopback (README, "Degradation and security").
+other than loopback (docs/security.md "Degradation and security").
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings is None:
         return 2
     args = _parser(settings).parse_args(argv)
-    # The same log setup as broker and workers, so IBEX_LOG_FORMAT=json holds here too (README: Observability).
+    # The same log setup as broker and workers, so IBEX_LOG_FORMAT=json holds here too (docs/deploy.md "Observability").
     setup_logging(args.log_level.upper(), "memory", settings.log_format)
     config = _config(redis_url=args.redis_url, embedder=args.embedder, relevance_floor=args.relevance_floor)
     if config is None:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {refused}", file=sys.stderr)
         return 2
     # One BLAS thread: requests already run side by side, and OpenBLAS threads spinning on a busy
-    # machine made one MiniLM query cost 430 ms of wall instead of 13 ms (README "Selection quality").
+    # machine made one MiniLM query cost 430 ms of wall instead of 13 ms (docs/selection-quality.md).
     threadpool_limits(limits=1, user_api="blas")
     embedder = _embedder(config)
     if embedder is None:

@@ -1,5 +1,5 @@
 """The running memory service's state: config, embedder, Redis client, faults, per-org limiter
-and counters, plus the bounded answer every read returns (README: Degradation and security).
+and counters, plus the bounded answer every read returns (docs/security.md "Degradation and security").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One vector per vocabulary token, shipped in ``memory/data/static-minilm/`` (``ve
 30,522 x 128 int8 rows and their scales, made once by ``memory/data/distill_static.py``; the
 model's ``tokenizer.json``). A text is the mean of its tokens' rows, L2-normalised: tens of
 microseconds, no network, numpy and ``tokenizers`` only. Weaker than the full network on
-reworded questions (README "Selection quality" has the measurements).
+reworded questions (docs/selection-quality.md has the measurements).
 """
 
 from __future__ import annotations

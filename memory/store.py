@@ -15,7 +15,7 @@ vector is stored (``store_vectors``).
 
 Reads are total: a record that no longer validates (written straight to Redis, or by an older
 version with looser rules) is left out of every answer, logged and counted in ``RecordHealth``
-(shown by ``/healthz``), never an error for the agent (README, "Degradation and security").
+(shown by ``/healthz``), never an error for the agent (docs/security.md "Degradation and security").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Common words: the full-text side's cost bound for large agents (README "Memory search").
+"""Common words: the full-text side's cost bound for large agents (docs/memory-search.md).
 
 A BM25 query for one word visits every memory of the agent that holds it (about 0.35 µs each
 inside the tenant filter on the embedded server) and the engine does not prune, so a word held by
@@ -15,7 +15,7 @@ in the first round trip); its document frequency is estimated from the sample, a
 estimated rare is scanned (a rare word costs little to scan). A word scanned in full keeps its
 exact count and best BM25; a common word's scores are normalised by its best when known, else by
 its best among the candidates. Agents with at most ``IBEX_MEMORY_TERM_SCAN_MAX`` memories have no
-common word and every word is scanned, exactly as before.
+common word and every word is scanned.
 """
 
 from __future__ import annotations

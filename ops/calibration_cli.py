@@ -1,6 +1,6 @@
 """``ibex-context calibration show --org O [--model M] [--json]``: the learned token-count ratios.
 
-Reads the (org, model) sketches the workers write from usage reports (README "Calibrated token
+Reads the (org, model) sketches the workers write from usage reports (docs/assembly.md "Calibrated token
 counts") and prints, per model, the effective sample count, the ratio provider count / service
 count at the median, at the configured quantile and at the largest bucket seen, whether budgets
 use it yet (``IBEX_CALIBRATION_MIN_SAMPLES``), the multiplier they charge and the refused reports.

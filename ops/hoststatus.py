@@ -1,4 +1,4 @@
-"""``ibex-context status`` on any host: what this host's roles report (README "Deploying on several
+"""``ibex-context status`` on any host: what this host's roles report (docs/deploy.md "Deploying on several
 machines").
 
 On a host running the broker the output is the broker's STATUS snapshot (queue, workers, counters),

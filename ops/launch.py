@@ -1,5 +1,5 @@
 """One ``ibex-context up``: start this host's roles under supervisord, in order, each one ready
-before what needs it (README, Quickstart and "Deploying on several machines").
+before what needs it (README "Quickstart" and docs/deploy.md "Deploying on several machines").
 
 1. The key for the broker's STATUS when authentication is on (``ops.opskey``).
 2. supervisord, which starts this host's Redis, memory service and broker at once.
@@ -175,8 +175,9 @@ class Launch:
 
 def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str] = (), workers: int | None = None,
        connect: Iterable[str] = (), name: str | None = None) -> int:
-    """Start this host's roles under supervisord and wait for them (README, Quickstart and "Deploying on several
-    machines"); record what runs for ``status`` and the Redis URL for the admin CLIs."""
+    """Start this host's roles under supervisord and wait for them (README "Quickstart" and
+    docs/deploy.md "Deploying on several machines"); record what runs for ``status`` and the Redis
+    URL for the admin CLIs."""
     from ibex_context.shared.auth import AuthConfigError
 
     conf = conf or S.CONF
@@ -198,6 +199,6 @@ def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str
     busy = S._busy_ports(plan, settings)
     if busy:
         print(f"ibex-context up: port(s) already in use: {', '.join(busy)}; set IBEX_* ports "
-              "(see README, Settings) or stop what holds them", file=sys.stderr)
+              "(see docs/settings.md) or stop what holds them", file=sys.stderr)
         return 1
     return launch.run()

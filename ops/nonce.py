@@ -1,7 +1,7 @@
 """One memories-block nonce secret per deployment, checked through Redis.
 
 Every worker must derive the same nonce for the same memories, or a proxy's prompt-cache prefix
-changes whenever consecutive calls land on workers of different hosts (README "Prompt caching").
+changes whenever consecutive calls land on workers of different hosts (docs/assembly.md "Prompt caching").
 The secret itself never leaves the hosts' environment: Redis holds only its fingerprint, an
 HMAC-SHA256 of a constant under the nonce key, so a Redis backup, replica or ``MONITOR`` never
 carries a key a memory author could use to forge the block's closing tag.
@@ -10,7 +10,7 @@ The fingerprint is a lease, not a record: every host running workers keeps it al
 ``nonce-lease`` program under supervisord, ``python -m ibex_context.ops.nonce``), and it expires
 ``LEASE_TTL_S`` after the last such host stops. So a host whose secret differs is refused while
 any host of the deployment serves with another one, and rotating the secret is: stop every
-workers host, wait ``LEASE_TTL_S``, start them with the new one (README "Deploying on several
+workers host, wait ``LEASE_TTL_S``, start them with the new one (docs/deploy.md "Deploying on several
 machines").
 """
 

@@ -1,7 +1,7 @@
 """The CURVE key ``up`` and ``status`` ask the broker's STATUS with when authentication is on.
 
 With ``IBEX_AUTH_KEYS_FILE`` set the broker's frontend admits only client keys listed in the keys
-file (README, Authentication), its STATUS request included. On the broker's host the launcher
+file (docs/security.md "Authentication"), its STATUS request included. On the broker's host the launcher
 uses ``IBEX_CLIENT_KEY_FILE`` when that key is listed as a client; otherwise it keeps a keypair of
 its own in the run dir (``keys/ops.key``, 0600) and registers it once in the keys file as client
 ``ops-HOST`` of org ``ibex-ops``, an org no tenant uses, so the key can read the broker's counters

@@ -1,6 +1,6 @@
 """What one host runs under ``ibex-context up --role`` and the environment its programs get.
 
-A deployment over several machines splits the stack by role (README "Deploying on several
+A deployment over several machines splits the stack by role (docs/deploy.md "Deploying on several
 machines"): ``redis`` (the deployment's Redis, served at ``IBEX_REDIS_URL``), ``memory`` (the
 reference memory service), ``broker`` and ``workers``. ``all``, the default, runs every role on
 this host with a private loopback Redis (unless ``IBEX_REDIS_URL`` names one), as one machine does.
@@ -31,7 +31,7 @@ from ibex_context.shared.settings import Settings
 ROLES = ("redis", "memory", "broker", "workers")
 PRIVATE_REDIS_PORT = 6479  # the private Redis of `up --role all` when IBEX_REDIS_URL is unset
 MIN_SECRET_CHARS = 32  # shared secrets of a deployment: 32 characters, e.g. `openssl rand -hex 32`
-UP_METRICS_PORT = 9464  # Prometheus port under `up` when IBEX_METRICS_PORT is unset (README, Observability)
+UP_METRICS_PORT = 9464  # Prometheus port under `up` when IBEX_METRICS_PORT is unset (docs/deploy.md "Observability")
 
 
 class RoleError(Exception):

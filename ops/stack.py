@@ -5,10 +5,10 @@ harness, chaos runs).
 Under supervisord a host runs the roles it is given (``ops.roles``): by default all of them, an
 embedded redis-server when no ``IBEX_REDIS_URL`` is given, the reference memory service, the
 broker, and one pinned worker per usable CPU; on several machines, any of ``redis``, ``memory``,
-``broker`` and ``workers`` (README "Deploying on several machines"). Workers start last, once the
+``broker`` and ``workers`` (docs/deploy.md "Deploying on several machines"). Workers start last, once the
 settings every host shares agree with the running deployment (``ops.deploy_checks``). The
 supervisord config is package data; the host's state (pid, socket, logs, Redis data, recorded URL,
-``host.json``) lives in the run dir, ``$IBEX_RUN_DIR`` or ``./.run`` (README, Quickstart), so an
+``host.json``) lives in the run dir, ``$IBEX_RUN_DIR`` or ``./.run`` (README "Quickstart"), so an
 installed ``ibex-context up`` works from any directory.
 """
 
@@ -53,8 +53,8 @@ def _metrics_text(port: int) -> str:
 def run_dir_of(conf: Path) -> Path:
     """The stack's state dir (pid, socket, logs, Redis data, recorded URL) for the config ``conf``.
 
-    For the packaged config it is the run dir (``$IBEX_RUN_DIR``, default ``./.run``; README,
-    Quickstart). A private copy of the config elsewhere (tests) keeps its own ``.run/`` beside
+    For the packaged config it is the run dir (``$IBEX_RUN_DIR``, default ``./.run``; README
+    "Quickstart"). A private copy of the config elsewhere (tests) keeps its own ``.run/`` beside
     it, so it runs a whole separate stack.
     """
     if conf.resolve() == PACKAGED_CONF.resolve():
@@ -66,9 +66,9 @@ def nonce_secret(run_dir: Path) -> str:
     """The stack's memories-block nonce key, drawn once and kept in the run dir (mode 0600).
 
     Every worker must derive the same nonce for the same memories, or a proxy's prompt-cache prefix
-    breaks whenever consecutive calls land on different workers (README "Prompt caching"); kept
+    breaks whenever consecutive calls land on different workers (docs/assembly.md "Prompt caching"); kept
     across ``down``/``up`` for the same reason. ``IBEX_NONCE_SECRET`` overrides it, and a host of a
-    deployment over several machines must be given it (README "Deploying on several machines").
+    deployment over several machines must be given it (docs/deploy.md "Deploying on several machines").
     """
     path = run_dir / "nonce.secret"
     try:
@@ -182,7 +182,7 @@ def read_host_file(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _record_redis_url(url: str, run_dir: Path) -> None:
-    """The admin CLIs' default Redis (README, Quickstart), in a 0600 file: the URL may carry a password."""
+    """The admin CLIs' default Redis (README "Quickstart"), in a 0600 file: the URL may carry a password."""
     from ibex_context.memory.redis_server import STACK_REDIS_URL_FILE
 
     path = run_dir / STACK_REDIS_URL_FILE

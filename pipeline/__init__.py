@@ -1,4 +1,4 @@
-"""The pure assembly pipeline: budget, scoring, packing, formatting and the response (README
+"""The pure assembly pipeline: budget, scoring, packing, formatting and the response (docs/architecture.md
 "Processes and data flow"). No I/O here: the worker calls it after retrieval, ``ops explain``
 on a file, and the client for its degraded response, so ``import ibex_context.client`` must not
 pull in aiohttp, redis or the worker (tests/test_client_imports.py)."""

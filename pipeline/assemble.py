@@ -5,12 +5,12 @@
 
 ``assemble`` turns a request and what retrieval returned into the ``AssembleResponse``. The worker
 calls it after its retrieval wall (having parsed and counted the conversation before any I/O),
-``ops explain`` on a file and the client for its degraded response (README "Processes and data
+``ops explain`` on a file and the client for its degraded response (docs/architecture.md "Processes and data
 flow"), so all three answer with the same accounting. The request form matters only at the two
 ends: ``pipeline.turns`` makes one conversation of it, and the renderer it picks emits it
 (``pipeline.render``: the flat text, OpenAI or Anthropic messages).
 
-Deadlines (README "Deadlines"): with a ``Clock`` the deadline is checked before every CPU stage.
+Deadlines (docs/architecture.md "Deadlines"): with a ``Clock`` the deadline is checked before every CPU stage.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def assemble(
     with ``counter_for``'s counter; the worker does it before retrieval). ``lines``: the worker's
     cache of rendered memory lines. ``timings_us``: stage timings measured before this call (queue
     wait, retrieval), carried on. ``calibration``: the (org, model) ratio learned from usage
-    reports, when it has enough samples (README "Calibrated token counts").
+    reports, when it has enough samples (docs/assembly.md "Calibrated token counts").
     """
     timings = dict(timings_us or {})
     explicit = bool(nonce)  # explain's --nonce and tests: used as given, never re-derived
@@ -106,7 +106,7 @@ def scoring_stage(req: AssembleRequest, retrieval: RetrievalResult, cost: Memory
     """Score every copy retrieval kept, then apply the request's ``max_memories``.
 
     The scorer sees ``[*hot, *cold]`` and picks the copy of a repeated memory_id itself, since it
-    knows which copy's scores are valid (one decision per memory, README "Scoring and packing").
+    knows which copy's scores are valid (one decision per memory, docs/assembly.md "Scoring and packing").
     """
     opts = req.options
     scored, rejected = score_candidates([*retrieval.hot, *retrieval.cold], cost, min_score=opts.min_score,

@@ -1,4 +1,4 @@
-"""The usable memory budget: the spec's subtraction, as a pure function (README "Budget and token
+"""The usable memory budget: the spec's subtraction, as a pure function (docs/assembly.md "Budget and token
 counting").
 
     usable = context_window - response_reserve - safety_buffer - directive - messages
@@ -48,7 +48,7 @@ def multiplier(spec: ModelSpec, calibration: Calibration) -> float:
 
 def counter_for(catalog: Catalog, spec: ModelSpec, calibration: Calibration | None) -> TokenCounter:
     """The counter a request is budgeted with: the family's own (exact BPE or the estimate with its
-    factor) or, for a calibrated (org, model), that count times the learned multiplier (README
+    factor) or, for a calibrated (org, model), that count times the learned multiplier (docs/assembly.md
     "Calibrated token counts"; never below ``shared.calibration.multiplier_floor``)."""
     base = catalog.counter(spec.family.name)
     if calibration is None:

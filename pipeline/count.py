@@ -1,4 +1,4 @@
-"""Every token count of what the formatter renders (README "Budget and token counting").
+"""Every token count of what the formatter renders (docs/assembly.md "Budget and token counting").
 
 The budget subtracts the formatter's overhead *before* packing, so each piece is counted here in
 the units the packer will spend:

@@ -1,4 +1,4 @@
-"""Decisions: one answer per candidate to "where did my memory go?" (README "Scoring and packing").
+"""Decisions: one answer per candidate to "where did my memory go?" (docs/assembly.md "Scoring and packing").
 
 Pure: built from what the scorer rejected, what the packer packed or left out, and what the
 formatter dropped.
@@ -92,7 +92,7 @@ def _budget_reason(m: ScoredMemory, p: _Packing) -> str:
 
     A memory larger than the whole budget was never in competition with anything; otherwise it
     lost to the packed set, whose members need not each score higher (the packer maximises the
-    total score, README "Scoring and packing").
+    total score, docs/assembly.md "Scoring and packing").
     """
     if m.tokens > p.usable or p.usable <= 0:
         return f"needs {m.tokens} tokens, budget is {p.usable}"

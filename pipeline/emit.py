@@ -49,7 +49,7 @@ def block_nonce(result: PackResult, lines: LineCache | None, nonce: Nonce) -> st
     """The memories block's nonce, chosen before the block is rendered.
 
     Derived from the packed memories' lines (``fmt.derive_nonce``): the same memories give the
-    same block bytes turn after turn (README "Prompt caching"). The given value stands when the
+    same block bytes turn after turn (docs/assembly.md "Prompt caching"). The given value stands when the
     caller fixed it, the request asks for ``"random"``, or nothing was packed. The budget's frame
     overhead is a bound over every nonce value, so it holds for the derived one.
     """

@@ -4,7 +4,7 @@ Every fixed part is counted by the target's renderer (tools, reply priming, the 
 target sends it, the memories block's frame). The history gets what the window leaves
 (``pipeline.history``: oldest whole units first, system messages and the latest user turn
 never); if even those do not fit, ``ContextOverflow`` naming how many tokens over. The packer
-then spends what the kept history leaves (README "Budget and token counting").
+then spends what the kept history leaves (docs/assembly.md "Budget and token counting").
 """
 
 from __future__ import annotations

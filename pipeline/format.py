@@ -1,7 +1,7 @@
-"""Deterministic formatting with memory treated as untrusted data (README "Degradation and security").
+"""Deterministic formatting with memory treated as untrusted data (docs/security.md "Degradation and security").
 
 The formatter only serializes; it never parses memory text. What each untrusted string gets
-(README "Degradation and security"):
+(docs/security.md "Degradation and security"):
 
   * memory bodies (``escape_body``): ``&``, ``<`` and ``>`` become entities, so a body contains no
     ``<`` or ``>`` at all and cannot close or open a tag, start CDATA or a comment, whether or not
@@ -138,7 +138,7 @@ _PROCESS_KEY = secrets.token_bytes(32)
 
 
 def nonce_key(nonce_secret: str | None, memory_secret: str) -> bytes:
-    """The HMAC key of ``derive_nonce`` (README "Chat-native assembly"), from the settings the
+    """The HMAC key of ``derive_nonce`` (docs/assembly.md "Chat-native assembly"), from the settings the
     caller read (``pipeline.policy.Policy.from_settings``): this module reads no environment.
 
     ``IBEX_NONCE_SECRET`` when set; otherwise a key derived from ``IBEX_MEMORY_SECRET`` when that
@@ -267,7 +267,7 @@ def summary_block(text: str, nonce: str) -> str:
 
 def summary_nonce(key: bytes, text: str) -> str:
     """The summary's derived nonce: the same summary gives the same block bytes call after call
-    (README "Prompt caching"), and its author cannot predict it."""
+    (docs/assembly.md "Prompt caching"), and its author cannot predict it."""
     return derive_nonce(key, ["<summary>", text])
 
 

@@ -1,19 +1,19 @@
 """The memory-hit contract, written once: what a hit from the memory service must look like.
 
-One object of the memory service's ``{"memories": [...]}`` answer (README "Backing services") is
+One object of the memory service's ``{"memories": [...]}`` answer (docs/deploy.md "Backing services") is
 a hit when it has every field of ``HIT_FIELDS`` with these limits, the same ones the memory
-service stores memories under (README "Degradation and security": a write cannot break reads):
+service stores memories under (docs/security.md "Degradation and security": a write cannot break reads):
 
 * ``memory_id``: an identifier, ``[A-Za-z0-9_.-]{1,64}`` (the wire's ``IDENT_CHARS``);
 * ``content``: a string of at most ``MAX_CONTENT_CHARS`` characters;
 * ``category``: a string of at most ``MAX_CATEGORY_CHARS`` characters;
 * ``similarity`` and ``confidence``: numbers (not booleans). Whether they are finite and in
-  [0, 1] is the scorer's to say, as an ``invalid_score`` decision with a reason (README "Scoring
+  [0, 1] is the scorer's to say, as an ``invalid_score`` decision with a reason (docs/assembly.md "Scoring
   and packing"): one bad score must cost that memory only, and show up as such;
 * ``rank``: an integer >= 0 (the service numbers from 1; 0 is accepted so hand-written
   ``explain`` inputs stay valid);
 * optional: ``components``, an object of the composite's five numbers (``COMPONENTS``), which
-  the packer's score is built from (README "Selection quality"), ``salience`` (hot hits),
+  the packer's score is built from (docs/selection-quality.md), ``salience`` (hot hits),
   ``text_score`` and ``vector_score`` (search hits: what the relevance was fused from), and
   ``created_at`` (a string; its leading ``YYYY-MM-DD``, when it has one, is rendered as the
   memory's date, so "when" questions can be answered from the prompt).
@@ -47,7 +47,7 @@ def memory_id_problem(memory_id: object) -> str | None:
     """Why ``memory_id`` breaks the memory-hit contract, or None when it is a valid identifier.
 
     An empty or odd id cannot name a memory in decisions, caches or the rendered block, so the hit
-    is refused as ``malformed`` (README "Scoring and packing") rather than packed under it.
+    is refused as ``malformed`` (docs/assembly.md "Scoring and packing") rather than packed under it.
     """
     if not isinstance(memory_id, str):
         return f"memory_id must be a string, got {type(memory_id).__name__}"

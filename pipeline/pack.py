@@ -1,6 +1,6 @@
 """Packing stage: choose the memories that fit the token budget with the most total score.
 
-README "Scoring and packing": a 0/1 knapsack under the usable token budget, in seven steps
+docs/assembly.md "Scoring and packing": a 0/1 knapsack under the usable token budget, in seven steps
 (marked ``Step N`` in the code). The DP table lives in ``pipeline.knapsack``, steps 5 and 6 in
 ``pipeline.swaps``.
 

@@ -1,6 +1,6 @@
 """What the pure stages are given besides the request: the settings they read and the deadline.
 
-Deadlines (README "Deadlines"): with a ``Clock`` the deadline is checked before every CPU stage.
+Deadlines (docs/architecture.md "Deadlines"): with a ``Clock`` the deadline is checked before every CPU stage.
 numpy cannot be interrupted, so expired work must simply not be started: an expired request
 raises ``DeadlineExceeded`` and spends no more CPU. Offline callers pass no clock.
 """
@@ -50,7 +50,7 @@ def elapsed_us(a: int, b: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The settings the pure stages read (README "Budget and token counting").
+    """The settings the pure stages read (docs/assembly.md "Budget and token counting").
 
     ``verify_format`` re-counts the rendered memories section exactly and drops memories if the
     additive bound was wrong (``explain``; it costs a full BPE pass); otherwise the bound is used

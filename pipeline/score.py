@@ -1,6 +1,6 @@
 """Scoring stage: checks each hit's numbers and gives it the packer's score.
 
-README "Selection quality": a hit that carries the memory composite's five components
+docs/selection-quality.md: a hit that carries the memory composite's five components
 (relevance, recency, usefulness, confidence, access; the reference memory service sends them) is
 scored by their weighted sum, with the request's ``AssemblyOptions.weights`` or the packer's
 defaults ``DEFAULT_WEIGHTS`` (0.70, 0.10, 0.10, 0.05, 0.05)::
@@ -8,7 +8,7 @@ defaults ``DEFAULT_WEIGHTS`` (0.70, 0.10, 0.10, 0.05, 0.05)::
     composite = sum(w_i x component_i)
 
 A hit without them (another memory service), or every hit when ``options.score`` is "interim",
-gets the labelled INTERIM score (README "Scoring and packing")::
+gets the labelled INTERIM score (docs/assembly.md "Scoring and packing")::
 
     interim = 0.85 x similarity + 0.15 x confidence
 
@@ -33,10 +33,10 @@ from ibex_context.pipeline.hits import memory_id_problem
 from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory
 from ibex_context.shared.models import COMPONENTS, ScoreWeights
 
-# (similarity weight, confidence weight) of the interim score; README "Scoring and packing".
+# (similarity weight, confidence weight) of the interim score; docs/assembly.md "Scoring and packing".
 INTERIM_WEIGHTS: Final[tuple[float, float]] = (0.85, 0.15)
 Weights5 = tuple[float, float, float, float, float]
-# The packer's default weights (README "Selection quality"): relevance first. The memory service
+# The packer's default weights (docs/selection-quality.md): relevance first. The memory service
 # ranks its candidates with the spec's (0.40, 0.25, 0.20, 0.10, 0.05); packing with those put
 # fresh, much-used but unrelated memories first (bench.retrieval, minilm at cutoff 0.30: MRR 0.48
 # against 0.72 with these, recall@10 0.79 against 0.89). Defined once: ScoreWeights' defaults.
@@ -89,7 +89,7 @@ def _score(hit: MemoryHit, use_components: bool, weights: Weights5) -> tuple[flo
 
 def _duplicate_reason(kept: MemoryHit, kept_at: int, kept_score: float | None, drop: MemoryHit,
                       drop_score: float | None, kind: str = "interim") -> str:
-    """Which copy of a repeated memory_id was kept, and why (README "Scoring and packing")."""
+    """Which copy of a repeated memory_id was kept, and why (docs/assembly.md "Scoring and packing")."""
     if kept_score is None:
         why = "no copy has valid scores; the hot copy, then the first returned, is the one reported"
     elif drop_score is None:
@@ -150,7 +150,7 @@ def score_candidates(
 
     ``cost`` is the hit's token cost as the formatter will spend it (its per-memory block cost,
     markup included), so the packer's ``total_tokens <= token_budget`` holds after formatting
-    (README "Budget and token counting"). It is called only for kept hits whose scores are valid
+    (docs/assembly.md "Budget and token counting"). It is called only for kept hits whose scores are valid
     and at or above ``min_score``; a cost that raises, is not an int, or is negative rejects that
     hit as ``invalid_score`` (the wire has no separate kind for a bad cost) with the cause in
     ``reason``.

@@ -1,4 +1,4 @@
-"""The compaction summary slot (README "Compaction summaries"): a summary stands in for the
+"""The compaction summary slot (docs/assembly.md "Compaction summaries"): a summary stands in for the
 conversation's first ``covers`` non-system messages, which are taken out before the history is
 fitted; the summary goes where they were, framed as untrusted data like the memories block.
 

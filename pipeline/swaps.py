@@ -1,4 +1,4 @@
-"""Steps 5 and 6 of the packer on exact tokens (README "Scoring and packing"): repair a chosen
+"""Steps 5 and 6 of the packer on exact tokens (docs/assembly.md "Scoring and packing"): repair a chosen
 set until it fits, then refill and apply score-raising swaps.
 
 Pure: numpy over the candidates' exact tokens and scores, in place on a bool mask.

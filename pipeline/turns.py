@@ -7,7 +7,7 @@ The simple form (``recent_messages``/``tool_schemas``) becomes an OpenAI-shaped 
 (``{"role", "content"}`` messages, its schemas the tools) rendered as flat text; the chat-native
 form (``format``) is validated by ``shared.chat`` and rendered for its provider. Nothing here
 needs retrieval, so the worker runs it before any I/O: a bad conversation costs no Redis or
-memory-service call (README "Processes and data flow").
+memory-service call (docs/architecture.md "Processes and data flow").
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class MemoryHit:
     """One memory as the memory service returned it (untrusted text, scores not yet checked).
 
     Built only through ``pipeline.hits`` from wire data, so the shape is already checked; the
-    scores are checked by the scorer, which reports a bad one as a decision (README "Scoring and
+    scores are checked by the scorer, which reports a bad one as a decision (docs/assembly.md "Scoring and
     packing").
     """
 
@@ -49,7 +49,7 @@ class MemoryHit:
 class ScoredMemory:
     """A candidate with its token cost and the packer's score.
 
-    ``composite_score`` is the packer's score (README "Selection quality"): the weighted composite
+    ``composite_score`` is the packer's score (docs/selection-quality.md): the weighted composite
     of the hit's five components when it carries them (``kind`` "composite"), else the INTERIM
     score 0.85 x similarity + 0.15 x confidence (``kind`` "interim").
     """
@@ -98,7 +98,7 @@ class RetrievalResult:
     refused (malformed or over a branch cap), every branch's outcome and the stored summary.
 
     Copies of one memory_id in ``hot`` and ``cold`` both stay here: the scorer picks the copy
-    (README "Scoring and packing").
+    (docs/assembly.md "Scoring and packing").
     """
 
     directive: str | None

@@ -85,7 +85,7 @@ def exposure(endpoint: str) -> str | None:
 
 
 def require_auth_or_loopback(endpoints: list[str], auth_on: bool) -> None:
-    """Without a keys file, refuse every endpoint another host could reach (README, Authentication)."""
+    """Without a keys file, refuse every endpoint another host could reach (docs/security.md "Authentication")."""
     if auth_on:
         return
     for endpoint in endpoints:
@@ -93,6 +93,6 @@ def require_auth_or_loopback(endpoints: list[str], auth_on: bool) -> None:
         if reason is not None:
             raise AuthConfigError(
                 f"refusing to bind {_printable(endpoint)} without authentication: {reason}; set "
-                "IBEX_AUTH_KEYS_FILE and IBEX_BROKER_KEY_FILE (see README, Authentication), or bind only "
+                "IBEX_AUTH_KEYS_FILE and IBEX_BROKER_KEY_FILE (see docs/security.md 'Authentication'), or bind only "
                 "loopback IP literals, localhost or ipc"
             )

@@ -1,4 +1,4 @@
-"""Calibrated token counts (README "Calibrated token counts"): what the provider really charged.
+"""Calibrated token counts (docs/assembly.md "Calibrated token counts"): what the provider really charged.
 
 After each call the proxy reports the provider's own prompt count (``usage.prompt_tokens``) for
 an assembly; the service keeps, per (org, model), the ratio

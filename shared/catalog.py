@@ -3,7 +3,7 @@
 An unknown model is an error (``UnknownModel``), never a guessed window: a guess that is too
 large is exactly how a context overflows in production. Names as SDKs send them (dated ids,
 ``-latest``, ``provider/`` prefixes, any case) resolve by the fixed rules in ``Catalog.model``
-(README: Budget and token counting); nothing is matched by similarity.
+(docs/assembly.md "Budget and token counting"); nothing is matched by similarity.
 """
 
 from __future__ import annotations

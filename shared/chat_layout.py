@@ -2,7 +2,7 @@
 
 A chat reply says which of the caller's messages are kept and what the service adds where (the
 directive, the memory block, ``cache_control`` marks), never the caller's messages themselves:
-the caller holds them already (README "Size limits"). ``materialize`` applies a layout; the
+the caller holds them already (docs/assembly.md "Size limits"). ``materialize`` applies a layout; the
 pipeline applies it to the conversation it counted, the client library to the caller's own, so
 both are the same messages and the caller's parts come back as the very objects it passed.
 

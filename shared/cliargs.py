@@ -1,5 +1,5 @@
 """Argument handling every ``ibex-context`` command shares: one-line usage errors, UTF-8 checks,
-one line for a malformed ``IBEX_*`` variable (README, Quickstart).
+one line for a malformed ``IBEX_*`` variable (README "Quickstart").
 
 Here rather than in a server module, so the CLI's client-side commands (``assemble``, ``keys``,
 ``explain``) run on an install without the server extra.
@@ -40,7 +40,7 @@ def utf8_arg(value: str) -> str:
 
 
 def settings_error(exc: ValidationError, prefix: str = "IBEX_") -> str:
-    """One line naming a malformed environment variable (README, Settings)."""
+    """One line naming a malformed environment variable (docs/settings.md)."""
     err = first_error(exc)
     name = "_".join(err.loc).upper()
     name = name if name.startswith("IBEX_") else prefix + name  # a field that names its variable

@@ -261,7 +261,7 @@ def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelop
     return Envelope(request_id, obj["org_id"], obj["agent_id"], deadline)
 
 
-# The routing header (issue 18): what the broker routes and authorizes on, in a small fixed layout
+# The routing header: what the broker routes and authorizes on, in a small fixed layout
 # beside the payload, so the broker never unpacks a request. version u8, deadline_ns u64, then the
 # UTF-8 lengths of request_id (u16: 128 characters may take 512 bytes), org_id and agent_id (u8
 # each), then the three strings.

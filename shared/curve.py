@@ -1,5 +1,5 @@
 """CURVE keys and socket setup: keypair files, public keys, and the client/server socket options
-(README: Authentication (CURVE + ZAP)). ``shared.keyring`` maps keys to orgs; ``shared.auth`` is
+(docs/security.md "Authentication"). ``shared.keyring`` maps keys to orgs; ``shared.auth`` is
 the one import callers use.
 """
 
@@ -155,7 +155,7 @@ class MissingBrokerKey(AuthConfigError):
 def curve_client_for(key_file: str | None, settings: CommonSettings, *,
                      role: str) -> Callable[[zmq.Socket[Any]], None] | None:
     """The CURVE client setup of a ``client`` or ``worker`` from its key file and the broker's
-    public key, or None when the key file is unset (README: Authentication (CURVE + ZAP)). Raises
+    public key, or None when the key file is unset (docs/security.md "Authentication"). Raises
     ``MissingBrokerKey`` when the key file is set without ``IBEX_BROKER_PUBLIC_KEY``,
     ``AuthConfigError`` for an unreadable key."""
     if not key_file:

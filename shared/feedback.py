@@ -1,4 +1,4 @@
-"""The optional last frame of a worker's reply (issue 18): what the broker's admission control
+"""The optional last frame of a worker's reply: what the broker's admission control
 (``broker.admission``) learns from each answered request. Fixed layout: flags u8, loop lag µs u32."""
 
 from __future__ import annotations

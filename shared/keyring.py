@@ -1,5 +1,5 @@
 """The keys file: which client keys act for which org and agents, and which worker keys may join
-(README: Authentication (CURVE + ZAP)). One public key has one role; every mistake is an
+(docs/security.md "Authentication"). One public key has one role; every mistake is an
 ``AuthConfigError`` naming the entry, found when the broker starts or a key is registered.
 """
 
@@ -78,7 +78,7 @@ def _client_grant(entry: dict[str, Any], index: int, where: str) -> ClientGrant:
 
 @dataclass(frozen=True, slots=True)
 class _Claim:
-    """Where a public key was first listed: one role per key (README, Authentication)."""
+    """Where a public key was first listed: one role per key (docs/security.md "Authentication")."""
 
     role: str
     label: str
@@ -184,7 +184,7 @@ def register(keys_file: Path, *, public_key: bytes, role: str, name: str, org_id
     """Add one key to the keys file; with REPLACE, change the entry of a key already in ROLE.
 
     A key registered in either role is refused unless REPLACE is set, and a key is never given the
-    other role, even with REPLACE (README, Authentication). A keys file the broker would refuse is
+    other role, even with REPLACE (docs/security.md "Authentication"). A keys file the broker would refuse is
     not edited. Returns whether an entry was replaced. The file is rewritten atomically.
     """
     entry = _new_entry(public_key, role, name, org_id, agents)

@@ -1,6 +1,6 @@
 """Every Redis key the service reads or writes, built in one place.
 
-README (Degradation and security): tenant scoping is enforced at the data
+docs/security.md "Degradation and security": tenant scoping is enforced at the data
 layer, so every key names its org in a fixed place. Identifiers are checked against the same safe
 alphabet as ``shared.models.Ident``: no ``:``, braces or whitespace, so no org or agent id can
 smuggle a separator and name a key in another tenant's namespace. A bad identifier raises
@@ -19,7 +19,7 @@ smuggle a separator and name a key in another tenant's namespace. A bad identifi
 
 Memory keys start with their family, not the org, because the Redis Query Engine indexes hashes
 by key prefix: one index (``mem:``) covers every tenant, and every query filters on the org and
-agent TAG fields inside the engine (README "Memory search"). The ``{org:agent}`` part is a Redis
+agent TAG fields inside the engine (docs/memory-search.md). The ``{org:agent}`` part is a Redis
 Cluster hash tag: one agent's keys share a slot, so its writes stay atomic on a cluster, while
 agents spread over the shards.
 """

@@ -2,7 +2,7 @@
 
 pyzmq's ``zmq.asyncio`` sockets build a Future for every send and receive and convert socket
 options through Python enums on the way; on the 2-core dev machine that costs ~220 µs of CPU per
-request in a worker that does nothing else (issue 9; ``python -m bench.hops``: 323 against 103 µs). Here a plain
+request in a worker that does nothing else (``python -m bench.hops``). Here a plain
 socket's edge-triggered FD is registered with ``loop.add_reader``: when it fires, ``_drain`` reads
 every waiting message and hands each to a callback, and sends are non-blocking calls whose
 failure is returned as a value (STYLE: non-blocking sends with the failure counted).

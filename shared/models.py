@@ -42,7 +42,7 @@ class ScoreWeights(_Wire):
     """Weights of the memory composite's five components (spec "Memory-service composite").
 
     The packer's score of a hit that carries its components is their weighted sum with these
-    weights (README "Selection quality"). Each finite, non-negative; together they sum to 1. The
+    weights (docs/selection-quality.md). Each finite, non-negative; together they sum to 1. The
     defaults are the packer's (``pipeline.score.DEFAULT_WEIGHTS``), not the memory service's.
     """
 
@@ -71,11 +71,11 @@ class AssemblyOptions(_Wire):
     include_cold: bool = True
     max_memories: Annotated[int, Field(ge=0, le=70)] | None = None
     min_score: Unit = 0.0
-    # README "Chat-native assembly": "derived" keeps the memories block byte-identical for the same
+    # docs/assembly.md "Chat-native assembly": "derived" keeps the memories block byte-identical for the same
     # memory set (a stable prompt-cache prefix); "random" draws a fresh nonce per assembly.
     nonce: Literal["derived", "random"] = "derived"
     cache_breakpoints: bool = False  # Anthropic only: add cache_control after the stable parts
-    # README "Selection quality": the composite's weights for this request (default: the spec's),
+    # docs/selection-quality.md: the composite's weights for this request (default: the spec's),
     # and the score rule: "composite" (the weighted components each hit carries, the interim
     # score for a hit without them) or "interim" (0.85 x similarity + 0.15 x confidence for all).
     weights: ScoreWeights | None = None
@@ -86,14 +86,14 @@ ChatFormat = Literal["openai", "anthropic"]
 
 
 class HistoryOptions(_Wire):
-    """How a chat conversation is fitted to the window (README "Chat-native assembly")."""
+    """How a chat conversation is fitted to the window (docs/assembly.md "Chat-native assembly")."""
 
     mode: Literal["trim_oldest", "fail"] = "trim_oldest"
     min_recent_turns: Annotated[int, Field(ge=0, le=10_000)] = 0
     min_memory_share: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.0
 
 
-# Opaque conversation keys (a summary's, README "Compaction summaries"): the last part of a Redis key,
+# Opaque conversation keys (a summary's, docs/assembly.md "Compaction summaries"): the last part of a Redis key,
 # after the org and agent, so ':' may appear (it cannot reach another org's or agent's keys).
 SUMMARY_KEY_CHARS = r"[A-Za-z0-9._:\-]{1,128}"
 MAX_SUMMARY_CHARS = 32_000
@@ -101,7 +101,7 @@ MAX_SUMMARY_CHARS = 32_000
 
 class SummarySlot(_Wire):
     """A compaction summary that stands in for the conversation's first ``covers`` non-system
-    messages (README "Compaction summaries"). A count, not message ids: a count is what a proxy
+    messages (docs/assembly.md "Compaction summaries"). A count, not message ids: a count is what a proxy
     knows, and a conversation only grows at its end, so its first N non-system messages are the
     same messages call after call. ``covers`` must end on a unit boundary (never between a tool
     call and its results) and before the latest user turn."""
@@ -182,7 +182,7 @@ class Decision(_Wire):
     tokens: NonNegInt | None = None
     score: Unit | None = None
     components: dict[str, float] | None = None  # the composite's five inputs, when the hit carried them
-    # A search hit's full-text and vector scores, which its relevance was fused from (README "Memory search").
+    # A search hit's full-text and vector scores, which its relevance was fused from (docs/memory-search.md).
     retrieval: dict[str, float] | None = None
 
 
@@ -192,7 +192,7 @@ CountRule = Literal["exact", "estimate", "calibrated"]
 class BudgetBreakdown(_Wire):
     """Every term of the spec's usable-budget formula, plus the inputs that produced them.
 
-    ``count_rule`` says which rule produced every count in it (README "Calibrated token counts"):
+    ``count_rule`` says which rule produced every count in it (docs/assembly.md "Calibrated token counts"):
     the family's exact BPE, its conservative estimate, or the uncalibrated count times
     ``calibration_ratio`` (the ``calibration_quantile`` of the provider-reported ratio over
     ``calibration_samples`` effective samples of this org and model).
@@ -290,7 +290,7 @@ class Placed(_Wire):
 
 
 class ChatLayout(_Wire):
-    """How the provider-ready conversation is made from the caller's own (README "Size limits"):
+    """How the provider-ready conversation is made from the caller's own (docs/assembly.md "Size limits"):
     ``messages`` in order, an int being the caller's message at that index, unchanged; ``system``
     Anthropic's system blocks (None for OpenAI). ``shared.chat_layout.materialize`` applies it."""
 
@@ -316,7 +316,7 @@ class AssembleResponse(_Wire):
     timings_us: dict[str, NonNegInt]
     nonce: str
     worker_id: str = ""
-    # Chat-native requests only: what the proxy sends the provider, as is (README "Chat-native
+    # Chat-native requests only: what the proxy sends the provider, as is (docs/assembly.md "Chat-native
     # assembly"), its exact (or estimated) token count, and the messages trimmed to fit. On the
     # wire a reply carries ``layout`` alone; the client library rebuilds ``messages`` and
     # ``system`` from the caller's own conversation (``shared.chat_layout``).
@@ -326,7 +326,7 @@ class AssembleResponse(_Wire):
     layout: ChatLayout | None = None
     prompt_tokens: NonNegInt | None = None
     prompt_tokens_kind: CountRule | None = None
-    # What a usage report needs to match the provider's count to this assembly (README
+    # What a usage report needs to match the provider's count to this assembly (docs/assembly.md
     # "Calibrated token counts"): the emitted prompt counted by the catalog's rule alone (no
     # calibration; equal to prompt_tokens unless the kind is "calibrated"), and the tenant.
     prompt_tokens_uncalibrated: NonNegInt | None = None
@@ -336,7 +336,7 @@ class AssembleResponse(_Wire):
     # uncalibrated count under it for a short while; None when nothing was recorded.
     assembly_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     history: list[HistoryDecision] = Field(default_factory=list)
-    # The request's summary (README "Compaction summaries"), and how many leading non-system
+    # The request's summary (docs/assembly.md "Compaction summaries"), and how many leading non-system
     # messages of the caller's conversation were not sent (summarized or trimmed): the next
     # summary covers at least these.
     summary: SummaryReport | None = None

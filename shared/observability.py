@@ -113,7 +113,7 @@ class WorkerMetrics:
 
 class CalibrationMetrics:
     """Usage reports by outcome, and each (org, model) sketch's ratio quantiles and sample weight
-    as the worker last read them (README "Calibrated token counts"). Gauges keep the most recent
+    as the worker last read them (docs/assembly.md "Calibrated token counts"). Gauges keep the most recent
     value across worker processes."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:

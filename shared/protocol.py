@@ -28,16 +28,16 @@ about this request (a retrieval branch timed out; how long it waited for the wor
 sent_ns, attempt) as little-endian unsigned ints (``Stamp``): the broker's queue wait and dispatch
 time travel with the request so the reply can carry them. Payloads are the codec's msgpack models.
 
-``header`` (``codec.pack_header``, issue 18) carries what the broker routes and authorizes on
+``header`` (``codec.pack_header``) carries what the broker routes and authorizes on
 (version, request_id, org_id, agent_id, deadline_ns) in a small fixed layout, so the broker's cost
-does not grow with the payload: it checks the header as strictly as it once checked those fields of
-the payload, and forwards header and payload untouched. The worker refuses a payload that disagrees
+does not grow with the payload: it checks the header as strictly as the wire model checks those
+fields, and forwards header and payload untouched. The worker refuses a payload that disagrees
 with its header (``codec.header_mismatch``). A client that sends no header (a raw or older client)
 is still served: the broker reads the same fields from the payload and builds the header itself.
 
 Every frame kind has a builder (``*_frames``) and one parser per direction (``parse_*``); a
 message that is none of the kinds raises ``FrameError`` naming what was wrong, so broker, worker,
-client and ops never index frames themselves (README: Processes and data flow).
+client and ops never index frames themselves (docs/architecture.md "Processes and data flow").
 
 Liveness (zguide Paranoid Pirate): both sides send HEARTBEAT every interval and declare the peer dead
 after ``liveness`` silent intervals. Socket disconnect events make a killed peer visible at once.
@@ -62,7 +62,7 @@ READY = b"\x04"
 HEARTBEAT = b"\x05"
 DISCONNECT = b"\x06"
 STATUS = b"\x07"
-USAGE = b"\x08"  # README "Calibrated token counts": takes no credit, never queued behind requests
+USAGE = b"\x08"  # docs/assembly.md "Calibrated token counts": takes no credit, never queued behind requests
 CORRELATED = b"\x09"  # a request under the client's own correlation id (module docstring)
 MAX_CORRELATION_BYTES = 64
 
@@ -114,8 +114,8 @@ class Stamp(NamedTuple):
 
     @classmethod
     def unpack(cls, data: bytes) -> Stamp:
-        """Also reads the msgpack array brokers before issue 18's last round sent (never 28 bytes
-        long), so workers can be upgraded before their broker (README: Processes and data flow)."""
+        """Also reads the msgpack array older brokers send (never 28 bytes
+        long), so workers can be upgraded before their broker (docs/architecture.md "Processes and data flow")."""
         if len(data) == _STAMP.size:
             return cls._make(_STAMP.unpack(data))
         raw: Any = msgpack.unpackb(data)

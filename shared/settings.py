@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# A conversation that fits the largest window in the model catalog must fit the wire (README "Size
+# A conversation that fits the largest window in the model catalog must fit the wire (docs/assembly.md "Size
 # limits"): the request limit is that window times this many bytes a token. Measured with o200k
 # (bench/wire_size.py): prose ~3.7 bytes a token, code ~4.0, JSON ~2.9, CJK ~1.8, deeply indented
 # code ~6.3; only long runs of one character pack more (a token can hold 128 spaces). Images do
@@ -43,7 +43,7 @@ WIRE_BYTES_PER_TOKEN = 8
 # decisions and the layout.
 REPLY_ALLOWANCE_BYTES = 4 << 20
 # The development HMAC key of memory-service tokens (workers and the memory service): it is in the
-# source, so it is refused off loopback (README "Degradation and security").
+# source, so it is refused off loopback (docs/security.md "Degradation and security").
 DEV_MEMORY_SECRET = "ibex-dev-secret-change-me"
 # Before the split, one variable was both the client's call timeout and the worker's retrieval
 # limit; it still sets both, with a DeprecationWarning.
@@ -120,7 +120,7 @@ class CommonSettings(IbexSettings):
     max_request_bytes: int = Field(
         default_factory=default_max_request_bytes, ge=1024, json_schema_extra=shown("16 MiB"),
         description="Largest request payload (client, broker, worker): the catalog's largest window × 8 bytes "
-                    "a token (README \"Size limits\").")
+                    "a token (docs/assembly.md \"Size limits\").")
     broker_public_key: str | None = Field(
         None, description="Clients and workers: the broker's public key (z85 or a file).")
 
@@ -194,7 +194,7 @@ class _LinkSettings(CommonSettings):
     max_reply_bytes: int = Field(
         default_factory=_default_max_reply_bytes, ge=64 << 10,
         json_schema_extra=shown("twice the request limit + 4 MiB"),
-        description="Largest reply a worker sends; larger is INVALID_REQUEST (README \"Size limits\").")
+        description="Largest reply a worker sends; larger is INVALID_REQUEST (docs/assembly.md \"Size limits\").")
     heartbeat_interval_ms: int = Field(1000, ge=10, description="Paranoid-Pirate heartbeat interval.")
     heartbeat_liveness: int = Field(3, ge=1, description="Heartbeats missed before the peer is taken for dead.")
 
@@ -217,7 +217,7 @@ class BrokerSettings(_LinkSettings):
     usage_rate_per_org: float = Field(500.0, ge=0, description="Usage reports a second one org may send.")
     usage_rate_total: float = Field(2000.0, ge=0, description="Usage reports a second the broker forwards in all.")
     usage_burst_s: float = Field(2.0, gt=0, le=60, description="Each usage bucket holds this many seconds of its rate.")
-    # -- authentication (CURVE + ZAP; README: Authentication) --------------------------------
+    # -- authentication (CURVE + ZAP; docs/security.md "Authentication") --------------------------------
     auth_keys_file: str | None = Field(
         None, description="Keys file (client key → org, agents; worker keys); turns CURVE on.")
     broker_key_file: str | None = Field(None, description="The broker's CURVE keypair file.")
@@ -251,11 +251,11 @@ class MemoryServiceSettings(RedisSettings):
     embedder: Literal["minilm", "static", "hash", "openai"] = Field(
         "minilm", validation_alias="IBEX_MEMORY_EMBEDDER",
         description="minilm, static, hash, or openai (an OpenAI-compatible /v1/embeddings endpoint: "
-                    "`IBEX_MEMORY_EMBED_URL`, `IBEX_MEMORY_EMBED_MODEL`); README \"Selection quality\".")
+                    "`IBEX_MEMORY_EMBED_URL`, `IBEX_MEMORY_EMBED_MODEL`); docs/selection-quality.md.")
 
 
 class StackSettings(IbexSettings):
-    """The ``up`` launcher's own (README, Quickstart)."""
+    """The ``up`` launcher's own (README "Quickstart")."""
 
     run_dir: str | None = Field(
         None, json_schema_extra=shown("`./.run`"),
@@ -267,13 +267,13 @@ class StackSettings(IbexSettings):
 class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTimeout):
     """A worker process: its retrieval, budget and calibration, and the services it calls."""
 
-    # -- deadlines (README: Deadlines) ---------------------------------------------------------
+    # -- deadlines (docs/architecture.md "Deadlines") ---------------------------------------------------------
     retrieval_timeout_ms: float = Field(
         45.0, gt=0, description="The worker's retrieval limit; the retrieval wall is min(this, "
                                 "`IBEX_CONTEXT_DEADLINE_MS`).")
     context_deadline_ms: float = Field(40.0, gt=0, description="The worker's server-side deadline for retrieval.")
     directive_timeout_ms: float = Field(5.0, gt=0, description="Directive branch (Redis).")
-    # 45, was 15: the hot call now carries the question, which the memory service embeds (README
+    # 45: the hot call carries the question, which the memory service embeds (docs/selection-quality.md
     # "Selection quality"); hot and cold run side by side, so the wall does not grow.
     hot_timeout_ms: float = Field(45.0, gt=0, description="Hot memories branch (the call carries the question, "
                                                           "which the memory service embeds).")
@@ -286,13 +286,13 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
         3.0, ge=0, description="Initial reserve for budget, pack, format and reply until measured.")
     max_reply_reserve_ms: float = Field(
         10.0, ge=0, description="Cap on the measured reserve (p95 of the CPU stages + 2 × transit + 1 ms).")
-    # -- the per-request access log (README "Performance"): off by default, a served assembly's
+    # -- the per-request access log (docs/performance.md): off by default, a served assembly's
     # log line cost ~4 % of a worker's CPU; a fraction samples that share of requests at INFO.
     access_log_sample: float = Field(
         0.0, ge=0.0, le=1.0,
         description="Fraction of served assemblies logged at INFO (`assembled`, with ids, branch outcomes and "
                     "timings); 0 = none, 1 = all; failures are always logged.")
-    # -- calibrated counts from usage reports (README "Calibrated token counts") ---------------
+    # -- calibrated counts from usage reports (docs/assembly.md "Calibrated token counts") ---------------
     calibration: bool = Field(
         True, description="Use learned (org, model) ratios from usage reports; false keeps the reports but "
                           "budgets by the catalog.")
@@ -312,7 +312,7 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
     cold_min_similarity: float | None = Field(
         None, ge=0.0, le=1.0,
         description="Retrieval-time cosine cutoff sent to search; unset: the memory service's embedder's own "
-                    "(README \"Selection quality\").")
+                    "(docs/selection-quality.md).")
     # -- the worker process --------------------------------------------------------------------
     broker_backends: str = Field(
         "", json_schema_extra=shown("= `IBEX_BROKER_BACKEND`"),
@@ -323,7 +323,7 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
     # 2x saturation at 100 % of peak; 16 let work pile up inside workers and goodput fell to 27 %.
     worker_concurrency: int = Field(
         4, ge=1, description="Credit: the most requests one worker holds in flight, the cap of its adaptive limit.")
-    # Per-request CPU bounds (README "Size limits"): a request's maps and arrays are counted while it
+    # Per-request CPU bounds (docs/assembly.md "Size limits"): a request's maps and arrays are counted while it
     # is decoded, before any other work; at 10,000 (~2,000 tool-call pairs) decoding and assembling
     # cost ~100 ms of a worker's core. Requests of several orgs take CPU turns fairly (worker.fair).
     max_request_items: int = Field(
@@ -340,7 +340,8 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
 
     @property
     def retrieval_wall_ms(self) -> float:
-        """README, Deadlines: the outer retrieval wall is min(IBEX_RETRIEVAL_TIMEOUT_MS, IBEX_CONTEXT_DEADLINE_MS)."""
+        """The outer retrieval wall is min(IBEX_RETRIEVAL_TIMEOUT_MS, IBEX_CONTEXT_DEADLINE_MS)
+        (docs/architecture.md "Deadlines")."""
         return min(self.retrieval_timeout_ms, self.context_deadline_ms)
 
     def backends(self) -> list[str]:

@@ -1,5 +1,5 @@
 """Stored compaction summaries: one STRING per conversation (``shared.keys.summary_key``), the JSON
-``{"text": ..., "covers": N}`` (README "Compaction summaries").
+``{"text": ..., "covers": N}`` (docs/assembly.md "Compaction summaries").
 
 The worker reads it in the directive's round trip when a request names ``summary_key`` and
 carries no summary; whoever makes summaries (the LiteLLM hook, off the call path) writes it.

@@ -23,7 +23,8 @@ from typing import Any, Literal, Protocol
 from ibex_context.shared.errors import TokenizerMismatch
 
 EstimateKind = Literal["exact", "estimate"]  # a catalog family's own rule
-CountKind = Literal["exact", "estimate", "calibrated"]  # what produced a count (README "Calibrated token counts")
+# What produced a count (docs/assembly.md "Calibrated token counts").
+CountKind = Literal["exact", "estimate", "calibrated"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,7 @@ _ENCODINGS: dict[str, Any] = {}
 
 # Encodings from quicktok-v1 (Llama 3, Qwen 2.5/3): adopted after its o200k and cl100k encoders
 # matched bpe-openai token for token over the token corpus, the demo memories, this repository's
-# text and 5,000 random multi-script strings (README "Calibrated token counts"). OpenAI's
+# text and 5,000 random multi-script strings (docs/assembly.md "Calibrated token counts"). OpenAI's
 # encodings stay on bpe-openai.
 QUICKTOK_ENCODINGS = frozenset({"llama3", "qwen3"})
 
@@ -283,7 +284,7 @@ class CachedCounter:
 
 class ScaledCounter:
     """A family's uncalibrated counter times the multiplier learned from usage reports for one
-    (org, model) (README "Calibrated token counts"). Each count is rounded up, so a sum of counts
+    (org, model) (docs/assembly.md "Calibrated token counts"). Each count is rounded up, so a sum of counts
     still bounds the count of the joined text when the inner counter's does."""
 
     kind: CountKind = "calibrated"

@@ -1,6 +1,6 @@
 """The first pydantic error as one line: every boundary (wire codec, memory service, CLIs, seed
 files, stored records) reports a ``ValidationError`` the same way, naming the field to fix
-(README: Errors)."""
+(docs/protocol.md "Errors")."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ settings.register_profile(
 settings.load_profile("ci")
 
 # LiteLLM (tests/test_litellm_*.py) fetches its model cost map when imported unless told to use
-# the copy in its wheel: the tests run offline (README "Using it from LiteLLM proxy").
+# the copy in its wheel: the tests run offline (docs/litellm.md).
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 

@@ -1,4 +1,4 @@
-"""The worker's per-request access log (README "Performance", ``IBEX_ACCESS_LOG_SAMPLE``): off by
+"""The worker's per-request access log (docs/performance.md, ``IBEX_ACCESS_LOG_SAMPLE``): off by
 default, every served assembly at 1, through a real stack and the worker's own log file."""
 
 from __future__ import annotations

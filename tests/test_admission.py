@@ -1,4 +1,4 @@
-"""Admission control and dispatch (issue 18): the adaptive limit's rules, the shedding rule, and the
+"""Admission control and dispatch: the adaptive limit's rules, the shedding rule, and the
 real broker (its own thread, real ZeroMQ sockets) in front of scripted workers whose service time
 and feedback the test controls."""
 
@@ -188,7 +188,7 @@ def _fields(i: int) -> dict[str, object]:
 
 async def test_equal_workers_get_equal_work() -> None:
     """One request at a time: every worker has the same free credit at every pick, so only the
-    tie-break decides (it used to be the highest routing id: one worker got everything)."""
+    tie-break decides (the highest routing id first would give one worker everything)."""
     with broker_with([("w0", 4, 0.0), ("w1", 4, 0.0), ("w2", 4, 0.0)]) as (broker, _):
         async with AsyncClient(broker.frontend_endpoint) as c:
             await c.wait_connected()

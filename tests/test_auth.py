@@ -132,7 +132,7 @@ def _first_handshake(monitor: zmq.Socket[bytes], timeout_s: float = 10.0) -> dic
 async def test_unknown_worker_is_refused_at_the_handshake(secured: LocalStack, keys: dict[str, Path]) -> None:
     """A worker key missing from the keys file fails the CURVE handshake (ZAP answers 400), so its
     READY never reaches the broker and it is sent no request while the listed worker serves
-    (README, Authentication). A DEALER with the listed worker key is the control: it completes
+    (docs/security.md "Authentication"). A DEALER with the listed worker key is the control: it completes
     the handshake on the same endpoint."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     rogue, rogue_mon = _backend_dealer(ctx, secured, keys, "rogue-worker")
@@ -303,7 +303,7 @@ def test_broker_refuses_a_key_in_two_roles(tmp_path: Path) -> None:
 
 
 async def test_usage_reports_are_authorized_like_requests(secured: LocalStack, keys: dict[str, Path]) -> None:
-    """README "Calibrated token counts": a report's org comes from the caller's key, so one tenant
+    """docs/assembly.md "Calibrated token counts": a report's org comes from the caller's key, so one tenant
     cannot move another's calibration by replaying (or forging) its assembly."""
     async with _client(secured, keys, "acme-proxy") as acme:
         await acme.wait_connected()

@@ -1,5 +1,5 @@
 """bench.cache: the prefix-reuse benchmark runs end to end and its numbers are well-formed
-(README "Chat-native assembly"); no ratio or speed is asserted here, the run reports those."""
+(docs/assembly.md "Chat-native assembly"); no ratio or speed is asserted here, the run reports those."""
 
 from __future__ import annotations
 

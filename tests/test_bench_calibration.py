@@ -1,5 +1,5 @@
 """bench.calibration runs end to end on a real (embedded) Redis and its figures are well-formed
-(README "Calibrated token counts"); the over-charge targets are the full run's to report."""
+(docs/assembly.md "Calibrated token counts"); the over-charge targets are the full run's to report."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Budget properties and edges (README "Budget and token counting")."""
+"""Budget properties and edges (docs/assembly.md "Budget and token counting")."""
 
 from __future__ import annotations
 

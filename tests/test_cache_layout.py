@@ -1,4 +1,4 @@
-"""A prompt prefix that stays byte-identical turn after turn (README "Chat-native assembly"):
+"""A prompt prefix that stays byte-identical turn after turn (docs/assembly.md "Chat-native assembly"):
 the derived nonce, the Anthropic placement of the memory block, cache breakpoints and
 ``stable_prefix_tokens``."""
 

@@ -1,4 +1,4 @@
-"""Calibrated token counts from the provider's usage (issue 16, README "Calibrated token counts"):
+"""Calibrated token counts from the provider's usage (docs/assembly.md "Calibrated token counts"):
 the sketch, its Redis layout, the budget it drives, and the whole report path on the real stack."""
 
 from __future__ import annotations

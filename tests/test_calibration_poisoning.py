@@ -1,4 +1,4 @@
-"""Usage reports cannot talk the service over the window (README "Calibrated token counts").
+"""Usage reports cannot talk the service over the window (docs/assembly.md "Calibrated token counts").
 
 A caller controls every field of a usage report. On the real stack (Redis, memory service,
 broker, two workers, so a report usually reaches another worker than the one that assembled):

@@ -1,5 +1,5 @@
 """shared/chat: provider conversations parse strictly, round-trip unchanged, and every refusal
-names the exact path (README: Errors)."""
+names the exact path (docs/protocol.md "Errors")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The client library never surprises the proxy: typed caller errors, no connection-wide failures,
-no event-loop stalls, settings that do what the README says (README: The client library)."""
+no event-loop stalls, settings that do what the README says (README "The client library")."""
 
 from __future__ import annotations
 
@@ -470,7 +470,7 @@ async def test_default_timeout_bounds_a_call(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(Unavailable):
             await c.assemble(**_fields())
         elapsed = time.monotonic() - t0
-    assert 0.29 <= elapsed < 0.3 + 0.25  # the 300 ms setting, not the old fixed 45 ms
+    assert 0.29 <= elapsed < 0.3 + 0.25  # the 300 ms setting, not a fixed 45 ms
 
 
 @pytest.mark.parametrize(("value", "arg"), [("abc", None), ("-5", None), ("50", float("nan")), ("50", "1")])

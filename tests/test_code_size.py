@@ -1,5 +1,5 @@
 """Code stays readable by construction: no product module over 400 lines, no function over 60
-(README "Processes and data flow": small modules named for what they do). bench/ and tests/ are
+(docs/architecture.md "Processes and data flow": small modules named for what they do). bench/ and tests/ are
 exempt."""
 
 from __future__ import annotations

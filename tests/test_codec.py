@@ -185,7 +185,7 @@ def test_tool_schemas_must_be_json(schemas: list[dict[object, object]], field: s
     assert err.field == field, err
 
 
-# ------------------------------------------------------------------ the routing header (issue 18)
+# ------------------------------------------------------------------ the routing header
 
 
 def _header(**over: object) -> Envelope:

@@ -1,4 +1,4 @@
-"""Common words (README "Memory search"): a word most of a large agent's memories hold scores only
+"""Common words (docs/memory-search.md): a word most of a large agent's memories hold scores only
 the other words' and the vector side's candidates, with the same scores a full scan gives them.
 
 The service runs for real on the embedded Redis with a small ``IBEX_MEMORY_TERM_SCAN_MAX``, so a

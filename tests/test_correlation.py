@@ -158,7 +158,7 @@ def _raw_messages(user: str, i: int) -> list[dict[str, Any]]:
 
 def _rebuilt_last(body: dict[str, Any], user: str, i: int) -> str:
     """The last message of the conversation a raw reply's layout gives this caller's own messages
-    (a reply carries the layout, never the caller's messages: README "Size limits")."""
+    (a reply carries the layout, never the caller's messages: docs/assembly.md "Size limits")."""
     content: str = materialize(ChatLayout.model_validate(body["layout"]), _raw_messages(user, i))[0][-1]["content"]
     return content
 

@@ -1,4 +1,4 @@
-"""The semantic embedders for real (issue 19): minilm (numpy forward pass of the shipped weights,
+"""The semantic embedders for real: minilm (numpy forward pass of the shipped weights,
 installed by `make install`) and static (the distilled file in the repo); no torch at run time."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ PARAPHRASE = "Which programming language should the examples be written in?"  # 
 @pytest.mark.parametrize(("kind", "question"), [("minilm", REWORDED), ("static", PARAPHRASE)])
 def test_unit_rows_and_a_reworded_question_finds_its_answer(kind: str, question: str) -> None:
     """minilm finds the answer to a question sharing no word with it; static (weaker on reworded
-    questions, README "Selection quality") to a paraphrase."""
+    questions, docs/selection-quality.md) to a paraphrase."""
     emb = load_embedder(kind)
     rows = emb.embed([ANSWER, *OTHERS, "", "用户偏好使用中文回复"])
     assert rows.shape == (6, emb.dim) and rows.dtype == np.float32

@@ -2,7 +2,7 @@
 
 ZeroMQ's ``tcp://source;bind`` form binds the part after ``;`` and names, interfaces and ``*``
 are resolved at bind time, so each of those must be refused, both in the check and by a real
-``python -m ibex_context.broker`` (README, Authentication).
+``python -m ibex_context.broker`` (docs/security.md "Authentication").
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_long_fuzz_run_keeps_memory_bounded_and_service_alive(stack: LocalStack,
     after = _rss_kib(stack.broker.pid)
     assert after - before < 16 * 1024, f"broker RSS {before} KiB -> {after} KiB after {sent} fuzz messages"
     # giant message: over the frontend's ZMQ_MAXMSGSIZE (twice the request limit), so it costs its
-    # sender the connection (README, Size limits); the broker keeps serving others
+    # sender the connection (docs/assembly.md "Size limits"); the broker keeps serving others
     big = [P.TAG, P.REQUEST, msgpack.packb(_valid(query="x" * 200_000))]
     ctx = zmq.Context()
     other = ctx.socket(zmq.DEALER)

@@ -1,5 +1,5 @@
 """``ibex-context keys``: every mistake is one line and exit 2, nothing is written outside --dir,
-and a key keeps one role (README, Authentication)."""
+and a key keeps one role (docs/security.md "Authentication")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The LiteLLM ``custom_auth`` shipped with the hook (client/integrations/litellm_auth.py): bearer
 keys mapped to key and team metadata from a keys file, hashes only, no database, no default keys.
-README "Using it from LiteLLM proxy". Every other LiteLLM proxy test authenticates through it too
+docs/litellm.md. Every other LiteLLM proxy test authenticates through it too
 (bench.litellm_rig writes its keys file).
 """
 

@@ -1,5 +1,5 @@
 """Callers of a real LiteLLM proxy that send the same ``x-litellm-call-id`` at once each get their own
-assembly, and each call's usage is reported once (README "Using it from LiteLLM proxy").
+assembly, and each call's usage is reported once (docs/litellm.md).
 
 LiteLLM takes its call id from that header, and the hook passes it on as the assembly's
 ``request_id``: a label only. A real ``litellm`` proxy (offline, loopback) with the hook, the local

@@ -1,6 +1,6 @@
 """The LiteLLM hook when the context service cannot answer, and the agent allow-lists: a real
 ``litellm`` proxy (subprocess, loopback, offline) with the hook, the local upstream, and the real
-stack behind it (CURVE keys, demo data). README "Using it from LiteLLM proxy".
+stack behind it (CURVE keys, demo data). docs/litellm.md.
 
 Degradation is forced for real: the broker stopped (the client's own fallback answers), and the
 agent's directive key damaged in Redis (the worker answers, without the directive). Each key has

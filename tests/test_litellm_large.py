@@ -1,7 +1,7 @@
 """A 5 MB conversation through a real LiteLLM proxy with the hook on its default timeout
 (``timeout_ms`` unset: IBEX_CLIENT_TIMEOUT_MS's 45 ms, plus ``timeout_ms_per_mb`` for each million
 characters): assembled, not degraded, though counting and carrying it takes far longer than 45 ms.
-README "Using it from LiteLLM proxy".
+docs/litellm.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The LiteLLM hook end to end: a real ``litellm`` proxy (subprocess, loopback, offline) with our
 callback in its config, in front of a local OpenAI-compatible upstream that records what it
 received and bills it with the exact encoding, and the real stack behind the hook (CURVE keys,
-one per org, seeded demo data). README "Using it from LiteLLM proxy".
+one per org, seeded demo data). docs/litellm.md.
 """
 
 from __future__ import annotations

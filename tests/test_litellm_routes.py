@@ -1,7 +1,7 @@
 """The LiteLLM hook on every route the proxy serves, not only ``/v1/chat/completions``: a real
 ``litellm`` proxy (subprocess, loopback, offline) with the hook, in front of the local upstream
 (bench/litellm_upstream.py answers chat, messages, responses, completions and embeddings), and
-the real stack behind the hook. README "Using it from LiteLLM proxy".
+the real stack behind the hook. docs/litellm.md.
 
 The identity policy comes before anything else on each call type LiteLLM hands a pre-call hook:
 a caller with no org mapping is refused (``unmapped: refuse``) whatever the route, and nothing

@@ -2,7 +2,7 @@
 ``messages.create`` and ``messages.stream`` on ``/v1/messages``, ``openai``'s ``responses.create``
 (streamed too) on ``/v1/responses``, in front of the local upstream (bench/litellm_upstream.py,
 which streams in each API's own events) and the real stack behind the hook (CURVE keys, one per
-org, demo data). README "Using it from LiteLLM proxy".
+org, demo data). docs/litellm.md.
 
 What reaches the upstream is the assembled request (the org's directive and memories, trimmed to
 the window when the conversation is over it), the caller gets the provider's answer (each stream

@@ -126,7 +126,7 @@ async def test_client_never_hands_back_after_deadline(stack: LocalStack) -> None
         assert elapsed <= limit, (out, elapsed)
         if isinstance(out, AssembleResponse):
             assert out.degraded and out.branches["cold"].status == "timeout"
-        else:  # or shed on receipt: every reply was degraded, so the adaptive limit fell (issue 18)
+        else:  # or shed on receipt: every reply was degraded, so the adaptive limit fell
             assert type(out) in (DeadlineExceeded, Overloaded), out
     # A slow cold branch degrades the assembly; it does not fail it.
     assert sum(isinstance(o, AssembleResponse) for o, _ in results) >= 5, results

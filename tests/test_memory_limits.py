@@ -1,4 +1,4 @@
-"""Writes cannot break reads (README, "Degradation and security").
+"""Writes cannot break reads (docs/security.md "Degradation and security").
 
 A write is validated before it is stored: ``created_at`` within [1900, 2200) UTC, content without
 control characters other than tab, newline and carriage return, and at most

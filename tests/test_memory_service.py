@@ -134,7 +134,7 @@ def test_search_fuses_text_and_vector_then_floor_and_composite(http: httpx.Clien
     # Every word matched, cosine 1: relevance 1.
     assert by_id["exact"]["similarity"] == pytest.approx(1.0, abs=1e-4)
     assert by_id["exact"]["text_score"] > 0.8 and by_id["exact"]["vector_score"] == pytest.approx(1.0, abs=1e-4)
-    # Every hit's relevance is the fusion of its two scores (README "Memory search").
+    # Every hit's relevance is the fusion of its two scores (docs/memory-search.md).
     for h in hits:
         v = h["vector_score"]
         assert h["relevance"] == pytest.approx(v + 0.8 * h["text_score"] * (1 - v), abs=2e-6)

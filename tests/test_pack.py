@@ -1,4 +1,4 @@
-"""The packer (README "Scoring and packing").
+"""The packer (docs/assembly.md "Scoring and packing").
 
 Properties, not examples: the budget holds on exact tokens, the answer does not depend on input
 order, it is never worse than greedy and close to (usually equal to) a brute-force optimum.

@@ -1,4 +1,4 @@
-"""The built wheel, installed without network into throwaway venvs (README, Quickstart).
+"""The built wheel, installed without network into throwaway venvs (README "Quickstart").
 
 One venv sees every dependency (the project venv's site-packages through a .pth file) and runs
 ``ibex-context up``/``seed``/``assemble``/``status``/``down`` from a temp dir outside the checkout:

@@ -1,4 +1,4 @@
-"""The frame protocol (README: Processes and data flow): every frame kind round-trips through its
+"""The frame protocol (docs/architecture.md "Processes and data flow"): every frame kind round-trips through its
 builder and parser, a malformed frame of each kind is refused with ``FrameError``, and STATUS has
 its own reply command, so a REPLY with an empty request id is an ordinary (unknown) reply."""
 

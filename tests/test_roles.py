@@ -1,5 +1,5 @@
 """`ibex-context up --role`: a deployment over several machines, run as separate launchers with
-separate run dirs on loopback (README "Deploying on several machines"). Real supervisord, real
+separate run dirs on loopback (docs/deploy.md "Deploying on several machines"). Real supervisord, real
 processes, real sockets, a real Redis with a password; nothing is mocked."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Host:
 
 @dataclass
 class Deployment:
-    shared: dict[str, str]  # what every host is given (README: the settings every host needs)
+    shared: dict[str, str]  # what every host is given (docs/deploy.md "Deploying on several machines")
     frontend: str
     backend: str
     tmp: Path

@@ -1,4 +1,4 @@
-"""Scoring stage: the interim score and one decision per memory (README "Scoring and packing")."""
+"""Scoring stage: the interim score and one decision per memory (docs/assembly.md "Scoring and packing")."""
 
 from __future__ import annotations
 

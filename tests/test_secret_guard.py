@@ -1,4 +1,4 @@
-"""The development token secret stays on loopback (README, "Degradation and security").
+"""The development token secret stays on loopback (docs/security.md "Degradation and security").
 
 The default ``IBEX_MEMORY_SECRET`` is in the source, so a memory service listening beyond
 loopback with it, or a worker minting tokens with it for a memory service beyond loopback, would

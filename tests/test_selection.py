@@ -207,7 +207,7 @@ async def test_a_query_is_embedded_once_per_org_even_when_its_first_caller_goes_
 
 def test_a_search_without_a_cutoff_gets_the_embedders_own(memory: MemoryServiceHandle) -> None:
     """The cutoff belongs to the embedder (cosine scales differ): minilm's is 0.20, hash's the
-    spec's 0.70; a search naming ``min_similarity`` gets exactly that (README "Selection quality")."""
+    spec's 0.70; a search naming ``min_similarity`` gets exactly that (docs/selection-quality.md)."""
     from ibex_context.memory.embed import HashingEmbedder
     from ibex_context.memory.minilm import MiniLMEmbedder
     from ibex_context.memory.static import StaticEmbedder

@@ -162,7 +162,7 @@ def test_the_memory_service_reads_its_settings_through_the_tree(monkeypatch: pyt
 
 def test_memory_service_logs_json_when_asked(tmp_path: Path, redis_url: str) -> None:
     """The memory service uses the one logging setup: IBEX_LOG_FORMAT=json gives JSON lines, its
-    own and uvicorn's (README: Observability)."""
+    own and uvicorn's (docs/deploy.md "Observability")."""
     log_path, port_file = tmp_path / "memory.log", tmp_path / "memory.port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
     env.update({"IBEX_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"})

@@ -1,4 +1,4 @@
-"""One tenant cannot degrade the others through the memory service (README, "Degradation and security").
+"""One tenant cannot degrade the others through the memory service (docs/security.md "Degradation and security").
 
 A search embeds and matches only the first ``IBEX_MEMORY_MAX_QUERY_CHARS`` characters of its
 query (the wire allows 100,000; a 300 KB CJK query used to cost the service ~160 ms of its event

@@ -111,7 +111,7 @@ def _real_texts() -> list[str]:
 @pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
 def test_quicktok_matches_bpe_openai_token_for_token_on_real_text(encoding: str) -> None:
     """quicktok-v1 is trusted for llama3/qwen3 only because its OpenAI encoders agree exactly with
-    bpe-openai (README "Calibrated token counts")."""
+    bpe-openai (docs/assembly.md "Calibrated token counts")."""
     import bpe_openai
     import quicktok
 

@@ -1,7 +1,7 @@
 """A new user's first large calls through the real ``openai`` SDK and a real LiteLLM proxy with the
-hook, in front of a recording upstream, the real stack behind it (README "Size limits").
+hook, in front of a recording upstream, the real stack behind it (docs/assembly.md "Size limits").
 
-The calls that used to be refused for their size (``400 ... request payload is N bytes, over the
+Calls a smaller size limit would refuse (``400 ... request payload is N bytes, over the
 limit``): 200 turns of 1,500 words on an 8K model, a 5 MB conversation on gpt-4.1, a 1000x800
 screenshot as a 3.2 MB data URL. Each is assembled, trimmed to fit, and what reaches the upstream
 is the caller's own parts, the screenshot byte for byte.

@@ -2,7 +2,7 @@
 
 What a new user's first calls send: hundreds of long turns, a 1M-token window, a screenshot as a
 data URL. Each is assembled and trimmed to fit instead of refused for its size, the caller's parts
-come back as the very objects passed, and the bytes each way are what the service needs (README
+come back as the very objects passed, and the bytes each way are what the service needs (docs/assembly.md
 "Size limits"; the conversations are bench/wire_size.py's, which prints the same figures).
 """
 

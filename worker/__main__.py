@@ -2,7 +2,7 @@
 
 Exit status 2, before anything starts, when ``IBEX_MEMORY_URL`` is not a loopback URL while
 ``IBEX_MEMORY_SECRET`` is the development default: the tokens it mints would be forgeable by
-anyone who read the source (README, "Degradation and security").
+anyone who read the source (docs/security.md "Degradation and security").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The online half of an assembly: retrieval under its wall, then the pure pipeline.
 
-Deadlines (README "Deadlines"): the wire's absolute epoch deadline is converted once, on receipt
+Deadlines (docs/architecture.md "Deadlines"): the wire's absolute epoch deadline is converted once, on receipt
 (worker/server.py), into a local monotonic ``deadline_mono_ns``; ``pipeline.assemble.Clock``
 checks it before every stage, retrieval included.
 
@@ -70,7 +70,7 @@ class Assembler:
     def __init__(self, *, settings: WorkerSettings, catalog: Catalog, retriever: Retriever | None,
                  worker_id: str = "", calibrator: Calibrator | None = None) -> None:
         self.settings = settings
-        self.calibrator = calibrator  # usage-report calibration (README "Calibrated token counts")
+        self.calibrator = calibrator  # usage-report calibration (docs/assembly.md "Calibrated token counts")
         self.policy = Policy.from_settings(settings)
         self.catalog = catalog
         self.retriever = retriever

@@ -1,4 +1,4 @@
-"""The worker's side of calibrated counts (README "Calibrated token counts").
+"""The worker's side of calibrated counts (docs/assembly.md "Calibrated token counts").
 
 * ``issue`` gives a chat-native assembly an id (``assembly_id`` in the reply, unguessable) and
   buffers the service's own record of it: the org, the catalog model and the uncalibrated count

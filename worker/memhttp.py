@@ -3,7 +3,7 @@ protocols, responses parsed by httptools (llhttp, the C parser uvicorn uses).
 
 Why not aiohttp: a served assembly makes two calls, and aiohttp's per-call Python (request and
 response objects, header multidicts, timers, stream readers) cost the worker more CPU than the
-whole pipeline (README "Performance", ``python -m bench.workercpu`` and ``bench.memclient``). The
+whole pipeline (docs/performance.md, ``python -m bench.workercpu`` and ``bench.memclient``). The
 worker needs one thing: send a small request to one service, read one bounded body.
 
 Contract kept from before: a response over ``max_body`` bytes is refused as soon as it crosses the

@@ -1,4 +1,4 @@
-"""Retrieval: exactly three concurrent branches under one wall (README "Processes and data flow").
+"""Retrieval: exactly three concurrent branches under one wall (docs/architecture.md "Processes and data flow").
 
     directive  Redis  {org_id}:directive:{agent_id}          5 ms   (with summary_key: MGET, the stored
                       {org_id}:summary:{agent_id}:{key}             summary in the same round trip)
@@ -209,7 +209,7 @@ class Retriever:
     async def _hot(self, req: AssembleRequest) -> tuple[list[MemoryHit], list[Rejection]]:
         cap = self.settings.hot_limit
         params = {"agent_id": req.agent_id, "limit": str(cap)}
-        if req.query:  # ranked for the question by the memory service (README "Selection quality")
+        if req.query:  # ranked for the question by the memory service (docs/selection-quality.md)
             params["query"] = req.query[:HOT_QUERY_CHARS]
         body = await self._fetch("GET", "/v1/memories/hot", req.org_id, params=params)
         return parse_hits(body, "hot", cap)

@@ -6,7 +6,7 @@ them, and replies with per-stage timings. SIGTERM drains: DISCONNECT to every br
 is in flight, exit 0.
 
 CPU pinning happens in ``worker.__main__`` before any ZeroMQ context exists, so the context's I/O
-thread inherits the mask (README: Processes and data flow).
+thread inherits the mask (docs/architecture.md "Processes and data flow").
 """
 
 from __future__ import annotations

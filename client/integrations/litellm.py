@@ -1,6 +1,6 @@
 """The LiteLLM proxy callback: context assembly inside the proxy people already run.
 
-In the proxy's config (README "Using it from LiteLLM proxy")::
+In the proxy's config (docs/litellm.md)::
 
     litellm_settings:
       callbacks: ibex_context.client.integrations.litellm.proxy_handler
@@ -194,6 +194,6 @@ def __getattr__(name: str) -> Any:
         path = settings.litellm_config
         if not path:
             raise HookConfigError(f"{CONFIG_ENV} is not set: point it at the hook's YAML or JSON config "
-                                  "(README: Using it from LiteLLM proxy)")
+                                  "(docs/litellm.md)")
         _handler = IbexContextHook(load_config(path), settings=settings)
     return _handler

@@ -1,5 +1,5 @@
 """A LiteLLM ``custom_auth``: bearer keys mapped to key and team metadata from a file, so the hook
-can read each caller's ``ibex_org`` and ``ibex_agent`` without LiteLLM's database (README "Using it
+can read each caller's ``ibex_org`` and ``ibex_agent`` without LiteLLM's database (docs/litellm.md "Using it
 from LiteLLM proxy")::
 
     general_settings:
@@ -144,7 +144,7 @@ def __getattr__(name: str) -> Any:
         path = ClientSettings().litellm_keys
         if not path:
             raise HookConfigError(f"{KEYS_ENV} is not set: point it at the proxy's keys file "
-                                  "(README: Using it from LiteLLM proxy)")
+                                  "(docs/litellm.md)")
         _auth = make_auth(load_keys(path))
     return _auth
 

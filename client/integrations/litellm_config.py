@@ -1,6 +1,6 @@
 """The LiteLLM hook's configuration, identity mapping and model mapping (no LiteLLM import here).
 
-README "Using it from LiteLLM proxy". The file named by ``IBEX_LITELLM_CONFIG`` (YAML or JSON)
+docs/litellm.md. The file named by ``IBEX_LITELLM_CONFIG`` (YAML or JSON)
 says which orgs the hook serves and with which client key each (one CURVE key per org: the broker
 takes the org from the key, so a wrong mapping can at worst be FORBIDDEN, never read another
 org's memories), where the org and agent ids are read (LiteLLM key metadata, team metadata or

@@ -2,7 +2,7 @@
 request's messages, the response headers that say what happened, and the usage report.
 
 ``litellm.py`` adapts this to LiteLLM's ``CustomLogger``; keeping LiteLLM out of here lets the
-same logic run (and be tested) without the proxy. README "Using it from LiteLLM proxy". What a
+same logic run (and be tested) without the proxy. docs/litellm.md. What a
 degraded assembly becomes (``on_degraded``) is ``settle``'s, with ``litellm_degraded``.
 
 LiteLLM's call id comes from the caller's ``x-litellm-call-id`` header, so two calls may share it:
@@ -98,8 +98,9 @@ def header_value(text: str, limit: int = 512) -> str:
 
 
 class HookCore:
-    """One ``AsyncClient`` per configured org, each with that org's own key (README: the broker
-    checks the org against the key, so one tenant's call can never assemble another's memories)."""
+    """One ``AsyncClient`` per configured org, each with that org's own key (the broker checks
+    the org against the key, so one tenant's call can never assemble another's memories:
+    docs/security.md "Authentication")."""
 
     def __init__(self, config: HookConfig, *, settings: ClientSettings | None = None,
                  catalog: Catalog | None = None) -> None:

@@ -1,7 +1,7 @@
 """What the LiteLLM hook forwards when the context service cannot answer in full: the caller's
 ``on_degraded`` policy and the hook's copies of each agent's directive (no LiteLLM import here).
 
-README "Using it from LiteLLM proxy". A degraded assembly (broker down or overloaded, a timeout,
+docs/litellm.md. A degraded assembly (broker down or overloaded, a timeout,
 a retrieval branch that failed) carries the conversation but maybe not the agent's directive, and
 a caller can make the service degrade (a long conversation against a short timeout). So the
 policy of the caller's mapping (``litellm_config``) decides:

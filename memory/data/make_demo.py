@@ -269,7 +269,7 @@ def build() -> list[dict[str, Any]]:
     for org in ("acme", "globex"):
         out.append(_memory(rng, org, "support-bot", f"TENANT-MARKER: this memory belongs to {org} only.",
                            "fact", 1.0, hot_chance=1.0))
-    # Added for issue 19 after everything above, so earlier records (and the rng draws that made
+    # Added after everything above, so earlier records (and the rng draws that made
     # them) are unchanged: the third `make run` demo question asks about a literature review.
     for org, agent, content, category, age in ADDED:
         out.append(_memory(rng, org, agent, content, category, age, hot_chance=0.0))
