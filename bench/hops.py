@@ -111,7 +111,7 @@ def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, wi
 
 def measure_broker(n: int, window: int, pad_kb: int = 0, legacy: bool = False) -> dict[str, float]:
     """The broker between a DEALER client and the echo worker; ``legacy``: headerless requests, so
-    the broker reads the envelope from the payload (``peek_envelope``, the path before the header frame)."""
+    the broker reads the envelope from the payload (``peek_envelope``, as for a headerless client)."""
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = [_spawn("-m", "ibex_context.broker", "--frontend", fe, "--backend", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -209,7 +209,7 @@ def run(*, n: int, window: int, repeats: int, pad_kb: int = 0) -> dict[str, dict
     rows: dict[str, list[dict[str, float]]] = {}
     for _ in range(repeats):  # interleaved, so drift hits every row alike
         rows.setdefault("broker", []).append(measure_broker(n, window, pad_kb))
-        rows.setdefault("broker, headerless requests (payload envelope, as before the header frame)", []).append(
+        rows.setdefault("broker, headerless requests (envelope read from the payload)", []).append(
             measure_broker(n, window, pad_kb, legacy=True))
         rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window, pad_kb))
         relay, echo = measure_floor(n, window, pad_kb)

@@ -32,10 +32,10 @@ STACK_ENV = {
     "IBEX_CONTEXT_TIMEOUT": "1500", "IBEX_CONTEXT_DEADLINE_MS": "1500",
     "IBEX_POST_RETRIEVAL_RESERVE_MS": "15", "IBEX_MAX_REPLY_RESERVE_MS": "30",
 }
-# The first fallback's catalog and tokenizers cost ~1 s on the loop before the fix. Loaded on a
+# Loading the first fallback's catalog and tokenizers on the loop would cost ~1 s. Loaded on a
 # thread, the loop still loses the GIL while bpe_openai builds a vocabulary in native code without
 # releasing it (measured ~38 ms for o200k, ~16 ms for cl100k on an idle 2-core box, more under load),
-# so a cold start is bounded at 150 ms: well clear of that, and of the ~1 s stall it replaced.
+# so a cold start is bounded at 150 ms: well clear of that, and of the ~1 s stall on the loop.
 COLD_STALL_LIMIT_S = 0.150
 WARM_STALL_LIMIT_S = 0.050
 

@@ -106,9 +106,9 @@ async def test_a_huge_payload_of_tiny_parts_is_refused_at_the_limit_not_after_de
 
 
 async def test_a_raw_image_is_read_once_whatever_its_bytes_hold(stack: LocalStack) -> None:
-    """A 3 MB JPEG of fill bytes as a data URL: the header walk stepped through every fill byte, in
-    the budget and again in formatting (~80 ms a megabyte each); now it is one bounded read on
-    receipt, and the image is charged as an unknown size, as before."""
+    """A 3 MB JPEG of fill bytes as a data URL: a header walk that stepped through every fill byte would
+    cost ~80 ms a megabyte, in the budget and again in formatting; it is one bounded read on
+    receipt, and the image is charged as an unknown size."""
     image = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + fill_jpeg(3_000_000)}}
     messages = [{"role": "user", "content": [{"type": "text", "text": "Is this my invoice?"}, image]}]
     cmd, body = await raw_exchange(stack, raw_frames(2, messages=messages))

@@ -36,7 +36,7 @@ def test_spec_defaults() -> None:
     s = Settings()
     assert (s.client_timeout_ms, s.retrieval_timeout_ms, s.context_deadline_ms) == (45.0, 45.0, 40.0)
     assert s.retrieval_wall_ms == 40.0  # min(45, 40)
-    # hot 45 (was 15): the hot call carries the question, embedded by the memory service
+    # hot 45: the hot call carries the question, embedded by the memory service
     assert (s.directive_timeout_ms, s.hot_timeout_ms, s.cold_timeout_ms) == (5.0, 45.0, 45.0)
     assert (s.hot_limit, s.cold_limit) == (20, 50)
     assert s.redis_url is None  # embedded Redis
