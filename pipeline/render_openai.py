@@ -97,3 +97,10 @@ def memory_block_tokens(counter: TokenCounter, kept: list[ScoredMemory], nonce: 
     """
     head, tail = fmt.memory_frame(nonce)
     return counter.count(head) + sum(memory_cost(counter, m.hit, lines) for m in kept) + counter.count(tail)
+
+
+def scored_block_tokens(counter: TokenCounter, kept: list[ScoredMemory], nonce: str) -> int:
+    """``memory_block_tokens`` for memories the scorer priced with this ``counter``: each one's
+    ``tokens`` already is its line's count (``count.MemoryCost``), so no line is looked up again."""
+    head, tail = fmt.memory_frame(nonce)
+    return counter.count(head) + sum(m.tokens for m in kept) + counter.count(tail)

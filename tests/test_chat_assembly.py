@@ -253,6 +253,24 @@ def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: 
     assert memory_block_tokens(counter, kept, nonce, LineCache()) == counter.count(block)
 
 
+@given(st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=12),
+       st.sampled_from(["o200k", "cl100k", "llama3", "qwen"]))
+def test_scored_block_count_is_the_block_count(contents: list[str], family: str) -> None:
+    """Memories priced by the scorer (``MemoryCost`` with the same counter and line cache) give the
+    block's exact count from their own ``tokens`` (what the render stage uses)."""
+    from ibex_context.pipeline import format as fmt
+    from ibex_context.pipeline.count import LineCache, MemoryCost
+    from ibex_context.pipeline.render_openai import memory_block_tokens, scored_block_tokens
+    from ibex_context.pipeline.score import score_candidates
+
+    hits = [MemoryHit(f"m{i}", c, "fact", 0.9, 0.9, i + 1, "hot") for i, c in enumerate(contents)]
+    counter, lines = CATALOG.counter(family), LineCache()
+    kept, _ = score_candidates(hits, MemoryCost(counter, lines))
+    nonce = fmt.new_nonce()
+    assert scored_block_tokens(counter, kept, nonce) == memory_block_tokens(counter, kept, nonce, lines)
+    assert scored_block_tokens(counter, kept, nonce) == counter.count(fmt.memory_section(kept, nonce))
+
+
 def test_explain_prints_the_prompt_and_each_dropped_message(tmp_path: Path) -> None:
     import argparse
     import io
