@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## run: install, start the whole stack on embedded defaults, print demo assemblies, stop it again
+## run: install, start the whole stack on embedded defaults, print demo assemblies (the stack stays up; `make down` stops it)
 run: install
 	$(PY) -m ibex_context.ops.cli demo
 

@@ -48,7 +48,7 @@ class Conn:
              fut: asyncio.Future[AssembleResponse | ErrorReply | None]) -> tuple[str, zmq.ZMQError | None]:
         """Send one attempt of a request whose reply ``fut`` waits for: (the id the reply is matched
         by, the send's error). The id is new for every attempt (hex: never a usage report's
-        ``usage-`` id). Only a headerless request (``protocol.legacy_request_frames``) has no place
+        ``usage-`` id). Only a headerless request (``[TAG, REQUEST, payload]``) has no place
         for one and is matched by its ``request_id``; a second such request in flight under the same
         id is not sent (the broker would refuse it, and its refusal could reach the first caller)."""
         correlation_id = f"{self._prefix}{next(self._seq):x}"
