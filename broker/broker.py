@@ -16,8 +16,9 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
   monotonic ns. Expired requests are dropped at receipt, in the queue and at dispatch, counted by
   reason, and the client is told DEADLINE_EXCEEDED. A request whose deadline passes while a worker
   holds it is answered DEADLINE_EXCEEDED by the broker; the worker's late reply only frees credit.
-* Usage reports (``broker.usage``) take no credit and never enter the queue: they are held to
-  token buckets per caller key, per org and in total, and shed while requests wait for a worker.
+* Usage reports and summaries to store (``broker.usage``) take no credit and never enter the queue:
+  they are held to token buckets per caller key, per org and in total, and shed while requests
+  wait for a worker.
 * Liveness: heartbeats both ways; a backend disconnect event triggers an immediate probe
   (ROUTER_MANDATORY makes a send to a vanished peer fail with EHOSTUNREACH). Requests in flight on a
   dead worker are re-dispatched if their deadline still allows (assembly is read-only), else
@@ -111,6 +112,9 @@ class Broker(UsageIntake, WorkerTable):
         self.usage_rr = 0  # round-robin position for usage reports
         self.usage_limits = UsageLimits(per_key=settings.usage_rate_per_key, per_org=settings.usage_rate_per_org,
                                         total=settings.usage_rate_total, burst_s=settings.usage_burst_s)
+        self.summary_limits = UsageLimits(per_key=settings.summary_rate_per_key,
+                                          per_org=settings.summary_rate_per_org,
+                                          total=settings.summary_rate_total, burst_s=settings.usage_burst_s)
 
     def _socket(self, configure: Callable[[zmq.Socket[bytes]], None] | None, max_msgsize: int) -> zmq.Socket[bytes]:
         s = self.ctx.socket(zmq.ROUTER)
@@ -192,10 +196,10 @@ class Broker(UsageIntake, WorkerTable):
         if isinstance(parsed, P.StatusRequest):
             self._send_front([client, *P.status_reply_frames(self.snapshot())])
             return
-        if isinstance(parsed, P.UsageMessage):
+        if isinstance(parsed, P.UsageMessage | P.SummaryMessage):
             if self.queue:
-                self._dispatch()  # requests waiting for a worker go before any report
-            self._on_usage(client, parsed.payload, last)
+                self._dispatch()  # requests waiting for a worker go before any report or summary
+            self._on_usage(client, parsed.payload, last, "usage" if isinstance(parsed, P.UsageMessage) else "summary")
             return
         header, req = self._envelope(parsed)
         # replies are matched by the client's correlation id; a REQUEST has none: its request_id

@@ -9,6 +9,10 @@ are shed: assemblies come first. Every report is counted under exactly one outco
 ``usage_forwarded``, ``usage_rejected_*`` (answered), ``usage_shed_{busy,key,org,total}``
 (dropped; the caller's first shed in a second is answered OVERLOADED, counted in
 ``usage_overloaded_replies``), ``usage_dropped_no_worker`` or ``usage_dropped_send_failed``.
+
+A compaction summary to store (protocol SUMMARY, README "Compaction summaries") takes the same
+path with its own size limit (``MAX_SUMMARY_BYTES``) and buckets (``summary_limits``), counted
+under the same outcomes with the ``summary_`` prefix (``summary_forwarded``, ...).
 """
 
 from __future__ import annotations
@@ -23,11 +27,16 @@ from ibex_context.shared import protocol as P
 from ibex_context.shared.codec import Envelope, peek_envelope, scan_request_id
 from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded
 from ibex_context.shared.models import ErrorReply
+from ibex_context.shared.summary_write import MAX_SUMMARY_BYTES
+
+# kind -> (its frame's command, its payload's size limit)
+KINDS = {"usage": (P.USAGE, P.MAX_USAGE_BYTES), "summary": (P.SUMMARY, MAX_SUMMARY_BYTES)}
 
 
 class UsageIntake(BrokerBase):
     authorizer: Authorizer | None
     usage_limits: UsageLimits
+    summary_limits: UsageLimits
     usage_rr: int  # round-robin position over the live workers
 
     def _checked(self, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
@@ -44,39 +53,41 @@ class UsageIntake(BrokerBase):
                 return f"rejected_{exc.code.value.lower()}", exc
         return None
 
-    def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame) -> None:
-        """One report (module doc): shed while requests wait, then the key's bucket before it is
-        decoded, the envelope and the caller's grant as for a request, the org's and the total
-        bucket, and forwarded. Refusals of a bad or unauthorized report are answered."""
-        self.stats["usage_received"] += 1
+    def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame, kind: str = "usage") -> None:
+        """One report or summary (module doc): shed while requests wait, then the key's bucket before
+        it is decoded, the envelope and the caller's grant as for a request, the org's and the total
+        bucket, and forwarded. Refusals of a bad or unauthorized one are answered."""
+        self.stats[f"{kind}_received"] += 1
         now = time.monotonic_ns()
         caller = self._caller(client, last)
+        limits = self.usage_limits if kind == "usage" else self.summary_limits
         if self.queue:  # the broker dispatched what it could before this: these wait for a worker
-            self._shed_usage(caller, client, payload, None, "busy", now)
+            self._shed_usage(caller, client, payload, None, "busy", now, kind)
             return
-        if not self.usage_limits.admit_key(caller, now):
-            self._shed_usage(caller, client, payload, None, "key", now)
+        if not limits.admit_key(caller, now):
+            self._shed_usage(caller, client, payload, None, "key", now, kind)
             return
-        if len(payload) > P.MAX_USAGE_BYTES:
-            self.stats["usage_rejected_invalid"] += 1
+        max_bytes = KINDS[kind][1]
+        if len(payload) > max_bytes:
+            self.stats[f"{kind}_rejected_invalid"] += 1
             self._reply_error(client, b"", InvalidRequest(
-                f"usage report of {len(payload)} bytes exceeds {P.MAX_USAGE_BYTES} bytes", field="<payload>"))
+                f"{kind} payload of {len(payload)} bytes exceeds {max_bytes} bytes", field="<payload>"))
             return
-        env = peek_envelope(payload, max_bytes=P.MAX_USAGE_BYTES)
+        env = peek_envelope(payload, max_bytes=max_bytes)
         if isinstance(env, ErrorReply):
-            self.stats["usage_rejected_invalid"] += 1
+            self.stats[f"{kind}_rejected_invalid"] += 1
             self._reply_error(client, (env.request_id or "").encode(), env)
             return
         refusal = self._checked(env, last)
         if refusal is not None:
-            self.stats[f"usage_{refusal[0]}"] += 1
+            self.stats[f"{kind}_{refusal[0]}"] += 1
             self._reply_error(client, env.request_id.encode(), refusal[1], env.request_id)
             return
-        over = self.usage_limits.admit_org(env.org_id, now)
+        over = limits.admit_org(env.org_id, now)
         if over is not None:
-            self._shed_usage(caller, client, payload, env.request_id, over, now)
+            self._shed_usage(caller, client, payload, env.request_id, over, now, kind)
             return
-        self._forward_usage(payload)
+        self._forward_usage(payload, kind)
 
     def _caller(self, client: bytes, last: zmq.Frame) -> bytes:
         """Whom a report's per-key limit counts: the CURVE key with authentication on, else the
@@ -89,24 +100,24 @@ class UsageIntake(BrokerBase):
         return b"c:" + client
 
     def _shed_usage(self, caller: bytes, client: bytes, payload: bytes, request_id: str | None,
-                    why: str, now_ns: int) -> None:
+                    why: str, now_ns: int, kind: str = "usage") -> None:
         """Count a shed report; answer OVERLOADED if it is the caller's first shed in a second."""
-        self.stats[f"usage_shed_{why}"] += 1
-        if not self.usage_limits.notice(caller, now_ns):
+        self.stats[f"{kind}_shed_{why}"] += 1
+        if not (self.usage_limits if kind == "usage" else self.summary_limits).notice(caller, now_ns):
             return
         rid = request_id or scan_request_id(payload)
         if rid is None:
             return
-        self.stats["usage_overloaded_replies"] += 1
-        self._reply_error(client, rid.encode(), Overloaded(shed_message(why)), rid)
+        self.stats[f"{kind}_overloaded_replies"] += 1
+        self._reply_error(client, rid.encode(), Overloaded(shed_message(why, kind)), rid)
 
-    def _forward_usage(self, payload: bytes) -> None:
+    def _forward_usage(self, payload: bytes, kind: str = "usage") -> None:
         live = sorted(w.ident for w in self.workers.values() if not w.draining)
         if not live:
-            self.stats["usage_dropped_no_worker"] += 1
+            self.stats[f"{kind}_dropped_no_worker"] += 1
             return
         self.usage_rr = (self.usage_rr + 1) % len(live)
-        if self._send_back([live[self.usage_rr], *P.usage_frames(payload)]):
-            self.stats["usage_forwarded"] += 1
+        if self._send_back([live[self.usage_rr], *P.usage_frames(payload, KINDS[kind][0])]):
+            self.stats[f"{kind}_forwarded"] += 1
         else:
-            self.stats["usage_dropped_send_failed"] += 1
+            self.stats[f"{kind}_dropped_send_failed"] += 1

@@ -1,4 +1,6 @@
 """Admission for usage reports: token buckets per caller key, per org and over the whole broker.
+Compaction summaries to store (protocol SUMMARY) are admitted by the same rules, with buckets of
+their own (``IBEX_SUMMARY_RATE_*``): a flood of one kind never sheds the other.
 
 A usage report costs a worker a validation and a Redis lookup, and takes no credit, so without a
 limit one caller's reports can take the workers' CPU and Redis from every org's assemblies. The
@@ -33,9 +35,12 @@ SHED_WHY = {"busy": "requests are waiting for a worker (assemblies go first)",
             "total": "the broker is over IBEX_USAGE_RATE_TOTAL"}
 
 
-def shed_message(why: str) -> str:
-    """The OVERLOADED notice's text for a report shed by limit ``why`` (a ``SHED_WHY`` key)."""
-    return (f"usage report shed: {SHED_WHY[why]}; reports this caller sends in the next second that are "
+def shed_message(why: str, kind: str = "usage") -> str:
+    """The OVERLOADED notice's text for a report (``kind`` "usage" or "summary") shed by limit
+    ``why`` (a ``SHED_WHY`` key; a summary's limits are the IBEX_SUMMARY_RATE_* settings)."""
+    limit = SHED_WHY[why] if kind == "usage" else SHED_WHY[why].replace("IBEX_USAGE_", "IBEX_SUMMARY_")
+    what = "usage report" if kind == "usage" else "summary"
+    return (f"{what} shed: {limit}; {what}s this caller sends in the next second that are "
             "shed are dropped without a reply")
 
 

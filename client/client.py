@@ -47,7 +47,7 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
     parse_endpoints,
     to_exc,
 )
-from ibex_context.client.usage import USAGE_ID_PREFIX, usage_payload
+from ibex_context.client.usage import USAGE_ID_PREFIX, SummaryReports, usage_payload
 from ibex_context.client.wire import Outgoing, outgoing, too_large
 from ibex_context.shared import protocol as P
 from ibex_context.shared.catalog import Catalog
@@ -76,7 +76,7 @@ CALLER_FAULTS = {ErrorCode.INVALID_REQUEST, ErrorCode.FORBIDDEN, ErrorCode.UNAUT
 MIN_RETRY_S = 0.002
 
 
-class AsyncClient:
+class AsyncClient(SummaryReports):
     """Async client. Use ``async with AsyncClient([...]) as c: await c.assemble(req, timeout=0.05)``.
 
     ``default_timeout`` (seconds) applies when a call gives none; unset, it is

@@ -11,11 +11,13 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.client.requests import ClientClosed
+from ibex_context.client.usage import summary_payload
 from ibex_context.shared.models import AssembleRequest, AssembleResponse
 
 T = TypeVar("T")
@@ -74,6 +76,25 @@ class SyncClient:
         except Exception:  # the loop closed in between: still never raise
             self._client.stats["usage_not_sent"] += 1
             log.warning("usage report not sent: the client's loop is gone")
+
+    def report_summary(self, *, org_id: str, agent_id: str, summary_key: str, text: str, covers: int,
+                       as_memory: bool = False, ttl_s: int | None = None, made_at: float | None = None) -> bool:
+        """Fire-and-forget (``AsyncClient.report_summary``): checked here, handed to the client's loop
+        thread to send; False when bad (logged, counted) or the client is closed. Never raises."""
+        fields: dict[str, Any] = {"org_id": org_id, "agent_id": agent_id, "summary_key": summary_key, "text": text,
+                  "covers": covers, "as_memory": as_memory, "ttl_s": ttl_s, "made_at": made_at}
+        try:
+            payload, why = summary_payload(fields, time.time_ns())
+            if payload is None or self._closed:
+                self._client._count("summary_not_sent")
+                log.warning("summary not sent: %s", why or "the client is closed")
+                return False
+            self._loop.call_soon_threadsafe(functools.partial(self._client.report_summary, **fields))
+            return True
+        except Exception:  # the loop closed in between: still never raise
+            self._client._count("summary_not_sent")
+            log.warning("summary not sent: the client's loop is gone")
+            return False
 
     def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:
         return self._call(lambda: self._client.status(endpoint, timeout))

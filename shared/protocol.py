@@ -6,7 +6,7 @@ client  -> broker   [IBX1, CORRELATED, correlation_id, header, payload]   the cl
 client  -> broker   [IBX1, REQUEST, header, payload]           (legacy [IBX1, REQUEST, payload] too)
 broker  -> client   [IBX1, REPLY | ERROR, correlation_id, payload]
 client  -> broker   [IBX1, STATUS]   ->   [IBX1, STATUS, msgpack snapshot]   (ops and tests)
-client  -> broker   [IBX1, USAGE, payload]     a provider's usage report; no reply unless refused
+client  -> broker   [IBX1, USAGE | SUMMARY, payload]   a usage report, a summary to store; no reply unless refused
 
 worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
 worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
@@ -14,7 +14,7 @@ worker  -> broker   [IBX1, REPLY | ERROR, client_id, correlation_id, payload(, f
 worker  -> broker   [IBX1, DISCONNECT]                       stop sending me work (SIGTERM drain)
 broker  -> worker   [IBX1, REQUEST, client_id, correlation_id, stamp, header, payload]
 broker  -> worker   [IBX1, HEARTBEAT]
-broker  -> worker   [IBX1, USAGE, payload]     forwarded after the broker authorized it; no reply
+broker  -> worker   [IBX1, USAGE | SUMMARY, payload]   forwarded after the broker authorized it; no reply
 
 Replies are matched by ``correlation_id``, never by the caller's ``request_id`` (a label the caller
 picks: two calls may share it, and it still names the call in logs). The client library sends each
@@ -64,6 +64,7 @@ DISCONNECT = b"\x06"
 STATUS = b"\x07"
 USAGE = b"\x08"  # docs/assembly.md "Calibrated token counts": takes no credit, never queued behind requests
 CORRELATED = b"\x09"  # a request under the client's own correlation id (module docstring)
+SUMMARY = b"\x0a"  # README "Compaction summaries": a msgpack SummaryWrite, admitted like USAGE
 MAX_CORRELATION_BYTES = 64
 
 # A usage report is a few hundred bytes; anything much larger is refused by the broker.
@@ -209,6 +210,10 @@ class UsageMessage(NamedTuple):
     payload: bytes
 
 
+class SummaryMessage(NamedTuple):
+    payload: bytes  # a msgpack ``shared.summary_write.SummaryWrite``, carried as USAGE is
+
+
 def request_frames(header: bytes, payload: bytes) -> list[bytes]:
     return [TAG, REQUEST, header, payload]
 
@@ -222,12 +227,12 @@ def status_request_frames() -> list[bytes]:
     return [TAG, STATUS]
 
 
-def usage_frames(payload: bytes) -> list[bytes]:
-    """A usage report, from the client to the broker and from the broker to one worker."""
-    return [TAG, USAGE, payload]
+def usage_frames(payload: bytes, cmd: bytes = USAGE) -> list[bytes]:
+    """A usage report (or, ``cmd`` SUMMARY, a summary), client to broker and broker to one worker."""
+    return [TAG, cmd, payload]
 
 
-def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest | UsageMessage:
+def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest | UsageMessage | SummaryMessage:
     """What a client sent the broker (routing id already stripped)."""
     if frames and frames[0] == TAG:
         if len(frames) == 5 and frames[1] == CORRELATED and 0 < len(frames[2]) <= MAX_CORRELATION_BYTES:
@@ -236,8 +241,8 @@ def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest |
             return ClientRequest(frames[3], frames[2])
         if len(frames) == 3 and frames[1] == REQUEST:
             return ClientRequest(frames[2])
-        if len(frames) == 3 and frames[1] == USAGE:
-            return UsageMessage(frames[2])
+        if len(frames) == 3 and frames[1] in (USAGE, SUMMARY):
+            return (UsageMessage if frames[1] == USAGE else SummaryMessage)(frames[2])
         if len(frames) == 2 and frames[1] == STATUS:
             return StatusRequest()
     raise FrameError(f"expected frames [{TAG!r}, REQUEST, header, payload] or [{TAG!r}, CORRELATED, an id of 1 to "
@@ -377,13 +382,13 @@ def dispatch_frames(client: bytes, request_id: bytes, stamp: Stamp, header: byte
     return [TAG, REQUEST, client, request_id, stamp.pack(), header, payload]
 
 
-def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat | DrainAck | UsageMessage:
+def parse_broker_message(frames: list[bytes]) -> Dispatch | BrokerHeartbeat | DrainAck | UsageMessage | SummaryMessage:
     """What a broker sent a worker; an unreadable stamp raises ``MalformedStamp`` (answerable)."""
     cmd = _tagged(frames, "broker message")
     if cmd == HEARTBEAT:
         return BrokerHeartbeat()
-    if cmd == USAGE and len(frames) == 3:
-        return UsageMessage(frames[2])
+    if cmd in (USAGE, SUMMARY) and len(frames) == 3:
+        return (UsageMessage if cmd == USAGE else SummaryMessage)(frames[2])
     if cmd == DISCONNECT and len(frames) == 2:
         return DrainAck()
     if cmd != REQUEST or len(frames) != 7:

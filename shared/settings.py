@@ -217,6 +217,10 @@ class BrokerSettings(_LinkSettings):
     usage_rate_per_org: float = Field(500.0, ge=0, description="Usage reports a second one org may send.")
     usage_rate_total: float = Field(2000.0, ge=0, description="Usage reports a second the broker forwards in all.")
     usage_burst_s: float = Field(2.0, gt=0, le=60, description="Each usage bucket holds this many seconds of its rate.")
+    # Compaction summaries to store (protocol SUMMARY): their own buckets, the same rules.
+    summary_rate_per_key: float = Field(20.0, ge=0, description="Summaries a second one caller key may send.")
+    summary_rate_per_org: float = Field(50.0, ge=0, description="Summaries a second one org may send.")
+    summary_rate_total: float = Field(200.0, ge=0, description="Summaries a second the broker forwards in all.")
     # -- authentication (CURVE + ZAP; docs/security.md "Authentication") --------------------------------
     auth_keys_file: str | None = Field(
         None, description="Keys file (client key → org, agents; worker keys); turns CURVE on.")
@@ -301,6 +305,11 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
     calibration_window: int = Field(2000, ge=10, description="Samples the decaying sketch follows.")
     calibration_refresh_ms: float = Field(
         2000.0, ge=50, description="How often each worker re-reads the sketches its requests use.")
+    # -- compaction summaries (README "Compaction summaries") ----------------------------------
+    summary_ttl_s: int = Field(7 * 86_400, ge=60, le=30 * 86_400, json_schema_extra=shown("7 days"),
+                               description="How long a stored summary lives after its last write.")
+    summary_memory_timeout_ms: float = Field(
+        5000.0, gt=0, description="A summary's write to the agent's memories (`as_memory`) is given up after this.")
     # -- backing services ----------------------------------------------------------------------
     memory_url: str = Field("http://127.0.0.1:8765", description="The memory service's base URL.")
     memory_secret: str = Field(

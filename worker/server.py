@@ -34,6 +34,7 @@ from ibex_context.shared.settings import WorkerSettings
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.cost import decode, stub_images
 from ibex_context.worker.fair import FairTurns
+from ibex_context.worker.summaries import Summaries
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +114,14 @@ class WorkerServer:
         self._stopped = asyncio.Event()
         # Sampled, after the reply left: most deployments read the metrics, not a line per request.
         self.access_log_sample = settings.access_log_sample if log.isEnabledFor(logging.INFO) else 0.0
+        self.summaries = Summaries.create(settings)  # protocol SUMMARY: stored off the request path
 
     def info(self) -> P.Info:
         cal = self.assembler.calibrator
         return P.Info(self.capacity, self.worker_id, os.getpid(),
                       {**self.stats, **self.turns.stats, **self.assembler.stats,
-                                                    **(cal.stats if cal is not None else {})}, self.draining)
+                                                    **(cal.stats if cal is not None else {}),
+                       **(self.summaries.stats if self.summaries is not None else {})}, self.draining)
 
     async def run(self) -> None:
         self.links = [BrokerLink(self, ep) for ep in self.endpoints]
@@ -138,6 +141,8 @@ class WorkerServer:
             linger_ms = self.settings.heartbeat_interval_ms if self.draining else 0
             for link in self.links:
                 link.close(linger_ms)
+            if self.summaries is not None:
+                await self.summaries.aclose()
 
     async def drain(self) -> None:
         """SIGTERM: stop taking work, finish what is in flight, then stop."""
@@ -193,12 +198,8 @@ class WorkerServer:
         if isinstance(msg, P.DrainAck):
             link.drain_acked.set()
             return
-        if isinstance(msg, P.UsageMessage):  # no reply, no credit: buffered for the calibration sketch
-            calibrator = self.assembler.calibrator
-            if calibrator is None:
-                self.stats["usage_ignored"] += 1
-            else:
-                calibrator.submit(msg.payload)
+        if isinstance(msg, P.UsageMessage | P.SummaryMessage):
+            self._on_report(msg)
             return
         self.stats["received"] += 1
         remaining = msg.stamp.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
@@ -210,6 +211,20 @@ class WorkerServer:
                 f"deadline passed {-remaining / 1e6:.2f} ms before the worker could start"))
             return
         self.on_request(link, msg, received_ns, received_ns + remaining)
+
+    def _on_report(self, msg: P.UsageMessage | P.SummaryMessage) -> None:
+        """No reply, no credit: a usage report is buffered for the calibration sketch, a summary
+        stored in a task of its own (``worker.summaries``)."""
+        if isinstance(msg, P.UsageMessage):
+            calibrator = self.assembler.calibrator
+            if calibrator is None:
+                self.stats["usage_ignored"] += 1
+            else:
+                calibrator.submit(msg.payload)
+        elif self.summaries is None:
+            self.stats["summary_ignored"] += 1
+        else:
+            self.summaries.submit(msg.payload)
 
     def on_request(self, link: BrokerLink, msg: P.Dispatch, received_ns: int, deadline_ns: int) -> None:
         """Start assembling a live request in its own task (``deadline_ns`` is local monotonic)."""
