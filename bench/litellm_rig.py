@@ -71,6 +71,10 @@ class Upstream:
     def clear(self) -> None:
         httpx.delete(f"{self.base}/_received", timeout=5)
 
+    def summary_mode(self, mode: str) -> None:
+        """How the upstream answers summary calls: "digest" (deterministic), "fail" (500) or "hang"."""
+        httpx.put(f"{self.base}/_summary", json={"mode": mode}, timeout=5).raise_for_status()
+
     def stop(self) -> None:
         stop_processes([self.proc])
 

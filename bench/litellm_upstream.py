@@ -13,12 +13,19 @@ too, as Anthropic and OpenAI do (their usage always in the stream: ``message_sta
 
 ``GET /_received`` returns the recorded requests (body and counted prompt tokens), ``DELETE
 /_received`` forgets them. Loopback only; stdlib HTTP server, one thread per connection.
+
+A chat call whose system prompt is the hook's default summary prompt (``litellm_config.PROMPT_MARK``)
+is answered deterministically: ``digest`` of every ``FACT-<n>`` token in its other messages (the
+previous summary and the messages to fold), so a test knows what each summary says. ``PUT
+/_summary {"mode": "digest" | "fail" | "hang"}`` makes those calls answer HTTP 500 or never answer
+(held ``HANG_S``) instead; other calls are unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from ibex_context.client.integrations.litellm_config import PROMPT_MARK
 from ibex_context.pipeline.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import UnknownModel
@@ -33,6 +41,21 @@ from ibex_context.shared.errors import UnknownModel
 CATALOG = Catalog.load()
 _LOCK = threading.Lock()
 _RECEIVED: list[dict[str, Any]] = []
+_SUMMARY_MODE = {"mode": "digest"}
+HANG_S = 120.0
+FACT = re.compile(r"FACT-\d+")
+
+
+def is_summary_call(body: dict[str, Any]) -> bool:
+    first = (body.get("messages") or [{}])[0]
+    return first.get("role") == "system" and str(first.get("content", "")).startswith(PROMPT_MARK)
+
+
+def digest(body: dict[str, Any]) -> str:
+    """The summary a summary call gets: each FACT-<n> of its non-system messages once, in number order."""
+    text = " ".join(str(m.get("content", "")) for m in body.get("messages") or [] if m.get("role") != "system")
+    facts = sorted(set(FACT.findall(text)), key=lambda f: int(f.split("-")[1]))
+    return "Facts so far: " + (" ".join(facts) if facts else "none")
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
@@ -159,6 +182,14 @@ class Handler(BaseHTTPRequestHandler):
         with _LOCK:
             self._send(200, list(_RECEIVED))
 
+    def do_PUT(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", "0"))) or b"{}")
+        if self.path != "/_summary" or body.get("mode") not in ("digest", "fail", "hang"):
+            self._send(404, {"error": "PUT /_summary {mode: digest | fail | hang}"})
+            return
+        _SUMMARY_MODE["mode"] = body["mode"]
+        self._send(200, {})
+
     def do_DELETE(self) -> None:
         with _LOCK:
             _RECEIVED.clear()
@@ -181,8 +212,15 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": {"message": f"this upstream does not answer {self.path}"}})
             return
         n = prompt_tokens(body)
+        summary = is_summary_call(body)
         with _LOCK:
-            _RECEIVED.append({"path": route, "body": body, "prompt_tokens": n})
+            _RECEIVED.append({"path": route, "body": body, "prompt_tokens": n, "summary": summary})
+        if summary and _SUMMARY_MODE["mode"] != "digest":
+            if _SUMMARY_MODE["mode"] == "hang":
+                time.sleep(HANG_S)
+            self._send(500, {"error": {"message": "the summary model failed", "type": "server_error"}})
+            return
+        answer = digest(body) if summary else "ok"
         head = {"id": f"chatcmpl-{time.monotonic_ns()}", "created": int(time.time()), "model": body.get("model")}
         usage = {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
                  "prompt_tokens_details": {"cached_tokens": 0}}
@@ -191,7 +229,7 @@ class Handler(BaseHTTPRequestHandler):
             self._stream(head, usage if with_usage else None)
             return
         self._send(200, {**head, "object": "chat.completion", "usage": usage, "choices": [
-            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]})
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}]})
 
     def _stream(self, head: dict[str, Any], usage: dict[str, Any] | None) -> None:
         """Server-sent events as OpenAI streams them; the usage chunk only when the request asked."""

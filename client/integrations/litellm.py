@@ -24,7 +24,8 @@ bad config stops the proxy at start with one line.
   the directive came from (``x-ibex-context-directive``);
 * success: the provider's ``usage.prompt_tokens`` reported back for calibration, streamed or not (a
   chat completion's stream only when it asked for ``stream_options.include_usage``; Anthropic's
-  messages and OpenAI's responses always stream their usage).
+  messages and OpenAI's responses always stream their usage); with ``summaries`` configured, a
+  compaction summary due after the call is made in the background (``litellm_summary``).
 
 LiteLLM is imported here only: ``ibex_context.client`` never loads it.
 """
@@ -48,6 +49,7 @@ from ibex_context.client.integrations.litellm_config import (
 )
 from ibex_context.client.integrations.litellm_core import (
     RECORD_KEY,
+    SUMMARY_TICKET,
     HookCore,
     Refused,
     headers,
@@ -61,6 +63,7 @@ from ibex_context.client.integrations.litellm_routes import (
     NotAssembled,
     request_form,
 )
+from ibex_context.client.integrations.litellm_summary import conversation_key
 from ibex_context.shared.settings import ClientSettings
 
 log = logging.getLogger(__name__)
@@ -146,7 +149,9 @@ class IbexContextHook(CustomLogger):
                 return data
             requested = str(data.get("model"))
             model = self.core.model(requested, _deployments(requested, getattr(user_api_key_dict, "team_id", None)))
-            settled = await self.core.assemble(who, model, form, data.get("litellm_call_id"))
+            key = (conversation_key(meta, data, who.org_id, who.agent_id, form.messages)
+                   if self.core.summaries is not None else None)
+            settled = await self.core.assemble(who, model, form, data.get("litellm_call_id"), key)
         except Refused as exc:
             raise HTTPException(status_code=exc.status, detail=exc.message) from None
         assembly = settled.assembly
@@ -157,6 +162,8 @@ class IbexContextHook(CustomLogger):
         status = "degraded" if assembly.degraded else "assembled"
         # the usage is matched to this assembly by the hook's own key, not LiteLLM's call id (the caller's)
         meta[RECORD_KEY] = record(assembly, status, settled.reasons, self.core.remember(who, assembly), settled)
+        if key is not None:  # planned now, made on the call's success, in the background
+            self.core.plan_summary(meta[RECORD_KEY], who, key, form, assembly)
         return data
 
     async def async_post_call_response_headers_hook(
@@ -167,6 +174,8 @@ class IbexContextHook(CustomLogger):
 
     async def async_log_success_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
                                       end_time: Any) -> None:
+        if self.core.summaries is not None:
+            self.core.summaries.launch(usage_key(kwargs, SUMMARY_TICKET))
         if kwargs.get("stream") and not _streams_usage(kwargs):
             # LiteLLM fills a stream's usage with its own count when the provider sent none: not
             # the provider's, so not a calibration sample
@@ -179,6 +188,8 @@ class IbexContextHook(CustomLogger):
     async def async_log_failure_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,
                                       end_time: Any) -> None:
         self.core.forget(usage_key(kwargs))
+        if self.core.summaries is not None:
+            self.core.summaries.forget(usage_key(kwargs, SUMMARY_TICKET))
 
 
 _handler: IbexContextHook | None = None

@@ -35,6 +35,7 @@ from ibex_context.client.integrations.litellm_config import (
     resolve_identity,
 )
 from ibex_context.client.integrations.litellm_routes import Form
+from ibex_context.client.integrations.litellm_summary import Summarizer
 from ibex_context.client.requests import build
 from ibex_context.shared.catalog import Catalog
 from ibex_context.shared.errors import ErrorCode, IbexError, Unavailable
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 RECORD_KEY = "ibex_context"  # where the outcome is kept in the request's LiteLLM metadata
 USAGE_KEY = "usage_key"  # the record's key for the assembly awaiting the call's usage (never a header)
+SUMMARY_TICKET = "summary_ticket"  # the record's key for a summary due on the call's success (never a header)
 HEADER = "x-ibex-context"
 PENDING_MAX = 10_000  # assemblies awaiting their usage report; the oldest go first
 STATUS_CODES = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.CONTEXT_OVERFLOW: 400, ErrorCode.FORBIDDEN: 403,
@@ -111,6 +113,7 @@ class HookCore:
         self._pending: OrderedDict[str, Pending] = OrderedDict()
         self.copies = D.DirectiveCopies(config.directive_copies)
         self._counting = threading.Lock()  # the catalog's count caches are not thread-safe
+        self.summaries = Summarizer(config.summaries) if config.summaries is not None else None
         for org in config.orgs:  # a bad key file or endpoint stops the proxy at start, not per call
             self._clients[org] = self._new_client(org)
 
@@ -139,7 +142,8 @@ class HookCore:
         except IbexError as exc:
             raise Refused(400, f"ibex-context: {exc.message}") from None
 
-    async def assemble(self, who: Caller, model: str, form: Form, call_id: object = None) -> Settled:
+    async def assemble(self, who: Caller, model: str, form: Form, call_id: object = None,
+                       summary_key: str | None = None) -> Settled:
         """The assembly for this call's conversation (``assemble_or_degrade``: a service fault
         degrades, a caller fault is ``Refused`` with the service's one-line reason), settled by the
         caller's ``on_degraded``."""
@@ -149,6 +153,8 @@ class HookCore:
             "tools": form.tools, "options": self.config.options, "history": self.config.history}
         if form.system is not None:
             fields["system"] = form.system
+        if summary_key is not None:  # the worker loads the conversation's stored summary (litellm_summary)
+            fields["summary_key"] = summary_key
         if isinstance(call_id, str) and 0 < len(call_id) <= 128:
             fields["request_id"] = call_id  # one id in LiteLLM's logs and the service's: a label, not a key
         fallback = self.fallback(who)
@@ -207,6 +213,19 @@ class HookCore:
         req = build(None, fields, time.time_ns() + 1_000_000_000)
         with self._counting:
             return degraded_response(req, Unavailable(why), directive, catalog=self.catalog, settings=self.settings)
+
+    def plan_summary(self, rec: dict[str, Any], who: Caller, key: str, form: Form,
+                     assembly: AssembleResponse) -> None:
+        """Note in the call's record a summary due on its success (``litellm_summary``: made then,
+        in the background), and the covers the placed summary has."""
+        if assembly.summary is not None and assembly.summary.placed:
+            rec["summary_covers"] = assembly.summary.covers
+        if self.summaries is None:
+            return
+        planned = self.summaries.plan(who.org_id, who.agent_id, key, form.format, form.messages, assembly,
+                                      self._clients[who.org_id])
+        if planned is not None:
+            rec[SUMMARY_TICKET], rec["summary_due"] = planned
 
     def remember(self, who: Caller, assembly: AssembleResponse) -> str:
         """Keep the assembly until the provider's usage arrives (``report``), under the key returned:
@@ -267,13 +286,14 @@ def record(assembly: AssembleResponse | None, status: str, reasons: list[str],
     return out
 
 
-def usage_key(kwargs: Mapping[str, Any]) -> object:
-    """The key ``remember`` returned for this call, from the record the pre-call hook wrote into the
-    request's metadata (LiteLLM hands it back to the logging callbacks in ``litellm_params``)."""
+def usage_key(kwargs: Mapping[str, Any], name: str = USAGE_KEY) -> object:
+    """The key ``remember`` returned for this call (or, ``name`` SUMMARY_TICKET, its summary's
+    ticket), from the record the pre-call hook wrote into the request's metadata (LiteLLM hands it
+    back to the logging callbacks in ``litellm_params``)."""
     params = kwargs.get("litellm_params")
     meta = params.get("metadata") if isinstance(params, Mapping) else None
     rec = meta.get(RECORD_KEY) if isinstance(meta, Mapping) else None
-    return rec.get(USAGE_KEY) if isinstance(rec, Mapping) else None
+    return rec.get(name) if isinstance(rec, Mapping) else None
 
 
 def headers(rec: Mapping[str, Any] | None) -> dict[str, str] | None:
@@ -287,7 +307,7 @@ def headers(rec: Mapping[str, Any] | None) -> dict[str, str] | None:
     if rec.get("reasons"):
         out[f"{HEADER}-reason"] = header_value("; ".join(str(r) for r in rec["reasons"]))
     for key in ("request_id", "memories", "prompt_tokens", "model", "count_rule", "calibration_samples", "directive",
-                "directive_age_s"):
+                "directive_age_s", "summary_covers", "summary_due"):
         if rec.get(key) is not None:
             out[f"{HEADER}-{key.replace('_', '-')}"] = header_value(str(rec[key]))
     return out
