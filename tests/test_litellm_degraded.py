@@ -22,7 +22,7 @@ import redis
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.keys import directive_key
-from tests.test_litellm_proxy import TURN, _demo, _keys, _norm, curve_stack
+from tests.test_litellm_proxy import TURN, _demo, _keys, _norm, curve_hook, curve_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,10 +63,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     _keys(d)
     stack = curve_stack(d, tmp_path_factory.mktemp("stack"))
     try:
-        hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
-                "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
-                         "globex": {"key_file": str(d / "globex-proxy.key"), "agents": ["support-bot", "research-*"]}},
-                "identity": {"org_from": ["key", "team"], "agent_from": ["request", "key", "team"]}}
+        hook = curve_hook(d, stack, globex={"agents": ["support-bot", "research-*"]},
+                          identity={"org_from": ["key", "team"], "agent_from": ["request", "key", "team"]})
         with hooked_proxy(d, hook, MODELS, KEYS) as (upstream, proxy):
             yield Rig(stack, upstream, proxy)
     finally:

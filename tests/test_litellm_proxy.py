@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,16 +124,21 @@ def curve_stack(d: Path, stack_dir: Path) -> LocalStack:
     return start_stack(stack_dir, workers=1, env=env, status_socket=ops)
 
 
+def curve_hook(d: Path, stack: LocalStack, *, globex: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """The hook's config for ``curve_stack``: acme's and globex's proxy keys (``globex`` adds to
+    globex's mapping), a 3 s timeout, and ``extra`` top-level fields."""
+    return {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
+            "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
+                     "globex": {"key_file": str(d / "globex-proxy.key"), **(globex or {})}}, **extra}
+
+
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     d = tmp_path_factory.mktemp("litellm")
     _keys(d)
     stack = curve_stack(d, tmp_path_factory.mktemp("stack"))
     try:
-        hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
-                "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
-                         "globex": {"key_file": str(d / "globex-proxy.key")}},
-                "identity": {"org_from": ["key", "team"], "agent_from": ["request", "key", "team"]}}
+        hook = curve_hook(d, stack, identity={"org_from": ["key", "team"], "agent_from": ["request", "key", "team"]})
         with hooked_proxy(d, hook, MODELS, KEYS, aliases={"claude": "sonnet"}) as (upstream, proxy):
             yield Rig(stack, upstream, proxy)
     finally:

@@ -24,7 +24,7 @@ import pytest
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.client.integrations.litellm_responses import Chat, to_chat
 from ibex_context.ops.stack import LocalStack
-from tests.test_litellm_proxy import _accepted, _demo, _keys, curve_stack
+from tests.test_litellm_proxy import _accepted, _demo, _keys, curve_hook, curve_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,9 +63,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     _keys(d)
     stack = curve_stack(d, tmp_path_factory.mktemp("stack"))
     try:
-        hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
-                "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
-                         "globex": {"key_file": str(d / "globex-proxy.key")}}}
+        hook = curve_hook(d, stack)
         with hooked_proxy(d, hook, MODELS, KEYS) as (upstream, proxy):
             yield Rig(stack, upstream, proxy)
     finally:

@@ -24,7 +24,7 @@ import pytest
 from bench.litellm_rig import hooked_proxy
 from ibex_context.pipeline.budget import response_reserve
 from ibex_context.shared.catalog import Catalog
-from tests.test_litellm_proxy import _accepted, _demo, _keys, curve_stack
+from tests.test_litellm_proxy import _accepted, _demo, _keys, curve_hook, curve_stack
 from tests.test_litellm_routes import A_TOOLS, A_TURN, R_INPUT, R_TOOLS, Rig, _memory_bodies
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,9 +42,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     _keys(d)
     stack = curve_stack(d, tmp_path_factory.mktemp("stack"))
     try:
-        hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
-                "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
-                         "globex": {"key_file": str(d / "globex-proxy.key")}}}
+        hook = curve_hook(d, stack)
         with hooked_proxy(d, hook, MODELS, KEYS) as (upstream, proxy):
             yield Rig(stack, upstream, proxy)
     finally:

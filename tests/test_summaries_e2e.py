@@ -34,7 +34,7 @@ from ibex_context.shared.keys import summary_key
 from ibex_context.shared.settings import ClientSettings
 from ibex_context.shared.summary_store import decode_summary
 from tests.helpers import eventually
-from tests.test_litellm_proxy import _keys, curve_stack
+from tests.test_litellm_proxy import _keys, curve_hook, curve_stack
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -71,11 +71,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     _keys(d)
     stack = curve_stack(d, tmp_path_factory.mktemp("stack"))
     try:
-        hook = {"endpoints": [stack.frontend], "broker_public_key": str(d / "broker.pub"), "timeout_ms": 3000,
-                "orgs": {"acme": {"key_file": str(d / "acme-proxy.key")},
-                         "globex": {"key_file": str(d / "globex-proxy.key")}},
-                "summaries": {"model": "summarizer", "max_chars": 4000, "high_water": 0.8, "low_water": 0.5,
-                              "as_memory": True, "timeout_s": 3}}
+        hook = curve_hook(d, stack, summaries={"model": "summarizer", "max_chars": 4000, "high_water": 0.8,
+                                               "low_water": 0.5, "as_memory": True, "timeout_s": 3})
         with hooked_proxy(d, hook, MODELS, KEYS) as (upstream, proxy):
             r = redis.Redis.from_url(str(stack.redis_url))
             try:
