@@ -25,10 +25,10 @@ from typing import Any
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
 DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
 LAYOUTS = ("seed", "sysmem", "service")

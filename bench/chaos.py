@@ -18,7 +18,7 @@ from bench.lib.percentiles import percentiles
 from bench.loadgen import ClientTarget, RunResult, open_loop
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, broker_status
-from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.wire.models import AssembleRequest
 
 
 def _stats(endpoint: str) -> dict[str, int]:

@@ -22,9 +22,9 @@ from typing import Any
 from bench.lib.tables import table
 from ibex_context.memory.seed import derived_memory_id
 from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import Message
+from ibex_context.shared.wire.models import Message
 
 DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
 NONCE = "0123456789abcdef0123456789abcdef"

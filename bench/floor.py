@@ -31,7 +31,7 @@ import zmq
 from bench.loadgen import OK, Reply, RunResult, open_loop
 from bench.stats import Histograms
 from ibex_context.ops.stack import free_port, stop_processes
-from ibex_context.shared.loopsock import LoopSocket
+from ibex_context.shared.wire.loopsock import LoopSocket
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,8 +70,8 @@ def serve_answer(connect: str) -> None:
     reply for its request id), so the client library can drive the floor (``bench.peers``' zmq-floor:
     the CPU and latency of the card's two hops with no Python broker at all)."""
     from bench.lib.transport import transport_response
-    from ibex_context.shared import protocol as P
-    from ibex_context.shared.codec import Envelope, encode_document, parse_header
+    from ibex_context.shared.wire import protocol as P
+    from ibex_context.shared.wire.codec import Envelope, encode_document, parse_header
 
     template = transport_response("-", {}).model_dump(mode="python")
     ctx = zmq.Context()
@@ -155,7 +155,7 @@ def pingpong(endpoint: str, n: int, payload: bytes, *, warmup: int = 50) -> Hist
 class RawTarget:
     """An open-loop target over a bare DEALER: [id, payload] out, the same back.
 
-    Served the way the client library serves its sockets (``shared.loopsock``), so the floor's
+    Served the way the client library serves its sockets (``shared.wire.loopsock``), so the floor's
     generator side costs no more than the client's and the comparison is about what lies between.
     """
 

@@ -34,9 +34,9 @@ from bench.lib.stack import REPO
 from bench.lib.tables import table
 from bench.workload import request_templates
 from ibex_context.ops.stack import free_port, stop_processes
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, encode, pack_header
-from ibex_context.shared.models import AssembleRequest, Message
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, encode, pack_header
+from ibex_context.shared.wire.models import AssembleRequest, Message
 
 
 def template(pad_kb: int = 0) -> AssembleRequest:
@@ -73,7 +73,7 @@ def transport_worker(endpoint: str) -> None:
     import uvloop
 
     from bench.lib.transport import TransportWorkerServer
-    from ibex_context.shared.settings import Settings
+    from ibex_context.shared.config.settings import Settings
 
     class NoAssembler:
         stats: ClassVar[dict[str, int]] = {}

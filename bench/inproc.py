@@ -22,11 +22,11 @@ from typing import Any
 from bench.stats import WORKER_STAGES, Histograms
 from bench.workload import candidate_hits
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.hits import offline_result
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
 STAGES = tuple(s for s in WORKER_STAGES if s != "retrieval")
 

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from ibex_context.client.integrations.litellm_config import PROMPT_MARK
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import UnknownModel
+from ibex_context.shared.wire.errors import UnknownModel
 
 CATALOG = Catalog.load()
 _LOCK = threading.Lock()

@@ -27,8 +27,8 @@ import numpy as np
 from bench.lib.cpu import cpu_seconds
 from bench.stats import COMPONENTS, WORKER_STAGES, Histograms
 from ibex_context.client.client import AsyncClient
-from ibex_context.shared.errors import IbexError
-from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.wire.errors import IbexError
+from ibex_context.shared.wire.models import AssembleRequest
 
 OK = "OK"
 NOT_SENT = "NOT_SENT"

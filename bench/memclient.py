@@ -23,7 +23,7 @@ from bench.lib.cpu import cpu_seconds
 from bench.lib.percentiles import median, percentile
 from bench.lib.stack import started_stack
 from bench.lib.tables import table
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.worker.memhttp import MemoryHTTP
 
 

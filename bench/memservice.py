@@ -41,8 +41,8 @@ from bench.lib.tables import table
 from bench.workload import AGENTS
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.ops.procs import http_ok, read_port_file, stop_processes, wait_for
-from ibex_context.shared.settings import Settings
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.worker.memhttp import MalformedResponse, MemoryHTTP
 from ibex_context.worker.retrieve import HOT_QUERY_CHARS
 

@@ -138,7 +138,7 @@ def _service(redis_url: str, pythonpath: str | None, workdir: Path) -> tuple[sub
 
 
 def _token() -> str:
-    from ibex_context.shared.tenancy import mint_org_token
+    from ibex_context.shared.security.tenancy import mint_org_token
 
     return mint_org_token(SECRET, ORG)
 

@@ -9,7 +9,7 @@ it without this stack, one process per ``python -m bench.peer_servers grpc|http 
   supervisor; SO_REUSEPORT is what ``gunicorn --reuse-port`` gives and spreads connections the same
   way). Routes ``POST /assemble`` and ``POST /transport``.
 
-Both speak this project's msgpack request and reply (``shared.codec``) so the pipeline, the payload
+Both speak this project's msgpack request and reply (``shared.wire.codec``) so the pipeline, the payload
 and the reply are the same bytes as through the broker; only the serving differs. A request is
 decoded and validated once, its epoch deadline converted once to local monotonic time, and the
 reply is an ``AssembleResponse`` or an ``ErrorReply`` (DEADLINE_EXCEEDED once the deadline has
@@ -29,10 +29,10 @@ import time
 from typing import Any
 
 from bench.lib.transport import transport_response
-from ibex_context.shared.codec import decode_request, encode, encode_document, encode_error, scan_request_id
-from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal
-from ibex_context.shared.models import ErrorReply
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.codec import decode_request, encode, encode_document, encode_error, scan_request_id
+from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal
+from ibex_context.shared.wire.models import ErrorReply
 from ibex_context.worker.assemble import Assembler
 
 READY_LINE = "peer serving"
@@ -72,7 +72,7 @@ class Service:
 
 async def build_service(name: str) -> Service:
     """The worker's own start-up (``ibex_context.worker.__main__.serve``) without its sockets."""
-    from ibex_context.shared.catalog import Catalog
+    from ibex_context.pipeline.catalog import Catalog
     from ibex_context.worker.retrieve import Retriever
 
     settings = Settings()

@@ -16,8 +16,8 @@ from typing import Any
 
 from bench.loadgen import OK, Reply
 from ibex_context.client.requests import encode_with_deadline
-from ibex_context.shared.codec import decode_reply
-from ibex_context.shared.models import AssembleRequest, ErrorReply
+from ibex_context.shared.wire.codec import decode_reply
+from ibex_context.shared.wire.models import AssembleRequest, ErrorReply
 
 # Connections per peer client: SO_REUSEPORT spreads connections (not requests) over the server
 # processes, so a single connection would load one process only.

@@ -67,7 +67,7 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.ops.local import LocalStack
 from ibex_context.ops.procs import stop_processes, wait_for
 from ibex_context.ops.stack import free_port
-from ibex_context.shared import protocol as P
+from ibex_context.shared.wire import protocol as P
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ibex", "grpc", "http")

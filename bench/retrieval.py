@@ -48,7 +48,7 @@ from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
 from ibex_context.memory.embed import content_terms
 from ibex_context.memory.seed import DEMO_FILE, derived_memory_id
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.security.tenancy import mint_org_token
 
 EVAL_FILE = Path(__file__).resolve().parent / "data" / "retrieval_eval.jsonl"
 

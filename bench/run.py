@@ -51,8 +51,8 @@ from bench.stats import Histograms
 from bench.workload import request_templates
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, broker_status
-from ibex_context.shared.codec import encode
-from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.wire.codec import encode
+from ibex_context.shared.wire.models import AssembleRequest
 
 MODES = ("inproc", "transport", "floor", "full", "chaos")
 KNEE_MAX_ERROR_FRACTION = 0.01

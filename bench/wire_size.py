@@ -30,9 +30,9 @@ import zmq
 from bench.lib.tables import table
 from ibex_context.client.requests import build, encode_request
 from ibex_context.client.wire import outgoing
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import decode_reply, encode, encode_document
-from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import decode_reply, encode, encode_document
+from ibex_context.shared.wire.models import AssembleResponse
 
 WORDS = ("the of and to in is was for on that with as by at from it his an were are which be this has "
          "or had not but first one their its new after who they have her she two been other when there all "

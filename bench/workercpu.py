@@ -17,7 +17,7 @@ The ``pipeline`` row is this process running, for the same requests, what a work
 retrieval and the reply's bytes: ``count_turns`` + ``pipeline.assemble.assemble`` on a retrieval
 result fetched once from the same memory service and Redis (``worker.retrieve.Retriever``), with
 one worker's line cache and a warm token cache; ``codec`` adds decoding the request and encoding
-the reply (``shared.codec``). CPU is this thread's (``bench.lib.cpu``). Nothing is asserted.
+the reply (``shared.wire.codec``). CPU is this thread's (``bench.lib.cpu``). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from bench.lib.tables import table
 from bench.workload import request_templates
 from ibex_context.ops.local import LocalStack
 from ibex_context.ops.procs import stop_processes
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, decode_request, encode, pack_header
-from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, decode_request, encode, pack_header
+from ibex_context.shared.wire.models import AssembleRequest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -164,10 +164,10 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
     """CPU µs per request of what a worker runs after retrieval, in this process, for ``tmpls``."""
     from ibex_context.pipeline.assemble import Clock, Policy, assemble
     from ibex_context.pipeline.budget import counter_for
+    from ibex_context.pipeline.catalog import Catalog
     from ibex_context.pipeline.count import LineCache
     from ibex_context.pipeline.turns import count_turns
-    from ibex_context.shared.catalog import Catalog
-    from ibex_context.shared.settings import Settings
+    from ibex_context.shared.config.settings import Settings
     from ibex_context.worker.retrieve import Retriever
 
     settings = Settings(memory_url=stack.memory_url, memory_secret=stack.secret, redis_url=stack.redis_url)

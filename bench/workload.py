@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.wire.models import AssembleRequest
 
 DEMO_DATA = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
 

@@ -43,9 +43,10 @@ from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerSta
 from ibex_context.broker.usage import UsageIntake
 from ibex_context.broker.usage_limits import UsageLimits
 from ibex_context.broker.workers import WorkerTable
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, pack_header, parse_header, peek_envelope
-from ibex_context.shared.errors import (
+from ibex_context.shared.config.settings import BrokerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, pack_header, parse_header, peek_envelope
+from ibex_context.shared.wire.errors import (
     DeadlineExceeded,
     ErrorCode,
     IbexError,
@@ -53,9 +54,8 @@ from ibex_context.shared.errors import (
     Overloaded,
     Unavailable,
 )
-from ibex_context.shared.loopsock import readable, recv_forwarding
-from ibex_context.shared.models import ErrorReply
-from ibex_context.shared.settings import BrokerSettings
+from ibex_context.shared.wire.loopsock import readable, recv_forwarding
+from ibex_context.shared.wire.models import ErrorReply
 
 log = logging.getLogger(__name__)
 

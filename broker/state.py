@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 import zmq
 
 from ibex_context.broker.admission import Limiter
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, encode_error
-from ibex_context.shared.errors import IbexError
-from ibex_context.shared.loopsock import send_frames
-from ibex_context.shared.models import ErrorReply
-from ibex_context.shared.settings import BrokerSettings
+from ibex_context.shared.config.settings import BrokerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, encode_error
+from ibex_context.shared.wire.errors import IbexError
+from ibex_context.shared.wire.loopsock import send_frames
+from ibex_context.shared.wire.models import ErrorReply
 
 log = logging.getLogger(__name__)
 
 # (client routing id, correlation id): the caller's request_id is a label two calls may share, so
-# it keys nothing (shared.protocol); a request sent without a correlation id is keyed by its request_id.
+# it keys nothing (shared.wire.protocol); a request sent without a correlation id is keyed by its request_id.
 Key = tuple[bytes, bytes]
 MIN_RETRY_NS = 2_000_000  # re-dispatch only with at least 2 ms left
 BURST = 256  # frontend messages drained per poll round

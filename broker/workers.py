@@ -17,8 +17,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ibex_context.broker.admission import Limiter, ServiceTime
 from ibex_context.broker.state import MIN_RETRY_NS, BrokerBase, Pending, WorkerState
-from ibex_context.shared import protocol as P
-from ibex_context.shared.errors import DeadlineExceeded, Unavailable
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
 

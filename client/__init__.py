@@ -6,7 +6,7 @@ if not __name__.startswith("ibex_context."):
 
 from ibex_context.client.client import AsyncClient, ClientClosed, degraded_response
 from ibex_context.client.sync import SyncClient
-from ibex_context.shared.errors import (
+from ibex_context.shared.wire.errors import (
     ContextOverflow,
     DeadlineExceeded,
     Forbidden,
@@ -17,7 +17,7 @@ from ibex_context.shared.errors import (
     Unauthenticated,
     Unavailable,
 )
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
 __all__ = [
     "AssembleRequest",

@@ -49,10 +49,11 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
 )
 from ibex_context.client.usage import USAGE_ID_PREFIX, SummaryReports, usage_payload
 from ibex_context.client.wire import Outgoing, outgoing, too_large
-from ibex_context.shared import protocol as P
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.codec import decode_reply
-from ibex_context.shared.errors import (
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.settings import ClientSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import decode_reply
+from ibex_context.shared.wire.errors import (
     DeadlineExceeded,
     ErrorCode,
     IbexError,
@@ -61,8 +62,7 @@ from ibex_context.shared.errors import (
     Unauthenticated,
     Unavailable,
 )
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, ErrorReply
-from ibex_context.shared.settings import ClientSettings
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class AsyncClient(SummaryReports):
             settings.client_timeout_ms / 1000 if default_timeout is None else default_timeout, "default_timeout")
         self.max_request_bytes = settings.max_request_bytes
         if configure_socket is None and settings.client_key_file:
-            from ibex_context.shared import auth
+            from ibex_context.shared.security import auth
 
             try:
                 configure_socket = auth.curve_client_for(settings.client_key_file, settings, role="client")

@@ -1,13 +1,13 @@
 """One DEALER connection from the client library to one broker frontend.
 
-Sockets are served by loop callbacks (``shared.loopsock``), not awaited reads: a reply costs no
+Sockets are served by loop callbacks (``shared.wire.loopsock``), not awaited reads: a reply costs no
 Future and no task switch on its way to the caller's future. ``IMMEDIATE`` queues only to live
 connections, so a request to a broker that is down fails over at once (README "The client library").
 
 Replies are matched to their callers by a correlation id the connection makes for each attempt,
 never by the caller's ``request_id``: that is a label two callers may share (a LiteLLM call id comes
 from the caller's own ``x-litellm-call-id`` header), and a reply matched by it could reach the
-wrong caller, with the other caller's conversation in it (``shared.protocol``).
+wrong caller, with the other caller's conversation in it (``shared.wire.protocol``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import zmq
 
-from ibex_context.shared import protocol as P
-from ibex_context.shared.errors import IbexError
-from ibex_context.shared.loopsock import LoopSocket
-from ibex_context.shared.models import AssembleResponse, ErrorReply
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.errors import IbexError
+from ibex_context.shared.wire.loopsock import LoopSocket
+from ibex_context.shared.wire.models import AssembleResponse, ErrorReply
 
 MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 

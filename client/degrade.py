@@ -33,13 +33,13 @@ from ibex_context.client.requests import to_exc
 # The pipeline a degraded response runs, its chat-native part included (module-level imports
 # all through, so its ~0.2-0.5 s of schema building happens here, not in the first fallback).
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import failed_result
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.codec import validate
-from ibex_context.shared.errors import ContextOverflow, IbexError, Internal
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
-from ibex_context.shared.settings import PipelineSettings
-from ibex_context.shared.tokens import CachedCounter, EstimateKind
+from ibex_context.pipeline.tokens import CachedCounter, EstimateKind
+from ibex_context.shared.config.settings import PipelineSettings
+from ibex_context.shared.wire.codec import validate
+from ibex_context.shared.wire.errors import ContextOverflow, IbexError, Internal
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
 
 log = logging.getLogger(__name__)
 

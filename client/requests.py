@@ -3,7 +3,7 @@
 Every caller mistake is an ``InvalidRequest`` naming the field (README "The client library"): bad
 fields or timeout, text that is not UTF-8, a malformed endpoint, and any use after ``close()``
 (``ClientClosed``). The request document is stamped with its deadline and packed here, through
-``shared.codec``.
+``shared.wire.codec``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.shared.codec import Envelope, encode_document, pack_header
-from ibex_context.shared.errors import ERROR_BY_CODE, IbexError, Internal, InvalidRequest
-from ibex_context.shared.models import AssembleRequest, ErrorReply
-from ibex_context.shared.settings import ClientSettings, env_name
-from ibex_context.shared.validation import first_error
+from ibex_context.shared.config.settings import ClientSettings, env_name
+from ibex_context.shared.wire.codec import Envelope, encode_document, pack_header
+from ibex_context.shared.wire.errors import ERROR_BY_CODE, IbexError, Internal, InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest, ErrorReply
+from ibex_context.shared.wire.validation import first_error
 
 # Longest timeout a call accepts: anything longer is a unit mistake (milliseconds passed as seconds),
 # and it keeps deadline_ns inside the wire's 64-bit integer.

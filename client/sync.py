@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from ibex_context.client.client import AsyncClient
 from ibex_context.client.requests import ClientClosed
 from ibex_context.client.usage import summary_payload
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import encode
-from ibex_context.shared.models import AssembleResponse, UsageReport
-from ibex_context.shared.protocol import MAX_USAGE_BYTES
-from ibex_context.shared.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import encode
+from ibex_context.shared.wire.models import AssembleResponse, UsageReport
+from ibex_context.shared.wire.protocol import MAX_USAGE_BYTES
+from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
 
 if TYPE_CHECKING:
     from ibex_context.client.connection import Conn

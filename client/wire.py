@@ -1,6 +1,6 @@
 """What the client library sends for a request, and what it makes of the reply (docs/assembly.md "Size limits").
 
-A chat request travels with every base64 image replaced by its stub (``shared.images``: its size
+A chat request travels with every base64 image replaced by its stub (``pipeline.conversation.images``: its size
 from the header and a digest, read here, once per call); the pictures stay in this process. The
 reply carries a layout, not the conversation, and ``Outgoing.restore`` rebuilds the provider-ready
 messages from the caller's own, so the kept parts come back as the very objects the caller passed.
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ibex_context.shared.chat_layout import restore
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.images import stub_messages
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.pipeline.conversation.images import stub_messages
+from ibex_context.pipeline.conversation.layout import restore
+from ibex_context.shared.wire.errors import InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
 # The fields a caller's conversation travels in, per request form: what a size error names.
 CHAT_FIELDS = ("messages", "tools", "system", "query")

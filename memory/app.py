@@ -12,7 +12,7 @@
            when the call sends the question (``query``), also carry their relevance, the
            five-part composite and its components (``memory.search``); hot hits their salience.
 
-Every /v1 call needs ``Authorization: Bearer <org token>`` (``shared.tenancy``); the org id comes
+Every /v1 call needs ``Authorization: Bearer <org token>`` (``shared.security.tenancy``); the org id comes
 from the token only and scopes every Redis key; it is checked before anything else, injected
 faults included. Errors are ``{"error": message}`` with 400 (bad input), 401 (token), 404/405
 (no trailing-slash redirects), 409 (the agent is at its memory cap), 413 (body too large), 503

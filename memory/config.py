@@ -1,4 +1,4 @@
-"""Settings of the reference memory service: its part of the settings tree (``shared.settings``).
+"""Settings of the reference memory service: its part of the settings tree (``shared.config.settings``).
 
 ``MemoryConfig`` is ``MemoryServiceSettings`` (log, ``IBEX_REDIS_URL``, host, port, embedder) plus
 the service's own ``IBEX_MEMORY_*`` variables; the service loads this class only. The HMAC secret is
@@ -20,7 +20,7 @@ from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.quotas import Quotas
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.memory.terms import TERM_SCAN_MAX
-from ibex_context.shared.settings import DEV_MEMORY_SECRET, MemoryServiceSettings, shown
+from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, MemoryServiceSettings, shown
 
 DEV_SECRET = DEV_MEMORY_SECRET
 

@@ -28,8 +28,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex_context.memory.redis_server import default_redis_url
-from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.directives import (
+from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ibex_context.shared.stores.directives import (
     MAX_DIRECTIVE_CHARS,
     DirectiveEnvelope,
     MalformedDirective,
@@ -37,7 +37,7 @@ from ibex_context.shared.directives import (
     get_directive,
     set_directive,
 )
-from ibex_context.shared.keys import check_ident
+from ibex_context.shared.stores.keys import check_ident
 
 PROG = "python -m ibex_context.memory.directive_cli"
 REDIS_TIMEOUT_S = 5.0  # connect and per-command; an admin tool may wait longer than a request

@@ -15,7 +15,7 @@ from typing import Any
 from ibex_context.memory.fusion import text_scores
 from ibex_context.memory.index import index_name, parse_reply, search_args, total_results, word_query
 from ibex_context.memory.terms import TermStats, TermTable, estimate_df, split_terms
-from ibex_context.shared.keys import memory_key_prefix, vector_field
+from ibex_context.shared.stores.keys import memory_key_prefix, vector_field
 
 Command = tuple[Any, ...]
 

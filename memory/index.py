@@ -2,7 +2,7 @@
 of a hybrid search (docs/memory-search.md).
 
 One index per org and embedder covers the org's memory hashes (key prefix ``mem:{org:``,
-``shared.keys``):
+``shared.stores.keys``):
 
     org         TAG  CASESENSITIVE     the tenant: the vector query filters on org and agent
     agent       TAG  CASESENSITIVE
@@ -52,7 +52,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from ibex_context.memory.embed import STOPWORDS, normalize
-from ibex_context.shared.keys import MEMORY_PREFIX, check_ident, vector_field
+from ibex_context.shared.stores.keys import MEMORY_PREFIX, check_ident, vector_field
 
 # HNSW graph parameters: the engine's defaults (M 16, EF_CONSTRUCTION 200), named so a reader
 # sees them; EF_RUNTIME is raised per query to the number of neighbours asked for.

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
 
 from ibex_context.memory.rank import CATEGORIES
 from ibex_context.pipeline.hits import MAX_CONTENT_CHARS  # one memory-hit contract: stored as read
-from ibex_context.shared.models import Ident
+from ibex_context.shared.wire.models import Ident
 
 MAX_QUERY_CHARS = 100_000
 HOT_LIMIT_MAX = 20

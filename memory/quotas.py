@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from ibex_context.shared.keys import memory_key, org_memory_agents_key, org_memory_bytes_key
+from ibex_context.shared.stores.keys import memory_key, org_memory_agents_key, org_memory_bytes_key
 
 STORE_INFO_TTL_S = 1.0  # INFO memory is read at most this often per process
 

@@ -2,7 +2,7 @@
 
 A server-side Lua script reads the ``limit`` most salient ids of the agent's hot list with their
 scores, then each memory's record and (when the call ranks for a question) its vector. Every key
-it touches is the agent's own (``shared.keys``: one ``{org:agent}`` hash tag, one slot), so it is
+it touches is the agent's own (``shared.stores.keys``: one ``{org:agent}`` hash tag, one slot), so it is
 atomic, and valid on a Redis Cluster.
 
 Records are read from Redis on every call, never served from process memory: a record changed
@@ -21,7 +21,7 @@ from redis.commands.core import AsyncScript
 from ibex_context.memory.embed import Vectors
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.store import RecordHealth, parse_record
-from ibex_context.shared.keys import hot_key, memory_key_prefix, vector_field
+from ibex_context.shared.stores.keys import hot_key, memory_key_prefix, vector_field
 
 _HOT = """
 local pairs = redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')

@@ -38,7 +38,7 @@ from ibex_context.memory.models import MemoryRecord, SearchBody
 from ibex_context.memory.rank import cosine_scores, hot_relevance, rank_arrays, record_features
 from ibex_context.memory.service import MemoryService
 from ibex_context.memory.terms import SAMPLE_SIZE
-from ibex_context.shared.keys import memory_ids_key, memory_key_prefix, vector_field
+from ibex_context.shared.stores.keys import memory_ids_key, memory_key_prefix, vector_field
 
 AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
 _query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once

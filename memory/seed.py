@@ -44,11 +44,11 @@ from ibex_context.memory.index import QueryEngineMissing, ensure_index
 from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.memory.store import NewMemory, write_memories
-from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.directives import MAX_DIRECTIVE_CHARS, set_directive
-from ibex_context.shared.keys import org_key_patterns
-from ibex_context.shared.models import Ident
-from ibex_context.shared.validation import first_error
+from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ibex_context.shared.stores.directives import MAX_DIRECTIVE_CHARS, set_directive
+from ibex_context.shared.stores.keys import org_key_patterns
+from ibex_context.shared.wire.models import Ident
+from ibex_context.shared.wire.validation import first_error
 
 DEMO_FILE = Path(__file__).resolve().parent / "data" / "demo.jsonl"
 

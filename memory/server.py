@@ -32,9 +32,9 @@ from ibex_context.memory.embed import EMBEDDERS, Embedder, EmbedderUnavailable, 
 from ibex_context.memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
 from ibex_context.memory.http import ApiError
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
-from ibex_context.shared.netloc import is_loopback_host
-from ibex_context.shared.observability import setup_logging
-from ibex_context.shared.settings import env_name
+from ibex_context.shared.config.observability import setup_logging
+from ibex_context.shared.config.settings import env_name
+from ibex_context.shared.security.netloc import is_loopback_host
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from ibex_context.memory.reads import Scripts
 from ibex_context.memory.resp import HiredisPackedConnection
 from ibex_context.memory.store import RecordHealth
 from ibex_context.memory.terms import TermTable
-from ibex_context.shared.tenancy import bearer_token, verify_org_token
+from ibex_context.shared.security.tenancy import bearer_token, verify_org_token
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Memory writes and record parsing of the memory service; every key comes from ``shared.keys``.
+"""Memory writes and record parsing of the memory service; every key comes from ``shared.stores.keys``.
 
 Per memory, written in one MULTI with the agent's id set and hot list (one hash slot), so readers
 never see half a memory:
@@ -36,8 +36,8 @@ from ibex_context.memory.embed import Vectors
 from ibex_context.memory.index import tenant_number
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.quotas import account_write
-from ibex_context.shared.keys import hot_key, memory_ids_key, memory_key, vector_field
-from ibex_context.shared.validation import first_error
+from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key, vector_field
+from ibex_context.shared.wire.validation import first_error
 
 log = logging.getLogger(__name__)
 

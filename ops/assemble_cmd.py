@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from ibex_context.shared.cliargs import utf8_arg
+from ibex_context.shared.config.cliargs import utf8_arg
 
 PROG = "ibex-context"
 
@@ -133,7 +133,7 @@ def _print_prompt(resp: Any) -> None:
 
 def _field_error(exc: Any) -> str:
     """The first pydantic error as ``--option: what is wrong`` (a ValidationError names model fields)."""
-    from ibex_context.shared.validation import first_error
+    from ibex_context.shared.wire.validation import first_error
 
     err = first_error(exc)
     loc = list(err.loc)
@@ -150,8 +150,8 @@ def _request(args: Any) -> Any:
     """
     from pydantic import ValidationError
 
-    from ibex_context.shared.models import AssembleRequest
-    from ibex_context.shared.validation import first_error
+    from ibex_context.shared.wire.models import AssembleRequest
+    from ibex_context.shared.wire.validation import first_error
 
     doc = _request_file(args.request) if args.request else {}
     missing = [(opt, field) for opt, field in (("--org", "org_id"), ("--agent", "agent_id"), ("--query", "query"))
@@ -212,8 +212,8 @@ def run_assemble(args: Any) -> int:
     import zmq
     from pydantic import ValidationError
 
-    from ibex_context.shared.auth import AuthConfigError
-    from ibex_context.shared.errors import ErrorCode, IbexError
+    from ibex_context.shared.security.auth import AuthConfigError
+    from ibex_context.shared.wire.errors import ErrorCode, IbexError
 
     prog = f"{PROG} assemble"
     try:

@@ -24,13 +24,13 @@ from redis.exceptions import RedisError
 
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.pipeline.budget import multiplier
-from ibex_context.shared import calibration_store as store
-from ibex_context.shared.calibration import Calibration
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.errors import UnknownModel
-from ibex_context.shared.keys import check_ident
-from ibex_context.shared.settings import WorkerSettings
+from ibex_context.pipeline.calibration import Calibration
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.stores import calibration as store
+from ibex_context.shared.stores.keys import check_ident
+from ibex_context.shared.wire.errors import UnknownModel
 
 PROG = "ibex-context calibration"
 REDIS_TIMEOUT_S = 5.0

@@ -25,7 +25,7 @@ from typing import Any
 from ibex_context.ops.assemble_cmd import DEFAULT_TIMEOUT_MS as DEFAULT_TIMEOUT_MS
 from ibex_context.ops.assemble_cmd import PROG, assemble_parser, print_response, run_assemble
 from ibex_context.ops.assemble_cmd import fail as _fail
-from ibex_context.shared.cliargs import CliParser, settings_error, utf8_arg
+from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
 
 # Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
 # install ends in one line naming the extra, not a traceback (README "Quickstart").
@@ -114,7 +114,7 @@ def _status() -> int:
 def _keys(args: Any) -> int:
     from pathlib import Path
 
-    from ibex_context.shared import auth
+    from ibex_context.shared.security import auth
 
     try:
         if args.keys_cmd == "generate":

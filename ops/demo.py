@@ -19,8 +19,8 @@ from typing import Any
 
 from ibex_context.ops import stack
 from ibex_context.ops.launch import up
-from ibex_context.shared.keys import directive_key, memory_key
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.stores.keys import directive_key, memory_key
 
 DEMO_REQUESTS = [
     ("acme", "support-bot", "gpt-4o", "The customer asks where their invoice from October is."),
@@ -85,7 +85,7 @@ def _seed(url: str) -> bool:
 
 def demo(*, keep: bool, show: Callable[[Any], None]) -> int:
     from ibex_context.client.client import AsyncClient
-    from ibex_context.shared.errors import IbexError
+    from ibex_context.shared.wire.errors import IbexError
 
     if up() != 0:
         return 1

@@ -15,8 +15,8 @@ import redis
 
 from ibex_context.ops.nonce import refused as nonce_refused
 from ibex_context.ops.nonce import worker_fingerprint
-from ibex_context.shared.settings import Settings
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.security.tenancy import mint_org_token
 
 PROBE_ORG = "ibex-ops"  # an org no tenant uses: its hot list is empty, reading it changes nothing
 PROBE_AGENT = "status"

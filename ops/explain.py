@@ -18,13 +18,13 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result, shape_problem, to_hit
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import ContextOverflow, IbexError, InvalidRequest
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, Source
-from ibex_context.shared.settings import Settings
-from ibex_context.shared.validation import first_error
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.errors import ContextOverflow, IbexError, InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, Source
+from ibex_context.shared.wire.validation import first_error
 
 
 class ExplainInputError(Exception):

@@ -18,7 +18,7 @@ from ibex_context.ops.deploy_checks import redacted, redis_ok
 from ibex_context.ops.launch import host_workers
 from ibex_context.ops.opskey import StatusKey
 from ibex_context.ops.procs import broker_status
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
 
 
 class StatusFailed(Exception):

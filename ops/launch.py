@@ -23,7 +23,7 @@ from ibex_context.ops import stack as S
 from ibex_context.ops.deploy_checks import CheckFailed, check_workers_host, redacted, redis_ok
 from ibex_context.ops.procs import broker_status, wait_for
 from ibex_context.ops.roles import HostPlan, RoleError, parse_connect, settings_for
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
 
 
 class LaunchError(Exception):
@@ -178,7 +178,7 @@ def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str
     """Start this host's roles under supervisord and wait for them (README "Quickstart" and
     docs/deploy.md "Deploying on several machines"); record what runs for ``status`` and the Redis
     URL for the admin CLIs."""
-    from ibex_context.shared.auth import AuthConfigError
+    from ibex_context.shared.security.auth import AuthConfigError
 
     conf = conf or S.CONF
     run_dir = S.run_dir_of(conf)

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from ibex_context.ops.procs import broker_status, die_with_parent, http_ok, read_port_file, stop_processes, wait_for
-from ibex_context.shared.settings import MemoryServiceSettings
+from ibex_context.shared.config.settings import MemoryServiceSettings
 
 UNBOUND_TCP = "tcp://127.0.0.1:0"  # port 0: the broker binds a free port and reports it
 

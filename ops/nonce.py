@@ -24,7 +24,7 @@ import sys
 import threading
 from typing import Any
 
-# No ':' in the key, so it cannot match any org's key pattern (shared.keys.org_key_patterns):
+# No ':' in the key, so it cannot match any org's key pattern (shared.stores.keys.org_key_patterns):
 # flushing an org's keys never drops it, and no org id can name it.
 FINGERPRINT_KEY = "ibex-context/nonce-fingerprint"
 LEASE_TTL_S = 30
@@ -79,8 +79,8 @@ def main() -> int:
     """The lease keeper of one workers host: refresh every ``REFRESH_S``; log an error while another holds it."""
     import redis
 
-    from ibex_context.shared.observability import setup_logging
-    from ibex_context.shared.settings import WorkerSettings
+    from ibex_context.shared.config.observability import setup_logging
+    from ibex_context.shared.config.settings import WorkerSettings
 
     settings = WorkerSettings()
     setup_logging(settings.log_level, "nonce-lease", settings.log_format)

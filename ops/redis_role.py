@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ibex_context.memory.redis_server import RedisStartError, redis_executable, server_args
 from ibex_context.ops.roles import RoleError, redis_listen
-from ibex_context.shared.settings import RedisSettings
+from ibex_context.shared.config.settings import RedisSettings
 
 AUTH_CONF = "auth.conf"
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ibex_context.memory.redis_server import RUN_DIR_ENV
-from ibex_context.shared.netloc import is_loopback_host
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.security.netloc import is_loopback_host
 
 ROLES = ("redis", "memory", "broker", "workers")
 PRIVATE_REDIS_PORT = 6479  # the private Redis of `up --role all` when IBEX_REDIS_URL is unset

@@ -38,7 +38,7 @@ from ibex_context.ops.procs import wait_for as wait_for
 from ibex_context.ops.roles import UP_METRICS_PORT as UP_METRICS_PORT
 from ibex_context.ops.roles import HostPlan, host_name, parse_roles, plan_host
 from ibex_context.ops.roles import metrics_port as metrics_port
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
 
 PACKAGED_CONF = Path(str(resources.files("ibex_context.ops").joinpath("supervisord.conf")))
 CONF = PACKAGED_CONF  # tests point this at a private copy (see run_dir_of)

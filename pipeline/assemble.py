@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline import summary
 from ibex_context.pipeline.budget import counter_for
+from ibex_context.pipeline.calibration import Calibration
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.count import LineCache, MemoryCost
 from ibex_context.pipeline.decisions import decisions
 from ibex_context.pipeline.emit import Nonce, Output, emit_stage
@@ -31,9 +33,7 @@ from ibex_context.pipeline.score import score_candidates
 from ibex_context.pipeline.summary import Slot
 from ibex_context.pipeline.turns import Counted, count_turns
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
-from ibex_context.shared.calibration import Calibration
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, CountRule, PackedMemory, PackerStats
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, CountRule, PackedMemory, PackerStats
 
 __all__ = ["STAGES", "Clock", "Policy", "assemble", "scoring_stage"]
 

@@ -28,8 +28,8 @@ from ibex_context.pipeline.image_tokens import (
     model_key,
     openai_image_tokens,
 )
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.tokens import TokenCounter
+from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.shared.wire.errors import InvalidRequest
 
 __all__ = [
     "anthropic_image_tokens",

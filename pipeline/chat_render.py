@@ -1,8 +1,8 @@
 """Provider-ready output: the kept conversation with the directive and the memory block placed in it.
 
-Pure and deterministic. Each render is a ``ChatLayout`` (``shared.models``): the kept caller
+Pure and deterministic. Each render is a ``ChatLayout`` (``shared.wire.models``): the kept caller
 messages by index, and the directive, memory block and ``cache_control`` marks placed among them;
-``shared.chat_layout.materialize`` turns it into messages, here for counting and in the client
+``pipeline.conversation.layout.materialize`` turns it into messages, here for counting and in the client
 library from the caller's own conversation. The caller's message and block objects pass through
 as the same objects (images, tool calls and ``cache_control`` untouched); only the directive and
 memory block become new messages or blocks. Empty or absent text adds nothing (Anthropic refuses
@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from ibex_context.pipeline.conversation.layout import blocks_of, materialize
 from ibex_context.pipeline.history import Message, latest_user_index
-from ibex_context.shared.chat_layout import blocks_of, materialize
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.models import ChatLayout, Piece, Placed
+from ibex_context.shared.wire.errors import InvalidRequest
+from ibex_context.shared.wire.models import ChatLayout, Piece, Placed
 
 SystemRole = Literal["system", "developer"]
 SYSTEM_ROLES: tuple[SystemRole, ...] = ("system", "developer")

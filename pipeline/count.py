@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.tokens import ScaledCounter, TokenCounter
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
-from ibex_context.shared.models import Message
-from ibex_context.shared.tokens import ScaledCounter, TokenCounter
+from ibex_context.shared.wire.models import Message
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
-from ibex_context.shared.models import COMPONENTS, Decision
+from ibex_context.shared.wire.models import COMPONENTS, Decision
 
 
 def decisions(

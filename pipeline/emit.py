@@ -18,9 +18,9 @@ from ibex_context.pipeline.fit import Plan
 from ibex_context.pipeline.pack import pack
 from ibex_context.pipeline.render import Block, Emitted
 from ibex_context.pipeline.render_openai import scored_block_tokens
+from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import PackResult, ScoredMemory
-from ibex_context.shared.errors import Internal
-from ibex_context.shared.tokens import TokenCounter
+from ibex_context.shared.wire.errors import Internal
 
 MAX_REPACKS = 3
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ibex_context.pipeline.budget import compute_budget
+from ibex_context.pipeline.calibration import Calibration
+from ibex_context.pipeline.catalog import ModelSpec
 from ibex_context.pipeline.count import CountedSection, directive_counted, memory_overhead
 from ibex_context.pipeline.history import (
     REASON_TEXT,
@@ -23,12 +25,10 @@ from ibex_context.pipeline.history import (
 )
 from ibex_context.pipeline.render import Message
 from ibex_context.pipeline.summary import Slot, fit_rest
+from ibex_context.pipeline.tokens import TokenCount, TokenCounter
 from ibex_context.pipeline.turns import Counted
-from ibex_context.shared.calibration import Calibration
-from ibex_context.shared.catalog import ModelSpec
-from ibex_context.shared.errors import ContextOverflow
-from ibex_context.shared.models import BudgetBreakdown, HistoryDecision, HistoryOptions
-from ibex_context.shared.tokens import TokenCount, TokenCounter
+from ibex_context.shared.wire.errors import ContextOverflow
+from ibex_context.shared.wire.models import BudgetBreakdown, HistoryDecision, HistoryOptions
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
-from ibex_context.shared.models import Message, Section, SectionName
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.models import Message, Section, SectionName
 
 NONCE_BYTES = 16
 SECTION_JOIN = "\n\n"

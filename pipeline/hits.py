@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
-from ibex_context.shared.models import COMPONENTS, IDENT_CHARS, BranchOutcome, Source
+from ibex_context.shared.wire.models import COMPONENTS, IDENT_CHARS, BranchOutcome, Source
 
 HIT_FIELDS: Final = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 MAX_CONTENT_CHARS: Final = 64_000  # the memory service's limit on a stored memory

@@ -44,7 +44,7 @@ import numpy as np
 from ibex_context.pipeline.knapsack import FloatArray, IntArray, knapsack
 from ibex_context.pipeline.swaps import MIN_GAIN, improve, repair
 from ibex_context.pipeline.types import PackResult, ScoredMemory
-from ibex_context.shared.models import PackPath
+from ibex_context.shared.wire.models import PackPath
 
 BUCKET_SIZE: Final = 16  # spec step 2
 CELL_CEILING: Final = 70 * 6251  # spec step 3: 70 candidates x (100K / 16 + 1) columns

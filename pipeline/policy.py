@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from ibex_context.pipeline import format as fmt
-from ibex_context.shared.errors import DeadlineExceeded
-from ibex_context.shared.settings import PipelineSettings
+from ibex_context.shared.config.settings import PipelineSettings
+from ibex_context.shared.wire.errors import DeadlineExceeded
 
 
 @dataclass(slots=True)

@@ -19,9 +19,9 @@ from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.chat_render import Layout
 from ibex_context.pipeline.count import CountedSection
 from ibex_context.pipeline.history import HistoryFit
+from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import ScoredMemory
-from ibex_context.shared.models import ChatFormat, SectionName
-from ibex_context.shared.tokens import TokenCounter
+from ibex_context.shared.wire.models import ChatFormat, SectionName
 
 Message = dict[str, Any]
 EMPTY = CountedSection("", 0)

@@ -9,15 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline.catalog import ModelSpec
 from ibex_context.pipeline.chat_render import add_breakpoints, anthropic_layout
+from ibex_context.pipeline.conversation.layout import materialize
 from ibex_context.pipeline.count import CountedSection, summary_counted
 from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.render import Block, ChatOut, Emitted, Message, text_sections
+from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import Turns
-from ibex_context.shared.catalog import ModelSpec
-from ibex_context.shared.chat_layout import materialize
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.tokens import TokenCounter
+from ibex_context.shared.wire.errors import InvalidRequest
 
 
 def _message_tokens(message: Message, i: int, counter: TokenCounter, model: str) -> int:

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.catalog import ModelSpec
 from ibex_context.pipeline.chat_render import SystemRole, openai_layout
+from ibex_context.pipeline.conversation.layout import materialize
 from ibex_context.pipeline.count import CountedSection, LineCache, memory_cost, summary_counted
 from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.render import Block, ChatOut, Emitted, text_sections
+from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import ScoredMemory, Turns
-from ibex_context.shared.catalog import ModelSpec
-from ibex_context.shared.chat_layout import materialize
-from ibex_context.shared.tokens import TokenCounter
 
 
 def system_role(spec: ModelSpec) -> SystemRole:

@@ -22,8 +22,8 @@ from ibex_context.pipeline.count import (
 )
 from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.render import Block, Emitted, text_sections
+from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import Turns
-from ibex_context.shared.tokens import TokenCounter
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from typing import Final
 
 from ibex_context.pipeline.hits import memory_id_problem
 from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory
-from ibex_context.shared.models import COMPONENTS, ScoreWeights
+from ibex_context.shared.wire.models import COMPONENTS, ScoreWeights
 
 # (similarity weight, confidence weight) of the interim score; docs/assembly.md "Scoring and packing".
 INTERIM_WEIGHTS: Final[tuple[float, float]] = (0.85, 0.15)

@@ -31,8 +31,8 @@ from ibex_context.pipeline.history import (
     split_units,
 )
 from ibex_context.pipeline.types import Turns
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.models import AssembleRequest, SummaryReport, SummarySlot
+from ibex_context.shared.wire.errors import InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest, SummaryReport, SummarySlot
 
 FIELD = "summary.covers"
 

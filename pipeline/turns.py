@@ -5,7 +5,7 @@
 
 The simple form (``recent_messages``/``tool_schemas``) becomes an OpenAI-shaped conversation
 (``{"role", "content"}`` messages, its schemas the tools) rendered as flat text; the chat-native
-form (``format``) is validated by ``shared.chat`` and rendered for its provider. Nothing here
+form (``format``) is validated by ``pipeline.conversation.parse`` and rendered for its provider. Nothing here
 needs retrieval, so the worker runs it before any I/O: a bad conversation costs no Redis or
 memory-service call (docs/architecture.md "Processes and data flow").
 """
@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ibex_context.pipeline.catalog import ModelSpec
+from ibex_context.pipeline.conversation.parse import parse_conversation, to_wire, wire_system, wire_tools
 from ibex_context.pipeline.render import Renderer
 from ibex_context.pipeline.render_anthropic import AnthropicRenderer
 from ibex_context.pipeline.render_openai import OpenAIRenderer
 from ibex_context.pipeline.render_text import TextRenderer
 from ibex_context.pipeline.summary import request_slot
+from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import Turns
-from ibex_context.shared.catalog import ModelSpec
-from ibex_context.shared.chat import parse_conversation, to_wire, wire_system, wire_tools
-from ibex_context.shared.models import AssembleRequest
-from ibex_context.shared.tokens import TokenCounter
+from ibex_context.shared.wire.models import AssembleRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Frozen values passed between the pure stages (retrieval result -> score -> pack -> format).
 
 The vocabularies (``Source``, ``PackPath``, ``RejectKind``) are the wire's, defined once in
-``shared.models``; these dataclasses only carry them.
+``shared.wire.models``; these dataclasses only carry them.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ibex_context.shared.models import (
+from ibex_context.shared.wire.models import (
     BranchName,
     BranchOutcome,
     ChatFormat,
@@ -37,7 +37,7 @@ class MemoryHit:
     rank: int
     source: Source
     # The memory composite's five inputs (relevance, recency, usefulness, confidence, access: the
-    # order of ``shared.models.COMPONENTS``) when the service sent them; unchecked until the scorer.
+    # order of ``shared.wire.models.COMPONENTS``) when the service sent them; unchecked until the scorer.
     components: tuple[float, float, float, float, float] | None = None
     salience: float | None = None  # hot hits: the stored salience
     date: str | None = None  # the memory's creation day, YYYY-MM-DD (rendered with it)

@@ -32,7 +32,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError
 from ibex_context.memory.seed import SeedStats, seed_records
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.security.tenancy import mint_org_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_SECRET = "test-secret-for-ibex-memory"

@@ -24,7 +24,7 @@ from ibex_context.memory.rank import (
     half_life_days,
 )
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
-from ibex_context.shared import protocol as P
+from ibex_context.shared.wire import protocol as P
 
 
 def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.procs import wait_for
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.wire.models import AssembleResponse
 from tests.helpers import start_stack
 
 

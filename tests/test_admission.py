@@ -29,10 +29,10 @@ from ibex_context.broker.admission import (
 )
 from ibex_context.broker.broker import Broker
 from ibex_context.client.client import AsyncClient
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import encode
-from ibex_context.shared.errors import IbexError, Overloaded
-from ibex_context.shared.settings import BrokerSettings
+from ibex_context.shared.config.settings import BrokerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import encode
+from ibex_context.shared.wire.errors import IbexError, Overloaded
 
 MS = 1_000_000
 

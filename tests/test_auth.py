@@ -18,9 +18,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, free_port, port_in_use, wait_for
-from ibex_context.shared import auth
-from ibex_context.shared import protocol as P
-from ibex_context.shared.errors import Forbidden, Unauthenticated, Unavailable
+from ibex_context.shared.security import auth
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.errors import Forbidden, Unauthenticated, Unavailable
 from tests.helpers import start_stack
 
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "500", "IBEX_HOT_TIMEOUT_MS": "1000",

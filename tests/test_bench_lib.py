@@ -20,8 +20,8 @@ from bench.lib.percentiles import hdr_percentiles, median, percentile, percentil
 from bench.lib.tables import table
 from bench.lib.transport import transport_response
 from bench.stats import Histograms, new_histogram
-from ibex_context.shared.codec import decode_reply, encode
-from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.wire.codec import decode_reply, encode
+from ibex_context.shared.wire.models import AssembleResponse
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"

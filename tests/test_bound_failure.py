@@ -13,18 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest
-from ibex_context.shared.tokens import TokenCounter
+from ibex_context.shared.wire.models import AssembleRequest
 
 WINDOW = 20000
 
 
 def _catalog() -> Catalog:
-    data = json.loads((Path(__file__).resolve().parent.parent / "shared" / "catalog.json").read_text("utf-8"))
+    data = json.loads((Path(__file__).resolve().parent.parent / "pipeline" / "catalog.json").read_text("utf-8"))
     data["models"]["claude-sonnet-4"]["context_window"] = WINDOW
     return Catalog(data)
 

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ibex_context.pipeline.budget import compute_budget, response_reserve, safety_buffer
-from ibex_context.shared.catalog import Catalog, FamilyPolicy, ModelSpec
-from ibex_context.shared.errors import TokenizerMismatch, UnknownModel
-from ibex_context.shared.tokens import TokenCount
+from ibex_context.pipeline.catalog import Catalog, FamilyPolicy, ModelSpec
+from ibex_context.pipeline.tokens import TokenCount
+from ibex_context.shared.wire.errors import TokenizerMismatch, UnknownModel
 
 POLICY = FamilyPolicy("o200k", "exact", "o200k_base", 0.02, 1.0)
 

@@ -16,10 +16,10 @@ from ibex_context.memory.config import DEV_SECRET
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
 CATALOG = Catalog.load()
 HITS = [MemoryHit(f"m{i}", f"memory {i}: invoice #{40 + i} went to billing contact {i}", "fact",

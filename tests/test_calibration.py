@@ -24,10 +24,7 @@ from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.client.usage import usage_payload
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.assemble import Policy, assemble
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.shared import calibration_store as store
-from ibex_context.shared import protocol as P
-from ibex_context.shared.calibration import (
+from ibex_context.pipeline.calibration import (
     MAX_FALL_BUCKETS,
     N_BUCKETS,
     RATIO_MAX,
@@ -39,9 +36,12 @@ from ibex_context.shared.calibration import (
     summarize,
     upper_edge,
 )
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.codec import unpack, validate
-from ibex_context.shared.models import AssembleRequest, UsageReport
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.hits import offline_result
+from ibex_context.shared.stores import calibration as store
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import unpack, validate
+from ibex_context.shared.wire.models import AssembleRequest, UsageReport
 from tests.helpers import start_stack
 
 CATALOG = Catalog.load()
@@ -336,7 +336,7 @@ def test_sync_client_reports_never_raise_and_never_block(stack: LocalStack) -> N
 def test_metrics_publish_the_ratio_quantiles_and_refusals() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ibex_context.shared.observability import CalibrationMetrics
+    from ibex_context.shared.config.observability import CalibrationMetrics
 
     registry = CollectorRegistry()
     m = CalibrationMetrics(registry)

@@ -20,14 +20,14 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.conversation.parse import parse_conversation
 from ibex_context.pipeline.history import latest_user_index
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.chat import parse_conversation
-from ibex_context.shared.codec import decode_request, encode
-from ibex_context.shared.errors import ContextOverflow, ErrorCode, InvalidRequest
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.wire.codec import decode_request, encode
+from ibex_context.shared.wire.errors import ContextOverflow, ErrorCode, InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
 from tests.helpers import start_stack
 
 CATALOG = Catalog.load()
@@ -359,9 +359,9 @@ def test_property_anthropic_no_orphans_latest_turn_kept_within_window(
 def _small_claude() -> Catalog:
     import json
 
-    from ibex_context.shared.catalog import Catalog as _Catalog
+    from ibex_context.pipeline.catalog import Catalog as _Catalog
 
-    path = Path(__file__).resolve().parent.parent / "shared" / "catalog.json"
+    path = Path(__file__).resolve().parent.parent / "pipeline" / "catalog.json"
     data = json.loads(path.read_text())
     fam = data["models"]["claude-sonnet-4"]["family"]
     data["models"]["claude-small"] = {"family": fam, "context_window": 6_000, "max_output": 4096}

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.chat_count import (
     anthropic_image_tokens,
     anthropic_prompt_tokens,
@@ -28,8 +29,7 @@ from ibex_context.pipeline.chat_count import (
     openai_tools_tokens,
 )
 from ibex_context.pipeline.image_tokens import ANTHROPIC_IMAGE_CAP, openai_patches, sniff_size
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import InvalidRequest
+from ibex_context.shared.wire.errors import InvalidRequest
 
 CATALOG = Catalog.load()
 O200K = CATALOG.counter("o200k")

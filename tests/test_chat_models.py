@@ -1,4 +1,4 @@
-"""shared/chat: provider conversations parse strictly, round-trip unchanged, and every refusal
+"""pipeline.conversation: provider conversations parse strictly, round-trip unchanged, and every refusal
 names the exact path (docs/protocol.md "Errors")."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from ibex_context.shared.chat import (
+from ibex_context.pipeline.conversation.base import MAX_JSON_DEPTH, MAX_TEXT, MAX_TOOLS
+from ibex_context.pipeline.conversation.parse import (
     message_text,
     parse_conversation,
     text_of,
@@ -20,8 +21,7 @@ from ibex_context.shared.chat import (
     wire_system,
     wire_tools,
 )
-from ibex_context.shared.chat_base import MAX_JSON_DEPTH, MAX_TEXT, MAX_TOOLS
-from ibex_context.shared.errors import InvalidRequest
+from ibex_context.shared.wire.errors import InvalidRequest
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
 WEATHER_TOOL = {"type": "function", "function": {

@@ -21,7 +21,7 @@ import ibex_context.ops.cli as cli
 import ibex_context.ops.stack as stack
 from ibex_context.ops.launch import up
 from ibex_context.ops.stack import LocalStack, free_port
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
 from tests.helpers import start_stack
 
 # Branch timeouts far above the spec's so a loaded 2-core box does not turn "success" into "timeout".
@@ -109,7 +109,7 @@ def test_stopped_broker_is_one_line_exit_1_within_the_timeout(capsys: pytest.Cap
     # First imports are not what this test times.
     import ibex_context.client.client
     import ibex_context.ops.assemble_cmd
-    import ibex_context.shared.models  # noqa: F401
+    import ibex_context.shared.wire.models  # noqa: F401
 
     dead = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -20,9 +20,9 @@ import zmq
 
 from ibex_context.client import AsyncClient, ClientClosed, SyncClient
 from ibex_context.ops.stack import LocalStack, free_port
-from ibex_context.shared.errors import DeadlineExceeded, IbexError, InvalidRequest, Unavailable
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, InvalidRequest, Unavailable
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from tests.helpers import start_stack
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout: the stall script imports from it

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.shared.codec import (
+from ibex_context.shared.wire.codec import (
     Envelope,
     decode_reply,
     decode_request,
@@ -23,8 +23,8 @@ from ibex_context.shared.codec import (
     peek_envelope,
     unpack,
 )
-from ibex_context.shared.errors import ErrorCode, Overloaded
-from ibex_context.shared.models import AssembleRequest, ErrorReply, Message
+from ibex_context.shared.wire.errors import ErrorCode, Overloaded
+from ibex_context.shared.wire.models import AssembleRequest, ErrorReply, Message
 
 
 def _req(**over: object) -> dict[str, object]:

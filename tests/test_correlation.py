@@ -24,10 +24,10 @@ import zmq.asyncio
 
 from ibex_context.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared import protocol as P
-from ibex_context.shared.chat_layout import materialize
-from ibex_context.shared.codec import Envelope, pack_header
-from ibex_context.shared.models import AssembleResponse, ChatLayout
+from ibex_context.pipeline.conversation.layout import materialize
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, pack_header
+from ibex_context.shared.wire.models import AssembleResponse, ChatLayout
 from tests.helpers import legacy_request_frames, start_stack
 
 STACK_ENV = {

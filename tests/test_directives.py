@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from ibex_context.shared.directives import (
+from ibex_context.shared.stores.directives import (
     DirectiveEnvelope,
     MalformedDirective,
     delete_directive,
     get_directive,
     set_directive,
 )
-from ibex_context.shared.keys import directive_key
+from ibex_context.shared.stores.keys import directive_key
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, free_port, resolve_redis_url
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
 
 
 def _ping(url: str) -> bool:

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from ibex_context.ops.stack import free_port, port_in_use
-from ibex_context.shared import auth
+from ibex_context.shared.security import auth
 
 LOCAL = ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:*", "tcp://127.8.9.10:5555", "tcp://[::1]:5555",
          "tcp://localhost:5555", "ipc:///tmp/ibex.sock", "inproc://broker"]

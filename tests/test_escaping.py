@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from ibex_context.ops.explain import explain
 from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, Message
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, Message
 
 NONCE = "00112233445566778899aabbccddeeff"
 CATALOG = Catalog.load()

@@ -6,7 +6,7 @@ so on any text the estimate must be at least what o200k_base, cl100k_base, llama
 The property tests generate adversarial text (whitespace and control runs, punctuation chains,
 numbers in every script, emoji, CJK, base64, text that NFC changes, random Unicode) and natural
 text; the hand cases pin texts that cost far more tokens than their words suggest; the structure
-tests check the vocabulary facts the bound's argument rests on (``shared.tokens.token_bound``);
+tests check the vocabulary facts the bound's argument rests on (``pipeline.tokens.token_bound``);
 the pipeline and stack tests send Claude, Gemini and Mistral requests whose history or memories
 are mostly whitespace, offline and through the real broker and worker.
 """
@@ -30,12 +30,12 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.tokens import ExactCounter, estimate_tokens
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import ContextOverflow
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
-from ibex_context.shared.tokens import ExactCounter, estimate_tokens
+from ibex_context.shared.wire.errors import ContextOverflow
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from tests.helpers import start_stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ HAND_CASES = {
     "devanagari-nukta": "\u0958" * 500 + "क़" * 500,  # NFC decomposes U+0958, Qwen normalizes
     "combining": "e\u0301\u0344a\u0308" * 500,
     "mixed-scripts": "Ωмир١٢٣ שלום 日本 🎉 abc123 ..." * 200,
-    "code": (ROOT / "shared" / "tokens.py").read_text("utf-8"),
+    "code": (ROOT / "pipeline" / "tokens.py").read_text("utf-8"),
     "readme": (ROOT / "README.md").read_text("utf-8"),
 }
 
@@ -133,7 +133,7 @@ def test_estimate_stays_tight_on_natural_text() -> None:
 
 
 def test_an_estimate_factor_below_one_is_refused() -> None:
-    from ibex_context.shared.tokens import EstimateCounter
+    from ibex_context.pipeline.tokens import EstimateCounter
 
     with pytest.raises(ValueError, match="factor"):
         EstimateCounter("claude", 0.9)
@@ -193,7 +193,7 @@ def test_over_the_per_call_limit(text: str) -> None:
     which Qwen charges three tokens where the raw text has two bytes)."""
     import quicktok
 
-    from ibex_context.shared.tokens import MAX_CHARS_PER_CALL
+    from ibex_context.pipeline.tokens import MAX_CHARS_PER_CALL
 
     assert len(text) >= MAX_CHARS_PER_CALL
     whole = {e.encoding_name: len(quicktok.get_encoding(e.encoding_name).encode_ordinary(text)) for e in EXACT[2:]}
@@ -227,7 +227,7 @@ def test_numeral_table_covers_every_unicode_number() -> None:
     character, by Python's tables and by the newer ones of the ``regex`` module."""
     import regex  # type: ignore[import-untyped]
 
-    from ibex_context.shared.tokens import numeral_surplus
+    from ibex_context.pipeline.tokens import numeral_surplus
 
     every = "".join(map(chr, [*range(0xD800), *range(0xE000, 0x110000)]))
     numbers = set(regex.findall(r"\p{N}", every)) | {c for c in every if unicodedata.category(c)[0] == "N"}

@@ -14,10 +14,10 @@ import pytest
 
 from ibex_context.ops.explain import explain, load_candidates, load_request, run
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NONCE = "00112233445566778899aabbccddeeff"

@@ -23,10 +23,10 @@ from ibex_context.client import AssembleRequest, Unavailable, degraded_response
 from ibex_context.client.degrade import BYTE_BOUND_NOTE, ByteBoundCatalog, Fallback
 from ibex_context.ops.stack import free_port
 from ibex_context.pipeline.budget import response_reserve
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.chat_count import openai_prompt_tokens
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import ContextOverflow
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.errors import ContextOverflow
 
 pytestmark = pytest.mark.timeout(120)
 

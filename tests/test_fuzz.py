@@ -21,8 +21,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, pack_header
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, pack_header
 from tests.helpers import start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_MAX_REQUEST_BYTES": "65536"}

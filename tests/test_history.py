@@ -24,7 +24,7 @@ from ibex_context.pipeline.history import (
     latest_user_index,
     split_units,
 )
-from ibex_context.shared.errors import InvalidRequest
+from ibex_context.shared.wire.errors import InvalidRequest
 
 Msg = dict[str, Any]
 

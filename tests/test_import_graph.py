@@ -126,8 +126,8 @@ def test_the_graph_is_the_real_tree() -> None:
     graph = _graph()
     assert len(graph) > 100
     assert "ibex_context.client.connection" in graph["ibex_context.client.client"]
-    assert "ibex_context.shared.protocol" in graph["ibex_context.client.connection"]  # from pkg import mod
-    assert "ibex_context.shared.auth" in graph["ibex_context.client.client"]  # inside a function
+    assert "ibex_context.shared.wire.protocol" in graph["ibex_context.client.connection"]  # from pkg import mod
+    assert "ibex_context.shared.security.auth" in graph["ibex_context.client.client"]  # inside a function
 
 
 def test_cycles_are_found() -> None:

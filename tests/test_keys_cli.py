@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ibex_context.ops import cli
-from ibex_context.shared import auth
+from ibex_context.shared.security import auth
 
 
 def _keys(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

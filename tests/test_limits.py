@@ -22,10 +22,10 @@ import zmq.asyncio
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, wait_for
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import decode_reply
-from ibex_context.shared.errors import ErrorCode, InvalidRequest
-from ibex_context.shared.models import AssembleResponse, ErrorReply
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import decode_reply
+from ibex_context.shared.wire.errors import ErrorCode, InvalidRequest
+from ibex_context.shared.wire.models import AssembleResponse, ErrorReply
 from tests.helpers import start_stack
 from tests.test_main_job import FAST_HEARTBEAT
 

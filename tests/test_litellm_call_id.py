@@ -9,6 +9,7 @@ upstream that records what it received, and the real stack (plaintext loopback b
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,18 @@ def _usage_forwarded(stack: LocalStack) -> int:
     return int(st["stats"].get("usage_forwarded", 0))
 
 
+async def _settled_usage(stack: LocalStack, timeout_s: float = 10.0) -> int:
+    """The broker's usage_forwarded count once it has stopped moving (three equal reads 0.3 s apart)."""
+    seen = [_usage_forwarded(stack)]
+    end = time.monotonic() + timeout_s
+    while len(seen) < 3 or len(set(seen[-3:])) > 1:
+        if time.monotonic() > end:
+            raise AssertionError(f"usage reports still arriving after {timeout_s} s: {seen[-5:]}")
+        await asyncio.sleep(0.3)
+        seen.append(_usage_forwarded(stack))
+    return seen[-1]
+
+
 async def _warm(http: httpx.AsyncClient, rig: Rig) -> None:
     """Until both orgs' calls are assembled in full: a cold first retrieval may time out."""
     for n in range(40):
@@ -86,7 +99,7 @@ async def test_calls_sharing_a_litellm_call_id_each_get_their_own_assembly(rig: 
     async with httpx.AsyncClient(timeout=60) as http:
         await _warm(http, rig)
         rig.upstream.clear()
-        before = _usage_forwarded(rig.stack)
+        before = await _settled_usage(rig.stack)  # the warm-up's own reports land after its calls
         calls = [(key, rnd, i) for rnd in range(ROUNDS) for i in range(PER_KEY) for key in KEYS]
         for rnd in range(ROUNDS):
             mine = [(key, r, i) for key, r, i in calls if r == rnd]

@@ -21,7 +21,7 @@ import redis
 
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared.keys import directive_key
+from ibex_context.shared.stores.keys import directive_key
 from tests.test_litellm_proxy import TURN, _demo, _keys, _norm, curve_hook, curve_stack
 
 pytestmark = pytest.mark.timeout(300)

@@ -34,8 +34,8 @@ from ibex_context.client.integrations.litellm_config import (
 )
 from ibex_context.client.integrations.litellm_core import HookCore, header_value, headers, last_user_text, record
 from ibex_context.client.integrations.litellm_degraded import DirectiveCopies
-from ibex_context.shared import auth
-from ibex_context.shared.catalog import Catalog
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.security import auth
 
 CATALOG = Catalog.load()
 BASE: dict[str, Any] = {"orgs": {"acme": {}, "globex": {}}, "endpoints": ["tcp://127.0.0.1:1"]}

@@ -14,11 +14,11 @@ import pytest
 from ibex_context.client.integrations.litellm_config import HookConfigError, parse_config
 from ibex_context.client.integrations.litellm_summary import Plan, choose_covers, conversation_key, due, transcript
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.summary import check_covers
 from ibex_context.pipeline.types import Turns
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
 CATALOG = Catalog.load()
 FILL = "words of a long turn " * 30

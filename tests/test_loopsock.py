@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from ibex_context.shared import loopsock
-from ibex_context.shared.loopsock import LoopSocket, recv_frames, send_frames
+from ibex_context.shared.wire import loopsock
+from ibex_context.shared.wire.loopsock import LoopSocket, recv_frames, send_frames
 
 
 @pytest.fixture

@@ -22,10 +22,10 @@ import zmq.asyncio
 
 from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
-from ibex_context.shared import protocol as P
-from ibex_context.shared.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
-from ibex_context.shared.models import AssembleResponse
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
+from ibex_context.shared.wire.models import AssembleResponse
 from tests.helpers import start_stack
 
 # Functional tests: branch timeouts far above the spec's 5/15/45 ms so a loaded CI box does not turn
@@ -201,8 +201,8 @@ async def test_expired_requests_never_reach_packing(stack: LocalStack) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(stack.frontend)
     try:
-        from ibex_context.shared.codec import encode
-        from ibex_context.shared.models import AssembleRequest
+        from ibex_context.shared.wire.codec import encode
+        from ibex_context.shared.wire.models import AssembleRequest
 
         n = 25
         for i in range(n):  # already expired when sent
@@ -273,7 +273,7 @@ async def _raw_answers(stack: LocalStack, messages: list[list[bytes]]) -> list[d
 
 def _framed(i: int, **header_over: Any) -> list[bytes]:
     """A request with its header frame; ``header_over`` makes the header say something else."""
-    from ibex_context.shared.codec import Envelope, pack_header
+    from ibex_context.shared.wire.codec import Envelope, pack_header
 
     doc = {"v": 1, **_req(i), "deadline_ns": time.time_ns() + 5 * 10**9}
     env = Envelope(doc["request_id"], doc["org_id"], doc["agent_id"], doc["deadline_ns"])._replace(**header_over)
@@ -296,7 +296,7 @@ async def test_a_payload_that_disagrees_with_its_header_is_refused_by_the_worker
 
 
 async def test_bad_headers_are_refused_by_the_broker(stack: LocalStack) -> None:
-    from ibex_context.shared.codec import Envelope, pack_header
+    from ibex_context.shared.wire.codec import Envelope, pack_header
 
     over = Settings().max_request_bytes + (1 << 20)  # over the request limit, under the frontend's cap (twice it)
     big = {"v": 1, **_req(50, query="x" * over), "deadline_ns": time.time_ns() + 10**9}

@@ -21,7 +21,7 @@ import redis
 
 from ibex_context.memory.index import tenant_number
 from ibex_context.memory.models import MAX_CONTENT_CHARS
-from ibex_context.shared.keys import hot_key, memory_ids_key, memory_key
+from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key
 from tests.fixtures_services import MemoryServiceHandle
 
 GOOD = "Invoices for the Acme account are emailed on the first of each month"

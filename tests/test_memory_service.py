@@ -19,7 +19,7 @@ import redis
 from ibex_context.memory.index import tenant_number
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.memory.seed import DEMO_FILE
-from ibex_context.shared.keys import memory_key, vector_field
+from ibex_context.shared.stores.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
 
 HIT_FIELDS = {"memory_id", "content", "category", "similarity", "confidence", "rank", "created_at",
@@ -233,7 +233,7 @@ def test_bad_credentials_are_401(http: httpx.Client, auth: str | None) -> None:
 
 
 def test_token_from_another_secret_is_401(http: httpx.Client) -> None:
-    from ibex_context.shared.tenancy import mint_org_token
+    from ibex_context.shared.security.tenancy import mint_org_token
 
     forged = mint_org_token("not-the-service-secret", "acme")
     r = http.get("/v1/memories/hot", params={"agent_id": "bot"}, headers={"authorization": f"Bearer {forged}"})

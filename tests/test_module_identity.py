@@ -1,7 +1,7 @@
 """One file, one module: every product file loads under its ``ibex_context.`` name only.
 
 ``ibex_context/`` reaches the top-level folders through symlinks, so from the repo root a file is
-reachable as ``shared.errors`` and as ``ibex_context.shared.errors``. Loaded both ways it would be
+reachable as ``shared.wire.errors`` and as ``ibex_context.shared.wire.errors``. Loaded both ways it would be
 two modules with two ``IbexError`` classes, and an ``except IbexError`` could miss. Each folder's
 ``__init__`` refuses its bare name; this checks it in a fresh interpreter started in the repo root,
 where the bare names are on ``sys.path``.
@@ -60,7 +60,7 @@ def _modules() -> list[str]:
 
 def test_no_file_loads_as_two_modules() -> None:
     bare = _modules()
-    assert len(bare) > 100 and "shared.errors" in bare  # the probe looks at the real tree
+    assert len(bare) > 100 and "shared.wire.errors" in bare  # the probe looks at the real tree
     real = ["ibex_context", *(f"ibex_context.{name}" for name in bare)]
     out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([bare, real, str(ROOT)])], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=False)

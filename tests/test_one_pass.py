@@ -15,11 +15,11 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.models import AssembleRequest
+from ibex_context.shared.wire.errors import InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest
 from tests.helpers import start_stack
 
 CATALOG = Catalog.load()

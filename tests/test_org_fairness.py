@@ -18,10 +18,10 @@ import zmq.asyncio
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared import protocol as P
-from ibex_context.shared.errors import DeadlineExceeded, IbexError
-from ibex_context.shared.models import AssembleResponse
-from ibex_context.shared.settings import WorkerSettings
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError
+from ibex_context.shared.wire.models import AssembleResponse
 from ibex_context.worker.fair import FairTurns
 from tests.helpers import eventually, start_stack
 from tests.test_request_cost import ITEMS_PER_PAIR, fill_jpeg, raw_frames, tool_pairs

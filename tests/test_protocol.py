@@ -13,10 +13,10 @@ import zmq
 
 from ibex_context.broker.broker import Broker
 from ibex_context.client.client import AsyncClient
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import encode
-from ibex_context.shared.models import ErrorReply
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import encode
+from ibex_context.shared.wire.models import ErrorReply
 from tests.helpers import legacy_request_frames
 
 STAMP = P.Stamp(deadline_ns=123, queued_us=4, sent_ns=5, attempt=1)

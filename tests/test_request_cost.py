@@ -1,4 +1,4 @@
-"""Per-request CPU bounds (``worker.cost``, ``shared.images``) through the real stack: a request's
+"""Per-request CPU bounds (``worker.cost``, ``pipeline.conversation.images``) through the real stack: a request's
 maps and arrays are counted while it is unpacked and one over ``IBEX_MAX_REQUEST_ITEMS`` is refused
 INVALID_REQUEST naming the field and the limit, before anything else is done with it; a base64 image
 a raw-protocol caller sends is read once, on receipt, whatever its bytes hold.
@@ -20,10 +20,10 @@ import zmq.asyncio
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.image_tokens import openai_image_tokens
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, pack_header
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.settings import WorkerSettings
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, pack_header
+from ibex_context.shared.wire.errors import InvalidRequest
 from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(240)

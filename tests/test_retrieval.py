@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import redis
 
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import DeadlineExceeded
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, BranchName
-from ibex_context.shared.settings import Settings
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.errors import DeadlineExceeded
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, BranchName
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.retrieve import Retriever, parse_hits
 

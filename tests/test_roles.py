@@ -22,9 +22,9 @@ from ibex_context.memory.redis_server import free_port
 from ibex_context.ops import demo, nonce, roles
 from ibex_context.ops.procs import broker_status
 from ibex_context.ops.stack import DEMO_DATA, probe_endpoint
-from ibex_context.shared import auth
-from ibex_context.shared.directives import get_directive, set_directive
-from ibex_context.shared.keys import directive_key
+from ibex_context.shared.security import auth
+from ibex_context.shared.stores.directives import get_directive, set_directive
+from ibex_context.shared.stores.keys import directive_key
 
 SLOW_BOX = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",
             "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000",

@@ -21,7 +21,7 @@ import pytest
 
 from ibex_context.memory.config import DEV_SECRET, MemoryConfig
 from ibex_context.ops.stack import free_port
-from ibex_context.shared.settings import Settings
+from ibex_context.shared.config.settings import Settings
 from tests.fixtures_services import REPO_ROOT, MemoryServiceHandle
 
 PRIVATE_SECRET = "a-private-secret-for-this-test"

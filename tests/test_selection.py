@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from ibex_context.memory.rank import HOT_SALIENCE_SHARE, hot_relevance
 from ibex_context.pipeline.score import DEFAULT_WEIGHTS, score_candidates
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.models import COMPONENTS, AssembleRequest, AssemblyOptions, ScoreWeights
+from ibex_context.shared.wire.models import COMPONENTS, AssembleRequest, AssemblyOptions, ScoreWeights
 from ibex_context.worker.retrieve import parse_hits
 from tests.fixtures_services import MemoryServiceHandle
 
@@ -211,7 +211,7 @@ def test_a_search_without_a_cutoff_gets_the_embedders_own(memory: MemoryServiceH
     from ibex_context.memory.embed import HashingEmbedder
     from ibex_context.memory.minilm import MiniLMEmbedder
     from ibex_context.memory.static import StaticEmbedder
-    from ibex_context.shared.settings import Settings
+    from ibex_context.shared.config.settings import Settings
 
     assert (HashingEmbedder().min_similarity, StaticEmbedder().min_similarity) == (0.70, 0.70)
     assert MiniLMEmbedder().min_similarity == 0.20 and Settings().cold_min_similarity is None

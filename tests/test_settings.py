@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from ibex_context.memory.config import MemoryConfig
-from ibex_context.shared.settings import (
+from ibex_context.shared.config.settings import (
     BrokerSettings,
     ClientSettings,
     MemoryServiceSettings,

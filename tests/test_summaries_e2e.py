@@ -29,10 +29,10 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.client.integrations.litellm_summary import conversation_key
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.budget import response_reserve
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.keys import summary_key
-from ibex_context.shared.settings import ClientSettings
-from ibex_context.shared.summary_store import decode_summary
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.settings import ClientSettings
+from ibex_context.shared.stores.keys import summary_key
+from ibex_context.shared.stores.summaries import decode_summary
 from tests.helpers import eventually
 from tests.test_litellm_proxy import _keys, curve_hook, curve_stack
 

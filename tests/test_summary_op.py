@@ -26,11 +26,11 @@ import redis
 from ibex_context.client.client import AsyncClient
 from ibex_context.client.sync import SyncClient
 from ibex_context.ops.local import LocalStack
-from ibex_context.shared import protocol as P
-from ibex_context.shared.keys import summary_key
-from ibex_context.shared.summary_store import decode_summary
-from ibex_context.shared.summary_write import MAX_SUMMARY_BYTES
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.stores.keys import summary_key
+from ibex_context.shared.stores.summaries import decode_summary
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES
 from ibex_context.worker.summaries import memory_id
 from tests.helpers import eventually, start_stack
 

@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.conversation.parse import parse_conversation
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.summary import check_covers
 from ibex_context.pipeline.turns import to_turns
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.chat import parse_conversation
-from ibex_context.shared.errors import ContextOverflow, InvalidRequest
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, SummarySlot
+from ibex_context.shared.wire.errors import ContextOverflow, InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, SummarySlot
 from tests.test_chat_assembly import anthropic_conversations, conversations
 
 CATALOG = Catalog.load()

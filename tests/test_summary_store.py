@@ -1,5 +1,5 @@
-"""Stored compaction summaries: one format (``shared.summary_store``), one tenant-scoped key
-(``shared.keys.summary_key``), and the worker's read of it in the directive's round trip against
+"""Stored compaction summaries: one format (``shared.stores.summaries``), one tenant-scoped key
+(``shared.stores.keys.summary_key``), and the worker's read of it in the directive's round trip against
 the real Redis and memory service, in process and through a real stack."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from redis.asyncio import Redis
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import InvalidRequest
-from ibex_context.shared.keys import summary_key
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, SummarySlot
-from ibex_context.shared.settings import Settings
-from ibex_context.shared.summary_store import decode_summary, encode_summary
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.stores.keys import summary_key
+from ibex_context.shared.stores.summaries import decode_summary, encode_summary
+from ibex_context.shared.wire.errors import InvalidRequest
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, SummarySlot
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.retrieve import Retriever
 from tests.helpers import start_stack

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.shared.keys import (
+from ibex_context.shared.security.tenancy import bearer_token, mint_org_token, verify_org_token
+from ibex_context.shared.stores.keys import (
     check_ident,
     directive_key,
     hot_key,
@@ -17,7 +18,6 @@ from ibex_context.shared.keys import (
     org_prefix,
     vector_field,
 )
-from ibex_context.shared.tenancy import bearer_token, mint_org_token, verify_org_token
 
 SECRET = "s3cret-s3cret"
 idents = st.from_regex(r"\A[A-Za-z0-9_.\-]{1,64}\Z")

@@ -25,8 +25,8 @@ from ibex_context.memory.app import OrgLimiter
 from ibex_context.memory.config import DEFAULT_MAX_QUERY_CHARS
 from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared.errors import IbexError
-from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.wire.errors import IbexError
+from ibex_context.shared.wire.models import AssembleResponse
 from tests.fixtures_services import MemoryServiceHandle
 from tests.helpers import start_stack
 

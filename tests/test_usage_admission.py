@@ -30,11 +30,11 @@ from ibex_context.broker.usage_limits import MAX_BUCKETS, NOTICE_NS, Buckets, To
 from ibex_context.client.client import AsyncClient
 from ibex_context.client.usage import USAGE_ID_PREFIX
 from ibex_context.ops.local import LocalStack
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import decode_reply, encode
-from ibex_context.shared.errors import ErrorCode
-from ibex_context.shared.models import ErrorReply, UsageReport
-from ibex_context.shared.settings import BrokerSettings
+from ibex_context.shared.config.settings import BrokerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import decode_reply, encode
+from ibex_context.shared.wire.errors import ErrorCode
+from ibex_context.shared.wire.models import ErrorReply, UsageReport
 from tests.helpers import eventually, start_stack
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""The chat wire form (client/wire.py, shared/images.py, shared/chat_layout.py), offline.
+"""The chat wire form (client/wire.py, pipeline/conversation/images.py, pipeline/conversation/layout.py), offline.
 
 Images travel as stubs (size from the header, digest), replies as a layout over the caller's own
 conversation. What the pipeline makes of the stubbed request is what it makes of the original
@@ -19,16 +19,16 @@ from pydantic import ValidationError
 
 from ibex_context.client.wire import outgoing
 from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.chat_count import image_size
+from ibex_context.pipeline.conversation.images import MIN_STUBBED, stub_for, stub_size
+from ibex_context.pipeline.conversation.layout import for_wire, materialize, restore
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.chat_layout import for_wire, materialize, restore
-from ibex_context.shared.codec import encode
-from ibex_context.shared.errors import Internal
-from ibex_context.shared.images import MIN_STUBBED, stub_for, stub_size
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, ChatLayout, Piece, Placed
-from ibex_context.shared.settings import WIRE_BYTES_PER_TOKEN, Settings
+from ibex_context.shared.config.settings import WIRE_BYTES_PER_TOKEN, Settings
+from ibex_context.shared.wire.codec import encode
+from ibex_context.shared.wire.errors import Internal
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ChatLayout, Piece, Placed
 from tests.test_chat_count import gif, jpeg, png, webp
 
 CATALOG = Catalog.load()

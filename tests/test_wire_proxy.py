@@ -20,7 +20,7 @@ from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from bench.wire_size import cases
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.budget import response_reserve
-from ibex_context.shared.catalog import Catalog
+from ibex_context.pipeline.catalog import Catalog
 from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(600)

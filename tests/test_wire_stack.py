@@ -17,9 +17,9 @@ from bench.wire_size import cases, kept, measure
 from ibex_context.client import AsyncClient, InvalidRequest
 from ibex_context.ops.stack import LocalStack, free_port
 from ibex_context.pipeline import chat_count as cc
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleResponse
-from ibex_context.shared.settings import Settings
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.wire.models import AssembleResponse
 from tests.helpers import start_stack
 
 CATALOG = Catalog.load()

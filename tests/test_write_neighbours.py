@@ -16,9 +16,9 @@ import pytest
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.hits import MAX_CONTENT_CHARS
-from ibex_context.shared.errors import IbexError
-from ibex_context.shared.models import AssembleResponse
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.wire.errors import IbexError
+from ibex_context.shared.wire.models import AssembleResponse
 from tests.helpers import eventually, start_stack
 from tests.test_tenant_isolation import cjk
 

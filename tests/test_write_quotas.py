@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from ibex_context.shared.keys import org_memory_bytes_key
+from ibex_context.shared.stores.keys import org_memory_bytes_key
 from tests.fixtures_services import MemoryServiceHandle, memory_service_with
 
 

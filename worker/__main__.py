@@ -18,8 +18,8 @@ import sys
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from ibex_context.shared.netloc import is_loopback_url
-from ibex_context.shared.settings import DEV_MEMORY_SECRET, WorkerSettings, usable_cpus
+from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, WorkerSettings, usable_cpus
+from ibex_context.shared.security.netloc import is_loopback_url
 
 if TYPE_CHECKING:
     from ibex_context.worker.server import WorkerServer
@@ -52,7 +52,7 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
     (the bench's transport-mode worker)."""
     import zmq
 
-    from ibex_context.shared.catalog import Catalog
+    from ibex_context.pipeline.catalog import Catalog
     from ibex_context.worker.assemble import Assembler
     from ibex_context.worker.retrieve import Retriever
     from ibex_context.worker.server import WorkerServer
@@ -64,7 +64,7 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
     catalog.warm_up()
     from redis.asyncio import Redis
 
-    from ibex_context.shared.observability import CalibrationMetrics
+    from ibex_context.shared.config.observability import CalibrationMetrics
     from ibex_context.worker.calibration import Calibrator
 
     # Its own connection, with generous timeouts: the retriever's are sized to the request deadline.
@@ -74,13 +74,13 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
                           calibrator=calibrator)
     await retriever.warm_up()
     ctx = zmq.Context()
-    from ibex_context.shared import auth
+    from ibex_context.shared.security import auth
 
     try:
         configure = auth.curve_client_for(settings.worker_key_file, settings, role="worker")
     except auth.MissingBrokerKey as exc:
         raise SystemExit(str(exc)) from None
-    from ibex_context.shared.observability import WorkerMetrics
+    from ibex_context.shared.config.observability import WorkerMetrics
 
     server = (server_cls or WorkerServer)(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
                                           configure_socket=configure, metrics=WorkerMetrics())
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None, *, server_cls: type[WorkerServer] | None
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
-    from ibex_context.shared.observability import setup_logging
+    from ibex_context.shared.config.observability import setup_logging
 
     setup_logging(settings.log_level, "worker", settings.log_format)
     cpus = usable_cpus()  # before pinning: afterwards the mask holds one CPU

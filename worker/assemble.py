@@ -19,11 +19,11 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 
 from ibex_context.pipeline.assemble import Clock, Policy, assemble
 from ibex_context.pipeline.budget import counter_for
+from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.turns import count_turns
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.models import AssembleRequest, AssembleResponse
-from ibex_context.shared.settings import WorkerSettings
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from ibex_context.worker.calibration import Calibrator
 from ibex_context.worker.retrieve import Retriever
 

@@ -9,7 +9,7 @@
 * ``flush`` (every ``FLUSH_INTERVAL_S``, a background task) writes the buffered records, matches
   the buffered reports to records (any worker's: the broker sends a report to any worker, so the
   records live in Redis), buckets each ratio or refuses it as an outlier, and writes the samples
-  to the Redis sketches, one atomic script per (org, model) (``shared.calibration_store``). A
+  to the Redis sketches, one atomic script per (org, model) (``shared.stores.calibration``). A
   report whose record is not there yet (its assembly was served by a worker that has not flushed)
   is looked up again on the next ``RESOLVE_FLUSHES`` flushes, then dropped as unknown and counted,
   like one naming an expired, used, forged or other org's assembly.
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ibex_context.shared import calibration_store as store
-from ibex_context.shared.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.codec import unpack, validate
-from ibex_context.shared.models import AssembleResponse, ErrorReply, UsageReport
-from ibex_context.shared.observability import CalibrationMetrics
-from ibex_context.shared.protocol import MAX_USAGE_BYTES
-from ibex_context.shared.settings import WorkerSettings
+from ibex_context.pipeline.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.observability import CalibrationMetrics
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.stores import calibration as store
+from ibex_context.shared.wire.codec import unpack, validate
+from ibex_context.shared.wire.models import AssembleResponse, ErrorReply, UsageReport
+from ibex_context.shared.wire.protocol import MAX_USAGE_BYTES
 
 log = logging.getLogger(__name__)
 

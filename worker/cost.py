@@ -8,7 +8,7 @@ bounded before the work that grows with them:
   ``IBEX_MAX_REQUEST_ITEMS``: a request over it is refused INVALID_REQUEST naming the top-level
   field that holds them, before the codec walks or the pipeline counts any of it;
 * ``stub_images`` reads each base64 image a raw-protocol caller sent (the client library sends
-  stubs) once, on receipt, and puts its stub in its place (``shared.images``), so budget and
+  stubs) once, on receipt, and puts its stub in its place (``pipeline.conversation.images``), so budget and
   formatting read the size from the stub and never walk the bytes again.
 
 ``Cost`` is what the fair scheduler (``worker.fair``) charges a request before its stages run.
@@ -21,10 +21,10 @@ from typing import Any
 
 import msgpack
 
-from ibex_context.shared.codec import decode_request, validate
-from ibex_context.shared.errors import ErrorCode
-from ibex_context.shared.images import stub_messages
-from ibex_context.shared.models import AssembleRequest, ErrorReply
+from ibex_context.pipeline.conversation.images import stub_messages
+from ibex_context.shared.wire.codec import decode_request, validate
+from ibex_context.shared.wire.errors import ErrorCode
+from ibex_context.shared.wire.models import AssembleRequest, ErrorReply
 
 ITEMS_SETTING = "IBEX_MAX_REQUEST_ITEMS"
 

@@ -31,12 +31,12 @@ from redis.exceptions import ResponseError
 
 from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, to_hit
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
-from ibex_context.shared.directives import MalformedDirective, get_directive, parse_envelope
-from ibex_context.shared.keys import directive_key, summary_key
-from ibex_context.shared.models import AssembleRequest, BranchName, BranchOutcome, Source, SummarySlot
-from ibex_context.shared.settings import WorkerSettings
-from ibex_context.shared.summary_store import decode_summary
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.stores.directives import MalformedDirective, get_directive, parse_envelope
+from ibex_context.shared.stores.keys import directive_key, summary_key
+from ibex_context.shared.stores.summaries import decode_summary
+from ibex_context.shared.wire.models import AssembleRequest, BranchName, BranchOutcome, Source, SummarySlot
 from ibex_context.worker import rawredis
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
 

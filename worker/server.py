@@ -23,14 +23,14 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ibex_context.shared import protocol as P
-from ibex_context.shared.chat_layout import for_wire
-from ibex_context.shared.codec import Envelope, encode, encode_error, header_mismatch, parse_header
-from ibex_context.shared.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
-from ibex_context.shared.loopsock import LoopSocket
-from ibex_context.shared.models import AssembleRequest, AssembleResponse, ErrorReply
-from ibex_context.shared.observability import WorkerMetrics
-from ibex_context.shared.settings import WorkerSettings
+from ibex_context.pipeline.conversation.layout import for_wire
+from ibex_context.shared.config.observability import WorkerMetrics
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, encode, encode_error, header_mismatch, parse_header
+from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
+from ibex_context.shared.wire.loopsock import LoopSocket
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.cost import decode, stub_images
 from ibex_context.worker.fair import FairTurns

@@ -30,13 +30,13 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ibex_context.shared.codec import unpack, validate
-from ibex_context.shared.keys import summary_key
-from ibex_context.shared.models import ErrorReply
-from ibex_context.shared.settings import WorkerSettings
-from ibex_context.shared.summary_store import encode_summary
-from ibex_context.shared.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
-from ibex_context.shared.tenancy import mint_org_token
+from ibex_context.shared.config.settings import WorkerSettings
+from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.stores.keys import summary_key
+from ibex_context.shared.stores.summaries import encode_summary
+from ibex_context.shared.wire.codec import unpack, validate
+from ibex_context.shared.wire.models import ErrorReply
+from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
 from ibex_context.worker.memhttp import MalformedResponse, MemoryHTTP
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def memory_text(text: str, made_at_s: float) -> str:
 
 
 def stored_value(write: SummaryWrite, made_at_s: float) -> bytes:
-    """``shared.summary_store``'s format, plus when it was made (ignored by readers)."""
+    """``shared.stores.summaries``'s format, plus when it was made (ignored by readers)."""
     doc: dict[str, Any] = orjson.loads(encode_summary(write.text, write.covers))
     doc["made_at"] = made_at_s
     return orjson.dumps(doc)

@@ -13,9 +13,9 @@ import sys
 import time
 from typing import Any
 
-from ibex_context.shared import protocol as P
-from ibex_context.shared.codec import Envelope, encode_document, parse_header
-from ibex_context.shared.models import AssembleResponse, BranchOutcome, BudgetBreakdown, PackerStats
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import Envelope, encode_document, parse_header
+from ibex_context.shared.wire.models import AssembleResponse, BranchOutcome, BudgetBreakdown, PackerStats
 from ibex_context.worker.server import BrokerLink, WorkerServer
 
 

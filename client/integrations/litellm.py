@@ -64,7 +64,7 @@ from ibex_context.client.integrations.litellm_routes import (
     request_form,
 )
 from ibex_context.client.integrations.litellm_summary import conversation_key
-from ibex_context.shared.settings import ClientSettings
+from ibex_context.shared.config.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 

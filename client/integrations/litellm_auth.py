@@ -37,8 +37,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from ibex_context.client.integrations.litellm_config import HookConfigError
-from ibex_context.shared.keys import is_ident
-from ibex_context.shared.settings import ClientSettings
+from ibex_context.shared.config.settings import ClientSettings
+from ibex_context.shared.stores.keys import is_ident
 
 KEYS_ENV = "IBEX_LITELLM_KEYS"
 KEY_PREFIX = "sk-ibex-"

@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import UnknownModel
-from ibex_context.shared.keys import is_ident
-from ibex_context.shared.models import AssemblyOptions, HistoryOptions
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.stores.keys import is_ident
+from ibex_context.shared.wire.errors import UnknownModel
+from ibex_context.shared.wire.models import AssemblyOptions, HistoryOptions
 
 CONFIG_ENV = "IBEX_LITELLM_CONFIG"
 Source = Literal["key", "team", "request"]

@@ -37,10 +37,10 @@ from ibex_context.client.integrations.litellm_config import (
 from ibex_context.client.integrations.litellm_routes import Form
 from ibex_context.client.integrations.litellm_summary import Summarizer
 from ibex_context.client.requests import build
-from ibex_context.shared.catalog import Catalog
-from ibex_context.shared.errors import ErrorCode, IbexError, Unavailable
-from ibex_context.shared.models import AssembleResponse
-from ibex_context.shared.settings import ClientSettings
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.shared.config.settings import ClientSettings
+from ibex_context.shared.wire.errors import ErrorCode, IbexError, Unavailable
+from ibex_context.shared.wire.models import AssembleResponse
 
 log = logging.getLogger(__name__)
 

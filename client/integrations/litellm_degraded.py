@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ibex_context.client.integrations.litellm_config import DirectiveCopies as CopyLimits
-from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.wire.models import AssembleResponse
 
 DIRECTIVE_HEADING = "## Directive\n"  # how pipeline.format.directive_section opens the directive's section
 

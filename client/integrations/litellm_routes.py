@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ibex_context.client.integrations import litellm_responses
-from ibex_context.shared.models import AssembleResponse
+from ibex_context.shared.wire.models import AssembleResponse
 
 CHAT_CALLS = frozenset({"completion", "acompletion"})
 ANTHROPIC_CALLS = frozenset({"anthropic_messages", "aanthropic_messages"})

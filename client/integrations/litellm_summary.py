@@ -37,7 +37,7 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.client.integrations.litellm_config import Summaries
 from ibex_context.pipeline.summary import check_covers, non_system
 from ibex_context.pipeline.types import Turns
-from ibex_context.shared.models import SUMMARY_KEY_CHARS, AssembleResponse
+from ibex_context.shared.wire.models import SUMMARY_KEY_CHARS, AssembleResponse
 
 log = logging.getLogger(__name__)
 

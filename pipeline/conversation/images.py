@@ -6,7 +6,7 @@ library sends the service a stub in place of each base64 image (docs/assembly.md
 
     ibex-image:<width>x<height>;sha256=<hex digest of the payload as the caller sent it>
 
-and the caller's own part goes back into the provider-ready messages (``shared.chat_layout``).
+and the caller's own part goes back into the provider-ready messages (``pipeline.conversation.layout``).
 The bytes are read once, by the client: the header for the size, the payload for the digest, so
 a stub names one image. A size the header does not give is ``0x0``, charged as an unknown size
 (the formula's maximum). A stub is no shorter than ``MIN_STUBBED`` payloads: tiny images travel

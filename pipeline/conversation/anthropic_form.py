@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StringConstraints, Tag
 
-from ibex_context.shared.chat_base import (
+from ibex_context.pipeline.conversation.base import (
     MAX_PARTS,
     MAX_TOOLS,
     ChatModel,
@@ -29,7 +29,7 @@ from ibex_context.shared.chat_base import (
     shape_of,
     tag_of,
 )
-from ibex_context.shared.errors import InvalidRequest
+from ibex_context.shared.wire.errors import InvalidRequest
 
 BLOCK_TYPES: dict[str, tuple[str, ...]] = {
     "user": ("text", "image", "document", "tool_result"),

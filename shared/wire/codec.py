@@ -13,11 +13,11 @@ from typing import Any, NamedTuple, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from ibex_context.shared.errors import ErrorCode, IbexError, InvalidRequest
-from ibex_context.shared.keys import is_ident
-from ibex_context.shared.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
-from ibex_context.shared.settings import default_max_request_bytes
-from ibex_context.shared.validation import first_error
+from ibex_context.shared.config.settings import default_max_request_bytes
+from ibex_context.shared.stores.keys import is_ident
+from ibex_context.shared.wire.errors import ErrorCode, IbexError, InvalidRequest
+from ibex_context.shared.wire.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.wire.validation import first_error
 
 DEFAULT_MAX_BYTES = default_max_request_bytes()  # settings.max_request_bytes overrides
 MAX_DEPTH = 32

@@ -1,9 +1,9 @@
-"""Calibration in Redis: one HASH per (org, model) (``shared.keys.calibration_key``) and one short-lived
-STRING per assembly a usage report may name (``shared.keys.assembly_key``).
+"""Calibration in Redis: one HASH per (org, model) (``shared.stores.keys.calibration_key``) and one short-lived
+STRING per assembly a usage report may name (``shared.stores.keys.assembly_key``).
 
 The sketch:
 
-    b:<bucket>   float   decayed weight of the ratio bucket (``shared.calibration``)
+    b:<bucket>   float   decayed weight of the ratio bucket (``pipeline.calibration``)
     n            int     reports accepted, lifetime
     refused      int     reports refused as outliers, lifetime
     s            int     the served bucket: the multiplier the key charges (bounded change)
@@ -30,7 +30,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ibex_context.shared.calibration import (
+from ibex_context.pipeline.calibration import (
     MAX_FALL_BUCKETS,
     N_BUCKETS,
     UNCALIBRATED_BUCKET,
@@ -38,7 +38,7 @@ from ibex_context.shared.calibration import (
     summarize,
     upper_edge,
 )
-from ibex_context.shared.keys import assembly_key, calibration_key, check_ident
+from ibex_context.shared.stores.keys import assembly_key, calibration_key, check_ident
 
 PRUNE_BELOW = 1e-3
 TTL_S = 30 * 24 * 3600  # a month without reports and the key is gone

@@ -15,11 +15,11 @@
 * One public key has one role: a keys file listing a key as both client and worker (or twice in
   one role with different grants) is refused, so a caller's key can never join the backend.
 * Without a keys file, binding anything but loopback or ipc is refused at start-up. The check is
-  ``shared.netloc.is_local_endpoint`` (strict: no ``;`` source-address form, IP literals or
+  ``shared.security.netloc.is_local_endpoint`` (strict: no ``;`` source-address form, IP literals or
   ``localhost`` only), because ZeroMQ binds the part after ``;`` and resolves names at bind time.
 
-The implementation is split by concern: ``shared.curve`` (keys and socket options),
-``shared.keyring`` (the keys file), and here the refusal to bind beyond loopback without auth.
+The implementation is split by concern: ``shared.security.curve`` (keys and socket options),
+``shared.security.keyring`` (the keys file), and here the refusal to bind beyond loopback without auth.
 Callers import everything from this module.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ibex_context.shared.curve import (
+from ibex_context.shared.security.curve import (
     BACK_DOMAIN,
     FRONT_DOMAIN,
     ROLES,
@@ -43,8 +43,8 @@ from ibex_context.shared.curve import (
     load_public_key,
     write_keypair,
 )
-from ibex_context.shared.keyring import ClientGrant, KeyRing, register
-from ibex_context.shared.netloc import is_local_endpoint
+from ibex_context.shared.security.keyring import ClientGrant, KeyRing, register
+from ibex_context.shared.security.netloc import is_local_endpoint
 
 __all__ = [
     "BACK_DOMAIN", "FRONT_DOMAIN", "ROLES", "AuthConfigError", "ClientGrant", "KeyPair", "KeyRing",
@@ -61,7 +61,7 @@ def _printable(endpoint: str) -> str:
 def exposure(endpoint: str) -> str | None:
     """Why binding ENDPOINT without authentication could be reached from another host; None if local.
 
-    The verdict is ``shared.netloc.is_local_endpoint``; this only explains a refusal in one phrase.
+    The verdict is ``shared.security.netloc.is_local_endpoint``; this only explains a refusal in one phrase.
     """
     if is_local_endpoint(endpoint):
         return None

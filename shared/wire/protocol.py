@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ibex_context.shared.feedback import Feedback as Feedback  # re-exported: part of the wire
+from ibex_context.shared.wire.feedback import Feedback as Feedback  # re-exported: part of the wire
 
 TAG = b"IBX1"
 
@@ -211,7 +211,7 @@ class UsageMessage(NamedTuple):
 
 
 class SummaryMessage(NamedTuple):
-    payload: bytes  # a msgpack ``shared.summary_write.SummaryWrite``, carried as USAGE is
+    payload: bytes  # a msgpack ``shared.wire.summary_write.SummaryWrite``, carried as USAGE is
 
 
 def request_frames(header: bytes, payload: bytes) -> list[bytes]:

@@ -3,7 +3,7 @@
 Workers run in Prometheus multiprocess mode: each writes its samples to files under
 ``PROMETHEUS_MULTIPROC_DIR`` (set by ``ibex-context up`` to ``.run/prometheus``), and the broker's
 metrics endpoint (``IBEX_METRICS_PORT``) serves the broker's own registry plus the aggregate of
-every worker on the host. On a worker-only host, ``python -m ibex_context.shared.observability --port N``
+every worker on the host. On a worker-only host, ``python -m ibex_context.shared.config.observability --port N``
 serves the aggregate alone.
 
 Logs: ``IBEX_LOG_FORMAT=json`` gives one JSON object per line with any ``extra`` fields
@@ -128,7 +128,7 @@ class CalibrationMetrics:
                              ["org", "model"], multiprocess_mode="mostrecent", **kw)
 
     def observe(self, org: str, model: str, cal: Any) -> None:
-        """Publish one key's ``shared.calibration.Calibration``."""
+        """Publish one key's ``pipeline.calibration.Calibration``."""
         self.ratio.labels(org, model, "0.5").set(cal.median)
         self.ratio.labels(org, model, str(cal.quantile)).set(cal.ratio)
         self.ratio.labels(org, model, "max").set(cal.top)
@@ -188,7 +188,7 @@ def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> No
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the aggregated worker metrics of this host (for hosts that run no broker)."""
-    ap = argparse.ArgumentParser(prog="python -m ibex_context.shared.observability", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ibex_context.shared.config.observability", description=main.__doc__)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--addr", default="127.0.0.1")
     args = ap.parse_args(argv)

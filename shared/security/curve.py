@@ -1,5 +1,5 @@
 """CURVE keys and socket setup: keypair files, public keys, and the client/server socket options
-(docs/security.md "Authentication"). ``shared.keyring`` maps keys to orgs; ``shared.auth`` is
+(docs/security.md "Authentication"). ``shared.security.keyring`` maps keys to orgs; ``shared.security.auth`` is
 the one import callers use.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from ibex_context.shared.keys import is_ident
-from ibex_context.shared.settings import CommonSettings
+from ibex_context.shared.config.settings import CommonSettings
+from ibex_context.shared.stores.keys import is_ident
 
 FRONT_DOMAIN = "ibex-front"
 BACK_DOMAIN = "ibex-back"

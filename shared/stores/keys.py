@@ -2,16 +2,16 @@
 
 docs/security.md "Degradation and security": tenant scoping is enforced at the data
 layer, so every key names its org in a fixed place. Identifiers are checked against the same safe
-alphabet as ``shared.models.Ident``: no ``:``, braces or whitespace, so no org or agent id can
+alphabet as ``shared.wire.models.Ident``: no ``:``, braces or whitespace, so no org or agent id can
 smuggle a separator and name a key in another tenant's namespace. A bad identifier raises
 ``ValueError``.
 
-    {org}:directive:{agent}                 STRING  JSON DirectiveEnvelope (shared/directives.py)
+    {org}:directive:{agent}                 STRING  JSON DirectiveEnvelope (shared/stores/directives.py)
     {org}:summary:{agent}:{key}             STRING  JSON {text, covers}: a conversation's compaction
-                                                    summary (shared/summary_store.py)
-    {org}:calibration:{model}               HASH    usage-report ratio sketch (shared/calibration_store.py)
+                                                    summary (shared/stores/summaries.py)
+    {org}:calibration:{model}               HASH    usage-report ratio sketch (shared/stores/calibration.py)
     {org}:assembly:{assembly_id}            STRING  one assembly's own count for its usage report, short TTL
-                                                    (shared/calibration_store.py)
+                                                    (shared/stores/calibration.py)
     mem:{{org}:{agent}}:{memory_id}         HASH    one memory: org, agent, content, created_at,
                                                     rec (the JSON record), v_{embedder} (float32 vector)
     memids:{{org}:{agent}}                  SET     the agent's memory ids (the per-agent cap)
@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from typing import TypeGuard
 
-from ibex_context.shared.models import IDENT_CHARS, SUMMARY_KEY_CHARS
+from ibex_context.shared.wire.models import IDENT_CHARS, SUMMARY_KEY_CHARS
 
 IDENT_PATTERN = f"^{IDENT_CHARS}$"  # as written in error messages
 _IDENT = re.compile(IDENT_CHARS)

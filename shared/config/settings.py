@@ -17,7 +17,7 @@ variables::
 
 Fields inherited by the memory service's ``IBEX_MEMORY_`` prefixed config name their variable
 (``validation_alias``). Every field has a ``description``: docs/settings.md is generated from them
-(``python -m ibex_context.shared.settings_doc``). Times are milliseconds on the environment surface
+(``python -m ibex_context.shared.config.settings_doc``). Times are milliseconds on the environment surface
 and are converted to nanoseconds once by the code that uses them.
 """
 
@@ -37,7 +37,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # limits"): the request limit is that window times this many bytes a token. Measured with o200k
 # (bench/wire_size.py): prose ~3.7 bytes a token, code ~4.0, JSON ~2.9, CJK ~1.8, deeply indented
 # code ~6.3; only long runs of one character pack more (a token can hold 128 spaces). Images do
-# not count: they travel as their size (shared.images).
+# not count: they travel as their size (pipeline.conversation.images).
 WIRE_BYTES_PER_TOKEN = 8
 # Room in a reply for what is not history: the memories block (twice, in rendered and sections),
 # decisions and the layout.
@@ -58,7 +58,7 @@ def shown(text: str) -> Any:
 @functools.cache
 def largest_catalog_window() -> int:
     """The largest ``context_window`` in the bundled model catalog, in tokens."""
-    text = resources.files(__package__ or "ibex_context.shared").joinpath("catalog.json").read_text("utf-8")
+    text = resources.files("ibex_context.pipeline").joinpath("catalog.json").read_text("utf-8")
     return max(int(m["context_window"]) for m in json.loads(text)["models"].values())
 
 
@@ -186,7 +186,7 @@ class _LinkSettings(CommonSettings):
     """The broker <-> worker link: both ends must agree on these."""
 
     broker_backend: str = Field("tcp://127.0.0.1:5556", description="The broker's bind for workers.")
-    # A chat reply is a layout over the caller's conversation (shared.chat_layout), a flat one
+    # A chat reply is a layout over the caller's conversation (pipeline.conversation.layout), a flat one
     # carries its history twice (``rendered`` and ``sections``): by default twice the request
     # limit plus room for memories. The worker checks every reply against this before sending and
     # answers a typed error instead; the broker's backend accepts messages up to it, so no reply

@@ -13,8 +13,7 @@ from typing import Any
 
 import zmq
 
-from ibex_context.shared.codec import Envelope
-from ibex_context.shared.curve import (
+from ibex_context.shared.security.curve import (
     BACK_DOMAIN,
     FRONT_DOMAIN,
     IDENT_HELP,
@@ -24,8 +23,9 @@ from ibex_context.shared.curve import (
     check_z85,
     os_reason,
 )
-from ibex_context.shared.errors import Forbidden, Unauthenticated
-from ibex_context.shared.keys import is_ident
+from ibex_context.shared.stores.keys import is_ident
+from ibex_context.shared.wire.codec import Envelope
+from ibex_context.shared.wire.errors import Forbidden, Unauthenticated
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the OpenAI and Anthropic conversation models (``shared/chat*.py``).
+"""Building blocks shared by the OpenAI and Anthropic conversation models (this package).
 
 Every union in those models is a *tagged* union whose tags start with ``~`` (``~text``,
 ``~list``, ``~user``): pydantic puts the tag into an error's location, and the ``~`` lets
@@ -8,7 +8,7 @@ Every union in those models is a *tagged* union whose tags start with ``~`` (``~
 Limits (ours unless a provider publishes one; the transport's byte limit is tighter still):
     MAX_MESSAGES   10,000 messages per conversation (Anthropic allows 100,000 per request:
                    ``messages`` in https://docs.anthropic.com/en/api/messages)
-    MAX_TEXT       2,000,000 characters per text field, as ``shared.models.Message``
+    MAX_TEXT       2,000,000 characters per text field, as ``shared.wire.models.Message``
     MAX_DATA       32,000,000 characters of base64 per image/audio/file (Anthropic's request
                    size limit is 32 MB: https://docs.anthropic.com/en/api/overview)
     MAX_PARTS      1,000 content parts or blocks per message; MAX_TOOL_CALLS 1,000 per message
@@ -16,7 +16,7 @@ Limits (ours unless a provider publishes one; the transport's byte limit is tigh
                    ``tools`` in https://platform.openai.com/docs/api-reference/chat/create)
     MAX_ID         256 characters per call id (no provider publishes a limit; chosen by us)
     MAX_SHORT      1,000 characters for names, titles, media types and similar labels
-    MAX_JSON_DEPTH 32 levels in free-form JSON (schemas, tool inputs), as ``shared/codec.py``
+    MAX_JSON_DEPTH 32 levels in free-form JSON (schemas, tool inputs), as ``shared/wire/codec.py``
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from pydantic import ValidationError
 
-from ibex_context.shared.validation import first_error
+from ibex_context.shared.wire.validation import first_error
 
 
 class CliParser(argparse.ArgumentParser):

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from ibex_context.shared.models import (
+from ibex_context.shared.wire.models import (
     MAX_SUMMARY_CHARS,
     PROTOCOL_VERSION,
     SUMMARY_KEY_CHARS,

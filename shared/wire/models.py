@@ -13,12 +13,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from ibex_context.shared.errors import ErrorCode
+from ibex_context.shared.wire.errors import ErrorCode
 
 PROTOCOL_VERSION = 1
 
 # Identifiers that end up inside Redis keys and URLs: no ':' or whitespace, bounded length.
-IDENT_CHARS = r"[A-Za-z0-9_.\-]{1,64}"  # the one definition; shared.keys.is_ident checks it with fullmatch
+IDENT_CHARS = r"[A-Za-z0-9_.\-]{1,64}"  # the one definition; shared.stores.keys.is_ident checks it with fullmatch
 Ident = Annotated[str, StringConstraints(pattern=f"^{IDENT_CHARS}$")]
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -121,7 +121,7 @@ class AssembleRequest(_Wire):
     tool_schemas: Annotated[list[dict[str, Any]], Field(max_length=256)] = Field(default_factory=list)
     options: AssemblyOptions = Field(default_factory=AssemblyOptions)
     # Chat-native form: the whole conversation in the provider's own shape (validated by
-    # shared.chat when the pipeline runs). Exclusive with recent_messages / tool_schemas.
+    # pipeline.conversation.parse when the pipeline runs). Exclusive with recent_messages / tool_schemas.
     format: ChatFormat | None = None
     messages: Annotated[list[Any], Field(max_length=10_000)] = Field(default_factory=list)
     system: Any = None
@@ -292,7 +292,7 @@ class Placed(_Wire):
 class ChatLayout(_Wire):
     """How the provider-ready conversation is made from the caller's own (docs/assembly.md "Size limits"):
     ``messages`` in order, an int being the caller's message at that index, unchanged; ``system``
-    Anthropic's system blocks (None for OpenAI). ``shared.chat_layout.materialize`` applies it."""
+    Anthropic's system blocks (None for OpenAI). ``pipeline.conversation.layout.materialize`` applies it."""
 
     messages: list[NonNegInt | Placed]
     system: list[Piece] | None = None
@@ -319,7 +319,7 @@ class AssembleResponse(_Wire):
     # Chat-native requests only: what the proxy sends the provider, as is (docs/assembly.md "Chat-native
     # assembly"), its exact (or estimated) token count, and the messages trimmed to fit. On the
     # wire a reply carries ``layout`` alone; the client library rebuilds ``messages`` and
-    # ``system`` from the caller's own conversation (``shared.chat_layout``).
+    # ``system`` from the caller's own conversation (``pipeline.conversation.layout``).
     format: ChatFormat | None = None
     messages: list[dict[str, Any]] | None = None
     system: list[dict[str, Any]] | None = None

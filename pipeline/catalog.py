@@ -16,8 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ibex_context.shared.errors import UnknownModel
-from ibex_context.shared.tokens import (
+from ibex_context.pipeline.tokens import (
     QUICKTOK_ENCODINGS,
     CachedCounter,
     EstimateCounter,
@@ -25,6 +24,7 @@ from ibex_context.shared.tokens import (
     ExactCounter,
     TokenCounter,
 )
+from ibex_context.shared.wire.errors import UnknownModel
 
 # A trailing release date or moving alias, as providers append them to a model family's name:
 # claude-sonnet-4-20250514, gpt-4o-2024-08-06, claude-3-5-haiku-latest.
@@ -93,7 +93,7 @@ class Catalog:
     def load(cls, path: str | Path | None = None, *, cache_entries: int = 65536,
              slow_vocabularies: bool = True) -> Catalog:
         if path is None:
-            text = resources.files(__package__ or "ibex_context.shared").joinpath("catalog.json").read_text("utf-8")
+            text = resources.files("ibex_context.pipeline").joinpath("catalog.json").read_text("utf-8")
         else:
             text = Path(path).read_text("utf-8")
         return cls(json.loads(text), cache_entries=cache_entries, slow_vocabularies=slow_vocabularies)
@@ -140,7 +140,7 @@ class Catalog:
         near = difflib.get_close_matches(normal, list(self._folded), n=3, cutoff=0.6)
         hint = f"nearest: {', '.join(near)}; " if near else ""
         return (f"model {name!r} is not in the capability catalog ({len(self.models)} models known); {hint}"
-                "to add it, copy shared/catalog.json, add the model (or an 'aliases' entry) and point "
+                "to add it, copy pipeline/catalog.json, add the model (or an 'aliases' entry) and point "
                 "IBEX_CATALOG_PATH at the copy")
 
     def warm_up(self) -> None:

@@ -1,4 +1,4 @@
-"""Stored compaction summaries: one STRING per conversation (``shared.keys.summary_key``), the JSON
+"""Stored compaction summaries: one STRING per conversation (``shared.stores.keys.summary_key``), the JSON
 ``{"text": ..., "covers": N}`` (docs/assembly.md "Compaction summaries").
 
 The worker reads it in the directive's round trip when a request names ``summary_key`` and
@@ -12,8 +12,8 @@ from __future__ import annotations
 import orjson
 from pydantic import ValidationError
 
-from ibex_context.shared.keys import summary_key
-from ibex_context.shared.models import SummarySlot
+from ibex_context.shared.stores.keys import summary_key
+from ibex_context.shared.wire.models import SummarySlot
 
 __all__ = ["decode_summary", "encode_summary", "summary_key"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ibex_context.shared.errors import Internal
-from ibex_context.shared.models import AssembleResponse, ChatLayout, Piece
+from ibex_context.shared.wire.errors import Internal
+from ibex_context.shared.wire.models import AssembleResponse, ChatLayout, Piece
 
 Message = dict[str, Any]
 EPHEMERAL = {"type": "ephemeral"}
@@ -82,7 +82,7 @@ def for_wire(response: AssembleResponse) -> AssembleResponse:
 def restore(response: AssembleResponse, messages: Sequence[Any], system: Any = None) -> AssembleResponse:
     """The reply as the caller sees it: ``messages`` and ``system`` rebuilt from the caller's own
     conversation. A chat reply without a layout (a worker that does not send one) is ``Internal``:
-    its messages are the service's copy, whose images are stubs (``shared.images``)."""
+    its messages are the service's copy, whose images are stubs (``pipeline.conversation.images``)."""
     if response.format is None:
         return response
     if response.layout is None:

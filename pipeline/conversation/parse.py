@@ -8,7 +8,7 @@ Anthropic conversation strictly and returns it typed, and the helpers later stag
 
 Every refusal is an ``InvalidRequest`` whose message starts with the path it is about and whose
 ``field`` is that path (``messages.2.content.1.type``), so a proxy can point at its own input.
-Shapes: ``shared/chat_openai.py`` and ``shared/chat_anthropic.py``; limits: ``shared/chat_base.py``.
+Shapes: ``openai_form.py`` and ``anthropic_form.py`` beside this module; limits: ``base.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from ibex_context.shared import chat_anthropic as anth
-from ibex_context.shared import chat_openai as oai
-from ibex_context.shared.chat_base import MAX_MESSAGES, PathError, clean_path
-from ibex_context.shared.errors import InvalidRequest
+from ibex_context.pipeline.conversation import anthropic_form as anth
+from ibex_context.pipeline.conversation import openai_form as oai
+from ibex_context.pipeline.conversation.base import MAX_MESSAGES, PathError, clean_path
+from ibex_context.shared.wire.errors import InvalidRequest
 
 Format = Literal["openai", "anthropic"]
 ChatMessage = oai.AnyOpenAIMessage | anth.AnyAnthropicMessage
