@@ -71,7 +71,8 @@ def serve_answer(connect: str) -> None:
     the CPU and latency of the card's two hops with no Python broker at all)."""
     from bench.lib.transport import transport_response
     from ibex_context.shared.wire import protocol as P
-    from ibex_context.shared.wire.codec import Envelope, encode_document, parse_header
+    from ibex_context.shared.wire.codec import encode_document
+    from ibex_context.shared.wire.protocol import Envelope, parse_header
 
     template = transport_response("-", {}).model_dump(mode="python")
     ctx = zmq.Context()
@@ -79,7 +80,7 @@ def serve_answer(connect: str) -> None:
     s.setsockopt(zmq.LINGER, 0)
     s.connect(connect)
     while True:
-        # [relay id, client id, IBX1, REQUEST, header, payload] or [..., CORRELATED, id, header, payload]
+        # [relay id, client id, IBX2, REQUEST, header, payload] or [..., CORRELATED, id, header, payload]
         frames = s.recv_multipart()
         if len(frames) == 6 and frames[3] == P.REQUEST:
             env, cid = parse_header(frames[4]), None

@@ -35,8 +35,9 @@ from bench.lib.tables import table
 from bench.workload import request_templates
 from ibex_context.ops.stack import free_port, stop_processes
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, encode, pack_header
+from ibex_context.shared.wire.codec import encode
 from ibex_context.shared.wire.models import AssembleRequest, Message
+from ibex_context.shared.wire.protocol import Envelope, pack_header
 
 
 def template(pad_kb: int = 0) -> AssembleRequest:
@@ -109,9 +110,8 @@ def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, wi
     return time.perf_counter() - t0
 
 
-def measure_broker(n: int, window: int, pad_kb: int = 0, legacy: bool = False) -> dict[str, float]:
-    """The broker between a DEALER client and the echo worker; ``legacy``: headerless requests, so
-    the broker reads the envelope from the payload (``peek_envelope``, as for a headerless client)."""
+def measure_broker(n: int, window: int, pad_kb: int = 0) -> dict[str, float]:
+    """The broker between a DEALER client and the echo worker."""
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     procs = [_spawn("-m", "ibex_context.broker", "--frontend", fe, "--backend", be)]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -123,8 +123,7 @@ def measure_broker(n: int, window: int, pad_kb: int = 0, legacy: bool = False) -
         tmpl = template(pad_kb)
         far = time.time_ns() + 3600 * 10**9
         reqs = [tmpl.model_copy(update={"request_id": f"h{i}", "deadline_ns": far}) for i in range(n)]
-        frames = [[P.TAG, P.REQUEST, encode(r)] if legacy  # the headerless form
-                  else P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
+        frames = [P.request_frames(pack_header(Envelope(r.request_id, r.org_id, r.agent_id, far)), encode(r))
                   for r in reqs]
         end = time.monotonic() + 20
         while True:  # the worker has joined once a request comes back
@@ -209,8 +208,6 @@ def run(*, n: int, window: int, repeats: int, pad_kb: int = 0) -> dict[str, dict
     rows: dict[str, list[dict[str, float]]] = {}
     for _ in range(repeats):  # interleaved, so drift hits every row alike
         rows.setdefault("broker", []).append(measure_broker(n, window, pad_kb))
-        rows.setdefault("broker, headerless requests (envelope read from the payload)", []).append(
-            measure_broker(n, window, pad_kb, legacy=True))
         rows.setdefault("worker (transport mode)", []).append(measure_worker(n, window, pad_kb))
         relay, echo = measure_floor(n, window, pad_kb)
         rows.setdefault("relay (zmq.proxy, C)", []).append(relay)

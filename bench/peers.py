@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import re
 import subprocess
 import sys
 import time
@@ -103,13 +104,15 @@ QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "ra
 # ---------------------------------------------------------------------------------- the systems
 
 
-class LegacyFramesClient(AsyncClient):
-    """The client library sending headerless requests, for a baseline broker from before the header
-    frame; everything else is the same client."""
-
-    def _encode(self, request: Any, fields: dict[str, Any], deadline_ns: int) -> tuple[str, list[bytes]]:
-        rid, frames = super()._encode(request, fields, deadline_ns)
-        return rid, [P.TAG, P.REQUEST, frames[-1]]  # the headerless form
+def baseline_tag(checkout: Path) -> bytes | None:
+    """The protocol tag a checkout of this project speaks (None if it cannot be read): the client
+    library talks only to a baseline of its own protocol generation."""
+    for rel in ("shared/wire/protocol/__init__.py", "shared/protocol.py"):
+        path = checkout / rel
+        if path.is_file():
+            found = re.search(r'^TAG = b"([A-Z0-9]+)"', path.read_text("utf-8"), re.M)
+            return found[1].encode() if found else None
+    return None
 
 
 @dataclass
@@ -236,9 +239,7 @@ class Targets:
             elif system == "ibex-base":
                 assert self.servers.base is not None
                 assert self.plan.baseline is not None
-                # A baseline that reads a header frame gets one; an older one gets headerless requests.
-                has_header = "def pack_header" in (Path(self.plan.baseline) / "shared" / "codec.py").read_text()
-                legacy = (AsyncClient if has_header else LegacyFramesClient)(self.servers.base.frontend)
+                legacy = AsyncClient(self.servers.base.frontend)
                 await legacy.wait_connected(10.0)
                 await legacy.prepare_fallback()
                 self.clients.append(legacy)
@@ -428,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.systems:
         plan.systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
     if args.baseline:
+        tag = baseline_tag(args.baseline.resolve())
+        if tag != P.TAG:
+            ap.error(f"--baseline {args.baseline} speaks protocol {tag!r}, this client {P.TAG!r}: "
+                     "compare against a checkout of the same protocol generation")
         plan.baseline = str(args.baseline.resolve())
         plan.systems = (*plan.systems, "ibex-base")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -47,8 +47,9 @@ from bench.workload import request_templates
 from ibex_context.ops.local import LocalStack
 from ibex_context.ops.procs import stop_processes
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, decode_request, encode, pack_header
+from ibex_context.shared.wire.codec import decode_request, encode
 from ibex_context.shared.wire.models import AssembleRequest
+from ibex_context.shared.wire.protocol import Envelope, pack_header
 
 REPO = Path(__file__).resolve().parent.parent
 

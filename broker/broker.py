@@ -45,7 +45,6 @@ from ibex_context.broker.usage_limits import UsageLimits
 from ibex_context.broker.workers import WorkerTable
 from ibex_context.shared.config.settings import BrokerSettings
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, pack_header, parse_header, peek_envelope
 from ibex_context.shared.wire.errors import (
     DeadlineExceeded,
     ErrorCode,
@@ -56,6 +55,7 @@ from ibex_context.shared.wire.errors import (
 )
 from ibex_context.shared.wire.loopsock import readable, recv_forwarding
 from ibex_context.shared.wire.models import ErrorReply
+from ibex_context.shared.wire.protocol import Envelope, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +63,15 @@ __all__ = ["Authorizer", "Broker", "Key", "Pending", "WorkerState"]
 
 
 def _request_payload(frames: list[object]) -> int | None:
-    """Where a client's request payload is: [client, IBX1, REQUEST, header, payload] or [client, IBX1,
-    CORRELATED, correlation_id, header, payload] (a headerless request's payload is read here, so it
-    is not kept uncopied)."""
+    """Where a client's request payload is: [client, IBX2, REQUEST, header, payload] or [client, IBX2,
+    CORRELATED, correlation_id, header, payload]."""
     if len(frames) == 5 and frames[2] == P.REQUEST:
         return 4
     return 5 if len(frames) == 6 and frames[2] == P.CORRELATED else None
 
 
 def _reply_payload(frames: list[object]) -> int | None:
-    """Where a worker's reply payload is: [worker, IBX1, REPLY | ERROR, client, request_id, payload(, feedback)]."""
+    """Where a worker's reply payload is: [worker, IBX2, REPLY | ERROR, client, request_id, payload(, feedback)]."""
     return 5 if len(frames) in (6, 7) and frames[2] in (P.REPLY, P.ERROR) else None
 
 
@@ -218,13 +217,8 @@ class Broker(UsageIntake, WorkerTable):
 
     def _envelope(self, parsed: P.ClientRequest) -> tuple[bytes, Envelope | ErrorReply]:
         """(header frame, routing fields) of a request. With a header frame the payload is never
-        read here (its size aside); the worker checks it agrees with the header. A legacy request's
-        envelope is read from its payload, and its header built from that."""
+        read here (its size aside); the worker checks it agrees with the header."""
         limit = self.settings.max_request_bytes
-        if parsed.header is None:
-            self.stats["legacy_requests"] += 1
-            env = peek_envelope(parsed.payload, max_bytes=limit)
-            return (b"" if isinstance(env, ErrorReply) else pack_header(env)), env
         env = parse_header(parsed.header)
         if not isinstance(env, ErrorReply) and len(parsed.payload) > limit:
             env = ErrorReply(request_id=env.request_id, code=ErrorCode.INVALID_REQUEST, field="<payload>",

@@ -19,10 +19,11 @@ import zmq
 from ibex_context.broker.admission import Limiter
 from ibex_context.shared.config.settings import BrokerSettings
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, encode_error
+from ibex_context.shared.wire.codec import encode_error
 from ibex_context.shared.wire.errors import IbexError
 from ibex_context.shared.wire.loopsock import send_frames
 from ibex_context.shared.wire.models import ErrorReply
+from ibex_context.shared.wire.protocol import Envelope
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,10 @@ import zmq
 from ibex_context.broker.state import Authorizer, BrokerBase
 from ibex_context.broker.usage_limits import UsageLimits, shed_message
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, peek_envelope, scan_request_id
+from ibex_context.shared.wire.codec import peek_envelope, scan_request_id
 from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded
 from ibex_context.shared.wire.models import ErrorReply
+from ibex_context.shared.wire.protocol import Envelope
 from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES
 
 # kind -> (its frame's command, its payload's size limit)

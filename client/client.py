@@ -289,7 +289,7 @@ class AsyncClient(SummaryReports):
         The reply is matched by this attempt's own correlation id, never by ``rid`` (``Conn.send``)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[AssembleResponse | ErrorReply | None] = loop.create_future()
-        key, exc = conn.send(frames, rid, fut)
+        key, exc = conn.send(frames, fut)
         if exc is not None:  # not connected (IMMEDIATE) or pipe full
             return ErrorReply(request_id=rid, code=ErrorCode.UNAVAILABLE,
                               message=f"cannot send to broker {conn.endpoint}: {exc}"), False

@@ -44,20 +44,15 @@ class Conn:
     _prefix: str = field(default_factory=lambda: secrets.token_hex(8))
     _seq: itertools.count[int] = field(default_factory=itertools.count)
 
-    def send(self, frames: list[bytes], request_id: str,
+    def send(self, frames: list[bytes],
              fut: asyncio.Future[AssembleResponse | ErrorReply | None]) -> tuple[str, zmq.ZMQError | None]:
         """Send one attempt of a request whose reply ``fut`` waits for: (the id the reply is matched
-        by, the send's error). The id is new for every attempt (hex: never a usage report's
-        ``usage-`` id). Only a headerless request (``[TAG, REQUEST, payload]``) has no place
-        for one and is matched by its ``request_id``; a second such request in flight under the same
-        id is not sent (the broker would refuse it, and its refusal could reach the first caller)."""
-        correlation_id = f"{self._prefix}{next(self._seq):x}"
-        correlated = P.correlated_frames(frames, correlation_id.encode())
-        key = correlation_id if correlated is not None else request_id
-        if key in self.waiting:
-            return key, zmq.ZMQError(zmq.EINVAL, f"request_id {request_id!r} is already in flight")
+        by, the send's error). ``frames`` are ``request_frames``; they go out as CORRELATED under an
+        id new for every attempt (hex: never a usage report's ``usage-`` id), so two calls that share
+        a ``request_id`` never share a reply."""
+        key = f"{self._prefix}{next(self._seq):x}"
         self.waiting[key] = fut
-        exc = self.sock.send(correlated or frames)
+        exc = self.sock.send(P.correlated_frames(frames, key.encode()))
         if exc is not None:
             del self.waiting[key]
         return key, exc

@@ -16,9 +16,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from ibex_context.shared.config.settings import ClientSettings, env_name
-from ibex_context.shared.wire.codec import Envelope, encode_document, pack_header
+from ibex_context.shared.wire.codec import encode_document
 from ibex_context.shared.wire.errors import ERROR_BY_CODE, IbexError, Internal, InvalidRequest
 from ibex_context.shared.wire.models import AssembleRequest, ErrorReply
+from ibex_context.shared.wire.protocol import Envelope, pack_header
 from ibex_context.shared.wire.validation import first_error
 
 # Longest timeout a call accepts: anything longer is a unit mistake (milliseconds passed as seconds),
@@ -110,7 +111,7 @@ def encode_with_deadline(request: AssembleRequest | None, fields: dict[str, Any]
 def encode_request(request: AssembleRequest | None, fields: dict[str, Any],
                    deadline_ns: int) -> tuple[str, bytes, bytes]:
     """(request_id, header frame, payload): the header carries the routing fields the broker reads
-    (``codec.pack_header``), the payload the whole request with its deadline stamped."""
+    (``protocol.pack_header``), the payload the whole request with its deadline stamped."""
     if request is None or fields:
         req = build(request, fields, deadline_ns)  # validates fields; refuses a request plus fields
         doc = req.model_dump(mode="python")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from ibex_context.memory.rank import (
@@ -50,11 +51,6 @@ async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.
         if time.monotonic() > end:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(0.01)
-
-
-def legacy_request_frames(payload: bytes) -> list[bytes]:
-    """A request without a header frame (raw clients; the broker's payload checks)."""
-    return [P.TAG, P.REQUEST, payload]
 
 
 # ------------------------------------------------------------- the ranking's scalar reference
@@ -114,3 +110,24 @@ def rank_hydrated_hits(candidates: Iterable[Candidate], *, now_s: float,
     scored.sort(key=lambda t: (-t[0], t[2].memory_id))
     return [Ranked(candidate=c, score=score, recency=rec, rank=i + 1)
             for i, (score, rec, c) in enumerate(scored[: max(limit, 0)])]
+
+
+def raw_request_frames(payload: bytes) -> list[bytes]:
+    """``[TAG, REQUEST, header, payload]`` as a raw client builds it: the header from the payload's
+    own routing fields where it has usable ones, else stand-ins, so a malformed payload still
+    travels with a well-formed header and reaches the worker's validation."""
+    try:
+        obj: Any = msgpack.unpackb(payload)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        obj = None
+    fields = obj if isinstance(obj, dict) else {}
+
+    def text(name: str, default: str) -> str:
+        value = fields.get(name)
+        return value if isinstance(value, str) and 0 < len(value.encode()) < 256 else default
+
+    deadline = fields.get("deadline_ns")
+    if type(deadline) is not int or not 0 < deadline < 1 << 64:
+        deadline = time.time_ns() + 60 * 10**9
+    env = P.Envelope(text("request_id", "raw"), text("org_id", "acme"), text("agent_id", "support-bot"), deadline)
+    return P.request_frames(P.pack_header(env), payload)

@@ -11,20 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.shared.wire.codec import (
-    Envelope,
-    decode_reply,
-    decode_request,
-    encode,
-    encode_error,
-    header_mismatch,
-    pack_header,
-    parse_header,
-    peek_envelope,
-    unpack,
-)
+from ibex_context.shared.wire.codec import decode_reply, decode_request, encode, encode_error, peek_envelope, unpack
 from ibex_context.shared.wire.errors import ErrorCode, Overloaded
 from ibex_context.shared.wire.models import AssembleRequest, ErrorReply, Message
+from ibex_context.shared.wire.protocol import Envelope, header_mismatch, pack_header, parse_header
 
 
 def _req(**over: object) -> dict[str, object]:

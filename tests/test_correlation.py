@@ -26,9 +26,9 @@ from ibex_context.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.conversation.layout import materialize
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, pack_header
 from ibex_context.shared.wire.models import AssembleResponse, ChatLayout
-from tests.helpers import legacy_request_frames, start_stack
+from ibex_context.shared.wire.protocol import Envelope, pack_header
+from tests.helpers import start_stack
 
 STACK_ENV = {
     "IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16",
@@ -214,7 +214,8 @@ def test_correlated_requests_round_trip_and_their_ids_are_bounded() -> None:
     longest = b"c" * P.MAX_CORRELATION_BYTES
     frames = P.correlated_frames(P.request_frames(b"head", b"payload"), longest)
     assert frames is not None and P.parse_client_message(frames) == P.ClientRequest(b"payload", b"head", longest)
-    assert P.correlated_frames(legacy_request_frames(b"payload"), b"c") is None  # no place for one
+    with pytest.raises(P.FrameError, match="request_frames"):  # only a request has a correlated form
+        P.correlated_frames(P.status_request_frames(), b"c")
     for bad in (b"", longest + b"c"):
         with pytest.raises(P.FrameError, match="CORRELATED, an id of 1 to 64 bytes"):
             P.parse_client_message([P.TAG, P.CORRELATED, bad, b"head", b"payload"])

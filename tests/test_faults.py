@@ -28,9 +28,9 @@ import zmq
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, pack_header
 from ibex_context.shared.wire.errors import IbexError
 from ibex_context.shared.wire.models import AssembleResponse
+from ibex_context.shared.wire.protocol import Envelope, pack_header
 from tests.helpers import start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16", "IBEX_DIRECTIVE_TIMEOUT_MS": "300",

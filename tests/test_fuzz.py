@@ -22,8 +22,8 @@ from zmq.utils.monitor import recv_monitor_message
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, pack_header
-from tests.helpers import start_stack
+from ibex_context.shared.wire.protocol import Envelope, pack_header
+from tests.helpers import raw_request_frames, start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_MAX_REQUEST_BYTES": "65536"}
 
@@ -72,7 +72,7 @@ payloads = st.one_of(
         lambda k: json_values.map(lambda v: msgpack.packb(_valid(**{k: v}), use_bin_type=True))),
 )
 messages = st.one_of(
-    payloads.map(lambda p: [P.TAG, P.REQUEST, p]),
+    payloads.map(raw_request_frames),
     st.lists(st.binary(max_size=40), min_size=1, max_size=6),
     st.tuples(st.binary(max_size=8), payloads).map(lambda t: [P.TAG, t[0], t[1]]),
 )
@@ -106,13 +106,13 @@ def _random_message(rng: random.Random) -> list[bytes]:
     """Cheap seeded garbage for the long run (hypothesis drives the exploratory test above)."""
     kind = rng.randrange(4)
     if kind == 0:
-        return [P.TAG, P.REQUEST, rng.randbytes(rng.randrange(300))]
+        return raw_request_frames(rng.randbytes(rng.randrange(300)))
     if kind == 1:
         return [rng.randbytes(rng.randrange(1, 20)) for _ in range(rng.randrange(1, 6))]
     field = rng.choice(list(_valid()))
     value = rng.choice([None, -1, math.nan, math.inf, "x" * rng.randrange(50), [[[[1]]]], {"a": b"\xff"}, 2**64 - 1])
     body = msgpack.packb(_valid(**{field: value}) if kind == 2 else [value, field], use_bin_type=True)
-    return [P.TAG, P.REQUEST, body]
+    return raw_request_frames(body)
 
 
 def _rss_kib(pid: int) -> int:
@@ -142,7 +142,7 @@ def test_long_fuzz_run_keeps_memory_bounded_and_service_alive(stack: LocalStack,
     assert after - before < 16 * 1024, f"broker RSS {before} KiB -> {after} KiB after {sent} fuzz messages"
     # giant message: over the frontend's ZMQ_MAXMSGSIZE (twice the request limit), so it costs its
     # sender the connection (docs/assembly.md "Size limits"); the broker keeps serving others
-    big = [P.TAG, P.REQUEST, msgpack.packb(_valid(query="x" * 200_000))]
+    big = raw_request_frames(msgpack.packb(_valid(query="x" * 200_000)))
     ctx = zmq.Context()
     other = ctx.socket(zmq.DEALER)
     other.setsockopt(zmq.LINGER, 0)
@@ -157,7 +157,7 @@ def test_long_fuzz_run_keeps_memory_bounded_and_service_alive(stack: LocalStack,
         monitor.close()
         other.close()
         ctx.term()
-    replies = _roundtrip(dealer, [P.TAG, P.REQUEST, msgpack.packb(_valid(request_id="after-fuzz"))])
+    replies = _roundtrip(dealer, raw_request_frames(msgpack.packb(_valid(request_id="after-fuzz"))))
     assert len(replies) == 1 and replies[0][1] == P.REPLY, replies
     assert msgpack.unpackb(replies[0][3])["request_id"] == "after-fuzz"
 

@@ -26,7 +26,7 @@ from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import decode_reply
 from ibex_context.shared.wire.errors import ErrorCode, InvalidRequest
 from ibex_context.shared.wire.models import AssembleResponse, ErrorReply
-from tests.helpers import start_stack
+from tests.helpers import raw_request_frames, start_stack
 from tests.test_main_job import FAST_HEARTBEAT
 
 MIB = 1 << 20
@@ -87,7 +87,7 @@ class RawClient:
         self.sock.connect(endpoint)
 
     async def send(self, payload: bytes) -> None:
-        await self.sock.send_multipart([P.TAG, P.REQUEST, payload])
+        await self.sock.send_multipart(raw_request_frames(payload))
 
     async def replies(self, n: int, timeout_s: float) -> dict[str, AssembleResponse | ErrorReply]:
         out: dict[str, AssembleResponse | ErrorReply] = {}
@@ -242,7 +242,7 @@ def test_a_reply_that_never_comes_frees_pending_and_credit(tmp_path: Path) -> No
     ``pending: 1, inflight: 1`` for ever)."""
     env = {**FAST_HEARTBEAT, "IBEX_HEARTBEAT_LIVENESS": "3"}
     with rogue_stack(tmp_path, env) as (s, rogue, client):
-        client.send_multipart([P.TAG, P.REQUEST, _pack(_request("swallowed", timeout_s=0.4))])
+        client.send_multipart(raw_request_frames(_pack(_request("swallowed", timeout_s=0.4))))
         assert len(rogue.pump(time.monotonic() + 0.3)) == 1
         assert client.poll(3000), "no DEADLINE_EXCEEDED from the broker"
         reply = decode_reply(client.recv_multipart()[3])
@@ -264,7 +264,7 @@ def test_ready_from_a_known_worker_redispatches_what_it_held(tmp_path: Path) -> 
     """A worker that reconnects announces READY again; what it held went out on the old connection,
     so the broker re-dispatches it (here to the same worker, which sees attempt 2) at once."""
     with rogue_stack(tmp_path, FAST_HEARTBEAT) as (s, rogue, client):
-        client.send_multipart([P.TAG, P.REQUEST, _pack(_request("held", timeout_s=5.0))])
+        client.send_multipart(raw_request_frames(_pack(_request("held", timeout_s=5.0))))
         first = rogue.pump(time.monotonic() + 0.5)
         assert [P.Stamp.unpack(f[4]).attempt for f in first] == [1]
         rogue.sock.send_multipart([P.TAG, P.READY, rogue.info])

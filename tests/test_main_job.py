@@ -26,7 +26,7 @@ from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
 from ibex_context.shared.wire.models import AssembleResponse
-from tests.helpers import start_stack
+from tests.helpers import raw_request_frames, start_stack
 
 # Functional tests: branch timeouts far above the spec's 5/15/45 ms so a loaded CI box does not turn
 # every assertion into a timeout; the request's own deadline still bounds everything.
@@ -207,7 +207,7 @@ async def test_expired_requests_never_reach_packing(stack: LocalStack) -> None:
         n = 25
         for i in range(n):  # already expired when sent
             req = AssembleRequest.model_validate({**_req(1000 + i), "deadline_ns": time.time_ns() - 1_000_000})
-            await sock.send_multipart([P.TAG, P.REQUEST, encode(req)])
+            await sock.send_multipart(raw_request_frames(encode(req)))
         codes = []
         for _ in range(n):
             frames = await asyncio.wait_for(sock.recv_multipart(), 5)
@@ -228,10 +228,11 @@ async def test_bad_input_gets_typed_errors_and_service_keeps_serving(stack: Loca
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(stack.frontend)
     bad_messages = [
-        [P.TAG, P.REQUEST, b"\xc1garbage"],
-        [P.TAG, P.REQUEST, msgpack.packb({"v": 99, "request_id": "x"})],
-        [P.TAG, P.REQUEST, msgpack.packb({**_req(1), "deadline_ns": "soon"})],
-        [P.TAG, P.REQUEST, msgpack.packb({**_req(2), "deadline_ns": time.time_ns() + 10**9, "org_id": "a:b"})],
+        raw_request_frames(b"\xc1garbage"),
+        [P.TAG, P.REQUEST, b"x"],  # no header frame
+        raw_request_frames(msgpack.packb({"v": 99, "request_id": "x"})),
+        raw_request_frames(msgpack.packb({**_req(1), "deadline_ns": "soon"})),
+        raw_request_frames(msgpack.packb({**_req(2), "deadline_ns": time.time_ns() + 10**9, "org_id": "a:b"})),
         [b"nope", P.REQUEST, b"x"],
         [P.TAG, P.REQUEST],
     ]
@@ -273,7 +274,7 @@ async def _raw_answers(stack: LocalStack, messages: list[list[bytes]]) -> list[d
 
 def _framed(i: int, **header_over: Any) -> list[bytes]:
     """A request with its header frame; ``header_over`` makes the header say something else."""
-    from ibex_context.shared.wire.codec import Envelope, pack_header
+    from ibex_context.shared.wire.protocol import Envelope, pack_header
 
     doc = {"v": 1, **_req(i), "deadline_ns": time.time_ns() + 5 * 10**9}
     env = Envelope(doc["request_id"], doc["org_id"], doc["agent_id"], doc["deadline_ns"])._replace(**header_over)
@@ -296,7 +297,7 @@ async def test_a_payload_that_disagrees_with_its_header_is_refused_by_the_worker
 
 
 async def test_bad_headers_are_refused_by_the_broker(stack: LocalStack) -> None:
-    from ibex_context.shared.wire.codec import Envelope, pack_header
+    from ibex_context.shared.wire.protocol import Envelope, pack_header
 
     over = Settings().max_request_bytes + (1 << 20)  # over the request limit, under the frontend's cap (twice it)
     big = {"v": 1, **_req(50, query="x" * over), "deadline_ns": time.time_ns() + 10**9}

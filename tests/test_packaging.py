@@ -37,7 +37,7 @@ REQUIRED_DATA = ["ibex_context/ops/supervisord.conf", "ibex_context/pipeline/cat
                  "ibex_context/memory/data/demo.jsonl"]
 # What only the bench or the tests use lives in bench/ and tests/helpers.py, never in the wheel.
 BENCH_ONLY_MODULES = ["ibex_context/worker/transport.py"]
-BENCH_ONLY_DEFINITIONS = ["class TransportWorkerServer", "def transport_response", "def legacy_request_frames",
+BENCH_ONLY_DEFINITIONS = ["class TransportWorkerServer", "def transport_response",
                           "def rank_hydrated_hits", "def recency_score"]
 
 

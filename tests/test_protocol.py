@@ -17,7 +17,6 @@ from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode
 from ibex_context.shared.wire.models import ErrorReply
-from tests.helpers import legacy_request_frames
 
 STAMP = P.Stamp(deadline_ns=123, queued_us=4, sent_ns=5, attempt=1)
 INFO = P.Info(capacity=4, worker_id="w-1", pid=42, stats={"replied": 3}, draining=False)
@@ -28,7 +27,10 @@ INFO = P.Info(capacity=4, worker_id="w-1", pid=42, stats={"replied": 3}, drainin
 
 def test_client_messages_round_trip() -> None:
     assert P.parse_client_message(P.request_frames(b"head", b"payload")) == P.ClientRequest(b"payload", b"head")
-    assert P.parse_client_message(legacy_request_frames(b"payload")) == P.ClientRequest(b"payload", None)
+    with pytest.raises(P.FrameError):  # a request without a header frame is not a frame kind
+        P.parse_client_message([P.TAG, P.REQUEST, b"payload"])
+    with pytest.raises(P.FrameError):  # nor is the previous generation's tag
+        P.parse_client_message([b"IBX1", P.REQUEST, b"head", b"payload"])
     assert P.parse_client_message(P.status_request_frames()) == P.StatusRequest()
 
 
@@ -98,19 +100,20 @@ def test_malformed_broker_message_is_refused(frames: list[bytes]) -> None:
     assert type(info.value) is P.FrameError
 
 
-@pytest.mark.parametrize("stamp", [b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["a", 1, 2, 3]),
-                                   msgpack.packb([1, -2, 3, 4]), b"\x00" * 27, b"\x00" * 29])
+@pytest.mark.parametrize("stamp", [b"\xc1", msgpack.packb([1, 2, 3, 4]), msgpack.packb([1, 2, 3]),
+                                   msgpack.packb(["a", 1, 2, 3]), msgpack.packb([1, -2, 3, 4]), b"\x00" * 27,
+                                   b"\x00" * 29])
 def test_malformed_stamp_still_names_whom_to_answer(stamp: bytes) -> None:
     with pytest.raises(P.MalformedStamp) as info:
         P.parse_broker_message([P.TAG, P.REQUEST, b"client", b"r-9", stamp, b"h", b"x"])
     assert (info.value.client, info.value.request_id) == (b"client", b"r-9")
 
 
-def test_stamp_is_28_bytes_and_an_older_brokers_msgpack_stamp_still_reads() -> None:
+def test_stamp_is_28_bytes_and_nothing_else_reads_as_one() -> None:
     stamp = P.Stamp(deadline_ns=2**63, queued_us=12, sent_ns=2**62, attempt=2)
     assert len(stamp.pack()) == 28 and P.Stamp.unpack(stamp.pack()) == stamp
-    older = msgpack.packb([2**63, 12, 2**62, 2])  # what a broker before this layout sent
-    assert len(older) != 28 and P.Stamp.unpack(older) == stamp
+    with pytest.raises(ValueError, match="expected 28"):  # a msgpack array is not a stamp
+        P.Stamp.unpack(msgpack.packb([2**63, 12, 2**62, 2]))
 
 
 def test_reply_with_empty_request_id_is_an_ordinary_reply() -> None:

@@ -22,8 +22,8 @@ from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.image_tokens import openai_image_tokens
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, pack_header
 from ibex_context.shared.wire.errors import InvalidRequest
+from ibex_context.shared.wire.protocol import Envelope, pack_header
 from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(240)

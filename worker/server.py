@@ -27,10 +27,11 @@ from ibex_context.pipeline.conversation.layout import for_wire
 from ibex_context.shared.config.observability import WorkerMetrics
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, encode, encode_error, header_mismatch, parse_header
+from ibex_context.shared.wire.codec import encode, encode_error
 from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.wire.loopsock import LoopSocket
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.wire.protocol import Envelope, header_mismatch, parse_header
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.cost import decode, stub_images
 from ibex_context.worker.fair import FairTurns

@@ -14,8 +14,9 @@ import time
 from typing import Any
 
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import Envelope, encode_document, parse_header
+from ibex_context.shared.wire.codec import encode_document
 from ibex_context.shared.wire.models import AssembleResponse, BranchOutcome, BudgetBreakdown, PackerStats
+from ibex_context.shared.wire.protocol import Envelope, parse_header
 from ibex_context.worker.server import BrokerLink, WorkerServer
 
 

@@ -24,8 +24,8 @@ from ibex_context.shared.security.curve import (
     os_reason,
 )
 from ibex_context.shared.stores.keys import is_ident
-from ibex_context.shared.wire.codec import Envelope
 from ibex_context.shared.wire.errors import Forbidden, Unauthenticated
+from ibex_context.shared.wire.protocol import Envelope
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,7 @@ nested payload is refused before Python objects are built for it.
 from __future__ import annotations
 
 import math
-import struct
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
@@ -17,6 +16,7 @@ from ibex_context.shared.config.settings import default_max_request_bytes
 from ibex_context.shared.stores.keys import is_ident
 from ibex_context.shared.wire.errors import ErrorCode, IbexError, InvalidRequest
 from ibex_context.shared.wire.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from ibex_context.shared.wire.protocol.layouts import Envelope, version_error
 from ibex_context.shared.wire.validation import first_error
 
 DEFAULT_MAX_BYTES = default_max_request_bytes()  # settings.max_request_bytes overrides
@@ -156,12 +156,6 @@ def _validation_reply(exc: ValidationError, request_id: str | None) -> ErrorRepl
     return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=message, field=err.field)
 
 
-def _version_error(version: object, request_id: str | None) -> ErrorReply:
-    return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
-                      message=f"unsupported protocol version {version!r}; this service speaks {PROTOCOL_VERSION}",
-                      field="v")
-
-
 def validate(obj: Any, model: type[M]) -> M | ErrorReply:
     """Validate a decoded object against a wire model; errors name the first bad field."""
     request_id = obj.get("request_id") if isinstance(obj, dict) else None
@@ -185,7 +179,7 @@ def validate(obj: Any, model: type[M]) -> M | ErrorReply:
                               message=f"{bad[0]}: {bad[1]}", field=bad[0])
     version = obj.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
-        return _version_error(version, request_id)
+        return version_error(version, request_id)
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
@@ -197,15 +191,6 @@ def decode_request(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Assemb
     if isinstance(obj, ErrorReply):
         return obj
     return validate(obj, AssembleRequest)
-
-
-class Envelope(NamedTuple):
-    """The fields the broker routes and authorizes on; the worker validates the whole request."""
-
-    request_id: str
-    org_id: str
-    agent_id: str
-    deadline_ns: int
 
 
 def scan_request_id(data: bytes) -> str | None:
@@ -248,7 +233,7 @@ def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelop
 
     version = obj.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION or type(version) is not int:
-        return _version_error(version, request_id)
+        return version_error(version, request_id)
     if request_id is None:
         return bad("request_id", "a string of 1 to 128 characters is required")
     for field in ("org_id", "agent_id"):
@@ -259,70 +244,6 @@ def peek_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelop
     if type(deadline) is not int or deadline <= 0:
         return bad("deadline_ns", "a positive integer (Unix epoch nanoseconds) is required")
     return Envelope(request_id, obj["org_id"], obj["agent_id"], deadline)
-
-
-# The routing header: what the broker routes and authorizes on, in a small fixed layout
-# beside the payload, so the broker never unpacks a request. version u8, deadline_ns u64, then the
-# UTF-8 lengths of request_id (u16: 128 characters may take 512 bytes), org_id and agent_id (u8
-# each), then the three strings.
-_HEADER = struct.Struct("<BQHBB")
-
-
-def pack_header(env: Envelope) -> bytes:
-    """The header frame for a request; ``ValueError`` when a field cannot be carried (the wire
-    model refuses those values first, so the client library never meets it)."""
-    rid, org, agent = (x.encode("utf-8") for x in (env.request_id, env.org_id, env.agent_id))
-    if len(rid) > 65535 or len(org) > 255 or len(agent) > 255 or not 0 < env.deadline_ns < 1 << 64:
-        raise ValueError("request header field out of range")
-    return _HEADER.pack(PROTOCOL_VERSION, env.deadline_ns, len(rid), len(org), len(agent)) + rid + org + agent
-
-
-def parse_header(data: bytes) -> Envelope | ErrorReply:
-    """The header frame, checked exactly as ``peek_envelope`` checks the same fields of a payload
-    (the worker then verifies the payload agrees, see ``header_mismatch``)."""
-    if len(data) < _HEADER.size:
-        return ErrorReply(code=ErrorCode.INVALID_REQUEST, field="<header>",
-                          message=f"request header of {len(data)} bytes is shorter than {_HEADER.size}")
-    version, deadline, n_rid, n_org, n_agent = _HEADER.unpack_from(data)
-    if len(data) != _HEADER.size + n_rid + n_org + n_agent:
-        return ErrorReply(code=ErrorCode.INVALID_REQUEST, field="<header>",
-                          message=f"request header is {len(data)} bytes, its lengths say "
-                                  f"{_HEADER.size + n_rid + n_org + n_agent}")
-    o = _HEADER.size
-    a, b = o + n_rid, o + n_rid + n_org
-    try:
-        rid, org, agent = data[o:a].decode("utf-8"), data[a:b].decode("utf-8"), data[b:].decode("utf-8")
-    except UnicodeDecodeError:
-        return ErrorReply(code=ErrorCode.INVALID_REQUEST, field="<header>", message="request header is not UTF-8")
-    request_id = rid if 1 <= len(rid) <= 128 else None
-
-    def bad(field: str, why: str) -> ErrorReply:
-        return ErrorReply(request_id=request_id, code=ErrorCode.INVALID_REQUEST, message=f"{field}: {why}",
-                          field=field)
-
-    if version != PROTOCOL_VERSION:
-        return _version_error(version, request_id)
-    if request_id is None:
-        return bad("request_id", "a string of 1 to 128 characters is required")
-    if not is_ident(org):
-        return bad("org_id", "1 to 64 of A-Z a-z 0-9 _ . - is required")
-    if not is_ident(agent):
-        return bad("agent_id", "1 to 64 of A-Z a-z 0-9 _ . - is required")
-    if deadline <= 0:
-        return bad("deadline_ns", "a positive integer (Unix epoch nanoseconds) is required")
-    return Envelope(request_id, org, agent, deadline)
-
-
-def header_mismatch(env: Envelope, req: AssembleRequest) -> ErrorReply | None:
-    """INVALID_REQUEST naming the first field where the payload disagrees with the header it came
-    with: the broker routed and authorized on the header, so the two may never name different
-    tenants (or requests, or deadlines)."""
-    for field in ("request_id", "org_id", "agent_id", "deadline_ns"):
-        if getattr(env, field) != getattr(req, field):
-            return ErrorReply(request_id=env.request_id, code=ErrorCode.INVALID_REQUEST, field=field,
-                              message=f"{field}: the payload says {getattr(req, field)!r:.80}, its header says "
-                                      f"{getattr(env, field)!r:.80}; they must agree")
-    return None
 
 
 def decode_reply(data: bytes, *, max_bytes: int = 64 << 20) -> AssembleResponse | ErrorReply:

@@ -2,19 +2,19 @@
 
 Every message starts with the protocol tag, then a one-byte command (zguide Majordomo style):
 
-client  -> broker   [IBX1, CORRELATED, correlation_id, header, payload]   the client library's form
-client  -> broker   [IBX1, REQUEST, header, payload]           (legacy [IBX1, REQUEST, payload] too)
-broker  -> client   [IBX1, REPLY | ERROR, correlation_id, payload]
-client  -> broker   [IBX1, STATUS]   ->   [IBX1, STATUS, msgpack snapshot]   (ops and tests)
-client  -> broker   [IBX1, USAGE | SUMMARY, payload]   a usage report, a summary to store; no reply unless refused
+client  -> broker   [IBX2, CORRELATED, correlation_id, header, payload]   the client library's form
+client  -> broker   [IBX2, REQUEST, header, payload]           correlated by its request_id
+broker  -> client   [IBX2, REPLY | ERROR, correlation_id, payload]
+client  -> broker   [IBX2, STATUS]   ->   [IBX2, STATUS, msgpack snapshot]   (ops and tests)
+client  -> broker   [IBX2, USAGE | SUMMARY, payload]   a usage report, a summary to store; no reply unless refused
 
-worker  -> broker   [IBX1, READY, info]                      info = msgpack {capacity, worker_id, pid}
-worker  -> broker   [IBX1, HEARTBEAT, info]                  same info, plus stats and draining
-worker  -> broker   [IBX1, REPLY | ERROR, client_id, correlation_id, payload(, feedback)]
-worker  -> broker   [IBX1, DISCONNECT]                       stop sending me work (SIGTERM drain)
-broker  -> worker   [IBX1, REQUEST, client_id, correlation_id, stamp, header, payload]
-broker  -> worker   [IBX1, HEARTBEAT]
-broker  -> worker   [IBX1, USAGE | SUMMARY, payload]   forwarded after the broker authorized it; no reply
+worker  -> broker   [IBX2, READY, info]                      info = msgpack {capacity, worker_id, pid}
+worker  -> broker   [IBX2, HEARTBEAT, info]                  same info, plus stats and draining
+worker  -> broker   [IBX2, REPLY | ERROR, client_id, correlation_id, payload(, feedback)]
+worker  -> broker   [IBX2, DISCONNECT]                       stop sending me work (SIGTERM drain)
+broker  -> worker   [IBX2, REQUEST, client_id, correlation_id, stamp, header, payload]
+broker  -> worker   [IBX2, HEARTBEAT]
+broker  -> worker   [IBX2, USAGE | SUMMARY, payload]   forwarded after the broker authorized it; no reply
 
 Replies are matched by ``correlation_id``, never by the caller's ``request_id`` (a label the caller
 picks: two calls may share it, and it still names the call in logs). The client library sends each
@@ -28,12 +28,12 @@ about this request (a retrieval branch timed out; how long it waited for the wor
 sent_ns, attempt) as little-endian unsigned ints (``Stamp``): the broker's queue wait and dispatch
 time travel with the request so the reply can carry them. Payloads are the codec's msgpack models.
 
-``header`` (``codec.pack_header``) carries what the broker routes and authorizes on
+``header`` (``layouts.pack_header``) carries what the broker routes and authorizes on
 (version, request_id, org_id, agent_id, deadline_ns) in a small fixed layout, so the broker's cost
 does not grow with the payload: it checks the header as strictly as the wire model checks those
 fields, and forwards header and payload untouched. The worker refuses a payload that disagrees
-with its header (``codec.header_mismatch``). A client that sends no header (a raw or older client)
-is still served: the broker reads the same fields from the payload and builds the header itself.
+with its header (``layouts.header_mismatch``). Header, stamp and feedback are fixed binary layouts
+(``protocol.layouts``); every name the wire uses is importable from here.
 
 Every frame kind has a builder (``*_frames``) and one parser per direction (``parse_*``); a
 message that is none of the kinds raises ``FrameError`` naming what was wrong, so broker, worker,
@@ -45,15 +45,21 @@ after ``liveness`` silent intervals. Socket disconnect events make a killed peer
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
 
-from ibex_context.shared.wire.feedback import Feedback as Feedback  # re-exported: part of the wire
+from ibex_context.shared.wire.protocol.layouts import OVERLOADED_FLAG as OVERLOADED_FLAG
+from ibex_context.shared.wire.protocol.layouts import Envelope as Envelope
+from ibex_context.shared.wire.protocol.layouts import Feedback as Feedback
+from ibex_context.shared.wire.protocol.layouts import Stamp as Stamp
+from ibex_context.shared.wire.protocol.layouts import header_mismatch as header_mismatch
+from ibex_context.shared.wire.protocol.layouts import pack_header as pack_header
+from ibex_context.shared.wire.protocol.layouts import parse_header as parse_header
+from ibex_context.shared.wire.protocol.layouts import version_error as version_error
 
-TAG = b"IBX1"
+TAG = b"IBX2"  # the protocol's generation: a peer speaking another tag is refused whole
 
 REQUEST = b"\x01"
 REPLY = b"\x02"
@@ -95,34 +101,6 @@ def backend_max_msgsize(max_request_bytes: int, max_reply_bytes: int) -> int:
     never forwards a request over ``max_request_bytes``, so this link is never cut by a peer's
     message size."""
     return max(max_request_bytes, max_reply_bytes) + FRAME_OVERHEAD
-
-
-_STAMP = struct.Struct("<QQQI")
-
-
-class Stamp(NamedTuple):
-    """What travels with a dispatched request, in a fixed 28-byte layout (a tuple and a struct:
-    the broker builds one per dispatch, so it costs ~0.3 µs where a frozen dataclass packed with
-    msgpack cost ~2 µs)."""
-
-    deadline_ns: int  # absolute, Unix epoch ns (as on the wire)
-    queued_us: int  # time spent in the broker's queue
-    sent_ns: int  # epoch ns when the broker dispatched
-    attempt: int  # 1 for the first dispatch, 2+ after a worker died
-
-    def pack(self) -> bytes:
-        return _STAMP.pack(*self)
-
-    @classmethod
-    def unpack(cls, data: bytes) -> Stamp:
-        """Also reads the msgpack array older brokers send (never 28 bytes
-        long), so workers can be upgraded before their broker (docs/architecture.md "Processes and data flow")."""
-        if len(data) == _STAMP.size:
-            return cls._make(_STAMP.unpack(data))
-        raw: Any = msgpack.unpackb(data)
-        if not (isinstance(raw, list) and len(raw) == 4 and all(type(x) is int and x >= 0 for x in raw)):
-            raise ValueError(f"malformed stamp frame: {len(data)} bytes, neither {_STAMP.size} nor a msgpack stamp")
-        return cls(*raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +174,7 @@ def _unpack_snapshot(data: bytes) -> dict[str, Any]:
 
 class ClientRequest(NamedTuple):
     payload: bytes
-    header: bytes | None = None  # None: a legacy request; the broker reads the payload's envelope
+    header: bytes
     correlation_id: bytes | None = None  # None: sent as REQUEST, correlated by its request_id
 
 
@@ -218,9 +196,11 @@ def request_frames(header: bytes, payload: bytes) -> list[bytes]:
     return [TAG, REQUEST, header, payload]
 
 
-def correlated_frames(frames: list[bytes], correlation_id: bytes) -> list[bytes] | None:
-    """``request_frames`` sent as CORRELATED; None for a headerless request (it has no such form)."""
-    return [TAG, CORRELATED, correlation_id, *frames[2:]] if len(frames) == 4 and frames[1] == REQUEST else None
+def correlated_frames(frames: list[bytes], correlation_id: bytes) -> list[bytes]:
+    """``request_frames`` sent as CORRELATED, under ``correlation_id``."""
+    if len(frames) != 4 or frames[:2] != [TAG, REQUEST]:
+        raise FrameError(f"expected request_frames [{TAG!r}, REQUEST, header, payload], got {len(frames)} frame(s)")
+    return [TAG, CORRELATED, correlation_id, frames[2], frames[3]]
 
 
 def status_request_frames() -> list[bytes]:
@@ -239,8 +219,6 @@ def parse_client_message(frames: list[bytes]) -> ClientRequest | StatusRequest |
             return ClientRequest(frames[4], frames[3], frames[2])
         if len(frames) == 4 and frames[1] == REQUEST:
             return ClientRequest(frames[3], frames[2])
-        if len(frames) == 3 and frames[1] == REQUEST:
-            return ClientRequest(frames[2])
         if len(frames) == 3 and frames[1] in (USAGE, SUMMARY):
             return (UsageMessage if frames[1] == USAGE else SummaryMessage)(frames[2])
         if len(frames) == 2 and frames[1] == STATUS:
@@ -365,7 +343,7 @@ class Dispatch(NamedTuple):
     client: bytes
     request_id: bytes  # the correlation id: the worker's reply carries it back untouched
     stamp: Stamp
-    header: bytes  # as the client sent it (or as the broker built it for a legacy request)
+    header: bytes  # as the client sent it
     payload: bytes  # untouched
 
 
