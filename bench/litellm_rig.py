@@ -2,7 +2,8 @@
 tests/test_litellm_proxy.py). LiteLLM runs offline: ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it
 from fetching the model cost map (its tokenizers ship in the wheel), and keys come from a
 ``custom_auth`` (the product's: bearer keys to key and team metadata from a keys file, without a
-database).
+database). A proxy started with ``stats_file`` answers ``SIGUSR1`` by writing its hook's summary
+counters there (``hook_stats``): read once a run is over, never on a call's path.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -26,6 +28,17 @@ MASTER_KEY = "sk-ibex-test-master"
 HOOK = "ibex_context.client.integrations.litellm.proxy_handler"
 OFFLINE_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
 _RUN_LITELLM = "import sys; from litellm import run_server; sys.argv[0] = 'litellm'; sys.exit(run_server())"
+STATS_ENV = "BENCH_HOOK_STATS"  # where a proxy's SIGUSR1 handler writes the hook's summary counters
+_DUMP_STATS = (  # the hook LiteLLM built from its callbacks (built once: the module caches it)
+    "import json, os, signal\n"
+    "def _dump(*_):\n"
+    "    from ibex_context.client.integrations import litellm as hook\n"
+    "    s = hook.proxy_handler.core.summaries\n"
+    f"    path = os.environ['{STATS_ENV}']\n"
+    "    with open(path + '.tmp', 'w') as f:\n"
+    "        json.dump(dict(s.stats) if s is not None else {}, f)\n"
+    "    os.replace(path + '.tmp', path)\n"
+    "signal.signal(signal.SIGUSR1, _dump)\n")
 
 AUTH = "ibex_context.client.integrations.litellm_auth.user_api_key_auth"  # the product's custom_auth
 
@@ -80,18 +93,22 @@ class Upstream:
 
 
 def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool,
-                 aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """LiteLLM's config: each public model name served on the upstream by ``openai/<model>``, or by
-    the deployment named when it has a provider (``anthropic/claude-...`` speaks ``/v1/messages``),
-    plus router ``model_group_alias`` entries (alias -> public name)."""
-    def deployment(model: str) -> dict[str, str]:
+                 aliases: Mapping[str, str] | None = None,
+                 upstreams: Mapping[str, Upstream] | None = None) -> dict[str, Any]:
+    """LiteLLM's config: each public model name served on the upstream (or on its own, named in
+    ``upstreams``) by ``openai/<model>``, or by the deployment named when it has a provider
+    (``anthropic/claude-...`` speaks ``/v1/messages``), plus router ``model_group_alias`` entries
+    (alias -> public name)."""
+    def deployment(name: str, model: str) -> dict[str, str]:
+        base = (upstreams or {}).get(name, upstream).base
         if model.startswith("anthropic/"):
-            return {"model": model, "api_base": upstream.base, "api_key": "upstream-key"}
-        return {"model": model if "/" in model else f"openai/{model}", "api_base": f"{upstream.base}/v1",
+            return {"model": model, "api_base": base, "api_key": "upstream-key"}
+        return {"model": model if "/" in model else f"openai/{model}", "api_base": f"{base}/v1",
                 "api_key": "upstream-key"}
 
     cfg: dict[str, Any] = {
-        "model_list": [{"model_name": name, "litellm_params": deployment(model)} for name, model in models.items()],
+        "model_list": [{"model_name": name, "litellm_params": deployment(name, model)}
+                       for name, model in models.items()],
         "general_settings": {"master_key": MASTER_KEY, "custom_auth": AUTH},
         "litellm_settings": {"callbacks": [HOOK] if hook else []},
         "router_settings": {"model_group_alias": dict(aliases or {})},
@@ -100,22 +117,27 @@ def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool,
 
 
 class LiteLLMProxy:
-    """``litellm --config`` as a child process on loopback; ``url`` once it answers its liveness probe."""
+    """``litellm --config`` as a child process on loopback; ``url`` once it answers its liveness probe.
+    With ``stats_file``, ``hook_stats`` reads its hook's summary counters."""
 
     def __init__(self, workdir: Path, config: Mapping[str, Any], keys: Mapping[str, Any], *,
-                 env: Mapping[str, str] | None = None, timeout_s: float = 90.0) -> None:
+                 env: Mapping[str, str] | None = None, timeout_s: float = 90.0,
+                 stats_file: Path | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.yaml").write_text(json.dumps(config, indent=1))  # JSON is YAML
         (workdir / "keys.json").write_text(json.dumps(keys_file(keys)))
         self.log = workdir / "litellm.log"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.stats_file = stats_file
+        extra = {"LITELLM_MASTER_KEY": MASTER_KEY, KEYS_ENV: str(workdir / "keys.json"), **(env or {})}
+        if stats_file is not None:
+            extra[STATS_ENV] = str(stats_file)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _RUN_LITELLM, "--config", str(workdir / "config.yaml"),
-                 "--host", "127.0.0.1", "--port", str(self.port)],
-                cwd=workdir, env=_child_env({"LITELLM_MASTER_KEY": MASTER_KEY, KEYS_ENV: str(workdir / "keys.json"),
-                                             **(env or {})}),
+                [sys.executable, "-c", (_DUMP_STATS if stats_file is not None else "") + _RUN_LITELLM,
+                 "--config", str(workdir / "config.yaml"), "--host", "127.0.0.1", "--port", str(self.port)],
+                cwd=workdir, env=_child_env(extra),
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         try:
             wait_for("LiteLLM proxy", self._live, timeout_s, self.log)
@@ -131,6 +153,18 @@ class LiteLLMProxy:
             return httpx.get(f"{self.url}/health/liveliness", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def hook_stats(self, timeout_s: float = 10.0) -> dict[str, int]:
+        """The hook's summary counters (``litellm_summary.Summarizer.stats``), as the proxy wrote
+        them on ``SIGUSR1``; empty when the hook has no ``summaries``."""
+        if self.stats_file is None:
+            raise RuntimeError("this proxy was started without stats_file")
+        path = self.stats_file
+        path.unlink(missing_ok=True)
+        self.proc.send_signal(signal.SIGUSR1)
+        wait_for("the hook's counters", path.exists, timeout_s, self.log)
+        got: dict[str, int] = json.loads(path.read_text())
+        return got
 
     def stop(self) -> None:
         stop_processes([self.proc])
