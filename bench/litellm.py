@@ -49,7 +49,7 @@ from bench.lib.tables import table
 from bench.litellm_rig import LiteLLMProxy, Upstream, proxy_config
 from ibex_context.client import SyncClient
 from ibex_context.client.integrations.litellm_core import last_user_text
-from ibex_context.shared.keys import summary_key
+from ibex_context.shared.stores.keys import summary_key
 
 OUT = Path(__file__).resolve().parent / "out" / "litellm.json"
 KEYS = {"sk-bench": {"metadata": {"ibex_org": "acme", "ibex_agent": "support-bot"}}}
