@@ -37,6 +37,12 @@ def safety_buffer(spec: ModelSpec, calibration: Calibration | None = None) -> in
     return math.ceil(spec.context_window * frac)
 
 
+def room(spec: ModelSpec, spent: int, *, reserve_fraction: float = 0.15, calibration: Calibration | None = None) -> int:
+    """What the window leaves after the reply's reserve, the safety buffer and ``spent`` tokens
+    (negative when over): ``compute_budget``'s ``unclamped``, without building the breakdown."""
+    return spec.context_window - response_reserve(spec, reserve_fraction) - safety_buffer(spec, calibration) - spent
+
+
 def is_exact(spec: ModelSpec) -> bool:
     return spec.family.estimate_kind == "exact"
 
@@ -77,7 +83,7 @@ def compute_budget(
         raise TokenizerMismatch(f"counts are {spent.family}/{spent.kind} but model {spec.name} uses {fam.name}/{rule}")
     reserve = response_reserve(spec, reserve_fraction)
     buffer = safety_buffer(spec, calibration)
-    unclamped = spec.context_window - reserve - buffer - spent.n
+    unclamped = room(spec, spent.n, reserve_fraction=reserve_fraction, calibration=calibration)
     usable = max(0, unclamped)
     return BudgetBreakdown(
         model=spec.name,

@@ -17,6 +17,7 @@ renders and never counts.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,7 +65,11 @@ def tools_counted(counter: TokenCounter, schemas: Sequence[dict[str, Any]]) -> C
     return count_lines(counter, fmt.TOOLS_HEADER, fmt.tool_lines(schemas))
 
 
+@functools.lru_cache(maxsize=1024)
 def directive_counted(counter: TokenCounter, directive: str | None) -> CountedSection:
+    """The directive's flat section and its count. Memoized per (counter, directive): an agent's
+    directive repeats on every request and is counted three times in each (the fit stage's budget,
+    the flat text's joins, the plan); the counter's own cache still hashes the whole text."""
     text = fmt.directive_section(directive)
     return CountedSection(text, counter.count(text))
 
@@ -143,10 +148,16 @@ def memory_overhead(counter: TokenCounter, nonce: str) -> int:
     frame's constant pieces are counted separately and each nonce occurrence is charged one token
     per character, the most a hex string can cost.
     """
+    constant, occurrences = _memory_frame_cost(counter)
+    return constant + occurrences * len(nonce)
+
+
+@functools.lru_cache(maxsize=256)
+def _memory_frame_cost(counter: TokenCounter) -> tuple[int, int]:
+    """(tokens of the frame's constant pieces, how many times the nonce occurs in it), per counter."""
     head, tail = fmt.memory_frame("\x00")
     pieces = [fmt.SECTION_JOIN, *head.split("\x00"), *tail.split("\x00")]
-    occurrences = head.count("\x00") + tail.count("\x00")
-    return sum(counter.count(p) for p in pieces if p) + occurrences * len(nonce)
+    return sum(counter.count(p) for p in pieces if p), head.count("\x00") + tail.count("\x00")
 
 
 def memory_tokens_bound(counter: TokenCounter, packed_tokens: int, overhead: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ibex_context.pipeline.budget import compute_budget
+from ibex_context.pipeline.budget import compute_budget, room
 from ibex_context.pipeline.calibration import Calibration
 from ibex_context.pipeline.catalog import ModelSpec
 from ibex_context.pipeline.count import CountedSection, directive_counted, memory_overhead
@@ -68,10 +68,11 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
     mem_text = memory_overhead(counter, nonce)
     frame = r.frame_tokens(directive) + mem_text
     fixed = (r.directive_tokens(directive), r.fixed - r.tools, r.tools, frame)
-    probe = _budget(spec, counter, fixed, 0, limits)  # everything but the history: what is left for it
+    # everything but the history: what is left for it
+    left = room(spec, sum(fixed), reserve_fraction=limits.reserve_fraction, calibration=limits.calibration)
     policy = HistoryPolicy(mode=options.mode, min_recent_turns=options.min_recent_turns,
                            min_memory_share=options.min_memory_share)
-    available = history_budget(max(0, probe.unclamped), policy)
+    available = history_budget(max(0, left), policy)
     placed = summary if summary is not None and summary.problem is None else None
     cost = r.summary_tokens(summary.block) if summary is not None and summary.block else 0
     dropped = None
@@ -79,11 +80,11 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
         fit = _fit(counted, placed, cost, available, policy)
     except HistoryOverflow as exc:
         if placed is None:
-            raise _overflow(counted, spec, probe.unclamped, exc) from exc
+            raise _overflow(counted, spec, left, exc) from exc
         try:
             fit = _fit(counted, None, 0, available, policy)
         except HistoryOverflow as exc2:
-            raise _overflow(counted, spec, probe.unclamped, exc2) from exc2
+            raise _overflow(counted, spec, left, exc2) from exc2
         dropped = (f"dropped: with it the conversation needs {exc.needed} tokens that cannot be dropped "
                    f"({exc.reason}), over the {available} available for it; fitted without the summary")
         placed = None

@@ -130,7 +130,6 @@ class HistoryFit:
     dropped: tuple[HistoryDrop, ...]
     kept_tokens: int
     dropped_tokens: int
-    pinned_tokens: int
     budget: int
 
     @property
@@ -267,12 +266,16 @@ def fit_history(format: ChatFormat, messages: Sequence[Message], *, cost: Messag
     ``policy.mode`` is "fail" and anything would have to go.
     """
     policy = policy or HistoryPolicy()
-    units = split_units(format, messages)
+    _check_format(format)
     costs = _costs(cost, messages)
+    total = sum(costs)
+    if total <= budget:  # it all fits: nothing to pin or drop (the common case, so no units are built)
+        return HistoryFit(kept=tuple(messages), kept_indices=tuple(range(len(messages))), dropped=(),
+                          kept_tokens=total, dropped_tokens=0, budget=budget)
+    units = split_units(format, messages)
     unit_cost = [sum(costs[u.start:u.stop]) for u in units]
     pinned = pinned_units(format, messages, units, policy.min_recent_turns)
     pinned_tokens = sum(unit_cost[i] for i in pinned)
-    total = sum(costs)
     if pinned_tokens > budget:
         raise HistoryOverflow(needed=pinned_tokens, available=budget, reason="pinned")
     if total > budget and policy.mode == "fail":
@@ -285,5 +288,4 @@ def fit_history(format: ChatFormat, messages: Sequence[Message], *, cost: Messag
                     for uid, reason in sorted(drops.items()) for i in range(units[uid].start, units[uid].stop))
     kept_tokens = sum(costs[i] for i in kept)
     return HistoryFit(kept=tuple(messages[i] for i in kept), kept_indices=tuple(kept), dropped=dropped,
-                      kept_tokens=kept_tokens, dropped_tokens=total - kept_tokens,
-                      pinned_tokens=pinned_tokens, budget=budget)
+                      kept_tokens=kept_tokens, dropped_tokens=total - kept_tokens, budget=budget)

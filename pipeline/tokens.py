@@ -53,6 +53,8 @@ class TokenCounter(Protocol):
 
     def count(self, text: str) -> int: ...
 
+    def __hash__(self) -> int: ...  # by identity: per-counter memos (``pipeline.count``) key on it
+
 
 _ENCODINGS: dict[str, Any] = {}
 
