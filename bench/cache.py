@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
@@ -204,7 +204,7 @@ def _assemble(catalog: Catalog, t: Turn, body: dict[str, Any]) -> AssembleRespon
         "request_id": f"cache-{t.name}-{t.turn}-{t.step}", "org_id": "acme", "agent_id": t.agent,
         "model": body.pop("model"),
         "query": _question(t), "deadline_ns": time.time_ns() + 3_600_000_000_000, **body})
-    return assemble(req, offline_result(directive=t.directive, hot=t.hits, cold=[]), catalog=catalog, policy=Policy())
+    return assemble(req, offline_result(directive=t.directive, hot=t.hits, cold=[]), Engine(catalog, Policy()))
 
 
 def _flat(m: Msg) -> dict[str, str]:

@@ -31,7 +31,7 @@ from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.calibration import Calibration, bucket_of, decay_per_sample
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
@@ -86,7 +86,7 @@ def conversation(rng: random.Random, pool: list[str], target_chars: int) -> list
 
 
 def run_one(req: AssembleRequest, retrieval: Any, catalog: Catalog, cal: Calibration | None) -> AssembleResponse:
-    return assemble(req, retrieval, catalog=catalog, policy=Policy(), nonce="0" * 32, calibration=cal)
+    return assemble(req, retrieval, Engine(catalog, Policy()), nonce="0" * 32, calibration=cal)
 
 
 def truth(resp: AssembleResponse, catalog: Catalog, model: str) -> int:
@@ -126,6 +126,7 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
     cal: Calibration | None = None
     batch: Counter[int] = Counter()
     refused = 0
+    sketch = store.SketchPolicy(decay_per_sample(args.window))
     t0 = time.perf_counter()
     try:
         for i in range(args.n):
@@ -148,7 +149,7 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 batch[b] += 1
             if (i + 1) % args.batch == 0:  # the worker's flush, then its refresh
-                await store.apply_batch(r, ORG, spec.name, batch, decay=decay_per_sample(args.window), refused=refused)
+                await store.apply_batch(r, ORG, spec.name, batch, sketch, refused=refused)
                 batch, refused = Counter(), 0
                 latest = await store.read(r, ORG, spec.name, quantile=args.quantile)
                 cal = latest if latest is not None and latest.active(args.min_samples) else None

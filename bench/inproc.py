@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.stats import WORKER_STAGES, Histograms
 from bench.workload import candidate_hits
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.hits import offline_result
@@ -72,10 +72,10 @@ def _measure(catalog: Catalog, policy: Policy, req: AssembleRequest, retrieval: 
              warmup: int) -> tuple[Histograms, Any]:
     hs = Histograms()
     resp = None
-    lines = LineCache()  # one worker's cache, kept across its requests
+    engine = Engine(catalog, policy, lines=LineCache(), worker_id="inproc")  # one worker's line cache, kept
 
     def once() -> AssembleResponse:
-        return assemble(req, retrieval, catalog=catalog, policy=policy, lines=lines, worker_id="inproc")
+        return assemble(req, retrieval, engine)
 
     for _ in range(warmup):
         once()

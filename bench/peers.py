@@ -51,9 +51,9 @@ from bench.lib.stack import (
     FULL_WORKER,
     OUT,
     TRANSPORT_WORKER,
-    child_env,
     connected_client,
     git_commit,
+    new_stack,
     runner,
     seed_demo,
     set_workers,
@@ -161,7 +161,7 @@ class BaselineStack(LocalStack):
 @contextlib.contextmanager
 def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = LocalStack(workers=2, worker_module=TRANSPORT_WORKER, log_dir=log_dir, env=child_env())
+    stack = new_stack(workers=2, log_dir=log_dir, worker_module=TRANSPORT_WORKER)
     peers: dict[str, tuple[int, list[subprocess.Popen[bytes]]]] = {}
     base: LocalStack | None = None
     floor: tuple[str, list[subprocess.Popen[bytes]]] | None = None
@@ -171,8 +171,9 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
             floor = _start_floor(log_dir)
         seed_demo(str(stack.redis_url))
         if plan.baseline is not None:
-            base = BaselineStack(workers=2, worker_module=TRANSPORT_WORKER, log_dir=log_dir / "base",
-                                 redis_url=stack.redis_url, secret=stack.secret, env={"PYTHONPATH": plan.baseline})
+            base = BaselineStack(workers=2, log_dir=log_dir / "base", redis_url=stack.redis_url, secret=stack.secret,
+                                 env={"PYTHONPATH": plan.baseline})
+            base.worker_module = TRANSPORT_WORKER
             (log_dir / "base").mkdir(exist_ok=True)
             base.memory_port = stack.memory_port  # one memory service for every system
             base.start_broker(0)

@@ -163,7 +163,7 @@ def _py_spy(w: Worker, out_dir: Path, seconds: float, native: bool) -> subproces
 
 def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: int) -> dict[str, float]:
     """CPU µs per request of what a worker runs after retrieval, in this process, for ``tmpls``."""
-    from ibex_context.pipeline.assemble import Clock, Policy, assemble
+    from ibex_context.pipeline.assemble import Clock, Engine, Policy, assemble
     from ibex_context.pipeline.budget import counter_for
     from ibex_context.pipeline.catalog import Catalog
     from ibex_context.pipeline.count import LineCache
@@ -187,7 +187,7 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
     results = asyncio.run(fetch())
     catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
     catalog.warm_up()
-    policy, lines = Policy.from_settings(settings), LineCache()
+    engine = Engine(catalog, Policy.from_settings(settings), lines=LineCache(), worker_id="bench")
     payloads = [encode(t) for t in tmpls]
 
     def once(i: int, codec: bool) -> None:
@@ -195,8 +195,7 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
         assert isinstance(t, AssembleRequest)
         spec = catalog.model(t.model)
         counted = count_turns(t, spec, counter_for(catalog, spec, None))
-        resp = assemble(t, results[i], catalog=catalog, policy=policy, lines=lines, counted=counted,
-                        clock=Clock(time.monotonic_ns() + 10**12, t.request_id), worker_id="bench")
+        resp = assemble(t, results[i], engine, counted=counted, clock=Clock(time.monotonic_ns() + 10**12, t.request_id))
         if codec:
             encode(resp)
 

@@ -32,7 +32,7 @@ from ibex_context.client.requests import to_exc
 
 # The pipeline a degraded response runs, its chat-native part included (module-level imports
 # all through, so its ~0.2-0.5 s of schema building happens here, not in the first fallback).
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import failed_result
 from ibex_context.pipeline.tokens import CachedCounter, EstimateKind
@@ -208,8 +208,8 @@ def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: 
     """History-only (or directive + history) context built locally by the pure pipeline; every
     branch is recorded as failed with ``exc``'s code; ``notes`` follow the reason."""
     failed = BranchOutcome(status="error", elapsed_ms=0.0, error_class=exc.code.value, detail=exc.message[:200])
-    resp = assemble(req, failed_result(fallback_directive, failed), catalog=catalog or Catalog.load(),
-                    policy=Policy.from_settings(settings or PipelineSettings()))
+    engine = Engine(catalog or Catalog.load(), Policy.from_settings(settings or PipelineSettings()))
+    resp = assemble(req, failed_result(fallback_directive, failed), engine)
     reason = f"context service {exc.code.value}: {exc.message}"
     reasons = [reason, *notes, *resp.degraded_reasons]
     return resp.model_copy(update={"degraded": True, "degraded_reasons": reasons})

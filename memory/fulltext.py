@@ -10,6 +10,7 @@ far (``memory.terms``). A question with no common or new word needs only the fir
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ibex_context.memory.fusion import text_scores
@@ -20,14 +21,24 @@ from ibex_context.shared.stores.keys import memory_key_prefix, vector_field
 Command = tuple[Any, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Whose memories one search reads (``org``'s ``agent``), in which ``embedder``'s index."""
+
+    embedder: str
+    org: str
+    agent: str
+
+
 class FullText:
     """One search's full-text queries and what their replies said."""
 
-    def __init__(self, table: TermTable, embedder: str, org: str, agent: str, terms: Sequence[str], *,
+    def __init__(self, table: TermTable, scope: Scope, terms: Sequence[str], *,
                  size: int, sample: Sequence[str], scan_max: int, limit: int, now: float) -> None:
+        org, agent = scope.org, scope.agent
         self._table, self._org, self._agent, self._now = table, org, agent, now
         self._size, self._scan_max, self._limit = size, scan_max, limit
-        self._name, self._vfield = index_name(embedder, org), vector_field(embedder)
+        self._name, self._vfield = index_name(scope.embedder, org), vector_field(scope.embedder)
         self._prefix = memory_key_prefix(org, agent)
         split = split_terms(terms, table, org, agent, large=size > scan_max, now=now)
         self._scanned, self._probed = split.scanned, split.probed

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from ibex_context.memory import store
 from ibex_context.memory.embed import Vectors
-from ibex_context.memory.fulltext import FullText
+from ibex_context.memory.fulltext import FullText, Scope
 from ibex_context.memory.fusion import Fused, fuse
 from ibex_context.memory.index import (
     index_name,
@@ -110,7 +110,7 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
     size = await _agent_size(svc, org, agent)
     sample = await _sample(svc, org, agent, now) if size > scan_max else ()
-    text = FullText(svc.terms, embedder.name, org, agent, terms, size=size, sample=sample, scan_max=scan_max,
+    text = FullText(svc.terms, Scope(embedder.name, org, agent), terms, size=size, sample=sample, scan_max=scan_max,
                     limit=k, now=now)
     commands = text.first()
     commands.append(("FT.SEARCH", name, *search_args(

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result, shape_problem, to_hit
 from ibex_context.pipeline.types import MemoryHit
@@ -97,8 +97,8 @@ def explain(request: AssembleRequest, directive: str | None, hot: list[MemoryHit
                                hot=hot if request.options.include_hot else [],
                                cold=cold if request.options.include_cold else [],
                                hot_cap=settings.hot_limit, cold_cap=settings.cold_limit)
-    return assemble(request, retrieval, catalog=catalog, policy=Policy.from_settings(settings, verify_format=True),
-                    nonce=nonce)
+    engine = Engine(catalog, Policy.from_settings(settings, verify_format=True))
+    return assemble(request, retrieval, engine, nonce=nonce)
 
 
 def render_table(resp: AssembleResponse, out: TextIO) -> None:

@@ -27,15 +27,17 @@ UNBOUND_TCP = "tcp://127.0.0.1:0"  # port 0: the broker binds a free port and re
 
 
 class LocalStack:
-    """The stack as child processes of the caller, on free loopback ports, with fault handles."""
+    """The stack as child processes of the caller, on free loopback ports, with fault handles.
 
-    def __init__(self, *, workers: int = 2, redis_url: str | None = None, worker_module: str = "ibex_context.worker",
-                 enable_faults: bool = False, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None, secret: str | None = None,
+    ``worker_module`` is the module each worker is started from: the product's worker, or another
+    with its CLI that the bench sets before starting workers (its transport worker)."""
+
+    def __init__(self, *, workers: int = 2, redis_url: str | None = None, enable_faults: bool = False,
+                 env: dict[str, str] | None = None, log_dir: Path | None = None, secret: str | None = None,
                  status_socket: Callable[[zmq.Socket[Any]], None] | None = None, brokers: int = 1) -> None:
         self.n_workers = workers
         self.status_socket = status_socket
-        self.worker_module = worker_module  # or another module with the worker's CLI (the bench's transport worker)
+        self.worker_module = "ibex_context.worker"
         self.enable_faults = enable_faults
         self.extra_env = dict(env or {})
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="ibex-stack-"))

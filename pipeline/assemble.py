@@ -35,9 +35,30 @@ from ibex_context.pipeline.turns import Counted, count_turns
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, CountRule, PackedMemory, PackerStats
 
-__all__ = ["STAGES", "Clock", "Policy", "assemble", "scoring_stage"]
+__all__ = ["STAGES", "Clock", "Engine", "Policy", "assemble", "scoring_stage"]
 
 STAGES = ("retrieval", "budget", "scoring", "packing", "formatting")
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """What a process assembles with, made once: the model catalog, the settings the stages read,
+    the cache of rendered memory lines (the worker's; None: each line rendered when needed) and
+    the ``worker_id`` its replies carry."""
+
+    catalog: Catalog
+    policy: Policy
+    lines: LineCache | None = None
+    worker_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CountBasis:
+    """What the emitted prompt's count rests on: the rule that made it (``kind``), and the same
+    prompt by the catalog's rule alone (``uncalibrated``: what a usage report's ratio is taken against)."""
+
+    kind: CountRule
+    uncalibrated: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,19 +70,19 @@ class Scored:
 
 
 def assemble(
-    req: AssembleRequest, retrieval: RetrievalResult, *, catalog: Catalog, policy: Policy,
-    nonce: str | None = None, clock: Clock | None = None, lines: LineCache | None = None,
-    counted: Counted | None = None, timings_us: dict[str, int] | None = None, worker_id: str = "",
+    req: AssembleRequest, retrieval: RetrievalResult, engine: Engine, *, nonce: str | None = None,
+    clock: Clock | None = None, counted: Counted | None = None, timings_us: dict[str, int] | None = None,
     calibration: Calibration | None = None,
 ) -> AssembleResponse:
-    """Fit, budget, score, pack and render ``retrieval`` for ``req``; no I/O.
+    """Fit, budget, score, pack and render ``retrieval`` for ``req`` with ``engine``; no I/O.
 
-    ``counted``: the request's conversation already parsed and counted (``pipeline.turns.count_turns``
-    with ``counter_for``'s counter; the worker does it before retrieval). ``lines``: the worker's
-    cache of rendered memory lines. ``timings_us``: stage timings measured before this call (queue
-    wait, retrieval), carried on. ``calibration``: the (org, model) ratio learned from usage
-    reports, when it has enough samples (docs/assembly.md "Calibrated token counts").
+    ``clock``: this request's deadline. ``counted``: the request's conversation already parsed and
+    counted (``pipeline.turns.count_turns`` with ``counter_for``'s counter; the worker does it
+    before retrieval). ``timings_us``: stage timings measured before this call (queue wait,
+    retrieval), carried on. ``calibration``: the (org, model) ratio learned from usage reports,
+    when it has enough samples (docs/assembly.md "Calibrated token counts").
     """
+    catalog, policy, lines = engine.catalog, engine.policy, engine.lines
     timings = dict(timings_us or {})
     explicit = bool(nonce)  # explain's --nonce and tests: used as given, never re-derived
     chosen = Nonce(fmt.check_nonce(nonce) if nonce else fmt.new_nonce(),
@@ -81,15 +102,15 @@ def assemble(
     result = pack(scored.scored, plan.budget.usable)
     t4 = tick(clock, "formatting")
     timings["packing"] = elapsed_us(t3, t4)
-    out = emit_stage(plan, scored.scored, result, counter, limit=spec.context_window - plan.budget.response_reserve,
-                     nonce=chosen, lines=lines, verify=policy.verify_format, breakpoints=req.options.cache_breakpoints)
+    out = emit_stage(plan, scored.scored, result, counter, nonce=chosen, lines=lines, verify=policy.verify_format,
+                     breakpoints=req.options.cache_breakpoints)
     # What a usage report's ratio is taken against: the same prompt by the catalog's rule alone.
     uncalibrated = out.total if calibration is None else plan.counted.renderer.count(
         out.emitted, catalog.counter(spec.family.name))
     timings["formatting"] = elapsed_us(t4, time.monotonic_ns())
     timings["total"] = sum(timings.get(k, 0) for k in STAGES)
-    return response(req, retrieval, plan, scored, out, uncalibrated, counter.kind, timings=timings,
-                    worker_id=worker_id, slot=slot)
+    return response(req, retrieval, plan, scored, out, CountBasis(counter.kind, uncalibrated), timings=timings,
+                    worker_id=engine.worker_id)
 
 
 def summary_slot(req: AssembleRequest, retrieval: RetrievalResult, counted: Counted, nonce: Nonce) -> Slot | None:
@@ -122,8 +143,8 @@ def scoring_stage(req: AssembleRequest, retrieval: RetrievalResult, cost: Memory
 
 
 def response(
-    req: AssembleRequest, retrieval: RetrievalResult, plan: Plan, scored: Scored, out: Output, uncalibrated: int,
-    kind: CountRule, *, timings: dict[str, int], worker_id: str, slot: Slot | None = None,
+    req: AssembleRequest, retrieval: RetrievalResult, plan: Plan, scored: Scored, out: Output, basis: CountBasis,
+    *, timings: dict[str, int], worker_id: str,
 ) -> AssembleResponse:
     """The wire response, from one render: what was packed, every decision, the budget, the
     packer's stats and, for a conversation target, the messages and their count."""
@@ -155,15 +176,16 @@ def response(
         org_id=req.org_id,
         agent_id=req.agent_id,
         history=history_decisions(plan.fit),
-        summary=summary.report(slot, plan.summary is not None, plan.summary_tokens, plan.summary_dropped),
+        summary=summary.report(plan.summary_offered, plan.summary is not None, plan.summary_tokens,
+                               plan.summary_dropped),
         history_dropped_upto=summary.dropped_upto(plan.counted.turns, plan.fit.kept_indices),
         format=chat.format if chat else None,
         messages=chat.messages if chat else None,
         system=chat.system if chat else None,
         layout=chat.layout.wire if chat else None,
         prompt_tokens=out.total if chat else None,
-        prompt_tokens_kind=kind if chat else None,
-        prompt_tokens_uncalibrated=uncalibrated if chat else None,
+        prompt_tokens_kind=basis.kind if chat else None,
+        prompt_tokens_uncalibrated=basis.uncalibrated if chat else None,
         stable_prefix_tokens=plan.counted.renderer.stable_prefix(out.emitted),
         cache_breakpoints=chat.marked if chat else [],
     )

@@ -71,10 +71,12 @@ def memory_block(result: PackResult, counter: TokenCounter, nonce: str, overhead
     return Block(text, memory_tokens_bound(counter, result.total_tokens, overhead) if kept else 0, nonce, kept, [])
 
 
-def emit_stage(plan: Plan, scored: list[ScoredMemory], result: PackResult, counter: TokenCounter, *, limit: int,
+def emit_stage(plan: Plan, scored: list[ScoredMemory], result: PackResult, counter: TokenCounter, *,
                nonce: Nonce, lines: LineCache | None, verify: bool, breakpoints: bool) -> Output:
-    """Render ``result`` and count it; repack, then drop memories, while it is over ``limit``."""
+    """Render ``result`` and count it; repack, then drop memories, while it is over the limit: the
+    window less the response reserve, as the plan's budget has them."""
     renderer = plan.counted.renderer
+    limit = plan.budget.context_window - plan.budget.response_reserve
 
     def once(result: PackResult) -> Output:
         block = memory_block(result, counter, block_nonce(result, lines, nonce), plan.memory_overhead, lines,

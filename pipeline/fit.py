@@ -36,7 +36,7 @@ class Plan:
     """The fit stage's output: what of the conversation is sent, the budget left for memories,
     the directive (and its flat text), the memories block's flat frame (``memory_overhead``), and
     the compaction summary: the one placed (None when none is, or it was dropped), its tokens as
-    charged and, when dropped, why."""
+    charged, when dropped, why, and the one offered (placed or not, for the reply's report)."""
 
     counted: Counted
     fit: HistoryFit
@@ -47,6 +47,7 @@ class Plan:
     summary: Slot | None = None
     summary_tokens: int = 0
     summary_dropped: str | None = None
+    summary_offered: Slot | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
     sent = cost if placed is not None else 0
     budget = _budget(spec, counter, fixed, fit.kept_tokens + sent, limits)
     return Plan(counted, fit, budget, directive, directive_counted(counter, directive), mem_text,
-                placed, cost, dropped)
+                placed, cost, dropped, summary)
 
 
 def _fit(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy) -> HistoryFit:

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.count import LineCache
 from ibex_context.pipeline.hits import offline_result
@@ -52,7 +52,7 @@ def test_a_lying_bound_never_yields_an_over_window_or_inconsistent_reply() -> No
     req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model=spec.name, query="October",
                           format="anthropic", messages=messages, deadline_ns=1)
     retrieval = offline_result(directive="Answer briefly.", hot=_hits(40, 60), cold=[], hot_cap=70, cold_cap=70)
-    resp = assemble(req, retrieval, catalog=catalog, policy=Policy(), lines=LyingLines())
+    resp = assemble(req, retrieval, Engine(catalog, Policy(), lines=LyingLines()))
     limit = WINDOW - resp.budget.response_reserve
     assert resp.prompt_tokens is not None and resp.prompt_tokens <= limit
     assert resp.messages is not None

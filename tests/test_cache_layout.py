@@ -15,7 +15,7 @@ from typing import Any
 from ibex_context.memory.config import DEV_SECRET
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
@@ -51,8 +51,7 @@ def _run(messages: list[Any], *, fmt_: str = "openai", model: str = "gpt-4o", hi
          **kw: Any) -> AssembleResponse:
     req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model=model, query="amount",
                           format=fmt_, messages=messages, deadline_ns=1, **kw)  # type: ignore[arg-type]
-    return assemble(req, offline_result(directive="Answer briefly.", hot=hits, cold=[]), catalog=CATALOG,
-                    policy=Policy())
+    return assemble(req, offline_result(directive="Answer briefly.", hot=hits, cold=[]), Engine(CATALOG, Policy()))
 
 
 def _dump(value: Any) -> str:
@@ -161,8 +160,8 @@ def _simple(hits: list[MemoryHit], nonce: str = "derived", verify: bool = False)
     req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model="gpt-4o", query="amount",
                           recent_messages=[{"role": "user", "content": "Is invoice #42 mine?"}],
                           options={"nonce": nonce}, deadline_ns=1)  # type: ignore[arg-type]
-    return assemble(req, offline_result(directive="Answer briefly.", hot=hits, cold=[]), catalog=CATALOG,
-                    policy=replace(Policy(), verify_format=verify))
+    return assemble(req, offline_result(directive="Answer briefly.", hot=hits, cold=[]),
+                    Engine(CATALOG, replace(Policy(), verify_format=verify)))
 
 
 def test_simple_form_derives_the_nonce_too() -> None:

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.client.usage import usage_payload
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.calibration import (
     MAX_FALL_BUCKETS,
     N_BUCKETS,
@@ -103,14 +103,14 @@ async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
         decay = decay_per_sample(100)
         b6, b9 = bucket_of(0.6), bucket_of(0.9)
         assert b6 is not None and b9 is not None
-        await store.apply_batch(r, "acme", MODEL, {b9: 100}, decay=decay)
-        await store.apply_batch(r, "acme", MODEL, {b6: 1000}, decay=decay, refused=3)
+        await store.apply_batch(r, "acme", MODEL, {b9: 100}, store.SketchPolicy(decay))
+        await store.apply_batch(r, "acme", MODEL, {b6: 1000}, store.SketchPolicy(decay), refused=3)
         cal = await store.read(r, "acme", MODEL, quantile=0.995)
         assert cal is not None and cal.accepted == 1100 and cal.refused == 3
         # 100 old samples decayed by (1 - 1/100) ** 1000: about 0.004 of one sample left
         assert cal.samples == pytest.approx(1000 + 100 * decay ** 1000, rel=1e-6)
         assert cal.ratio <= 0.6 * 1.005
-        await store.apply_batch(r, "acme", MODEL, {b6: 1000}, decay=decay)
+        await store.apply_batch(r, "acme", MODEL, {b6: 1000}, store.SketchPolicy(decay))
         raw = await r.hgetall(f"acme:calibration:{MODEL}")
         assert f"b:{b9}".encode() not in raw  # pruned below 1e-3
         assert 0 < await r.ttl(f"acme:calibration:{MODEL}") <= store.TTL_S
@@ -125,9 +125,9 @@ async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
 
 def test_a_calibrated_budget_says_so_and_charges_the_learned_ratio() -> None:
     hits = offline_result(directive="Be brief.", hot=[], cold=[])
-    plain = assemble(_req(), hits, catalog=CATALOG, policy=Policy())
+    plain = assemble(_req(), hits, Engine(CATALOG, Policy()))
     cal = _cal(0.82, top=0.828)
-    tuned = assemble(_req(), hits, catalog=CATALOG, policy=Policy(), calibration=cal)
+    tuned = assemble(_req(), hits, Engine(CATALOG, Policy()), calibration=cal)
     assert plain.budget.count_rule == "estimate" and plain.budget.calibration_ratio is None
     assert plain.prompt_tokens_uncalibrated == plain.prompt_tokens and plain.org_id == "acme"
     b = tuned.budget
@@ -138,7 +138,7 @@ def test_a_calibrated_budget_says_so_and_charges_the_learned_ratio() -> None:
     assert tuned.prompt_tokens is not None and plain.prompt_tokens is not None
     assert tuned.prompt_tokens < 0.85 * plain.prompt_tokens
     # a learned ratio under 1 / estimate_factor (mistral: x1.25) is charged at that floor
-    floored = assemble(_req(), hits, catalog=CATALOG, policy=Policy(), calibration=_cal(0.6, top=0.606))
+    floored = assemble(_req(), hits, Engine(CATALOG, Policy()), calibration=_cal(0.6, top=0.606))
     assert floored.budget.calibration_ratio == pytest.approx(0.8)
     assert b.safety_buffer == math.ceil(b.context_window * 0.01) < plain.budget.safety_buffer
     assert b.usable > plain.budget.usable
@@ -146,9 +146,9 @@ def test_a_calibrated_budget_says_so_and_charges_the_learned_ratio() -> None:
 
 def test_an_exact_family_is_never_charged_below_its_exact_count() -> None:
     hits = offline_result(directive=None, hot=[], cold=[])
-    plain = assemble(_req(model="gpt-4o"), hits, catalog=CATALOG, policy=Policy())
-    low = assemble(_req(model="gpt-4o"), hits, catalog=CATALOG, policy=Policy(), calibration=_cal(0.5))
-    high = assemble(_req(model="gpt-4o"), hits, catalog=CATALOG, policy=Policy(), calibration=_cal(1.1))
+    plain = assemble(_req(model="gpt-4o"), hits, Engine(CATALOG, Policy()))
+    low = assemble(_req(model="gpt-4o"), hits, Engine(CATALOG, Policy()), calibration=_cal(0.5))
+    high = assemble(_req(model="gpt-4o"), hits, Engine(CATALOG, Policy()), calibration=_cal(1.1))
     assert low.prompt_tokens == plain.prompt_tokens and low.budget.calibration_ratio == 1.0
     assert high.prompt_tokens is not None and plain.prompt_tokens is not None
     assert high.prompt_tokens >= plain.prompt_tokens * 1.05
@@ -158,7 +158,7 @@ def test_an_exact_family_is_never_charged_below_its_exact_count() -> None:
 
 
 def test_usage_payload_carries_the_assembly_and_refuses_what_cannot_be_matched() -> None:
-    offline = assemble(_req(), offline_result(directive=None, hot=[], cold=[]), catalog=CATALOG, policy=Policy())
+    offline = assemble(_req(), offline_result(directive=None, hot=[], cold=[]), Engine(CATALOG, Policy()))
     resp = offline.model_copy(update={"assembly_id": "ab" * 16})  # what a worker issues (worker.calibration)
     payload, why = usage_payload(resp, 123, 7, time.time_ns())
     assert payload is not None and why == ""
@@ -288,9 +288,9 @@ async def test_calibration_show_prints_the_learned_ratio(redis_url: str) -> None
     try:
         b = bucket_of(0.62)
         assert b is not None
-        await store.apply_batch(r, "acme", MODEL, {b: 150}, decay=decay_per_sample(2000), refused=2)
-        await store.apply_batch(r, "acme", EXACT_MODEL, {b: 150}, decay=decay_per_sample(2000))
-        await store.apply_batch(r, "acme", "claude-sonnet-4", {b: 10}, decay=decay_per_sample(2000))
+        await store.apply_batch(r, "acme", MODEL, {b: 150}, store.SketchPolicy(decay_per_sample(2000)), refused=2)
+        await store.apply_batch(r, "acme", EXACT_MODEL, {b: 150}, store.SketchPolicy(decay_per_sample(2000)))
+        await store.apply_batch(r, "acme", "claude-sonnet-4", {b: 10}, store.SketchPolicy(decay_per_sample(2000)))
     finally:
         await r.aclose()
     out = await asyncio.to_thread(_cli, "show", "--org", "acme", "--redis-url", redis_url, "--json")

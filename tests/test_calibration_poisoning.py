@@ -103,12 +103,13 @@ async def test_a_flush_lowers_the_served_ratio_by_one_step_and_raises_it_at_once
     try:
         decay = decay_per_sample(2000)
         for flush in range(1, 4):  # 5,000 reports at 0.25 per flush: the quantile is 0.25 at once
-            await store.apply_batch(r, "acme", MODEL, {_bucket(0.25): 5000}, decay=decay)
+            await store.apply_batch(r, "acme", MODEL, {_bucket(0.25): 5000}, store.SketchPolicy(decay))
             cal = await _served(r, "acme")
             assert cal.ratio == pytest.approx(0.25, rel=0.006)
             assert cal.served == upper_edge(UNCALIBRATED_BUCKET - flush * MAX_FALL_BUCKETS)
         assert 0.94 < cal.served < 0.95
-        await store.apply_batch(r, "acme", MODEL, {_bucket(1.5): 1000}, decay=decay)  # a rise is the safe way
+        # a rise is the safe way
+        await store.apply_batch(r, "acme", MODEL, {_bucket(1.5): 1000}, store.SketchPolicy(decay))
         assert (await _served(r, "acme")).served == upper_edge(_bucket(1.5))
     finally:
         await r.aclose()
@@ -118,11 +119,11 @@ async def test_the_served_ratio_waits_for_min_samples_and_for_the_fall_interval(
     r = Redis.from_url(redis_url)
     try:
         decay = decay_per_sample(2000)
-        await store.apply_batch(r, "acme", MODEL, {_bucket(0.3): 50}, decay=decay, min_samples=100)
+        await store.apply_batch(r, "acme", MODEL, {_bucket(0.3): 50}, store.SketchPolicy(decay, min_samples=100))
         assert (await _served(r, "acme")).served == upper_edge(UNCALIBRATED_BUCKET)
         for _ in range(3):  # one fall per minute, however many flushes
-            await store.apply_batch(r, "acme", MODEL, {_bucket(0.3): 100}, decay=decay, min_samples=100,
-                                    fall_interval_ms=60_000)
+            await store.apply_batch(r, "acme", MODEL, {_bucket(0.3): 100},
+                                    store.SketchPolicy(decay, min_samples=100, fall_interval_ms=60_000))
         assert (await _served(r, "acme")).served == upper_edge(UNCALIBRATED_BUCKET - MAX_FALL_BUCKETS)
         # a sketch no script bounded yet charges no less than the catalog's rule
         await r.hset("acme:calibration:legacy", mapping={f"b:{_bucket(0.3)}": 500.0, "n": 500})

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.conversation.parse import parse_conversation
 from ibex_context.pipeline.history import latest_user_index
@@ -55,7 +55,7 @@ def _req(messages: list[Any], *, model: str = "gpt-4o", fmt: str = "openai", **k
 
 def _run(req: AssembleRequest, directive: str | None = "Answer billing questions briefly.",
          hits: list[MemoryHit] = HITS) -> AssembleResponse:
-    return assemble(req, offline_result(directive=directive, hot=hits, cold=[]), catalog=CATALOG, policy=Policy())
+    return assemble(req, offline_result(directive=directive, hot=hits, cold=[]), Engine(CATALOG, Policy()))
 
 
 def _blocks(content: Any) -> list[Any]:
@@ -340,8 +340,8 @@ def test_property_anthropic_no_orphans_latest_turn_kept_within_window(
                tools=[{"name": "lookup", "input_schema": {"type": "object"}}],
                history={"min_recent_turns": recent})
     try:
-        resp = assemble(req, offline_result(directive="Answer briefly.", hot=HITS, cold=[]), catalog=SMALL_CLAUDE,
-                        policy=Policy())
+        resp = assemble(req, offline_result(directive="Answer briefly.", hot=HITS, cold=[]),
+                        Engine(SMALL_CLAUDE, Policy()))
     except ContextOverflow:
         event("overflow")
         return

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.tokens import ExactCounter, estimate_tokens
@@ -269,7 +269,7 @@ def test_whitespace_history_is_trimmed_by_its_real_size(model: str, fmt: str) ->
     msgs = _whitespace_history(3)  # ~300K o200k tokens against a 200K window (gemini: 1M, fits)
     req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model=model, query="invoice",
                           format=fmt, messages=msgs, deadline_ns=1)  # type: ignore[arg-type]
-    resp = assemble(req, offline_result(directive="Be brief.", hot=[], cold=[]), catalog=CATALOG, policy=Policy())
+    resp = assemble(req, offline_result(directive="Be brief.", hot=[], cold=[]), Engine(CATALOG, Policy()))
     exact = _o200k_prompt(resp, model, fmt)
     assert resp.prompt_tokens is not None and resp.prompt_tokens >= exact and exact <= _limit(resp)
     assert (len(resp.history) > 0) == (CATALOG.model(model).context_window < 300_000)
@@ -283,7 +283,7 @@ def test_whitespace_memory_is_charged_its_real_size() -> None:
     req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model="mistral-small-3", query="invoice",
                           format="openai", messages=[{"role": "user", "content": "amount?"}],
                           deadline_ns=1)  # type: ignore[arg-type]
-    resp = assemble(req, offline_result(directive="Be brief.", hot=hits, cold=[]), catalog=CATALOG, policy=Policy())
+    resp = assemble(req, offline_result(directive="Be brief.", hot=hits, cold=[]), Engine(CATALOG, Policy()))
     exact = _o200k_prompt(resp, "mistral-small-3", "openai")
     assert resp.prompt_tokens is not None and resp.prompt_tokens >= exact and exact <= _limit(resp)
     assert [p.memory_id for p in resp.packed] == ["small"]

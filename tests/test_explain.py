@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ibex_context.ops.explain import explain, load_candidates, load_request, run
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
@@ -204,7 +204,7 @@ def test_a_copy_refused_by_retrieval_is_a_duplicate_when_another_copy_was_decide
     hits = [MemoryHit("a", "alpha", "fact", 0.9, 0.5, 0, "hot"), MemoryHit("a", "alpha", "fact", 0.9, 0.5, 1, "hot")]
     retrieval = offline_result(directive=None, hot=hits, cold=[], hot_cap=1)
     req = load_request(str(EXAMPLES / "request.json"))
-    resp = assemble(req, retrieval, catalog=catalog, policy=Policy.from_settings(settings), nonce=NONCE)
+    resp = assemble(req, retrieval, Engine(catalog, Policy.from_settings(settings)), nonce=NONCE)
     assert [(d.memory_id, d.decision) for d in resp.decisions] == [("a", "duplicate"), ("a", "packed")]
     assert resp.decisions[0].reason == ("duplicate memory_id: the hot copy was kept (packed); "
                                         "this copy was over_cap: beyond the hot cap of 1 hits")

@@ -13,7 +13,7 @@ import pytest
 
 from ibex_context.client.integrations.litellm_config import HookConfigError, parse_config
 from ibex_context.client.integrations.litellm_summary import Plan, choose_covers, conversation_key, due, transcript
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.summary import check_covers
@@ -40,7 +40,7 @@ def _conversation(turns: int) -> list[dict[str, Any]]:
 def _assembled(messages: list[dict[str, Any]]) -> AssembleResponse:
     req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model="gpt-4", query="and now?",
                           format="openai", messages=messages, deadline_ns=1 << 62)
-    return assemble(req, offline_result(directive=None, hot=[], cold=[]), catalog=CATALOG, policy=Policy())
+    return assemble(req, offline_result(directive=None, hot=[], cold=[]), Engine(CATALOG, Policy()))
 
 
 def test_a_long_conversation_is_due_and_its_covers_lands_on_a_unit_boundary() -> None:

@@ -14,7 +14,7 @@ import redis
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
@@ -79,9 +79,10 @@ def _stage_calls(req: AssembleRequest) -> list[str]:
             seen.append(f"{module.rpartition('.')[2]}.{frame.f_code.co_qualname}")
 
     retrieval = offline_result(directive="Answer briefly.", hot=HITS, cold=[])
+    engine = Engine(CATALOG, Policy())
     sys.setprofile(hook)
     try:
-        assemble(req, retrieval, catalog=CATALOG, policy=Policy())
+        assemble(req, retrieval, engine)
     finally:
         sys.setprofile(None)
     return seen
@@ -107,7 +108,7 @@ def test_the_nonce_key_comes_in_through_the_policy() -> None:
     """The pure pipeline reads no environment: the derived nonce is keyed by ``Policy.nonce_key``."""
     req = AssembleRequest(request_id="r", org_id="acme", agent_id="bot", model="gpt-4o", query="q", deadline_ns=1)
     retrieval = offline_result(directive=None, hot=HITS, cold=[])
-    a = assemble(req, retrieval, catalog=CATALOG, policy=Policy(nonce_key=b"a" * 32))
-    b = assemble(req, retrieval, catalog=CATALOG, policy=Policy(nonce_key=b"b" * 32))
+    a = assemble(req, retrieval, Engine(CATALOG, Policy(nonce_key=b"a" * 32)))
+    b = assemble(req, retrieval, Engine(CATALOG, Policy(nonce_key=b"b" * 32)))
     lines = [fmt.memory_line(h) for h in HITS if h.memory_id in {p.memory_id for p in a.packed}]
     assert a.packed and a.nonce == fmt.derive_nonce(b"a" * 32, lines) != b.nonce

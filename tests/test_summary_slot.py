@@ -17,7 +17,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.conversation.parse import parse_conversation
 from ibex_context.pipeline.hits import offline_result
@@ -67,7 +67,7 @@ def _req(messages: list[Any], *, fmt: str = "openai", model: str = "gpt-4o", tex
 def _run(req: AssembleRequest, *, stored: SummarySlot | None = None, hits: list[MemoryHit] = HITS,
          nonce: str | None = None) -> AssembleResponse:
     retrieval = replace(offline_result(directive="Answer briefly.", hot=hits, cold=[]), summary=stored)
-    return assemble(req, retrieval, catalog=CATALOG, policy=Policy(), nonce=nonce)
+    return assemble(req, retrieval, Engine(CATALOG, Policy()), nonce=nonce)
 
 
 def _summary_texts(resp: AssembleResponse) -> list[str]:

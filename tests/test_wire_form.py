@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from ibex_context.client.wire import outgoing
-from ibex_context.pipeline.assemble import Policy, assemble
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.chat_count import image_size
 from ibex_context.pipeline.conversation.images import MIN_STUBBED, stub_for, stub_size
@@ -56,7 +56,7 @@ def _req(messages: list[Any], *, fmt: str = "openai", model: str = "gpt-4.1", **
 
 def _run(req: AssembleRequest) -> AssembleResponse:
     return assemble(req, offline_result(directive="Answer billing questions briefly.", hot=HITS, cold=[]),
-                    catalog=CATALOG, policy=Policy(), nonce="0" * 16)
+                    Engine(CATALOG, Policy()), nonce="0" * 16)
 
 
 IMAGES = [(png(1000, 800), "image/png", (1000, 800)), (gif(64, 48), "image/gif", (64, 48)),

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 
-from ibex_context.pipeline.assemble import Clock, Policy, assemble
+from ibex_context.pipeline.assemble import Clock, Engine, Policy, assemble
 from ibex_context.pipeline.budget import counter_for
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.count import LineCache
@@ -71,15 +71,13 @@ class Assembler:
                  worker_id: str = "", calibrator: Calibrator | None = None) -> None:
         self.settings = settings
         self.calibrator = calibrator  # usage-report calibration (docs/assembly.md "Calibrated token counts")
-        self.policy = Policy.from_settings(settings)
-        self.catalog = catalog
+        # What every assembly of this process runs with; the line cache is kept across requests.
+        self.engine = Engine(catalog, Policy.from_settings(settings), lines=LineCache(), worker_id=worker_id)
         self.retriever = retriever
-        self.worker_id = worker_id
         self.post_cost = StageCostTracker(settings.post_retrieval_reserve_ms)
         # One-way broker -> worker transit; the reply crosses two such hops (worker -> broker -> client).
         self.transit = StageCostTracker(1.0)
         self.stats: collections.Counter[str] = collections.Counter()  # stage entries, for metrics/tests
-        self.lines = LineCache()
 
     def reserve_ns(self) -> int:
         """Time kept back after retrieval: measured p95 of the CPU stages plus the reply's two hops
@@ -99,11 +97,11 @@ class Assembler:
             raise RuntimeError("this Assembler has no retriever; offline work calls pipeline.assemble")
         clock = Clock(deadline_mono_ns, req.request_id)
         t_start = clock.check("retrieval")
-        spec = self.catalog.model(req.model)  # unknown model: INVALID_REQUEST before any I/O
+        spec = self.engine.catalog.model(req.model)  # unknown model: INVALID_REQUEST before any I/O
         calibration = self.calibrator.lookup(req.org_id, spec.name) if self.calibrator is not None else None
         # Parse and count the conversation first: a bad one is refused before any Redis or memory-service call.
         async with _turn(turn):
-            counted = count_turns(req, spec, counter_for(self.catalog, spec, calibration))
+            counted = count_turns(req, spec, counter_for(self.engine.catalog, spec, calibration))
         t_start = time.monotonic_ns()
         wall_end = min(t_start + int(self.settings.retrieval_wall_ms * 1e6), deadline_mono_ns - self.reserve_ns())
         wait = self.retriever.start(req, wall_end_ns=wall_end)
@@ -112,9 +110,8 @@ class Assembler:
         timings = {**(timings_us or {}), "retrieval": max(0, (t_retrieved - t_start) // 1000)}
         async with _turn(turn):
             try:
-                resp = assemble(req, retrieval, catalog=self.catalog, policy=self.policy, nonce=nonce, clock=clock,
-                                lines=self.lines, counted=counted, timings_us=timings, worker_id=self.worker_id,
-                                calibration=calibration)
+                resp = assemble(req, retrieval, self.engine, nonce=nonce, clock=clock, counted=counted,
+                                timings_us=timings, calibration=calibration)
             finally:
                 if "packing" in clock.started:
                     self.stats["packing"] += 1

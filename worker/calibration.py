@@ -76,10 +76,9 @@ class Calibrator:
         self.redis = redis
         self.catalog = catalog
         self.enabled = settings.calibration
-        self.min_samples = settings.calibration_min_samples
-        self.quantile = settings.calibration_quantile
+        self.sketch = store.SketchPolicy(decay_per_sample(settings.calibration_window), settings.calibration_quantile,
+                                         settings.calibration_min_samples, FALL_INTERVAL_MS)
         self.refresh_s = settings.calibration_refresh_ms / 1000
-        self.decay = decay_per_sample(settings.calibration_window)
         self.metrics = metrics
         self.table: dict[Key, Calibration | None] = {}
         self.active: OrderedDict[Key, None] = OrderedDict()
@@ -103,7 +102,7 @@ class Calibrator:
                 old, _ = self.active.popitem(last=False)
                 self.table.pop(old, None)
         cal = self.table.get(key)
-        if not self.enabled or cal is None or not cal.active(self.min_samples):
+        if not self.enabled or cal is None or not cal.active(self.sketch.min_samples):
             return None
         return cal
 
@@ -210,9 +209,7 @@ class Calibrator:
     async def _apply(self, samples: dict[Key, tuple[collections.Counter[int], int]]) -> None:
         for (org_id, model), (buckets, refused) in samples.items():
             try:
-                await store.apply_batch(self.redis, org_id, model, buckets, decay=self.decay, refused=refused,
-                                        quantile=self.quantile, min_samples=self.min_samples,
-                                        fall_interval_ms=FALL_INTERVAL_MS)
+                await store.apply_batch(self.redis, org_id, model, buckets, self.sketch, refused=refused)
             except (RedisError, OSError) as exc:
                 self.stats["usage_write_failed"] += 1
                 if self.metrics is not None:
@@ -225,7 +222,7 @@ class Calibrator:
         for i in range(0, len(keys), REFRESH_BATCH):
             chunk = keys[i:i + REFRESH_BATCH]
             try:
-                found = await store.read_many(self.redis, chunk, quantile=self.quantile)
+                found = await store.read_many(self.redis, chunk, quantile=self.sketch.quantile)
             except (RedisError, OSError) as exc:
                 self.stats["calibration_refresh_failed"] += 1
                 log.warning("calibration refresh failed: %s", exc)

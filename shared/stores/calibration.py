@@ -26,6 +26,7 @@ assembled (``write_records``, batched) and read once by whichever worker gets th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -113,15 +114,26 @@ return 1
 """
 
 
-async def apply_batch(redis: Redis, org_id: str, model: str, buckets: Mapping[int, int], *, decay: float,
-                      refused: int = 0, quantile: float = DEFAULT_QUANTILE, min_samples: float = 0.0,
-                      fall_interval_ms: int = 0) -> None:
+@dataclass(frozen=True, slots=True)
+class SketchPolicy:
+    """How a batch moves a sketch (module docstring): each sample decays what was there by ``decay``;
+    the served bucket follows the ``quantile``, and falls only once the key holds ``min_samples``
+    and at most once per ``fall_interval_ms`` (0: any batch may lower it)."""
+
+    decay: float
+    quantile: float = DEFAULT_QUANTILE
+    min_samples: float = 0.0
+    fall_interval_ms: int = 0
+
+
+async def apply_batch(redis: Redis, org_id: str, model: str, buckets: Mapping[int, int], policy: SketchPolicy, *,
+                      refused: int = 0) -> None:
     """Add a batch of samples (bucket -> count) to one key, decaying what was there by the batch size,
     and move its served bucket (bounded: module docstring)."""
     key = calibration_key(org_id, model)
     k = sum(buckets.values())
-    args: list[Any] = [repr(decay ** k), repr(PRUNE_BELOW), k, refused, TTL_S, repr(quantile), repr(min_samples),
-                       MAX_FALL_BUCKETS, int(fall_interval_ms), UNCALIBRATED_BUCKET]
+    args: list[Any] = [repr(policy.decay ** k), repr(PRUNE_BELOW), k, refused, TTL_S, repr(policy.quantile),
+                       repr(policy.min_samples), MAX_FALL_BUCKETS, int(policy.fall_interval_ms), UNCALIBRATED_BUCKET]
     for bucket, count in sorted(buckets.items()):
         args += [bucket, count]
     await redis.eval(_APPLY_LUA, 1, key, *args)
