@@ -17,7 +17,6 @@ from ibex_context.pipeline.count import LineCache, fit_memory_section, memory_to
 from ibex_context.pipeline.fit import Plan
 from ibex_context.pipeline.pack import pack
 from ibex_context.pipeline.render import Block, Emitted
-from ibex_context.pipeline.render_openai import scored_block_tokens
 from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import PackResult, ScoredMemory
 from ibex_context.shared.wire.errors import Internal
@@ -83,9 +82,7 @@ def emit_stage(plan: Plan, scored: list[ScoredMemory], result: PackResult, count
                              verify=verify)
         out = renderer.render(plan.fit, plan.directive, plan.directive_text, block, breakpoints=breakpoints,
                               summary=plan.summary.block if plan.summary is not None else None)
-        exact = (scored_block_tokens(counter, block.kept, block.nonce)
-                 if block.text and counter.kind == "exact" else None)
-        return Output(result, block, out, renderer.count(out, counter, block_tokens=exact))
+        return Output(result, block, out, renderer.count(out, counter, block=block))
 
     emitted = once(result)
     for _ in range(MAX_REPACKS):

@@ -92,9 +92,9 @@ class Renderer(Protocol):
         """The kept history with the directive, the framed compaction summary and the memories block placed."""
         ...
 
-    def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
-        """Tokens of exactly what ``out`` emits, by ``counter`` and the target's rules
-        (``block_tokens``: the memories block's exact count, when the caller has it)."""
+    def count(self, out: Emitted, counter: TokenCounter, *, block: Block | None = None) -> int:
+        """Tokens of exactly what ``out`` emits, by ``counter`` and the target's rules (``block``:
+        the memories block as rendered, whose memories were priced with ``counter``)."""
         ...
 
     def stable_prefix(self, out: Emitted) -> int | None:

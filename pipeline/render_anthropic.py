@@ -80,7 +80,7 @@ class AnthropicRenderer:
         text = text_sections(directive_text, block, summary=summary_counted(self.counter, summary))
         return Emitted(text, ChatOut("anthropic", layout, messages, blocks, marked))
 
-    def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
+    def count(self, out: Emitted, counter: TokenCounter, *, block: Block | None = None) -> int:
         assert out.chat is not None
         return cc.anthropic_prompt_tokens(out.chat.system, out.chat.messages, self.turns.tools, counter,
                                           model=self.model)

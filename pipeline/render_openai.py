@@ -67,15 +67,16 @@ class OpenAIRenderer:
         text = text_sections(directive_text, block, summary=summary_counted(self.counter, summary))
         return Emitted(text, ChatOut("openai", layout, messages, None, []))
 
-    def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
-        """With ``block_tokens`` the memories message is charged its frame plus that, instead of a
-        fresh BPE pass over the block."""
+    def count(self, out: Emitted, counter: TokenCounter, *, block: Block | None = None) -> int:
+        """With an exact ``counter`` and the ``block`` it priced, the memories message is charged its
+        frame plus the block's exact count (``scored_block_tokens``), instead of a fresh BPE pass."""
         assert out.chat is not None
         messages, at, tools = out.chat.messages, out.chat.layout.memory_message, self.turns.tools
-        if at is None or block_tokens is None:
+        if at is None or block is None or not block.text or counter.kind != "exact":
             return cc.openai_prompt_tokens(messages, tools, counter, model=self.model)
         rest = [*messages[:at], *messages[at + 1:]]
-        return cc.openai_prompt_tokens(rest, tools, counter, model=self.model) + self.frame + block_tokens
+        exact = scored_block_tokens(counter, block.kept, block.nonce)
+        return cc.openai_prompt_tokens(rest, tools, counter, model=self.model) + self.frame + exact
 
     def stable_prefix(self, out: Emitted) -> int | None:
         """Tools, system, directive and the conversation before the memories message, without

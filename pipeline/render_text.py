@@ -74,7 +74,7 @@ class TextRenderer:
         return Emitted(text_sections(directive_text, block, history, self.tools_section,
                                      summary_counted(self.counter, summary)))
 
-    def count(self, out: Emitted, counter: TokenCounter, *, block_tokens: int | None = None) -> int:
+    def count(self, out: Emitted, counter: TokenCounter, *, block: Block | None = None) -> int:
         """The sections' counts and the joins between them: the bound the budget spent."""
         sections = out.text.sections
         return sum(s.tokens for s in sections) + counter.count(fmt.SECTION_JOIN) * max(0, len(sections) - 1)
