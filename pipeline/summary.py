@@ -3,6 +3,7 @@ conversation's first ``covers`` non-system messages, which are taken out before 
 fitted; the summary goes where they were, framed as untrusted data like the memories block.
 
     check_covers(turns, covers)        -> problem or None   (a unit boundary before the latest turn)
+    cover_boundaries(turns)            -> [covers, ...]     (every one check_covers accepts, one split)
     choose(req, stored, turns)         -> Slot or None      (the request's summary, else the stored one)
     framed(slot, nonce_key, nonce)     -> Slot              (its block, the text as sent)
     fit_rest(turns, covers, ...)       -> HistoryFit        (in the caller's indices, covered = "summarized")
@@ -84,6 +85,18 @@ def check_covers(turns: Turns, covers: int) -> str | None:
         return (f"{FIELD}: {covers} ends inside the tool exchange {field}.{unit.start}-{unit.stop - 1} (a tool "
                 f"call and its results are covered together or not at all): use {before} or {through}")
     return None
+
+
+def cover_boundaries(turns: Turns) -> list[int]:
+    """Every ``covers`` that ``check_covers`` accepts for this conversation, ascending (0 first),
+    from one split into units: a count whose last covered message ends its unit and comes before
+    the latest user turn. One pass, where asking ``check_covers`` of each count is one per count
+    (tests/test_summary_plan.py holds the two to the same answer)."""
+    ns, units = non_system(turns), split_units(turns.format, turns.messages)
+    pinned = pinned_units(turns.format, turns.messages, units)
+    tail = min((units[u].start for u in pinned if units[u].kind != "system"), default=len(turns.messages))
+    stops = {u.stop for u in units}
+    return [0, *(c for c, last in enumerate(ns, 1) if last < tail and last + 1 in stops)]
 
 
 def request_slot(req: AssembleRequest, turns: Turns) -> Slot | None:

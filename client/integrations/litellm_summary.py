@@ -5,8 +5,8 @@
   the worker loads the stored summary; after the assembly, ``plan`` decides whether a new one is
   due: the kept history is above ``high_water`` of what the history may use, or messages were
   dropped that no summary covers. The new ``covers`` is chosen on a unit boundary
-  (``pipeline.summary.check_covers``) so the kept history falls to ``low_water``: compaction ahead
-  of need, so the next calls do not trim.
+  (``pipeline.summary.cover_boundaries``, from one split of the conversation) so the kept history
+  falls to ``low_water``: compaction ahead of need, so the next calls do not trim.
 * success: ``launch`` starts the summary in a background task with its own timeout, at most one
   per ``summary_key``: the previous summary (the hook's own copy of the last one it made for the
   key, when its ``covers`` is the one the worker placed; else the conversation is summarized from
@@ -35,7 +35,7 @@ from typing import Any
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.client.integrations.litellm_config import Summaries
-from ibex_context.pipeline.summary import check_covers, non_system
+from ibex_context.pipeline.summary import cover_boundaries, non_system
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.models import SUMMARY_KEY_CHARS, AssembleResponse
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 PENDING_MAX = 1_000  # calls whose success may start a summary; the oldest are forgotten
 COPIES_MAX = 10_000  # the last summary the hook made per key (its text, to fold into the next)
 TRANSCRIPT_MAX_CHARS = 400_000  # what one summary call sends at most (the oldest part kept whole)
+ROUNDOFF = 2.0 ** -53  # a float addition's relative error at most: bounds how far two orders of one sum differ
 _KEY = re.compile(SUMMARY_KEY_CHARS)
 Complete = Callable[[str, list[dict[str, Any]], int, float], Awaitable[str]]
 
@@ -92,7 +93,10 @@ def choose_covers(fmt: str, messages: list[Any], assembly: AssembleResponse, *, 
                   summary_tokens: int) -> int | None:
     """The new ``covers``: the smallest one on a unit boundary (and at least what was dropped) that
     brings the kept history with a summary of ``summary_tokens`` to ``low_water`` of what the
-    history may use; else the largest one allowed. None when none covers more than the placed summary."""
+    history may use; else the largest one allowed. None when none covers more than the placed summary.
+
+    Linear in the conversation: one split into units gives every boundary (``cover_boundaries``),
+    and running sums give what each one leaves (``_first_within``)."""
     turns = Turns(format=fmt, target=fmt, messages=messages, tools=[])  # type: ignore[arg-type]
     budget = assembly.budget
     available = budget.messages_tokens + max(0, budget.unclamped)
@@ -102,15 +106,59 @@ def choose_covers(fmt: str, messages: list[Any], assembly: AssembleResponse, *, 
     kept = [i for i in range(len(messages)) if i not in dropped]
     shares = _cost_shares(messages, kept, budget.messages_tokens)
     ns = non_system(turns)
-    fits = [c for c in range(at_least, len(ns) + 1) if check_covers(turns, c) is None]
+    fits = [c for c in cover_boundaries(turns) if c >= at_least] if at_least <= len(ns) else []
     if not fits:
         return None
+    first = _first_within(fits, ns, shares, summary_tokens, low_water * available, len(messages))
+    return fits[-1] if first is None else first
+
+
+def _running_sums(ns: Sequence[int], shares: Mapping[int, float], n: int) -> tuple[list[float], list[float], list[int]]:
+    """Per message index ``i``: the shares of the kept messages from ``i`` on, of the kept system
+    messages before ``i``, and how many kept non-system messages come before ``i``."""
+    counted = [False] * n
+    for i in ns:
+        counted[i] = True
+    after = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        after[i] = after[i + 1] + shares.get(i, 0.0)
+    system, held = [0.0] * (n + 1), [0] * (n + 1)
+    for i in range(n):
+        kept = i in shares
+        system[i + 1] = system[i] + (shares[i] if kept and not counted[i] else 0.0)
+        held[i + 1] = held[i] + (kept and counted[i])
+    return after, system, held
+
+
+def _first_within(fits: Sequence[int], ns: Sequence[int], shares: Mapping[int, float], summary_tokens: int,
+                  limit: float, n: int) -> int | None:
+    """The first of ``fits`` whose uncovered kept messages' shares plus ``summary_tokens`` are at
+    most ``limit``, or None.
+
+    What a candidate leaves comes from running sums, added in another order than the kept
+    messages' own; the two differ by at most ``margin`` (a bound on the rounding of either sum).
+    Only a candidate that close to ``limit`` has its shares summed again in their own order, once
+    per set of messages left, so a near tie is decided exactly as that sum decides it."""
+    after, system, held = _running_sums(ns, shares, n)
+    total = after[0]
+    # no rounding to allow for when every share is 0, or the limit is not finite (or NaN: never within)
+    exact = (total == 0.0 and float(summary_tokens) == summary_tokens) or not abs(limit) < float("inf")
+    # either sum is off by under (additions) * ROUNDOFF * total, the last additions and the
+    # comparison by a few ROUNDOFF more: twice that, so a candidate outside it is decided either way
+    margin = 0.0 if exact else 4 * (len(shares) + 4) * ROUNDOFF * (total + abs(summary_tokens) + abs(limit))
+    refused: set[int] = set()  # sets of messages left (by the kept non-system messages covered) over the limit
     for c in fits:
-        covered = set(ns[:c])
-        rest = sum(v for i, v in shares.items() if i not in covered)
-        if rest + summary_tokens <= low_water * available:
+        last = ns[c - 1]
+        near = system[last] + after[last + 1] + summary_tokens
+        if near <= limit - margin:
             return c
-    return fits[-1]
+        if not near <= limit + margin or held[last + 1] in refused:
+            continue
+        covered = set(ns[:c])
+        if sum(v for i, v in shares.items() if i not in covered) + summary_tokens <= limit:
+            return c
+        refused.add(held[last + 1])
+    return None
 
 
 def due(assembly: AssembleResponse, high_water: float) -> bool:
