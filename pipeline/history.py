@@ -40,6 +40,7 @@ from ibex_context.shared.wire.errors import InvalidRequest
 
 ChatFormat = Literal["openai", "anthropic"]
 HistoryMode = Literal["trim_oldest", "fail"]
+_FORMATS, _MODES = get_args(ChatFormat), get_args(HistoryMode)  # checked on every request
 UnitKind = Literal["system", "tool_exchange", "message"]
 DropReason = Literal["trim_oldest", "start_on_user", "summarized"]
 OverflowReason = Literal["pinned", "fail_mode"]
@@ -87,8 +88,8 @@ class HistoryPolicy:
     min_memory_share: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode not in get_args(HistoryMode):
-            raise InvalidRequest(f"history.mode: must be one of {get_args(HistoryMode)}, got {self.mode!r}",
+        if self.mode not in _MODES:
+            raise InvalidRequest(f"history.mode: must be one of {_MODES}, got {self.mode!r}",
                                  field="history.mode")
         if isinstance(self.min_recent_turns, bool) or not isinstance(self.min_recent_turns, int) \
                 or self.min_recent_turns < 0:
@@ -178,8 +179,8 @@ def _anthropic_unit(messages: Sequence[Message], i: int) -> tuple[int, UnitKind]
 
 
 def _check_format(format: str) -> None:
-    if format not in get_args(ChatFormat):
-        raise InvalidRequest(f"format: must be one of {get_args(ChatFormat)}, got {format!r}", field="format")
+    if format not in _FORMATS:
+        raise InvalidRequest(f"format: must be one of {_FORMATS}, got {format!r}", field="format")
 
 
 def split_units(format: ChatFormat, messages: Sequence[Message]) -> list[Unit]:
