@@ -83,7 +83,7 @@ def compute_budget(
         raise TokenizerMismatch(f"counts are {spent.family}/{spent.kind} but model {spec.name} uses {fam.name}/{rule}")
     reserve = response_reserve(spec, reserve_fraction)
     buffer = safety_buffer(spec, calibration)
-    unclamped = room(spec, spent.n, reserve_fraction=reserve_fraction, calibration=calibration)
+    unclamped = spec.context_window - reserve - buffer - spent.n  # as ``room``, with the terms at hand
     usable = max(0, unclamped)
     return BudgetBreakdown(
         model=spec.name,

@@ -65,11 +65,7 @@ def tools_counted(counter: TokenCounter, schemas: Sequence[dict[str, Any]]) -> C
     return count_lines(counter, fmt.TOOLS_HEADER, fmt.tool_lines(schemas))
 
 
-@functools.lru_cache(maxsize=1024)
 def directive_counted(counter: TokenCounter, directive: str | None) -> CountedSection:
-    """The directive's flat section and its count. Memoized per (counter, directive): an agent's
-    directive repeats on every request and is counted three times in each (the fit stage's budget,
-    the flat text's joins, the plan); the counter's own cache still hashes the whole text."""
     text = fmt.directive_section(directive)
     return CountedSection(text, counter.count(text))
 

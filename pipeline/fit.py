@@ -67,8 +67,9 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
     """
     r = counted.renderer
     mem_text = memory_overhead(counter, nonce)
-    frame = r.frame_tokens(directive) + mem_text
-    fixed = (r.directive_tokens(directive), r.fixed - r.tools, r.tools, frame)
+    directive_text = directive_counted(counter, directive)  # once: the budget, the joins and the plan
+    frame = r.frame_tokens(directive_text) + mem_text
+    fixed = (r.directive_tokens(directive, directive_text), r.fixed - r.tools, r.tools, frame)
     # everything but the history: what is left for it
     left = room(spec, sum(fixed), reserve_fraction=limits.reserve_fraction, calibration=limits.calibration)
     policy = HistoryPolicy(mode=options.mode, min_recent_turns=options.min_recent_turns,
@@ -91,7 +92,7 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
         placed = None
     sent = cost if placed is not None else 0
     budget = _budget(spec, counter, fixed, fit.kept_tokens + sent, limits)
-    return Plan(counted, fit, budget, directive, directive_counted(counter, directive), mem_text,
+    return Plan(counted, fit, budget, directive, directive_text, mem_text,
                 placed, cost, dropped, summary)
 
 

@@ -74,11 +74,11 @@ class Renderer(Protocol):
     @property
     def tools(self) -> int: ...
 
-    def directive_tokens(self, directive: str | None) -> int:
-        """The directive as this target sends it."""
+    def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
+        """The directive as this target sends it (``directive_text``: its flat section, counted once)."""
         ...
 
-    def frame_tokens(self, directive: str | None) -> int:
+    def frame_tokens(self, directive_text: CountedSection) -> int:
         """What this target adds around the memories block beyond its flat text (its own message
         or block; the joins between the flat sections)."""
         ...

@@ -54,10 +54,10 @@ class AnthropicRenderer:
     def _block(self, text: str) -> int:
         return cc.anthropic_prompt_tokens([{"type": "text", "text": text}], [], [], self.counter, model=self.model)
 
-    def directive_tokens(self, directive: str | None) -> int:
+    def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
         return self._block(directive) if directive else 0
 
-    def frame_tokens(self, directive: str | None) -> int:
+    def frame_tokens(self, directive_text: CountedSection) -> int:
         return self._block("")
 
     def summary_tokens(self, summary: str) -> int:

@@ -47,12 +47,12 @@ class OpenAIRenderer:
         frame = cc.openai_message_tokens({"role": role, "content": ""}, counter, model=model)
         return cls(turns, model, counter, role, costs, fixed, tools_n, frame)
 
-    def directive_tokens(self, directive: str | None) -> int:
+    def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
         if not directive:
             return 0
         return cc.openai_message_tokens({"role": self.role, "content": directive}, self.counter, model=self.model)
 
-    def frame_tokens(self, directive: str | None) -> int:
+    def frame_tokens(self, directive_text: CountedSection) -> int:
         return self.frame
 
     def summary_tokens(self, summary: str) -> int:

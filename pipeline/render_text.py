@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.count import (
     CountedSection,
-    directive_counted,
     joins_overhead,
     summary_counted,
     tools_counted,
@@ -53,14 +52,14 @@ class TextRenderer:
         header = counter.count(fmt.HISTORY_HEADER) if lines else 0
         return cls(tuple(lines), tuple(costs), header, tools_counted(counter, turns.tools), counter)
 
-    def directive_tokens(self, directive: str | None) -> int:
-        return directive_counted(self.counter, directive).tokens
+    def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
+        return directive_text.tokens
 
-    def frame_tokens(self, directive: str | None) -> int:
+    def frame_tokens(self, directive_text: CountedSection) -> int:
         """The joins between the sections outside the memories block (the one before the block
         is in ``count.memory_overhead``)."""
         history = CountedSection("x" if self.lines else "", 0)
-        return joins_overhead(self.counter, (directive_counted(self.counter, directive), history, self.tools_section))
+        return joins_overhead(self.counter, (directive_text, history, self.tools_section))
 
     def summary_tokens(self, summary: str) -> int:
         """Its section and the join it adds."""
