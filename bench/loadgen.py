@@ -26,6 +26,7 @@ import numpy as np
 
 from bench.lib.cpu import cpu_seconds
 from bench.stats import COMPONENTS, WORKER_STAGES, Histograms
+from bench.workload import as_requests
 from ibex_context.client.client import AsyncClient
 from ibex_context.shared.wire.errors import IbexError
 from ibex_context.shared.wire.models import AssembleRequest
@@ -268,12 +269,11 @@ class ClientTarget:
 
     def __init__(self, client: AsyncClient, templates: Sequence[AssembleRequest], *, tag: str) -> None:
         self.client = client
-        self.templates = list(templates)
+        self.requests = as_requests(templates)
         self.tag = tag
 
     async def __call__(self, i: int, timeout_s: float) -> Reply:
-        tmpl = self.templates[i % len(self.templates)]
-        req = tmpl.model_copy(update={"request_id": f"{self.tag}-{i}"})
+        req = self.requests.nth(i).model_copy(update={"request_id": f"{self.tag}-{i}"})
         try:
             resp = await self.client.assemble(req, timeout=timeout_s)
         except IbexError as exc:

@@ -55,6 +55,8 @@ def summary_rows(res: dict[str, Any]) -> list[list[str]]:
         row(f"full: server CPU per reply at {rate:.0f}/s", lambda s: f"{s['server_cpu_us_per_reply']:.0f} µs", first)
         row(f"full: memory service + Redis CPU per reply at {rate:.0f}/s",
             lambda s: f"{s['backend_cpu_us_per_reply']:.0f} µs", first)
+        row(f"full: full-system CPU per reply (all of the above) at {rate:.0f}/s",
+            lambda s: f"{s.get('system_cpu_us_per_reply', 0):.0f} µs", first)
         row(f"full: p50 / p99 at {rate:.0f}/s", _p50_p99, first)
         row("full: highest rate with >= 90 % undegraded on-time replies, p99 < deadline",
             lambda v: "-" if v["saturation_rps"] is None else f"{v['saturation_rps']:.0f}/s", full)
@@ -93,8 +95,10 @@ def ladder_rows(full: dict[str, Any]) -> list[list[str]]:
 
 def markdown(res: dict[str, Any]) -> str:
     head, *rows = summary_rows(res)
+    plan = res["meta"]["plan"]
+    workload = "a new question every request" if plan.get("new_questions") else "repeated demo questions"
     lines = [f"# bench.peers (commit {res['meta'].get('commit')}, {res['meta'].get('started')}, "
-             f"deadline {res['meta']['plan']['deadline_ms']:.0f} ms)", "", *table(head, rows), ""]
+             f"deadline {plan['deadline_ms']:.0f} ms, full mode: {workload})", "", *table(head, rows), ""]
     full = res.get("full")
     if full:
         lines += ["## Full-mode ladder (each row one interleaved run; CPU µs per reply)", "",

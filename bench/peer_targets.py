@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.loadgen import OK, Reply
+from bench.workload import as_requests
 from ibex_context.client.requests import encode_with_deadline
 from ibex_context.shared.wire.codec import decode_reply
 from ibex_context.shared.wire.models import AssembleRequest, ErrorReply
@@ -43,7 +44,7 @@ class GrpcTarget:
         import grpc
 
         self._grpc = grpc
-        self.templates = list(templates)
+        self.requests = as_requests(templates)
         self.tag = tag
         self.channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                                    options=[("grpc.use_local_subchannel_pool", 1)])
@@ -58,7 +59,7 @@ class GrpcTarget:
             await asyncio.gather(*(ch.channel_ready() for ch in self.channels))
 
     async def __call__(self, i: int, timeout_s: float) -> Reply:
-        payload = _payload(self.templates[i % len(self.templates)], f"{self.tag}-{i}", timeout_s)
+        payload = _payload(self.requests.nth(i), f"{self.tag}-{i}", timeout_s)
         stub = self.stubs[next(self._rr)]
         try:
             body: Any = await stub(payload, timeout=timeout_s)
@@ -77,7 +78,7 @@ class HttpTarget:
 
     def __init__(self, port: int, templates: Sequence[AssembleRequest], *, path: str, tag: str) -> None:
         self.url = f"http://127.0.0.1:{port}{path}"
-        self.templates = list(templates)
+        self.requests = as_requests(templates)
         self.tag = tag
         self.session: Any = None
 
@@ -87,7 +88,7 @@ class HttpTarget:
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256),
                                                  headers={"content-type": "application/msgpack"})
-        payload = _payload(self.templates[i % len(self.templates)], f"{self.tag}-{i}", timeout_s)
+        payload = _payload(self.requests.nth(i), f"{self.tag}-{i}", timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
                 async with self.session.post(self.url, data=payload) as resp:

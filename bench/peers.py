@@ -26,8 +26,14 @@ within every round, in rotated order, so machine drift hits all alike. Phases:
 
 Server CPU (``bench.lib.cpu``) of every server process (broker and workers, or the two peer
 processes) is read around each run and divided by the replies of that run; the memory
-service and Redis are reported separately. Outputs: ``bench/out/peers.json`` and ``peers.md``.
-Nothing is asserted.
+service and Redis are reported separately, and the sum of all four as full-system CPU.
+
+``--new-questions``: in the full phase every request asks a question never sent before
+(``bench.questions``, shared by all systems so none answers from another's cached embedding), as a
+proxy's calls do; the memory service's query embedding is then paid on every assembly and
+dominates the system's CPU. Without it the requests repeat a few dozen questions.
+
+Outputs: ``bench/out/peers.json`` and ``peers.md``. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from bench.peer_report import markdown
 from bench.peer_servers import READY_LINE
 from bench.peer_targets import GrpcTarget, HttpTarget
 from bench.stats import Histograms
-from bench.workload import request_templates
+from bench.workload import Requests, request_templates
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.local import LocalStack
 from ibex_context.ops.procs import stop_processes, wait_for
@@ -91,12 +97,15 @@ class PeerPlan:
     seed: int = 18
     systems: tuple[str, ...] = SYSTEMS
     baseline: str | None = None  # a checkout of this project to run as "ibex-base" beside the others
+    new_questions: bool = False  # every send a question never asked before (bench.questions): the embedding is paid
     floor: bool = True  # add FLOOR to the transport phase: the card's two hops with nothing in Python but the answer
 
     def transport_systems(self) -> tuple[str, ...]:
         return (*self.systems, FLOOR) if self.floor and "ibex" in self.systems else self.systems
 
 
+# A new question costs the memory service an encoder pass, so saturation comes far lower.
+NEW_QUESTION_RATES = [50.0, 100.0, 150.0, 200.0, 250.0, 300.0, 400.0, 500.0, 600.0]
 QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "rates": [40.0, 80.0],
          "point_s": 0.6, "overload_s": 0.6, "pause_s": 0.2, "warmup": 5}
 
@@ -223,7 +232,8 @@ class Targets:
         self.servers, self.plan, self.method = servers, plan, method
         self.calls: dict[str, Any] = {}
         self.clients: list[Any] = []
-        self.templates = request_templates(seed=plan.seed)
+        self.templates = Requests(request_templates(seed=plan.seed),
+                                  new_questions=plan.new_questions and method == "full")
 
     async def open(self, tag: str) -> None:
         from bench.loadgen import ClientTarget
@@ -320,6 +330,7 @@ def summarize(ms: list[Measured]) -> dict[str, Any]:
     replies = max(1, s["responses"])
     s["server_cpu_us_per_reply"] = round(sum(m.server_cpu_s for m in ms) / replies * 1e6, 1)
     s["backend_cpu_us_per_reply"] = round(sum(m.backend_cpu_s for m in ms) / replies * 1e6, 1)
+    s["system_cpu_us_per_reply"] = round(s["server_cpu_us_per_reply"] + s["backend_cpu_us_per_reply"], 1)
     s["undegraded_fraction"] = round(s["complete_rps"] * s["duration_s"] / max(1, s["scheduled"]), 4)
     s["shed"] = _shed(run.samples)
     if ms[-1].broker:
@@ -418,9 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path,
                     help="another checkout of this project (e.g. a git worktree of main), run as 'ibex-base' in "
                          "the same interleaved rounds: before/after under the same machine state")
+    ap.add_argument("--new-questions", action="store_true",
+                    help="full mode: every request a question never sent before, so the memory service embeds each one")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     plan = PeerPlan(**(QUICK if args.quick else {}))
+    plan.new_questions = args.new_questions
+    if args.new_questions and not args.quick:
+        plan.rates = list(NEW_QUESTION_RATES)
     if args.rates:
         plan.rates = [float(x) for x in args.rates.split(",")]
     if args.transport_rate:

@@ -27,7 +27,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from bench.lib.stack import (
 )
 from bench.loadgen import ClientTarget, RunResult, merge_runs, open_loop
 from bench.stats import Histograms
-from bench.workload import request_templates
+from bench.workload import Requests, request_templates
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack, broker_status
 from ibex_context.shared.wire.codec import encode
@@ -91,6 +91,7 @@ class Plan:
     chaos_rate: float | None = None
     pause_s: float = 0.4
     seed: int = 9
+    new_questions: bool = False  # full and chaos: every request a question never sent before (bench.questions)
     fresh_workers: bool = True  # restart workers after the ramp and before chaos (see full_phase)
     warmup: int = 40  # sequential requests before measuring, after every (re)start
     rejoin_grace_s: float = 10.0  # chaos: keep watching for the restarted worker after the load ends
@@ -170,7 +171,7 @@ def _healthy(s: dict[str, Any], deadline_ms: float) -> bool:
 class Driver:
     """Runs open-loop steps through one AsyncClient and attaches broker counter deltas."""
 
-    def __init__(self, client: AsyncClient, templates: list[AssembleRequest], *, status_endpoint: str | None,
+    def __init__(self, client: AsyncClient, templates: Sequence[AssembleRequest], *, status_endpoint: str | None,
                  plan: Plan, progress: Progress, meta: dict[str, Any]) -> None:
         self.client = client
         self.templates = templates
@@ -307,8 +308,9 @@ async def full_phase(endpoint: str, plan: Plan, progress: Progress, workers: int
     stage-cost trackers remember the ramp's overload step for hundreds of requests."""
     c = await connected_client(endpoint)
     try:
-        d = Driver(c, request_templates(seed=plan.seed), status_endpoint=status_endpoint, plan=plan,
-                   progress=progress, meta={"mode": "full", "workers": workers})
+        d = Driver(c, Requests(request_templates(seed=plan.seed), new_questions=plan.new_questions),
+                   status_endpoint=status_endpoint, plan=plan, progress=progress,
+                   meta={"mode": "full", "workers": workers, "new_questions": plan.new_questions})
         await d.warm()
         out: dict[str, Any] = {"workers": workers}
         if plan.rates:
@@ -344,7 +346,7 @@ async def full_phase(endpoint: str, plan: Plan, progress: Progress, workers: int
 async def chaos_phase(stack: LocalStack, plan: Plan, progress: Progress, rate: float) -> dict[str, Any]:
     c = await connected_client(stack.frontend)
     try:
-        templates = request_templates(seed=plan.seed)
+        templates = Requests(request_templates(seed=plan.seed), new_questions=plan.new_questions)
         d = Driver(c, templates, status_endpoint=stack.frontend, plan=plan, progress=progress,
                    meta={"mode": "chaos"})
         await d.warm()
@@ -529,6 +531,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     overrides: dict[str, Any] = {}
     if args.no_fresh_workers:
         overrides["fresh_workers"] = False
+    if args.new_questions:
+        overrides["new_questions"] = True
     if args.deadline_ms is not None:
         overrides["deadline_ms"] = args.deadline_ms
     if args.workers:
@@ -567,6 +571,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--inproc-iterations", type=int, help="warm-cache inproc iterations (default 300)")
     ap.add_argument("--pingpongs", type=int, help="closed-loop floor round trips (default 2000)")
     ap.add_argument("--seed", type=int, help="arrival and request seed (default 9)")
+    ap.add_argument("--new-questions", action="store_true",
+                    help="full and chaos modes: every request a question never sent before, so the memory "
+                         "service embeds each one (as behind a proxy); by default a few dozen questions repeat")
     ap.add_argument("--no-fresh-workers", action="store_true",
                     help="keep the workers the ramp overloaded for the sweep (by default they are restarted)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra IBEX_* for the stack")

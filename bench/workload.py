@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from bench.questions import FreshQuestions
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.wire.models import AssembleRequest
+from ibex_context.shared.wire.models import AssembleRequest, Message
 
 DEMO_DATA = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
 
@@ -56,6 +58,40 @@ def request_templates(n: int = 64, *, seed: int = 9) -> list[AssembleRequest]:
             "request_id": f"tmpl-{i}", "org_id": org, "agent_id": agent, "model": MODELS[i % len(MODELS)],
             "query": query, "recent_messages": msgs, "deadline_ns": far}))
     return out
+
+
+class Requests(Sequence[AssembleRequest]):
+    """The requests a target sends: ``nth(i)`` is the ``i``-th send's request (before its
+    request_id and deadline are set). With ``new_questions`` every send asks a question from
+    ``bench.questions`` never asked before in this process (query and newest user message), so the
+    memory service embeds every query, as it does behind a proxy; otherwise the templates repeat
+    and the service's query cache answers most embeddings."""
+
+    def __init__(self, templates: Sequence[AssembleRequest], *, new_questions: bool = False) -> None:
+        self.templates = list(templates)
+        self.new_questions = new_questions
+        self._fresh = FreshQuestions() if new_questions else None
+
+    def nth(self, i: int) -> AssembleRequest:
+        tmpl = self.templates[i % len(self.templates)]
+        if self._fresh is None:
+            return tmpl
+        q = self._fresh(tmpl.agent_id)
+        return tmpl.model_copy(update={"query": q, "recent_messages": [*tmpl.recent_messages[:-1],
+                                                                       Message(role="user", content=q)]})
+
+    def __len__(self) -> int:
+        return len(self.templates)
+
+    def __getitem__(self, i: int) -> AssembleRequest:  # type: ignore[override]
+        return self.templates[i]
+
+    def __iter__(self) -> Iterator[AssembleRequest]:
+        return iter(self.templates)
+
+
+def as_requests(templates: Sequence[AssembleRequest]) -> Requests:
+    return templates if isinstance(templates, Requests) else Requests(templates)
 
 
 def demo_texts(path: Path = DEMO_DATA) -> list[str]:
