@@ -42,7 +42,9 @@ TOPICS: dict[str, tuple[str, ...]] = {
                   "the onboarding checklist", "the promotion cycle", "the sick leave policy", "the training budget",
                   "the relocation package", "the performance review", "the pension plan", "the notice period"),
 }
-SLOTS = (len(OPENERS), 12, len(ASKS), len(QUALIFIERS))
+_TOPIC_COUNTS = {len(t) for t in TOPICS.values()}
+assert len(_TOPIC_COUNTS) == 1, "every agent needs as many topics, or its pool would repeat"
+SLOTS = (len(OPENERS), _TOPIC_COUNTS.pop(), len(ASKS), len(QUALIFIERS))
 PER_AGENT = SLOTS[0] * SLOTS[1] * SLOTS[2] * SLOTS[3]
 _STRIDE = 7919  # prime, coprime with PER_AGENT: consecutive draws differ in every slot
 

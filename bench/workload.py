@@ -69,8 +69,11 @@ class Requests(Sequence[AssembleRequest]):
 
     def __init__(self, templates: Sequence[AssembleRequest], *, new_questions: bool = False) -> None:
         self.templates = list(templates)
-        self.new_questions = new_questions
         self._fresh = FreshQuestions() if new_questions else None
+
+    @property
+    def new_questions(self) -> bool:
+        return self._fresh is not None
 
     def nth(self, i: int) -> AssembleRequest:
         tmpl = self.templates[i % len(self.templates)]
