@@ -1,7 +1,9 @@
 """The broker's usage-report path (docs/assembly.md "Calibrated token counts",
 docs/architecture.md "Admission control").
 
-A report is admitted by its caller key's, its org's and the broker's token buckets
+A report is validated whole (``UsageReport``): no reply follows a forwarded one, so a malformed
+report is answered INVALID_REQUEST here, naming the field, and never reaches a worker. A valid one
+is admitted by its caller key's, its org's and the broker's token buckets
 (``broker.usage_limits``), authorized like a request, then sent straight to one live worker,
 round-robin. It takes no credit and never enters the request queue; the broker dispatches the
 requests it can before it looks at a report, and while requests still wait for a worker reports
@@ -24,14 +26,17 @@ import zmq
 from ibex_context.broker.state import Authorizer, BrokerBase
 from ibex_context.broker.usage_limits import UsageLimits, shed_message
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import peek_envelope, scan_request_id
+from ibex_context.shared.wire.codec import peek_envelope, scan_request_id, unpack, validate
 from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded
-from ibex_context.shared.wire.models import ErrorReply
+from ibex_context.shared.wire.models import ErrorReply, UsageReport
 from ibex_context.shared.wire.protocol import Envelope
-from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES
+from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
 
-# kind -> (its frame's command, its payload's size limit)
-KINDS = {"usage": (P.USAGE, P.MAX_USAGE_BYTES), "summary": (P.SUMMARY, MAX_SUMMARY_BYTES)}
+# kind -> (its frame's command, its payload's size limit, its model)
+KINDS: dict[str, tuple[bytes, int, type[UsageReport] | type[SummaryWrite]]] = {
+    "usage": (P.USAGE, P.MAX_USAGE_BYTES, UsageReport),
+    "summary": (P.SUMMARY, MAX_SUMMARY_BYTES, SummaryWrite),
+}
 
 
 class UsageIntake(BrokerBase):
@@ -78,6 +83,11 @@ class UsageIntake(BrokerBase):
         if isinstance(env, ErrorReply):
             self.stats[f"{kind}_rejected_invalid"] += 1
             self._reply_error(client, (env.request_id or "").encode(), env)
+            return
+        whole = validate(unpack(payload, max_bytes=max_bytes), KINDS[kind][2])
+        if isinstance(whole, ErrorReply):  # no reply follows a forwarded one: a bad one is answered here
+            self.stats[f"{kind}_rejected_invalid"] += 1
+            self._reply_error(client, env.request_id.encode(), whole, env.request_id)
             return
         refusal = self._checked(env, last)
         if refusal is not None:

@@ -15,14 +15,17 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import unpack, validate
+from ibex_context.shared.wire.models import ErrorReply, UsageReport
 from ibex_context.shared.wire.protocol import Envelope, pack_header
+from ibex_context.shared.wire.summary_write import SummaryWrite
 from tests.helpers import raw_request_frames, start_stack
 
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_MAX_REQUEST_BYTES": "65536"}
@@ -88,11 +91,27 @@ def _roundtrip(sock: zmq.Socket[bytes], msg: list[bytes]) -> list[list[bytes]]:
     return replies
 
 
+def _unanswered(msg: list[bytes]) -> bool:
+    """A well-formed usage report or summary: forwarded to a worker, with no reply by design."""
+    if len(msg) != 3 or msg[0] != P.TAG or msg[1] not in (P.USAGE, P.SUMMARY):
+        return False
+    model = UsageReport if msg[1] == P.USAGE else SummaryWrite
+    return not isinstance(validate(unpack(msg[2]), model), ErrorReply)
+
+
+HOUR_AHEAD = time.time_ns() + 3600 * 10**9
+
+
 @settings(max_examples=250, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
           deadline=None)
 @given(msg=messages)
+@example(msg=[P.TAG, P.USAGE, msgpack.packb(_valid(deadline_ns=HOUR_AHEAD))])  # a request sent as a report
+@example(msg=[P.TAG, P.SUMMARY, msgpack.packb(_valid(deadline_ns=HOUR_AHEAD))])
 def test_broker_answers_every_message_exactly_once(dealer: zmq.Socket[bytes], msg: list[bytes]) -> None:
     replies = _roundtrip(dealer, msg)
+    if _unanswered(msg):
+        assert replies == [], (msg, replies)
+        return
     assert len(replies) == 1, (msg, replies)
     tag, kind, _rid, body = replies[0]
     assert tag == P.TAG and kind in (P.REPLY, P.ERROR)

@@ -419,23 +419,56 @@ async def test_one_orgs_usage_flood_leaves_another_orgs_assemblies_whole_and_on_
         assert 1 <= len(ids) <= flood_s + 3, len(ids)
 
 
-def test_refused_reports_are_summed_in_the_log_and_cannot_forge_a_line(stack: LocalStack) -> None:
-    """A report with an extra key holding a newline and a log line: refused by the worker, counted,
-    and logged as one escaped summary, not one line (or two) per report."""
+def test_a_malformed_report_is_answered_by_the_broker_once_on_one_line(stack: LocalStack) -> None:
+    """A report that is not a UsageReport (an extra key holding a newline and a log line, a request
+    sent as a report) is answered INVALID_REQUEST by the broker, once each, naming the key quoted on
+    one line; it never reaches a worker, which would drop it without a word."""
     forged = "2099-01-01 00:00:00 INFO forged: an operator would believe this"
     doc = {"v": 1, "request_id": f"{USAGE_ID_PREFIX}x", "org_id": "initech", "agent_id": "bot",
            "deadline_ns": time.time_ns() + 60 * S, "assembly_id": "a" * 32, "model": MODEL,
            "estimated_tokens": 1, "prompt_tokens": 1, f"x\n{forged}": 1}
+    request = {"v": 1, "request_id": f"{USAGE_ID_PREFIX}req", "org_id": "initech", "agent_id": "bot",
+               "model": "gpt-4o", "query": "q", "deadline_ns": time.time_ns() + 60 * S}
+    payloads = []
+    for n in range(20):
+        doc["request_id"] = f"{USAGE_ID_PREFIX}{n}"
+        payloads.append(msgpack.packb(doc))
+    payloads.append(msgpack.packb(request))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    s = connect(ctx, stack.frontend)
+    before = (stack.status(2.0) or {})["stats"].get("usage_rejected_invalid", 0)
+    for p in payloads:
+        s.send_multipart(P.usage_frames(p))
+    replies = replies_until_status(s)
+    s.close()
+    ctx.term()
+    errors = [decode_reply(r.payload) for r in replies]
+    assert sorted(r.correlation_id for r in replies) == sorted(msgpack.unpackb(p)["request_id"] for p in payloads)
+    for err in errors:
+        assert isinstance(err, ErrorReply) and err.code == ErrorCode.INVALID_REQUEST, err
+        assert "\n" not in err.message
+    assert {e.field for e in errors if isinstance(e, ErrorReply)} == {repr(f"x\n{forged}"), "assembly_id"}
+    assert (stack.status(2.0) or {})["stats"].get("usage_rejected_invalid", 0) - before == len(payloads)
+
+
+def test_refused_reports_are_summed_in_the_log_and_cannot_forge_a_line(stack: LocalStack) -> None:
+    """A well-formed report naming an assembly this service never issued (its id holding a newline
+    and a log line): refused by the worker, counted, and logged as one escaped summary, not one line
+    (or two) per report."""
+    forged = "2099-01-01 00:00:00 INFO forged: an operator would believe this"
+    doc = {"v": 1, "request_id": f"{USAGE_ID_PREFIX}x", "org_id": "initech", "agent_id": "bot",
+           "deadline_ns": time.time_ns() + 60 * S, "assembly_id": f"x\n{forged}", "model": MODEL,
+           "estimated_tokens": 1, "prompt_tokens": 1}
     payloads = []
     for n in range(200):  # under the key's burst: every one reaches a worker
         doc["request_id"] = f"{USAGE_ID_PREFIX}{n}"
         payloads.append(msgpack.packb(doc))
 
-    def invalid() -> int:
+    def refused() -> int:
         st = stack.status(2.0)
-        return sum(w["stats"].get("usage_invalid", 0) for w in st["workers"].values()) if st else 0
+        return sum(w["stats"].get("usage_unknown_assembly", 0) for w in st["workers"].values()) if st else 0
 
-    start = invalid()
+    start = refused()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     s = connect(ctx, stack.frontend)
     for p in payloads:
@@ -444,7 +477,7 @@ def test_refused_reports_are_summed_in_the_log_and_cannot_forge_a_line(stack: Lo
     s.close()
     ctx.term()
     end = time.monotonic() + 15
-    while invalid() - start < len(payloads):
+    while refused() - start < len(payloads):
         assert time.monotonic() < end, "the workers did not count the refused reports"
         time.sleep(0.05)
 
@@ -455,7 +488,7 @@ def test_refused_reports_are_summed_in_the_log_and_cannot_forge_a_line(stack: Lo
     text = logs()
     assert not [line for line in text.splitlines() if line.startswith("2099-")], "a report wrote its own log line"
     assert len(re.findall("usage report", text)) <= 4, text[-2000:]
-    while not re.search(r"usage reports refused: invalid \d+", text := logs()):
+    while not re.search(r"usage reports refused: unknown_assembly \d+", text := logs()):
         assert time.monotonic() < end, f"no summary of the refused reports in the workers' logs: {text[-2000:]}"
         time.sleep(0.05)
     assert "\\n2099-01-01" in text  # the caller's text quoted, its newline escaped

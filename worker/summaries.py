@@ -1,7 +1,7 @@
 """Compaction summaries to store (protocol SUMMARY; README "Compaction summaries").
 
-The broker forwards a summary after it authorized its org and agent, exactly as it does a usage
-report; it takes no credit and gets no reply. Here it is validated again (``SummaryWrite``; a bad
+The broker forwards a summary after it validated it whole and authorized its org and agent, exactly
+as it does a usage report; it takes no credit and gets no reply. Here it is validated again (``SummaryWrite``; a bad
 one is refused as a typed ``ErrorReply`` value, counted under ``summary_rejected_invalid`` and
 logged, never raised), then stored under ``{org}:summary:{agent}:{summary_key}`` with a TTL,
 only when its ``covers`` is greater than the stored one's: one Lua script, so two writers of the

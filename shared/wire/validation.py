@@ -26,6 +26,17 @@ def first_error(exc: ValidationError, *, root: str = "", reasons: Mapping[str, s
     """The first error of ``exc``; ``reasons`` replaces pydantic's message for some error types
     with words that tell a caller what to fix."""
     first = exc.errors()[0]
-    loc = tuple(str(p) for p in first["loc"])
+    loc = tuple(_shown(str(p)) for p in first["loc"])
     message = first["msg"] if reasons is None else reasons.get(first["type"], first["msg"])
     return FirstError(".".join(loc) or root, message, first["type"], loc, exc.error_count() - 1)
+
+
+MAX_SHOWN = 100  # a caller's key longer than this is cut in the error that names it
+
+
+def _shown(part: str) -> str:
+    """One location part as an error may quote it: a caller's key with a newline or control
+    character is ``repr``-quoted and a long one cut, so the error stays one short line."""
+    if not part.isprintable():
+        part = repr(part)
+    return part if len(part) <= MAX_SHOWN else part[: MAX_SHOWN - 3] + "..."
