@@ -31,8 +31,9 @@ from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.budget import response_reserve
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
-from ibex_context.shared.stores.keys import summary_key
+from ibex_context.shared.stores.keys import memory_key, summary_key
 from ibex_context.shared.stores.summaries import decode_summary
+from ibex_context.worker.summaries import memory_id
 from tests.helpers import eventually
 from tests.test_litellm_proxy import _keys, curve_hook, curve_stack
 
@@ -160,6 +161,15 @@ def test_a_long_session_is_compacted_without_gaps_and_remembered(rig: Rig) -> No
     print(f"\n{TURNS} turns in {elapsed:.1f} s ({waited:.1f} s waiting for {summaries} summaries); "
           f"first summary sent at turn {first_summary_turn}")
     assert summaries >= 3 and first_summary_turn is not None
+    # the summary became the agent's memory (written after it was stored: wait for it, or say why not)
+    mkey = memory_key("acme", "long-bot", memory_id(key))
+    deadline = time.monotonic() + 20
+    while "FACT-3 " not in (rig.redis.hget(mkey, "content") or b"").decode():
+        snap = rig.stack.status() or {}
+        outcomes = {k: v for w in snap.get("workers", {}).values() for k, v in w["stats"].items()
+                    if k.startswith("summary_")}
+        assert time.monotonic() < deadline, f"the summary memory was not written: {outcomes}"
+        time.sleep(0.05)
     # a new conversation of the same agent finds an early fact among its memories
     rig.upstream.clear()
     fresh = [{"role": "user", "content": f"[{tag}-new] What did I ask you to note as FACT-3?"}]
@@ -167,7 +177,8 @@ def test_a_long_session_is_compacted_without_gaps_and_remembered(rig: Rig) -> No
     assert raw.headers["x-ibex-context"] == "assembled"
     body = next(r for r in rig.upstream.received() if not r.get("summary"))["body"]
     memories = [m["content"] for m in body["messages"] if "<memories nonce=" in str(m.get("content"))]
-    assert memories and "FACT-3 " in memories[0] and "Conversation summary (" in memories[0]
+    assert memories and "FACT-3 " in memories[0] and "Conversation summary (" in memories[0], (
+        raw.headers.get("x-ibex-context-reason"), [str(m.get("content"))[:300] for m in body["messages"]])
 
 
 def test_a_failing_or_hanging_summary_model_changes_nothing_on_the_call_path(rig: Rig) -> None:
