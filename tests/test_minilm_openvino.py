@@ -1,0 +1,107 @@
+"""minilm on OpenVINO in bfloat16 (memory.minilm_openvino) gives the numpy reference's vectors
+(memory.minilm) for the shipped texts, one query at a time and in padded batches, from any
+thread; ``IBEX_MEMORY_MINILM_RUNTIME`` picks the runtime, ``auto`` OpenVINO only where bfloat16 is
+native."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.embed import load_embedder
+from ibex_context.memory.minilm import MiniLMEmbedder
+from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, load_session
+from ibex_context.memory.minilm_openvino import OpenVinoSession, bf16_native
+from tests.test_minilm_onnx import BOUND, _conversation_sample, _cosines, _demo_texts, _eval_questions
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("openvino-cache")
+
+
+@pytest.fixture(scope="module")
+def ov_emb(cache: Path) -> MiniLMOnnxEmbedder:
+    emb = MiniLMOnnxEmbedder(cache_dir=cache, runtime="openvino")
+    emb.load()
+    return emb
+
+
+@pytest.fixture(scope="module")
+def numpy_emb() -> MiniLMEmbedder:
+    emb = MiniLMEmbedder()
+    emb.load()
+    return emb
+
+
+@pytest.mark.timeout(300)
+def test_the_shipped_texts_get_the_reference_vectors(ov_emb: MiniLMOnnxEmbedder, numpy_emb: MiniLMEmbedder) -> None:
+    texts = _eval_questions() + _demo_texts()[::3] + _conversation_sample()[::3]
+    cos = _cosines(ov_emb.embed(texts), numpy_emb.embed(texts))
+    assert cos.min() >= BOUND, texts[int(cos.argmin())]
+    questions = _eval_questions()
+    one_by_one = np.stack([ov_emb.embed_query(q) for q in questions])
+    assert _cosines(one_by_one, numpy_emb.embed_queries(questions)).min() >= BOUND
+    assert _cosines(ov_emb.embed_queries(questions), one_by_one).min() >= 0.99999  # padding changes nothing
+    session = ov_emb.model.session
+    assert isinstance(session, OpenVinoSession)
+    if bf16_native():  # really the bfloat16 pass, not fp32 under another name
+        assert session.precision == "bf16"
+        assert float(np.median(cos)) < 0.999999
+
+
+def test_each_thread_gets_its_own_request(ov_emb: MiniLMOnnxEmbedder) -> None:
+    texts = [f"Where is invoice number {i} for the month of October?" for i in range(40)]
+    want = ov_emb.embed(texts)
+    got: dict[int, np.ndarray] = {}
+
+    def run(k: int) -> None:
+        got[k] = np.stack([ov_emb.embed_query(t) for t in texts])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == [0, 1, 2, 3]
+    for vecs in got.values():
+        assert _cosines(vecs, want).min() >= 0.99999
+
+
+def test_an_unwritable_cache_is_compiled_from_memory(tmp_path: Path, ov_emb: MiniLMOnnxEmbedder) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    session, _, built = load_session(cache_dir=blocker / "cache", runtime="openvino")
+    assert built and isinstance(session, OpenVinoSession) and not (blocker / "cache").exists()
+    probe = "When are Acme Backup invoices sent out?"
+    ids = ov_emb.model.tokenizer.encode(probe).ids
+    feed = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), dtype=np.int64)}
+    (vec,) = session.run(["embedding"], feed)
+    assert float(np.dot(vec[0], ov_emb.embed_query(probe))) >= 0.99999
+
+
+@pytest.mark.parametrize("runtime", ["openvino", "onnxruntime", "numpy"])
+def test_the_runtime_setting_is_obeyed(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", runtime)
+    emb = load_embedder("minilm")
+    assert emb.name == MiniLMEmbedder().name
+    if runtime == "numpy":
+        assert type(emb) is MiniLMEmbedder
+    else:
+        assert isinstance(emb, MiniLMOnnxEmbedder) and emb.runtime == runtime
+
+
+def test_auto_takes_openvino_only_where_bfloat16_is_native() -> None:
+    emb = load_embedder("minilm", MemoryConfig())
+    assert isinstance(emb, MiniLMOnnxEmbedder)
+    assert emb.runtime == ("openvino" if bf16_native() else "onnxruntime")
+
+
+def test_an_unknown_runtime_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", "tensorrt")
+    with pytest.raises(ValueError, match="IBEX_MEMORY_MINILM_RUNTIME"):
+        MemoryConfig()
