@@ -167,6 +167,8 @@ class MiniLM:
 class MiniLMEmbedder:
     """``IBEX_MEMORY_EMBEDDER=minilm``: the full network per text (milliseconds; off the event loop)."""
 
+    runtime: str = "numpy"  # what runs the forward pass (the memory service's /healthz shows it)
+
     def __init__(self) -> None:
         model_zip()  # fail at start-up, with the install command, not at the first search
         self._model: MiniLM | None = None

@@ -341,13 +341,14 @@ class MiniLMOnnxEmbedder(MiniLMEmbedder):
         super().__init__()
         self._weights: Weights = weights
         self._cache_dir = cache_dir
-        self.runtime: Runtime = runtime
+        self.runtime = runtime
+        self._runtime: Runtime = runtime
 
     def _make_model(self) -> OnnxMiniLM:
         """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
         started = time.perf_counter()
         session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir,
-                                                 runtime=self.runtime)
+                                                 runtime=self._runtime)
         log.info("minilm: %s graph (%s) %s in %.2f s", self.runtime, self._weights,
                  "built" if built else "loaded", time.perf_counter() - started)
         return OnnxMiniLM(session, tokenizer)

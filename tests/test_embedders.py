@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ibex_context.memory.embed import EmbedderUnavailable, load_embedder
+from ibex_context.memory.minilm_openvino import bf16_native
 from ibex_context.memory.redis_server import EmbeddedRedis
 from tests.fixtures_services import MemoryServiceHandle, ServiceStartError
 
@@ -88,7 +89,9 @@ def test_the_default_service_ranks_a_reworded_question_first(minilm_service: Mem
     svc.seed(docs)
     with httpx.Client(base_url=svc.url, timeout=30.0) as http:
         h = svc.headers("acme")
-        assert http.get("/healthz").json()["embedder"] == "minilm-l6-v2-np"
+        health = http.get("/healthz").json()
+        assert health["embedder"] == "minilm-l6-v2-np"
+        assert health["embedder_runtime"] == ("openvino" if bf16_native() else "onnxruntime")
         hot = http.get("/v1/memories/hot", params={"agent_id": "bot", "query": REWORDED}, headers=h).json()
         assert hot["memories"][0]["memory_id"] == "m0", hot
         found = http.post("/v1/memories/search", headers=h,

@@ -2,8 +2,9 @@
 RESP parsed by hiredis.
 
 Why not redis-py for this one call: its per-call Python (pool checkout with a pid check, retry
-wrapper, command packing, response parsing layers) costs ~34 µs of CPU per GET against ~9 µs
-here (docs/performance.md). Everything else (pings, calibration, admin tools) stays on redis-py.
+wrapper, command packing, response parsing layers) costs twice the CPU per call of this one
+(``python -m bench.memclient``, docs/performance.md). Everything else (pings, calibration, admin
+tools) stays on redis-py.
 
 ``redis://`` and ``unix://`` URLs, with their username, password and db, are served;
 ``Connection.for_url`` returns None for any other (``rediss://``), and the caller keeps redis-py.
