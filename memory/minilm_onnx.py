@@ -349,7 +349,8 @@ class MiniLMOnnxEmbedder(MiniLMEmbedder):
         started = time.perf_counter()
         session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir,
                                                  runtime=self._runtime)
-        log.info("minilm: %s graph (%s) %s in %.2f s", self.runtime, self._weights,
+        precision = getattr(session, "precision", "fp32")  # OpenVINO's inference precision, bf16 where native
+        log.info("minilm: %s graph (%s weights, %s inference) %s in %.2f s", self.runtime, self._weights, precision,
                  "built" if built else "loaded", time.perf_counter() - started)
         return OnnxMiniLM(session, tokenizer)
 
