@@ -5,9 +5,10 @@ weights); only the runtime differs. On a CPU with native bfloat16 (AVX-512 BF16 
 reports ``BF16`` among its CPU capabilities) the matrix products read half the weight bytes and
 run on the bfloat16 units, accumulating in fp32, so the vectors stay the reference's (worst
 cosine 0.99997 on the shipped texts; tests/test_minilm_openvino.py holds it to 0.999) and one
-short query costs about half of onnxruntime's fp32 pass (docs/selection-quality.md,
-``python -m bench.embedcost``). Elsewhere OpenVINO would run fp32 and lose to onnxruntime, so
-``IBEX_MEMORY_MINILM_RUNTIME=auto`` picks it only where bfloat16 is native.
+new question costs ~40 % less CPU than onnxruntime's fp32 pass, a batch of memories ~75 % less
+(docs/selection-quality.md, ``python -m bench.embedcost``). Elsewhere OpenVINO would run fp32
+and lose to onnxruntime, so ``IBEX_MEMORY_MINILM_RUNTIME=auto`` picks it only where bfloat16 is
+native.
 
 One thread, one stream, latency hint: the memory service embeds in a worker thread next to its
 event loop, on a box it shares with the workers. An infer request is not thread-safe, so each
@@ -30,6 +31,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 PRECISION = "bf16"
+BUCKETS = (16, 32)  # one query's lengths (tokens) run on fixed-shape models; a question's median is 12
 
 
 def openvino_available() -> bool:
@@ -59,29 +61,56 @@ def _config(precision: str) -> dict[str, Any]:
 
 class OpenVinoSession:
     """What ``memory.minilm_onnx.OnnxMiniLM`` asks of an onnxruntime session (``run``), over an
-    OpenVINO model compiled from the graph's ``.onnx`` file (a path, or the serialised bytes)."""
+    OpenVINO model compiled from the graph's ``.onnx`` file (a path, or the serialised bytes).
+
+    One query of up to ``BUCKETS[-1]`` tokens runs on a model compiled for a fixed shape, its ids
+    right-padded to the next bucket (the attention mask keeps padding out, as in a batch): with
+    dynamic shapes OpenVINO re-plans every call, which cost ~40 % of a short query's CPU. Batches
+    and longer texts run on the dynamic model.
+    """
 
     def __init__(self, model: str | bytes, precision: str = PRECISION) -> None:
         import openvino as ov
 
         core = ov.Core()
-        if isinstance(model, bytes):  # an unwritable cache: read through a private temporary file
-            fd, path = tempfile.mkstemp(suffix=".onnx")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(model)
-                self.compiled = core.compile_model(core.read_model(path), "CPU", _config(precision))
-            finally:
-                os.unlink(path)
-        else:
-            self.compiled = core.compile_model(model, "CPU", _config(precision))
+        graph = _read(core, model)
+        self.compiled = core.compile_model(graph, "CPU", _config(precision))
+        self.static: dict[int, Any] = {}
+        for n in BUCKETS:  # clones share the read model's constants: ~55 MB each, not a whole copy
+            fixed = graph.clone()
+            fixed.reshape({"input_ids": [1, n], "attention_mask": [1, n]})
+            self.static[n] = core.compile_model(fixed, "CPU", _config(precision))
         self.precision: str = self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16", "f32"
         self._local = threading.local()
 
     def run(self, outputs: Sequence[str], feeds: Mapping[str, Any]) -> list[Any]:
         """The named outputs, copied out of the request's buffers (the next call reuses them)."""
-        request = getattr(self._local, "request", None)
+        ids, mask = np.asarray(feeds["input_ids"]), np.asarray(feeds["attention_mask"])
+        compiled = self.compiled
+        if ids.shape[0] == 1:
+            bucket = next((n for n in BUCKETS if ids.shape[1] <= n), None)
+            if bucket is not None:
+                compiled = self.static[bucket]
+                pad = ((0, 0), (0, bucket - ids.shape[1]))
+                ids, mask = np.pad(ids, pad), np.pad(mask, pad)
+        requests: dict[int, Any] | None = getattr(self._local, "requests", None)
+        if requests is None:
+            requests = self._local.requests = {}
+        request = requests.get(id(compiled))
         if request is None:
-            request = self._local.request = self.compiled.create_infer_request()
-        result = request.infer(dict(feeds))
-        return [np.array(result[self.compiled.output(name)], dtype=np.float32) for name in outputs]
+            request = requests[id(compiled)] = compiled.create_infer_request()
+        result = request.infer({"input_ids": ids, "attention_mask": mask})
+        return [np.array(result[compiled.output(name)], dtype=np.float32) for name in outputs]
+
+
+def _read(core: Any, model: str | bytes) -> Any:
+    """The graph as an ``openvino.Model``; bytes (an unwritable cache) through a private temporary file."""
+    if not isinstance(model, bytes):
+        return core.read_model(model)
+    fd, path = tempfile.mkstemp(suffix=".onnx")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model)
+        return core.read_model(path)
+    finally:
+        os.unlink(path)

@@ -15,7 +15,7 @@ from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import load_embedder
 from ibex_context.memory.minilm import MiniLMEmbedder
 from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, load_session
-from ibex_context.memory.minilm_openvino import OpenVinoSession, bf16_native
+from ibex_context.memory.minilm_openvino import BUCKETS, OpenVinoSession, bf16_native
 from tests.test_minilm_onnx import BOUND, _conversation_sample, _cosines, _demo_texts, _eval_questions
 
 
@@ -105,3 +105,18 @@ def test_an_unknown_runtime_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", "tensorrt")
     with pytest.raises(ValueError, match="IBEX_MEMORY_MINILM_RUNTIME"):
         MemoryConfig()
+
+
+def test_a_query_on_a_fixed_shape_model_gets_the_dynamic_models_vector(ov_emb: MiniLMOnnxEmbedder) -> None:
+    """Around every bucket's edge, one query padded to its bucket's fixed shape gives the vector
+    the dynamic model gives it unpadded."""
+    session = ov_emb.model.session
+    assert isinstance(session, OpenVinoSession) and sorted(session.static) == list(BUCKETS)
+    dynamic = session.compiled.create_infer_request()
+    for n in sorted({2, 3, *(b + d for b in BUCKETS for d in (-1, 0, 1)), 64}):
+        ids = np.array([[101, *range(2000, 2000 + n - 2), 102]], dtype=np.int64)
+        mask = np.ones_like(ids)
+        (got,) = session.run(["embedding"], {"input_ids": ids, "attention_mask": mask})
+        want = dynamic.infer({"input_ids": ids, "attention_mask": mask})[session.compiled.output("embedding")]
+        assert got.shape == (1, 384)
+        assert float(np.dot(got[0], want[0])) >= 0.99999, n
