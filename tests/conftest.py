@@ -11,6 +11,8 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
+from ibex_context.memory.minilm import MiniLMEmbedder
+
 # The suite's memory services and seeding use the hashing embedder unless a test asks for another:
 # its lexical behaviour is what most ranking assertions are written against, and it costs
 # microseconds. tests/test_embedders.py runs the default (minilm) and static embedders for real.
@@ -32,3 +34,11 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 
 # Real backing services (redis-server, the reference memory service) as session fixtures.
 pytest_plugins = ["tests.fixtures_services"]
+
+
+@pytest.fixture(scope="session")
+def numpy_emb() -> MiniLMEmbedder:
+    """minilm's numpy reference pass, loaded once: the vectors the compiled passes must match."""
+    emb = MiniLMEmbedder()
+    emb.load()
+    return emb

@@ -52,13 +52,6 @@ def onnx_emb(cache: Path) -> MiniLMOnnxEmbedder:
     return emb
 
 
-@pytest.fixture(scope="module")
-def numpy_emb() -> MiniLMEmbedder:
-    emb = MiniLMEmbedder()
-    emb.load()
-    return emb
-
-
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     assert a.shape == b.shape and a.dtype == np.float32
     return np.sum(a * b, axis=1)

@@ -31,13 +31,6 @@ def ov_emb(cache: Path) -> MiniLMOnnxEmbedder:
     return emb
 
 
-@pytest.fixture(scope="module")
-def numpy_emb() -> MiniLMEmbedder:
-    emb = MiniLMEmbedder()
-    emb.load()
-    return emb
-
-
 @pytest.mark.timeout(300)
 def test_the_shipped_texts_get_the_reference_vectors(ov_emb: MiniLMOnnxEmbedder, numpy_emb: MiniLMEmbedder) -> None:
     texts = _eval_questions() + _demo_texts()[::3] + _conversation_sample()[::3]
