@@ -163,7 +163,9 @@ def test_memclient_compares_the_clients_on_real_data(tmp_path: Path, capsys: pyt
     assert memclient.main(["--calls", "20", "--rounds", "1", "--out", str(tmp_path / "logs")]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and not line.startswith(("| client", "| ---"))]
-    assert [r.split("|")[1].strip() for r in rows] == ["httptools pool (worker, worker.memhttp)", "aiohttp", "httpx"]
+    assert [r.split("|")[1].strip() for r in rows] == ["httptools pool (worker, worker.memhttp)", "aiohttp", "httpx",
+                                                        "hiredis on asyncio (worker, worker.rawredis)",
+                                                        "redis-py with hiredis"]
     for r in rows:
         cpu, p50, p99 = (float(x) for x in r.strip("| \n").split("|")[1:])
         assert 0 < cpu and 0 < p50 <= p99, r
