@@ -341,14 +341,13 @@ class MiniLMOnnxEmbedder(MiniLMEmbedder):
         super().__init__()
         self._weights: Weights = weights
         self._cache_dir = cache_dir
-        self.runtime = runtime
-        self._runtime: Runtime = runtime
+        self.runtime: Runtime = runtime
 
     def _make_model(self) -> OnnxMiniLM:
         """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
         started = time.perf_counter()
         session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir,
-                                                 runtime=self._runtime)
+                                                 runtime=self.runtime)
         precision = getattr(session, "precision", "fp32")  # OpenVINO's inference precision, bf16 where native
         log.info("minilm: %s graph (%s weights, %s inference) %s in %.2f s", self.runtime, self._weights, precision,
                  "built" if built else "loaded", time.perf_counter() - started)
