@@ -19,13 +19,14 @@ service stores memories under (docs/security.md "Degradation and security": a wr
   memory's date, so "when" questions can be answered from the prompt).
 
 The worker's retriever refuses a hit that breaks the contract as ``malformed``; ``ops explain``
-refuses its input file; both build ``MemoryHit`` only through ``to_hit``.
+refuses its input file; both build ``MemoryHit`` only through ``to_hit`` (or ``plain_hit``, the
+same contract checked and built in one pass for a hit in the JSON parser's own types).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
@@ -121,6 +122,46 @@ def hit_problem(raw: object) -> str | None:
         if id_problem is not None:
             return id_problem
     return shape_problem(raw)
+
+
+def _plain_number(v: object) -> bool:
+    t = type(v)
+    return t is float or t is int  # exact types: bool (an int subclass) is not a number here
+
+
+def plain_hit(raw: object, source: Source) -> MemoryHit | None:
+    """``to_hit(raw)`` when ``raw`` keeps the contract in the JSON parser's own types (a ``dict`` of
+    exact ``str``, ``int`` and ``float`` values), else None: the caller then asks ``hit_problem``
+    why, or whether the hit is sound in a rarer form (a ``Mapping``, say). Every hit a worker
+    serves takes this path, so the contract is checked and the hit built in one pass; it never
+    accepts a hit ``hit_problem`` refuses (tests/test_hits.py compares them)."""
+    if type(raw) is not dict:
+        return None
+    get: Callable[[str], Any] = raw.get
+    mid, content, cat, rank = get("memory_id"), get("content"), get("category"), get("rank")
+    sim, conf = get("similarity"), get("confidence")
+    if not (type(mid) is str and type(content) is str and type(cat) is str and type(rank) is int
+            and rank >= 0 and len(content) <= MAX_CONTENT_CHARS and len(cat) <= MAX_CATEGORY_CHARS
+            and _plain_number(sim) and _plain_number(conf) and _MEMORY_ID.fullmatch(mid) is not None):
+        return None
+    comps = get("components")
+    if comps is not None:
+        if type(comps) is not dict or comps.keys() != _COMPONENT_SET:
+            return None
+        values = (comps["relevance"], comps["recency"], comps["usefulness"], comps["confidence"], comps["access"])
+        if not all(map(_plain_number, values)):
+            return None
+        comps = (float(values[0]), float(values[1]), float(values[2]), float(values[3]), float(values[4]))
+    salience, text, vector, created = get("salience"), get("text_score"), get("vector_score"), get("created_at")
+    if (salience is not None and not _plain_number(salience)) or (text is not None and not _plain_number(text)) \
+            or (vector is not None and not _plain_number(vector)) or (created is not None and type(created) is not str):
+        return None
+    return MemoryHit(
+        memory_id=mid, content=content, category=cat, similarity=float(sim), confidence=float(conf), rank=rank,
+        source=source, components=comps, salience=None if salience is None else float(salience),
+        date=None if created is None else hit_date(created),
+        text_score=None if text is None else float(text), vector_score=None if vector is None else float(vector),
+    )
 
 
 def to_hit(raw: Mapping[str, Any], source: Source) -> MemoryHit:

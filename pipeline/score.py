@@ -25,6 +25,7 @@ Pure: no I/O, no clocks, no module state beyond constants.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -66,17 +67,25 @@ def interim_score(similarity: float, confidence: float) -> float:
 
 def composite_score(components: Sequence[float], weights: Weights5) -> float:
     """The weighted sum of already-checked components (weights sum to 1; min() for rounding)."""
-    return min(1.0, math.fsum(w * c for w, c in zip(weights, components, strict=True)))
+    if len(components) != len(weights):
+        raise ValueError(f"{len(components)} components for {len(weights)} weights")
+    return min(1.0, math.fsum(map(operator.mul, weights, components)))
+
+
+def _unit_float(v: object) -> bool:
+    """The common case of a sound number, answered at once: a float in [0, 1] (NaN fails)."""
+    return type(v) is float and 0.0 <= v <= 1.0
 
 
 def _copy_problem(hit: MemoryHit, use_components: bool) -> str | None:
     """Why this copy's numbers cannot be scored, or None."""
     s, c = hit.similarity, hit.confidence
     problems: list[str] = []
-    if not (type(s) is float and type(c) is float and 0.0 <= s <= 1.0 and 0.0 <= c <= 1.0):
+    if not (_unit_float(s) and _unit_float(c)):
         problems = [p for p in (_unit_problem("similarity", s), _unit_problem("confidence", c)) if p is not None]
-    if use_components and hit.components is not None:
-        problems += [p for name, v in zip(COMPONENTS, hit.components, strict=True)
+    comps = hit.components
+    if use_components and comps is not None and not all(map(_unit_float, comps)):
+        problems += [p for name, v in zip(COMPONENTS, comps, strict=True)
                      if (p := _unit_problem(f"components.{name}", v)) is not None]
     return "; ".join(problems) or None
 

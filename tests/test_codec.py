@@ -8,13 +8,21 @@ import time
 
 import msgpack
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.conversation.layout import for_wire
+from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.codec import decode_reply, decode_request, encode, encode_error, peek_envelope, unpack
 from ibex_context.shared.wire.errors import ErrorCode, Overloaded
 from ibex_context.shared.wire.models import AssembleRequest, ErrorReply, Message
 from ibex_context.shared.wire.protocol import Envelope, header_mismatch, pack_header, parse_header
+
+_CATALOG = Catalog.load()
 
 
 def _req(**over: object) -> dict[str, object]:
@@ -239,3 +247,40 @@ def test_a_payload_that_disagrees_with_its_header_is_refused(field: str) -> None
     assert err is not None and err.field == field and "must agree" in err.message
     assert err.request_id == env.request_id  # answered under the id the broker routed on
     assert header_mismatch(env, AssembleRequest.model_validate(_req(**env._asdict()))) is None
+
+
+def _dumped(model: BaseModel) -> bytes:
+    """The reference encoding: the model's dump, packed by msgpack."""
+    return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+_TEXT = st.text(st.characters(blacklist_categories=["Cs"]), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(contents=st.lists(_TEXT.filter(str.strip), min_size=1, max_size=6), query=_TEXT.filter(str.strip),
+       chat=st.booleans(), similarity=st.floats(0.0, 1.0), components=st.booleans())
+def test_encode_writes_the_bytes_of_the_models_dump(contents: list[str], query: str, chat: bool,
+                                                     similarity: float, components: bool) -> None:
+    """Requests and whole replies (decisions, branches, a chat target's messages) encode to exactly
+    the bytes msgpack makes of their dump: the fast path changes the CPU, never the wire."""
+    hits = [MemoryHit(memory_id=f"m{i}", content=c, category="note", similarity=similarity, confidence=0.5,
+                      rank=i + 1, source="hot", components=(similarity, 0.5, 0.5, 0.5, 1.0) if components else None)
+            for i, c in enumerate(contents)]
+    base = {"request_id": "r", "org_id": "acme", "agent_id": "support-bot", "model": "gpt-4o", "query": query,
+            "deadline_ns": 1}
+    req = AssembleRequest.model_validate(
+        {**base, "format": "openai", "messages": [{"role": "user", "content": query}]} if chat
+        else {**base, "recent_messages": [{"role": "user", "content": query}]})
+    resp = assemble(req, offline_result(directive="Be brief.", hot=hits, cold=[]), Engine(_CATALOG, Policy()))
+    for model in (req, resp, for_wire(resp), ErrorReply(code=ErrorCode.INVALID_REQUEST, message=query)):
+        assert encode(model) == _dumped(model)
+
+
+def test_encode_refuses_what_msgpack_refuses_the_same_way() -> None:
+    """Text that is not UTF-8 cannot go on the wire: the error is msgpack's, whichever encoder ran first."""
+    bad = ErrorReply(code=ErrorCode.INTERNAL, message="lone \ud800 surrogate")
+    with pytest.raises(UnicodeEncodeError):
+        _dumped(bad)
+    with pytest.raises(UnicodeEncodeError):
+        encode(bad)

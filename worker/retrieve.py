@@ -29,7 +29,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, to_hit
+from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, plain_hit, to_hit
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
@@ -85,13 +85,17 @@ def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], 
     hits: list[MemoryHit] = []
     rejects: list[Rejection] = []
     for i, raw in enumerate(doc["memories"]):
-        problem = hit_problem(raw)
-        if problem:
-            rejects.append(Rejection(_named(raw, source, i), source, "malformed", f"{source} hit {i}: {problem}"))
-        elif len(hits) >= cap:
-            rejects.append(over_cap(raw["memory_id"], source, cap))  # a sound hit: its id is valid
+        hit = plain_hit(raw, source)
+        if hit is None:  # broken, or sound in a rarer form: the full check says which
+            problem = hit_problem(raw)
+            if problem:
+                rejects.append(Rejection(_named(raw, source, i), source, "malformed", f"{source} hit {i}: {problem}"))
+                continue
+            hit = to_hit(raw, source)
+        if len(hits) >= cap:
+            rejects.append(over_cap(hit.memory_id, source, cap))  # a sound hit: its id is valid
         else:
-            hits.append(to_hit(raw, source))
+            hits.append(hit)
     return hits, rejects
 
 

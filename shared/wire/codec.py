@@ -10,6 +10,7 @@ import math
 from typing import Any, TypeVar
 
 import msgpack
+import ormsgpack
 from pydantic import BaseModel, ValidationError
 
 from ibex_context.shared.config.settings import default_max_request_bytes
@@ -29,8 +30,20 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def encode(model: BaseModel) -> bytes:
-    """Serialize a wire model to msgpack (exclude nothing: the wire is explicit)."""
-    return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+    """Serialize a wire model to msgpack (exclude nothing: the wire is explicit).
+
+    ormsgpack reads the model's fields directly (no intermediate dict): the same bytes as
+    ``msgpack.packb(model.model_dump())`` for every wire model, which have no custom serializers
+    (tests/test_codec.py compares them), at about a third of the CPU of a reply. A value it
+    refuses (text that is not UTF-8, an int past 64 bits) takes the dump path, so what fails, and
+    how, is msgpack's."""
+    try:
+        return ormsgpack.packb(model, option=_PACK_OPTIONS)
+    except ormsgpack.MsgpackEncodeError:
+        return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+_PACK_OPTIONS = ormsgpack.OPT_SERIALIZE_PYDANTIC
 
 
 def encode_document(doc: dict[str, Any], request_id: str) -> bytes:
