@@ -16,8 +16,9 @@ cosine and their CPU per memory (one pass, not interleaved: indicative only).
 
 Variants: ``numpy`` (``memory.minilm``, the reference), the onnxruntime graph
 (``memory.minilm_onnx``) as ``fp32``, ``int8-block``, ``int8-dynamic`` and ``int8-qk``, and the
-fp32 graph on OpenVINO in bfloat16 as ``openvino-bf16`` (``memory.minilm_openvino``; the default
-where the CPU computes bfloat16 natively, listed when openvino is installed). Cosine is against
+fp32 graph on OpenVINO in bfloat16 as ``openvino-bf16`` and the ``int8-groups`` graph there as
+``openvino-int8`` (``memory.minilm_openvino``; the latter is the default where the CPU computes
+bfloat16 natively; both listed when openvino is installed). Cosine is against
 the numpy vector of the same text. Graphs are built (or loaded) from the default cache before
 timing. Nothing is asserted.
 """
@@ -45,7 +46,7 @@ from ibex_context.memory.minilm_openvino import openvino_available
 DATA = Path(__file__).resolve().parent / "data"
 DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
 VARIANTS = ("numpy", "fp32", "int8-block", "int8-dynamic", "int8-qk",
-            *(("openvino-bf16",) if openvino_available() else ()))
+            *(("openvino-bf16", "openvino-int8") if openvino_available() else ()))
 Embed = Callable[[list[str]], np.ndarray]
 
 
@@ -85,8 +86,10 @@ def embedders(names: list[str]) -> dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder
     out: dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder] = {}
     for name in names:
         started = time.perf_counter()
-        emb = (MiniLMEmbedder() if name == "numpy" else MiniLMOnnxEmbedder(runtime="openvino")
-               if name == "openvino-bf16" else MiniLMOnnxEmbedder(weights=name))  # type: ignore[arg-type]
+        emb = (MiniLMEmbedder() if name == "numpy" else
+               MiniLMOnnxEmbedder(runtime="openvino", weights="fp32") if name == "openvino-bf16" else
+               MiniLMOnnxEmbedder(runtime="openvino", weights="int8-groups") if name == "openvino-int8" else
+               MiniLMOnnxEmbedder(weights=name))  # type: ignore[arg-type]
         emb.load()
         if name != "numpy":
             print(f"{name}: graph ready in {time.perf_counter() - started:.2f} s")

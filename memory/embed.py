@@ -223,7 +223,8 @@ def _minilm(config: Any) -> Embedder:
     from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, onnx_available
     from ibex_context.memory.minilm_openvino import bf16_native, openvino_available
 
-    runtime = (MemoryConfig() if config is None else config).minilm_runtime
+    cfg = MemoryConfig() if config is None else config
+    runtime, weights = cfg.minilm_runtime, cfg.minilm_weights
     if runtime == "auto":
         runtime = ("openvino" if onnx_available() and bf16_native() else
                    "onnxruntime" if onnx_available() else "numpy")
@@ -232,7 +233,9 @@ def _minilm(config: Any) -> Embedder:
     if runtime == "onnxruntime" and not onnx_available():
         raise EmbedderUnavailable("IBEX_MEMORY_MINILM_RUNTIME=onnxruntime needs the onnxruntime and onnx packages")
     try:
-        return MiniLMEmbedder() if runtime == "numpy" else MiniLMOnnxEmbedder(runtime=runtime)
+        if runtime == "numpy":
+            return MiniLMEmbedder()
+        return MiniLMOnnxEmbedder(runtime=runtime, weights=None if weights == "auto" else weights)
     except ModelUnavailable as exc:
         raise EmbedderUnavailable(str(exc)) from exc
 

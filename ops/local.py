@@ -78,6 +78,8 @@ class LocalStack:
             env["IBEX_MEMORY_EMBEDDER"] = memory.embedder
         if "minilm_runtime" in memory.model_fields_set:  # a bench comparing runtimes sets it
             env["IBEX_MEMORY_MINILM_RUNTIME"] = memory.minilm_runtime
+        if "minilm_weights" in memory.model_fields_set:
+            env["IBEX_MEMORY_MINILM_WEIGHTS"] = memory.minilm_weights
         env.update({
             "IBEX_REDIS_URL": self.redis_url or "",
             "IBEX_MEMORY_URL": self.memory_url,

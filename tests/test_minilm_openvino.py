@@ -49,7 +49,7 @@ def test_the_shipped_texts_get_the_reference_vectors(ov_emb: MiniLMOnnxEmbedder,
 
 def test_each_thread_gets_its_own_request(ov_emb: MiniLMOnnxEmbedder) -> None:
     texts = [f"Where is invoice number {i} for the month of October?" for i in range(40)]
-    want = ov_emb.embed(texts)
+    want = np.stack([ov_emb.embed_query(t) for t in texts])  # the same models, one thread
     got: dict[int, np.ndarray] = {}
 
     def run(k: int) -> None:
@@ -68,7 +68,7 @@ def test_each_thread_gets_its_own_request(ov_emb: MiniLMOnnxEmbedder) -> None:
 def test_an_unwritable_cache_is_compiled_from_memory(tmp_path: Path, ov_emb: MiniLMOnnxEmbedder) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    session, _, built = load_session(cache_dir=blocker / "cache", runtime="openvino")
+    session, _, built = load_session(cache_dir=blocker / "cache", runtime="openvino", weights="int8-groups")
     assert built and isinstance(session, OpenVinoSession) and not (blocker / "cache").exists()
     probe = "When are Acme Backup invoices sent out?"
     ids = ov_emb.model.tokenizer.encode(probe).ids
@@ -102,7 +102,8 @@ def test_an_unknown_runtime_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) 
 
 def test_a_query_on_a_fixed_shape_model_gets_the_dynamic_models_vector(ov_emb: MiniLMOnnxEmbedder) -> None:
     """Around every bucket's edge, one query padded to its bucket's fixed shape gives the vector
-    the dynamic model gives it unpadded."""
+    the dynamic model gives it unpadded: the same up to the int8 weights' rounding, which the two
+    shapes' kernels do in their own order (activations quantised per group of 32 on the fly)."""
     session = ov_emb.model.session
     assert isinstance(session, OpenVinoSession) and sorted(session.static) == list(BUCKETS)
     dynamic = session.compiled.create_infer_request()
@@ -112,4 +113,4 @@ def test_a_query_on_a_fixed_shape_model_gets_the_dynamic_models_vector(ov_emb: M
         (got,) = session.run(["embedding"], {"input_ids": ids, "attention_mask": mask})
         want = dynamic.infer({"input_ids": ids, "attention_mask": mask})[session.compiled.output("embedding")]
         assert got.shape == (1, 384)
-        assert float(np.dot(got[0], want[0])) >= 0.99999, n
+        assert float(np.dot(got[0], want[0])) >= 0.9995, n

@@ -260,6 +260,11 @@ class MemoryServiceSettings(RedisSettings):
         "auto", validation_alias="IBEX_MEMORY_MINILM_RUNTIME",
         description="What runs minilm's forward pass (same vectors from each): auto is openvino in bfloat16 where "
                     "the CPU computes bfloat16 natively, else onnxruntime, else numpy; docs/selection-quality.md.")
+    minilm_weights: Literal["auto", "fp32", "int8-groups"] = Field(
+        "auto", validation_alias="IBEX_MEMORY_MINILM_WEIGHTS",
+        description="How the compiled graph stores minilm's weights: auto is int8-groups on openvino (int8 in "
+                    "groups of 32, decompressed in the matrix product; cosine >= 0.999 against fp32), fp32 on "
+                    "onnxruntime; docs/selection-quality.md.")
 
 
 class StackSettings(IbexSettings):
