@@ -17,7 +17,8 @@ The ``pipeline`` row is this process running, for the same requests, what a work
 retrieval and the reply's bytes: ``count_turns`` + ``pipeline.assemble.assemble`` on a retrieval
 result fetched once from the same memory service and Redis (``worker.retrieve.Retriever``), with
 one worker's line cache and a warm token cache; ``codec`` adds decoding the request and encoding
-the reply (``shared.wire.codec``). CPU is this thread's (``bench.lib.cpu``). Nothing is asserted.
+the reply (``shared.wire.codec``); ``hit parsing`` is ``worker.retrieve.parse_hits`` on the hot
+and cold answers the memory service gave each request. CPU is this thread's (``bench.lib.cpu``). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import orjson
 import zmq
 
 from bench.lib.cpu import cpu_seconds, thread_cpu_seconds
@@ -169,9 +171,11 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
     from ibex_context.pipeline.count import LineCache
     from ibex_context.pipeline.turns import count_turns
     from ibex_context.shared.config.settings import Settings
-    from ibex_context.worker.retrieve import Retriever
+    from ibex_context.worker.retrieve import HOT_QUERY_CHARS, Retriever, parse_hits
 
     settings = Settings(memory_url=stack.memory_url, memory_secret=stack.secret, redis_url=stack.redis_url)
+
+    bodies: list[tuple[bytes, bytes]] = []  # each request's hot and cold answers, as the worker reads them
 
     async def fetch() -> list[Any]:
         r = Retriever.create(settings, str(stack.redis_url))
@@ -180,6 +184,12 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
             for t in tmpls:
                 wait = r.start(t, wall_end_ns=time.monotonic_ns() + 2_000_000_000)
                 out.append(await wait())
+                params = {"agent_id": t.agent_id, "limit": str(settings.hot_limit)}
+                if t.query:
+                    params["query"] = t.query[:HOT_QUERY_CHARS]
+                search = orjson.dumps({"query": t.query, "agent_id": t.agent_id, "limit": settings.cold_limit})
+                bodies.append((await r._fetch("GET", "/v1/memories/hot", t.org_id, params=params),
+                               await r._fetch("POST", "/v1/memories/search", t.org_id, body=search)))
             return out
         finally:
             await r.aclose()
@@ -208,6 +218,12 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
         for k in range(iterations):
             once(k % len(tmpls), codec)
         out["pipeline + codec" if codec else "pipeline"] = (thread_cpu_seconds() - t0) / iterations * 1e6
+    t0 = thread_cpu_seconds()
+    for k in range(iterations):
+        hot, cold = bodies[k % len(bodies)]
+        parse_hits(hot, "hot", settings.hot_limit)
+        parse_hits(cold, "cold", settings.cold_limit)
+    out["hit parsing (hot + cold answers)"] = (thread_cpu_seconds() - t0) / iterations * 1e6
     return out
 
 
