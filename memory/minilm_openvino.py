@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 PRECISION = "bf16"
 # One query's lengths (tokens) run on fixed-shape models. A pass costs ~1.1 ms plus ~0.1 ms a token
 # (bf16, one thread), so a question (median 12 tokens) padded to 16 paid a third more than its
-# own length; each bucket is one more compiled model (~50 MB of bf16 weights).
+# own length; each bucket is one more compiled model with its own copy of the weights (~50 MB
+# held as bfloat16, ~20 MB as int8).
 BUCKETS = (12, 16, 24, 32)
 
 
@@ -79,7 +80,7 @@ class OpenVinoSession:
         graph = _read(core, model)
         self.compiled = core.compile_model(graph, "CPU", _config(precision))
         self.static: dict[int, Any] = {}
-        for n in BUCKETS:  # each compiled clone holds its own bf16 weights: ~50 MB
+        for n in BUCKETS:  # each compiled clone holds its own copy of the weights
             fixed = graph.clone()
             fixed.reshape({"input_ids": [1, n], "attention_mask": [1, n]})
             self.static[n] = core.compile_model(fixed, "CPU", _config(precision))
