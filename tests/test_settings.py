@@ -179,7 +179,13 @@ def test_memory_service_logs_json_when_asked(tmp_path: Path, redis_url: str) -> 
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    lines = []
+    for line in log_path.read_text().splitlines():
+        if line.strip():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                pytest.fail(f"a log line that is not JSON: {line!r}")
     started = [doc for doc in lines if doc["msg"].startswith("memory service on")]
     assert len(started) == 1 and started[0]["proc"] == "memory" and started[0]["level"] == "INFO"
     assert any(doc["logger"].startswith("uvicorn") for doc in lines)
