@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry  # the asyncio client's own (redis-py 8.2 warns on the sync one)
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
