@@ -40,7 +40,9 @@ class LocalStack:
         self.worker_module = "ibex_context.worker"
         self.enable_faults = enable_faults
         self.extra_env = dict(env or {})
-        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="ibex-stack-"))
+        # Absolute: children run in it and are handed paths inside it (a relative one would
+        # resolve twice).
+        self.log_dir = (log_dir or Path(tempfile.mkdtemp(prefix="ibex-stack-"))).resolve()
         self.secret = secret or f"stack-{uuid.uuid4().hex}"
         self.redis_url = redis_url
         self.embedded: Any = None
