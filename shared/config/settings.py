@@ -262,8 +262,9 @@ class MemoryServiceSettings(RedisSettings):
                     "the CPU computes bfloat16 natively, else onnxruntime, else numpy; docs/selection-quality.md.")
     minilm_weights: Literal["auto", "fp32", "int8-groups"] = Field(
         "auto", validation_alias="IBEX_MEMORY_MINILM_WEIGHTS",
-        description="How the compiled graph stores minilm's weights: auto is int8-groups on openvino (int8 in "
-                    "groups of 32, decompressed in the matrix product; cosine >= 0.999 against fp32), fp32 on "
+        description="How the compiled graph stores minilm's weights: fp32, or int8-groups (int8 in groups of "
+                    "32, decompressed in the matrix product; cosine >= 0.999 against fp32; made for openvino). auto: "
+                    "on openvino whichever of the two is measured faster on this CPU at start, fp32 on "
                     "onnxruntime; docs/selection-quality.md.")
 
 
