@@ -53,6 +53,7 @@ from starlette.types import Receive, Scope, Send
 
 from ibex_context.memory import quotas, reads, store
 from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.deadline import DeadlinePassed, check, deadline_of
 from ibex_context.memory.embed import Embedder, load_embedder
 from ibex_context.memory.http import (
     ApiError,
@@ -88,11 +89,14 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
     def bind(svc: MemoryService) -> Handler:
         @functools.wraps(fn)
         async def handler(request: Request) -> Response:
-            t0 = time.perf_counter()
+            t0, quiet = time.perf_counter(), False
             try:
                 response = await fn(svc, request)
             except ApiError as exc:
                 response = error_response(exc.status, exc.message, exc.field)
+                if isinstance(exc, DeadlinePassed):  # counted; under overload too many to log at INFO
+                    svc.deadline_dropped += 1
+                    quiet = True
             except ClientDisconnect:  # the caller gave up (its deadline) before sending the whole body
                 response = error_response(499, "client closed the request before its body arrived")
             except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -106,7 +110,7 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
                 response = error_response(500, "internal error")
             # One line per call that went wrong; the 200s only at DEBUG (formatting and writing a
             # line for every read is CPU spent on every assembly).
-            level = logging.DEBUG if response.status_code < 400 else logging.INFO
+            level = logging.DEBUG if response.status_code < 400 or quiet else logging.INFO
             if log.isEnabledFor(level):
                 log.log(level, "%s %s %d %.2fms", request.method, request.scope["path"], response.status_code,
                         (time.perf_counter() - t0) * 1000.0)
@@ -122,9 +126,12 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
 
 @_endpoint
 async def hot(svc: MemoryService, request: Request) -> Response:
+    received = time.monotonic()
     org, fault = await svc.admit(request, "hot")
     if fault is not None:
         return fault
+    deadline = deadline_of(request, received)
+    check(deadline, "the hot list's read")
     params = query_params(request, ("agent_id", "limit", "query"))
     agent = agent_id_param(params.get("agent_id"))
     raw_limit = params.get("limit", str(HOT_LIMIT_MAX))
@@ -140,20 +147,23 @@ async def hot(svc: MemoryService, request: Request) -> Response:
     if query is None or not found:
         return svc.answer(found, f"{org}/{agent}")
     async with svc.limiter.hold(org):
-        return await rank_hot(svc, org, agent, found, vectors, query)
+        return await rank_hot(svc, org, agent, found, vectors, query, deadline)
 
 
 @_endpoint
 async def search(svc: MemoryService, request: Request) -> Response:
+    received = time.monotonic()
     org, fault = await svc.admit(request, "search")
     if fault is not None:
         return fault
+    deadline = deadline_of(request, received)
     query_params(request, ())
     body = validate_body(SearchBody, parse_json_object(await read_body(request, svc.config.max_body_bytes)))
     if body.limit == 0:
         return JSONResponse({"memories": []})
     async with svc.limiter.hold(org):
-        return await run_search(svc, org, body)
+        check(deadline, "the search")
+        return await run_search(svc, org, body, deadline)
 
 
 @_endpoint
@@ -199,6 +209,7 @@ async def healthz(svc: MemoryService, request: Request) -> Response:
                             "faults_enabled": svc.faults is not None,
                             "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated,
                             "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed,
+                            "deadline_dropped": svc.deadline_dropped,
                             "common_words_scored": svc.terms.scored}
     try:
         await svc.redis.ping()

@@ -347,7 +347,7 @@ def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
 def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) -> tuple[Weights, dict[str, float]]:
     """The weights OpenVINO runs faster on this CPU, ``fp32`` or ``int8-groups``, and each one's
     median CPU ms for a question (``minilm_openvino.faster_graph``): which wins depends on the CPU
-    and the OpenVINO release (docs/selection-quality.md "int8 weights")."""
+    and the OpenVINO release (docs/selection-quality.md)."""
     from ibex_context.memory.minilm_openvino import faster_graph
 
     candidates: tuple[Weights, ...] = ("fp32", "int8-groups")

@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from starlette.responses import JSONResponse, Response
 
 from ibex_context.memory import store
+from ibex_context.memory.deadline import check
 from ibex_context.memory.embed import Vectors
 from ibex_context.memory.fulltext import FullText, Scope
 from ibex_context.memory.fusion import Fused, fuse
@@ -76,7 +77,7 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
     return svc.answer(found, where, extras)
 
 
-async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
+async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float | None = None) -> Response:
     """Rank the agent's memories for the query (docs/memory-search.md).
 
     One round trip asks the engine, inside the tenant filter, for each question word's BM25 matches
@@ -86,7 +87,8 @@ async def search(svc: MemoryService, org: str, body: SearchBody) -> Response:
     """
     agent = body.agent_id
     text = svc.query_text(body.query)
-    query_vec = np.asarray(await svc.query_vector(org, text), dtype=np.float32)
+    query_vec = np.asarray(await svc.query_vector(org, text, deadline), dtype=np.float32)
+    check(deadline, "the search")
     text_of, cosine, raws = await _candidates(svc, org, agent, _query_terms(text), query_vec)
     records = await _hydrate(svc, org, agent, text_of, cosine, raws, query_vec)
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
@@ -220,7 +222,7 @@ async def _backfill(svc: MemoryService, org: str, agent: str, recs: Sequence[Mem
 
 
 async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[MemoryRecord, float]],
-                   vectors: dict[str, Vectors], query: str) -> Response:
+                   vectors: dict[str, Vectors], query: str, deadline: float | None = None) -> Response:
     """The hot list ordered by composite with each hit's relevance to ``query`` (``vectors``: the
     stored ones, read with the list by ``reads.hot_with_vectors``; missing ones are embedded)."""
     text = svc.query_text(query)
@@ -231,7 +233,7 @@ async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[M
                for rec, vec in zip(missing, await svc.embed([r.content for r in missing]), strict=True)}
         await store.store_vectors(svc.redis, org, agent, new, svc.embedder.name)
         vectors.update(new)
-    query_vec = await svc.query_vector(org, text)
+    query_vec = await svc.query_vector(org, text, deadline)
     cosines = cosine_scores(np.stack([vectors[i] for i in ids]), query_vec) if ids else np.zeros(0)
     relevance = [hot_relevance(float(c), s) for (_, s), c in zip(found, cosines.tolist(), strict=True)]
     return _ranked(svc, f"{org}/{agent}", [rec for rec, _ in found], relevance, salience=[s for _, s in found],

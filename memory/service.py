@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from ibex_context.memory import store
 from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.deadline import Horizon, check
 from ibex_context.memory.embed import Embedder, Vectors
 from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from ibex_context.memory.http import ApiError, error_response
@@ -91,10 +92,11 @@ class MemoryService:
         self.queries_truncated = 0
         self.embeds_offloaded = 0
         self.answers_trimmed = 0
+        self.deadline_dropped = 0  # reads answered 504: their caller's deadline passed first
         # (org, query text) -> its vector: the hot and the search call of one assembly embed the
         # question once. Keyed by org so one tenant's timing never tells it what another asked.
         self._query_vectors: OrderedDict[tuple[str, str], Vectors] = OrderedDict()
-        self._embedding: dict[tuple[str, str], asyncio.Task[Vectors]] = {}
+        self._embedding: dict[tuple[str, str], tuple[asyncio.Task[Vectors], Horizon]] = {}
         self.query_cache_size = 1024
         # Valid tokens seen -> their org: one HMAC per token, not per call (tokens never expire;
         # the secret is fixed for the process's life).
@@ -157,25 +159,29 @@ class MemoryService:
             return await run_in_threadpool(self.embedder.embed, texts)
         return self.embedder.embed(texts)
 
-    async def query_vector(self, org: str, text: str) -> Vectors:
+    async def query_vector(self, org: str, text: str, deadline: float | None = None) -> Vectors:
         """The query's vector, computed once for concurrent and repeated calls of one org.
 
         The embedding runs as its own task, so a caller that goes away (its client timed out)
-        does not cancel it for the other caller waiting on the same text.
+        does not cancel it for the other caller waiting on the same text. It is dropped before it
+        starts only when every waiting caller's ``deadline`` has passed (``memory.deadline``).
         """
         key = (org, text)
         vec = self._query_vectors.get(key)
         if vec is not None:
             self._query_vectors.move_to_end(key)
             return vec
-        task = self._embedding.get(key)
-        if task is None:
-            task = self._embedding[key] = asyncio.ensure_future(self._embed_query(key))
-        return await asyncio.shield(task)
+        running = self._embedding.get(key)
+        if running is None:
+            horizon = Horizon(deadline)
+            running = self._embedding[key] = (asyncio.ensure_future(self._embed_query(key, horizon)), horizon)
+        else:
+            running[1].extend(deadline)
+        return await asyncio.shield(running[0])
 
-    async def _embed_query(self, key: tuple[str, str]) -> Vectors:
+    async def _embed_query(self, key: tuple[str, str], horizon: Horizon) -> Vectors:
         try:
-            vec: Vectors = np.asarray(await self._embed_query_text(key[1]), dtype=np.float32)
+            vec: Vectors = np.asarray(await self._embed_query_text(key[1], horizon), dtype=np.float32)
         finally:
             self._embedding.pop(key, None)
         self._query_vectors[key] = vec
@@ -183,10 +189,11 @@ class MemoryService:
             self._query_vectors.popitem(last=False)
         return vec
 
-    async def _embed_query_text(self, text: str) -> Vectors:
+    async def _embed_query_text(self, text: str, horizon: Horizon) -> Vectors:
         if self._batcher is not None:
             self.embeds_offloaded += 1
-            return await self._batcher.embed(text)
+            return await self._batcher.embed(text, horizon)
+        check(horizon.at, "the query embedding")
         if self.embedder.blocking or len(text) > self.config.offload_chars:
             self.embeds_offloaded += 1
             return await run_in_threadpool(self.embedder.embed_query, text)

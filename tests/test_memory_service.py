@@ -58,7 +58,8 @@ def assert_healthy(http: httpx.Client) -> None:
 # ------------------------------------------------------------------------------- happy paths
 
 
-COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers_trimmed", "common_words_scored")
+COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers_trimmed", "common_words_scored",
+            "deadline_dropped")
 
 
 def test_healthz(http: httpx.Client) -> None:

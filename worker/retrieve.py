@@ -10,6 +10,10 @@ There is no history branch: recent messages arrive in the request. Each branch g
 completed branches are kept. Cancelled tasks are not awaited (their cleanup could overrun the
 wall); they are parked in a set and reaped by a done-callback.
 
+Each memory-service call carries its branch's time left as ``Ibex-Timeout-Ms``, so the service
+starts no embedding or search for a call this worker has already given up on (docs/deploy.md
+"Backing services"): under overload that work would only delay the calls still waiting.
+
 Security: every call is scoped to the request's org (the Redis key, and an org-bound bearer token
 for the memory service). A failed branch yields nothing: no fallback query, no other tenant's data,
 no invented memory. What a hit must look like is ``pipeline.hits`` (one memory-hit contract).
@@ -18,6 +22,7 @@ no invented memory. What a hit must look like is ``pipeline.hits`` (one memory-h
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -43,6 +48,10 @@ from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryH
 __all__ = ["ConnectError", "MalformedResponse", "MemoryServiceStatus", "ResponseTooLarge", "Retriever", "parse_hits"]
 
 log = logging.getLogger(__name__)
+
+# When the running branch gives up (monotonic ns): set by ``Retriever._run`` in the branch's own
+# task, read by ``Retriever._fetch`` for the ``Ibex-Timeout-Ms`` header.
+_BRANCH_END_NS: contextvars.ContextVar[int | None] = contextvars.ContextVar("branch_end_ns", default=None)
 
 # The question sent with the hot call, in its URL: the memory service embeds at most its
 # IBEX_MEMORY_MAX_QUERY_CHARS (1,000 by default) leading characters anyway.
@@ -204,7 +213,12 @@ class Retriever:
 
     async def _fetch(self, method: str, path: str, org_id: str, *, params: dict[str, str] | None = None,
                      body: bytes | None = None) -> bytes:
-        request = self.http.request_bytes(method, path, self._auth_line(org_id), params=params, body=body)
+        headers = self._auth_line(org_id)
+        end_ns = _BRANCH_END_NS.get()
+        if end_ns is not None:
+            left_ms = max(0.0, (end_ns - time.monotonic_ns()) / 1e6)
+            headers += f"Ibex-Timeout-Ms: {left_ms:.1f}\r\n".encode()
+        request = self.http.request_bytes(method, path, headers, params=params, body=body)
         status, data = await self.http.request(request)
         if status != 200:
             raise MemoryServiceStatus(status)
@@ -291,6 +305,7 @@ class Retriever:
         self, br: _Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
         t0: int, end_ns: int,
     ) -> None:
+        _BRANCH_END_NS.set(end_ns)  # this task's own context: the other branches keep theirs
         try:
             async with asyncio.timeout(max(0.0, (end_ns - time.monotonic_ns()) / 1e9)):
                 br.value = await fn(req)
