@@ -83,7 +83,8 @@ async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float
     One round trip asks the engine, inside the tenant filter, for each question word's BM25 matches
     (ids and scores) and how many memories hold it, the nearest vectors with their records, and the
     agent's memory count; a second fetches the records of full-text candidates the vector side did
-    not return. ``memory.fusion`` scores each candidate and the composite ranks them.
+    not return. ``memory.fusion`` scores each candidate and the composite ranks them. Neither the
+    query's embedding nor the engine's search starts after ``deadline`` (``memory.deadline``).
     """
     agent = body.agent_id
     text = svc.query_text(body.query)
@@ -224,7 +225,8 @@ async def _backfill(svc: MemoryService, org: str, agent: str, recs: Sequence[Mem
 async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[MemoryRecord, float]],
                    vectors: dict[str, Vectors], query: str, deadline: float | None = None) -> Response:
     """The hot list ordered by composite with each hit's relevance to ``query`` (``vectors``: the
-    stored ones, read with the list by ``reads.hot_with_vectors``; missing ones are embedded)."""
+    stored ones, read with the list by ``reads.hot_with_vectors``; missing ones are embedded). The
+    query's embedding does not start after ``deadline`` (``memory.deadline``)."""
     text = svc.query_text(query)
     ids = [rec.memory_id for rec, _ in found]
     missing = [rec for rec, _ in found if rec.memory_id not in vectors]
