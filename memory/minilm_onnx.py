@@ -129,7 +129,7 @@ def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
     return session(model), tokenizer, built
 
 
-def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) -> tuple[Weights, dict[str, float]]:
+def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) -> tuple[Weights, dict[Weights, float]]:
     """The weights OpenVINO runs faster on this CPU, ``fp32`` or ``int8-groups``, and each one's
     median CPU ms for a question (``minilm_openvino.faster_graph``): which wins depends on the CPU
     and the OpenVINO release (docs/selection-quality.md)."""
@@ -137,9 +137,8 @@ def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) 
 
     candidates: tuple[Weights, ...] = ("fp32", "int8-groups")
     with zipfile.ZipFile(zip_path or model_zip()) as z:
-        graphs: dict[str, str | bytes] = {w: graph_file(z, w, cache_dir)[0] for w in candidates}
-    best, times = faster_graph(graphs)
-    return next(w for w in candidates if w == best), times
+        graphs = {w: graph_file(z, w, cache_dir)[0] for w in candidates}
+    return faster_graph(graphs)
 
 
 class OnnxMiniLM(MiniLM):
