@@ -17,7 +17,8 @@ from starlette.requests import Request
 
 from ibex_context.memory.http import ApiError
 
-HEADER = "ibex-timeout-ms"
+NAME = "Ibex-Timeout-Ms"
+HEADER = NAME.lower()  # as Starlette looks headers up
 MAX_TIMEOUT_MS = 600_000.0
 
 
@@ -25,7 +26,7 @@ class DeadlinePassed(ApiError):
     """The caller's deadline passed before a stage could start."""
 
     def __init__(self, stage: str) -> None:
-        super().__init__(504, f"the caller's deadline (Ibex-Timeout-Ms) passed before {stage}")
+        super().__init__(504, f"the caller's deadline ({NAME}) passed before {stage}")
 
 
 def deadline_of(request: Request, received: float) -> float | None:
@@ -40,8 +41,7 @@ def deadline_of(request: Request, received: float) -> float | None:
     except ValueError:
         ms = math.nan
     if not 0.0 <= ms <= MAX_TIMEOUT_MS:  # NaN fails too
-        raise ApiError(400, f"Ibex-Timeout-Ms must be a number of milliseconds from 0 to {MAX_TIMEOUT_MS:.0f}",
-                       field="Ibex-Timeout-Ms")
+        raise ApiError(400, f"{NAME} must be a number of milliseconds from 0 to {MAX_TIMEOUT_MS:.0f}", field=NAME)
     return received + ms / 1000.0
 
 
