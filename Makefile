@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run up down status test lint typecheck pytest bench clean
+.PHONY: install run up down status test unit lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit("Python 3.11+ is required, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -41,8 +41,12 @@ typecheck: install
 pytest: install
 	$(VENV)/bin/pytest
 
-## test: install and run every check: ruff, mypy --strict, the whole pytest suite
+## test: install and run every check: ruff, mypy --strict, the whole pytest suite (unit, stack, meta)
 test: lint typecheck pytest
+
+## unit: the fast loop: tests/unit only (no servers, no sockets), a tenth of each property test's examples
+unit: install
+	IBEX_TEST_EXAMPLES=0.1 $(VENV)/bin/pytest tests/unit -q
 
 bench: install
 	$(PY) -m bench.packer_bench

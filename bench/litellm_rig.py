@@ -1,5 +1,5 @@
 """A real LiteLLM proxy and a local upstream as child processes (bench.litellm and
-tests/test_litellm_proxy.py). LiteLLM runs offline: ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it
+tests/stack/test_litellm_proxy.py). LiteLLM runs offline: ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it
 from fetching the model cost map (its tokenizers ship in the wheel), and keys come from a
 ``custom_auth`` (the product's: bearer keys to key and team metadata from a keys file, without a
 database). A proxy started with ``stats_file`` answers ``SIGUSR1`` by writing its hook's summary

@@ -5,7 +5,7 @@ frames the client library sends: the request with its images as stubs and the re
 (docs/assembly.md "Size limits"). "before" is what the same call carried as the whole conversation both
 ways: the request with the caller's image bytes, the reply with the provider-ready messages. The
 stack it starts has no directive or memories, so its replies are the layout and decisions alone
-(tests/test_wire_stack.py runs the same cases on a seeded stack).
+(tests/stack/test_wire_stack.py runs the same cases on a seeded stack).
 
     python -m bench.wire_size                 # start a local stack, print the table
     python -m bench.wire_size --endpoint tcp://127.0.0.1:5555

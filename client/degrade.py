@@ -3,7 +3,7 @@
 ``assemble_or_degrade`` never raises for service faults (README "The client library"): it answers
 with what the pure pipeline (``pipeline.assemble``, the one the worker runs) makes of no
 memories, with the reason recorded. Only the pure pipeline is imported, so a proxy that imports
-the client never loads aiohttp, redis or the worker (tests/test_client_imports.py).
+the client never loads aiohttp, redis or the worker (tests/meta/test_client_imports.py).
 
 A fallback is due at the call's deadline, also while ``start()``'s thread is still loading the BPE
 vocabularies (0.3-3 s after a process starts): until then ``Fallback.catalog`` answers with a

@@ -28,7 +28,7 @@ WHEEL_PACKAGE = "all_minilm_l6_v2"
 MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
 # A query is cut to this many tokens: the forward pass costs ~linearly in tokens, questions are
 # short, and one tenant's 1,000-character queries must not take the CPU another tenant's short ones
-# need (tests/test_tenant_isolation.py); memories are embedded up to MAX_TOKENS.
+# need (tests/stack/test_tenant_isolation.py); memories are embedded up to MAX_TOKENS.
 MAX_QUERY_TOKENS = 64
 LAYERS, HEADS, HIDDEN = 6, 12, 384
 MINILM_MIN_SIMILARITY = 0.20  # this embedder's retrieval-time cosine cutoff (docs/memory-search.md)

@@ -8,7 +8,7 @@ measured faster on this CPU at load (``faster_weights``).
 
 Tokenizer, truncation (``MAX_TOKENS``, ``MAX_QUERY_TOKENS``) and length-sorted batching are the
 numpy pass's own (``OnnxMiniLM`` inherits them), and the embedder keeps its name, dimension and
-cutoff: vectors from either pass are interchangeable (cosine ≥ 0.999; tests/test_minilm_onnx.py).
+cutoff: vectors from either pass are interchangeable (cosine ≥ 0.999; tests/stack/test_minilm_onnx.py).
 """
 
 from __future__ import annotations

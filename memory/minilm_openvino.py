@@ -4,7 +4,7 @@ The graph is ``memory.minilm_onnx``'s own (the same cached ``.onnx`` file, built
 weights); only the runtime differs. On a CPU with native bfloat16 (AVX-512 BF16 or AMX: OpenVINO
 reports ``BF16`` among its CPU capabilities) the matrix products read half the weight bytes and
 run on the bfloat16 units, accumulating in fp32, so the vectors stay the reference's (worst
-cosine 0.99997 on the shipped texts; tests/test_minilm_openvino.py holds it to 0.999) and one
+cosine 0.99997 on the shipped texts; tests/stack/test_minilm_openvino.py holds it to 0.999) and one
 new question costs ~40 % less CPU than onnxruntime's fp32 pass, a batch of memories ~75 % less
 (docs/selection-quality.md, ``python -m bench.embedcost``). Elsewhere OpenVINO would run fp32
 and lose to onnxruntime, so ``IBEX_MEMORY_MINILM_RUNTIME=auto`` picks it only where bfloat16 is

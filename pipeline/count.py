@@ -43,7 +43,7 @@ def count_lines(counter: TokenCounter, header: str, lines: list[str]) -> Counted
     Conversations grow by a message or two per call, so counting each line on its own lets the
     per-worker token cache (keyed by content hash) answer for every message already seen: the
     cost of counting history becomes the cost of the new messages. Each line is charged with its
-    newline, so the sum bounds the count of the joined text (tests/test_format.py checks this),
+    newline, so the sum bounds the count of the joined text (tests/unit/test_format.py checks this),
     except at the end: no newline follows the last line there, and a line ending in whitespace or
     punctuation can cost one token more without it (the newline merges into its last pre-token:
     "[user] |Tl|." is 6 o200k tokens, with "\n" 5). So the last line is charged the larger of

@@ -134,7 +134,7 @@ def plain_hit(raw: object, source: Source) -> MemoryHit | None:
     exact ``str``, ``int`` and ``float`` values), else None: the caller then asks ``hit_problem``
     why, or whether the hit is sound in a rarer form (a ``Mapping``, say). Every hit a worker
     serves takes this path, so the contract is checked and the hit built in one pass; it never
-    accepts a hit ``hit_problem`` refuses (tests/test_hits.py compares them)."""
+    accepts a hit ``hit_problem`` refuses (tests/unit/test_hits.py compares them)."""
     if type(raw) is not dict:
         return None
     get: Callable[[str], Any] = raw.get

@@ -54,7 +54,7 @@ class Policy:
 
     ``verify_format`` re-counts the rendered memories section exactly and drops memories if the
     additive bound was wrong (``explain``; it costs a full BPE pass); otherwise the bound is used
-    (tested for every family in tests/test_format.py). ``nonce_key`` keys the derived nonce of
+    (tested for every family in tests/unit/test_format.py). ``nonce_key`` keys the derived nonce of
     the memories block (``format.nonce_key``); None: a key drawn once per process.
     """
 

@@ -91,7 +91,7 @@ def cover_boundaries(turns: Turns) -> list[int]:
     """Every ``covers`` that ``check_covers`` accepts for this conversation, ascending (0 first),
     from one split into units: a count whose last covered message ends its unit and comes before
     the latest user turn. One pass, where asking ``check_covers`` of each count is one per count
-    (tests/test_summary_plan.py holds the two to the same answer)."""
+    (tests/unit/test_summary_plan.py holds the two to the same answer)."""
     ns, units = non_system(turns), split_units(turns.format, turns.messages)
     pinned = pinned_units(turns.format, turns.messages, units)
     tail = min((units[u].start for u in pinned if units[u].kind != "system"), default=len(turns.messages))

@@ -144,7 +144,7 @@ def split_point(text: str) -> int | None:
 
 # Non-ASCII characters of Unicode's general category N (Nd, Nl, No; Unicode 17, from the ``regex``
 # module's tables, newer than Python's): with the ASCII digits, the numbers Qwen's pre-tokenizer
-# takes one character at a time. Ranges of hex code points; tests/test_estimate_bound.py checks
+# takes one character at a time. Ranges of hex code points; tests/stack/test_estimate_bound.py checks
 # the table against both sets of tables.
 _NUMERAL_RANGES = (
     "B2-B3 B9 BC-BE 660-669 6F0-6F9 7C0-7C9 966-96F 9E6-9EF 9F4-9F9 A66-A6F AE6-AEF B66-B6F B72-B77 "
@@ -215,7 +215,7 @@ def token_bound(text: str) -> int:
 
     Over the encoders' per-call limits, ``ExactCounter`` splits where all four pre-tokenizers split
     or charges UTF-8 bytes, which no byte-level BPE count exceeds, so the bound holds there too.
-    tests/test_estimate_bound.py checks the vocabulary facts and the bound on generated text.
+    tests/stack/test_estimate_bound.py checks the vocabulary facts and the bound on generated text.
     """
     o200k, cl100k = _bound_counters()
     bound = max(o200k.count(text), cl100k.count(text) + numeral_surplus(text))

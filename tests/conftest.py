@@ -1,4 +1,10 @@
-"""Shared test configuration: every async test runs on asyncio and on uvloop."""
+"""Shared test configuration.
+
+Tests sit by kind: ``tests/unit`` (no process, no network socket; ``make unit``), ``tests/stack``
+(real Redis, memory service, broker and workers started by the fixtures) and ``tests/meta`` (code
+size, docs links, import graph, packaging). An async test runs on uvloop, the loop the workers and
+the memory service run on; one marked ``both_loops`` (the client library, which runs on whatever
+loop its caller has) runs on asyncio too."""
 
 from __future__ import annotations
 
@@ -9,27 +15,25 @@ from typing import Any
 
 import pytest
 import uvloop
-from hypothesis import HealthCheck, settings
 
 from ibex_context.memory.minilm import MiniLMEmbedder
 
 # The suite's memory services and seeding use the hashing embedder unless a test asks for another:
 # its lexical behaviour is what most ranking assertions are written against, and it costs
-# microseconds. tests/test_embedders.py runs the default (minilm) and static embedders for real.
+# microseconds. tests/stack/test_embedders.py runs the default (minilm) and static embedders for real.
 os.environ.setdefault("IBEX_MEMORY_EMBEDDER", "hash")
 
-settings.register_profile(
-    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
-)
-settings.load_profile("ci")
+import tests.properties  # noqa: F401  (loads the hypothesis profile, scaled by IBEX_TEST_EXAMPLES)
 
-# LiteLLM (tests/test_litellm_*.py) fetches its model cost map when imported unless told to use
+# LiteLLM (tests/stack/test_litellm_*.py) fetches its model cost map when imported unless told to use
 # the copy in its wheel: the tests run offline (docs/litellm.md).
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    if item.get_closest_marker("both_loops") is not None:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"uvloop": uvloop.new_event_loop}
 
 
 # Real backing services (redis-server, the reference memory service) as session fixtures.

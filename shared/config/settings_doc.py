@@ -1,7 +1,7 @@
 """docs/settings.md from the settings tree: ``python -m ibex_context.shared.config.settings_doc > docs/settings.md``.
 
 One row per environment variable: its default, the roles whose settings class reads it, and its
-field's ``description``. tests/test_settings_doc.py regenerates the page and compares.
+field's ``description``. tests/meta/test_settings_doc.py regenerates the page and compares.
 """
 
 from __future__ import annotations

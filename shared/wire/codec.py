@@ -34,7 +34,7 @@ def encode(model: BaseModel) -> bytes:
 
     ormsgpack reads the model's fields directly (no intermediate dict): the same bytes as
     ``msgpack.packb(model.model_dump())`` for every wire model, which have no custom serializers
-    (tests/test_codec.py compares them), at about a third of the CPU of a reply. A value it
+    (tests/unit/test_codec.py compares them), at about a third of the CPU of a reply. A value it
     refuses (text that is not UTF-8, an int past 64 bits) takes the dump path, so what fails, and
     how, is msgpack's."""
     try:

@@ -1,0 +1,34 @@
+"""Code stays readable by construction: no product module over 400 lines, no function over 60
+(docs/architecture.md "Processes and data flow": small modules named for what they do). bench/ and tests/ are
+exempt."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ["client", "shared", "broker", "worker", "memory", "ops", "pipeline"]
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "data" not in p.parts)
+
+
+def test_the_packages_are_there() -> None:
+    assert len(_modules()) > 40  # the check below must look at the real tree
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_and_function_sizes(path: Path) -> None:
+    text = path.read_text("utf-8")
+    assert len(text.splitlines()) <= MAX_MODULE_LINES, f"{path.name}: split it by responsibility"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"  # type: ignore[operator]
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]  # type: ignore[operator]
+    assert not long, f"{path.name}: functions over {MAX_FUNCTION_LINES} lines: {long}"

@@ -1,0 +1,141 @@
+"""No import cycles among the product's modules.
+
+The graph is read from the source (ast), not from a run: every ``import`` of an ``ibex_context``
+module counts, at module level, inside a function (a deferred import is still a dependency) and
+under ``TYPE_CHECKING``. An edge goes to the module named, not to the packages above it: a
+package's ``__init__`` importing its own modules is how a package re-exports, not a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "ibex_context"
+FOLDERS = ("broker", "client", "memory", "ops", "pipeline", "shared", "worker")
+
+
+def _sources() -> dict[str, Path]:
+    """Module name -> file, for every module of the package (``data/`` holds scripts run by path)."""
+    found = {PACKAGE: ROOT / PACKAGE / "__init__.py"}
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if "data" in parts:
+                continue
+            found[".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return found
+
+
+def _imported(name: str, path: Path, modules: set[str]) -> Iterator[str]:
+    """The package's modules that ``name`` (at ``path``) imports anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text("utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            # ``from pkg import mod`` names a module; ``from mod import func`` names the module
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # ``import a.b.c`` of a package's attribute
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                yield target
+
+
+def _graph() -> dict[str, set[str]]:
+    sources = _sources()
+    return {name: set(_imported(name, path, set(sources))) for name, path in sources.items()}
+
+
+def _knots(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan): each holds a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each knot as one of its cycles, and the knot's other modules."""
+    out = []
+    for knot in _knots(graph):
+        path = _path_in(graph, knot)
+        rest = sorted(knot - set(path))
+        out.append(" -> ".join(path) + (f" (and {', '.join(rest)} in the same knot)" if rest else ""))
+    return out
+
+
+def _path_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first, inside the component)."""
+    start = min(component)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, v, start]
+                if w not in came_from:
+                    came_from[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start} in {sorted(component)}")  # pragma: no cover
+
+
+def test_the_graph_is_the_real_tree() -> None:
+    graph = _graph()
+    assert len(graph) > 100
+    assert "ibex_context.client.connection" in graph["ibex_context.client.client"]
+    assert "ibex_context.shared.wire.protocol" in graph["ibex_context.client.connection"]  # from pkg import mod
+    assert "ibex_context.shared.security.auth" in graph["ibex_context.client.client"]  # inside a function
+
+
+def test_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert _cycles(graph) == ["a -> b -> c -> a", "e -> f -> e"]
+    assert _cycles({"a": {"b", "c"}, "b": {"a"}, "c": {"a"}}) == ["a -> b -> a (and c in the same knot)"]
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

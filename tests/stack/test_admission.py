@@ -1,0 +1,152 @@
+"""Admission control and dispatch: the adaptive limit's rules, the shedding rule, and the
+real broker (its own thread, real ZeroMQ sockets) in front of scripted workers whose service time
+and feedback the test controls."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from bench.lib.transport import transport_response
+from ibex_context.broker.broker import Broker
+from ibex_context.client.client import AsyncClient
+from ibex_context.shared.config.settings import BrokerSettings
+from ibex_context.shared.wire import protocol as P
+from ibex_context.shared.wire.codec import encode
+from ibex_context.shared.wire.errors import IbexError, Overloaded
+
+# ----------------------------------------------------------- the real broker, scripted workers
+
+
+class ScriptedWorker(threading.Thread):
+    """A DEALER worker: READY with ``capacity``, answers each request after ``delay_s`` with a
+    minimal valid reply and the feedback ``overloaded()`` says; counts what it served."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, name: str, capacity: int,
+                 delay_s: float = 0.0) -> None:
+        super().__init__(daemon=True)
+        self.ctx, self.backend, self.name, self.capacity, self.delay_s = ctx, backend, name, capacity, delay_s
+        self.overloaded = False
+        self.served = 0
+        self.stop = threading.Event()
+        self.body = encode(transport_response("-", {}).model_copy(update={"worker_id": name}))
+
+    def run(self) -> None:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.backend)
+        info = P.Info(self.capacity, self.name, os.getpid())
+        s.send_multipart(P.ready_frames(info))
+        due: list[tuple[float, list[bytes]]] = []
+        last_hb = time.monotonic()
+        while not self.stop.is_set():
+            now = time.monotonic()
+            for at, frames in [d for d in due if d[0] <= now]:
+                due.remove((at, frames))
+                s.send_multipart(frames)
+                self.served += 1
+            if now - last_hb > 0.1:
+                s.send_multipart(P.heartbeat_frames(info))
+                last_hb = now
+            if not s.poll(1):
+                continue
+            msg = P.parse_broker_message(s.recv_multipart())
+            if isinstance(msg, P.Dispatch):
+                reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, self.body,
+                                              P.Feedback(self.overloaded, 0))
+                due.append((time.monotonic() + self.delay_s, reply))
+        s.close(linger=0)
+
+
+@contextlib.contextmanager
+def broker_with(workers: list[tuple[str, int, float]],
+                **settings: object) -> Iterator[tuple[Broker, list[ScriptedWorker]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    broker = Broker(settings=BrokerSettings(heartbeat_interval_ms=100, **settings),  # type: ignore[arg-type]
+                    frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", ctx=ctx)
+    thread = threading.Thread(target=broker.serve_forever, daemon=True)
+    thread.start()
+    scripted = [ScriptedWorker(ctx, broker.backend_endpoint, n, cap, delay) for n, cap, delay in workers]
+    for w in scripted:
+        w.start()
+    try:
+        end = time.monotonic() + 10
+        while len(broker.workers) < len(scripted):
+            assert time.monotonic() < end, "scripted workers did not register"
+            time.sleep(0.01)
+        yield broker, scripted
+    finally:
+        for w in scripted:
+            w.stop.set()
+            w.join(5)
+        broker.stop()
+        thread.join(5)
+        ctx.term()
+
+
+def _fields(i: int) -> dict[str, object]:
+    return {"request_id": f"a-{i}", "org_id": "acme", "agent_id": "bot", "model": "gpt-4o", "query": "q"}
+
+
+async def test_equal_workers_get_equal_work() -> None:
+    """One request at a time: every worker has the same free credit at every pick, so only the
+    tie-break decides (the highest routing id first would give one worker everything)."""
+    with broker_with([("w0", 4, 0.0), ("w1", 4, 0.0), ("w2", 4, 0.0)]) as (broker, _):
+        async with AsyncClient(broker.frontend_endpoint) as c:
+            await c.wait_connected()
+            seen = collections.Counter([(await c.assemble(timeout=2.0, **_fields(i))).worker_id for i in range(60)])
+    assert seen == {"w0": 20, "w1": 20, "w2": 20}
+
+
+async def test_overload_feedback_lowers_the_limit_and_clean_replies_restore_it() -> None:
+    with broker_with([("w0", 8, 0.002)]) as (broker, (w0,)):
+        async with AsyncClient(broker.frontend_endpoint) as c:
+            await c.wait_connected()
+            w0.overloaded = True
+            await asyncio.gather(*[c.assemble(timeout=2.0, **_fields(i)) for i in range(40)])
+            low = (await c.status())["workers"]["w0"]["limit"]
+            w0.overloaded = False
+            for k in range(10):  # bursts that fill the limit: clean replies while it binds
+                await asyncio.gather(*[c.assemble(timeout=2.0, **_fields(100 + 20 * k + i)) for i in range(20)])
+            high = (await c.status())["workers"]["w0"]["limit"]
+    assert low < 8 and high == 8, (low, high)
+
+
+async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late() -> None:
+    """Offered three times what one slow worker can serve, for long enough to make the queue stand:
+    the surplus is refused OVERLOADED on receipt (said so, and counted), the rest is served, and
+    no answer of either kind comes after its deadline."""
+    deadline_s = 0.1
+    with broker_with([("w0", 2, 0.01)]) as (broker, _):
+        async with AsyncClient(broker.frontend_endpoint) as c:
+            await c.wait_connected()
+            for i in range(30):  # the broker learns the service time first
+                await c.assemble(timeout=2.0, **_fields(i))
+
+            async def one(i: int) -> tuple[str, float]:
+                t0 = time.monotonic()
+                try:
+                    await c.assemble(timeout=deadline_s, **_fields(1000 + i))
+                    return "ok", time.monotonic() - t0
+                except Overloaded as exc:
+                    assert "shed on receipt" in exc.message, exc
+                    return "OVERLOADED", time.monotonic() - t0
+                except IbexError as exc:
+                    return exc.code.value, time.monotonic() - t0
+
+            tasks = []
+            for i in range(240):  # 600/s for 0.4 s against ~200/s of service
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(1 / 600)
+            results = await asyncio.gather(*tasks)
+    outcomes = collections.Counter(o for o, _ in results)
+    assert outcomes["OVERLOADED"] > 0 and outcomes["ok"] > 0, outcomes
+    assert broker.stats["shed_overloaded"] == outcomes["OVERLOADED"]
+    assert all(t <= deadline_s + 0.05 for _, t in results), max(t for _, t in results)

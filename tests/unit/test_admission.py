@@ -1,0 +1,98 @@
+"""Admission control and dispatch: the adaptive limit's rules, the shedding rule, and the
+real broker (its own thread, real ZeroMQ sockets) in front of scripted workers whose service time
+and feedback the test controls."""
+
+from __future__ import annotations
+
+import pytest
+
+from ibex_context.broker.admission import (
+    BACKOFF,
+    LOOP_LAG_US,
+    MIN_LIMIT,
+    STANDING_NS,
+    Limiter,
+    ServiceTime,
+    StandingQueue,
+    expected_wait_ns,
+    shed,
+)
+from ibex_context.shared.wire import protocol as P
+
+MS = 1_000_000
+
+# ------------------------------------------------------------------------------ the rules alone
+
+
+def test_overload_feedback_cuts_the_limit_once_per_service_time() -> None:
+    lim = Limiter(16)
+    assert lim.limit == 16  # a new worker starts with its whole credit
+    lim.on_reply(inflight=16, overloaded=True, loop_lag_us=0, now_ns=100 * MS, service_ns=10 * MS)
+    assert lim.limit == 16 * BACKOFF
+    lim.on_reply(inflight=12, overloaded=True, loop_lag_us=0, now_ns=105 * MS, service_ns=10 * MS)
+    assert lim.limit == 16 * BACKOFF  # the same burst of late replies counts once
+    lim.on_reply(inflight=12, overloaded=False, loop_lag_us=LOOP_LAG_US + 1, now_ns=111 * MS, service_ns=10 * MS)
+    assert lim.limit == 16 * BACKOFF**2  # a saturated worker loop is an overload signal too
+    for k in range(200):
+        lim.on_reply(inflight=1, overloaded=True, loop_lag_us=0, now_ns=(200 + 20 * k) * MS, service_ns=10 * MS)
+    assert lim.limit == MIN_LIMIT and lim.slots == MIN_LIMIT
+
+
+def test_clean_replies_raise_a_binding_limit_up_to_the_cap() -> None:
+    lim = Limiter(8, limit=4.0)
+    lim.on_reply(inflight=3, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
+    assert lim.limit == 4.0  # not binding: nothing learned about a higher limit
+    lim.on_reply(inflight=4, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
+    assert lim.limit == 4.25  # one slot per limit's worth of clean replies
+    for _ in range(100):
+        lim.on_reply(inflight=lim.slots, overloaded=False, loop_lag_us=0, now_ns=0, service_ns=MS)
+    assert lim.limit == 8 and lim.slots == 8
+    lim.set_cap(3)
+    assert lim.slots == 3
+
+
+def test_expected_wait() -> None:
+    assert expected_wait_ns(0, 4, 1, 10 * MS) == 0  # a slot is free and nobody is ahead
+    assert expected_wait_ns(0, 4, 0, 10 * MS) == 0  # the first of four slots frees in ~quarter service
+    assert expected_wait_ns(7, 4, 0, 10 * MS) == pytest.approx(15 * MS)
+    assert expected_wait_ns(3, 0, 0, 10 * MS) == float("inf")
+
+
+def test_only_a_standing_queue_sheds() -> None:
+    kw = {"service_ns": 10 * MS, "target_ns": 5 * MS}
+    assert not shed(wait_ns=500 * MS, remaining_ns=100 * MS, standing=False, **kw)  # a burst: let in
+    assert shed(wait_ns=91 * MS, remaining_ns=100 * MS, standing=True, **kw)  # cannot finish in time
+    assert shed(wait_ns=30 * MS, remaining_ns=100 * MS, standing=True, **kw)  # over target and a quarter
+    assert not shed(wait_ns=20 * MS, remaining_ns=100 * MS, standing=True, **kw)
+    assert not shed(wait_ns=4 * MS, remaining_ns=100 * MS, standing=True, **kw)
+    assert not shed(wait_ns=300 * MS, remaining_ns=4_000 * MS, standing=True, **kw)  # seconds to spare
+
+
+def test_standing_queue_is_a_whole_interval_over_target() -> None:
+    q = StandingQueue(5 * MS)
+    q.on_dispatch(6 * MS, now_ns=0)
+    assert not q.standing(STANDING_NS - 1)
+    assert q.standing(STANDING_NS)
+    q.on_dispatch(1 * MS, now_ns=STANDING_NS + 1)  # one quick dispatch: the queue drained
+    assert not q.standing(2 * STANDING_NS)
+    q.on_dispatch(9 * MS, now_ns=0)
+    q.reset()
+    assert not q.standing(10 * STANDING_NS)
+
+
+def test_service_time_is_trusted_after_enough_replies() -> None:
+    st = ServiceTime()
+    for _ in range(19):
+        st.observe(10 * MS)
+    assert not st.trusted and st.mean_ns == 10 * MS
+    st.observe(30 * MS)
+    assert st.trusted and 10 * MS < st.mean_ns < 30 * MS
+
+
+def test_feedback_frame_round_trip_and_a_bad_one_still_forwards_the_reply() -> None:
+    fb = P.Feedback(True, 1234)
+    msg = P.parse_worker_message(P.worker_reply_frames(P.REPLY, b"c", b"r", b"x", fb))
+    assert msg == P.WorkerReply(P.REPLY, b"c", b"r", b"x", fb)
+    bad = P.parse_worker_message([P.TAG, P.REPLY, b"c", b"r", b"x", b"\x01"])
+    assert bad == P.WorkerReply(P.REPLY, b"c", b"r", b"x", None)
+    assert P.Feedback.unpack(P.Feedback(False, -5).pack()) == P.Feedback(False, 0)
