@@ -95,28 +95,32 @@ class FairQueue(Generic[T]):
 
     # ------------------------------------------------------------------------------ writing
 
-    def _org(self, org: str) -> OrgQueue[T]:
+    def push(self, org: str, item: T, *, front: bool = False) -> None:
+        """``item`` waits at the back of ``org``'s FIFO (``front``: at its head, for an item that
+        was taken and could not be sent); the org joins the dispatch order if it was out of it."""
         q = self.orgs.get(org)
         if q is None:
-            q = self.orgs[org] = OrgQueue(self.weight(org))
-        return q
-
-    def _gained(self, org: str, q: OrgQueue[T]) -> None:
-        """``q`` holds one more live item: count it, and join the dispatch order if it was out."""
+            q = self.orgs[org] = OrgQueue(self.weights.get(org, self.default_weight))
+        if front:
+            q.items.appendleft(item)
+        else:
+            q.items.append(item)
         if q.live == 0:
             self.active += 1
             self.active_weight += q.weight
         q.live += 1
         self.live += 1
-        if not q.in_order:
-            q.tag = max(self.vtime, q.finish, self.idle.pop(org, 0.0))
-            q.in_order = True
-            self.seq += 1
-            heapq.heappush(self.order, (q.tag, self.seq, org))
         self.seq += 1
+        if not q.in_order:
+            q.tag = max(self.vtime, q.finish, self.idle.pop(org, 0.0)) if self.idle else max(self.vtime, q.finish)
+            q.in_order = True
+            heapq.heappush(self.order, (q.tag, self.seq, org))
         heapq.heappush(self.fullest, (-q.live / q.weight, self.seq, org, q.live))
         if len(self.fullest) > 2 * self.active + 64:
             self._rebuild_fullest()
+
+    def push_front(self, org: str, item: T) -> None:
+        self.push(org, item, front=True)
 
     def _lost(self, q: OrgQueue[T]) -> None:
         """``q`` holds one live item fewer."""
@@ -128,26 +132,15 @@ class FairQueue(Generic[T]):
             q.items.clear()
             q.dead.clear()
 
-    def push(self, org: str, item: T) -> None:
-        """``item`` waits at the back of ``org``'s FIFO."""
-        q = self._org(org)
-        q.items.append(item)
-        self._gained(org, q)
-
-    def push_front(self, org: str, item: T) -> None:
-        """``item`` goes back to the head of ``org``'s FIFO (it was taken, and could not be sent)."""
-        q = self._org(org)
-        q.items.appendleft(item)
-        self._gained(org, q)
-
     def pop(self) -> tuple[str, T] | None:
         """The next (org, item) in fair order, or None when nothing waits."""
-        while self.order:
-            tag, _, org = self.order[0]
+        order = self.order
+        while order:
+            tag, _, org = order[0]
             q = self.orgs[org]
-            item = self._next_live(q)
+            item = self._next_live(q) if q.dead else (q.items.popleft() if q.items else None)
             if item is None:  # nothing live left: out of the order until it has work again
-                heapq.heappop(self.order)
+                heapq.heappop(order)
                 q.in_order = False
                 self._forget_if_idle(org, q)
                 continue
@@ -157,9 +150,9 @@ class FairQueue(Generic[T]):
             if q.items:
                 q.tag = q.finish
                 self.seq += 1
-                heapq.heapreplace(self.order, (q.tag, self.seq, org))
+                heapq.heapreplace(order, (q.tag, self.seq, org))
             else:
-                heapq.heappop(self.order)
+                heapq.heappop(order)
                 q.in_order = False
                 self._forget_if_idle(org, q)
             return org, item
