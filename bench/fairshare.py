@@ -109,6 +109,13 @@ def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
         for rid, (org, at, _) in sent.items():
             if at >= t0 + WARMUP_S:
                 result[org][outcome.get(rid, "no reply")] += 1
+        socks["victim"].send_multipart(P.status_request_frames())
+        if socks["victim"].poll(5000):
+            status = P.parse_reply(socks["victim"].recv_multipart())
+            if isinstance(status, P.StatusReply):
+                stats = status.snapshot.get("stats", {})
+                result["broker (whole run)"] = collections.Counter(
+                    {k: v for k, v in stats.items() if k.startswith(("expired", "shed", "pushed", "rejected"))})
         return result
     finally:
         stop.set()
@@ -132,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attacker-deadline-ms", type=float, default=1000.0, help="attacker deadline (default 1000)")
     args = ap.parse_args(argv)
     result = run(args)
+    broker = result.pop("broker (whole run)", collections.Counter())
     kinds = sorted({k for c in result.values() for k in c} - {"ok"})
     rows = [[org, str(sum(c.values())), f"{100 * c['ok'] / max(1, sum(c.values())):.1f} %",
              *(str(c[k]) for k in kinds)] for org, c in result.items()]
     served = args.capacity / args.service_ms * 1e3
     print(f"broker from {args.tree}; worker serves {served:.0f}/s; after the first {WARMUP_S:.0f} s:\n")
     print("\n".join(table(["org", "sent", "ok on time", *kinds], rows)))
+    print("\nbroker counters, whole run: " + (", ".join(f"{k} {v}" for k, v in sorted(broker.items())) or "none"))
     return 0
 
 
