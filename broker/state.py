@@ -128,17 +128,21 @@ class BrokerBase:
         if not self.queue.queued(org):
             self.standing.pop(org, None)
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self, *, orgs: bool = True) -> dict[str, object]:
         """Counters and gauges for STATUS requests, metrics and tests; per org only the busiest
-        (``broker.org_counts``), so a caller naming many orgs cannot grow it."""
-        inflight = (p.org for p in self.pending.values() if p.worker is not None and not p.answered)
-        return {
+        (``broker.org_counts``), so a caller naming many orgs cannot grow it. ``orgs=False`` leaves
+        the per-org part out: it walks the pending requests, and the metrics thread reads the
+        snapshot while the broker's thread changes them."""
+        snap: dict[str, object] = {
             "pid": os.getpid(),
             "queue_depth": len(self.queue),
             "pending": len(self.pending),
             "workers": {w.worker_id: {"capacity": w.capacity, "limit": w.slots, "inflight": len(w.inflight),
                                       "draining": w.draining, "stats": w.stats}
                         for w in self.workers.values()},
-            **org_snapshot(self.queue.queued_by_org(), inflight, self.org_shed),
             "stats": dict(self.stats),
         }
+        if orgs:
+            inflight = (p.org for p in self.pending.values() if p.worker is not None and not p.answered)
+            snap |= org_snapshot(self.queue.queued_by_org(), inflight, self.org_shed)
+        return snap
