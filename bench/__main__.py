@@ -15,6 +15,7 @@ SUITES: dict[str, str] = {
     "run": "the stack under open-loop load: inproc, transport, floor, full sweeps, chaos (--quick: < 60 s)",
     "hops": "CPU per request of each transport hop (broker, transport-mode worker, zmq relay, echo)",
     "floor": "the bare pyzmq floor: relay and ping-pong, no application code",
+    "fairshare": "one org's goodput at the broker while another floods it (--tree: another checkout's broker)",
     "peers": "this stack against the same pipeline behind grpc.aio and uvicorn, interleaved",
     "workercpu": "a full-mode worker's CPU per served assembly, beside the in-process pipeline",
     "packer_bench": "the packer against a greedy, a sketch and a MILP optimum: latency and quality",

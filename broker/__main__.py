@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.metrics_port:
         from ibex_context.shared.config.observability import broker_registry, serve
 
-        registry, metrics = broker_registry(broker.snapshot)
+        registry, metrics = broker_registry(lambda: broker.snapshot(orgs=False))
         broker.observe_queue_wait = metrics.queue_wait.observe
         serve(registry, settings.metrics_port)
         logging.getLogger(__name__).info("metrics on http://127.0.0.1:%d/metrics", settings.metrics_port)

@@ -12,11 +12,13 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   The worker's announced credit is only the cap, so a worker whose requests wait on I/O can hold
   more of them than a fixed credit would allow, and one whose downstream is overloaded holds fewer.
 * ``expected_wait_ns``: how long a request arriving now would wait in the broker's queue, from
-  the queue length, the live limits and the measured service time. A request is refused
-  OVERLOADED on receipt (a client falls back in well under a millisecond) instead of waiting until
-  it can no longer be answered in full when the queue is a standing one (CoDel's distinction:
-  requests have been dispatched after more than the target wait for a whole ``STANDING_NS``, so
-  more load is arriving than the workers finish; a burst that drains is left alone) and either
+  its org's queue length and share of the slots (``broker.fairqueue``: another org's backlog does
+  not count, so a longer deadline buys no org a place ahead of another), the live limits and the
+  measured service time. A request is refused OVERLOADED on receipt (a client falls back in well
+  under a millisecond) instead of waiting until it can no longer be answered in full when its
+  org's queue is a standing one (CoDel's distinction: its requests have been dispatched after more
+  than the target wait for a whole ``STANDING_NS``, so more load is arriving than the workers
+  finish; a burst that drains is left alone) and either
   (a) that wait plus a service time would not fit in its remaining deadline, or (b) the wait is
   over the target and over a quarter of its remaining time (a request with seconds to spare may wait).
 """
@@ -81,16 +83,19 @@ class ServiceTime:
         return self.samples >= MIN_SAMPLES
 
 
-def expected_wait_ns(queued: int, slots: int, free: int, service_ns: float) -> float:
-    """Queue wait of a request that arrives behind ``queued`` others when ``slots`` requests are
-    served at once (``free`` of them idle now), each taking ``service_ns``: none with a slot free
-    and nobody ahead, else (queued + 1) / slots service times less the half of one already under
-    way on average."""
+def expected_wait_ns(queued: int, slots: int, free: int, service_ns: float, share: float = 1.0) -> float:
+    """Queue wait of a request that arrives behind ``queued`` others of its org when ``slots``
+    requests are served at once (``free`` of them idle now), each taking ``service_ns``, and its
+    org is due ``share`` of them (``broker.fairqueue``: its weight over the weights of the orgs
+    with work; 1.0 alone). None with a slot free and nobody ahead; else the head of an org's queue
+    goes at the next slot that frees (one in ``slots`` service times) and each one behind it at the
+    org's share of the rate, less the half of one already under way on average: alone, that is
+    (queued + 1) / slots - 0.5 service times. Another org's backlog adds nothing."""
     if free > 0 and queued == 0:
         return 0.0
-    if slots <= 0:
+    if slots <= 0 or share <= 0:
         return float("inf")
-    return max(0.0, ((queued + 1) / slots - 0.5) * service_ns)
+    return max(0.0, (queued / (slots * share) + 1 / slots - 0.5) * service_ns)
 
 
 class StandingQueue:

@@ -3,13 +3,18 @@
 Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadlines):
 
 * The frontend is drained continuously into the broker's own bounded queue, so backlog never hides
-  in socket buffers; when the queue is full the client hears OVERLOADED at once.
+  in socket buffers. The queue is one FIFO per org, dispatched in weighted fair order
+  (``broker.fairqueue``, ``IBEX_ORG_WEIGHTS``): an org alone may use every slot, and an org with
+  work is never behind another's backlog for more than its share. When the queue is full, an
+  arrival of an org under its share of it pushes out the newest request of the org most over
+  its share (answered OVERLOADED); any other arrival hears OVERLOADED at once.
 * Credit-based dispatch under an adaptive limit: each worker announces its capacity (requests it
   can hold in flight; its retrieval is I/O-bound) and the broker holds it to an adaptive limit
   below that cap, cut when the worker's per-reply feedback says the downstream or its loop could
   not keep up (``broker.admission``). A request goes to the live worker with most free slots,
-  ties to the one dispatched to least recently. With a standing queue, a request that could not
-  be answered in full is refused OVERLOADED on receipt.
+  ties to the one dispatched to least recently. With its org's queue standing, a request that
+  could not be answered in full at its org's share of the slots is refused OVERLOADED on receipt:
+  a longer deadline buys no org a place ahead of another.
 * The broker routes and authorizes on the request's header frame and never reads the payload; a
   large payload is forwarded as the frame it arrived in, uncopied (docs/architecture.md "Processes and data flow").
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
@@ -39,6 +44,8 @@ from collections.abc import Callable
 import zmq
 
 from ibex_context.broker.admission import ServiceTime, StandingQueue, expected_wait_ns, shed
+from ibex_context.broker.fairqueue import FairQueue
+from ibex_context.broker.org_counts import TopCounts
 from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
 from ibex_context.broker.usage import UsageIntake
 from ibex_context.broker.usage_limits import UsageLimits
@@ -95,7 +102,8 @@ class Broker(UsageIntake, WorkerTable):
         self.back_monitor = self.back.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poll_items: list[tuple[zmq.Socket[bytes], int]] = [
             (s, zmq.POLLIN) for s in (self.front, self.back, self.back_monitor)]
-        self.queue: collections.deque[Key] = collections.deque()
+        self.queue: FairQueue[Key] = FairQueue(settings.org_weight_map())
+        self.org_shed = TopCounts()
         self.pending: dict[Key, Pending] = {}
         self.timers: list[tuple[int, int, Key]] = []  # (deadline_ns, attempt, key)
         self.workers: dict[bytes, WorkerState] = {}
@@ -103,7 +111,7 @@ class Broker(UsageIntake, WorkerTable):
         self.service = ServiceTime()  # dispatch-to-reply time, for the queue-wait estimate
         self.picks = 0  # dispatch sequence number (ties between workers go to the least recent)
         self.admission_queue_ns = settings.admission_queue_ms * 1e6
-        self.standing = StandingQueue(self.admission_queue_ns)
+        self.standing: dict[str, StandingQueue] = {}
         self.next_hb_ns = time.monotonic_ns() + self.hb_ns
         self.next_check_ns = 0  # next worker-liveness check (a tenth of an interval apart, not every poll)
         self.running = True
@@ -211,9 +219,11 @@ class Broker(UsageIntake, WorkerTable):
         refusal = self._refusal(key, req, last)
         if refusal is not None:
             self.stats[refusal[0]] += 1
+            if refusal[1].code is ErrorCode.OVERLOADED:
+                self.org_shed.add(req.org_id)
             self._reply_error(client, correlation_id, refusal[1], req.request_id)
             return
-        self._enqueue(key, req.request_id, header, parsed.payload, req.deadline_ns)
+        self._enqueue(key, req, header, parsed.payload)
 
     def _envelope(self, parsed: P.ClientRequest) -> tuple[bytes, Envelope | ErrorReply]:
         """(header frame, routing fields) of a request. With a header frame the payload is never
@@ -234,52 +244,81 @@ class Broker(UsageIntake, WorkerTable):
         if key in self.pending:  # only a client that sent no correlation id can repeat one
             return "rejected_duplicate", InvalidRequest(
                 f"request_id {req.request_id!r} is already in flight from this client", field="request_id")
-        if len(self.queue) >= self.settings.queue_max:
-            return "rejected_overloaded", Overloaded(
-                f"broker queue is full ({self.settings.queue_max} waiting); retry with backoff or another broker")
-        return self._shed(remaining)
+        refusal = self._shed(req.org_id, remaining)
+        if refusal is None and len(self.queue) >= self.settings.queue_max:
+            refusal = self._full(req.org_id)
+        return refusal
 
-    def _shed(self, remaining_ns: int) -> tuple[str, IbexError] | None:
+    def _shed(self, org: str, remaining_ns: int) -> tuple[str, IbexError] | None:
         """OVERLOADED on receipt when the request could not be answered in full (broker/admission.py):
-        its queue wait and a service time would not fit its deadline, or the queue is standing and
-        its wait is over the target. Refused now, the caller falls back now."""
-        if not self.queue:
-            self.standing.reset()  # a standing queue never empties, and only a standing queue sheds
+        its wait behind its own org's queue at its org's share of the slots and a service time would
+        not fit its deadline, or that queue is standing and the wait is over the target. Another
+        org's backlog does not count. Refused now, the caller falls back now."""
+        queued = self.queue.queued(org)
+        if not queued:
+            self.standing.pop(org, None)  # a standing queue never empties, and only a standing queue sheds
             return None
+        standing = self.standing.get(org)
         if (not self.admission_queue_ns or not self.service.trusted or not self.workers
-                or not self.standing.standing(time.monotonic_ns())):
+                or standing is None or not standing.standing(time.monotonic_ns())):
             return None
         live = [w for w in self.workers.values() if not w.draining]
         slots = sum(w.slots for w in live)
-        wait = expected_wait_ns(len(self.queue), slots, sum(max(0, w.free) for w in live), self.service.mean_ns)
+        share = self.queue.share(org)
+        wait = expected_wait_ns(queued, slots, sum(max(0, w.free) for w in live), self.service.mean_ns, share)
         if not shed(wait_ns=wait, service_ns=self.service.mean_ns, remaining_ns=remaining_ns,
                     target_ns=self.admission_queue_ns, standing=True):
             return None
         return "shed_overloaded", Overloaded(
-            f"shed on receipt: about {wait / 1e6:.1f} ms of queue ahead and {self.service.mean_ns / 1e6:.1f} ms "
-            f"of service with {slots} request(s) in service; retry with backoff or another broker")
+            f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
+            f"share of {slots * share:.1f} of {slots} slot(s), and {self.service.mean_ns / 1e6:.1f} ms of service; "
+            f"retry with backoff or another broker")
 
-    def _enqueue(self, key: Key, request_id: str, header: bytes, payload: bytes, deadline_epoch_ns: int) -> None:
+    def _full(self, org: str) -> tuple[str, IbexError] | None:
+        """The queue holds ``queue_max``: an arrival of an org under its share of the queue takes
+        the place of the newest request of the org most over its share, which is answered
+        OVERLOADED (``FairQueue.push_out``); an arrival at or over its share is refused itself."""
+        out = self.queue.push_out(org, self.settings.queue_max)
+        if out is None:
+            return "rejected_overloaded", Overloaded(
+                f"broker queue is full ({self.settings.queue_max} waiting) and org {org!r} holds its share of it; "
+                f"retry with backoff or another broker")
+        victim, key = out
+        self._left_queue(victim)
+        self.stats["pushed_out"] += 1
+        self.org_shed.add(victim)
+        self._answer_error(key, Overloaded(
+            f"pushed out of the full broker queue ({self.settings.queue_max} waiting) by a request of an org under "
+            f"its share; org {victim!r} holds the most for its weight; retry with backoff or another broker"))
+        return None
+
+    def _enqueue(self, key: Key, req: Envelope, header: bytes, payload: bytes) -> None:
         now_ns = time.monotonic_ns()
-        remaining = deadline_epoch_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
-        p = Pending(key, request_id, header, payload, deadline_epoch_ns, now_ns + remaining, now_ns)
+        remaining = req.deadline_ns - time.time_ns()  # epoch -> monotonic, once, on receipt
+        p = Pending(key, req.request_id, req.org_id, header, payload, req.deadline_ns, now_ns + remaining, now_ns)
         self.pending[key] = p
-        self.queue.append(key)
+        self.queue.push(req.org_id, key)
         heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
         self.stats["accepted"] += 1
 
     # ------------------------------------------------------------------------------- dispatch
 
     def _dispatch(self) -> None:
+        """Queued requests to free slots, in the fair queue's order (``broker.fairqueue``)."""
         while self.queue:
             w = self._pick_worker()
             if w is None:
                 return
-            key = self.queue.popleft()
+            nxt = self.queue.pop()
+            if nxt is None:
+                return
+            org, key = nxt
             p = self.pending.get(key)
             if p is None or p.answered or p.worker is not None:
+                self._left_queue(org)
                 continue
             now = time.monotonic_ns()
+            self._waited(org, now - p.enqueued_ns, now)
             if now >= p.deadline_ns:
                 self.stats["expired_at_dispatch"] += 1
                 self._answer_error(key, DeadlineExceeded(
@@ -288,16 +327,26 @@ class Broker(UsageIntake, WorkerTable):
             stamp = P.Stamp(p.deadline_epoch_ns, (now - p.enqueued_ns) // 1000, time.time_ns(), p.attempt)
             if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1], stamp, p.header, p.payload)]):
                 self._worker_dead(w, "send failed")
-                self.queue.appendleft(key)
+                self.queue.push_front(org, key)
                 continue
             p.worker, p.dispatched_ns = w.ident, now
-            self.standing.on_dispatch(now - p.enqueued_ns, now)
             self.picks += 1
             w.picked = self.picks
             w.inflight.add(key)
             self.stats["dispatched"] += 1
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
+
+    def _waited(self, org: str, waited_ns: int, now_ns: int) -> None:
+        """A request of ``org`` leaves the queue after ``waited_ns``: the org's standing-queue test
+        (kept only while it has more queued) learns it."""
+        if not self.queue.queued(org):
+            self.standing.pop(org, None)
+            return
+        sq = self.standing.get(org)
+        if sq is None:
+            sq = self.standing[org] = StandingQueue(self.admission_queue_ns)
+        sq.on_dispatch(waited_ns, now_ns)
 
     def _pick_worker(self) -> WorkerState | None:
         """The live worker with most free slots; ties go to the one dispatched to least recently, so

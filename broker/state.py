@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ibex_context.broker.admission import Limiter
+from ibex_context.broker.admission import Limiter, StandingQueue
+from ibex_context.broker.fairqueue import FairQueue
+from ibex_context.broker.org_counts import TopCounts, org_snapshot
 from ibex_context.shared.config.settings import BrokerSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode_error
@@ -43,6 +45,7 @@ Authorizer = Callable[[zmq.Frame, Envelope], None]
 class Pending:
     key: Key
     request_id: str  # the caller's label: logs and error payloads name it
+    org: str  # the org of its header: its queue in the broker's fair queue
     header: bytes
     payload: bytes
     deadline_epoch_ns: int
@@ -84,7 +87,9 @@ class BrokerBase:
     back: zmq.Socket[bytes]
     hb_ns: int
     liveness: int
-    queue: collections.deque[Key]
+    queue: FairQueue[Key]  # per-org FIFOs, dispatched in weighted fair order
+    standing: dict[str, StandingQueue]  # per org with requests queued: CoDel's standing-queue test
+    org_shed: TopCounts  # requests refused OVERLOADED on receipt or pushed out, per org
     pending: dict[Key, Pending]
     timers: list[tuple[int, int, Key]]  # (deadline_ns, attempt, key)
     workers: dict[bytes, WorkerState]
@@ -116,9 +121,19 @@ class BrokerBase:
             self.stats["worker_send_failed"] += 1
             return False
 
-    def snapshot(self) -> dict[str, object]:
-        """Counters and gauges for STATUS requests, metrics and tests."""
-        return {
+    def _left_queue(self, org: str) -> None:
+        """A request of ``org`` left the queue (dispatched, expired or pushed out): once its org has
+        none waiting, its standing-queue state goes (a standing queue never empties), so the table
+        holds only orgs with requests queued."""
+        if not self.queue.queued(org):
+            self.standing.pop(org, None)
+
+    def snapshot(self, *, orgs: bool = True) -> dict[str, object]:
+        """Counters and gauges for STATUS requests, metrics and tests; per org only the busiest
+        (``broker.org_counts``), so a caller naming many orgs cannot grow it. ``orgs=False`` leaves
+        the per-org part out: it walks the pending requests, and the metrics thread reads the
+        snapshot while the broker's thread changes them."""
+        snap: dict[str, object] = {
             "pid": os.getpid(),
             "queue_depth": len(self.queue),
             "pending": len(self.pending),
@@ -127,3 +142,7 @@ class BrokerBase:
                         for w in self.workers.values()},
             "stats": dict(self.stats),
         }
+        if orgs:
+            inflight = (p.org for p in self.pending.values() if p.worker is not None and not p.answered)
+            snap |= org_snapshot(self.queue.queued_by_org(), inflight, self.org_shed)
+        return snap

@@ -159,6 +159,8 @@ class WorkerTable(BrokerBase):
                 self._reap(p)
             elif p.worker is None:
                 self.stats["expired_in_queue"] += 1
+                self.queue.remove(p.org, key)
+                self._left_queue(p.org)
                 self._answer_error(key, DeadlineExceeded(
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms waiting in the broker queue"))
             else:  # the worker still holds it: answer now, keep the record until the worker frees credit
@@ -201,7 +203,7 @@ class WorkerTable(BrokerBase):
             elif p.deadline_ns - now > MIN_RETRY_NS:
                 p.worker, p.attempt = None, p.attempt + 1
                 heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
-                self.queue.appendleft(key)
+                self.queue.push_front(p.org, key)
                 self.stats["redispatched"] += 1
             else:
                 self._answer_error(key, Unavailable(

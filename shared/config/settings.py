@@ -33,6 +33,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ibex_context.shared.config.org_weights import parse_org_weights
+
 # A conversation that fits the largest window in the model catalog must fit the wire (docs/assembly.md "Size
 # limits"): the request limit is that window times this many bytes a token. Measured with o200k
 # (bench/wire_size.py): prose ~3.7 bytes a token, code ~4.0, JSON ~2.9, CJK ~1.8, deeply indented
@@ -211,6 +213,11 @@ class BrokerSettings(_LinkSettings):
     adaptive_limit: bool = Field(
         True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
                           "worker holds exactly its credit.")
+    org_weights: str | None = Field(
+        None, json_schema_extra=shown("every org 1"),
+        description="Orgs' weights in the broker's fair queue, `org=weight` comma-separated (`acme=2,beta=1`); an "
+                    "org not named weighs 1. Each org with work is dispatched its weight's share of the slots; "
+                    "docs/architecture.md \"Admission control\".")
     # Usage reports (broker/usage_limits.py): token buckets per caller key, per org and in total;
     # a report over one is shed (dropped, counted). 0 turns that limit off.
     usage_rate_per_key: float = Field(250.0, ge=0, description="Usage reports a second one caller key may send.")
@@ -221,6 +228,17 @@ class BrokerSettings(_LinkSettings):
     summary_rate_per_key: float = Field(20.0, ge=0, description="Summaries a second one caller key may send.")
     summary_rate_per_org: float = Field(50.0, ge=0, description="Summaries a second one org may send.")
     summary_rate_total: float = Field(200.0, ge=0, description="Summaries a second the broker forwards in all.")
+
+    @field_validator("org_weights")
+    @classmethod
+    def _org_weights(cls, v: str | None) -> str | None:
+        parse_org_weights(v)
+        return v
+
+    def org_weight_map(self) -> dict[str, float]:
+        """``org_weights`` as org -> weight."""
+        return parse_org_weights(self.org_weights)
+
     # -- authentication (CURVE + ZAP; docs/security.md "Authentication") --------------------------------
     auth_keys_file: str | None = Field(
         None, description="Keys file (client key → org, agents; worker keys); turns CURVE on.")
