@@ -15,7 +15,8 @@
 Every /v1 call needs ``Authorization: Bearer <org token>`` (``shared.security.tenancy``); the org id comes
 from the token only and scopes every Redis key; it is checked before anything else, injected
 faults included. Errors are ``{"error": message}`` with 400 (bad input), 401 (token), 404/405
-(no trailing-slash redirects), 409 (the agent is at its memory cap), 413 (body too large), 503
+(no trailing-slash redirects), 409 (the agent is at its memory cap, the org at its agents cap or its
+storage budget: the body's ``field`` names the setting), 413 (body too large), 503
 (Redis unreachable); the service keeps serving after any of them. An agent with no data is not an
 error: 200 with an empty list.
 
@@ -32,6 +33,7 @@ This module holds the routes and handlers; request parsing and error bodies are 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -76,6 +78,8 @@ from ibex_context.memory.search import rank_hot
 from ibex_context.memory.search import search as run_search
 from ibex_context.memory.service import MemoryService, OrgLimiter
 from ibex_context.memory.store import AgentFull, WriteContention
+from ibex_context.shared.stores import storage
+from ibex_context.shared.wire.errors import StorageQuotaExceeded
 
 log = logging.getLogger(__name__)
 
@@ -177,17 +181,32 @@ async def write(svc: MemoryService, request: Request) -> Response:
         created_at=body.created_at or datetime.fromtimestamp(svc.clock(), UTC),
         salience=body.salience if body.salience is not None else body.confidence,
     )
+    redis = svc.redis
     try:
         async with svc.write_limiter.hold(org), svc.limiter.hold(org), svc.write_embeds:
-            await svc.store_pressure.check(svc.redis, svc.config.write_floor_fraction)
-            added = await quotas.check_write(svc.redis, svc.config.quotas, org, body.agent_id, record.memory_id,
-                                             record.content)
-            await svc.ensure_index(org)
-            await store.write_capped(svc.redis, store.NewMemory(org, body.agent_id, record, body.hot),
-                                     embedder_name=svc.embedder.name, embed=svc.embed,
-                                     max_per_agent=svc.config.max_memories_per_agent)
-            await quotas.account_write(svc.redis, org, body.agent_id, added)
+            pressure = await svc.store_pressure.read(redis)
+            quotas.check_floor(pressure, svc.config.write_floor_fraction)
+            await quotas.check_agents(redis, svc.config.quotas, org, body.agent_id)
+            charge = store.memory_charge(org, body.agent_id, record, hot=body.hot, embedder_name=svc.embedder.name,
+                                         dim=svc.embedder.dim)
+            # A rewrite is charged what it adds: the memory it replaces is credited in the same step.
+            assumed = await store.stored_charge(redis, org, body.agent_id, record.memory_id)
+            await storage.reserve(redis, org, charge, svc.config.org_storage_budget(pressure.limit), what="content",
+                                  replacing=assumed, index=storage.INDEX_BYTES)
+            try:
+                await svc.ensure_index(org)
+                replaced = await store.write_capped(redis, store.NewMemory(org, body.agent_id, record, body.hot),
+                                                    embedder_name=svc.embedder.name, embed=svc.embed,
+                                                    max_per_agent=svc.config.max_memories_per_agent, charge=charge)
+            except BaseException:
+                # Nothing stored: the reservation back, and the charge of the memory still there.
+                await asyncio.shield(storage.credit(redis, org, charge - assumed))
+                raise
+            await storage.credit(redis, org, replaced - assumed)  # another write replaced it meanwhile
+            await quotas.account_write(redis, org, body.agent_id)
     except quotas.QuotaExceeded as exc:
+        raise ApiError(409, str(exc), field=exc.field) from exc
+    except StorageQuotaExceeded as exc:
         raise ApiError(409, str(exc), field=exc.field) from exc
     except quotas.StoreFull as exc:
         raise ApiError(507, str(exc)) from exc

@@ -103,14 +103,10 @@ class MemoryConfig(MemoryServiceSettings):
         100_000, ge=1,
         description="A write for a new agent of an org that already has this "
                     "many agents with memories is refused with 409.")
-    max_bytes_per_org: int = Field(
-        1 << 30, ge=1,
-        description="UTF-8 bytes of memory text one org may store; a write "
-                    "that would pass it is refused with 409.")
     write_floor_fraction: float = Field(
         0.90, gt=0.0, le=1.0,
         description="With a Redis maxmemory, memory writes are refused "
-                    "(507) once Redis uses this share of it; reads go on.")
+                    "(507) once Redis uses this share of it; reads, directives, summaries and calibration go on.")
     max_writes_per_org: int = Field(
         1, ge=1,
         description="Writes of one org embedded at once; more wait their turn.")
@@ -121,7 +117,7 @@ class MemoryConfig(MemoryServiceSettings):
 
     @property
     def quotas(self) -> Quotas:
-        return Quotas(self.max_agents_per_org, self.max_bytes_per_org, self.write_floor_fraction)
+        return Quotas(self.max_agents_per_org, self.write_floor_fraction)
 
     @field_validator("relevance_floor")
     @classmethod

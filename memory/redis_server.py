@@ -130,8 +130,10 @@ class EmbeddedRedis:
         executable: str | None = None,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         data_dir: Path | None = None,
+        maxmemory: int | None = None,
     ) -> None:
         self._fixed_port = port
+        self._maxmemory = maxmemory  # None: default_maxmemory()
         self._data_dir = data_dir
         self._port: int | None = port
         self._unix = unix_socket
@@ -215,7 +217,7 @@ class EmbeddedRedis:
             workdir = str(self._data_dir)
         port = 0 if self._unix else int(self._port or 0)
         args = server_args(exe, port=port, bind="127.0.0.1", workdir=workdir, unixsocket=self.socket_path,
-                           persist=self._data_dir is not None)
+                           persist=self._data_dir is not None, maxmemory=self._maxmemory)
         with open(os.path.join(self._dir, "redis.log"), "wb") as log:
             self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self._timeout_s

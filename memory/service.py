@@ -30,12 +30,12 @@ from ibex_context.memory.http import ApiError, error_response
 from ibex_context.memory.index import check_engine, ensure_index
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.querybatch import QueryBatcher
-from ibex_context.memory.quotas import StorePressure
 from ibex_context.memory.reads import Scripts
 from ibex_context.memory.resp import HiredisPackedConnection
 from ibex_context.memory.store import RecordHealth
 from ibex_context.memory.terms import TermTable
 from ibex_context.shared.security.tenancy import bearer_token, verify_org_token
+from ibex_context.shared.stores import storage
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class MemoryService:
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.write_limiter = OrgLimiter(config.max_writes_per_org)  # memory.quotas
         self.write_embeds = asyncio.Semaphore(config.max_write_embeds)
-        self.store_pressure = StorePressure()
+        self.store_pressure = storage.StorePressure()
         self.queries_truncated = 0
         self.embeds_offloaded = 0
         self.answers_trimmed = 0

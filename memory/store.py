@@ -4,7 +4,8 @@ Per memory, written in one MULTI with the agent's id set and hot list (one hash 
 never see half a memory:
 
     mem:{org:agent}:{memory_id}  HASH  org, agent, content, created_at, rec (MemoryRecord JSON),
-                                       v_{embedder} (float32 unit vector)
+                                       v_{embedder} (float32 unit vector), q (the Redis bytes it
+                                       is charged to its org: shared.stores.storage)
     memids:{org:agent}           SET   the agent's memory ids (the per-agent cap counts them)
     hot:{org:agent}              ZSET  memory_id -> salience (only memories marked hot)
 
@@ -36,6 +37,7 @@ from ibex_context.memory.embed import Vectors
 from ibex_context.memory.index import tenant_number
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.quotas import account_write
+from ibex_context.shared.stores import storage
 from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key, vector_field
 from ibex_context.shared.wire.validation import first_error
 
@@ -91,11 +93,28 @@ def doc_fields(org_id: str, agent_id: str, rec: MemoryRecord, vec: Vectors | Non
     return fields
 
 
-def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str) -> None:
-    """Queue one memory's hash, id and hot flag on a pipeline (all in the agent's hash slot)."""
+CHARGE_FIELD = "q"  # the bytes the memory was charged to its org (shared.stores.storage), credited on rewrite
+_CHARGE_DIGITS = 10
+
+
+def memory_charge(org_id: str, agent_id: str, rec: MemoryRecord, *, hot: bool, embedder_name: str, dim: int) -> int:
+    """The Redis bytes one memory is charged (``shared.stores.storage.memory_cost``): its hash as
+    ``doc_fields`` writes it (with its vector and charge), its id entries and its index entries."""
+    fields = doc_fields(org_id, agent_id, rec, None, embedder_name)
+    sizes = {name: len(v) if isinstance(v, bytes) else len(str(v).encode()) for name, v in fields.items()}
+    sizes[vector_field(embedder_name)] = 4 * dim
+    sizes[CHARGE_FIELD] = _CHARGE_DIGITS
+    return storage.memory_cost(memory_key(org_id, agent_id, rec.memory_id), sizes, rec.content,
+                               vector_bytes=4 * dim, id_len=len(rec.memory_id), hot=hot)
+
+
+def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str, charge: int) -> None:
+    """Queue one memory's hash (with its charge), id and hot flag on a pipeline (all in the agent's
+    hash slot)."""
     rec = m.record
-    pipe.hset(memory_key(m.org_id, m.agent_id, rec.memory_id),
-              mapping=doc_fields(m.org_id, m.agent_id, rec, vec, embedder_name))  # type: ignore[arg-type]
+    fields = doc_fields(m.org_id, m.agent_id, rec, vec, embedder_name)
+    fields[CHARGE_FIELD] = str(charge)
+    pipe.hset(memory_key(m.org_id, m.agent_id, rec.memory_id), mapping=fields)  # type: ignore[arg-type]
     pipe.sadd(memory_ids_key(m.org_id, m.agent_id), rec.memory_id)
     if m.hot:
         pipe.zadd(hot_key(m.org_id, m.agent_id), {rec.memory_id: rec.salience})
@@ -105,7 +124,11 @@ def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str)
 
 async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_name: str, embed: EmbedFn) -> None:
     """Store memories in chunks: one MULTI/EXEC per agent in each chunk (one hash slot each, so
-    the same code runs on a Redis Cluster)."""
+    the same code runs on a Redis Cluster).
+
+    An operator's seeding: each memory is charged to its org's storage ledger but never refused
+    (``shared.stores.storage``), and the memories it rewrites are credited what they were charged.
+    """
     for start in range(0, len(items), _WRITE_CHUNK):
         chunk = items[start : start + _WRITE_CHUNK]
         vectors = await embed([m.record.content for m in chunk])
@@ -113,36 +136,57 @@ async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_n
         for m, vec in zip(chunk, vectors, strict=True):
             by_agent.setdefault((m.org_id, m.agent_id), []).append((m, vec))
         for (org, agent), group in by_agent.items():
+            charges = [memory_charge(org, agent, m.record, hot=m.hot, embedder_name=embedder_name, dim=len(vec))
+                       for m, vec in group]
             async with redis.pipeline(transaction=True) as pipe:
-                for m, vec in group:
-                    _queue_write(pipe, m, vec, embedder_name)
-                await pipe.execute()
-            # Counted for the org's quotas (memory.quotas); a seeded rewrite counts in full.
-            await account_write(redis, org, agent, sum(len(m.record.content.encode()) for m, _ in group))
+                for m, _ in group:
+                    pipe.hget(memory_key(org, agent, m.record.memory_id), CHARGE_FIELD)
+                for (m, vec), charge in zip(group, charges, strict=True):
+                    _queue_write(pipe, m, vec, embedder_name, charge)
+                replaced = (await pipe.execute())[:len(group)]
+            await storage.force_charge(redis, org, sum(charges) - sum(_charge_of(old) for old in replaced))
+            await account_write(redis, org, agent)  # the org's agents (memory.quotas)
+
+
+def _charge_of(raw: bytes | str | None) -> int:
+    """A stored charge field as a number (0 when absent: stored before budgets, never charged)."""
+    try:
+        return max(int(raw or 0), 0)
+    except ValueError:
+        return 0
+
+
+async def stored_charge(redis: Redis, org_id: str, agent_id: str, memory_id: str) -> int:
+    """What the stored memory ``memory_id`` was charged (0 when there is none)."""
+    return _charge_of(await redis.hget(memory_key(org_id, agent_id, memory_id), CHARGE_FIELD))
 
 
 async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, embed: EmbedFn,
-                       max_per_agent: int) -> None:
-    """Store one memory unless it would be the agent's ``max_per_agent + 1``-th.
+                       max_per_agent: int, charge: int = 0) -> int:
+    """Store one memory unless it would be the agent's ``max_per_agent + 1``-th; returns what the
+    memory it replaced was charged (0 for a new one), for the caller to credit back.
 
-    The count check and the write are one optimistic transaction (WATCH on the agent's id set),
-    so concurrent writers cannot overshoot the cap. ``AgentFull`` if full; rewriting an existing
-    ``memory_id`` never counts as a new memory.
+    The count check and the write are one optimistic transaction (WATCH on the agent's id set
+    and the memory's key), so concurrent writers cannot overshoot the cap, and the charge read is
+    the one replaced. ``AgentFull`` if full; rewriting an existing ``memory_id`` never counts as a
+    new memory. ``charge`` is stored with the memory (``CHARGE_FIELD``).
     """
     [vec] = await embed([item.record.content])
     mkey = memory_ids_key(item.org_id, item.agent_id)
+    key = memory_key(item.org_id, item.agent_id, item.record.memory_id)
     async with redis.pipeline(transaction=True) as pipe:
         for _ in range(_WATCH_ATTEMPTS):
             try:
-                await pipe.watch(mkey)
+                await pipe.watch(mkey, key)
                 count = int(await pipe.scard(mkey))
                 exists = bool(await pipe.sismember(mkey, item.record.memory_id))
+                replaced = _charge_of(await pipe.hget(key, CHARGE_FIELD))
                 if not exists and count >= max_per_agent:
                     raise AgentFull(count, max_per_agent)
                 pipe.multi()  # type: ignore[no-untyped-call]
-                _queue_write(pipe, item, vec, embedder_name)
+                _queue_write(pipe, item, vec, embedder_name, charge)
                 await pipe.execute()
-                return
+                return replaced
             except WatchError:
                 continue
             finally:

@@ -9,7 +9,8 @@
 * ``flush`` (every ``FLUSH_INTERVAL_S``, a background task) writes the buffered records, matches
   the buffered reports to records (any worker's: the broker sends a report to any worker, so the
   records live in Redis), buckets each ratio or refuses it as an outlier, and writes the samples
-  to the Redis sketches, one atomic script per (org, model) (``shared.stores.calibration``). A
+  to the Redis sketches, one atomic script per (org, model) (``shared.stores.calibration``), each
+  charged to its org's storage budget (a refused record or new sketch is counted, never stored). A
   report whose record is not there yet (its assembly was served by a worker that has not flushed)
   is looked up again on the next ``RESOLVE_FLUSHES`` flushes, then dropped as unknown and counted,
   like one naming an expired, used, forged or other org's assembly.
@@ -40,7 +41,9 @@ from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.observability import CalibrationMetrics
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.stores import calibration as store
+from ibex_context.shared.stores.storage import StorePressure
 from ibex_context.shared.wire.codec import unpack, validate
+from ibex_context.shared.wire.errors import StorageQuotaExceeded
 from ibex_context.shared.wire.models import AssembleResponse, ErrorReply, UsageReport
 from ibex_context.shared.wire.protocol import MAX_USAGE_BYTES
 
@@ -75,6 +78,8 @@ class Calibrator:
                  metrics: CalibrationMetrics | None = None) -> None:
         self.redis = redis
         self.catalog = catalog
+        self.settings = settings
+        self.pressure = StorePressure()  # the server's maxmemory, for each org's storage budget
         self.enabled = settings.calibration
         self.sketch = store.SketchPolicy(decay_per_sample(settings.calibration_window), settings.calibration_quantile,
                                          settings.calibration_min_samples, FALL_INTERVAL_MS)
@@ -166,10 +171,15 @@ class Calibrator:
         self.records, self.reports = [], []
         if records:
             try:
-                await store.write_records(self.redis, records)
+                over = await store.write_records(self.redis, records, budget=await self._budget())
             except (RedisError, OSError) as exc:
                 self._count("record_write_failed", len(records))
                 log.warning("writing %d assembly records failed: %s", len(records), exc)
+            else:
+                for org_id, n in over.items():
+                    self._count("record_refused_quota", n)
+                    log.info("%d assembly records of org %s refused: its storage budget (IBEX_ORG_STORAGE_BYTES) "
+                             "is spent", n, org_id)
         if reports:
             await self._apply(await self._resolve(reports))
 
@@ -206,10 +216,19 @@ class Calibrator:
             samples[key] = (buckets, refused)
         return samples
 
+    async def _budget(self) -> int:
+        """One org's storage budget (``shared.stores.storage``), from the server's maxmemory."""
+        return self.settings.org_storage_budget((await self.pressure.read(self.redis)).limit)
+
     async def _apply(self, samples: dict[Key, tuple[collections.Counter[int], int]]) -> None:
         for (org_id, model), (buckets, refused) in samples.items():
             try:
-                await store.apply_batch(self.redis, org_id, model, buckets, self.sketch, refused=refused)
+                await store.apply_batch(self.redis, org_id, model, buckets, self.sketch, budget=await self._budget(),
+                                        refused=refused)
+            except StorageQuotaExceeded as exc:  # a new sketch the org's budget does not allow: not written
+                self._count("refused_quota")
+                self.last_refusal = f"refused_quota: {exc.message}"
+                log.info("calibration sketch %s/%s refused: %s", org_id, model, exc.message)
             except (RedisError, OSError) as exc:
                 self.stats["usage_write_failed"] += 1
                 if self.metrics is not None:

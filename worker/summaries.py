@@ -4,14 +4,18 @@ The broker forwards a summary after it validated it whole and authorized its org
 as it does a usage report; it takes no credit and gets no reply. Here it is validated again (``SummaryWrite``; a bad
 one is refused as a typed ``ErrorReply`` value, counted under ``summary_rejected_invalid`` and
 logged, never raised), then stored under ``{org}:summary:{agent}:{summary_key}`` with a TTL,
-only when its ``covers`` is greater than the stored one's: one Lua script, so two writers of the
-same conversation never let an older summary replace a newer one. With ``as_memory`` it is also
+only when its ``covers`` is greater than the stored one's and the org's storage budget allows it
+(``shared.stores.storage``: charged in the same script, the summary it replaces credited): one Lua
+script, so two writers of the same conversation never let an older summary replace a newer one, and
+no summary is stored past its org's budget. A refused one is counted (``summary_refused_quota``) and
+kept as the typed ``last_refusal`` naming the setting. With ``as_memory`` it is also
 written to the agent's memories through the memory service's own validated write path
 (``POST /v1/memories``, the org's token, its quotas), as one ``event`` memory per conversation,
 rewritten with each newer summary.
 
 Every outcome is counted in ``stats`` (the worker's heartbeat carries them to the broker's STATUS):
 ``summary_stored``, ``summary_stale`` (covers not greater), ``summary_rejected_invalid``,
+``summary_refused_quota``,
 ``summary_store_failed``, ``summary_memory_written``, ``summary_memory_failed``,
 ``summary_dropped_busy``.
 """
@@ -32,9 +36,12 @@ from redis.exceptions import RedisError
 
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
-from ibex_context.shared.stores.keys import summary_key
+from ibex_context.shared.stores import storage
+from ibex_context.shared.stores.keys import org_storage_key, summary_key
+from ibex_context.shared.stores.storage import LEDGER_LUA
 from ibex_context.shared.stores.summaries import encode_summary
 from ibex_context.shared.wire.codec import unpack, validate
+from ibex_context.shared.wire.errors import StorageQuotaExceeded
 from ibex_context.shared.wire.models import ErrorReply
 from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
 from ibex_context.worker.memhttp import MalformedResponse, MemoryHTTP
@@ -44,18 +51,29 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 64  # summaries being stored at once; beyond it one is dropped and counted
 MEMORY_CATEGORY = "event"
 
-# KEYS[1] the summary's key; ARGV: the value, its covers, the TTL in seconds. 1 stored, 0 stale.
-NEWER_WINS = """
+# KEYS[1] the summary's key, KEYS[2] its org's storage ledger; ARGV: the value, its covers, the TTL in
+# seconds, the org's storage budget, the value's charge. 1 stored, 0 stale, negative: refused by
+# the budget (nothing stored). The summary it replaces is credited what it was charged (its ``charge``).
+NEWER_WINS = LEDGER_LUA + """
 local cur = redis.call('GET', KEYS[1])
+local old_q, old_b = 0, 0
 if cur then
   local ok, doc = pcall(cjson.decode, cur)
   if ok and type(doc) == 'table' and tonumber(doc['covers']) and tonumber(doc['covers']) >= tonumber(ARGV[2]) then
     return 0
   end
+  if ok and type(doc) == 'table' and tonumber(doc['charge']) then
+    old_q, old_b = tonumber(doc['charge']), bucket_of(redis.call('PEXPIRETIME', KEYS[1]))
+  end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[3]))
+local ttl = tonumber(ARGV[3])
+local total = charge(KEYS[2], tonumber(ARGV[4]), tonumber(ARGV[5]), bucket_of((now_s() + ttl) * 1000), old_q, old_b,
+                     false)
+if total < 0 then return total end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl)
 return 1
 """
+_CHARGE_DIGITS = 12  # room the charge takes in the stored value
 
 
 def memory_id(summary_key_: str) -> str:
@@ -69,11 +87,14 @@ def memory_text(text: str, made_at_s: float) -> str:
     return f"Conversation summary ({day}): {text}"
 
 
-def stored_value(write: SummaryWrite, made_at_s: float) -> bytes:
-    """``shared.stores.summaries``'s format, plus when it was made (ignored by readers)."""
+def stored_value(write: SummaryWrite, made_at_s: float, key: str) -> tuple[bytes, int]:
+    """``shared.stores.summaries``'s format, plus when it was made and what it is charged to its org
+    (both ignored by readers), and that charge (``shared.stores.storage.string_cost``)."""
     doc: dict[str, Any] = orjson.loads(encode_summary(write.text, write.covers))
     doc["made_at"] = made_at_s
-    return orjson.dumps(doc)
+    charge = storage.string_cost(len(key), len(orjson.dumps(doc)) + len(',"charge":') + _CHARGE_DIGITS)
+    doc["charge"] = charge
+    return orjson.dumps(doc), charge
 
 
 class Summaries:
@@ -88,6 +109,7 @@ class Summaries:
         self.tasks: set[asyncio.Task[bool]] = set()
         self.last_refusal: ErrorReply | None = None
         self._script = redis.register_script(NEWER_WINS)
+        self.pressure = storage.StorePressure()  # the server's maxmemory, for the org's budget
 
     @classmethod
     def create(cls, settings: WorkerSettings) -> Summaries | None:
@@ -124,11 +146,17 @@ class Summaries:
         made_at = write.made_at if write.made_at is not None else time.time()
         ttl = min(self.settings.summary_ttl_s, write.ttl_s or self.settings.summary_ttl_s)
         key = summary_key(write.org_id, write.agent_id, write.summary_key)
+        value, charge = stored_value(write, made_at, key)
         try:
-            stored = await self._script(keys=[key], args=[stored_value(write, made_at), write.covers, ttl])
+            budget = self.settings.org_storage_budget((await self.pressure.read(self.redis)).limit)
+            stored = int(await self._script(keys=[key, org_storage_key(write.org_id)],
+                                            args=[value, write.covers, ttl, budget, charge]))
         except (RedisError, OSError) as exc:
             self.stats["summary_store_failed"] += 1
             log.warning("storing summary %s failed: %s", write.request_id, exc)
+            return False
+        if stored < 0:
+            self._over_budget(storage.refused(write.org_id, -stored - 1, charge, budget, "summary"), write)
             return False
         if not stored:
             self.stats["summary_stale"] += 1
@@ -137,6 +165,13 @@ class Summaries:
         if write.as_memory and self.memory is not None:
             await self._remember(write, made_at)
         return True
+
+    def _over_budget(self, exc: StorageQuotaExceeded, write: SummaryWrite) -> None:
+        """A summary the org's storage budget refused: counted, kept as the last refusal, logged."""
+        self.stats["summary_refused_quota"] += 1
+        self.last_refusal = ErrorReply(request_id=write.request_id, code=exc.code, message=exc.message,
+                                       field=exc.field)
+        log.info("summary %s refused: %s", write.request_id, exc.message)
 
     async def _remember(self, write: SummaryWrite, made_at_s: float) -> None:
         assert self.memory is not None

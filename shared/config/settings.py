@@ -34,6 +34,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ibex_context.shared.config.org_weights import parse_org_weights
+from ibex_context.shared.stores.storage import org_budget
 
 # A conversation that fits the largest window in the model catalog must fit the wire (docs/assembly.md "Size
 # limits"): the request limit is that window times this many bytes a token. Measured with o200k
@@ -182,6 +183,20 @@ class RedisSettings(IbexSettings):
     redis_url: str | None = Field(
         None, validation_alias="IBEX_REDIS_URL",
         description="Unset: an embedded redis-server is started (the admin CLIs use the `up` stack's).")
+    # -- per-org storage budgets (docs/security.md "Storage budgets"; shared.stores.storage) ----------------
+    org_storage_bytes: int | None = Field(
+        None, ge=1, validation_alias="IBEX_ORG_STORAGE_BYTES",
+        description="Redis bytes one org's memories, summaries and calibration may take (index included); a "
+                    "write that would pass it is refused (409 for memory writes). Unset: "
+                    "`IBEX_ORG_STORAGE_FRACTION` of Redis's maxmemory (1 GiB without one); never more than that.")
+    org_storage_fraction: float = Field(
+        0.25, gt=0.0, le=1.0, validation_alias="IBEX_ORG_STORAGE_FRACTION",
+        description="The largest share of Redis's maxmemory one org's data may take; keep it under "
+                    "`IBEX_MEMORY_WRITE_FLOOR_FRACTION` so one org at its budget never stops the others' writes.")
+
+    def org_storage_budget(self, maxmemory: int) -> int:
+        """One org's storage budget in bytes, given the server's ``maxmemory`` (0: none)."""
+        return org_budget(self.org_storage_bytes, self.org_storage_fraction, maxmemory)
 
 
 class _LinkSettings(CommonSettings):

@@ -44,6 +44,15 @@ memory service's own. Times are in milliseconds.
 """
 
 FOOTER = f"""
+Storage budgets (docs/security.md "Storage budgets"): with Redis's `maxmemory` M, each org may be
+charged at most B = min(`IBEX_ORG_STORAGE_BYTES`, `IBEX_ORG_STORAGE_FRACTION` × M) for its
+memories, their index entries, summaries and calibration, each charged at least what Redis holds
+for it (`python -m bench.storage_cost`). Memory writes of every org stop at
+`IBEX_MEMORY_WRITE_FLOOR_FRACTION` × M (507); directives, summaries and calibration go on above it
+within their orgs' budgets, and Redis refuses writes only at M. With the defaults (0.25, 0.90) one
+org at its budget holds at most 0.25 M, so the others keep at least 0.65 M before the floor, and it
+takes four orgs at full budget to reach it; lower `IBEX_ORG_STORAGE_BYTES` for more large tenants.
+
 `up` also sets {", ".join(f"`{n}`" for n in LAUNCHER_ENV)} for supervisord.conf; they are not
 settings.
 """

@@ -12,6 +12,8 @@ smuggle a separator and name a key in another tenant's namespace. A bad identifi
     {org}:calibration:{model}               HASH    usage-report ratio sketch (shared/stores/calibration.py)
     {org}:assembly:{assembly_id}            STRING  one assembly's own count for its usage report, short TTL
                                                     (shared/stores/calibration.py)
+    {org}:storage                           HASH    the org's storage ledger: Redis bytes charged to it
+                                                    (shared/stores/storage.py)
     mem:{{org}:{agent}}:{memory_id}         HASH    one memory: org, agent, content, created_at,
                                                     rec (the JSON record), v_{embedder} (float32 vector)
     memids:{{org}:{agent}}                  SET     the agent's memory ids (the per-agent cap)
@@ -97,9 +99,9 @@ def org_memory_agents_key(org_id: str) -> str:
     return f"{check_ident(org_id, 'org_id')}:mem_agents"
 
 
-def org_memory_bytes_key(org_id: str) -> str:
-    """The UTF-8 bytes of the org's stored memory text (the bytes-per-org quota, ``memory.quotas``)."""
-    return f"{check_ident(org_id, 'org_id')}:mem_bytes"
+def org_storage_key(org_id: str) -> str:
+    """The org's storage ledger: the Redis bytes its data is charged (``shared.stores.storage``)."""
+    return f"{check_ident(org_id, 'org_id')}:storage"
 
 
 def org_key_patterns(org_id: str) -> tuple[str, ...]:

@@ -4,6 +4,7 @@
     ├── InvalidRequest             INVALID_REQUEST   (bad frame, bad field, unknown version, too big)
     ├── DeadlineExceeded           DEADLINE_EXCEEDED (expired before, during or instead of the work)
     ├── Overloaded                 OVERLOADED        (broker queue full; retry elsewhere or later)
+    │   └── StorageQuotaExceeded   OVERLOADED        (the org's storage budget in Redis is spent)
     ├── Unauthenticated            UNAUTHENTICATED   (no or unknown credential)
     ├── Forbidden                  FORBIDDEN         (credential does not cover this org/agent)
     ├── Unavailable                UNAVAILABLE       (no broker / worker reachable)
@@ -54,6 +55,15 @@ class DeadlineExceeded(IbexError):
 
 class Overloaded(IbexError):
     code = ErrorCode.OVERLOADED
+
+
+class StorageQuotaExceeded(Overloaded):
+    """A write the org's storage budget does not allow (``shared.stores.storage``): nothing was
+    stored; ``field`` names the setting, and it passes once the org's data shrinks or expires."""
+
+    def __init__(self, message: str, *, field: str | None = None, org_id: str = "") -> None:
+        super().__init__(message, field=field)
+        self.org_id = org_id
 
 
 class Unauthenticated(IbexError):

@@ -1,4 +1,4 @@
-"""Write quotas (``memory.quotas``): agents and bytes per org, and a store near its maxmemory,
+"""Write quotas (``memory.quotas``): agents and storage (Redis bytes) per org, and a store near its maxmemory,
 refuse writes with a typed error while reads go on and other orgs are untouched. Real memory
 service, real Redis."""
 
@@ -14,14 +14,17 @@ import httpx
 import pytest
 import redis
 
-from ibex_context.shared.stores.keys import org_memory_bytes_key
+from ibex_context.shared.stores.keys import memory_key, org_storage_key
+from ibex_context.shared.stores.storage import INDEX_BYTES
 from tests.fixtures_services import MemoryServiceHandle, memory_service_with
+
+BUDGET = INDEX_BYTES + 70_000  # the index and two memories of 40 distinct words (~27 KB each), not three
 
 
 @pytest.fixture
 def quota_service(redis_url: str, tmp_path: Path) -> Iterator[MemoryServiceHandle]:
     with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_MAX_AGENTS_PER_ORG="2",
-                             IBEX_MEMORY_MAX_BYTES_PER_ORG="300") as handle:
+                             IBEX_ORG_STORAGE_BYTES=str(BUDGET)) as handle:
         handle.flush()
         yield handle
 
@@ -45,21 +48,26 @@ def test_agents_per_org(quota_service: MemoryServiceHandle) -> None:
         assert _write(http, quota_service, "globex", "a3", "another org").status_code == 201
 
 
-def test_bytes_per_org_count_what_a_write_adds(quota_service: MemoryServiceHandle, redis_url: str) -> None:
+def test_storage_budget_counts_what_a_write_adds(quota_service: MemoryServiceHandle, redis_url: str) -> None:
+    big = " ".join(f"word{i}x" for i in range(40))  # distinct words: each one a term of the index
     with httpx.Client(base_url=quota_service.url, timeout=10.0) as http:
-        assert _write(http, quota_service, "acme", "bot", "x" * 150, "m1").status_code == 201
-        assert _write(http, quota_service, "acme", "bot", "\u00e9" * 70, "m2").status_code == 201  # 140 bytes
-        r = _write(http, quota_service, "acme", "bot", "y" * 20, "m3")  # 310 > 300
-        assert r.status_code == 409 and r.json()["field"] == "content"
-        assert "IBEX_MEMORY_MAX_BYTES_PER_ORG" in r.json()["error"]
-        assert _write(http, quota_service, "acme", "bot", "z" * 155, "m1").status_code == 201  # a rewrite adds 5
+        assert _write(http, quota_service, "acme", "bot", big, "m1").status_code == 201
+        with redis.Redis.from_url(redis_url) as r:
+            one = int(r.hget(memory_key("acme", "bot", "m1"), "q"))
+            assert one > 40 * 600  # the words' terms, not the text's 300 bytes
+        assert _write(http, quota_service, "acme", "bot", big, "m2").status_code == 201
+        r3 = _write(http, quota_service, "acme", "bot", big, "m3")  # over INDEX_BYTES + 2.5 memories
+        assert r3.status_code == 409 and r3.json()["field"] == "IBEX_ORG_STORAGE_BYTES"
+        assert "IBEX_ORG_STORAGE_BYTES" in r3.json()["error"]
+        assert _write(http, quota_service, "acme", "bot", big, "m1").status_code == 201  # a rewrite adds nothing
         assert _write(http, quota_service, "acme", "bot", "short", "m1").status_code == 201  # frees space
-        assert _write(http, quota_service, "acme", "bot", "y" * 20, "m3").status_code == 201
-        assert _write(http, quota_service, "globex", "bot", "w" * 290).status_code == 201  # its own count
+        assert _write(http, quota_service, "acme", "bot", big, "m3").status_code == 201
+        assert _write(http, quota_service, "globex", "bot", big).status_code == 201  # its own budget
         hits = http.get("/v1/memories/hot", params={"agent_id": "bot"}, headers=quota_service.headers("acme"))
         assert hits.status_code == 200  # reads go on
     with redis.Redis.from_url(redis_url) as r:
-        assert int(r.get(org_memory_bytes_key("acme")) or 0) == 5 + 140 + 20
+        charged = sum(int(r.hget(memory_key("acme", "bot", m), "q")) for m in ("m1", "m2", "m3"))
+        assert int(r.hget(org_storage_key("acme"), "total")) == INDEX_BYTES + charged <= BUDGET
 
 
 async def test_concurrent_writes_of_one_org_are_all_stored_and_counted(memory: MemoryServiceHandle,
@@ -71,7 +79,8 @@ async def test_concurrent_writes_of_one_org_are_all_stored_and_counted(memory: M
             for i in range(8)))
     assert [r.status_code for r in replies] == [201] * 8
     with redis.Redis.from_url(redis_url) as r:
-        assert int(r.get(org_memory_bytes_key("acme")) or 0) == sum(len(f"note {i} ") + 4000 for i in range(8))
+        charged = sum(int(r.hget(memory_key("acme", f"bot{i % 3}", f"m{i}"), "q")) for i in range(8))
+        assert int(r.hget(org_storage_key("acme"), "total")) == INDEX_BYTES + charged  # the index with the first
 
 
 def test_a_nearly_full_store_refuses_writes_and_keeps_reads(memory: MemoryServiceHandle, redis_url: str) -> None:
