@@ -6,7 +6,7 @@
 ``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` (README "Quickstart").
 
 Without ``--file`` the bundled demo dataset (``memory/data/demo.jsonl``) is loaded. One JSON
-object per line; blank lines and lines starting with ``#`` are skipped:
+object per line; blank lines and lines starting with ``#`` are skipped (every field: docs/seed.md):
 
     {"kind": "memory", "org_id": "acme", "agent_id": "support-bot", "content": "...",
      "category": "preference", "confidence": 0.9, "usefulness": 0.6, "access_count": 3,
@@ -198,7 +198,9 @@ async def _main(path: Path, url: str, *, flush: bool, embedder: str | None) -> S
 
 def build_parser(prog: str = "python -m ibex_context.memory.seed") -> argparse.ArgumentParser:
     ap = CliParser(prog=prog, description="Load memories and directives from JSONL into Redis "
-                                          "(every line is validated before anything is written).")
+                                          "(every line is validated before anything is written).",
+                   epilog="The file's format, every field with its type and an example: "
+                          "docs/seed.md (example: examples/seed.jsonl).")
     ap.add_argument("--file", type=Path, default=DEMO_FILE,
                     help=f"JSONL to load (default: the bundled demo data, memory/data/{DEMO_FILE.name})")
     ap.add_argument("--redis-url", default=None, type=utf8_arg,

@@ -81,9 +81,33 @@ def assemble_parser(sub: Any) -> None:
                         "else tcp://127.0.0.1:5555)")
     p.add_argument("--json", action="store_true",
                    help="print the whole AssembleResponse as JSON (default: a readable summary)")
+    p.add_argument("--explain", action="store_true",
+                   help="print this live assembly as `explain` does: the budget and every candidate's decision "
+                        "with its reason and score (default: the readable summary)")
+    p.add_argument("--full", action="store_true",
+                   help=f"in the readable summary, print every line whole (default: lines cut at "
+                        f"{CUT_CHARS} characters, at most {MAX_LINES} lines of rendered context)")
 
 
-def print_response(resp: Any) -> None:
+CUT_CHARS = 150  # the readable summary's line width, unless --full
+MAX_LINES = 40  # lines of rendered context shown, unless --full
+
+
+def _cut(line: str, full: bool, cut: list[int]) -> str:
+    if full or len(line) <= CUT_CHARS:
+        return line
+    cut[0] += 1
+    return line[: CUT_CHARS - 3] + "..."
+
+
+def _cut_note(cut: int, hidden: int) -> None:
+    if cut or hidden:
+        what = [f"{cut} line(s) cut at {CUT_CHARS} characters"] if cut else []
+        what += [f"{hidden} more line(s) not shown"] if hidden else []
+        print(f"  ({', '.join(what)}: --full prints every line whole, --json the whole response)")
+
+
+def print_response(resp: Any, full: bool = False) -> None:
     b = resp.budget
     rule = b.count_rule or b.estimate_kind
     if b.calibration_ratio is not None:
@@ -107,28 +131,32 @@ def print_response(resp: Any) -> None:
 
         print(f"  {summary_line(resp)}")
     if resp.format is not None:
-        _print_prompt(resp)
+        _print_prompt(resp, full)
         return
     print("  --- rendered context ---")
-    for line in resp.rendered.splitlines()[:40]:
-        print("  | " + (line if len(line) < 160 else line[:157] + "..."))
-    if len(resp.rendered.splitlines()) > 40:
-        print(f"  | ... ({len(resp.rendered.splitlines()) - 40} more lines)")
+    lines = resp.rendered.splitlines()
+    shown = lines if full else lines[:MAX_LINES]
+    cut = [0]
+    for line in shown:
+        print("  | " + _cut(line, full, cut))
+    _cut_note(cut[0], len(lines) - len(shown))
 
 
-def _print_prompt(resp: Any) -> None:
+def _print_prompt(resp: Any, full: bool = False) -> None:
     """A chat assembly: what the proxy sends to the provider, one line per message (or block)."""
     print(f"  --- prompt ({resp.format}): {len(resp.messages or [])} messages, {resp.prompt_tokens} tokens "
           f"({resp.prompt_tokens_kind}), stable prefix {resp.stable_prefix_tokens}, "
           f"history left out {len(resp.history)} ---")
     items = [("system", b) for b in resp.system or []] + [(m.get("role", "?"), m) for m in resp.messages or []]
+    cut = [0]
     for role, item in items:
         content = item.get("content", item.get("text")) if isinstance(item, dict) else item
         text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
         if isinstance(item, dict) and item.get("tool_calls"):
             text = f"{text or ''} tool_calls={json.dumps(item['tool_calls'], ensure_ascii=False)}"
-        line = " ".join(str(text).split())
-        print(f"  | {role:<9} " + (line if len(line) < 150 else line[:147] + "..."))
+        line = str(text) if full else " ".join(str(text).split())
+        print(f"  | {role:<9} " + _cut(line, full, cut))
+    _cut_note(cut[0], 0)
 
 
 def _field_error(exc: Any) -> str:
@@ -232,8 +260,12 @@ def run_assemble(args: Any) -> int:
         return fail(prog, _one_line(exc), 2)
     if args.json:
         print(resp.model_dump_json(indent=2))
+    elif args.explain:
+        from ibex_context.ops.explain import render_table
+
+        render_table(resp, sys.stdout)
     else:
-        print_response(resp)
+        print_response(resp, full=args.full)
     hint = empty_context_hint(resp)
     if hint:
         print(f"{prog}: hint: {hint}", file=sys.stderr)

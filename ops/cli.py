@@ -4,6 +4,7 @@
     ibex-context up | down | status   the stack under supervisord, in the background (state in
                                       $IBEX_RUN_DIR, default ./.run); up --role broker|workers|memory|redis
                                       runs one host's part of a deployment over several machines
+    ibex-context workers-env          the settings a workers host needs to join this stack
     ibex-context assemble ...         one assembly against the running stack
     ibex-context explain ...          the whole CPU pipeline offline on JSON files (no network)
     ibex-context directive ...        set / show / delete an agent's directive in Redis
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     assemble_parser(sub)
     _up_parser(sub)
     for name, text in [("down", "stop the background stack"),
-                       ("status", "show this host's roles: the broker's counters and workers, program states")]:
+                       ("status", "show this host's roles: the broker's counters and workers, program states"),
+                       ("workers-env", "print the settings a workers host needs to join this stack (export lines; "
+                                       "docs/deploy.md \"Adding a workers host\")")]:
         sub.add_parser(name, help=text, description=text)
     d = sub.add_parser("demo", help="start the stack, seed demo data and print demo assemblies")
     d.add_argument("--keep", action="store_true", default=True, help="leave the stack running (default)")
@@ -193,6 +196,10 @@ def _stack_command(args: Any) -> int:
         return up(roles=args.role, workers=args.workers, connect=args.connect, name=args.name)
     if args.cmd == "down":
         return stack.down()
+    if args.cmd == "workers-env":
+        from ibex_context.ops.joinenv import main as workers_env
+
+        return workers_env()
     if args.cmd == "demo":
         from ibex_context.ops.demo import demo
 

@@ -3,7 +3,9 @@
 The settings every host must share are compared with what the deployment already uses, each
 failure one line naming the setting: the Redis answers at ``IBEX_REDIS_URL``, the memory service
 at ``IBEX_MEMORY_URL`` accepts a token minted with this host's ``IBEX_MEMORY_SECRET``, and this
-host's nonce secret has the fingerprint the running workers hold in Redis (``ops.nonce``).
+host's nonce secret has the fingerprint the running workers hold in Redis (``ops.nonce``). The
+nonce lease is taken last, once everything else agrees, so a host refused for another setting
+leaves no fingerprint behind; ``up`` releases a lease it took when its start fails after all.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import redis
 
-from ibex_context.ops.nonce import refused as nonce_refused
-from ibex_context.ops.nonce import worker_fingerprint
+from ibex_context.ops import nonce
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.security.tenancy import mint_org_token
 
@@ -66,23 +67,41 @@ def memory_secret_accepted(url: str, secret: str, timeout_s: float = 2.0) -> boo
     return r.status_code != 401
 
 
-def check_workers_host(settings: Settings, env: dict[str, str], *, private_redis: bool) -> None:
-    """Everything a host's workers need from the deployment, before they start (``CheckFailed``)."""
+def check_workers_host(settings: Settings, env: dict[str, str]) -> str | None:
+    """Everything a host's workers need from the deployment, before they start (``CheckFailed``).
+
+    Returns the fingerprint when this check took a free nonce lease (for ``release_lease`` should
+    the start fail), None when the lease already held this host's fingerprint.
+    """
     url = env["IBEX_REDIS_URL"]
     try:
         with redis_client(url) as client:
             client.ping()
-            fp = worker_fingerprint(env.get("IBEX_NONCE_SECRET"), settings.memory_secret)
-            # A private Redis is this host's alone: no other host's workers can hold its lease.
-            why = None if private_redis else nonce_refused(client, fp)
     except (redis.RedisError, ValueError) as exc:
         raise CheckFailed(f"the Redis at IBEX_REDIS_URL {redacted(url)} does not answer: {exc}", 1) from None
-    if why is not None:
-        raise CheckFailed(why, 2)
     memory = env["IBEX_MEMORY_URL"]
     accepted = memory_secret_accepted(memory, settings.memory_secret)
     if accepted is None:
         raise CheckFailed(f"the memory service at IBEX_MEMORY_URL {redacted(memory)} does not answer", 1)
     if not accepted:
         raise CheckFailed(f"the memory service at IBEX_MEMORY_URL {redacted(memory)} refuses tokens minted with "
-                          "this host's IBEX_MEMORY_SECRET: set the same IBEX_MEMORY_SECRET on every host", 2)
+                          "this host's IBEX_MEMORY_SECRET: set the same IBEX_MEMORY_SECRET on every host "
+                          "(`ibex-context workers-env` on the first host prints it)", 2)
+    fp = nonce.worker_fingerprint(env.get("IBEX_NONCE_SECRET"), settings.memory_secret)
+    try:
+        with redis_client(url) as client:
+            taken = nonce.take(client, fp)
+    except (redis.RedisError, ValueError) as exc:
+        raise CheckFailed(f"the Redis at IBEX_REDIS_URL {redacted(url)} does not answer: {exc}", 1) from None
+    if taken == nonce.HELD_BY_ANOTHER:
+        raise CheckFailed(nonce.refusal(), 2)
+    return fp if taken == nonce.CLAIMED else None
+
+
+def release_lease(url: str, fp: str) -> None:
+    """Drop a nonce lease this host took for a start that then failed (best effort: it expires anyway)."""
+    try:
+        with redis_client(url) as client:
+            nonce.release(client, fp)
+    except (redis.RedisError, ValueError):
+        pass

@@ -4,7 +4,8 @@ machines").
 On a host running the broker the output is the broker's STATUS snapshot (queue, workers, counters),
 as on one machine, with a ``host`` entry added; elsewhere only the ``host`` entry: this host's
 name and roles, supervisord's state of each program, the memory service's ``/healthz``, the Redis
-PING, and how many of its workers each known broker lists. Exit status 0 when every role is
+PING, how many of its workers each known broker lists and every worker id it lists (the frontends
+``up`` recorded, else ``IBEX_BROKER_ENDPOINTS``). Exit status 0 when every role is
 healthy; otherwise the JSON and one line naming what is not, exit status 1.
 """
 
@@ -33,9 +34,14 @@ def _expected(state: dict[str, Any]) -> list[str]:
     names += [r for r in ("memory", "broker") if r in roles]
     if "workers" in roles:
         names += [f"worker:worker-{i:02d}" for i in range(int(state["workers"]))]
-        if not state.get("private_redis"):
-            names.append("nonce-lease")
+        names.append("nonce-lease")
     return names
+
+
+def _env_frontends() -> list[str]:
+    """The frontends ``IBEX_BROKER_ENDPOINTS`` names now, for a host whose ``up`` knew none."""
+    settings = Settings()
+    return settings.endpoints() if "broker_endpoints" in settings.model_fields_set else []
 
 
 def _configure(state: dict[str, Any]) -> Any:
@@ -78,10 +84,17 @@ def host_status(conf: Path) -> tuple[dict[str, Any], list[str]]:
         host["redis"] = {"url": redacted(state["redis_url"]), "ping": ping}
         problems += [] if ping else ["redis PING failed"]
     if "workers" in roles:
-        listed = {f: host_workers(doc if f == state.get("broker") else
-                                  broker_status(f, 1.0, configure=_configure(state)), state["name"])
-                  for f in state.get("frontends", [])}
-        host["workers"] = {"expected": state["workers"], "listed_by_broker": listed}
+        frontends = state.get("frontends") or _env_frontends()
+        snaps = {f: doc if f == state.get("broker") else broker_status(f, 1.0, configure=_configure(state))
+                 for f in frontends}
+        listed = {f: host_workers(snap, state["name"]) for f, snap in snaps.items()}
+        host["workers"] = {"expected": state["workers"], "listed_by_broker": listed,
+                           "broker_lists": {f: None if snap is None else sorted(snap.get("workers", {}))
+                                            for f, snap in snaps.items()}}
+        if not frontends:
+            host["workers"]["listed_by_broker"] = (
+                "unknown: this host knows no broker frontend to ask; set IBEX_BROKER_ENDPOINTS=tcp://HOST:PORT "
+                "(the brokers' frontends) for `status`, or before `up` so it waits for them too")
         problems += [f"broker {f} " + (f"lists {n} of {state['workers']} worker(s)" if n >= 0 else "did not answer")
                      for f, n in listed.items() if n < state["workers"]]
     doc["host"] = host

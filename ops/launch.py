@@ -20,10 +20,10 @@ from typing import Any
 
 from ibex_context.ops import opskey
 from ibex_context.ops import stack as S
-from ibex_context.ops.deploy_checks import CheckFailed, check_workers_host, redacted, redis_ok
+from ibex_context.ops.deploy_checks import CheckFailed, check_workers_host, redacted, redis_ok, release_lease
 from ibex_context.ops.procs import broker_status, wait_for
 from ibex_context.ops.roles import HostPlan, RoleError, parse_connect, settings_for
-from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.config.settings import Settings, usable_cpus
 
 
 class LaunchError(Exception):
@@ -41,6 +41,40 @@ def host_workers(snapshot: dict[str, Any] | None, name: str) -> int:
     return sum(1 for wid in snapshot.get("workers", {}) if str(wid).startswith(f"{name}-w"))
 
 
+ADDING = 'docs/deploy.md "Adding a workers host"'
+
+
+def pinning_note(workers: int, cpus: int, *, pinned: bool) -> str | None:
+    """What ``up`` says about CPU pinning when it is not one worker per CPU of its own."""
+    if not pinned:
+        return None
+    if workers > cpus:
+        return (f"ibex-context: {workers} workers on {cpus} usable CPU(s): worker NN is pinned to CPU NN mod {cpus}, "
+                f"so {workers - cpus} of them share a CPU with another worker; IBEX_PIN_CPUS=false leaves them "
+                "unpinned")
+    return None
+
+
+def running_stack_note(run_dir: Path, state: dict[str, Any] | None, workers: int | None,
+                       roles: Iterable[str]) -> tuple[str, int]:
+    """(the line, exit status) of ``up`` on a run dir whose stack is already up: 0 when it runs what
+    was asked, else 2 with how to get what was asked (a running stack is never changed in place)."""
+    here = f"the stack in {run_dir} is already up"
+    if state is None:
+        return f"ibex-context: {here}; `ibex-context down` stops it", 0
+    running = int(state.get("workers") or 0)
+    asked_roles = sorted({r.strip() for v in roles for r in v.split(",") if r.strip()} - {"all"})
+    if asked_roles and not set(asked_roles) <= set(state.get("roles", [])):
+        return (f"ibex-context up: {here} with role(s) {', '.join(state.get('roles', []))}; to run "
+                f"{', '.join(asked_roles)} as well, start it from another run dir (IBEX_RUN_DIR=...; "
+                f"{ADDING})"), 2
+    if workers is not None and workers != running:
+        return (f"ibex-context up: {here} with {running} worker(s); --workers {workers} does not change a running "
+                f"stack: `ibex-context down && ibex-context up --workers {workers}` restarts it (the Redis data is "
+                f"kept), or add workers beside it without stopping it from a second run dir ({ADDING})"), 2
+    return f"ibex-context: {here} ({running} worker(s)); `ibex-context down` stops it", 0
+
+
 class Launch:
     def __init__(self, *, conf: Path, run_dir: Path, settings: Settings, plan: HostPlan, timeout_s: float) -> None:
         self.conf, self.run_dir, self.settings, self.plan = conf, run_dir, settings, plan
@@ -51,6 +85,7 @@ class Launch:
         self.note: str | None = None
         self.broker = S.probe_endpoint(settings.broker_frontend) if "broker" in plan.roles else None
         self.checked = False
+        self.lease: str | None = None  # the nonce fingerprint this start claimed, released if it fails
 
     # ----------------------------------------------------------------------------- before start
 
@@ -68,10 +103,16 @@ class Launch:
 
     def _check(self) -> None:
         try:
-            check_workers_host(self.settings, self.env, private_redis=self.plan.private_redis)
+            self.lease = check_workers_host(self.settings, self.env)
         except CheckFailed as exc:
             raise LaunchError(str(exc), exc.code) from None
         self.checked = True
+
+    def release(self) -> None:
+        """Give back a nonce lease this start took: a failed start leaves no fingerprint in Redis."""
+        if self.lease is not None:
+            release_lease(self.plan.redis_url, self.lease)
+            self.lease = None
 
     def frontends(self) -> list[str]:
         """The brokers this host asks for STATUS: its own, else the configured frontends it can authenticate to."""
@@ -83,6 +124,12 @@ class Launch:
             return []  # auth is on and no client key: readiness falls back to supervisord's view
         return self.settings.endpoints()
 
+    def backends(self) -> list[str]:
+        """Where workers reach this host's broker, or the brokers this host's workers connect to."""
+        if self.broker is not None:
+            return [S.probe_endpoint(self.settings.broker_backend)]
+        return [b for b in (self.settings.broker_backends or "").split(",") if b]
+
     def configure(self) -> Callable[[Any], None] | None:
         return self.key.configure() if self.key is not None else None
 
@@ -91,6 +138,7 @@ class Launch:
     def run(self) -> int:
         why = S._start_supervisord(self.conf, self.env)
         if why is not None:
+            self.release()
             print(f"ibex-context up: supervisord did not start: {why}", file=sys.stderr)
             return 1
         if self.note:
@@ -107,6 +155,7 @@ class Launch:
             tail = "" if isinstance(exc, LaunchError) else f"\n(logs in {self.logs})"
             print(f"ibex-context up: {exc}{tail}", file=sys.stderr)
             S.down(conf=self.conf)
+            self.release()  # after down: the stopped nonce-lease program renews it no more
             return code
         self._record()
         print(f"ibex-context: up. {self._summary()}; logs in {self.logs}")
@@ -124,7 +173,12 @@ class Launch:
                      self.timeout_s, self.logs / "broker.log")
 
     def _start_workers(self) -> None:
-        names = ["worker:*"] if self.plan.private_redis else ["nonce-lease", "worker:*"]
+        note = pinning_note(self.plan.workers, usable_cpus(), pinned=self.settings.pin_cpus)
+        if note:
+            print(note)
+        # Every host running workers keeps the nonce lease, a one-machine stack too: a workers host
+        # added beside it is then checked against the secret its workers use.
+        names = ["nonce-lease", "worker:*"]
         out = S._supervisor("supervisorctl", self.conf, "start", *names, env=self.env)
         if "ERROR" in out.stdout or "ERROR" in out.stderr:
             raise RuntimeError(f"supervisorctl start {' '.join(names)}: {' '.join(out.stdout.split())}")
@@ -151,6 +205,9 @@ class Launch:
         state = {"roles": sorted(set(roles)), "split": self.plan.split, "private_redis": self.plan.private_redis,
                  "name": self.plan.name,
                  "workers": self.plan.workers, "broker": self.broker, "frontends": self.frontends(),
+                 "backends": self.backends(),
+                 # for `workers-env` (ops.joinenv); the file is 0600, like the nonce secret's own
+                 "memory_secret": self.settings.memory_secret, "nonce_secret": self.env.get("IBEX_NONCE_SECRET"),
                  "memory_url": self.plan.memory_url, "redis_url": self.plan.redis_url,
                  "status_key": None if self.key is None else {"key_file": self.key.key_file,
                                                                "broker_public": self.key.broker_public}}
@@ -183,8 +240,9 @@ def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str
     conf = conf or S.CONF
     run_dir = S.run_dir_of(conf)
     if S.running(conf):
-        print(f"ibex-context: the stack is already up ({run_dir / 'supervisord.pid'}); `ibex-context down` stops it")
-        return 0
+        line, code = running_stack_note(run_dir, S.read_host_file(run_dir), workers, roles)
+        print(line, file=sys.stderr if code else sys.stdout)
+        return code
     try:
         settings = settings_for(parse_connect(connect), workers)
         plan = S._plan(settings, run_dir, roles, name)
@@ -198,6 +256,7 @@ def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str
         return exc.code
     busy = S._busy_ports(plan, settings)
     if busy:
+        launch.release()
         print(f"ibex-context up: port(s) already in use: {', '.join(busy)}; set IBEX_* ports "
               "(see docs/settings.md) or stop what holds them", file=sys.stderr)
         return 1

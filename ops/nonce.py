@@ -31,13 +31,13 @@ LEASE_TTL_S = 30
 REFRESH_S = 5.0
 _FINGERPRINT_MESSAGE = b"ibex-context nonce fingerprint v1"
 
-# Claim the lease if free, extend it if ours; 0 when another fingerprint holds it. One script, so
-# two hosts starting at once cannot both claim it.
+# Claim the lease if free (2), extend it if ours (1); 0 when another fingerprint holds it. One
+# script, so two hosts starting at once cannot both claim it.
 _CLAIM = """
 local held = redis.call('GET', KEYS[1])
 if not held then
   redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-  return 1
+  return 2
 end
 if held == ARGV[1] then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
@@ -45,6 +45,14 @@ if held == ARGV[1] then
 end
 return 0
 """
+# Drop the lease only while it still holds this fingerprint.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+CLAIMED, EXTENDED, HELD_BY_ANOTHER = 2, 1, 0
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +71,31 @@ def worker_fingerprint(nonce_secret: str | None, memory_secret: str) -> str:
 
 def claim(redis: Any, fp: str, ttl_s: int = LEASE_TTL_S) -> bool:
     """Take or extend the deployment's fingerprint lease; False when another fingerprint holds it."""
-    return bool(redis.eval(_CLAIM, 1, FINGERPRINT_KEY, fp, ttl_s))
+    return bool(take(redis, fp, ttl_s))
+
+
+def take(redis: Any, fp: str, ttl_s: int = LEASE_TTL_S) -> int:
+    """``CLAIMED`` (the lease was free), ``EXTENDED`` (it held ``fp``) or ``HELD_BY_ANOTHER``."""
+    return int(redis.eval(_CLAIM, 1, FINGERPRINT_KEY, fp, ttl_s))
+
+
+def release(redis: Any, fp: str) -> None:
+    """Drop the lease if it still holds ``fp``: a start that claimed it and then failed leaves no
+    fingerprint behind to refuse the next attempt (docs/deploy.md "Adding a workers host")."""
+    redis.eval(_RELEASE, 1, FINGERPRINT_KEY, fp)
+
+
+def refusal() -> str:
+    """The one line a host whose nonce secret differs from the running workers' gets."""
+    return ("IBEX_NONCE_SECRET differs from the one this deployment's running workers use (their fingerprint "
+            f"is in Redis at {FINGERPRINT_KEY}): set the same IBEX_NONCE_SECRET on every host "
+            "(`ibex-context workers-env` on the first host prints it); to rotate it, stop every workers host "
+            f"first (the lease expires {LEASE_TTL_S} s after the last one)")
 
 
 def refused(redis: Any, fp: str) -> str | None:
     """Why this host's workers must not start (one line), or None once the lease is this host's."""
-    if claim(redis, fp):
-        return None
-    return ("IBEX_NONCE_SECRET differs from the one this deployment's running workers use (their fingerprint "
-            f"is in Redis at {FINGERPRINT_KEY}): set the same IBEX_NONCE_SECRET on every host; to rotate it, "
-            f"stop every workers host first (the lease expires {LEASE_TTL_S} s after the last one)")
+    return None if claim(redis, fp) else refusal()
 
 
 def main() -> int:
