@@ -17,7 +17,7 @@ from ibex_context.memory.seed import SeedDirective, SeedMemory
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "seed.md"
 
 

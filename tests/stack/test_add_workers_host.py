@@ -26,7 +26,7 @@ from ibex_context.ops.stack import DEMO_DATA
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Adding a workers host\n"
 BIN = str(Path(sys.executable).parent)
 SLOW_BOX = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",

@@ -15,7 +15,7 @@ from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",
             "IBEX_COLD_TIMEOUT_MS": "2000", "IBEX_CONTEXT_DEADLINE_MS": "3000"}
 
