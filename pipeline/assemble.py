@@ -33,11 +33,11 @@ from ibex_context.pipeline.score import score_candidates
 from ibex_context.pipeline.summary import Slot
 from ibex_context.pipeline.turns import Counted, count_turns
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
+from ibex_context.shared.wire.editing import MessageEdit
 from ibex_context.shared.wire.models import (
     AssembleRequest,
     AssembleResponse,
     CountRule,
-    MessageEdit,
     PackedMemory,
     PackerStats,
 )

@@ -43,7 +43,8 @@ from typing import Any
 
 from ibex_context.pipeline.chat_count import THINKING_KINDS, canonical_json, latest_turn
 from ibex_context.pipeline.conversation.layout import blocks_of, rebuilt
-from ibex_context.shared.wire.models import ChatFormat, ChatLayout, ContextEditing, MessageEdit, Piece, Placed
+from ibex_context.shared.wire.editing import ContextEditing, MessageEdit
+from ibex_context.shared.wire.models import ChatFormat, ChatLayout, Piece, Placed
 
 Message = dict[str, Any]
 Recount = Callable[[int, Message], int]  # tokens of message i as edited, by the target's rules

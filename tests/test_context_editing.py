@@ -26,8 +26,9 @@ from ibex_context.pipeline.conversation.parse import parse_conversation
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.turns import count_turns
 from ibex_context.shared.wire.codec import encode
+from ibex_context.shared.wire.editing import ContextEditing
 from ibex_context.shared.wire.errors import ContextOverflow
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ContextEditing
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from tests.helpers import start_stack
 
 CATALOG = Catalog.load()

@@ -22,8 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.stores.keys import is_ident
+from ibex_context.shared.wire.editing import ContextEditing
 from ibex_context.shared.wire.errors import UnknownModel
-from ibex_context.shared.wire.models import AssemblyOptions, ContextEditing, HistoryOptions
+from ibex_context.shared.wire.models import AssemblyOptions, HistoryOptions
 
 CONFIG_ENV = "IBEX_LITELLM_CONFIG"
 Source = Literal["key", "team", "request"]
