@@ -140,11 +140,15 @@ def render_table(resp: AssembleResponse, out: TextIO) -> None:
 
 
 def _chat_table(resp: AssembleResponse, w: Any) -> None:
-    """A chat request: the prompt the proxy sends, and each history message left out to fit."""
+    """A chat request: the prompt the proxy sends, each history message left out to fit, and each
+    kept message cleared (context editing) or whose thinking was counted by the provider's rule."""
     w(f"\nPrompt ({resp.format}): {len(resp.messages or [])} messages, {resp.prompt_tokens} tokens "
       f"({resp.prompt_tokens_kind}); history left out: {len(resp.history)}\n")
     for h in resp.history:
         w(f"  dropped message {h.index:>4} {h.role:<10}{h.tokens:>8} tokens  {h.reason}\n")
+    for e in resp.edits:
+        what = {"cleared": "saved", "thinking_free": "not charged", "thinking_counted": "charged"}[e.action]
+        w(f"  {e.action:<16} {e.index:>4} {e.role:<10}{e.tokens:>8} tokens {what}  {e.reason}\n")
 
 
 def summary_line(resp: AssembleResponse) -> str:

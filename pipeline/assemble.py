@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ibex_context.pipeline import context_edit, summary
 from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline import summary
 from ibex_context.pipeline.budget import counter_for
 from ibex_context.pipeline.calibration import Calibration
 from ibex_context.pipeline.catalog import Catalog
@@ -33,7 +33,14 @@ from ibex_context.pipeline.score import score_candidates
 from ibex_context.pipeline.summary import Slot
 from ibex_context.pipeline.turns import Counted, count_turns
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, CountRule, PackedMemory, PackerStats
+from ibex_context.shared.wire.editing import MessageEdit
+from ibex_context.shared.wire.models import (
+    AssembleRequest,
+    AssembleResponse,
+    CountRule,
+    PackedMemory,
+    PackerStats,
+)
 
 __all__ = ["STAGES", "Clock", "Engine", "Policy", "assemble", "scoring_stage"]
 
@@ -142,6 +149,14 @@ def scoring_stage(req: AssembleRequest, retrieval: RetrievalResult, cost: Memory
     return Scored(ranked[:limit], [*rejected, *over])
 
 
+def message_edits(plan: Plan, model: str) -> list[MessageEdit]:
+    """The kept messages sent or counted other than as written: cleared, and how thinking counted."""
+    turns, r, kept = plan.counted.turns, plan.counted.renderer, plan.fit.kept_indices
+    cleared = context_edit.edits(plan.clearing, turns.messages, kept, r.costs)
+    thinking = context_edit.thinking_edits(r.thinking, turns.messages, kept, plan.clearing, model=model)
+    return sorted([*cleared, *thinking], key=lambda e: (e.index, e.action))
+
+
 def response(
     req: AssembleRequest, retrieval: RetrievalResult, plan: Plan, scored: Scored, out: Output, basis: CountBasis,
     *, timings: dict[str, int], worker_id: str,
@@ -176,6 +191,7 @@ def response(
         org_id=req.org_id,
         agent_id=req.agent_id,
         history=history_decisions(plan.fit),
+        edits=message_edits(plan, budget.model),
         summary=summary.report(plan.summary_offered, plan.summary is not None, plan.summary_tokens,
                                plan.summary_dropped),
         history_dropped_upto=summary.dropped_upto(plan.counted.turns, plan.fit.kept_indices),

@@ -13,6 +13,18 @@ OpenAI source: the OpenAI Cookbook, "How to count tokens with tiktoken", section
 Anthropic source: "Tool use with Claude", section "Pricing" (the tool use system prompt table),
 https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/overview#pricing.
 Image formulas and their sources: ``pipeline/image_tokens.py``.
+
+Thinking (Anthropic): "previous thinking blocks are automatically stripped from the context window
+calculation by the Anthropic API", ``context_window = (input_tokens - previous_thinking_tokens) +
+current_turn_tokens``, and the thinking of the current tool-use loop "counts as part of the context
+window" (https://docs.claude.com/en/docs/build-with-claude/context-windows, "The context window with
+extended thinking" and "... with extended thinking and tool use"). Which models strip is per model:
+the extended-thinking guide lists Claude Opus 4.5 and later Opus, and Sonnet 4.6 and later, as
+keeping every earlier turn's thinking. So for the models in ``THINKING_STRIPPED`` the thinking and
+redacted_thinking blocks of messages before the latest user turn (a user message that is not only
+tool results: a new turn, after which the API "ignores and strips" earlier thinking) count zero;
+those after it, the current tool loop that must be passed back unmodified, count in full. Every
+other model, and a request that names none, counts all thinking in full (never an undercount).
 """
 
 from __future__ import annotations
@@ -33,7 +45,9 @@ from ibex_context.shared.wire.errors import InvalidRequest
 
 __all__ = [
     "anthropic_image_tokens",
+    "anthropic_message_tokens",
     "anthropic_prompt_tokens",
+    "anthropic_thinking_tokens",
     "image_size",
     "openai_image_tokens",
     "openai_message_tokens",
@@ -81,6 +95,16 @@ _TOOL_SYSTEM_PROMPT = {
     "claude-3-opus": 530, "claude-3-sonnet": 235,
 }
 TOOL_SYSTEM_PROMPT_MAX = 530
+# Models whose earlier turns' thinking the API strips from the context window (module docstring):
+# the extended-thinking guide's "keep only the last assistant turn's thinking" models. A model not
+# listed (Claude Opus 4.5 and later Opus, Sonnet 4.6 and later, or one we do not know) is charged
+# every thinking block.
+THINKING_STRIPPED = frozenset({
+    "claude-opus-4", "claude-opus-4-1", "claude-sonnet-4", "claude-sonnet-4-5", "claude-3-7-sonnet",
+    "claude-haiku-4-5", "claude-3-5-haiku", "claude-3-5-sonnet", "claude-3-haiku", "claude-3-opus",
+    "claude-3-sonnet",
+})
+THINKING_KINDS = ("thinking", "redacted_thinking")
 # Anthropic publishes no per-message, per-block or per-definition framing. These allowances are
 # chosen (not measured) to exceed the role markers and tags each piece plausibly renders as
 # ("\n\nHuman: ", a tool call's invoke/parameter tags, a result's wrapper). The claude family's
@@ -217,17 +241,55 @@ def openai_prompt_tokens(messages: Sequence[dict[str, Any]], tools: Sequence[dic
 # --- Anthropic -----------------------------------------------------------------------------------
 
 
+def strips_prior_thinking(model: str | None) -> bool:
+    """Whether the API leaves earlier turns' thinking out of ``model``'s window (``THINKING_STRIPPED``)."""
+    return model is not None and model_key(model) in THINKING_STRIPPED
+
+
+def latest_turn(messages: Sequence[dict[str, Any]]) -> int | None:
+    """Index of the latest user turn: the last user message with content other than tool results
+    (a string content is one text block). None when there is none."""
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if not isinstance(content, list) or any(not (isinstance(b, dict) and b.get("type") == "tool_result")
+                                                for b in content):
+            return i
+    return None
+
+
 def anthropic_prompt_tokens(system: str | Sequence[dict[str, Any]] | None, messages: Sequence[dict[str, Any]],
                             tools: Sequence[dict[str, Any]], counter: TokenCounter, *,
                             model: str | None = None) -> int:
     """System, messages and tools of a Messages request; ``model`` picks the tool use system prompt
-    figure (None: the largest published one)."""
+    figure (None: the largest published one) and whether earlier turns' thinking counts (None: it does)."""
     n = 0
     if system:
         n += MESSAGE_OVERHEAD + _anthropic_content(system, counter, "system")
+    latest = latest_turn(messages) if strips_prior_thinking(model) else None
     for i, message in enumerate(messages):
-        n += MESSAGE_OVERHEAD + _anthropic_content(message.get("content"), counter, f"messages.{i}.content")
+        n += anthropic_message_tokens(message, counter, path=f"messages.{i}",
+                                      free_thinking=latest is not None and i < latest)
     return n + anthropic_tools_tokens(tools, counter, model=model)
+
+
+def anthropic_message_tokens(message: dict[str, Any], counter: TokenCounter, *, path: str = "messages.0",
+                             free_thinking: bool = False) -> int:
+    """One message with its allowance; with ``free_thinking`` (a message before the latest user
+    turn, for a model in ``THINKING_STRIPPED``) its thinking blocks count zero."""
+    n = MESSAGE_OVERHEAD + _anthropic_content(message.get("content"), counter, f"{path}.content")
+    return n - anthropic_thinking_tokens(message, counter) if free_thinking else n
+
+
+def anthropic_thinking_tokens(message: dict[str, Any], counter: TokenCounter) -> int:
+    """Tokens of a message's thinking and redacted_thinking blocks, as ``_anthropic_block`` counts them."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return 0
+    return sum(_anthropic_block(b, counter, "") for b in content
+               if isinstance(b, dict) and b.get("type") in THINKING_KINDS)
 
 
 def anthropic_tools_tokens(tools: Sequence[dict[str, Any]], counter: TokenCounter, *,

@@ -81,7 +81,8 @@ def emit_stage(plan: Plan, scored: list[ScoredMemory], result: PackResult, count
         block = memory_block(result, counter, block_nonce(result, lines, nonce), plan.memory_overhead, lines,
                              verify=verify)
         out = renderer.render(plan.fit, plan.directive, plan.directive_text, block, breakpoints=breakpoints,
-                              summary=plan.summary.block if plan.summary is not None else None)
+                              summary=plan.summary.block if plan.summary is not None else None,
+                              clearing=plan.clearing)
         return Output(result, block, out, renderer.count(out, counter, block=block))
 
     emitted = once(result)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ibex_context.pipeline import context_edit
 from ibex_context.pipeline.budget import compute_budget, room
 from ibex_context.pipeline.calibration import Calibration
 from ibex_context.pipeline.catalog import ModelSpec
+from ibex_context.pipeline.context_edit import Clearing, ClearPolicy
 from ibex_context.pipeline.count import CountedSection, directive_counted, memory_overhead
 from ibex_context.pipeline.history import (
     REASON_TEXT,
@@ -24,7 +26,7 @@ from ibex_context.pipeline.history import (
     history_budget,
 )
 from ibex_context.pipeline.render import Message
-from ibex_context.pipeline.summary import Slot, fit_rest
+from ibex_context.pipeline.summary import Slot, fit_rest, non_system
 from ibex_context.pipeline.tokens import TokenCount, TokenCounter
 from ibex_context.pipeline.turns import Counted
 from ibex_context.shared.wire.errors import ContextOverflow
@@ -48,6 +50,7 @@ class Plan:
     summary_tokens: int = 0
     summary_dropped: str | None = None
     summary_offered: Slot | None = None
+    clearing: Clearing | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +80,15 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
     available = history_budget(max(0, left), policy)
     placed = summary if summary is not None and summary.problem is None else None
     cost = r.summary_tokens(summary.block) if summary is not None and summary.block else 0
+    clear = ClearPolicy.of(options.context_editing)
     dropped = None
     try:
-        fit = _fit(counted, placed, cost, available, policy)
+        fit, clearing = _fit(counted, placed, cost, available, policy, clear)
     except HistoryOverflow as exc:
         if placed is None:
             raise _overflow(counted, spec, left, exc) from exc
         try:
-            fit = _fit(counted, None, 0, available, policy)
+            fit, clearing = _fit(counted, None, 0, available, policy, clear)
         except HistoryOverflow as exc2:
             raise _overflow(counted, spec, left, exc2) from exc2
         dropped = (f"dropped: with it the conversation needs {exc.needed} tokens that cannot be dropped "
@@ -93,12 +97,24 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
     sent = cost if placed is not None else 0
     budget = _budget(spec, counter, fixed, fit.kept_tokens + sent, limits)
     return Plan(counted, fit, budget, directive, directive_text, mem_text,
-                placed, cost, dropped, summary)
+                placed, cost, dropped, summary, clearing)
 
 
-def _fit(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy) -> HistoryFit:
-    """The history fitted into what is ``available``, less the summary's ``cost`` when it is placed."""
-    turns, costs = counted.turns, counted.renderer.costs
+def _fit(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy,
+         clear: ClearPolicy) -> tuple[HistoryFit, Clearing]:
+    """The history fitted into what is ``available``, less the summary's ``cost`` when it is placed:
+    old tool uses cleared first (``pipeline.context_edit``), then whole units dropped."""
+    turns, r = counted.turns, counted.renderer
+    skip = frozenset(non_system(turns)[:summary.covers]) if summary is not None else frozenset()
+    clearing = (context_edit.plan(turns.format, turns.messages, r.costs, policy=clear,
+                                  budget=max(0, available - cost), recount=r.recount, skip=skip)
+                if turns.target != "text" else context_edit.none(r.costs))
+    return _fit_history(counted, summary, cost, available, policy, clearing.costs), clearing
+
+
+def _fit_history(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy,
+                 costs: tuple[int, ...]) -> HistoryFit:
+    turns = counted.turns
     where = {id(m): i for i, m in enumerate(turns.messages)}
 
     def message_cost(m: Message) -> int:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.chat_render import Layout
+from ibex_context.pipeline.context_edit import Clearing
 from ibex_context.pipeline.count import CountedSection
 from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.tokens import TokenCounter
@@ -74,6 +75,15 @@ class Renderer(Protocol):
     @property
     def tools(self) -> int: ...
 
+    @property
+    def thinking(self) -> tuple[tuple[int, bool], ...]:
+        """Per message, its thinking tokens and whether they count zero (Anthropic; else empty)."""
+        ...
+
+    def recount(self, i: int, message: Message) -> int:
+        """Tokens of conversation message ``i`` as context editing changed it, by this target's rules."""
+        ...
+
     def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
         """The directive as this target sends it (``directive_text``: its flat section, counted once)."""
         ...
@@ -88,8 +98,9 @@ class Renderer(Protocol):
         ...
 
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool, summary: str | None = None) -> Emitted:
-        """The kept history with the directive, the framed compaction summary and the memories block placed."""
+               breakpoints: bool, summary: str | None = None, clearing: Clearing | None = None) -> Emitted:
+        """The kept history with the directive, the framed compaction summary and the memories block
+        placed, and the tool uses ``clearing`` cleared."""
         ...
 
     def count(self, out: Emitted, counter: TokenCounter, *, block: Block | None = None) -> int:

@@ -5,10 +5,11 @@ with ``cache_control`` breakpoints on request, counted by ``pipeline.chat_count`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline import context_edit
 from ibex_context.pipeline.catalog import ModelSpec
 from ibex_context.pipeline.chat_render import add_breakpoints, anthropic_layout
 from ibex_context.pipeline.conversation.layout import materialize
@@ -17,18 +18,6 @@ from ibex_context.pipeline.history import HistoryFit
 from ibex_context.pipeline.render import Block, ChatOut, Emitted, Message, text_sections
 from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import Turns
-from ibex_context.shared.wire.errors import InvalidRequest
-
-
-def _message_tokens(message: Message, i: int, counter: TokenCounter, model: str) -> int:
-    """One message's tokens; a refusal names its place in the conversation (``messages.4.content.1``)."""
-    try:
-        return cc.anthropic_prompt_tokens(None, [message], [], counter, model=model)
-    except InvalidRequest as exc:
-        field = exc.field or "messages.0"
-        rest = field.partition(".")[2].partition(".")[2]
-        path = f"messages.{i}" + (f".{rest}" if rest else "")
-        raise InvalidRequest(path + exc.message[len(field):], field=path) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,15 +30,27 @@ class AnthropicRenderer:
     costs: tuple[int, ...]
     fixed: int  # the caller's system and tools
     tools: int
+    # Per message: its thinking blocks' tokens, and whether they count zero (an earlier turn's,
+    # for a model the API strips them for: chat_count's module docstring).
+    thinking: tuple[tuple[int, bool], ...] = ()
 
     @classmethod
     def create(cls, turns: Turns, spec: ModelSpec, counter: TokenCounter) -> AnthropicRenderer:
-        model, system = spec.name, turns.system
-        costs = tuple(_message_tokens(m, i, counter, model) for i, m in enumerate(turns.messages))
+        model, system, messages = spec.name, turns.system, turns.messages
+        latest = cc.latest_turn(messages) if cc.strips_prior_thinking(model) else None
+        free = [latest is not None and i < latest for i in range(len(messages))]
+        costs = tuple(cc.anthropic_message_tokens(m, counter, path=f"messages.{i}", free_thinking=free[i])
+                      for i, m in enumerate(messages))
+        thinking = tuple((cc.anthropic_thinking_tokens(m, counter), free[i]) for i, m in enumerate(messages))
         caller = list(system) if isinstance(system, list) else ([{"type": "text", "text": system}] if system else [])
         fixed = cc.anthropic_prompt_tokens(caller or None, [], turns.tools, counter, model=model)
         tools_n = cc.anthropic_tools_tokens(turns.tools, counter, model=model) if turns.tools else 0
-        return cls(turns, model, counter, costs, fixed, tools_n)
+        return cls(turns, model, counter, costs, fixed, tools_n, thinking)
+
+    def recount(self, i: int, message: Message) -> int:
+        """Message ``i`` as edited (context editing), by the rule its place gives its thinking."""
+        free = bool(self.thinking) and self.thinking[i][1]
+        return cc.anthropic_message_tokens(message, self.counter, path=f"messages.{i}", free_thinking=free)
 
     def _block(self, text: str) -> int:
         return cc.anthropic_prompt_tokens([{"type": "text", "text": text}], [], [], self.counter, model=self.model)
@@ -67,11 +68,13 @@ class AnthropicRenderer:
                                           model=self.model)
 
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool, summary: str | None = None) -> Emitted:
+               breakpoints: bool, summary: str | None = None,
+               clearing: context_edit.Clearing | None = None) -> Emitted:
         """Breakpoints are added after the stable parts when asked (``chat_render.add_breakpoints``)."""
         system, messages_in = self.turns.system, self.turns.messages
         layout = anthropic_layout(system, fit.kept, fit.kept_indices, directive=directive,
                                   memory_block=block.text or None, summary=summary)
+        layout = replace(layout, wire=context_edit.apply(layout.wire, clearing, messages_in, "anthropic"))
         messages, blocks = materialize(layout.wire, messages_in, system)
         marked: list[str] = []
         if breakpoints:

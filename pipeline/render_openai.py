@@ -4,16 +4,17 @@ counted by the cookbook's rules (``pipeline.chat_count``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ibex_context.pipeline import chat_count as cc
+from ibex_context.pipeline import context_edit
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.catalog import ModelSpec
 from ibex_context.pipeline.chat_render import SystemRole, openai_layout
 from ibex_context.pipeline.conversation.layout import materialize
 from ibex_context.pipeline.count import CountedSection, LineCache, memory_cost, summary_counted
 from ibex_context.pipeline.history import HistoryFit
-from ibex_context.pipeline.render import Block, ChatOut, Emitted, text_sections
+from ibex_context.pipeline.render import Block, ChatOut, Emitted, Message, text_sections
 from ibex_context.pipeline.tokens import TokenCounter
 from ibex_context.pipeline.types import ScoredMemory, Turns
 
@@ -36,6 +37,7 @@ class OpenAIRenderer:
     fixed: int  # reply priming and tools
     tools: int
     frame: int  # the memories block's own message, without its text
+    thinking: tuple[tuple[int, bool], ...] = ()  # Chat Completions carries no reasoning to count
 
     @classmethod
     def create(cls, turns: Turns, spec: ModelSpec, counter: TokenCounter) -> OpenAIRenderer:
@@ -46,6 +48,10 @@ class OpenAIRenderer:
         fixed = cc.openai_prompt_tokens([], turns.tools, counter, model=model)
         frame = cc.openai_message_tokens({"role": role, "content": ""}, counter, model=model)
         return cls(turns, model, counter, role, costs, fixed, tools_n, frame)
+
+    def recount(self, i: int, message: Message) -> int:
+        """Message ``i`` as edited (context editing)."""
+        return cc.openai_message_tokens(message, self.counter, model=self.model, path=f"messages.{i}")
 
     def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
         if not directive:
@@ -60,9 +66,11 @@ class OpenAIRenderer:
         return cc.openai_message_tokens({"role": self.role, "content": summary}, self.counter, model=self.model)
 
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool, summary: str | None = None) -> Emitted:
+               breakpoints: bool, summary: str | None = None,
+               clearing: context_edit.Clearing | None = None) -> Emitted:
         layout = openai_layout(fit.kept, fit.kept_indices, directive=directive, memory_block=block.text or None,
                                system_role=self.role, summary=summary)
+        layout = replace(layout, wire=context_edit.apply(layout.wire, clearing, self.turns.messages, "openai"))
         messages = materialize(layout.wire, self.turns.messages)[0]
         text = text_sections(directive_text, block, summary=summary_counted(self.counter, summary))
         return Emitted(text, ChatOut("openai", layout, messages, None, []))

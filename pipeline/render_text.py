@@ -11,8 +11,10 @@ last message is always kept: it is pinned), so the kept lines' costs bound the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ibex_context.pipeline import format as fmt
+from ibex_context.pipeline.context_edit import Clearing
 from ibex_context.pipeline.count import (
     CountedSection,
     joins_overhead,
@@ -34,6 +36,7 @@ class TextRenderer:
     header: int  # the history header's tokens (0 without history)
     tools_section: CountedSection
     counter: TokenCounter
+    thinking: tuple[tuple[int, bool], ...] = ()
 
     @property
     def fixed(self) -> int:
@@ -52,6 +55,10 @@ class TextRenderer:
         header = counter.count(fmt.HISTORY_HEADER) if lines else 0
         return cls(tuple(lines), tuple(costs), header, tools_counted(counter, turns.tools), counter)
 
+    def recount(self, i: int, message: dict[str, Any]) -> int:
+        """The flat form has no tool uses to clear: a message costs what it did."""
+        return self.costs[i]
+
     def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
         return directive_text.tokens
 
@@ -66,7 +73,7 @@ class TextRenderer:
         return self.counter.count(summary) + self.counter.count(fmt.SECTION_JOIN)
 
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
-               breakpoints: bool, summary: str | None = None) -> Emitted:
+               breakpoints: bool, summary: str | None = None, clearing: Clearing | None = None) -> Emitted:
         kept = [self.lines[i] for i in fit.kept_indices]
         history = CountedSection(fmt.join_section(fmt.HISTORY_HEADER, kept), self.header + fit.kept_tokens if kept
                                  else 0)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.stores.keys import is_ident
+from ibex_context.shared.wire.editing import ContextEditing
 from ibex_context.shared.wire.errors import UnknownModel
 from ibex_context.shared.wire.models import AssemblyOptions, HistoryOptions
 
@@ -30,6 +31,8 @@ Source = Literal["key", "team", "request"]
 # What goes out when the service cannot answer (litellm_degraded): the degraded assembly as is, a
 # refusal (503), or the agent's directive all the same (the service's, the hook's copy, the config's).
 OnDegraded = Literal["pass", "refuse", "fallback_directive"]
+# The routes the hook assembles: /v1/chat/completions, /v1/messages, /v1/responses.
+Route = Literal["chat_completions", "messages", "responses"]
 ON_DEGRADED: tuple[OnDegraded, ...] = get_args(OnDegraded)
 # An agent id or an fnmatch pattern over ids (``support-*``, ``bot-[0-9]``), matched case-sensitively.
 AgentPattern = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.*?!\[\]-]{1,64}$")]
@@ -69,6 +72,9 @@ class Identity(BaseModel):
     allowed_agents_field: str = "ibex_agents"
     # The proxy admin's per-key or per-team on_degraded (key first, then team; never the request's).
     on_degraded_field: str = "ibex_on_degraded"
+    # The proxy admin's per-key or per-team context editing (docs/assembly.md "Context editing"): a
+    # map of ``history.context_editing`` fields (key first, then team; never the request's).
+    context_editing_field: str = "ibex_context_editing"
 
 
 class DirectiveCopies(BaseModel):
@@ -135,6 +141,8 @@ class HookConfig(BaseModel):
     directive_copies: DirectiveCopies = Field(default_factory=DirectiveCopies)
     options: AssemblyOptions = Field(default_factory=AssemblyOptions)
     history: HistoryOptions = Field(default_factory=HistoryOptions)
+    # Context editing per route, in place of history.context_editing (a key's or team's own wins).
+    context_editing_routes: dict[Route, ContextEditing] = Field(default_factory=dict)
     summaries: Summaries | None = None
 
     def call_timeout_s(self, chars: int, default_ms: float) -> float:
@@ -187,6 +195,7 @@ class Caller:
     org_id: str
     agent_id: str
     on_degraded: OnDegraded = "fallback_directive"
+    context_editing: ContextEditing | None = None  # the key's or team's, when its metadata sets one
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +244,34 @@ def resolve_identity(cfg: HookConfig, sources: Mapping[Source, object]) -> Calle
     if denied is not None:
         return Denied(denied)
     policy = _on_degraded(cfg, sources, org)
-    return policy if isinstance(policy, Denied) else Caller(org, agent, policy)
+    if isinstance(policy, Denied):
+        return policy
+    editing = _context_editing(cfg, sources)
+    return editing if isinstance(editing, Denied) else Caller(org, agent, policy, editing)
+
+
+def _context_editing(cfg: HookConfig, sources: Mapping[Source, object]) -> ContextEditing | Denied | None:
+    """The key's, else the team's ``context_editing`` metadata, validated (a bad one is denied,
+    never read as the default); None when neither sets one."""
+    name = cfg.identity.context_editing_field
+    for src in ("key", "team"):
+        value = _field(sources.get(src), name)
+        if value is None:
+            continue
+        try:
+            return ContextEditing.model_validate(value, strict=False)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            return Denied(f"{src} metadata {name}: {loc}: {err['msg']}")
+    return None
+
+
+def context_editing_for(cfg: HookConfig, who: Caller, route: Route) -> HistoryOptions:
+    """The history options a call goes out with: the caller's key or team context editing, else
+    the route's, else the config's ``history.context_editing``."""
+    editing = who.context_editing or cfg.context_editing_routes.get(route)
+    return cfg.history if editing is None else cfg.history.model_copy(update={"context_editing": editing})
 
 
 def _not_mapped(src: Source | None, reason: str) -> Unmapped | Denied:

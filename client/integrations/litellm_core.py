@@ -31,6 +31,7 @@ from ibex_context.client.integrations.litellm_config import (
     HookConfig,
     Source,
     Unmapped,
+    context_editing_for,
     map_model,
     resolve_identity,
 )
@@ -150,7 +151,8 @@ class HookCore:
         fields: dict[str, Any] = {
             "org_id": who.org_id, "agent_id": who.agent_id, "model": model, "format": form.format,
             "query": last_user_text(form.messages, self.config.query_chars), "messages": form.messages,
-            "tools": form.tools, "options": self.config.options, "history": self.config.history}
+            "tools": form.tools, "options": self.config.options,
+            "history": context_editing_for(self.config, who, form.route)}
         if form.system is not None:
             fields["system"] = form.system
         if summary_key is not None:  # the worker loads the conversation's stored summary (litellm_summary)

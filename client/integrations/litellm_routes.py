@@ -55,6 +55,7 @@ class Form:
     write: Callable[[dict[str, Any], AssembleResponse], None]
     system: Any = None
     tools: list[Any] = field(default_factory=list)
+    route: Literal["chat_completions", "messages", "responses"] = "chat_completions"
 
     @property
     def chars(self) -> int:
@@ -93,10 +94,10 @@ def request_form(call_type: str, data: dict[str, Any]) -> Form | str:
             return f"{call_type} call without a messages list (or with tools that are not a list)"
         if call_type in CHAT_CALLS:
             return Form("openai", messages, _write_chat, tools=tools)
-        return Form("anthropic", messages, _write_anthropic, system=data.get("system"), tools=tools)
+        return Form("anthropic", messages, _write_anthropic, system=data.get("system"), tools=tools, route="messages")
     if call_type in RESPONSES_CALLS:
         chat = litellm_responses.to_chat(data)
         if isinstance(chat, str):
             return chat
-        return Form("openai", chat.messages, chat.write, tools=chat.tools)
+        return Form("openai", chat.messages, chat.write, tools=chat.tools, route="responses")
     return f"{call_type} calls are not assembled"

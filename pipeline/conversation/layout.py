@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ibex_context.shared.wire.errors import Internal
-from ibex_context.shared.wire.models import AssembleResponse, ChatLayout, Piece
+from ibex_context.shared.wire.models import AssembleResponse, ChatLayout, Piece, Placed
 
 Message = dict[str, Any]
 EPHEMERAL = {"type": "ephemeral"}
@@ -41,12 +41,51 @@ def _pieces(pieces: Sequence[Piece], content: Any, where: str) -> list[Any]:
             block = blocks[piece.ref]
         else:
             raise Internal(f"layout: {where}.{k} refers to block {piece.ref} of {len(blocks)}")
+        if piece.clear is not None:
+            block = cleared_block(block, piece.clear, f"{where}.{k}")
         if piece.cache:
             if not isinstance(block, dict):
                 raise Internal(f"layout: {where}.{k} marks a block that is not a map")
             block = {**block, "cache_control": dict(EPHEMERAL)}
         out.append(block)
     return out
+
+
+def cleared_block(block: Any, text: str, where: str) -> Any:
+    """A caller's block with its payload cleared: a ``tool_result``'s content becomes ``text``, a
+    ``tool_use``'s input ``{}``; every other field (ids, ``is_error``, ``cache_control``) stays."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "tool_result":
+        return {**block, "content": text}
+    if kind == "tool_use":
+        return {**block, "input": {}}
+    raise Internal(f"layout: {where} clears a block that is neither tool_result nor tool_use")
+
+
+def rebuilt(item: Placed, message: Any, where: str) -> Message:
+    """Caller message ``message`` as ``item`` (its ``ref``) rebuilds it: content from the pieces,
+    the cleared tool calls' arguments ``"{}"``."""
+    if not isinstance(message, dict):
+        raise Internal(f"layout: {where} rebuilds a message that is not a map")
+    out = dict(message)
+    if item.content is not None:
+        out["content"] = _pieces(item.content, message.get("content"), where)
+    if item.cleared_calls:
+        calls = message.get("tool_calls")
+        if not isinstance(calls, list) or any(k >= len(calls) or not isinstance(calls[k], dict)
+                                              for k in item.cleared_calls):
+            raise Internal(f"layout: {where} clears a tool call the message does not have")
+        cleared = frozenset(item.cleared_calls)
+        out["tool_calls"] = [_call_cleared(c) if k in cleared else c for k, c in enumerate(calls)]
+    return out
+
+
+def _call_cleared(call: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": {**call["function"], "arguments": "{}"}}
+    if isinstance(call.get("custom"), dict):
+        return {**call, "custom": {**call["custom"], "input": ""}}
+    return call
 
 
 def materialize(layout: ChatLayout, messages: Sequence[Any], system: Any = None
@@ -64,10 +103,7 @@ def materialize(layout: ChatLayout, messages: Sequence[Any], system: Any = None
         elif item.ref is None:
             out.append({"role": item.role, "content": item.text})
         else:
-            message = messages[item.ref]
-            if not isinstance(message, dict):
-                raise Internal(f"layout: messages.{i} rebuilds a message that is not a map")
-            out.append({**message, "content": _pieces(item.content or [], message.get("content"), f"messages.{i}")})
+            out.append(rebuilt(item, messages[item.ref], f"messages.{i}"))
     built_system = None if layout.system is None else _pieces(layout.system, system, "system")
     return out, built_system
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
+from ibex_context.shared.wire.base import WireModel as _Wire
+from ibex_context.shared.wire.editing import ContextEditing, MessageEdit
 from ibex_context.shared.wire.errors import ErrorCode
 
 PROTOCOL_VERSION = 1
@@ -23,10 +25,6 @@ Ident = Annotated[str, StringConstraints(pattern=f"^{IDENT_CHARS}$")]
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 NonNegInt = Annotated[int, Field(ge=0)]
-
-
-class _Wire(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Message(_Wire):
@@ -91,6 +89,7 @@ class HistoryOptions(_Wire):
     mode: Literal["trim_oldest", "fail"] = "trim_oldest"
     min_recent_turns: Annotated[int, Field(ge=0, le=10_000)] = 0
     min_memory_share: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.0
+    context_editing: ContextEditing = Field(default_factory=ContextEditing)
 
 
 # Opaque conversation keys (a summary's, docs/assembly.md "Compaction summaries"): the last part of a Redis key,
@@ -259,33 +258,44 @@ class SummaryReport(_Wire):
 class Piece(_Wire):
     """One content block of an assembled message (or of Anthropic's ``system``): block ``ref`` of
     the caller's own content (a string content is one text block) or a new text
-    block ``text``; ``cache`` adds ``cache_control: {"type": "ephemeral"}`` to it."""
+    block ``text``; ``cache`` adds ``cache_control: {"type": "ephemeral"}`` to it. ``clear`` (with
+    ``ref``): the block cleared (docs/assembly.md "Context editing"): a ``tool_result``'s content
+    becomes this text, a ``tool_use``'s input ``{}`` (then ``clear`` is "")."""
 
     ref: NonNegInt | None = None
     text: str | None = None
     cache: bool = False
+    clear: str | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> Piece:
         if (self.ref is None) == (self.text is None):
             raise ValueError("a piece is either ref (a caller block) or text (a new block)")
+        if self.clear is not None and self.ref is None:
+            raise ValueError("only a caller block (ref) can be cleared")
         return self
 
 
 class Placed(_Wire):
     """One message of the assembled conversation that is not a caller's message unchanged: caller
-    message ``ref`` with its content rebuilt from ``content``, or a new message (``role``, ``text``)."""
+    message ``ref`` with its content rebuilt from ``content`` and/or the arguments of its OpenAI
+    ``tool_calls`` at ``cleared_calls`` replaced by ``"{}"`` (docs/assembly.md "Context editing"), or a
+    new message (``role``, ``text``)."""
 
     ref: NonNegInt | None = None
     content: list[Piece] | None = None
     role: Literal["system", "developer", "user"] | None = None  # "user": Anthropic's summary-only turn
     text: str | None = None
+    cleared_calls: list[NonNegInt] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> Placed:
-        if (self.ref is None) == (self.role is None) or (self.ref is None) == (self.text is None) \
-                or (self.content is None) != (self.ref is None):
-            raise ValueError("a placed message is either ref with content, or role with text")
+        caller = self.ref is not None and self.role is None and self.text is None \
+            and (self.content is not None or self.cleared_calls is not None)
+        new = self.ref is None and self.role is not None and self.text is not None \
+            and self.content is None and self.cleared_calls is None
+        if not (caller or new):
+            raise ValueError("a placed message is either ref with content or cleared_calls, or role with text")
         return self
 
 
@@ -336,6 +346,8 @@ class AssembleResponse(_Wire):
     # uncalibrated count under it for a short while; None when nothing was recorded.
     assembly_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     history: list[HistoryDecision] = Field(default_factory=list)
+    # Kept messages sent or counted other than as written: cleared tool uses, thinking not charged.
+    edits: list[MessageEdit] = Field(default_factory=list)
     # The request's summary (docs/assembly.md "Compaction summaries"), and how many leading non-system
     # messages of the caller's conversation were not sent (summarized or trimmed): the next
     # summary covers at least these.

@@ -12,13 +12,13 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
+from ibex_context.shared.wire.base import WireModel as _Wire
 from ibex_context.shared.wire.models import (
     MAX_SUMMARY_CHARS,
     PROTOCOL_VERSION,
     SUMMARY_KEY_CHARS,
     Ident,
     RequestId,
-    _Wire,
 )
 
 SUMMARY_ID_PREFIX = "summary-"  # a refusal from the broker comes back under this id: counted, not waited for

@@ -1,0 +1,129 @@
+"""Clear before drop against drop only, on synthetic tool-heavy agent conversations.
+
+    python -m bench.context_editing [--conversations 60] [--seed 7] [--repeat 5]
+
+Each conversation is an agent at work: user questions, each answered after one to four tool calls
+whose results are long (300 to 3,000 words of fetched pages, files, shell output), then a short
+answer. Every conversation is assembled by the offline pipeline (no memories) for gpt-4 (8K) and
+gpt-3.5-turbo (16K) twice: with ``history.context_editing`` off (drop only) and with its defaults
+(clear before drop). Printed per model: user turns kept, user/assistant words kept (the words of
+user messages and assistant text, not tool results or calls), tool uses cleared, and the CPU time
+of one assembly (process time, median and p90 over ``--repeat`` runs of each conversation, after
+one warm-up assembly per model). Drop only is the pipeline as it was before clear before drop
+(the planner returns at once when it is off), so its CPU column is the "before".
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from ibex_context.pipeline.assemble import Engine, Policy, assemble
+from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.hits import offline_result
+from ibex_context.shared.wire.errors import ContextOverflow
+from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
+
+TOOLS = ["search_web", "read_file", "run_shell", "fetch_url"]
+TOOL_DEFS = [{"type": "function", "function": {"name": n, "description": f"{n} for the agent",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"q": {"type": "string"}}}}}
+             for n in TOOLS]
+VOCAB = ("the invoice report build failed because module config value returned error line page section "
+         "customer order total status pending shipped test passed coverage function class import").split()
+MODELS = ("gpt-4", "gpt-3.5-turbo")
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+def conversation(rng: random.Random) -> list[dict[str, Any]]:
+    """One agent conversation, OpenAI-shaped, ending on a user turn."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding and research agent."}]
+    calls = 0
+    for t in range(rng.randint(4, 14)):
+        out.append({"role": "user", "content": f"step {t}: " + _words(rng, rng.randint(8, 60))})
+        for _ in range(rng.randint(1, 4)):
+            cid = f"call_{calls}"
+            calls += 1
+            call = {"name": rng.choice(TOOLS), "arguments": f'{{"q": "{_words(rng, 4)}"}}'}
+            out.append({"role": "assistant", "content": None,
+                        "tool_calls": [{"id": cid, "type": "function", "function": call}]})
+            out.append({"role": "tool", "tool_call_id": cid, "content": _words(rng, rng.randint(300, 3000))})
+        out.append({"role": "assistant", "content": _words(rng, rng.randint(20, 120))})
+    out.append({"role": "user", "content": "what next? " + _words(rng, 20)})
+    return out
+
+
+def _conversation_words(messages: list[dict[str, Any]]) -> tuple[int, int]:
+    """(user turns, user/assistant words) of what is sent."""
+    turns = sum(1 for m in messages if m.get("role") == "user")
+    words = sum(len(m["content"].split()) for m in messages
+                if m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str))
+    return turns, words
+
+
+def run_one(engine: Engine, convo: list[dict[str, Any]], model: str, enabled: bool,
+            repeat: int) -> tuple[AssembleResponse | None, list[int]]:
+    req = AssembleRequest(request_id="b", org_id="bench", agent_id="agent", model=model, query="next", format="openai",
+                          messages=convo, tools=TOOL_DEFS, deadline_ns=1,
+                          history={"context_editing": {"enabled": enabled}})  # type: ignore[arg-type]
+    retrieval = offline_result(directive="Work step by step.", hot=[], cold=[])
+    cpu: list[int] = []
+    resp = None
+    for _ in range(repeat):
+        t = time.process_time_ns()
+        try:
+            resp = assemble(req, retrieval, engine)
+        except ContextOverflow:
+            resp = None
+        cpu.append(time.process_time_ns() - t)
+    return resp, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    convos = [conversation(rng) for _ in range(args.conversations)]
+    engine = Engine(Catalog.load(), Policy())
+    for model in MODELS:  # load the encodings and warm the count caches before anything is timed
+        run_one(engine, convos[0], model, True, 1)
+    total_turns = sum(_conversation_words(c)[0] for c in convos)
+    total_words = sum(_conversation_words(c)[1] for c in convos)
+    print(f"{len(convos)} conversations, {total_turns} user turns, {total_words} user/assistant words, "
+          f"{sum(1 for c in convos for m in c if m['role'] == 'tool')} tool results; seed {args.seed}\n")
+    print("| model | rule | overflow | user turns kept | user/assistant words kept | tool uses cleared "
+          "| CPU / assembly p50 | p90 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model in MODELS:
+        for enabled, rule in ((False, "drop only"), (True, "clear before drop")):
+            turns = words = cleared = overflow = 0
+            cpu: list[int] = []
+            for convo in convos:
+                resp, times = run_one(engine, convo, model, enabled, args.repeat)
+                cpu += times
+                if resp is None or resp.messages is None:
+                    overflow += 1
+                    continue
+                t, w = _conversation_words(resp.messages)
+                turns += t
+                words += w
+                cleared += sum(1 for m in resp.messages if m.get("role") == "tool"
+                               and isinstance(m.get("content"), list))
+            qs = statistics.quantiles(cpu, n=10)
+            print(f"| {model} | {rule} | {overflow} | {turns} ({turns / total_turns:.1%}) | {words} "
+                  f"({words / total_words:.1%}) | {cleared} | {statistics.median(cpu) / 1e6:.2f} ms "
+                  f"| {qs[8] / 1e6:.2f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
