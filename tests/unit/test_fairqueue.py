@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ibex_context.broker.fairqueue import IDLE_CAP, FairQueue
 from ibex_context.broker.org_counts import TopCounts, org_snapshot
 from ibex_context.shared.config.org_weights import parse_org_weights
+from tests.properties import examples
 
 
 def drain(q: FairQueue[str], n: int | None = None) -> list[tuple[str, str]]:
@@ -138,7 +139,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["push", "push_front", "pop", "remove",
                          st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 30)), max_size=300)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(OPS, st.dictionaries(st.sampled_from(["a", "b", "c"]), st.sampled_from([0.5, 1.0, 2.0, 3.0])))
 def test_the_queue_agrees_with_a_model_of_per_org_lists(ops: list[tuple[str, str, int]],
                                                          weights: dict[str, float]) -> None:

@@ -8,16 +8,12 @@ tool-heavy agent conversations in both provider forms, and one real-stack test t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ibex_context.client.client import AsyncClient
-from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import context_edit
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
@@ -26,10 +22,9 @@ from ibex_context.pipeline.conversation.parse import parse_conversation
 from ibex_context.pipeline.hits import offline_result
 from ibex_context.pipeline.turns import count_turns
 from ibex_context.shared.wire.codec import encode
-from ibex_context.shared.wire.editing import ContextEditing
 from ibex_context.shared.wire.errors import ContextOverflow
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
-from tests.helpers import start_stack
+from tests.properties import examples
 
 CATALOG = Catalog.load()
 O200K = CATALOG.counter("o200k")
@@ -148,7 +143,7 @@ KEEPS = st.integers(0, 4)
 EXCLUDE = st.lists(st.sampled_from(NAMES), max_size=2, unique=True)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.one_of(st.tuples(st.just("openai"), openai_agent()), st.tuples(st.just("anthropic"), anthropic_agent())),
        KEEPS, EXCLUDE, st.booleans())
 def test_property_cleared_before_dropped_within_budget_pairs_valid(
@@ -186,7 +181,7 @@ def test_property_cleared_before_dropped_within_budget_pairs_valid(
             assert reported[u.result].tokens > 0 and context_edit.tool_name(u.name) in reported[u.result].reason
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(openai_agent(), KEEPS, st.integers(0, 4000), st.integers(500, 6000))
 def test_property_planner_at_least_k_keep_oldest_first_deterministic(
         convo: list[dict[str, Any]], keep: int, k: int, budget: int) -> None:
@@ -383,31 +378,3 @@ def _small_claude() -> Catalog:
 
 
 SMALL_CLAUDE = _small_claude()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {"IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000", "IBEX_COLD_TIMEOUT_MS": "2000",
-           "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000"}
-    s = start_stack(tmp_path_factory.mktemp("ctxedit"), workers=1, env=env)
-    try:
-        yield s
-    finally:
-        s.stop()
-
-
-async def test_tool_heavy_agent_through_the_worker_keeps_more_turns(stack: LocalStack) -> None:
-    convo = _agent(12)
-    async with AsyncClient(stack.frontend) as c:
-        common: dict[str, Any] = {"org_id": "acme", "agent_id": "support-bot", "model": "gpt-4", "query": "topic",
-                                  "format": "openai", "messages": convo, "tools": TOOLS, "timeout": 5.0}
-        drop_only = await c.assemble(**common, history={"context_editing": ContextEditing(enabled=False)})
-        cleared = await c.assemble(**common)
-    assert not cleared.degraded and cleared.messages is not None and drop_only.messages is not None
-    assert _turns_kept(cleared.messages) > _turns_kept(drop_only.messages)
-    assert cleared.prompt_tokens is not None and cleared.prompt_tokens <= _limit(cleared)
-    _pairs_valid("openai", cleared.messages)
-    # the client rebuilt the cleared messages from the caller's own conversation and the layout
-    sent = _sent_results("openai", cleared.messages)
-    assert any(_is_placeholder(v) for v in sent.values())
-    assert any(e.action == "cleared" and e.tokens > 0 for e in cleared.edits)
