@@ -66,6 +66,7 @@ from bench.lib.stack import (
     runner,
     seed_demo,
     set_workers,
+    settle,
 )
 from bench.loadgen import OK, RunResult, Sample, merge_runs, open_loop
 from bench.peer_report import markdown
@@ -156,25 +157,6 @@ class Servers:
 
 
 _cpu = tree_cpu_seconds
-QUIET_CPU = 0.05  # the memory service and Redis are done when they use under 5 % of a core...
-QUIET_WINDOW_S = 0.2  # ...over this long
-SETTLE_MAX_S = 30.0
-
-
-async def settle(pids: list[int]) -> float:
-    """Wait until ``pids`` (the memory service and Redis) are idle; the seconds it took.
-
-    Calls a caller gave up on (its retrieval wall) still run to the end in the memory service, so
-    after a run above its capacity it works on for seconds: that CPU belongs to the run that sent
-    the calls, and the next run must not start against a busy service (the 2x run comes right
-    after the ladder's highest rate)."""
-    started = time.monotonic()
-    while time.monotonic() - started < SETTLE_MAX_S:
-        c0 = _cpu(pids)
-        await asyncio.sleep(QUIET_WINDOW_S)
-        if _cpu(pids) - c0 < QUIET_CPU * QUIET_WINDOW_S:
-            break
-    return round(time.monotonic() - started, 2)
 
 
 class BaselineStack(LocalStack):
