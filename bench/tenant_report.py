@@ -89,7 +89,8 @@ def markdown(res: dict[str, Any]) -> str:
                f"{'' if ramp['found'] else '; no rate was healthy, the lowest is taken'})")
     lines = [
         f"# bench.tenants (commit {meta.get('commit')}, {meta.get('started')}, {meta.get('cpus')} CPUs, "
-        f"{meta.get('elapsed_s')} s)", "",
+        f"{meta.get('elapsed_s')} s, load average {meta.get('loadavg_start', 0):.1f} at the start, "
+        f"{meta.get('loadavg_end', 0):.1f} at the end)", "",
         f"Victim `acme`: {res['victim_rps']:g} req/s (Poisson), a new question every call, deadline "
         f"{plan['deadline_ms']:g} ms; {cap}. Attacker `globex` from one process at nice "
         f"{res.get('attacker_nice')}. {plan['rounds']} round(s) of one {plan['window_s']:g} s attack-off and one "

@@ -70,7 +70,7 @@ from ibex_context.ops.local import LocalStack
 from ibex_context.shared.security import auth
 
 VICTIM, ATTACKER, OPS_ORG = "acme", "globex", "ibex-ops"
-RAMP = [25.0, 50.0, 75.0, 100.0, 125.0, 150.0, 200.0]
+RAMP = [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 100.0, 125.0, 150.0, 200.0]
 QUICK: dict[str, Any] = {"ramp_rates": [20.0, 40.0], "ramp_s": 1.0, "window_s": 1.5, "lead_s": 0.3, "rounds": 1,
                          "attack_rate_cap": 400.0, "tiny_rate": 100.0, "usage_rate": 600.0, "summary_rate": 100.0,
                          "settle_max_s": 5.0, "victim_floor_rps": 8.0}
@@ -421,12 +421,14 @@ async def measure(plan: TenantPlan, stack: LocalStack, keys: dict[str, Path], lo
 
 def run(plan: TenantPlan, out_dir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {"meta": {"started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                                        "commit": git_commit(), "plan": asdict(plan), "cpus": os.cpu_count()}}
+                                        "commit": git_commit(), "plan": asdict(plan), "cpus": os.cpu_count(),
+                                        "loadavg_start": os.getloadavg()[0]}}
     t0 = time.monotonic()
     log_dir = out_dir / "tenant-logs"
     with curve_stack(plan, log_dir) as (stack, keys), runner() as loop:
         results.update(loop.run(measure(plan, stack, keys, log_dir)))
     results["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
+    results["meta"]["loadavg_end"] = os.getloadavg()[0]  # other work on the machine (1 min average)
     return results
 
 
