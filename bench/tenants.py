@@ -84,7 +84,7 @@ class TenantPlan:
     capacity: float | None = None  # req/s; None: measured by the ramp
     ramp_rates: list[float] = field(default_factory=lambda: list(RAMP))
     ramp_s: float = 3.0
-    window_s: float = 8.0
+    window_s: float = 10.0
     lead_s: float = 1.0  # the attack runs this long before the victim's window opens
     tail_s: float = 0.2  # ... and this long after it closes
     rounds: int = 3
