@@ -86,7 +86,7 @@ def markdown(res: dict[str, Any]) -> str:
         pts = ", ".join(f"{p['offered_rps']:g}/s {_pct(p['undegraded_share'])} p99 {_ms(p['p99_ms'])}"
                         for p in ramp["points"])
         cap = (f"capacity {res['capacity_rps']:g}/s (ramp: {pts}"
-               f"{'' if ramp['found'] else '; no rate was healthy, the lowest is taken'})")
+               f"{'' if ramp['found'] else '; no rate met the rule, so the capacity is the undegraded peak rate'})")
     lines = [
         f"# bench.tenants (commit {meta.get('commit')}, {meta.get('started')}, {meta.get('cpus')} CPUs, "
         f"{meta.get('elapsed_s')} s, load average {meta.get('loadavg_start', 0):.1f} at the start, "

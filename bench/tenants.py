@@ -8,8 +8,9 @@ seeded for both orgs. The victim is ``acme``, the attacker ``globex``.
 
 1. Capacity: a short ramp of the victim's own kind of request (a new question every call, so the
    memory service embeds each one; deadline 100 ms); the stack's capacity is the highest rate with
-   >= 90 % undegraded on-time replies and p99 under the deadline (``bench.peers``' saturation).
-   ``--capacity`` skips the ramp.
+   >= 90 % undegraded on-time replies and p99 under the deadline (``bench.peers``' saturation);
+   when no rate meets it (a machine busy with other work), the rate with the most undegraded
+   on-time replies a second, and the report says so. ``--capacity`` skips the ramp.
 2. The victim sends at ``--victim-share`` (10 %) of that capacity, open loop (Poisson), a new
    question every call, deadline 100 ms, through the real ``AsyncClient`` with acme's key.
 3. Rows: per attack, one attack-off and one attack-on window of the victim, in every round
@@ -366,22 +367,31 @@ def summarize_row(row: Row, windows: dict[str, list[dict[str, Any]]]) -> dict[st
 
 
 async def measure_capacity(b: Bench) -> tuple[float, list[dict[str, Any]], bool]:
-    """The ramp: (capacity, its points, whether any point was healthy). Ends after the first
-    unhealthy point above a healthy one."""
-    points, best = [], None
+    """The ramp: (capacity, its points, whether a point met the saturation rule). It ends after the
+    first unhealthy point above a healthy one. When none is healthy (a machine busy with other
+    work), the capacity is the rate of the undegraded peak (most undegraded on-time replies a
+    second), and the ramp ends two points past that peak."""
+    points: list[dict[str, Any]] = []
+    best: float | None = None
+    peak_rate, peak_rps, past_peak = b.plan.ramp_rates[0], -1.0, 0
     for rate in b.plan.ramp_rates:
         run = await b.victim_run(rate, b.plan.ramp_s, f"ramp {rate:g}/s")
         ok, point = healthy(run, b.plan.deadline_ms)
         point["settle_s"] = await b.settle()
         point["healthy"] = ok
+        point["undegraded_rps"] = round(point["classes"]["undegraded_on_time"] / b.plan.ramp_s, 2)
         points.append(point)
         print(f"  ramp {rate:g}/s: {point['undegraded_share']:.0%} undegraded on time, p99 {point['p99_ms']} ms",
               file=sys.stderr, flush=True)
+        if point["undegraded_rps"] > peak_rps:
+            peak_rate, peak_rps, past_peak = rate, point["undegraded_rps"], 0
+        else:
+            past_peak += 1
         if ok:
             best = rate
-        elif best is not None:
+        elif best is not None or past_peak >= 2:
             break
-    return (best if best is not None else b.plan.ramp_rates[0]), points, best is not None
+    return (best if best is not None else peak_rate), points, best is not None
 
 
 async def measure(plan: TenantPlan, stack: LocalStack, keys: dict[str, Path], log_dir: Path) -> dict[str, Any]:
