@@ -73,6 +73,7 @@ def attacker_rows(res: dict[str, Any]) -> list[list[str]]:
         if a["errors"]:
             outcomes += f"; errors: {'; '.join(a['errors'])}"
         rows.append([r["key"], str(a["windows"]), f"{a['seconds']:.1f}", str(a["sent"]),
+                     str(a.get("skipped_inflight_cap", 0)),
                      "-" if a["served"] is None else str(a["served"]), outcomes])
     return rows
 
@@ -105,5 +106,6 @@ def markdown(res: dict[str, Any]) -> str:
         *table(["row", "attack", "sent", *CLASSES, "on time", "victim gen CPU s/window", "settle s",
                 "degraded reasons"], detail_rows(res)), "",
         "## Attacker outcomes (attack-on windows, summed over rounds)", "",
-        *table(["row", "windows", "attack s", "sent", "served", "outcomes"], attacker_rows(res)), ""]
+        *table(["row", "windows", "attack s", "sent", "due but not sent (in-flight cap)", "served", "outcomes"],
+               attacker_rows(res)), ""]
     return "\n".join(lines)

@@ -343,6 +343,7 @@ def _attacker(row: Row, ws: list[dict[str, Any]], counters: dict[str, Any]) -> d
         outcomes.update({f"stack.{k}": int(v) for k, v in counters.items()
                          if k.startswith((prefix, f"worker.{prefix}"))})
     sent = sum(r["sent"] for r in results)
+    skipped = sum(r.get("skipped_inflight_cap", 0) for r in results)  # due but not made: the in-flight cap
     if row.cmd["kind"] in SERVED_COUNTER:
         served: int | None = int(counters.get(SERVED_COUNTER[row.cmd["kind"]], 0))
     else:
@@ -350,7 +351,7 @@ def _attacker(row: Row, ws: list[dict[str, Any]], counters: dict[str, Any]) -> d
     undegraded = sum(r["undegraded"] for r in results) if row.cmd["kind"] == "assemble" else None
     cpu = [r["cpu_s"] for r in results]
     return {"windows": len(results), "seconds": round(seconds, 2), "offered_rps": row.cmd.get("rate"),
-            "concurrency": row.cmd.get("concurrency"), "sent": sent,
+            "concurrency": row.cmd.get("concurrency"), "sent": sent, "skipped_inflight_cap": skipped,
             "sent_rps": round(sent / seconds, 1) if seconds else None, "served": served,
             "served_rps": round(served / seconds, 1) if seconds and served is not None else None,
             "undegraded": undegraded,
