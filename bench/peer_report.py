@@ -36,6 +36,19 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f} %"
 
 
+def _deep_rows(row: Any, full: dict[str, Any], k: int) -> None:
+    """The rows of the ``k``-th overload run past 2x (``deep_overloads``: 4x, 8x)."""
+    deep = {s: v["deep_overloads"][k] for s, v in full.items() if len(v.get("deep_overloads", [])) > k}
+    f = f"{next(iter(deep.values()))['factor']:g}x"
+    row(f"full, {f}: offered ({f} own saturation)", lambda o: f"{o['offered_rps']:.0f}/s", deep)
+    row(f"full, {f}: on-time replies, % of replies peak", lambda o: _pct(o["replies_share_of_peak"]), deep)
+    row(f"full, {f}: undegraded on-time replies, % of undegraded peak",
+        lambda o: _pct(o["undegraded_share_of_peak"]), deep)
+    row(f"full, {f}: shed OVERLOADED (rejection time)", _shed, deep)
+    row(f"full, {f}: replies after deadline + 5 ms", lambda o: str(o["late_replies_after_deadline_5ms"]), deep)
+    row(f"full, {f}: p50 / p99 (every sent request)", _p50_p99, deep)
+
+
 def summary_rows(res: dict[str, Any]) -> list[list[str]]:
     tr, full = res.get("transport", {}), res.get("full", {})
     systems = list(dict.fromkeys([*full, *tr]))  # the floor (transport only) comes last
@@ -71,6 +84,8 @@ def summary_rows(res: dict[str, Any]) -> list[list[str]]:
         row("full, 2x: replies after deadline + 5 ms",
             lambda v: str(v["overload"]["late_replies_after_deadline_5ms"]), full)
         row("full, 2x: p50 / p99 (every sent request)", lambda v: _p50_p99(v["overload"]), full)
+        for k in range(max((len(v.get("deep_overloads", [])) for v in full.values()), default=0)):
+            _deep_rows(row, full, k)
         row("full: work split between the two processes (at the highest ladder rate)",
             lambda v: _split(v["ladder"][-1]), full)
     return [["", *systems], *rows]
@@ -85,7 +100,7 @@ def _limits(p: dict[str, Any]) -> str:
 def ladder_rows(full: dict[str, Any]) -> list[list[str]]:
     rows = []
     for system, v in full.items():
-        for p in [*v["ladder"], v["overload"]]:
+        for p in [*v["ladder"], v["overload"], *v.get("deep_overloads", [])]:
             rows.append([system, f"{p['offered_rps']:.0f}", f"{p['goodput_rps']:.0f}", f"{p['complete_rps']:.0f}",
                          _pct(p["undegraded_fraction"]), ms(_lat(p, "p50")), ms(_lat(p, "p99")),
                          f"{p['server_cpu_us_per_reply']:.0f}", f"{p['backend_cpu_us_per_reply']:.0f}",

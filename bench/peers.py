@@ -22,7 +22,8 @@ within every round, in rotated order, so machine drift hits all alike. Phases:
 * ``full``: a ladder of offered rates; per system the highest rate with >= 90 % undegraded
   on-time replies and p99 under the deadline (its saturation), then a run at 2x its own
   saturation: on-time replies, undegraded on-time replies as a share of its undegraded peak,
-  requests shed (OVERLOADED) and how fast, replies after deadline + 5 ms.
+  requests shed (OVERLOADED) and how fast, replies after deadline + 5 ms. With ``--new-questions``
+  also runs at 4x and 8x its own saturation (``deep_overloads``), each a round over every system.
 
 Server CPU (``bench.lib.cpu``) of every server process (broker and workers, or the two peer
 processes) is read around each run and divided by the replies of that run; the memory
@@ -66,6 +67,7 @@ from bench.lib.stack import (
     runner,
     seed_demo,
     set_workers,
+    settle,
 )
 from bench.loadgen import OK, RunResult, Sample, merge_runs, open_loop
 from bench.peer_report import markdown
@@ -94,6 +96,7 @@ class PeerPlan:
     rates: list[float] = field(default_factory=lambda: [120.0, 240.0, 360.0, 480.0, 600.0, 720.0, 840.0, 960.0])
     point_s: float = 3.0
     overload_factor: float = 2.0
+    deep_overload_factors: tuple[float, ...] = ()  # further overload runs (--new-questions: 4x and 8x)
     overload_s: float = 4.0
     pause_s: float = 0.5
     warmup: int = 30
@@ -103,11 +106,16 @@ class PeerPlan:
     new_questions: bool = False  # every send a question never asked before (bench.questions): the embedding is paid
     floor: bool = True  # add FLOOR to the transport phase: the card's two hops with nothing in Python but the answer
 
+    def overload_factors(self) -> tuple[float, ...]:
+        return (self.overload_factor, *self.deep_overload_factors)
+
     def transport_systems(self) -> tuple[str, ...]:
         return (*self.systems, FLOOR) if self.floor and "ibex" in self.systems else self.systems
 
 
 # A new question costs the memory service an encoder pass, so saturation comes far lower.
+# ... and far past it: what serving does to embedding work it cannot finish (4x and 8x saturation).
+NEW_QUESTION_DEEP_OVERLOADS = (4.0, 8.0)
 NEW_QUESTION_RATES = [50.0, 100.0, 150.0, 200.0, 250.0, 300.0, 400.0, 500.0, 600.0]
 QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "rates": [40.0, 80.0],
          "point_s": 0.6, "overload_s": 0.6, "pause_s": 0.2, "warmup": 5}
@@ -156,25 +164,6 @@ class Servers:
 
 
 _cpu = tree_cpu_seconds
-QUIET_CPU = 0.05  # the memory service and Redis are done when they use under 5 % of a core...
-QUIET_WINDOW_S = 0.2  # ...over this long
-SETTLE_MAX_S = 30.0
-
-
-async def settle(pids: list[int]) -> float:
-    """Wait until ``pids`` (the memory service and Redis) are idle; the seconds it took.
-
-    Calls a caller gave up on (its retrieval wall) still run to the end in the memory service, so
-    after a run above its capacity it works on for seconds: that CPU belongs to the run that sent
-    the calls, and the next run must not start against a busy service (the 2x run comes right
-    after the ladder's highest rate)."""
-    started = time.monotonic()
-    while time.monotonic() - started < SETTLE_MAX_S:
-        c0 = _cpu(pids)
-        await asyncio.sleep(QUIET_WINDOW_S)
-        if _cpu(pids) - c0 < QUIET_CPU * QUIET_WINDOW_S:
-            break
-    return round(time.monotonic() - started, 2)
 
 
 class BaselineStack(LocalStack):
@@ -409,20 +398,27 @@ async def full_phase(servers: Servers, plan: PeerPlan) -> dict[str, Any]:
                 m = await _one(servers, targets, system, rate, plan.point_s, plan.seed * 1000 + k,
                                f"{system} full {rate:.0f}/s")
                 ladder[system].append(summarize([m]))
+        sats: dict[str, float | None] = {}
+        for system in plan.systems:
+            ok = [p["offered_rps"] for p in ladder[system] if _healthy_undegraded(p, plan.deadline_ms)]
+            sats[system] = max(ok, default=None)
+        over: dict[str, dict[float, dict[str, Any]]] = {s: {} for s in plan.systems}
+        for i, factor in enumerate(plan.overload_factors()):  # each factor a round over every system
+            for j, system in enumerate(_order(plan, len(plan.rates) + i)):
+                rate = factor * (sats[system] or plan.rates[0])
+                m = await _one(servers, targets, system, rate, plan.overload_s, plan.seed * 7 + j + 100 * i,
+                               f"{system} overload {factor:g}x {rate:.0f}/s")
+                over[system][factor] = summarize([m]) | {"factor": factor}
         out: dict[str, Any] = {}
-        for j, system in enumerate(_order(plan, len(plan.rates))):
-            pts = ladder[system]
-            ok = [p["offered_rps"] for p in pts if _healthy_undegraded(p, plan.deadline_ms)]
-            sat = max(ok, default=None)
-            rate = plan.overload_factor * (sat or plan.rates[0])
-            m = await _one(servers, targets, system, rate, plan.overload_s, plan.seed * 7 + j,
-                           f"{system} overload {rate:.0f}/s")
-            over = summarize([m])
-            peak = max(p["complete_rps"] for p in [*pts, over])
-            peak_replies = max(p["goodput_rps"] for p in [*pts, over])
-            over["undegraded_share_of_peak"] = round(over["complete_rps"] / peak, 4) if peak else None
-            over["replies_share_of_peak"] = round(over["goodput_rps"] / peak_replies, 4) if peak_replies else None
-            out[system] = {"ladder": pts, "saturation_rps": sat, "undegraded_peak_rps": peak, "overload": over}
+        for system in plan.systems:
+            pts, runs = ladder[system], list(over[system].values())
+            peak = max(p["complete_rps"] for p in [*pts, *runs])
+            peak_replies = max(p["goodput_rps"] for p in [*pts, *runs])
+            for o in runs:
+                o["undegraded_share_of_peak"] = round(o["complete_rps"] / peak, 4) if peak else None
+                o["replies_share_of_peak"] = round(o["goodput_rps"] / peak_replies, 4) if peak_replies else None
+            out[system] = {"ladder": pts, "saturation_rps": sats[system], "undegraded_peak_rps": peak,
+                           "overload": runs[0], "deep_overloads": runs[1:]}
         return {system: out[system] for system in plan.systems}
     finally:
         await targets.aclose()
@@ -460,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     plan = PeerPlan(**(QUICK if args.quick else {}))
     plan.new_questions = args.new_questions
+    if args.new_questions:
+        plan.deep_overload_factors = NEW_QUESTION_DEEP_OVERLOADS
     if args.new_questions and not args.quick:
         plan.rates = list(NEW_QUESTION_RATES)
     if args.rates:

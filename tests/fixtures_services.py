@@ -34,7 +34,7 @@ from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError
 from ibex_context.memory.seed import SeedStats, seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_SECRET = "test-secret-for-ibex-memory"
 SERVICE_START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0

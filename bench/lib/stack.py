@@ -1,4 +1,5 @@
-"""Starting what a suite measures: a ``LocalStack``, a connected client, the event loop runner.
+"""Starting what a suite measures: a ``LocalStack``, a connected client, the event loop runner,
+and waiting for the backing services to be idle between runs (``settle``).
 
 Stacks started here run their Python children with the repo on ``PYTHONPATH`` (``child_env``),
 so a child can be a bench module (the transport-mode worker, ``bench.lib.transport``) whatever
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.lib.cpu import tree_cpu_seconds
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
 
@@ -25,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "out"
 FULL_WORKER = "ibex_context.worker"  # LocalStack's worker_module: the product's worker
 TRANSPORT_WORKER = "bench.lib.transport"  # ... or the transport-mode worker
+QUIET_CPU = 0.05  # the memory service and Redis are done when they use under 5 % of a core...
+QUIET_WINDOW_S = 0.2  # ...over this long
+SETTLE_MAX_S = 30.0
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -103,6 +108,21 @@ def set_workers(stack: LocalStack, n: int, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise RuntimeError(f"broker did not settle on {n} worker(s) within {timeout_s:.0f}s")
+
+
+async def settle(pids: list[int], max_s: float = SETTLE_MAX_S) -> float:
+    """Wait until ``pids`` (the memory service and Redis) are idle; the seconds it took.
+
+    Calls a caller gave up on (its retrieval wall) still run to the end in the memory service, so
+    after a run above its capacity it works on for seconds: that CPU belongs to the run that sent
+    the calls, and the next run must not start against a busy service."""
+    started = time.monotonic()
+    while time.monotonic() - started < max_s:
+        c0 = tree_cpu_seconds(pids)
+        await asyncio.sleep(QUIET_WINDOW_S)
+        if tree_cpu_seconds(pids) - c0 < QUIET_CPU * QUIET_WINDOW_S:
+            break
+    return round(time.monotonic() - started, 2)
 
 
 def git_commit() -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench import hops, memclient, report, workercpu
+from bench.lib.stack import SETTLE_MAX_S, settle
 from bench.run import Plan, Progress, run_bench
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,7 +84,7 @@ def test_peers_serve_the_same_pipeline_and_report_every_row(tmp_path: Path,
         ladder = res["full"][system]["ladder"]
         assert sum(p["responses"] for p in ladder) > 0, (system, ladder[0]["errors"])
         assert all(p["server_cpu_us_per_reply"] > 0 for p in ladder)
-        assert all(0 <= p["backend_settle_s"] <= peers.SETTLE_MAX_S for p in ladder)
+        assert all(0 <= p["backend_settle_s"] <= SETTLE_MAX_S for p in ladder)
     out = capsys.readouterr().out
     assert "| transport: server CPU per reply |" in out and "ibex | grpc | http" in out
 
@@ -91,17 +92,15 @@ def test_peers_serve_the_same_pipeline_and_report_every_row(tmp_path: Path,
 def test_settle_waits_for_a_busy_backend_and_not_for_an_idle_one() -> None:
     """A run ends when the memory service and Redis are idle: a process still computing is waited
     for, until it stops; an idle one costs one quiet window."""
-    from bench import peers
-
     busy = subprocess.Popen([sys.executable, "-c",
                              "import time\nend = time.monotonic() + 1.0\nwhile time.monotonic() < end: pass\n"
                              "time.sleep(60)"])
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(0.1)
-        waited = asyncio.run(peers.settle([busy.pid]))
+        waited = asyncio.run(settle([busy.pid]))
         assert 0.6 <= waited < 10, waited
-        assert asyncio.run(peers.settle([idle.pid])) < 1.0
+        assert asyncio.run(settle([idle.pid])) < 1.0
     finally:
         busy.kill()
         idle.kill()

@@ -369,7 +369,7 @@ def test_clear_thinking_leaves_out_earlier_thinking_never_the_loops() -> None:
 # --------------------------------------------------------------------------- the real stack
 
 def _small_claude() -> Catalog:
-    path = Path(__file__).resolve().parent.parent / "pipeline" / "catalog.json"
+    path = Path(__file__).resolve().parents[2] / "pipeline" / "catalog.json"
     data = json.loads(path.read_text())
     fam = data["models"]["claude-sonnet-4"]["family"]
     data["models"]["claude-small"] = {"family": fam, "context_window": 8_000, "max_output": 4096}

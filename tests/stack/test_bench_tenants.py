@@ -1,0 +1,74 @@
+"""``python -m bench.tenants`` in its smallest configuration, end to end through the real stack
+(embedded Redis, the memory service, the broker and workers over ZeroMQ with CURVE keys per org),
+its attacker a real low-priority process. No timing assertions: that every row is there, every
+victim request is in exactly one class, shares are shares, and the attacker's counts nest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.tenant_report import CLASSES
+from bench.tenants import TenantPlan, rows_of
+
+pytestmark = pytest.mark.timeout(400)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    out = tmp_path_factory.mktemp("tenants")
+    done = subprocess.run([sys.executable, "-m", "bench.tenants", "--quick", "--window", "1.0", "--json",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=380, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "tenants.json").read_text()), done.stdout
+
+
+def test_every_row_is_measured_and_printed(quick: tuple[dict[str, Any], str]) -> None:
+    res, printed = quick
+    expected = rows_of(TenantPlan(), res["capacity_rps"])
+    assert [r["key"] for r in res["rows"]] == [r.key for r in expected]
+    assert {r.cmd["kind"] for r in expected} == {"assemble", "writes", "usage", "summaries"}
+    assert len(expected) == 10
+    for r in res["rows"]:
+        assert f"| {r['title']} |" in printed
+    assert res["attacker_nice"] == 19
+    assert res["capacity_rps"] > 0 and res["victim_rps"] > 0
+    assert res["ramp"]["points"] and all(p["scheduled"] > 0 for p in res["ramp"]["points"])
+
+
+def test_victim_requests_are_each_counted_once_and_shares_are_shares(quick: tuple[dict[str, Any], str]) -> None:
+    res, _ = quick
+    rounds = res["meta"]["plan"]["rounds"]
+    for r in res["rows"]:
+        for state in ("off", "on"):
+            v = r[state]
+            assert v["windows"] == rounds and v["scheduled"] > 0, (r["key"], state)
+            assert set(v["classes"]) == set(CLASSES)
+            assert sum(v["classes"].values()) == v["scheduled"], (r["key"], state, v["classes"])
+            assert 0.0 <= v["undegraded_share"] <= v["on_time_share"] <= 1.0
+            assert v["p50_ms"] is not None and 0 <= v["p50_ms"] <= v["p99_ms"]
+            assert len(v["generator_cpu_s"]) == rounds and all(c >= 0 for c in v["generator_cpu_s"])
+        assert r["p99_delta_ms"] == pytest.approx(r["on"]["p99_ms"] - r["off"]["p99_ms"], abs=0.02)
+
+
+def test_attacker_counts_nest_and_its_cpu_is_reported(quick: tuple[dict[str, Any], str]) -> None:
+    res, _ = quick
+    rounds = res["meta"]["plan"]["rounds"]
+    for r in res["rows"]:
+        a = r["attacker"]
+        assert not a["errors"], (r["key"], a["errors"])
+        assert a["windows"] == rounds and a["seconds"] > 0 and a["sent"] > 0, r["key"]
+        assert len(a["generator_cpu_s"]) == rounds and all(c > 0 for c in a["generator_cpu_s"])
+        assert a["served"] is not None and 0 <= a["served"] <= a["sent"], (r["key"], a)
+        if r["attack_cmd"]["kind"] == "assemble":
+            assert 0 <= a["undegraded"] <= a["served"]
+            assert sum(a["outcomes"].values()) == a["sent"] + a["outcomes"].get("NOT_SENT", 0)
+        elif r["attack_cmd"]["kind"] == "writes":
+            assert sum(a["outcomes"].values()) == a["sent"]
