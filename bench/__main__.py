@@ -10,12 +10,16 @@ import runpy
 import sys
 
 # Suite -> one line. Modules not listed are libraries of the suites (``bench.lib``, ``bench.loadgen``,
-# ...) or child processes they start (``bench.peer_servers``, ``bench.litellm_upstream``).
+# ...) or child processes they start (``bench.peer_servers``, ``bench.litellm_upstream``,
+# ``bench.tenant_attack``).
 SUITES: dict[str, str] = {
     "run": "the stack under open-loop load: inproc, transport, floor, full sweeps, chaos (--quick: < 60 s)",
     "hops": "CPU per request of each transport hop (broker, transport-mode worker, zmq relay, echo)",
     "floor": "the bare pyzmq floor: relay and ping-pong, no application code",
     "fairshare": "one org's goodput at the broker while another floods it (--tree: another checkout's broker)",
+    "tenants": "a victim org's undegraded share and p99 while another org floods (CURVE keys, attack off/on)",
+    "storage_cost": "bytes Redis holds per memory, summary and record against what the storage budget charges",
+    "context_editing": "turns and words kept by clear-before-drop against drop-only, CPU per assembly",
     "peers": "this stack against the same pipeline behind grpc.aio and uvicorn, interleaved",
     "workercpu": "a full-mode worker's CPU per served assembly, beside the in-process pipeline",
     "packer_bench": "the packer against a greedy, a sketch and a MILP optimum: latency and quality",

@@ -24,7 +24,7 @@ from tests.properties import examples
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-CHILD_ROLES = {"peer_servers", "litellm_upstream"}  # started by suites, not suites themselves
+CHILD_ROLES = {"peer_servers", "litellm_upstream", "tenant_attack"}  # started by suites, not suites themselves
 
 
 # ------------------------------------------------------------------------------- percentiles
