@@ -165,7 +165,8 @@ async def test_redis_paused_directive_times_out(make: Any, memory: Any) -> None:
         finally:
             admin.execute_command("CLIENT", "UNPAUSE")
     d = resp.branches["directive"]
-    assert d.status == "timeout" and d.elapsed_ms < 40 + WALL_SLACK_MS
+    # one more try on a fresh connection (the wall leaves time for it), then the branch gives up
+    assert d.status == "timeout" and d.elapsed_ms < 2 * 40 + WALL_SLACK_MS and "2 tries" in (d.detail or "")
     assert _statuses(resp)["hot"] == "timeout"  # hot reads Redis too, via the service
     assert "directive" in {r.split(" ")[0] for r in resp.degraded_reasons}
     assert not resp.rendered.startswith("## Directive")

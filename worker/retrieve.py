@@ -44,6 +44,7 @@ from ibex_context.shared.stores.summaries import decode_summary
 from ibex_context.shared.wire.models import AssembleRequest, BranchName, BranchOutcome, Source, SummarySlot
 from ibex_context.worker import rawredis
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
+from ibex_context.worker.patience import Patience
 
 __all__ = ["ConnectError", "MalformedResponse", "MemoryServiceStatus", "ResponseTooLarge", "Retriever", "parse_hits"]
 
@@ -56,6 +57,11 @@ _BRANCH_END_NS: contextvars.ContextVar[int | None] = contextvars.ContextVar("bra
 # The question sent with the hot call, in its URL: the memory service embeds at most its
 # IBEX_MEMORY_MAX_QUERY_CHARS (1,000 by default) leading characters anyway.
 HOT_QUERY_CHARS = 1_000
+
+# A directive GET that runs out of its time is asked this many more times, each with a whole
+# directive limit, while the wall and the request's deadline leave one: a prompt without its
+# directive is the worst a degraded answer can be, and the directive is one key away.
+DIRECTIVE_RETRIES = 1
 
 
 class MemoryServiceStatus(Exception):
@@ -71,6 +77,8 @@ class _Branch:
     detail: str | None = None
     value: Any = None
     rejects: list[Rejection] = field(default_factory=list)
+    attempts: int = 1
+    given_back_ns: int = 0  # the loop's busy time its limit was extended by
 
     def outcome(self, count: int) -> BranchOutcome:
         return BranchOutcome(status=self.status, elapsed_ms=round(self.elapsed_ms, 3),
@@ -242,14 +250,23 @@ class Retriever:
 
     # ---------------------------------------------------------------------------- orchestration
 
-    def start(self, req: AssembleRequest, *, wall_end_ns: int) -> Callable[[], Awaitable[RetrievalResult]]:
+    def start(self, req: AssembleRequest, *, wall_end_ns: int, last_ns: int | None = None,
+              busy: Callable[[], int] | None = None) -> Callable[[], Awaitable[RetrievalResult]]:
         """Launch the branches now; the returned coroutine function waits for them (up to the wall).
 
         Splitting start from wait lets the caller do CPU work while the I/O is in flight (the
         conversation is parsed and counted before: a bad one costs no call).
+
+        Every limit (each branch's and the wall) counts time the loop could serve it
+        (``worker.patience``): ``busy`` is the loop's measured CPU-turn time (ns, cumulative), given
+        back to the limits, which never pass ``last_ns`` (default ``wall_end_ns``), the latest end
+        the request's deadline allows. A directive GET that runs out of its time is asked once more
+        when a whole directive limit still fits (its connection is closed, so a stuck one is not
+        waited on twice).
         """
         s = self.settings
         t0 = time.monotonic_ns()
+        last_ns = wall_end_ns if last_ns is None else max(last_ns, wall_end_ns)
         opts = req.options
         stored = _Stored(wanted=req.summary_key is not None and req.summary is None)
         directive: Callable[[AssembleRequest], Awaitable[Any]] = (
@@ -266,24 +283,25 @@ class Retriever:
             if not enabled:
                 br.detail = "disabled by request options or settings"
                 continue
-            end_ns = min(t0 + int(timeout_ms * 1e6), wall_end_ns)
-            if end_ns <= t0:
+            budget_ns = min(int(timeout_ms * 1e6), wall_end_ns - t0)
+            if budget_ns <= 0:
                 br.detail = "no time left before the deadline"
                 br.status = "timeout"
                 continue
-            tasks[name] = asyncio.create_task(self._run(br, fn, req, t0, end_ns), name=f"retrieve-{name}")
+            limit = _Limit(t0, budget_ns, last_ns, busy, retries=DIRECTIVE_RETRIES if name == "directive" else 0)
+            tasks[name] = asyncio.create_task(self._run(br, fn, req, limit), name=f"retrieve-{name}")
 
         all_done = _all_done(list(tasks.values()))
 
         async def wait() -> RetrievalResult:
             if tasks:
                 if not all_done.done():
-                    remaining = max(0.0, (wall_end_ns - time.monotonic_ns()) / 1e9)
-                    timer = asyncio.get_running_loop().call_later(remaining, _settle, all_done)
+                    wall = Patience(start_ns=t0, budget_ns=wall_end_ns - t0, last_ns=last_ns,
+                                    expire=functools.partial(_settle, all_done), busy=busy)
                     try:
                         await all_done
                     finally:
-                        timer.cancel()
+                        wall.cancel()
                 late = [task for task in tasks.values() if not task.done()]
                 for task in late:  # backstop: each branch already has its own timeout
                     task.cancel()
@@ -301,15 +319,39 @@ class Retriever:
         if not task.cancelled() and task.exception() is not None:
             log.debug("late branch %s ended with %r", task.get_name(), task.exception())
 
-    async def _run(
-        self, br: _Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
-        t0: int, end_ns: int,
-    ) -> None:
-        _BRANCH_END_NS.set(end_ns)  # this task's own context: the other branches keep theirs
+    async def _run(self, br: _Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
+                   limit: _Limit) -> None:
+        loop = asyncio.get_running_loop()
+        start_ns = limit.t0
         try:
-            async with asyncio.timeout(max(0.0, (end_ns - time.monotonic_ns()) / 1e9)):
-                br.value = await fn(req)
-            br.status = "success"
+            for attempt in range(limit.retries + 1):
+                if attempt:  # a fresh limit for the second try, from now
+                    start_ns = time.monotonic_ns()
+                    if limit.last_ns - start_ns < limit.budget_ns:
+                        break
+                cm = asyncio.timeout(None)
+                try:
+                    async with cm:
+                        patience = Patience(start_ns=start_ns, budget_ns=limit.budget_ns, last_ns=limit.last_ns,
+                                            busy=limit.busy, expire=functools.partial(_expire_now, cm, loop))
+                        _BRANCH_END_NS.set(patience.due_ns)  # this task's own context: the other branches keep theirs
+                        try:
+                            br.value = await fn(req)
+                        finally:
+                            patience.cancel()
+                            br.given_back_ns += patience.given_back_ns()
+                except TimeoutError:
+                    if not cm.expired():
+                        raise
+                    br.attempts = attempt + 1
+                    continue
+                br.status = "success"
+                return
+            br.status, br.error_class = "timeout", "TimeoutError"
+            if br.attempts > 1 or br.given_back_ns:
+                busy_ms = br.given_back_ns / 1e6
+                br.detail = (f"no answer in {br.attempts} tries of {limit.budget_ns / 1e6:g} ms each"
+                             + (f" (plus {busy_ms:.1f} ms the worker's loop was busy)" if busy_ms else ""))
         except TimeoutError:
             br.status, br.error_class = "timeout", "TimeoutError"
         except asyncio.CancelledError:
@@ -319,7 +361,25 @@ class Retriever:
             br.status, br.error_class = "error", _error_class(exc)
             br.detail = str(exc)[:200] or None
         finally:
-            br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
+            br.elapsed_ms = (time.monotonic_ns() - limit.t0) / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class _Limit:
+    """One branch's time: its budget from ``t0`` in time the loop could serve it (``busy`` given
+    back), never past ``last_ns``; ``retries`` more tries when it runs out."""
+
+    t0: int
+    budget_ns: int
+    last_ns: int
+    busy: Callable[[], int] | None
+    retries: int = 0
+
+
+def _expire_now(cm: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> None:
+    """``Patience``'s verdict: the branch's time is up (``asyncio.timeout`` cancels it now)."""
+    cm.reschedule(loop.time())
+
 
 def _all_done(tasks: list[asyncio.Task[None]]) -> asyncio.Future[None]:
     """A future set once every task has finished (at once when there are none): one callback per
