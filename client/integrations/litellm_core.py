@@ -40,7 +40,7 @@ from ibex_context.client.requests import build
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.wire.errors import ErrorCode, IbexError, Unavailable
-from ibex_context.shared.wire.models import AssembleResponse
+from ibex_context.shared.wire.models import AssembleResponse, last_user_text
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,6 @@ class Pending:
     client: AsyncClient
     assembly: AssembleResponse
     loop: asyncio.AbstractEventLoop
-
-
-def last_user_text(messages: list[Any], limit: int) -> str:
-    """The retrieval query: the text of the latest user message that has text (text parts only;
-    an Anthropic user turn of tool results only has none), cut to ``limit``."""
-    for msg in reversed(messages):
-        if isinstance(msg, Mapping) and msg.get("role") == "user":
-            content = msg.get("content")
-            if isinstance(content, list):
-                texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
-                content = " ".join(t for t in texts if isinstance(t, str))
-            if isinstance(content, str) and content:
-                return content[:limit]
-    return ""
 
 
 def header_value(text: str, limit: int = 512) -> str:

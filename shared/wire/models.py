@@ -9,6 +9,7 @@ separator into another tenant's namespace.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -110,7 +111,31 @@ class SummarySlot(_Wire):
     covers: NonNegInt
 
 
+# How much of the latest user message a chat-form request without a query searches with.
+CHAT_QUERY_CHARS = 2000
+
+
+def last_user_text(messages: object, limit: int = CHAT_QUERY_CHARS) -> str:
+    """The retrieval query of a chat conversation: the text of the latest user message that has
+    text (text parts only; an Anthropic user turn of tool results only has none), cut to ``limit``;
+    "" when there is none (or ``messages`` is not a list: its validation says what is wrong)."""
+    if not isinstance(messages, list):
+        return ""
+    for msg in reversed(messages):
+        if isinstance(msg, Mapping) and msg.get("role") == "user":
+            content = msg.get("content")
+            if isinstance(content, list):
+                texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+                content = " ".join(t for t in texts if isinstance(t, str))
+            if isinstance(content, str) and content:
+                return content[:limit]
+    return ""
+
+
 class AssembleRequest(_Wire):
+    """One assembly. ``query`` may be left out in chat form (``format`` set): it is then the
+    latest user message's text (``last_user_text``), as the LiteLLM hook derives it."""
+
     v: Annotated[int, Field(ge=1)] = PROTOCOL_VERSION
     request_id: RequestId
     org_id: Ident
@@ -133,6 +158,13 @@ class AssembleRequest(_Wire):
     summary_key: Annotated[str, StringConstraints(pattern=f"^{SUMMARY_KEY_CHARS}$")] | None = None
     # Absolute deadline, Unix epoch nanoseconds (clocks across hosts are assumed NTP-synced).
     deadline_ns: Annotated[int, Field(gt=0)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_query(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "query" not in data and data.get("format") is not None:
+            return {**data, "query": last_user_text(data.get("messages"))}
+        return data
 
     @model_validator(mode="after")
     def _one_form(self) -> AssembleRequest:
