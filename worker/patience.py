@@ -7,8 +7,14 @@ late for time it never had. So a ``Patience`` gives a limit back the time the lo
 
 * the CPU turns the worker measured since the limit started (``busy``: ``FairTurns.busy_ns``);
 * and when its own timer fires late (the loop was busy at the due time, with work that took no
-  turn), one more poll of the sockets: uvloop runs due timers before it reads the sockets, so a
-  timer that fires after a busy stretch runs before an answer that came during it is read.
+  turn), one more poll of the sockets (once): uvloop runs due timers before it reads the
+  sockets, so a timer that fires after a busy stretch runs before an answer that came during it
+  is read.
+
+Retrieval gives the busy time back to the directive only (``worker.retrieve``): it is one key
+away and answers as soon as the loop reads it, while giving every branch and the wall the time
+other requests' stages took would, under load, hold every request's memory calls (and then its
+pipeline) up to its deadline.
 
 Neither extends past ``last_ns``, the latest moment the request's deadline allows (deadline minus
 the reserve for the stages after retrieval): a caller's deadline is never overrun for a branch.
@@ -32,7 +38,7 @@ class Patience:
     """Calls ``expire`` once ``budget_ns`` of time the loop could serve has passed since
     ``start_ns`` (monotonic), or at ``last_ns``, whichever is first; ``cancel`` stops it."""
 
-    __slots__ = ("budget_ns", "busy", "busy0", "due_ns", "expire", "handle", "last_ns", "loop", "start_ns")
+    __slots__ = ("budget_ns", "busy", "busy0", "due_ns", "expire", "handle", "last_ns", "loop", "polled", "start_ns")
 
     def __init__(self, *, start_ns: int, budget_ns: int, last_ns: int, expire: Callable[[], None],
                  busy: Callable[[], int] | None = None) -> None:
@@ -42,6 +48,7 @@ class Patience:
         self.busy = busy
         self.busy0 = busy() if busy is not None else 0
         self.due_ns = min(start_ns + budget_ns, last_ns)
+        self.polled = False
         self.handle: asyncio.TimerHandle | None = self._arm(time.monotonic_ns())
 
     def _arm(self, now_ns: int) -> asyncio.TimerHandle:
@@ -54,7 +61,8 @@ class Patience:
     def _fire(self) -> None:
         now = time.monotonic_ns()
         due = self.start_ns + self.budget_ns + self.given_back_ns()
-        if now - self.due_ns > LATE_NS:  # the loop was busy at the due time: read the sockets once more
+        if now - self.due_ns > LATE_NS and not self.polled:  # busy at the due time: read the sockets once more
+            self.polled = True
             due = max(due, now + POLL_NS)
         due = min(due, self.last_ns)
         if due - now >= MIN_WAIT_NS:

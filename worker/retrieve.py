@@ -257,11 +257,12 @@ class Retriever:
         Splitting start from wait lets the caller do CPU work while the I/O is in flight (the
         conversation is parsed and counted before: a bad one costs no call).
 
-        Every limit (each branch's and the wall) counts time the loop could serve it
-        (``worker.patience``): ``busy`` is the loop's measured CPU-turn time (ns, cumulative), given
-        back to the limits, which never pass ``last_ns`` (default ``wall_end_ns``), the latest end
-        the request's deadline allows. A directive GET that runs out of its time is asked once more
-        when a whole directive limit still fits (its connection is closed, so a stuck one is not
+        Each limit (each branch's and the wall) reads the sockets once more when its timer fires
+        late (``worker.patience``). The directive's limit also gets back ``busy``, the loop's
+        measured CPU-turn time (ns, cumulative), and the wall does not end it: it runs to its own
+        limit, never past ``last_ns`` (default ``wall_end_ns``), the latest end the request's
+        deadline allows. A directive GET that runs out of its time is asked once more when a whole
+        directive limit still fits before the wall (its connection is closed, so a stuck one is not
         waited on twice).
         """
         s = self.settings
@@ -288,7 +289,8 @@ class Retriever:
                 br.detail = "no time left before the deadline"
                 br.status = "timeout"
                 continue
-            limit = _Limit(t0, budget_ns, last_ns, busy, retries=DIRECTIVE_RETRIES if name == "directive" else 0)
+            limit = (_Limit(t0, budget_ns, last_ns, wall_end_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
+                     else _Limit(t0, budget_ns, wall_end_ns, wall_end_ns, None))
             tasks[name] = asyncio.create_task(self._run(br, fn, req, limit), name=f"retrieve-{name}")
 
         all_done = _all_done(list(tasks.values()))
@@ -296,12 +298,15 @@ class Retriever:
         async def wait() -> RetrievalResult:
             if tasks:
                 if not all_done.done():
-                    wall = Patience(start_ns=t0, budget_ns=wall_end_ns - t0, last_ns=last_ns,
-                                    expire=functools.partial(_settle, all_done), busy=busy)
+                    wall = Patience(start_ns=t0, budget_ns=wall_end_ns - t0, last_ns=wall_end_ns,
+                                    expire=functools.partial(_settle, all_done))
                     try:
                         await all_done
                     finally:
                         wall.cancel()
+                directive = tasks.get("directive")
+                if directive is not None and not directive.done():  # its own limit ends it by last_ns
+                    await asyncio.wait({directive}, timeout=max(0.0, (last_ns - time.monotonic_ns()) / 1e9) + 0.01)
                 late = [task for task in tasks.values() if not task.done()]
                 for task in late:  # backstop: each branch already has its own timeout
                     task.cancel()
@@ -327,7 +332,7 @@ class Retriever:
             for attempt in range(limit.retries + 1):
                 if attempt:  # a fresh limit for the second try, from now
                     start_ns = time.monotonic_ns()
-                    if limit.last_ns - start_ns < limit.budget_ns:
+                    if start_ns + limit.budget_ns > min(limit.last_ns, limit.wall_ns + br.given_back_ns):
                         break
                 cm = asyncio.timeout(None)
                 try:
@@ -367,11 +372,13 @@ class Retriever:
 @dataclass(frozen=True, slots=True)
 class _Limit:
     """One branch's time: its budget from ``t0`` in time the loop could serve it (``busy`` given
-    back), never past ``last_ns``; ``retries`` more tries when it runs out."""
+    back), never past ``last_ns``; ``retries`` more tries when it runs out, each while a whole
+    budget fits before the wall (moved by the busy time given back) and ``last_ns``."""
 
     t0: int
     budget_ns: int
     last_ns: int
+    wall_ns: int
     busy: Callable[[], int] | None
     retries: int = 0
 
