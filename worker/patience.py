@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # A timer this late found the loop busy (uvloop's timers tick in whole milliseconds).
 LATE_NS = 1_500_000
@@ -76,3 +77,46 @@ class Patience:
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One branch's time: its budget from ``t0`` in time the loop could serve it (``busy`` given
+    back), never past ``last_ns``; ``retries`` more tries when it runs out, each while a whole
+    budget fits before the wall (moved by the busy time given back) and ``last_ns``."""
+
+    t0: int
+    budget_ns: int
+    last_ns: int
+    wall_ns: int
+    busy: Callable[[], int] | None
+    retries: int = 0
+
+
+def expire_now(cm: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> None:
+    """``Patience``'s verdict: the branch's time is up (``asyncio.timeout`` cancels it now)."""
+    cm.reschedule(loop.time())
+
+
+def all_done_future(tasks: list[asyncio.Task[None]]) -> asyncio.Future[None]:
+    """A future set once every task has finished (at once when there are none): one callback per
+    task, where ``asyncio.wait`` builds a waiter, sets and a timeout handle on every call."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    left = len(tasks)
+
+    def finished(_: asyncio.Task[None]) -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            settle(done)
+
+    for task in tasks:
+        task.add_done_callback(finished)
+    if not tasks:
+        done.set_result(None)
+    return done
+
+
+def settle(done: asyncio.Future[None]) -> None:
+    if not done.done():  # already set, or cancelled with the request that awaited it
+        done.set_result(None)

@@ -10,6 +10,13 @@ There is no history branch: recent messages arrive in the request. Each branch g
 completed branches are kept. Cancelled tasks are not awaited (their cleanup could overrun the
 wall); they are parked in a set and reaped by a done-callback.
 
+Limits (``worker.patience``): each one (each branch's and the wall) reads the sockets once more when
+its timer fires late. The directive's limit also gets back ``busy``, the loop's measured CPU-turn
+time (ns, cumulative), and the wall does not end it: it runs to its own limit, never past
+``last_ns`` (default: the wall), the latest end the request's deadline allows. A directive GET
+that runs out of its time is asked once more when a whole directive limit still fits before the
+wall (its connection is closed, so a stuck one is not waited on twice).
+
 Each memory-service call carries its branch's time left as ``Ibex-Timeout-Ms``, so the service
 starts no embedding or search for a call this worker has already given up on (docs/deploy.md
 "Backing services"): under overload that work would only delay the calls still waiting.
@@ -27,8 +34,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from redis.asyncio import Redis
@@ -40,11 +46,11 @@ from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.directives import MalformedDirective, get_directive, parse_envelope
 from ibex_context.shared.stores.keys import directive_key, summary_key
-from ibex_context.shared.stores.summaries import decode_summary
-from ibex_context.shared.wire.models import AssembleRequest, BranchName, BranchOutcome, Source, SummarySlot
+from ibex_context.shared.wire.models import AssembleRequest, BranchName, Source
 from ibex_context.worker import rawredis
+from ibex_context.worker.branches import Branch, Stored, retrieval_result
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
-from ibex_context.worker.patience import Patience
+from ibex_context.worker.patience import Limit, Patience, all_done_future, expire_now, settle
 
 __all__ = ["ConnectError", "MalformedResponse", "MemoryServiceStatus", "ResponseTooLarge", "Retriever", "parse_hits"]
 
@@ -66,23 +72,6 @@ DIRECTIVE_RETRIES = 1
 
 class MemoryServiceStatus(Exception):
     """The memory service answered with a non-2xx status."""
-
-
-@dataclass
-class _Branch:
-    name: BranchName
-    status: Literal["success", "timeout", "error", "skipped"] = "skipped"
-    elapsed_ms: float = 0.0
-    error_class: str | None = None
-    detail: str | None = None
-    value: Any = None
-    rejects: list[Rejection] = field(default_factory=list)
-    attempts: int = 1
-    given_back_ns: int = 0  # the loop's busy time its limit was extended by
-
-    def outcome(self, count: int) -> BranchOutcome:
-        return BranchOutcome(status=self.status, elapsed_ms=round(self.elapsed_ms, 3),
-                             error_class=self.error_class, detail=self.detail, count=count)
 
 
 def _error_class(exc: BaseException) -> str:
@@ -199,7 +188,7 @@ class Retriever:
             env = None if raw is None else parse_envelope(key, raw)
         return env.text if env is not None else None
 
-    async def _with_summary(self, req: AssembleRequest, stored: _Stored) -> str | None:
+    async def _with_summary(self, req: AssembleRequest, stored: Stored) -> str | None:
         """The directive and the stored summary in one round trip (the summary alone when the
         request turned the directive off). The summary's raw value is kept before the directive
         is parsed, so a damaged directive costs the directive only."""
@@ -255,21 +244,13 @@ class Retriever:
         """Launch the branches now; the returned coroutine function waits for them (up to the wall).
 
         Splitting start from wait lets the caller do CPU work while the I/O is in flight (the
-        conversation is parsed and counted before: a bad one costs no call).
-
-        Each limit (each branch's and the wall) reads the sockets once more when its timer fires
-        late (``worker.patience``). The directive's limit also gets back ``busy``, the loop's
-        measured CPU-turn time (ns, cumulative), and the wall does not end it: it runs to its own
-        limit, never past ``last_ns`` (default ``wall_end_ns``), the latest end the request's
-        deadline allows. A directive GET that runs out of its time is asked once more when a whole
-        directive limit still fits before the wall (its connection is closed, so a stuck one is not
-        waited on twice).
+        conversation is parsed and counted before: a bad one costs no call). ``busy``, ``last_ns``: "Limits" above.
         """
         s = self.settings
         t0 = time.monotonic_ns()
         last_ns = wall_end_ns if last_ns is None else max(last_ns, wall_end_ns)
         opts = req.options
-        stored = _Stored(wanted=req.summary_key is not None and req.summary is None)
+        stored = Stored(wanted=req.summary_key is not None and req.summary is None)
         directive: Callable[[AssembleRequest], Awaitable[Any]] = (
             functools.partial(self._with_summary, stored=stored) if stored.wanted else self._directive)
         plan: list[tuple[BranchName, bool, float, Callable[[AssembleRequest], Awaitable[Any]]]] = [
@@ -277,10 +258,10 @@ class Retriever:
             ("hot", opts.include_hot and s.hot_limit > 0, s.hot_timeout_ms, self._hot),
             ("cold", opts.include_cold and s.cold_limit > 0, s.cold_timeout_ms, self._cold),
         ]
-        branches: dict[BranchName, _Branch] = {}
+        branches: dict[BranchName, Branch] = {}
         tasks: dict[BranchName, asyncio.Task[None]] = {}
         for name, enabled, timeout_ms, fn in plan:
-            br = branches[name] = _Branch(name)
+            br = branches[name] = Branch(name)
             if not enabled:
                 br.detail = "disabled by request options or settings"
                 continue
@@ -289,17 +270,17 @@ class Retriever:
                 br.detail = "no time left before the deadline"
                 br.status = "timeout"
                 continue
-            limit = (_Limit(t0, budget_ns, last_ns, wall_end_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
-                     else _Limit(t0, budget_ns, wall_end_ns, wall_end_ns, None))
+            limit = (Limit(t0, budget_ns, last_ns, wall_end_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
+                     else Limit(t0, budget_ns, wall_end_ns, wall_end_ns, None))
             tasks[name] = asyncio.create_task(self._run(br, fn, req, limit), name=f"retrieve-{name}")
 
-        all_done = _all_done(list(tasks.values()))
+        all_done = all_done_future(list(tasks.values()))
 
         async def wait() -> RetrievalResult:
             if tasks:
                 if not all_done.done():
                     wall = Patience(start_ns=t0, budget_ns=wall_end_ns - t0, last_ns=wall_end_ns,
-                                    expire=functools.partial(_settle, all_done))
+                                    expire=functools.partial(settle, all_done))
                     try:
                         await all_done
                     finally:
@@ -315,7 +296,7 @@ class Retriever:
                     br = branches[_task_branch(task)]
                     br.status, br.error_class = "timeout", "WallExceeded"
                     br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
-            return _result(branches, stored, include_directive=opts.include_directive)
+            return retrieval_result(branches, stored, include_directive=opts.include_directive)
 
         return wait
 
@@ -324,8 +305,8 @@ class Retriever:
         if not task.cancelled() and task.exception() is not None:
             log.debug("late branch %s ended with %r", task.get_name(), task.exception())
 
-    async def _run(self, br: _Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
-                   limit: _Limit) -> None:
+    async def _run(self, br: Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
+                   limit: Limit) -> None:
         loop = asyncio.get_running_loop()
         start_ns = limit.t0
         try:
@@ -338,7 +319,7 @@ class Retriever:
                 try:
                     async with cm:
                         patience = Patience(start_ns=start_ns, budget_ns=limit.budget_ns, last_ns=limit.last_ns,
-                                            busy=limit.busy, expire=functools.partial(_expire_now, cm, loop))
+                                            busy=limit.busy, expire=functools.partial(expire_now, cm, loop))
                         _BRANCH_END_NS.set(patience.due_ns)  # this task's own context: the other branches keep theirs
                         try:
                             br.value = await fn(req)
@@ -369,49 +350,6 @@ class Retriever:
             br.elapsed_ms = (time.monotonic_ns() - limit.t0) / 1e6
 
 
-@dataclass(frozen=True, slots=True)
-class _Limit:
-    """One branch's time: its budget from ``t0`` in time the loop could serve it (``busy`` given
-    back), never past ``last_ns``; ``retries`` more tries when it runs out, each while a whole
-    budget fits before the wall (moved by the busy time given back) and ``last_ns``."""
-
-    t0: int
-    budget_ns: int
-    last_ns: int
-    wall_ns: int
-    busy: Callable[[], int] | None
-    retries: int = 0
-
-
-def _expire_now(cm: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> None:
-    """``Patience``'s verdict: the branch's time is up (``asyncio.timeout`` cancels it now)."""
-    cm.reschedule(loop.time())
-
-
-def _all_done(tasks: list[asyncio.Task[None]]) -> asyncio.Future[None]:
-    """A future set once every task has finished (at once when there are none): one callback per
-    task, where ``asyncio.wait`` builds a waiter, sets and a timeout handle on every call."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    left = len(tasks)
-
-    def finished(_: asyncio.Task[None]) -> None:
-        nonlocal left
-        left -= 1
-        if left == 0:
-            _settle(done)
-
-    for task in tasks:
-        task.add_done_callback(finished)
-    if not tasks:
-        done.set_result(None)
-    return done
-
-
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.done():  # already set, or cancelled with the request that awaited it
-        done.set_result(None)
-
-
 def _task_branch(task: asyncio.Task[Any]) -> BranchName:
     name = task.get_name().removeprefix("retrieve-")
     assert name in ("directive", "hot", "cold")
@@ -423,44 +361,3 @@ def _bytes(value: bytes | str | None) -> bytes | None:
     return value.encode() if isinstance(value, str) else value
 
 
-@dataclass
-class _Stored:
-    """The stored summary's part of the directive branch: its raw value once read."""
-
-    wanted: bool
-    fetched: bool = False
-    raw: bytes | None = None
-    problem: str | None = None  # Redis refused the read (e.g. WRONGTYPE)
-
-
-def _summary(d: _Branch, stored: _Stored) -> tuple[SummarySlot | None, BranchOutcome]:
-    """The stored summary and its outcome: the round trip's when it never completed; else found,
-    absent (success, count 0: no summary made yet) or unusable (error ``MalformedSummary``)."""
-    elapsed = round(d.elapsed_ms, 3)
-    if not stored.fetched:
-        status = d.status if d.status in ("timeout", "error") else "error"
-        return None, BranchOutcome(status=status, elapsed_ms=elapsed, error_class=d.error_class, detail=d.detail)
-    decoded = stored.problem or (None if stored.raw is None else decode_summary(stored.raw))
-    if isinstance(decoded, str):
-        return None, BranchOutcome(status="error", elapsed_ms=elapsed, error_class="MalformedSummary",
-                                   detail=f"stored summary ignored: {decoded}"[:200])
-    detail = None if decoded is not None else "no summary stored under this summary_key"
-    return decoded, BranchOutcome(status="success", elapsed_ms=elapsed, count=int(decoded is not None), detail=detail)
-
-
-def _result(branches: dict[BranchName, _Branch], stored: _Stored, *, include_directive: bool) -> RetrievalResult:
-    """What the pipeline gets: each successful branch's hits and refusals, every branch's outcome,
-    and the stored summary when the request asked for it."""
-    d = branches["directive"]
-    directive = d.value if d.status == "success" else None
-    hot, hot_rej = branches["hot"].value if branches["hot"].status == "success" else ([], [])
-    cold, cold_rej = branches["cold"].value if branches["cold"].status == "success" else ([], [])
-    counts = {"directive": int(directive is not None), "hot": len(hot), "cold": len(cold)}
-    outcomes: dict[BranchName, BranchOutcome] = {name: br.outcome(counts[name]) for name, br in branches.items()}
-    if not include_directive:  # the branch ran for the summary alone
-        outcomes["directive"] = _Branch("directive", detail="disabled by request options or settings").outcome(0)
-    summary = None
-    if stored.wanted:
-        summary, outcomes["summary"] = _summary(d, stored)
-    return RetrievalResult(directive=directive, hot=tuple(hot), cold=tuple(cold),
-                           rejections=tuple([*hot_rej, *cold_rej]), outcomes=outcomes, summary=summary)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ibex_context.client.client import AsyncClient, degraded_response
+from ibex_context.client.degrade import fetched_directive
 from ibex_context.client.integrations import litellm_degraded as D
 from ibex_context.client.integrations.litellm_config import (
     Caller,
@@ -39,8 +40,9 @@ from ibex_context.client.integrations.litellm_summary import Summarizer
 from ibex_context.client.requests import build
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
+from ibex_context.shared.wire.chat_query import last_user_text
 from ibex_context.shared.wire.errors import ErrorCode, IbexError, Unavailable
-from ibex_context.shared.wire.models import AssembleResponse, last_user_text
+from ibex_context.shared.wire.models import AssembleResponse
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,9 @@ class HookCore:
         update: dict[str, Any] = {"client_key_file": entry.key_file}
         if self.config.broker_public_key is not None:
             update["broker_public_key"] = self.config.broker_public_key
-        return AsyncClient(self.config.endpoints, settings=self.settings.model_copy(update=update))
+        # the hook keeps its own directive copies, under its callers' on_degraded policies
+        return AsyncClient(self.config.endpoints, settings=self.settings.model_copy(update=update),
+                           directive_copies=False)
 
     def caller(self, sources: Mapping[Source, object]) -> Caller | Unmapped:
         """The caller's identity, or why it has none (to pass through); ``Refused`` under
@@ -166,7 +170,7 @@ class HookCore:
                      fallback: D.Fallback | None) -> Settled:
         """What the call goes out with, by the caller's ``on_degraded`` (``litellm_degraded``);
         ``Refused`` (503) when the policy or a missing directive says so."""
-        fetched = D.fetched_directive(assembly)
+        fetched = fetched_directive(assembly)
         if fetched is not None:
             self.copies.keep(who.org_id, who.agent_id, fetched)
         reasons = list(assembly.degraded_reasons)
