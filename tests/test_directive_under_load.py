@@ -82,3 +82,21 @@ def test_no_directive_is_lost_on_long_conversations_under_concurrent_traffic(sta
     lost, answered = asyncio.run(lost_directives(stack.frontend, N))
     assert answered > 0  # the other client's calls really ran alongside
     assert lost == [], f"{len(lost)} of {N} assemblies lost their directive:\n" + "\n".join(lost)
+
+
+async def stalled_redis_assembly(stack: LocalStack, stall_ms: int) -> Any:
+    import redis.asyncio as aredis
+
+    async with AsyncClient(stack.frontend) as c, aredis.Redis.from_url(str(stack.redis_url)) as admin:
+        await c.wait_connected()
+        await c.assemble(query="invoice", model="gpt-4o", timeout=2.0, **AGENT)  # warm connections
+        await admin.execute_command("CLIENT", "PAUSE", str(stall_ms), "ALL")
+        return await c.assemble(query="invoice", model="gpt-4o", timeout=2.0, **AGENT)
+
+
+def test_a_stalled_redis_costs_the_caller_time_not_its_directive(stack: LocalStack) -> None:
+    """Redis answers 150 ms late (30 directive limits); the caller allows 2 s, so it waits."""
+    resp = asyncio.run(stalled_redis_assembly(stack, 150))
+    d = resp.branches["directive"]
+    assert fetched_directive(resp), (d, resp.degraded_reasons)
+    assert d.elapsed_ms >= 100, d  # it really was waited for

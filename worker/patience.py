@@ -83,12 +83,11 @@ class Patience:
 class Limit:
     """One branch's time: its budget from ``t0`` in time the loop could serve it (``busy`` given
     back), never past ``last_ns``; ``retries`` more tries when it runs out, each while a whole
-    budget fits before the wall (moved by the busy time given back) and ``last_ns``."""
+    budget fits before ``last_ns``, the last one waiting up to it."""
 
     t0: int
     budget_ns: int
     last_ns: int
-    wall_ns: int
     busy: Callable[[], int] | None
     retries: int = 0
 

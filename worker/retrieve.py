@@ -14,8 +14,9 @@ Limits (``worker.patience``): each one (each branch's and the wall) reads the so
 its timer fires late. The directive's limit also gets back ``busy``, the loop's measured CPU-turn
 time (ns, cumulative), and the wall does not end it: it runs to its own limit, never past
 ``last_ns`` (default: the wall), the latest end the request's deadline allows. A directive GET
-that runs out of its time is asked once more when a whole directive limit still fits before the
-wall (its connection is closed, so a stuck one is not waited on twice).
+that runs out of its time is asked again on a fresh connection (a stuck one is not waited on
+twice) while a whole directive limit fits before ``last_ns``, the last try waited for up to it:
+a caller that allows the time never gets a prompt without the directive Redis holds.
 
 Each memory-service call carries its branch's time left as ``Ibex-Timeout-Ms``, so the service
 starts no embedding or search for a call this worker has already given up on (docs/deploy.md
@@ -64,10 +65,11 @@ _BRANCH_END_NS: contextvars.ContextVar[int | None] = contextvars.ContextVar("bra
 # IBEX_MEMORY_MAX_QUERY_CHARS (1,000 by default) leading characters anyway.
 HOT_QUERY_CHARS = 1_000
 
-# A directive GET that runs out of its time is asked this many more times, each with a whole
-# directive limit, while the wall and the request's deadline leave one: a prompt without its
-# directive is the worst a degraded answer can be, and the directive is one key away.
-DIRECTIVE_RETRIES = 1
+# A directive GET that runs out of its time is asked this many more times while the request's
+# deadline leaves a whole directive limit, the last time waited for up to that deadline: a prompt
+# without its directive is the worst a degraded answer can be, and a caller that allows the time
+# gets it (a busy box can stall Redis or this process for tens of ms).
+DIRECTIVE_RETRIES = 2
 
 
 class MemoryServiceStatus(Exception):
@@ -270,8 +272,8 @@ class Retriever:
                 br.detail = "no time left before the deadline"
                 br.status = "timeout"
                 continue
-            limit = (Limit(t0, budget_ns, last_ns, wall_end_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
-                     else Limit(t0, budget_ns, wall_end_ns, wall_end_ns, None))
+            limit = (Limit(t0, budget_ns, last_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
+                     else Limit(t0, budget_ns, wall_end_ns, None))
             tasks[name] = asyncio.create_task(self._run(br, fn, req, limit), name=f"retrieve-{name}")
 
         all_done = all_done_future(list(tasks.values()))
@@ -311,14 +313,16 @@ class Retriever:
         start_ns = limit.t0
         try:
             for attempt in range(limit.retries + 1):
-                if attempt:  # a fresh limit for the second try, from now
+                budget_ns = limit.budget_ns
+                if attempt:  # a fresh limit from now; the last try waits up to last_ns
                     start_ns = time.monotonic_ns()
-                    if start_ns + limit.budget_ns > min(limit.last_ns, limit.wall_ns + br.given_back_ns):
+                    if start_ns + budget_ns > limit.last_ns:
                         break
+                    budget_ns = limit.last_ns - start_ns if attempt == limit.retries else budget_ns
                 cm = asyncio.timeout(None)
                 try:
                     async with cm:
-                        patience = Patience(start_ns=start_ns, budget_ns=limit.budget_ns, last_ns=limit.last_ns,
+                        patience = Patience(start_ns=start_ns, budget_ns=budget_ns, last_ns=limit.last_ns,
                                             busy=limit.busy, expire=functools.partial(expire_now, cm, loop))
                         _BRANCH_END_NS.set(patience.due_ns)  # this task's own context: the other branches keep theirs
                         try:
@@ -336,7 +340,7 @@ class Retriever:
             br.status, br.error_class = "timeout", "TimeoutError"
             if br.attempts > 1 or br.given_back_ns:
                 busy_ms = br.given_back_ns / 1e6
-                br.detail = (f"no answer in {br.attempts} tries of {limit.budget_ns / 1e6:g} ms each"
+                br.detail = (f"no answer in {br.attempts} tries ({limit.budget_ns / 1e6:g} ms; the last: to the end)"
                              + (f" (plus {busy_ms:.1f} ms the worker's loop was busy)" if busy_ms else ""))
         except TimeoutError:
             br.status, br.error_class = "timeout", "TimeoutError"
