@@ -36,8 +36,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ibex_context.client.connection import Conn, open_conn, time_out
-from ibex_context.client.degrade import Fallback, degraded_response
+from ibex_context.client.connection import Conn, failure, open_conn, pick, time_out, too_short
+from ibex_context.client.degrade import COPY_ENTRIES, DirectiveCopies, Fallback, degraded_response
 from ibex_context.client.requests import (  # ClientClosed is part of this module's API
     ClientClosed,
     build,
@@ -45,10 +45,9 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
     encode_request,
     load_settings,
     parse_endpoints,
-    to_exc,
 )
 from ibex_context.client.usage import USAGE_ID_PREFIX, SummaryReports, usage_payload
-from ibex_context.client.wire import Outgoing, outgoing, too_large
+from ibex_context.client.wire import Outgoing, outgoing, scaled_timeout, too_large
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.wire import protocol as P
@@ -80,14 +79,14 @@ class AsyncClient(SummaryReports):
     """Async client. Use ``async with AsyncClient([...]) as c: await c.assemble(req, timeout=0.05)``.
 
     ``default_timeout`` (seconds) applies when a call gives none; unset, it is
-    ``IBEX_CLIENT_TIMEOUT_MS`` from the settings. Endpoints default to
+    ``IBEX_CLIENT_TIMEOUT_MS`` grown with the conversation (``call_timeout``). Endpoints default to
     ``IBEX_BROKER_ENDPOINTS``. Bad arguments raise ``InvalidRequest`` naming the argument.
     """
 
     def __init__(self, endpoints: Sequence[str] | str | None = None, *, settings: ClientSettings | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  configure_socket: Callable[[zmq.Socket[bytes]], None] | None = None,
-                 default_timeout: float | None = None) -> None:
+                 default_timeout: float | None = None, directive_copies: bool = True) -> None:
         settings = settings or load_settings()
         self.settings = settings
         self.endpoints = parse_endpoints(settings.broker_endpoints if endpoints is None else endpoints)
@@ -110,8 +109,10 @@ class AsyncClient(SummaryReports):
         self.stats: dict[str, int] = {"late_replies_dropped": 0, "failovers": 0, "disconnects": 0,
                                       "usage_sent": 0, "usage_not_sent": 0, "usage_refused": 0}
         self._started = False
+        self._started_at = 0.0  # time.monotonic() of start()
         self._closed = False
         self._fallback: Fallback | None = None
+        self._directives = DirectiveCopies(entries=COPY_ENTRIES if directive_copies else 0)  # for the fallback
 
     async def __aenter__(self) -> AsyncClient:
         await self.start()
@@ -131,6 +132,7 @@ class AsyncClient(SummaryReports):
         if self._started:
             return
         self._started = True
+        self._started_at = time.monotonic()
         # The fallback's catalog, BPE vocabularies and pipeline modules take ~1 s to load; on the
         # loop that is a ~1 s stall of every request the proxy is serving (README "The client library").
         self._fallback = Fallback(asyncio.get_running_loop(), self.settings)
@@ -203,7 +205,9 @@ class AsyncClient(SummaryReports):
     def _on_event(self, conn: Conn, msg: list[bytes]) -> None:
         ev = parse_monitor_message(msg)
         if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            conn.connected, conn.auth_failed = True, False
+            conn.connected, conn.auth_failed, conn.refused = True, False, False
+        elif ev["event"] == zmq.EVENT_CONNECT_RETRIED:
+            conn.refused = True
         elif ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             conn.connected, conn.auth_failed = False, True
             conn.fail_all(Unauthenticated(f"broker {conn.endpoint} refused this client's key"))
@@ -215,29 +219,27 @@ class AsyncClient(SummaryReports):
     # ------------------------------------------------------------------------------ calls
 
     def _pick(self, tried: set[int]) -> Conn | None:
-        n = len(self.conns)
-        start = next(self._rr)
-        order = [(start + i) % n for i in range(n)]
-        for i in order:
-            if i not in tried and self.conns[i].connected:
-                tried.add(i)
-                return self.conns[i]
-        for i in order:
-            if i not in tried:
-                tried.add(i)
-                return self.conns[i]
-        return None
+        return pick(self.conns, next(self._rr), tried)
+
+    def call_timeout(self, request: AssembleRequest) -> float:
+        """The timeout (seconds) of a call that gives none (``client.wire.scaled_timeout``)."""
+        return scaled_timeout(request, self.default_timeout, self.settings)
 
     def _encode(self, request: AssembleRequest | None, fields: dict[str, Any],
-                deadline_ns: int) -> tuple[Outgoing, list[bytes]]:
-        """(the call's request as made and as sent, its frames); a payload over the size limit is
+                timeout: object) -> tuple[Outgoing, list[bytes], float]:
+        """(the call's request as made and as sent, its frames, its timeout in seconds: ``timeout``,
+        else ``call_timeout``'s); the deadline is stamped now. A payload over the size limit is
         refused here: the broker's ZMQ_MAXMSGSIZE would drop the whole connection, failing every
         request in flight on it, and only the client can keep one big request from doing that."""
-        out = outgoing(build(request, fields, deadline_ns))  # images as stubs (client.wire)
-        _, header, payload = encode_request(out.sent, {}, deadline_ns)
+        seconds = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
+        now_ns = time.time_ns()
+        out = outgoing(build(request, fields, now_ns + int(seconds * 1e9)))  # images as stubs (client.wire)
+        if timeout is None:
+            seconds = self.call_timeout(out.sent)
+        _, header, payload = encode_request(out.sent, {}, now_ns + int(seconds * 1e9))
         if len(payload) > self.max_request_bytes:
             raise too_large(out.sent, len(payload), self.max_request_bytes)
-        return out, P.request_frames(header, payload)
+        return out, P.request_frames(header, payload), seconds
 
     async def assemble(self, request: AssembleRequest | None = None, *, timeout: float | None = None,
                        **fields: Any) -> AssembleResponse:
@@ -248,9 +250,10 @@ class AsyncClient(SummaryReports):
         (``.field`` names the field) before anything is sent.
         """
         self._check_open()
-        timeout = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
-        out, frames = self._encode(request, fields, time.time_ns() + int(timeout * 1e9))
-        return out.restore(await self._send(out.sent.request_id, frames, timeout))
+        out, frames, seconds = self._encode(request, fields, timeout)
+        resp = await self._send(out.sent.request_id, frames, seconds)
+        self._directives.keep(out.sent, resp)
+        return out.restore(resp)
 
     async def _send(self, rid: str, frames: list[bytes], timeout: float) -> AssembleResponse:
         """The reply to ``frames``, from the first broker that answers in time (failing over)."""
@@ -280,7 +283,11 @@ class AsyncClient(SummaryReports):
             if reply.code not in RETRYABLE:
                 break
             self.stats["failovers"] += 1
-        raise self._failure(last, rid)
+        if last is None or unsent:
+            short = too_short(self.conns, last is None, timeout, time.monotonic() - self._started_at, rid)
+            if short is not None:
+                raise short
+        raise failure(self.conns, last, rid)
 
     async def _attempt(self, conn: Conn, rid: str, frames: list[bytes], remaining: float, end: float,
                        timeout: float) -> tuple[AssembleResponse | ErrorReply, bool]:
@@ -307,15 +314,6 @@ class AsyncClient(SummaryReports):
             raise DeadlineExceeded(f"reply arrived after the {timeout * 1000:.1f} ms deadline",
                                    request_id=rid)
         return reply, True
-
-    def _failure(self, last: ErrorReply | None, rid: str) -> IbexError:
-        """The error a call ends with once no broker can (or will) answer it."""
-        if self.conns and all(c.auth_failed for c in self.conns):
-            return Unauthenticated("every broker refused this client's key (CURVE handshake failed)",
-                                   request_id=rid)
-        if last is None:
-            return Unavailable("no broker endpoint could take the request", request_id=rid)
-        return to_exc(last, rid)
 
     def report_usage(self, assembly: AssembleResponse, *, prompt_tokens: int,
                      cached_tokens: int | None = None) -> None:
@@ -353,11 +351,13 @@ class AsyncClient(SummaryReports):
         if fallback_directive is not None and not isinstance(fallback_directive, str):
             raise InvalidRequest(f"fallback_directive must be a str or None, got {type(fallback_directive).__name__}",
                                  field="fallback_directive")
-        seconds = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
-        end = time.monotonic() + seconds
-        out, frames = self._encode(request, fields, time.time_ns() + int(seconds * 1e9))
+        start = time.monotonic()
+        out, frames, seconds = self._encode(request, fields, timeout)
+        end = start + seconds
         try:
-            return out.restore(await self._send(out.sent.request_id, frames, seconds))
+            resp = await self._send(out.sent.request_id, frames, seconds)
+            self._directives.keep(out.sent, resp)
+            return out.restore(resp)
         except IbexError as exc:
             if exc.code in CALLER_FAULTS:
                 raise
@@ -369,7 +369,7 @@ class AsyncClient(SummaryReports):
         """The degraded response by ``end`` (``Fallback.respond``) to the request as sent."""
         if self._fallback is None:  # pragma: no cover - _send() started the client before any service fault
             raise Internal("the client's fallback was never started")
-        return await self._fallback.respond(req, exc, fallback_directive, end)
+        return await self._fallback.respond(req, exc, fallback_directive, end, self._directives)
 
     async def status(self, endpoint: str | None = None, timeout: float = 1.0) -> dict[str, Any]:
         """The broker's counters and worker table (ops and tests)."""

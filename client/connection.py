@@ -23,11 +23,23 @@ from typing import Any
 import zmq
 
 from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.errors import IbexError
+from ibex_context.shared.wire.errors import (
+    ERROR_BY_CODE,
+    DeadlineExceeded,
+    IbexError,
+    Internal,
+    Unauthenticated,
+    Unavailable,
+)
 from ibex_context.shared.wire.loopsock import LoopSocket
 from ibex_context.shared.wire.models import AssembleResponse, ErrorReply
 
-MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+# How long a new client may take to connect before "not connected" means the broker cannot be
+# reached: a call whose deadline ends sooner, before any connection is ready, had too short a
+# deadline (DeadlineExceeded), not a broker fault (a TCP or CURVE handshake takes a few ms).
+CONNECT_GRACE_S = 0.25
+MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                  | zmq.EVENT_CONNECT_RETRIED)
 
 
 @dataclass
@@ -37,6 +49,9 @@ class Conn:
     monitor: LoopSocket = field(init=False)
     connected: bool = False
     auth_failed: bool = False
+    # a connection attempt failed (refused, unreachable) since the last handshake: the broker is
+    # not there, rather than not yet connected
+    refused: bool = False
     # by correlation id (one per attempt), never by request_id
     waiting: dict[str, asyncio.Future[AssembleResponse | ErrorReply | None]] = field(default_factory=dict)
     status_waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
@@ -96,3 +111,50 @@ def time_out(fut: asyncio.Future[Any]) -> None:
     """Timer callback: a request's deadline passed with no reply (``None`` means "timed out")."""
     if not fut.done():
         fut.set_result(None)
+
+
+def too_short(conns: list[Conn], never_tried: bool, timeout: float, age_s: float,
+              request_id: str) -> DeadlineExceeded | None:
+    """The error for a call whose deadline ended before its request could be sent, when the
+    deadline (not a broker) is the cause: it passed before the first try, or while a client
+    ``age_s`` old was still connecting (``CONNECT_GRACE_S``) and no connection attempt had failed
+    (a broker that refuses connections is UNAVAILABLE)."""
+    ms = f"{timeout * 1000:g} ms"
+    if never_tried:
+        return DeadlineExceeded(f"the {ms} deadline was too short to send the request (it passed before "
+                                "the first try): allow more time", request_id=request_id)
+    for c in conns:  # a refused connect may be waiting unread in a monitor's queue
+        c.monitor.drain()
+    # "connected" is not enough: the socket takes its new pipe on its next operation after the
+    # handshake, so a send right after one may still find none
+    if age_s < CONNECT_GRACE_S and not any(c.refused or c.auth_failed for c in conns):
+        return DeadlineExceeded(f"the {ms} deadline was too short to send the request: the client was "
+                                "still connecting to the broker (allow more time, or await "
+                                "wait_connected() first)", request_id=request_id)
+    return None
+
+
+def pick(conns: list[Conn], start: int, tried: set[int]) -> Conn | None:
+    """The next connection to try, round-robin from ``start``: connected ones first, none twice."""
+    n = len(conns)
+    order = [(start + i) % n for i in range(n)]
+    for i in order:
+        if i not in tried and conns[i].connected:
+            tried.add(i)
+            return conns[i]
+    for i in order:
+        if i not in tried:
+            tried.add(i)
+            return conns[i]
+    return None
+
+
+def failure(conns: list[Conn], last: ErrorReply | None, request_id: str) -> IbexError:
+    """The error a call ends with once no broker can (or will) answer it."""
+    if conns and all(c.auth_failed for c in conns):
+        return Unauthenticated("every broker refused this client's key (CURVE handshake failed)",
+                               request_id=request_id)
+    if last is None:
+        return Unavailable("no broker endpoint could take the request", request_id=request_id)
+    cls = ERROR_BY_CODE.get(last.code, Internal)
+    return cls(last.message, field=last.field, request_id=request_id)

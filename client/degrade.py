@@ -25,6 +25,7 @@ import math
 import threading
 import time
 import unicodedata
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,12 @@ from ibex_context.shared.wire.errors import ContextOverflow, IbexError, Internal
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
 
 log = logging.getLogger(__name__)
+
+DIRECTIVE_HEADING = "## Directive\n"  # how pipeline.format.directive_section opens the directive's section
+# The client's copies of directives (``DirectiveCopies``): bounded in entries, characters and age.
+COPY_ENTRIES = 10_000
+COPY_CHARS = 16_000_000
+COPY_MAX_AGE_S = 86_400.0
 
 # Time kept before a call's deadline for building its fallback: a short conversation's degraded
 # build (~0.5-1 ms) and a turn of the GIL with the loading thread end by the deadline, not after
@@ -185,21 +192,83 @@ class Fallback:
         return self._bytes, BYTE_BOUND_NOTE
 
     async def respond(self, req: AssembleRequest, exc: IbexError, fallback_directive: str | None,
-                      end: float) -> AssembleResponse:
+                      end: float, copies: DirectiveCopies | None = None) -> AssembleResponse:
         """The degraded response, by ``end`` unless the byte bound finds the conversation over the
         window: that is no proof it is, so the exact count decides (after the vocabularies load).
-        The request is checked as the worker would have checked it first (an outage skipped that)."""
+        The request is checked as the worker would have checked it first (an outage skipped that).
+        Without a ``fallback_directive``, the directive is the copy in ``copies`` when one is kept."""
         checked = validate(req.model_dump(mode="python"), AssembleRequest)  # e.g. NaN inside tool_schemas
         if isinstance(checked, ErrorReply):
             raise to_exc(checked, req.request_id)
+        notes: list[str] = []
+        copy = copies.get(req.org_id, req.agent_id) if copies is not None and fallback_directive is None else None
+        if copy is not None and req.options.include_directive:
+            fallback_directive = copy[0] or None
+            notes.append(f"directive: the client's copy from an assembly {copy[1]:.0f} s ago" if copy[0] else
+                         "directive: none (the agent had none at its last assembly)")
         catalog, note = await self.catalog(end)
         try:
             return degraded_response(req, exc, fallback_directive, catalog=catalog, settings=self.settings,
-                                     notes=[note] if note else [])
+                                     notes=[*notes, note] if note else notes)
         except ContextOverflow:
             if note is None:
                 raise
-        return degraded_response(req, exc, fallback_directive, catalog=await self.ready(), settings=self.settings)
+        return degraded_response(req, exc, fallback_directive, catalog=await self.ready(), settings=self.settings,
+                                 notes=notes)
+
+
+def fetched_directive(assembly: AssembleResponse) -> str | None:
+    """The directive the service fetched for this assembly ("" when the agent has none), or None
+    when it did not (the branch failed, timed out or was switched off, or the assembly is the
+    client's fallback)."""
+    branch = assembly.branches.get("directive")
+    if branch is None or branch.status != "success":
+        return None
+    if branch.count == 0:
+        return ""
+    text = next((s.text for s in assembly.sections if s.name == "directive"), "")
+    return text.removeprefix(DIRECTIVE_HEADING) if text.startswith(DIRECTIVE_HEADING) else None
+
+
+class DirectiveCopies:
+    """The last directive the service assembled each (org, agent) with ("" for an agent that has
+    none), least recently kept evicted first, not used past ``COPY_MAX_AGE_S``: what a degraded
+    response falls back on when its caller passes no ``fallback_directive``. In this process's
+    memory only; the service's own answer replaces a copy on every assembly that fetched it."""
+
+    def __init__(self, *, entries: int = COPY_ENTRIES, chars: int = COPY_CHARS,
+                 max_age_s: float = COPY_MAX_AGE_S) -> None:
+        self.entries, self.max_chars, self.max_age_s = entries, chars, max_age_s
+        self._copies: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self.chars = 0
+
+    def keep(self, req: AssembleRequest, assembly: AssembleResponse) -> None:
+        """Keep the directive ``assembly`` was made with, if the service fetched one for it."""
+        text = fetched_directive(assembly)
+        if text is None:
+            return
+        key = (req.org_id, req.agent_id)
+        old = self._copies.pop(key, None)
+        if old is not None:
+            self.chars -= len(old[0])
+        if len(text) > self.max_chars or self.entries == 0:
+            return
+        self._copies[key] = (text, time.monotonic())
+        self.chars += len(text)
+        while len(self._copies) > self.entries or self.chars > self.max_chars:
+            _, (gone, _) = self._copies.popitem(last=False)
+            self.chars -= len(gone)
+
+    def get(self, org_id: str, agent_id: str) -> tuple[str, float] | None:
+        """(the copy, its age in seconds) when one younger than ``max_age_s`` is kept."""
+        got = self._copies.get((org_id, agent_id))
+        if got is None:
+            return None
+        age = time.monotonic() - got[1]
+        return (got[0], age) if age <= self.max_age_s else None
+
+    def __len__(self) -> int:
+        return len(self._copies)
 
 
 def degraded_response(req: AssembleRequest, exc: IbexError, fallback_directive: str | None = None,

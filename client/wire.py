@@ -10,11 +10,13 @@ A degraded response is built from the same stubbed request and restored the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
 from ibex_context.pipeline.conversation.images import stub_messages
 from ibex_context.pipeline.conversation.layout import restore
+from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.wire.errors import InvalidRequest
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
@@ -44,6 +46,33 @@ def outgoing(request: AssembleRequest) -> Outgoing:
     if messages is request.messages:
         return Outgoing(request, request)
     return Outgoing(request, request.model_copy(update={"messages": messages}))
+
+
+def text_chars(*docs: Any) -> int:
+    """Characters in the strings of JSON-like documents (a conversation's size, for its
+    timeout: ``AsyncClient.call_timeout``, ``HookConfig.call_timeout_s``); a walk over the nodes, no serialisation."""
+    total, stack = 0, list(docs)
+    while stack:
+        doc = stack.pop()
+        if isinstance(doc, str):
+            total += len(doc)
+        elif isinstance(doc, dict):
+            stack.extend(doc.values())
+        elif isinstance(doc, list | tuple):
+            stack.extend(doc)
+    return total
+
+
+def scaled_timeout(request: AssembleRequest, default_s: float, settings: ClientSettings) -> float:
+    """The timeout (seconds) of a call that gives none: ``default_s`` plus
+    ``IBEX_CLIENT_TIMEOUT_MS_PER_MB`` for each million characters of its conversation (messages,
+    system, tools, recent_messages, tool_schemas), at most ``IBEX_CLIENT_TIMEOUT_MAX_MS`` (never
+    under ``default_s``). Validating, sending, decoding and counting a 1 MB conversation takes far
+    longer than a timeout that suits a short one; a fast assembly still answers when it is done."""
+    chars = text_chars(request.messages, request.system, request.tools, request.recent_messages,
+                       request.tool_schemas)
+    scaled = default_s + settings.client_timeout_ms_per_mb * chars / 1e9
+    return min(scaled, max(default_s, settings.client_timeout_max_ms / 1000))
 
 
 def too_large(request: AssembleRequest, size: int, limit: int) -> InvalidRequest:

@@ -88,9 +88,11 @@ class Assembler:
     async def assemble(
         self, req: AssembleRequest, *, deadline_mono_ns: int, nonce: str | None = None,
         timings_us: dict[str, int] | None = None, transit_ns: int | None = None, turn: Turn | None = None,
+        busy: Callable[[], int] | None = None,
     ) -> AssembleResponse:
         """Retrieve against the live backing services, then run the pipeline on what came back;
-        ``turn`` gives each synchronous stage its fair turn on the worker's loop (``worker.fair``)."""
+        ``turn`` gives each synchronous stage its fair turn on the worker's loop (``worker.fair``),
+        ``busy`` is the loop's time in those turns (ns, cumulative), given back to retrieval's limits."""
         if transit_ns is not None:
             self.transit.observe(max(0, transit_ns))
         if self.retriever is None:
@@ -103,8 +105,9 @@ class Assembler:
         async with _turn(turn):
             counted = count_turns(req, spec, counter_for(self.engine.catalog, spec, calibration))
         t_start = time.monotonic_ns()
-        wall_end = min(t_start + int(self.settings.retrieval_wall_ms * 1e6), deadline_mono_ns - self.reserve_ns())
-        wait = self.retriever.start(req, wall_end_ns=wall_end)
+        last = deadline_mono_ns - self.reserve_ns()  # the latest end of retrieval the deadline allows
+        wall_end = min(t_start + int(self.settings.retrieval_wall_ms * 1e6), last)
+        wait = self.retriever.start(req, wall_end_ns=wall_end, last_ns=last, busy=busy)
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = {**(timings_us or {}), "retrieval": max(0, (t_retrieved - t_start) // 1000)}

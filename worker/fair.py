@@ -56,6 +56,8 @@ class FairTurns:
         self.half_life_ns = half_life_s * 1e9
         self.orgs: dict[str, _Org] = {}
         self.busy = False  # a turn is held, or reserved for the next grant
+        # The loop's time in turns so far (ns): what retrieval's limits give back (worker.patience).
+        self.busy_ns = 0
         self.stats: dict[str, int] = {"turn_waits": 0, "slot_waits": 0, "expired_waiting": 0}
 
     def _org(self, org: str) -> _Org:
@@ -102,6 +104,7 @@ class FairTurns:
             yield
         finally:
             end = time.monotonic_ns()
+            self.busy_ns += end - start
             state.usage.ns = state.usage.now(end, self.half_life_ns) + (end - start)
             state.usage.stamp_ns = end
             self._after_turn()

@@ -10,6 +10,14 @@ There is no history branch: recent messages arrive in the request. Each branch g
 completed branches are kept. Cancelled tasks are not awaited (their cleanup could overrun the
 wall); they are parked in a set and reaped by a done-callback.
 
+Limits (``worker.patience``): each one (each branch's and the wall) reads the sockets once more when
+its timer fires late. The directive's limit also gets back ``busy``, the loop's measured CPU-turn
+time (ns, cumulative), and the wall does not end it: it runs to its own limit, never past
+``last_ns`` (default: the wall), the latest end the request's deadline allows. A directive GET
+that runs out of its time is asked again on a fresh connection (a stuck one is not waited on
+twice) while a whole directive limit fits before ``last_ns``, the last try waited for up to it:
+a caller that allows the time never gets a prompt without the directive Redis holds.
+
 Each memory-service call carries its branch's time left as ``Ibex-Timeout-Ms``, so the service
 starts no embedding or search for a call this worker has already given up on (docs/deploy.md
 "Backing services"): under overload that work would only delay the calls still waiting.
@@ -27,8 +35,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from redis.asyncio import Redis
@@ -40,10 +47,11 @@ from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.directives import MalformedDirective, get_directive, parse_envelope
 from ibex_context.shared.stores.keys import directive_key, summary_key
-from ibex_context.shared.stores.summaries import decode_summary
-from ibex_context.shared.wire.models import AssembleRequest, BranchName, BranchOutcome, Source, SummarySlot
+from ibex_context.shared.wire.models import AssembleRequest, BranchName, Source
 from ibex_context.worker import rawredis
+from ibex_context.worker.branches import Branch, Stored, retrieval_result
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
+from ibex_context.worker.patience import Limit, Patience, all_done_future, expire_now, settle
 
 __all__ = ["ConnectError", "MalformedResponse", "MemoryServiceStatus", "ResponseTooLarge", "Retriever", "parse_hits"]
 
@@ -57,24 +65,15 @@ _BRANCH_END_NS: contextvars.ContextVar[int | None] = contextvars.ContextVar("bra
 # IBEX_MEMORY_MAX_QUERY_CHARS (1,000 by default) leading characters anyway.
 HOT_QUERY_CHARS = 1_000
 
+# A directive GET that runs out of its time is asked this many more times while the request's
+# deadline leaves a whole directive limit, the last time waited for up to that deadline: a prompt
+# without its directive is the worst a degraded answer can be, and a caller that allows the time
+# gets it (a busy box can stall Redis or this process for tens of ms).
+DIRECTIVE_RETRIES = 2
+
 
 class MemoryServiceStatus(Exception):
     """The memory service answered with a non-2xx status."""
-
-
-@dataclass
-class _Branch:
-    name: BranchName
-    status: Literal["success", "timeout", "error", "skipped"] = "skipped"
-    elapsed_ms: float = 0.0
-    error_class: str | None = None
-    detail: str | None = None
-    value: Any = None
-    rejects: list[Rejection] = field(default_factory=list)
-
-    def outcome(self, count: int) -> BranchOutcome:
-        return BranchOutcome(status=self.status, elapsed_ms=round(self.elapsed_ms, 3),
-                             error_class=self.error_class, detail=self.detail, count=count)
 
 
 def _error_class(exc: BaseException) -> str:
@@ -191,7 +190,7 @@ class Retriever:
             env = None if raw is None else parse_envelope(key, raw)
         return env.text if env is not None else None
 
-    async def _with_summary(self, req: AssembleRequest, stored: _Stored) -> str | None:
+    async def _with_summary(self, req: AssembleRequest, stored: Stored) -> str | None:
         """The directive and the stored summary in one round trip (the summary alone when the
         request turned the directive off). The summary's raw value is kept before the directive
         is parsed, so a damaged directive costs the directive only."""
@@ -242,16 +241,18 @@ class Retriever:
 
     # ---------------------------------------------------------------------------- orchestration
 
-    def start(self, req: AssembleRequest, *, wall_end_ns: int) -> Callable[[], Awaitable[RetrievalResult]]:
+    def start(self, req: AssembleRequest, *, wall_end_ns: int, last_ns: int | None = None,
+              busy: Callable[[], int] | None = None) -> Callable[[], Awaitable[RetrievalResult]]:
         """Launch the branches now; the returned coroutine function waits for them (up to the wall).
 
         Splitting start from wait lets the caller do CPU work while the I/O is in flight (the
-        conversation is parsed and counted before: a bad one costs no call).
+        conversation is parsed and counted before: a bad one costs no call). ``busy``, ``last_ns``: "Limits" above.
         """
         s = self.settings
         t0 = time.monotonic_ns()
+        last_ns = wall_end_ns if last_ns is None else max(last_ns, wall_end_ns)
         opts = req.options
-        stored = _Stored(wanted=req.summary_key is not None and req.summary is None)
+        stored = Stored(wanted=req.summary_key is not None and req.summary is None)
         directive: Callable[[AssembleRequest], Awaitable[Any]] = (
             functools.partial(self._with_summary, stored=stored) if stored.wanted else self._directive)
         plan: list[tuple[BranchName, bool, float, Callable[[AssembleRequest], Awaitable[Any]]]] = [
@@ -259,31 +260,36 @@ class Retriever:
             ("hot", opts.include_hot and s.hot_limit > 0, s.hot_timeout_ms, self._hot),
             ("cold", opts.include_cold and s.cold_limit > 0, s.cold_timeout_ms, self._cold),
         ]
-        branches: dict[BranchName, _Branch] = {}
+        branches: dict[BranchName, Branch] = {}
         tasks: dict[BranchName, asyncio.Task[None]] = {}
         for name, enabled, timeout_ms, fn in plan:
-            br = branches[name] = _Branch(name)
+            br = branches[name] = Branch(name)
             if not enabled:
                 br.detail = "disabled by request options or settings"
                 continue
-            end_ns = min(t0 + int(timeout_ms * 1e6), wall_end_ns)
-            if end_ns <= t0:
+            budget_ns = min(int(timeout_ms * 1e6), wall_end_ns - t0)
+            if budget_ns <= 0:
                 br.detail = "no time left before the deadline"
                 br.status = "timeout"
                 continue
-            tasks[name] = asyncio.create_task(self._run(br, fn, req, t0, end_ns), name=f"retrieve-{name}")
+            limit = (Limit(t0, budget_ns, last_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
+                     else Limit(t0, budget_ns, wall_end_ns, None))
+            tasks[name] = asyncio.create_task(self._run(br, fn, req, limit), name=f"retrieve-{name}")
 
-        all_done = _all_done(list(tasks.values()))
+        all_done = all_done_future(list(tasks.values()))
 
         async def wait() -> RetrievalResult:
             if tasks:
                 if not all_done.done():
-                    remaining = max(0.0, (wall_end_ns - time.monotonic_ns()) / 1e9)
-                    timer = asyncio.get_running_loop().call_later(remaining, _settle, all_done)
+                    wall = Patience(start_ns=t0, budget_ns=wall_end_ns - t0, last_ns=wall_end_ns,
+                                    expire=functools.partial(settle, all_done))
                     try:
                         await all_done
                     finally:
-                        timer.cancel()
+                        wall.cancel()
+                directive = tasks.get("directive")
+                if directive is not None and not directive.done():  # its own limit ends it by last_ns
+                    await asyncio.wait({directive}, timeout=max(0.0, (last_ns - time.monotonic_ns()) / 1e9) + 0.01)
                 late = [task for task in tasks.values() if not task.done()]
                 for task in late:  # backstop: each branch already has its own timeout
                     task.cancel()
@@ -292,7 +298,7 @@ class Retriever:
                     br = branches[_task_branch(task)]
                     br.status, br.error_class = "timeout", "WallExceeded"
                     br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
-            return _result(branches, stored, include_directive=opts.include_directive)
+            return retrieval_result(branches, stored, include_directive=opts.include_directive)
 
         return wait
 
@@ -301,15 +307,41 @@ class Retriever:
         if not task.cancelled() and task.exception() is not None:
             log.debug("late branch %s ended with %r", task.get_name(), task.exception())
 
-    async def _run(
-        self, br: _Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
-        t0: int, end_ns: int,
-    ) -> None:
-        _BRANCH_END_NS.set(end_ns)  # this task's own context: the other branches keep theirs
+    async def _run(self, br: Branch, fn: Callable[[AssembleRequest], Awaitable[Any]], req: AssembleRequest,
+                   limit: Limit) -> None:
+        loop = asyncio.get_running_loop()
+        start_ns = limit.t0
         try:
-            async with asyncio.timeout(max(0.0, (end_ns - time.monotonic_ns()) / 1e9)):
-                br.value = await fn(req)
-            br.status = "success"
+            for attempt in range(limit.retries + 1):
+                budget_ns = limit.budget_ns
+                if attempt:  # a fresh limit from now; the last try waits up to last_ns
+                    start_ns = time.monotonic_ns()
+                    if start_ns + budget_ns > limit.last_ns:
+                        break
+                    budget_ns = limit.last_ns - start_ns if attempt == limit.retries else budget_ns
+                cm = asyncio.timeout(None)
+                try:
+                    async with cm:
+                        patience = Patience(start_ns=start_ns, budget_ns=budget_ns, last_ns=limit.last_ns,
+                                            busy=limit.busy, expire=functools.partial(expire_now, cm, loop))
+                        _BRANCH_END_NS.set(patience.due_ns)  # this task's own context: the other branches keep theirs
+                        try:
+                            br.value = await fn(req)
+                        finally:
+                            patience.cancel()
+                            br.given_back_ns += patience.given_back_ns()
+                except TimeoutError:
+                    if not cm.expired():
+                        raise
+                    br.attempts = attempt + 1
+                    continue
+                br.status = "success"
+                return
+            br.status, br.error_class = "timeout", "TimeoutError"
+            if br.attempts > 1 or br.given_back_ns:
+                busy_ms = br.given_back_ns / 1e6
+                br.detail = (f"no answer in {br.attempts} tries ({limit.budget_ns / 1e6:g} ms; the last: to the end)"
+                             + (f" (plus {busy_ms:.1f} ms the worker's loop was busy)" if busy_ms else ""))
         except TimeoutError:
             br.status, br.error_class = "timeout", "TimeoutError"
         except asyncio.CancelledError:
@@ -319,30 +351,7 @@ class Retriever:
             br.status, br.error_class = "error", _error_class(exc)
             br.detail = str(exc)[:200] or None
         finally:
-            br.elapsed_ms = (time.monotonic_ns() - t0) / 1e6
-
-def _all_done(tasks: list[asyncio.Task[None]]) -> asyncio.Future[None]:
-    """A future set once every task has finished (at once when there are none): one callback per
-    task, where ``asyncio.wait`` builds a waiter, sets and a timeout handle on every call."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    left = len(tasks)
-
-    def finished(_: asyncio.Task[None]) -> None:
-        nonlocal left
-        left -= 1
-        if left == 0:
-            _settle(done)
-
-    for task in tasks:
-        task.add_done_callback(finished)
-    if not tasks:
-        done.set_result(None)
-    return done
-
-
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.done():  # already set, or cancelled with the request that awaited it
-        done.set_result(None)
+            br.elapsed_ms = (time.monotonic_ns() - limit.t0) / 1e6
 
 
 def _task_branch(task: asyncio.Task[Any]) -> BranchName:
@@ -356,44 +365,3 @@ def _bytes(value: bytes | str | None) -> bytes | None:
     return value.encode() if isinstance(value, str) else value
 
 
-@dataclass
-class _Stored:
-    """The stored summary's part of the directive branch: its raw value once read."""
-
-    wanted: bool
-    fetched: bool = False
-    raw: bytes | None = None
-    problem: str | None = None  # Redis refused the read (e.g. WRONGTYPE)
-
-
-def _summary(d: _Branch, stored: _Stored) -> tuple[SummarySlot | None, BranchOutcome]:
-    """The stored summary and its outcome: the round trip's when it never completed; else found,
-    absent (success, count 0: no summary made yet) or unusable (error ``MalformedSummary``)."""
-    elapsed = round(d.elapsed_ms, 3)
-    if not stored.fetched:
-        status = d.status if d.status in ("timeout", "error") else "error"
-        return None, BranchOutcome(status=status, elapsed_ms=elapsed, error_class=d.error_class, detail=d.detail)
-    decoded = stored.problem or (None if stored.raw is None else decode_summary(stored.raw))
-    if isinstance(decoded, str):
-        return None, BranchOutcome(status="error", elapsed_ms=elapsed, error_class="MalformedSummary",
-                                   detail=f"stored summary ignored: {decoded}"[:200])
-    detail = None if decoded is not None else "no summary stored under this summary_key"
-    return decoded, BranchOutcome(status="success", elapsed_ms=elapsed, count=int(decoded is not None), detail=detail)
-
-
-def _result(branches: dict[BranchName, _Branch], stored: _Stored, *, include_directive: bool) -> RetrievalResult:
-    """What the pipeline gets: each successful branch's hits and refusals, every branch's outcome,
-    and the stored summary when the request asked for it."""
-    d = branches["directive"]
-    directive = d.value if d.status == "success" else None
-    hot, hot_rej = branches["hot"].value if branches["hot"].status == "success" else ([], [])
-    cold, cold_rej = branches["cold"].value if branches["cold"].status == "success" else ([], [])
-    counts = {"directive": int(directive is not None), "hot": len(hot), "cold": len(cold)}
-    outcomes: dict[BranchName, BranchOutcome] = {name: br.outcome(counts[name]) for name, br in branches.items()}
-    if not include_directive:  # the branch ran for the summary alone
-        outcomes["directive"] = _Branch("directive", detail="disabled by request options or settings").outcome(0)
-    summary = None
-    if stored.wanted:
-        summary, outcomes["summary"] = _summary(d, stored)
-    return RetrievalResult(directive=directive, hot=tuple(hot), cold=tuple(cold),
-                           rejections=tuple([*hot_rej, *cold_rej]), outcomes=outcomes, summary=summary)

@@ -282,7 +282,8 @@ class WorkerServer:
         try:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns,
-                                                 turn=lambda: self.turns.turn(req.org_id, deadline_ns))
+                                                 turn=lambda: self.turns.turn(req.org_id, deadline_ns),
+                                                 busy=lambda: self.turns.busy_ns)
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ibex_context.client.client import AsyncClient, degraded_response
+from ibex_context.client.degrade import fetched_directive
 from ibex_context.client.integrations import litellm_degraded as D
 from ibex_context.client.integrations.litellm_config import (
     Caller,
@@ -40,6 +41,7 @@ from ibex_context.client.integrations.litellm_summary import Summarizer
 from ibex_context.client.requests import build
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
+from ibex_context.shared.wire.chat_query import last_user_text
 from ibex_context.shared.wire.errors import ErrorCode, IbexError, Unavailable
 from ibex_context.shared.wire.models import AssembleResponse
 
@@ -81,20 +83,6 @@ class Pending:
     loop: asyncio.AbstractEventLoop
 
 
-def last_user_text(messages: list[Any], limit: int) -> str:
-    """The retrieval query: the text of the latest user message that has text (text parts only;
-    an Anthropic user turn of tool results only has none), cut to ``limit``."""
-    for msg in reversed(messages):
-        if isinstance(msg, Mapping) and msg.get("role") == "user":
-            content = msg.get("content")
-            if isinstance(content, list):
-                texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
-                content = " ".join(t for t in texts if isinstance(t, str))
-            if isinstance(content, str) and content:
-                return content[:limit]
-    return ""
-
-
 def header_value(text: str, limit: int = 512) -> str:
     """Printable ASCII only (HTTP header values), one line, at most ``limit`` characters."""
     return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]
@@ -123,7 +111,9 @@ class HookCore:
         update: dict[str, Any] = {"client_key_file": entry.key_file}
         if self.config.broker_public_key is not None:
             update["broker_public_key"] = self.config.broker_public_key
-        return AsyncClient(self.config.endpoints, settings=self.settings.model_copy(update=update))
+        # the hook keeps its own directive copies, under its callers' on_degraded policies
+        return AsyncClient(self.config.endpoints, settings=self.settings.model_copy(update=update),
+                           directive_copies=False)
 
     def caller(self, sources: Mapping[Source, object]) -> Caller | Unmapped:
         """The caller's identity, or why it has none (to pass through); ``Refused`` under
@@ -182,7 +172,7 @@ class HookCore:
                      fallback: D.Fallback | None) -> Settled:
         """What the call goes out with, by the caller's ``on_degraded`` (``litellm_degraded``);
         ``Refused`` (503) when the policy or a missing directive says so."""
-        fetched = D.fetched_directive(assembly)
+        fetched = fetched_directive(assembly)
         if fetched is not None:
             self.copies.keep(who.org_id, who.agent_id, fetched)
         reasons = list(assembly.degraded_reasons)

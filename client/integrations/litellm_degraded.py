@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from ibex_context.client.integrations.litellm_config import DirectiveCopies as CopyLimits
 from ibex_context.shared.wire.models import AssembleResponse
 
-DIRECTIVE_HEADING = "## Directive\n"  # how pipeline.format.directive_section opens the directive's section
-
 # x-ibex-context-directive: where the call's directive came from
 SERVICE, NONE, COPY, CONFIGURED, ABSENT, OFF = "service", "none", "copy", "configured", "absent", "off"
 
@@ -76,19 +74,6 @@ class DirectiveCopies:
 
     def __len__(self) -> int:
         return len(self._copies)
-
-
-def fetched_directive(assembly: AssembleResponse) -> str | None:
-    """The directive the service fetched for this assembly ("" when the agent has none), or None
-    when it did not (the branch failed, timed out or was switched off, or the assembly is the
-    client's fallback)."""
-    branch = assembly.branches.get("directive")
-    if branch is None or branch.status != "success":
-        return None
-    if branch.count == 0:
-        return ""
-    text = next((s.text for s in assembly.sections if s.name == "directive"), "")
-    return text.removeprefix(DIRECTIVE_HEADING) if text.startswith(DIRECTIVE_HEADING) else None
 
 
 def carries_directive(assembly: AssembleResponse) -> bool:

@@ -20,26 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ibex_context.client.integrations import litellm_responses
+from ibex_context.client.wire import text_chars
 from ibex_context.shared.wire.models import AssembleResponse
 
 CHAT_CALLS = frozenset({"completion", "acompletion"})
 ANTHROPIC_CALLS = frozenset({"anthropic_messages", "aanthropic_messages"})
 RESPONSES_CALLS = frozenset({"responses", "aresponses"})
-
-
-def text_chars(*docs: Any) -> int:
-    """Characters in the strings of JSON-like documents (a conversation's size, for its timeout:
-    ``HookConfig.call_timeout_s``); a walk over the nodes, no serialisation."""
-    total, stack = 0, list(docs)
-    while stack:
-        doc = stack.pop()
-        if isinstance(doc, str):
-            total += len(doc)
-        elif isinstance(doc, dict):
-            stack.extend(doc.values())
-        elif isinstance(doc, list | tuple):
-            stack.extend(doc)
-    return total
 
 
 class NotAssembled(Exception):

@@ -266,6 +266,12 @@ class ClientSettings(CommonSettings, PipelineSettings, _LegacyTimeout):
     """The client library, its CLI commands and the LiteLLM proxy hook."""
 
     client_timeout_ms: float = Field(45.0, gt=0, description="The client library's default timeout of a call.")
+    client_timeout_ms_per_mb: float = Field(
+        400.0, ge=0, le=60_000, description="Added to the default timeout per million characters of the call's "
+                                            "conversation (README \"The client library\").")
+    client_timeout_max_ms: float = Field(
+        10_000.0, gt=0, le=600_000, description="The default timeout scaled by conversation size stops here "
+                                                "(never below IBEX_CLIENT_TIMEOUT_MS).")
     broker_endpoints: str = Field("tcp://127.0.0.1:5555", description="Frontends the client uses (comma-separated).")
     client_key_file: str | None = Field(None, description="The caller's CURVE keypair file.")
     litellm_config: str | None = Field(

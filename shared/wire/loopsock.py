@@ -133,6 +133,11 @@ class LoopSocket:
             # again on the next loop turn rather than wait for an edge that will not come.
             self._kick()
 
+    def drain(self) -> None:
+        """Handle the messages waiting now, at once (not on the loop's next turn): a caller about to
+        decide on what they would say (the client's monitor events) reads them first."""
+        self._drain()
+
     def _kick(self) -> None:
         if not self._scheduled and not self.closed:
             self._scheduled = True

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, model_validator
 
 from ibex_context.shared.wire.base import WireModel as _Wire
+from ibex_context.shared.wire.chat_query import last_user_text
 from ibex_context.shared.wire.editing import ContextEditing, MessageEdit
 from ibex_context.shared.wire.errors import ErrorCode
 
@@ -110,6 +111,9 @@ class SummarySlot(_Wire):
 
 
 class AssembleRequest(_Wire):
+    """One assembly. ``query`` may be left out in chat form (``format`` set): it is then the
+    latest user message's text (``last_user_text``), as the LiteLLM hook derives it."""
+
     v: Annotated[int, Field(ge=1)] = PROTOCOL_VERSION
     request_id: RequestId
     org_id: Ident
@@ -132,6 +136,13 @@ class AssembleRequest(_Wire):
     summary_key: Annotated[str, StringConstraints(pattern=f"^{SUMMARY_KEY_CHARS}$")] | None = None
     # Absolute deadline, Unix epoch nanoseconds (clocks across hosts are assumed NTP-synced).
     deadline_ns: Annotated[int, Field(gt=0)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_query(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "query" not in data and data.get("format") is not None:
+            return {**data, "query": last_user_text(data.get("messages"))}
+        return data
 
     @model_validator(mode="after")
     def _one_form(self) -> AssembleRequest:

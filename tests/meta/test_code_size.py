@@ -1,6 +1,7 @@
-"""Code stays readable by construction: no product module over 400 lines, no function over 60
-(docs/architecture.md "Processes and data flow": small modules named for what they do). bench/ and tests/ are
-exempt."""
+"""Code stays readable by construction: no function over 60 lines (docs/architecture.md "Processes
+and data flow"). ruff holds each function to a complexity of 10, 12 branches, 50 statements and 8
+arguments (pyproject.toml). A module is split by what its functions do, not by a line count: a cap
+on module length split classes into mixins for length alone. bench/ and tests/ are exempt."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["client", "shared", "broker", "worker", "memory", "ops", "pipeline"]
-MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 
@@ -24,9 +24,8 @@ def test_the_packages_are_there() -> None:
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_module_and_function_sizes(path: Path) -> None:
+def test_function_sizes(path: Path) -> None:
     text = path.read_text("utf-8")
-    assert len(text.splitlines()) <= MAX_MODULE_LINES, f"{path.name}: split it by responsibility"
     long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"  # type: ignore[operator]
             for node in ast.walk(ast.parse(text))
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)

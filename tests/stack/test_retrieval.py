@@ -161,17 +161,19 @@ async def test_redis_paused_directive_times_out(make: Any, memory: Any) -> None:
     with redis.Redis.from_url(memory.redis_url) as admin:
         admin.execute_command("CLIENT", "PAUSE", "400", "ALL")
         try:
-            resp = await _run(a)
+            resp = await _run(a, deadline_s=0.2)  # a deadline inside the pause
         finally:
             admin.execute_command("CLIENT", "UNPAUSE")
     d = resp.branches["directive"]
-    assert d.status == "timeout" and d.elapsed_ms < 40 + WALL_SLACK_MS
+    # tried again on fresh connections, the last try up to the deadline's end, then given up
+    assert d.status == "timeout" and d.elapsed_ms < 200 and "3 tries" in (d.detail or ""), d
     assert _statuses(resp)["hot"] == "timeout"  # hot reads Redis too, via the service
     assert "directive" in {r.split(" ")[0] for r in resp.degraded_reasons}
     assert not resp.rendered.startswith("## Directive")
 
 
 async def test_all_three_fail_and_wall_holds_when_everything_hangs(make: Any, memory: Any) -> None:
+    """The wall holds for the memory branches; the directive waits up to the deadline's end."""
     memory.set_fault("all", latency_ms=2000)
     a = make(retrieval_timeout_ms=50, context_deadline_ms=50, directive_timeout_ms=1000, hot_timeout_ms=1000,
              cold_timeout_ms=1000)
@@ -179,13 +181,14 @@ async def test_all_three_fail_and_wall_holds_when_everything_hangs(make: Any, me
         admin.execute_command("CLIENT", "PAUSE", "500", "ALL")
         try:
             t0 = time.perf_counter()
-            resp = await _run(a)
+            resp = await _run(a, deadline_s=0.15)
             elapsed_ms = (time.perf_counter() - t0) * 1000
         finally:
             admin.execute_command("CLIENT", "UNPAUSE")
     assert set(_statuses(resp).values()) == {"timeout"}
-    assert resp.timings_us["retrieval"] / 1000 <= 50 + WALL_SLACK_MS
-    assert elapsed_ms <= 50 + 2 * WALL_SLACK_MS
+    assert max(resp.branches[b].elapsed_ms for b in ("hot", "cold")) <= 50 + WALL_SLACK_MS
+    assert resp.timings_us["retrieval"] / 1000 <= 150
+    assert elapsed_ms <= 150 + WALL_SLACK_MS
     _assert_valid_degraded(resp, {"directive", "hot", "cold"})
     assert [s.name for s in resp.sections] == ["history"]  # history-only context
 
