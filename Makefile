@@ -38,8 +38,10 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+## pytest: every test on two processes, each with its own Redis and memory service; a file's tests
+## stay on one process (they share module fixtures)
 pytest: install
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 ## test: install and run every check: ruff, mypy --strict, the whole pytest suite (unit, stack, meta)
 test: lint typecheck pytest

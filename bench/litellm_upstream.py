@@ -30,10 +30,10 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from ibex_context.client.integrations.litellm_config import PROMPT_MARK
+from ibex_context.memory.server import write_port_file
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.pipeline.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
 from ibex_context.shared.wire.errors import UnknownModel
@@ -264,7 +264,7 @@ def main() -> None:
     server.daemon_threads = True
     CATALOG.counter("o200k").count("warm")  # load the vocabularies before the first request
     CATALOG.counter("cl100k").count("warm")
-    Path(args.port_file).write_text(str(server.server_address[1]))
+    write_port_file(args.port_file, server.server_address[1])  # whole or absent: the reader never sees it empty
     server.serve_forever()
 
 

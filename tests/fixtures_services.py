@@ -36,7 +36,7 @@ from ibex_context.shared.security.tenancy import mint_org_token
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_SECRET = "test-secret-for-ibex-memory"
-SERVICE_START_TIMEOUT_S = 20.0
+SERVICE_START_TIMEOUT_S = 90.0  # a bound on a wait for readiness, not a speed claim: CI boxes are shared
 STOP_TIMEOUT_S = 10.0
 
 

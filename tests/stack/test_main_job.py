@@ -337,7 +337,11 @@ async def test_worker_killed_mid_load_nothing_lost(tmp_path: Path) -> None:
         outcomes = collections.Counter(
             "ok" if isinstance(r, AssembleResponse) else r.code.value for r, _ in results)
         assert sum(outcomes.values()) == 120  # every request ended in exactly one terminal outcome
-        assert outcomes["ok"] >= 100, outcomes
+        # Nothing was lost with the worker: what it held was re-dispatched, none answered UNAVAILABLE.
+        # A loaded machine may shed or time out some of the 120 (answered, by the broker, on time);
+        # how many depends on the machine, not on the failover, so only the kinds are asserted.
+        assert set(outcomes) <= {"ok", "OVERLOADED", "DEADLINE_EXCEEDED"}, outcomes
+        assert outcomes["ok"] > outcomes["OVERLOADED"] + outcomes["DEADLINE_EXCEEDED"], outcomes
         st = stack.status()
         assert st is not None
         assert st["stats"].get("workers_lost", 0) >= 1
