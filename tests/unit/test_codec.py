@@ -232,6 +232,8 @@ def test_header_accepts_exactly_what_the_model_accepts(data: st.DataObject, fiel
         (pack_header(_header(request_id="")), "request_id", "request_id"),
         (struct.pack("<BQHBB", 1, 0, 1, 1, 1) + b"rab", "deadline_ns", "deadline_ns"),
     ],
+    ids=["empty", "short", "truncated", "trailing-byte", "bad-utf8", "version", "org_id", "agent_id",
+         "request_id", "deadline"],  # stable ids: the headers carry the time, and test processes must agree
 )
 def test_header_refusals_name_the_problem(data: bytes, field: str, words: str) -> None:
     err = parse_header(data)
