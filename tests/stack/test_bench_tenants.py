@@ -18,7 +18,7 @@ from bench.tenants import TenantPlan, rows_of
 
 pytestmark = pytest.mark.timeout(400)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
