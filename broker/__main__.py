@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
+from ibex_context.shared.config.cliargs import write_port_file
 from ibex_context.shared.config.settings import BrokerSettings
 
 
@@ -37,15 +37,6 @@ def _secure(settings: BrokerSettings, ctx: Any, endpoints: list[str]) -> tuple[A
     return authenticator, {"authorizer": keyring.authorize,
                            "configure_frontend": auth.curve_server(keypair, auth.FRONT_DOMAIN),
                            "configure_backend": auth.curve_server(keypair, auth.BACK_DOMAIN)}
-
-
-def _write_endpoints(path: str, *endpoints: str) -> None:
-    """Publish the bound endpoints atomically: binding port 0 (``tcp://127.0.0.1:0``) and reading
-    this file is how a launcher gets free ports without a pick-then-bind race."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write("".join(f"{e}\n" for e in endpoints))
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=0)
         return 2
     if args.port_file:
-        _write_endpoints(args.port_file, broker.frontend_endpoint, broker.backend_endpoint)
+        write_port_file(args.port_file, broker.frontend_endpoint, broker.backend_endpoint)
     if settings.metrics_port:
         from ibex_context.shared.config.observability import broker_registry, serve
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 from typing import Any
@@ -32,6 +31,7 @@ from ibex_context.memory.embed import EMBEDDERS, Embedder, EmbedderUnavailable, 
 from ibex_context.memory.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
 from ibex_context.memory.http import ApiError
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, resolve_redis_url
+from ibex_context.shared.config.cliargs import write_port_file
 from ibex_context.shared.config.observability import setup_logging
 from ibex_context.shared.config.settings import env_name
 from ibex_context.shared.security.netloc import is_loopback_host
@@ -82,13 +82,6 @@ def exposure_error(host: str, config: MemoryConfig, *, enable_faults: bool) -> s
     if enable_faults:
         return f"refusing --enable-faults on {host!r}: fault injection is for loopback hosts only"
     return None
-
-
-def write_port_file(path: str, port: int) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(f"{port}\n")
-    os.replace(tmp, path)
 
 
 def _embedder(config: MemoryConfig) -> Embedder | None:

@@ -8,6 +8,7 @@ Here rather than in a server module, so the CLI's client-side commands (``assemb
 from __future__ import annotations
 
 import argparse
+import os
 from typing import NoReturn
 
 from pydantic import ValidationError
@@ -45,3 +46,13 @@ def settings_error(exc: ValidationError, prefix: str = "IBEX_") -> str:
     name = "_".join(err.loc).upper()
     name = name if name.startswith("IBEX_") else prefix + name  # a field that names its variable
     return f"settings: {name}: {err.message}"
+
+
+def write_port_file(path: str, *lines: object) -> None:
+    """A ``--port-file``'s lines, written whole or not at all (temp file, then rename): a launcher
+    that binds port 0 in the child and reads this file back gets free ports without a
+    pick-then-bind race, and never reads a file half written."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write("".join(f"{line}\n" for line in lines))
+    os.replace(tmp, path)
