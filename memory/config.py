@@ -12,7 +12,10 @@ The limits below keep one tenant (or one bad write) from hurting the others (doc
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+import os
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
@@ -23,6 +26,12 @@ from ibex_context.memory.terms import TERM_SCAN_MAX
 from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, MemoryServiceSettings, shown
 
 DEV_SECRET = DEV_MEMORY_SECRET
+# Settings the service no longer reads, and what replaced each: set, they are refused at start
+# rather than silently ignored (an operator relying on one would believe a limit holds that does not).
+RETIRED_ENV = {
+    "IBEX_MEMORY_MAX_BYTES_PER_ORG": "IBEX_ORG_STORAGE_BYTES (or IBEX_ORG_STORAGE_FRACTION), which counts "
+                                     "the Redis bytes an org's memories, summaries and calibration hold",
+}
 
 # Hashing embedder, worst case (distinct CJK characters, cold feature cache), dev machine:
 # ~4 us a character: 1,000 chars ~4 ms, 4,000 ~16 ms, 100,000 ~660 ms. A normal search is ~2 ms,
@@ -123,6 +132,13 @@ class MemoryConfig(MemoryServiceSettings):
     @classmethod
     def _floor(cls, v: float) -> float:
         return check_relevance_floor(v)
+
+    @model_validator(mode="after")
+    def _retired(self) -> Self:
+        for name, instead in RETIRED_ENV.items():
+            if name in os.environ:
+                raise ValueError(f"{name} is no longer read: use {instead}")
+        return self
 
     @property
     def uses_dev_secret(self) -> bool:

@@ -108,8 +108,8 @@ def _config(**overrides: Any) -> MemoryConfig | None:
         return MemoryConfig(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         for err in exc.errors():
-            print(f"error: {env_name(MemoryConfig, str(err['loc'][0])) if err['loc'] else '<settings>'}: "
-                  f"{err['msg']}", file=sys.stderr)
+            where = f"{env_name(MemoryConfig, str(err['loc'][0]))}: " if err["loc"] else ""
+            print(f"error: {where}{err['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return None
 
 
