@@ -1,6 +1,10 @@
 """Admission control and dispatch: the adaptive limit's rules, the shedding rule, and the
 real broker (its own thread, real ZeroMQ sockets) in front of scripted workers whose service time
-and feedback the test controls."""
+and feedback the test controls.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_admission.py.
+"""
 
 from __future__ import annotations
 

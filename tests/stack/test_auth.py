@@ -1,4 +1,8 @@
-"""Caller authentication with CURVE + ZAP on real sockets: orgs come from keys, never from payloads."""
+"""Caller authentication with CURVE + ZAP on real sockets: orgs come from keys, never from payloads.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_auth.py.
+"""
 
 from __future__ import annotations
 

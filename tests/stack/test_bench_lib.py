@@ -1,5 +1,9 @@
 """The bench's shared library: one percentile definition, one CPU reader, one suite launcher, and no
-suite reaching into another's private names."""
+suite reaching into another's private names.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_bench_lib.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Smoke test of the bench harness machinery on tiny settings. No timing assertions:
 only that every request is accounted for, histograms hold the right counts and the outputs have
-the documented shape."""
+the documented shape.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_bench_run.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Calibrated token counts from the provider's usage (docs/assembly.md "Calibrated token counts"):
-the sketch, its Redis layout, the budget it drives, and the whole report path on the real stack."""
+the sketch, its Redis layout, the budget it drives, and the whole report path on the real stack.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_calibration.py.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,9 @@
 The conversation goes in in the provider's shape and comes back ready to send: the directive and
 the nonce-tagged memories placed, tool calls and images untouched, history trimmed in whole units,
 and the exact count of the emitted prompt never over window - response reserve.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_chat_assembly.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ as the provider counts it (docs/assembly.md "Context editing").
 
 Pure tests of the planner and the pipeline (offline ``assemble``), properties over generated
 tool-heavy agent conversations in both provider forms, and one real-stack test through the worker.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_context_editing.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The conversation evaluation set (bench/data/conversations.jsonl, conversation_questions.jsonl): the
-generator is deterministic and the committed files are its output, and every label holds by construction."""
+generator is deterministic and the committed files are its output, and every label holds by construction.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_conversation_set.py.
+"""
 
 from __future__ import annotations
 

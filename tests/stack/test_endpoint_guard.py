@@ -3,6 +3,9 @@
 ZeroMQ's ``tcp://source;bind`` form binds the part after ``;`` and names, interfaces and ``*``
 are resolved at bind time, so each of those must be refused, both in the check and by a real
 ``python -m ibex_context.broker`` (docs/security.md "Authentication").
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_endpoint_guard.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Memory bodies escape only ``&``, ``<``, ``>``; attributes also quotes; history and tool schemas get
 no entities at all. Still: the block a reader finds by the nonce holds exactly the packed memories,
 and no untrusted line reads as one of the formatter's ``## Section`` headings.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_escaping.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ text; the hand cases pin texts that cost far more tokens than their words sugges
 tests check the vocabulary facts the bound's argument rests on (``pipeline.tokens.token_bound``);
 the pipeline and stack tests send Claude, Gemini and Mistral requests whose history or memories
 are mostly whitespace, offline and through the real broker and worker.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_estimate_bound.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""`ibex-context explain`: the offline pipeline, its accounting and its errors."""
+"""`ibex-context explain`: the offline pipeline, its accounting and its errors.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_explain.py.
+"""
 
 from __future__ import annotations
 

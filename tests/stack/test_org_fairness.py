@@ -2,6 +2,9 @@
 ``worker.cost``): the turn rules on a real loop, and the real stack (broker, two workers, memory
 service, Redis) with acme sending heavy requests (tool-call rounds near the item limit, over it, a
 raw fill-byte JPEG) while globex sends light ones, which must come back on time and undegraded.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_org_fairness.py.
 """
 
 from __future__ import annotations

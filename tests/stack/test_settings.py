@@ -1,4 +1,8 @@
-"""Settings: the spec's defaults, IBEX_* overrides, and refusal of nonsense."""
+"""Settings: the spec's defaults, IBEX_* overrides, and refusal of nonsense.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_settings.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """The compaction summary slot through the one pipeline (offline): placement per target, framing
 as untrusted data, the exact count, the window, ``covers`` checks, the history report and
-``history_dropped_upto``, and a prefix that stays the same while the summary does."""
+``history_dropped_upto``, and a prefix that stays the same while the summary does.
+
+Here: the checks through running servers; the pure parts are in
+tests/unit/test_summary_slot.py.
+"""
 
 from __future__ import annotations
 

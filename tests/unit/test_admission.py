@@ -1,6 +1,10 @@
 """Admission control and dispatch: the adaptive limit's rules, the shedding rule, and the
 real broker (its own thread, real ZeroMQ sockets) in front of scripted workers whose service time
-and feedback the test controls."""
+and feedback the test controls.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_admission.py.
+"""
 
 from __future__ import annotations
 

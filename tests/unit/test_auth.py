@@ -1,4 +1,8 @@
-"""Caller authentication with CURVE + ZAP on real sockets: orgs come from keys, never from payloads."""
+"""Caller authentication with CURVE + ZAP on real sockets: orgs come from keys, never from payloads.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_auth.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """``python -m bench.retrieval --suite conversations`` end to end on a slice of one chat, through a real
-stack (embedded Redis, memory service, broker, worker), and its pure parts (BM25, judging)."""
+stack (embedded Redis, memory service, broker, worker), and its pure parts (BM25, judging).
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_bench_conversations.py.
+"""
 
 from __future__ import annotations
 

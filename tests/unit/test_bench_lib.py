@@ -1,5 +1,9 @@
 """The bench's shared library: one percentile definition, one CPU reader, one suite launcher, and no
-suite reaching into another's private names."""
+suite reaching into another's private names.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_bench_lib.py.
+"""
 
 from __future__ import annotations
 

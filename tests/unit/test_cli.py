@@ -1,5 +1,9 @@
 """`ibex-context` as a newcomer meets it: one-line errors with the right exit status, plain help,
-hints, settings that do what the README says, and a `make up` stack that keeps its data."""
+hints, settings that do what the README says, and a `make up` stack that keeps its data.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_cli.py.
+"""
 
 from __future__ import annotations
 

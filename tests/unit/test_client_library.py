@@ -1,5 +1,9 @@
 """The client library never surprises the proxy: typed caller errors, no connection-wide failures,
-no event-loop stalls, settings that do what the README says (README "The client library")."""
+no event-loop stalls, settings that do what the README says (README "The client library").
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_client_library.py.
+"""
 
 from __future__ import annotations
 

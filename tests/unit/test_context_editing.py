@@ -3,6 +3,9 @@ as the provider counts it (docs/assembly.md "Context editing").
 
 Pure tests of the planner and the pipeline (offline ``assemble``), properties over generated
 tool-heavy agent conversations in both provider forms, and one real-stack test through the worker.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_context_editing.py.
 """
 
 from __future__ import annotations

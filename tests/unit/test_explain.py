@@ -1,4 +1,8 @@
-"""`ibex-context explain`: the offline pipeline, its accounting and its errors."""
+"""`ibex-context explain`: the offline pipeline, its accounting and its errors.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_explain.py.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ A fresh process (as a proxy starts) with the broker down: the client starts and 
 client's thread then, and the chat pipeline would be imported on first use; neither may hold
 the call past its deadline. Before the vocabularies are there the fallback counts by UTF-8 bytes
 (``ByteBoundCatalog``): never under the real count, so the trimmed conversation still fits.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_first_degraded.py.
 """
 
 from __future__ import annotations

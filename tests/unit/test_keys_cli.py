@@ -1,5 +1,9 @@
 """``ibex-context keys``: every mistake is one line and exit 2, nothing is written outside --dir,
-and a key keeps one role (docs/security.md "Authentication")."""
+and a key keeps one role (docs/security.md "Authentication").
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_keys_cli.py.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 keys mapped to key and team metadata from a keys file, hashes only, no database, no default keys.
 docs/litellm.md. Every other LiteLLM proxy test authenticates through it too
 (bench.litellm_rig writes its keys file).
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_litellm_auth.py.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 The proxy itself is exercised end to end in tests/stack/test_litellm_proxy.py; here the hook is called
 directly with LiteLLM's own ``UserAPIKeyAuth`` where no stack is needed (nothing is assembled).
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_litellm_hook.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The frame protocol (docs/architecture.md "Processes and data flow"): every frame kind round-trips through its
 builder and parser, a malformed frame of each kind is refused with ``FrameError``, and STATUS has
-its own reply command, so a REPLY with an empty request id is an ordinary (unknown) reply."""
+its own reply command, so a REPLY with an empty request id is an ordinary (unknown) reply.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_protocol.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Selection quality: hybrid retrieval, hot ranked for the question, the composite
-and its components on the wire, the packer's weighted score and per-request weights, explain."""
+and its components on the wire, the packer's weighted score and per-request weights, explain.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_selection.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Settings: the spec's defaults, IBEX_* overrides, and refusal of nonsense."""
+"""Settings: the spec's defaults, IBEX_* overrides, and refusal of nonsense.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_settings.py.
+"""
 
 from __future__ import annotations
 

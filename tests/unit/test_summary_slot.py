@@ -1,6 +1,10 @@
 """The compaction summary slot through the one pipeline (offline): placement per target, framing
 as untrusted data, the exact count, the window, ``covers`` checks, the history report and
-``history_dropped_upto``, and a prefix that stays the same while the summary does."""
+``history_dropped_upto``, and a prefix that stays the same while the summary does.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_summary_slot.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Stored compaction summaries: one format (``shared.stores.summaries``), one tenant-scoped key
 (``shared.stores.keys.summary_key``), and the worker's read of it in the directive's round trip against
-the real Redis and memory service, in process and through a real stack."""
+the real Redis and memory service, in process and through a real stack.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_summary_store.py.
+"""
 
 from __future__ import annotations
 

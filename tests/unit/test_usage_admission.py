@@ -5,6 +5,9 @@ under one outcome and a key over its limit told OVERLOADED once a second.
 The rules alone; the real broker (its own thread, real ZeroMQ sockets) in front of a worker that
 counts what it is sent; and the real stack (Redis, memory service, broker, two workers) with one
 org flooding reports from several processes while another org assembles.
+
+Here: the pure parts (no process, no socket); the checks through running servers are in
+tests/stack/test_usage_admission.py.
 """
 
 from __future__ import annotations
