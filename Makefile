@@ -39,9 +39,9 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 ## pytest: every test on two processes, each with its own Redis and memory service; a file's tests
-## stay on one process (they share module fixtures)
+## stay on one process (they share module fixtures); the 25 slowest steps are listed at the end
 pytest: install
-	$(VENV)/bin/pytest -n 2 --dist loadfile
+	$(VENV)/bin/pytest -n 2 --dist loadfile --durations=25
 
 ## test: install and run every check: ruff, mypy --strict, the whole pytest suite (unit, stack, meta)
 test: lint typecheck pytest
