@@ -23,15 +23,9 @@ from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.quotas import Quotas
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.memory.terms import TERM_SCAN_MAX
-from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, MemoryServiceSettings, shown
+from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, RETIRED_ENV, MemoryServiceSettings, shown
 
 DEV_SECRET = DEV_MEMORY_SECRET
-# Settings the service no longer reads, and what replaced each: set, they are refused at start
-# rather than silently ignored (an operator relying on one would believe a limit holds that does not).
-RETIRED_ENV = {
-    "IBEX_MEMORY_MAX_BYTES_PER_ORG": "IBEX_ORG_STORAGE_BYTES (or IBEX_ORG_STORAGE_FRACTION), which counts "
-                                     "the Redis bytes an org's memories, summaries and calibration hold",
-}
 
 # Hashing embedder, worst case (distinct CJK characters, cold feature cache), dev machine:
 # ~4 us a character: 1,000 chars ~4 ms, 4,000 ~16 ms, 100,000 ~660 ms. A normal search is ~2 ms,

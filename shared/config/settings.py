@@ -47,6 +47,12 @@ REPLY_ALLOWANCE_BYTES = 4 << 20
 # The development HMAC key of memory-service tokens (workers and the memory service): it is in the
 # source, so it is refused off loopback (docs/security.md "Degradation and security").
 DEV_MEMORY_SECRET = "ibex-dev-secret-change-me"
+# Settings no role reads any more, and what replaced each: the memory service refuses them at start
+# rather than ignoring them silently (an operator relying on one would believe a limit holds that does not).
+RETIRED_ENV = {
+    "IBEX_MEMORY_MAX_BYTES_PER_ORG": "IBEX_ORG_STORAGE_BYTES (or IBEX_ORG_STORAGE_FRACTION), which counts "
+                                     "the Redis bytes an org's memories, summaries and calibration hold",
+}
 # Before the split, one variable was both the client's call timeout and the worker's retrieval
 # limit; it still sets both, with a DeprecationWarning.
 LEGACY_TIMEOUT_ENV = ("IBEX_CONTEXT_TIMEOUT", "IBEX_CONTEXT_TIMEOUT_MS")

@@ -15,6 +15,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 from ibex_context.shared.config.settings import (
+    RETIRED_ENV,
     BrokerSettings,
     ClientSettings,
     Settings,
@@ -55,6 +56,9 @@ takes four orgs at full budget to reach it; lower `IBEX_ORG_STORAGE_BYTES` for m
 
 `up` also sets {", ".join(f"`{n}`" for n in LAUNCHER_ENV)} for supervisord.conf; they are not
 settings.
+
+No longer read, and refused at start when set (so that no one relies on a limit nothing enforces):
+{"; ".join(f"`{n}`, use {instead}" for n, instead in RETIRED_ENV.items())}.
 """
 
 
@@ -117,7 +121,7 @@ def rows() -> list[Row]:
 
 def documented() -> set[str]:
     """Every variable the page names as a row, a deprecated name, or one set by the launcher."""
-    names = {row.name for row in rows()} | set(LAUNCHER_ENV)
+    names = {row.name for row in rows()} | set(LAUNCHER_ENV) | set(RETIRED_ENV)
     for _, cls in role_classes():
         for info in cls.model_fields.values():
             if isinstance(info.validation_alias, AliasChoices):
