@@ -11,6 +11,11 @@ Layouts: ``seed`` (the simple form's flat ``rendered`` text as one system messag
 user message, with the seed's fresh random nonce per assembly), ``sysmem`` (directive + memory
 block in one leading system message, then the conversation: what most frameworks do) and
 ``service`` (exactly what ``assemble`` returns, so this measures whatever layout is on the branch).
+
+``--suite tool-heavy``: the coding-agent sessions of ``bench.tool_heavy`` (tool outputs of 2 to 50 KB,
+far past the window), the ``service`` layout only, with ``history.context_editing`` on (defaults)
+and off (drop only), memories changing every user turn. The last ``--calls`` model calls of each
+session are compared, each with the call before it, as above.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import tool_heavy
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
@@ -398,8 +404,75 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
     return table(head, body)
 
 
+HEAVY_AGENT = "devops-helper"  # the demo agent whose memories and directive the sessions use
+
+
+def _heavy_call(catalog: Catalog, fmt: str, msgs: list[Msg], hits: list[MemoryHit], directive: str,
+                clearing: bool) -> tuple[Any, list[Msg]]:
+    """One model call of a tool-heavy session as ``assemble`` returns it: (system, messages)."""
+    body: dict[str, Any] = {"model": _model(fmt), "format": fmt, "tools": tool_heavy.TOOL_DEFS, "messages": msgs,
+                            "history": {"context_editing": {"enabled": clearing}}}
+    if fmt == "anthropic":
+        system, body["messages"] = tool_heavy.to_anthropic(msgs)
+        body |= {"system": system, "tools": anthropic_tools(tool_heavy.TOOL_DEFS)}
+    query = next(str(m["content"]) for m in reversed(msgs) if m["role"] == "user")
+    req = AssembleRequest.model_validate({
+        "request_id": "cache-heavy", "org_id": "acme", "agent_id": HEAVY_AGENT, "query": query,
+        "deadline_ns": time.time_ns() + 3_600_000_000_000, **body})
+    resp = assemble(req, offline_result(directive=directive, hot=hits, cold=[]), Engine(catalog, Policy()))
+    return resp.system, list(resp.messages or [])
+
+
+def run_tool_heavy(catalog: Catalog, enc: Any, sessions: list[tool_heavy.Session], calls: int) -> list[dict[str, Any]]:
+    """Per (format, clearing on/off): each replayed call's tokens and reused prefix, summarised."""
+    pool, directive = load_memories()[HEAVY_AGENT], load_directives()[HEAVY_AGENT]
+    rows = []
+    for fmt in FORMATS:
+        for clearing in (True, False):
+            per_call = []
+            for s in sessions:
+                prev: list[int] = []
+                for n in s.calls[-calls - 1:]:
+                    msgs = s.messages[:n]
+                    turn = sum(1 for m in msgs if m["role"] == "user")
+                    system, out = _heavy_call(catalog, fmt, msgs, turn_hits(pool, turn), directive, clearing)
+                    toks = enc.encode_ordinary(canonical(fmt, tool_heavy.TOOL_DEFS, system, out))
+                    pre = common_prefix(prev, toks)
+                    if prev:
+                        per_call.append({"turn": turn, "step": int(msgs[-1]["role"] == "tool"), "tokens": len(toks),
+                                         "prefix": pre, "reuse": pre / len(toks),
+                                         "bound": min(len(prev), len(toks)) / len(toks),
+                                         "cost": turn_cost(fmt, len(toks), pre)})
+                    prev = toks
+            layout = "service, clearing " + ("on" if clearing else "off")
+            first = {"tokens": 0, "cost": 0.0}  # summarise skips a script's first call
+            rows.append(summarise("tool-heavy", fmt, layout, [first, *per_call]) | {"churn": "turn"})
+    return rows
+
+
+def tool_heavy_main(args: argparse.Namespace) -> int:
+    catalog = Catalog.load()
+    enc = catalog.counter(ENCODING).inner._enc  # type: ignore[attr-defined]
+    sessions = tool_heavy.sessions(args.seed, args.sessions, args.session_turns)
+    start = time.perf_counter()
+    rows = run_tool_heavy(catalog, enc, sessions, args.calls)
+    print(f"tool-heavy: {len(sessions)} sessions of {args.session_turns} turns (seed {args.seed}), the last "
+          f"{args.calls} model calls of each ({time.perf_counter() - start:.1f} s)")
+    print("\n".join(render(rows)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "cache-tool-heavy.json"
+    path.write_text(json.dumps({"encoding": ENCODING, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cache", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", choices=("scripts", "tool-heavy"), default="scripts")
+    ap.add_argument("--sessions", type=int, default=2, help="tool-heavy sessions")
+    ap.add_argument("--session-turns", type=int, default=60, help="work turns per tool-heavy session")
+    ap.add_argument("--calls", type=int, default=60, help="model calls replayed per tool-heavy session")
+    ap.add_argument("--seed", type=int, default=7, help="tool-heavy sessions' seed")
     ap.add_argument("--scripts", default=",".join(SCRIPTS), help=f"comma-separated, of {', '.join(SCRIPTS)}")
     ap.add_argument("--turns", type=int, default=24,
                     help="user turns per script, 1-3 tool calls each, so 2-4 model calls (default 24)")
@@ -407,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="when retrieval returns new memories: 'turn' (per user question), 'call' (every model call)")
     ap.add_argument("--out", type=Path, default=Path("bench/out"), help="directory for cache.json")
     args = ap.parse_args(argv)
+    if args.suite == "tool-heavy":
+        return tool_heavy_main(args)
     names = [s for s in args.scripts.split(",") if s]
     unknown = [s for s in names if s not in SCRIPTS]
     if unknown:

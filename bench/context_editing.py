@@ -1,6 +1,7 @@
 """Clear before drop against drop only, on synthetic tool-heavy agent conversations.
 
     python -m bench.context_editing [--conversations 60] [--seed 7] [--repeat 5]
+    python -m bench.context_editing --suite tool-heavy [--sessions 8] [--turns 60] [--replay 40]
 
 Each conversation is an agent at work: user questions, each answered after one to four tool calls
 whose results are long (300 to 3,000 words of fetched pages, files, shell output), then a short
@@ -11,14 +12,25 @@ user messages and assistant text, not tool results or calls), tool uses cleared,
 of one assembly (process time, median and p90 over ``--repeat`` runs of each conversation, after
 one warm-up assembly per model). Drop only is the pipeline as it was before clear before drop
 (the planner returns at once when it is off), so its CPU column is the "before".
+
+``--suite tool-heavy``: the coding-agent sessions of ``bench.tool_heavy`` (labelled facts stated
+early and asked about late, tool outputs of 2 to 50 KB) fitted into a 32K and a 128K window (o200k,
+4,096 reserved for the reply), drop only against clear before drop (defaults). Per window and rule:
+sessions that overflow, user/assistant messages kept, labelled facts kept, tokens sent (mean), and
+prefix reuse: the last ``--replay`` model calls of each session assembled one after the other, each
+call's messages (JSON) compared with the previous call's; reuse is the shared leading characters
+over the call's characters, summed over calls (a call that overflows starts over).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+from importlib import resources
 from typing import Any
 
+from bench import tool_heavy
 from bench.lib.cpu import cpu_seconds
 from bench.lib.percentiles import median, percentile
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
@@ -85,12 +97,101 @@ def run_one(engine: Engine, convo: list[dict[str, Any]], model: str, enabled: bo
     return resp, cpu
 
 
+WINDOWS = {"32K": 32_768, "128K": 131_072}
+
+
+def window_catalog() -> Catalog:
+    """The shipped catalog plus an o200k model per window of ``WINDOWS``."""
+    text = resources.files("ibex_context.pipeline").joinpath("catalog.json").read_text("utf-8")
+    data = json.loads(text)
+    for name, size in WINDOWS.items():
+        data["models"][f"o200k-{name}"] = {"family": "o200k", "context_window": size, "max_output": 4096}
+    return Catalog(data)
+
+
+def _heavy_one(engine: Engine, messages: list[dict[str, Any]], model: str, enabled: bool) -> AssembleResponse | None:
+    req = AssembleRequest(request_id="b", org_id="bench", agent_id="agent", model=model, query="next", format="openai",
+                          messages=messages, tools=tool_heavy.TOOL_DEFS, deadline_ns=1,
+                          history={"context_editing": {"enabled": enabled}})  # type: ignore[arg-type]
+    try:
+        return assemble(req, offline_result(directive="Work step by step.", hot=[], cold=[]), engine)
+    except ContextOverflow:
+        return None
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Leading characters ``a`` and ``b`` share."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # the longest equal prefix, by halving (string slices compare in C)
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def replay_reuse(engine: Engine, s: tool_heavy.Session, model: str, enabled: bool, calls: int) -> tuple[int, int]:
+    """(shared leading characters, characters) over the session's last ``calls`` model calls."""
+    prev, shared, total = "", 0, 0
+    for n in s.calls[-calls - 1:]:
+        resp = _heavy_one(engine, s.messages[:n], model, enabled)
+        if resp is None or resp.messages is None:
+            prev = ""
+            continue
+        text = json.dumps(resp.messages)
+        if prev:
+            shared += common_prefix(prev, text)
+            total += len(text)
+        prev = text
+    return shared, total
+
+
+def tool_heavy_suite(args: argparse.Namespace) -> int:
+    sessions = tool_heavy.sessions(args.seed, args.sessions, args.turns)
+    engine = Engine(window_catalog(), Policy())
+    words = sum(tool_heavy.words_kept(s.messages) for s in sessions)
+    facts = sum(len(s.facts) for s in sessions)
+    size = sum(len(m.get("content") or "") for s in sessions for m in s.messages) / len(sessions)
+    print(f"{len(sessions)} sessions of {args.turns} turns, {words} user/assistant messages, {facts} labelled "
+          f"facts, {size / 1e6:.2f} MB of content each on average; seed {args.seed}; reuse over the last "
+          f"{args.replay} calls of each\n")
+    print("| window | rule | overflow | user/assistant messages kept | labelled facts kept | tokens sent (mean) "
+          "| prefix reuse |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in WINDOWS:
+        model = f"o200k-{name}"
+        for enabled, rule in ((False, "drop only"), (True, "clear then drop")):
+            kept = known = overflow = 0
+            sent: list[int] = []
+            shared = chars = 0
+            for s in sessions:
+                resp = _heavy_one(engine, s.messages, model, enabled)
+                a, b = replay_reuse(engine, s, model, enabled, args.replay)
+                shared, chars = shared + a, chars + b
+                if resp is None or resp.messages is None or resp.prompt_tokens is None:
+                    overflow += 1
+                    continue
+                kept += tool_heavy.words_kept(resp.messages)
+                known += tool_heavy.facts_kept(resp.messages, s.facts)
+                sent.append(resp.prompt_tokens)
+            print(f"| {name} | {rule} | {overflow} | {kept} ({kept / words:.1%}) | {known} of {facts} "
+                  f"| {sum(sent) / max(1, len(sent)):.0f} | {shared / max(1, chars):.1%} |", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", choices=("words", "tool-heavy"), default="words")
     ap.add_argument("--conversations", type=int, default=60)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--sessions", type=int, default=8, help="tool-heavy sessions")
+    ap.add_argument("--turns", type=int, default=60, help="work turns per tool-heavy session")
+    ap.add_argument("--replay", type=int, default=40, help="model calls replayed per session for prefix reuse")
     args = ap.parse_args(argv)
+    if args.suite == "tool-heavy":
+        return tool_heavy_suite(args)
     rng = random.Random(args.seed)
     convos = [conversation(rng) for _ in range(args.conversations)]
     engine = Engine(Catalog.load(), Policy())

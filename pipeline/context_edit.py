@@ -12,10 +12,11 @@ https://docs.claude.com/en/docs/build-with-claude/context-editing) and LangChain
 Rules (docs/assembly.md "Context editing"):
 
   * Active when the conversation's cost is over the budget it may use, or over ``trigger_tokens``;
-    it then sets out to clear the excess rounded up to a multiple of ``clear_at_least`` (K). The
-    rounding is what keeps the prompt cache: the set cleared is a function of the excess, and it
-    only changes when the excess crosses a multiple of K, so the turns in between send the same
-    bytes. When everything that may be cleared saves less than K, nothing is cleared (as
+    it then sets out to clear the excess rounded up to a multiple of the step: ``clear_at_least``
+    (K), or ``step_share`` of the limit when that is more. The rounding is what keeps the prompt
+    cache: the set cleared is a function of the excess, and it only changes when the excess crosses
+    a multiple of the step, so the calls in between send the same bytes (a stateless hysteresis:
+    after a clearing the prompt sits up to a step under the limit). When everything that may be cleared saves less than K, nothing is cleared (as
     Anthropic's strategy does) and the trim drops turns instead.
   * Oldest tool use first (the order of the calls). The last ``keep`` tool uses (counted over all
     tools), tools in ``exclude_tools`` and a result whose placeholder would not be smaller are
@@ -62,11 +63,19 @@ class ClearPolicy:
     exclude_tools: frozenset[str] = frozenset()
     clear_tool_inputs: bool = False
     clear_thinking: bool = False
+    step_share: float = 0.5
 
     @classmethod
     def of(cls, options: ContextEditing) -> ClearPolicy:
         return cls(options.enabled, options.trigger_tokens, options.keep, options.clear_at_least,
-                   frozenset(options.exclude_tools), options.clear_tool_inputs, options.clear_thinking)
+                   frozenset(options.exclude_tools), options.clear_tool_inputs, options.clear_thinking,
+                   options.step_share)
+
+    def step(self, limit: int) -> int:
+        """Tokens the excess is rounded up to a multiple of: ``clear_at_least``, or ``step_share`` of
+        what the conversation may use when that is more (the cleared boundary then stays put while
+        the next calls append up to that much)."""
+        return max(self.clear_at_least, int(limit * self.step_share))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +203,8 @@ def plan(format: ChatFormat, messages: Sequence[Message], costs: Sequence[int], 
     if total <= limit:
         return none(costs)
     k = policy.clear_at_least
-    target = -(-(total - limit) // k) * k if k else total - limit
+    step = policy.step(limit)
+    target = -(-(total - limit) // step) * step if step else total - limit
     uses = [u for u in tool_uses(format, messages) if u.call not in skip]
     clearable = uses[:max(0, len(uses) - policy.keep)]
     order: list[tuple[int, int, ToolUse | None]] = [(u.call, 1, u) for u in clearable

@@ -29,6 +29,7 @@ class ContextEditing(_Wire):
     exclude_tools: Annotated[list[ToolName], Field(max_length=128)] = Field(default_factory=list)
     clear_tool_inputs: bool = False
     clear_thinking: bool = False
+    step_share: Annotated[float, Field(ge=0, le=1)] = 0.5
 
 
 EditAction = Literal["cleared", "thinking_free", "thinking_counted"]
