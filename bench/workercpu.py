@@ -69,7 +69,8 @@ class Worker:
 def _spawn_worker(stack: LocalStack, checkout: Path, endpoint: str, name: str, log_dir: Path,
                   extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
     env = stack.env()
-    # The checkout's own package first (its ``ibex_context`` symlinks), whatever is installed.
+    # The checkout's own package first where its ibex_context/ holds the folders (older trees link them);
+    # a tree laid out by package-dir reaches them through the editable install of this venv.
     env.update({"IBEX_BROKER_BACKENDS": endpoint, "IBEX_BROKER_BACKEND": endpoint, "IBEX_PIN_CPUS": "false",
                 "PYTHONPATH": str(checkout), **extra_env})
     log = open(log_dir / f"{name}.log", "ab")  # the child owns it

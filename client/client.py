@@ -46,7 +46,7 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
     load_settings,
     parse_endpoints,
 )
-from ibex_context.client.usage import USAGE_ID_PREFIX, SummaryReports, usage_payload
+from ibex_context.client.usage import USAGE_ID_PREFIX, summary_payload, usage_payload
 from ibex_context.client.wire import Outgoing, outgoing, scaled_timeout, too_large
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
@@ -75,7 +75,7 @@ CALLER_FAULTS = {ErrorCode.INVALID_REQUEST, ErrorCode.FORBIDDEN, ErrorCode.UNAUT
 MIN_RETRY_S = 0.002
 
 
-class AsyncClient(SummaryReports):
+class AsyncClient:
     """Async client. Use ``async with AsyncClient([...]) as c: await c.assemble(req, timeout=0.05)``.
 
     ``default_timeout`` (seconds) applies when a call gives none; unset, it is
@@ -327,17 +327,43 @@ class AsyncClient(SummaryReports):
         """
         try:
             payload, why = usage_payload(assembly, prompt_tokens, cached_tokens, time.time_ns())
-            conn = None if payload is None or self._closed or not self._started else self._pick(set())
-            if payload is None or conn is None or conn.sock.send(P.usage_frames(payload)) is not None:
-                why = why or ("the client is closed" if self._closed else "the client is not started" if not
-                              self._started else "no broker connection could take it")
-                self.stats["usage_not_sent"] += 1
-                log.warning("usage report not sent: %s", why)
-                return
-            self.stats["usage_sent"] += 1
+            self._fire(payload, why, P.USAGE, "usage")
         except Exception:  # fire-and-forget: a bug here must not fail the proxy's call
-            self.stats["usage_not_sent"] += 1
+            self._count("usage_not_sent")
             log.exception("usage report failed")
+
+    def report_summary(self, *, org_id: str, agent_id: str, summary_key: str, text: str, covers: int,
+                       as_memory: bool = False, ttl_s: int | None = None, made_at: float | None = None) -> bool:
+        """Fire-and-forget: send a compaction summary to be stored under the conversation's
+        ``summary_key`` (kept only if ``covers`` is more than the stored one's; with ``as_memory``
+        also one of the agent's memories). Whether it was sent; never raises, never blocks (bad
+        input is logged and counted in ``summary_not_sent``). Call it on the client's event loop."""
+        try:
+            payload, why = summary_payload({"org_id": org_id, "agent_id": agent_id, "summary_key": summary_key,
+                                            "text": text, "covers": covers, "as_memory": as_memory, "ttl_s": ttl_s,
+                                            "made_at": made_at}, time.time_ns())
+            return self._fire(payload, why, P.SUMMARY, "summary")
+        except Exception:  # fire-and-forget: a bug here must not fail the caller
+            self._count("summary_not_sent")
+            log.exception("summary report failed")
+            return False
+
+    def _fire(self, payload: bytes | None, why: str, cmd: bytes, kind: str) -> bool:
+        """Send a report (USAGE or SUMMARY) on any connection without waiting for a reply; whether
+        it went. ``kind``'s ``_sent``/``_not_sent`` counter says so, and a report not sent is logged
+        with why (``why``: the payload's own problem, else the client's state)."""
+        conn = None if payload is None or self._closed or not self._started else self._pick(set())
+        if payload is None or conn is None or conn.sock.send(P.usage_frames(payload, cmd)) is not None:
+            why = why or ("the client is closed" if self._closed else "the client is not started" if not
+                          self._started else "no broker connection could take it")
+            self._count(f"{kind}_not_sent")
+            log.warning("%s not sent: %s", "usage report" if cmd == P.USAGE else "summary", why)
+            return False
+        self._count(f"{kind}_sent")
+        return True
+
+    def _count(self, name: str) -> None:
+        self.stats[name] = self.stats.get(name, 0) + 1
 
     async def assemble_or_degrade(self, request: AssembleRequest | None = None, *,
                                   timeout: float | None = None, fallback_directive: str | None = None,

@@ -8,31 +8,23 @@ set) carry (not the client's local fallback); any other assembly, or a count tha
 positive integer, is not sent: the reason is returned, logged and counted by the caller, never
 raised (the proxy must not fail a user's call over bookkeeping).
 
-``AsyncClient.report_summary`` (``SummaryReports``, below) sends a compaction summary to be stored
-(protocol SUMMARY, README "Compaction summaries") the same way: validated here with the wire
-model the worker checks it with, sent without waiting, never raising. A refusal by the broker
+``AsyncClient.report_summary`` sends a compaction summary to be stored (protocol SUMMARY, README
+"Compaction summaries") the same way: validated here (``summary_payload``) with the wire model
+the worker checks it with, sent without waiting, never raising. A refusal by the broker
 comes back under a ``usage-`` id and is counted in ``usage_refused`` and logged, as a report's is.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode
 from ibex_context.shared.wire.models import AssembleResponse, UsageReport
 from ibex_context.shared.wire.protocol import MAX_USAGE_BYTES
 from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
-
-if TYPE_CHECKING:
-    from ibex_context.client.connection import Conn
-
-log = logging.getLogger(__name__)
 
 USAGE_ID_PREFIX = "usage-"  # a refusal from the broker comes back under this id: counted, not waited for
 USAGE_TTL_NS = 10_000_000_000  # a report the broker receives more than 10 s after it was made is dropped
@@ -90,41 +82,3 @@ def summary_payload(fields: dict[str, Any], now_ns: int) -> tuple[bytes | None, 
     if len(payload) > MAX_SUMMARY_BYTES:  # pragma: no cover - the text's bound keeps it far below
         return None, f"summary of {len(payload)} bytes exceeds {MAX_SUMMARY_BYTES}"
     return payload, ""
-
-
-class SummaryReports:
-    """``AsyncClient.report_summary``: the summary path, apart from the request path."""
-
-    stats: dict[str, int]
-    _closed: bool
-    _started: bool
-
-    def _pick(self, tried: set[int]) -> Conn | None:  # the client's own
-        raise NotImplementedError
-
-    def _count(self, name: str) -> None:
-        self.stats[name] = self.stats.get(name, 0) + 1
-
-    def report_summary(self, *, org_id: str, agent_id: str, summary_key: str, text: str, covers: int,
-                       as_memory: bool = False, ttl_s: int | None = None, made_at: float | None = None) -> bool:
-        """Fire-and-forget: send a compaction summary to be stored under the conversation's
-        ``summary_key`` (kept only if ``covers`` is more than the stored one's; with ``as_memory``
-        also one of the agent's memories). Whether it was sent; never raises, never blocks (bad
-        input is logged and counted in ``summary_not_sent``). Call it on the client's event loop."""
-        try:
-            payload, why = summary_payload({"org_id": org_id, "agent_id": agent_id, "summary_key": summary_key,
-                                            "text": text, "covers": covers, "as_memory": as_memory, "ttl_s": ttl_s,
-                                            "made_at": made_at}, time.time_ns())
-            conn = None if payload is None or self._closed or not self._started else self._pick(set())
-            if payload is None or conn is None or conn.sock.send(P.usage_frames(payload, P.SUMMARY)) is not None:
-                why = why or ("the client is closed" if self._closed else "the client is not started" if not
-                              self._started else "no broker connection could take it")
-                self._count("summary_not_sent")
-                log.warning("summary not sent: %s", why)
-                return False
-            self._count("summary_sent")
-            return True
-        except Exception:  # fire-and-forget: a bug here must not fail the caller
-            self._count("summary_not_sent")
-            log.exception("summary report failed")
-            return False

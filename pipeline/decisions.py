@@ -9,15 +9,20 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
-from ibex_context.shared.wire.models import COMPONENTS, Decision
+from ibex_context.shared.wire.models import COMPONENTS
+
+# A Decision's fields: the response validates every row in one pass (``pipeline.assemble.response``),
+# a third cheaper than a model per candidate, and the models it builds are the same.
+DecisionFields = dict[str, Any]
 
 
 def decisions(
     retrieval: RetrievalResult, rejected: list[Rejection], kept: list[ScoredMemory],
     excluded: list[ScoredMemory], dropped: list[ScoredMemory], usable: int,
-) -> list[Decision]:
+) -> list[DecisionFields]:
     """One decision per distinct memory_id, plus a ``duplicate`` for every other copy of it.
 
     The scorer already keeps one copy per id. A copy retrieval refused (malformed or over its
@@ -27,32 +32,32 @@ def decisions(
     packing = _Packing(sum(m.tokens for m in kept), math.fsum(m.composite_score for m in kept),
                        sorted(m.composite_score for m in kept), usable)
     rows = [_rejected(r) for r in rejected]
-    rows += [Decision(memory_id=m.memory_id, source=m.hit.source, decision="packed",
-                      reason=f"packed: {m.tokens} tokens, {m.kind} score {m.composite_score:.4f}",
-                      tokens=m.tokens, score=m.composite_score, components=components_of(m),
-                      retrieval=retrieval_scores(m)) for m in kept]
+    rows += [{"memory_id": m.memory_id, "source": m.hit.source, "decision": "packed",
+              "reason": f"packed: {m.tokens} tokens, {m.kind} score {m.composite_score:.4f}",
+              "tokens": m.tokens, "score": m.composite_score, "components": components_of(m),
+              "retrieval": retrieval_scores(m)} for m in kept]
     rows += [_excluded(m, _budget_reason(m, packing)) for m in excluded]
     rows += [_excluded(m, (f"packed, then dropped: the rendered memories section counted more tokens than "
                            f"its per-memory estimate, and at score {m.composite_score:.4f} this was the "
                            f"lowest-scored memory")) for m in dropped]
-    answered = {d.memory_id: d for d in rows if d.decision != "duplicate"}
-    early: list[Decision] = []
+    answered = {d["memory_id"]: d for d in rows if d["decision"] != "duplicate"}
+    early: list[DecisionFields] = []
     for r in retrieval.rejections:
         first = answered.get(r.memory_id)
         if first is None:
             answered[r.memory_id] = d = _rejected(r)
         else:
-            d = Decision(memory_id=r.memory_id, source=r.source, decision="duplicate",
-                         reason=(f"duplicate memory_id: the {first.source} copy was kept ({first.decision}); "
-                                 f"this copy was {r.decision}: {r.reason}"))
+            d = {"memory_id": r.memory_id, "source": r.source, "decision": "duplicate",
+                 "reason": (f"duplicate memory_id: the {first['source']} copy was kept ({first['decision']}); "
+                            f"this copy was {r.decision}: {r.reason}")}
         early.append(d)
     return [*early, *rows]
 
 
-def _rejected(r: Rejection) -> Decision:
-    return Decision(memory_id=r.memory_id, source=r.source, decision=r.decision, reason=r.reason,
-                    tokens=r.tokens, score=_unit(r.score),
-                    components=None if r.components is None else dict(zip(COMPONENTS, r.components, strict=True)))
+def _rejected(r: Rejection) -> DecisionFields:
+    return {"memory_id": r.memory_id, "source": r.source, "decision": r.decision, "reason": r.reason,
+            "tokens": r.tokens, "score": _unit(r.score),
+            "components": None if r.components is None else dict(zip(COMPONENTS, r.components, strict=True))}
 
 
 def components_of(m: ScoredMemory) -> dict[str, float] | None:
@@ -71,10 +76,10 @@ def retrieval_scores(m: ScoredMemory) -> dict[str, float] | None:
     return {"text": h.text_score, "vector": h.vector_score}
 
 
-def _excluded(m: ScoredMemory, reason: str) -> Decision:
-    return Decision(memory_id=m.memory_id, source=m.hit.source, decision="excluded_budget", reason=reason,
-                    tokens=m.tokens, score=m.composite_score, components=components_of(m),
-                    retrieval=retrieval_scores(m))
+def _excluded(m: ScoredMemory, reason: str) -> DecisionFields:
+    return {"memory_id": m.memory_id, "source": m.hit.source, "decision": "excluded_budget", "reason": reason,
+            "tokens": m.tokens, "score": m.composite_score, "components": components_of(m),
+            "retrieval": retrieval_scores(m)}
 
 
 @dataclass(frozen=True, slots=True)

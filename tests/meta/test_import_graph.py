@@ -12,21 +12,12 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = "ibex_context"
-FOLDERS = ("broker", "client", "memory", "ops", "pipeline", "shared", "worker")
+from tests.meta.layout import modules
 
 
 def _sources() -> dict[str, Path]:
-    """Module name -> file, for every module of the package (``data/`` holds scripts run by path)."""
-    found = {PACKAGE: ROOT / PACKAGE / "__init__.py"}
-    for folder in FOLDERS:
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            if "data" in parts:
-                continue
-            found[".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
-    return found
+    """Module name -> file, through pyproject's package-dir table (the folders are not named ibex_context)."""
+    return modules()
 
 
 def _imported(name: str, path: Path, modules: set[str]) -> Iterator[str]:

@@ -1,10 +1,11 @@
 """One file, one module: every product file loads under its ``ibex_context.`` name only.
 
-``ibex_context/`` reaches the top-level folders through symlinks, so from the repo root a file is
-reachable as ``shared.wire.errors`` and as ``ibex_context.shared.wire.errors``. Loaded both ways it would be
-two modules with two ``IbexError`` classes, and an ``except IbexError`` could miss. Each folder's
-``__init__`` refuses its bare name; this checks it in a fresh interpreter started in the repo root,
-where the bare names are on ``sys.path``.
+pyproject.toml maps each top-level folder to its ``ibex_context`` name (no symlinked tree). From
+the repo root the folders are also on ``sys.path`` (pytest, ``python -m bench``), so a file is
+reachable as ``shared.wire.errors`` there; loaded both ways it would be two modules with two
+``IbexError`` classes, and an ``except IbexError`` could miss. Each folder's ``__init__`` refuses
+its bare name; this checks it in a fresh interpreter started in the repo root, and that outside
+the checkout the installed package is the only way to reach the files.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("broker", "client", "memory", "ops", "pipeline", "shared", "worker")
+from tests.meta.layout import FOLDERS, PACKAGE, PACKAGE_DIRS, PACKAGES, ROOT
 
 # Bare names, then every module through ibex_context, then the bare names again (a bare import
 # after the real one must fail too); then every module object whose file lies in the checkout.
@@ -47,14 +47,11 @@ print(json.dumps({"before": before, "after": after,
 """
 
 
-def _dotted(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def _modules() -> list[str]:
-    """Every importable module of the folders (``data/`` holds scripts run by path, not modules)."""
-    return sorted(_dotted(p) for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")
+    """Every importable module of the folders by its bare name (``data/`` holds scripts run by path)."""
+    return sorted(".".join(p.relative_to(ROOT).with_suffix("").parts[:-1] if p.name == "__init__.py"
+                           else p.relative_to(ROOT).with_suffix("").parts)
+                  for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")
                   if "data" not in p.relative_to(ROOT).parts)
 
 
@@ -74,3 +71,38 @@ def test_no_file_loads_as_two_modules() -> None:
     assert not twice, f"files loaded as two modules: {twice}"
     loaded = {name for names in got["files"].values() for name in names}
     assert set(real) <= loaded, sorted(set(real) - loaded)
+
+
+def test_every_package_is_listed_and_mapped() -> None:
+    """The wheel and the editable install hold exactly the folders with an ``__init__.py``."""
+    assert PACKAGE_DIRS[PACKAGE] == ROOT / PACKAGE and set(FOLDERS) >= {"broker", "client", "shared", "worker"}
+    on_disk = {PACKAGE, *(f"{PACKAGE}.{'.'.join(p.parent.relative_to(ROOT).parts)}"
+                          for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py"))}
+    assert sorted(PACKAGES) == sorted(on_disk)
+    # no symlinked package tree: ibex_context/ holds its own two files, no folder links anywhere
+    assert not [p for p in (ROOT / PACKAGE).iterdir() if p.is_symlink() or (p.is_dir() and p.name != "__pycache__")]
+    assert not [p for folder in FOLDERS for p in (ROOT / folder).rglob("*") if p.is_symlink() and p.is_dir()]
+
+
+_OUTSIDE = r"""
+import importlib, importlib.util, json, os, sys
+names, root = json.loads(sys.argv[1])
+files = {}
+for name in names:
+    files[name] = os.path.realpath(importlib.import_module(name).__file__)
+bare = [m for m in ("broker", "client", "memory", "ops", "pipeline", "shared", "worker") if importlib.util.find_spec(m)]
+print(json.dumps({"files": files, "bare": bare}))
+"""
+
+
+def test_outside_the_checkout_only_the_package_name_reaches_the_files(tmp_path: Path) -> None:
+    """The installed package (editable here) maps each name to the checkout's folder; no bare name exists."""
+    names = [PACKAGE, *(f"{PACKAGE}.{folder}" for folder in FOLDERS), f"{PACKAGE}.shared.wire.errors"]
+    out = subprocess.run([sys.executable, "-c", _OUTSIDE, json.dumps([names, str(ROOT)])], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["bare"] == []
+    assert got["files"][f"{PACKAGE}.shared.wire.errors"] == str(ROOT / "shared" / "wire" / "errors.py")
+    for folder in FOLDERS:
+        assert got["files"][f"{PACKAGE}.{folder}"] == str(ROOT / folder / "__init__.py")

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ibex_context.ops.stack import free_port
+from tests.meta.layout import PACKAGE_DIRS
 
 SRC = Path(__file__).resolve().parents[2]
 DEPS = Path(sysconfig.get_paths()["purelib"])  # the project venv's site-packages
@@ -48,19 +49,16 @@ def _run(args: list[str | Path], *, cwd: Path, env: dict[str, str],
 
 
 def _source_copy(dest: Path) -> Path:
-    """What the wheel is built from: pyproject, README and the folders ibex_context/ links to.
+    """What the wheel is built from: pyproject, README and the folders its package-dir table maps.
 
     Built from a copy so the test never writes build/ into the checkout others work in.
     """
     dest.mkdir()
     for name in ("pyproject.toml", "README.md", "supervisord.conf"):
         shutil.copy2(SRC / name, dest / name)
-    shutil.copytree(SRC / "ibex_context", dest / "ibex_context", symlinks=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for link in (SRC / "ibex_context").iterdir():
-        if link.is_symlink():
-            target = (link.parent / os.readlink(link)).resolve()
-            shutil.copytree(target, dest / target.name, symlinks=True, ignore=ignore)
+    for folder in PACKAGE_DIRS.values():
+        shutil.copytree(folder, dest / folder.relative_to(SRC), symlinks=True, ignore=ignore)
     return dest
 
 
