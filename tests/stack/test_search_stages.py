@@ -1,5 +1,5 @@
 """Search's stages through the real services: each hit's stage scores (full text, vector, subject
-boost), the memories about a person the question names lifted, dates matched by words, the
+boost), the memories about a person the question names lifted, dates and stems matched by words, the
 candidates under the search's line sent with their scores, and ``assemble --explain`` / ``--json``
 showing both on a live assembly."""
 
@@ -74,6 +74,8 @@ def test_a_writers_subject_is_used_and_dates_match_by_their_words(memory: Memory
     dated = {h["memory_id"]: h for h in _search(memory, "What happened in September 2023?")["memories"]}
     assert dated["p-book"]["text_score"] > 0.0  # its content names no date: the indexed day does
     assert all(h["text_score"] == 0.0 for m, h in dated.items() if m != "p-book")
+    stemmed = {h["memory_id"]: h for h in _search(memory, "Who adopts rabbits?")["memories"]}
+    assert stemmed["j-pet"]["text_score"] > 0.0  # "adopted a rabbit": the index stems English words
 
 
 def test_candidates_under_the_line_come_with_scores_and_reasons(memory: MemoryServiceHandle) -> None:
