@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 
 from ibex_context.memory.seed import seed_records
 from ibex_context.ops.stack import LocalStack
+from ibex_context.shared.stores.keys import memory_key
 from tests.fixtures_services import MemoryServiceHandle
 from tests.helpers import start_stack
 
@@ -76,6 +77,25 @@ def test_a_writers_subject_is_used_and_dates_match_by_their_words(memory: Memory
     assert all(h["text_score"] == 0.0 for m, h in dated.items() if m != "p-book")
     stemmed = {h["memory_id"]: h for h in _search(memory, "Who adopts rabbits?")["memories"]}
     assert stemmed["j-pet"]["text_score"] > 0.0  # "adopted a rabbit": the index stems English words
+
+
+def test_a_memory_indexed_without_its_date_is_still_found(memory: MemoryServiceHandle) -> None:
+    """Memories stored before the date was indexed (their ``content`` field holds the content only)
+    are searched as they are: found by their words and vectors, not by their date."""
+    memory.seed(TURNS)
+
+    async def undate() -> None:
+        redis = Redis.from_url(memory.redis_url)
+        try:
+            await redis.hset(memory_key("acme", "chat", "p-book"), "content", TURNS[2]["content"])
+        finally:
+            await redis.aclose()
+
+    asyncio.run(undate())
+    by_words = {h["memory_id"]: h for h in _search(memory, "novel about lighthouses")["memories"]}
+    assert by_words["p-book"]["text_score"] > 0.5
+    by_date = {h["memory_id"]: h for h in _search(memory, "What happened in September 2023?")["memories"]}
+    assert by_date.get("p-book", {"text_score": 0.0})["text_score"] == 0.0
 
 
 def test_candidates_under_the_line_come_with_scores_and_reasons(memory: MemoryServiceHandle) -> None:
