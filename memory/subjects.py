@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Collection
+from functools import lru_cache
 
 _SPEAKER = re.compile(r"^\s*([A-Z][\w'’.-]{0,30}(?: [A-Z][\w'’.-]{0,30}){0,2})\s*:\s")
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -42,9 +43,14 @@ def question_words(question: str) -> frozenset[str]:
     return frozenset(_WORD.findall(normalize(question)))
 
 
+@lru_cache(maxsize=65_536)
+def first_name(subject: str) -> str | None:
+    """The subject's first word, folded (None when it has none): what a question must name."""
+    found = _WORD.search(normalize(subject))
+    return found.group() if found is not None else None
+
+
 def names(words: Collection[str], subject: str | None) -> bool:
-    """Whether a question with ``words`` names ``subject`` (its first name: every word of it)."""
-    if not subject:
-        return False
-    first = _WORD.findall(normalize(subject))[:1]
-    return bool(first) and all(w in words for w in first)
+    """Whether a question with ``words`` names ``subject`` (its first name)."""
+    first = first_name(subject) if subject else None
+    return first is not None and first in words
