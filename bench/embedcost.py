@@ -2,7 +2,7 @@
 query's embedding costs with each minilm pass, and how close its vector is to the numpy reference.
 
 The questions are the benchmark's own (``bench/data/conversation_questions.jsonl`` and
-``bench/data/retrieval_eval.jsonl``, 382 distinct, median 12 tokens): each is embedded once per
+``bench/data/retrieval_eval.jsonl``, 435 distinct, median 12 tokens): each is embedded once per
 variant and round, one query at a time (``embed_query``, as the memory service embeds a question
 it has not seen), or ``--batch N`` at a time (``embed_queries``, as it embeds concurrent ones;
 the figures are then per query). The variants take turns on every question, in rotated order,

@@ -179,7 +179,7 @@ async def write(svc: MemoryService, request: Request) -> Response:
         content=body.content, category=body.category, confidence=body.confidence,
         usefulness=body.usefulness, access_count=body.access_count,
         created_at=body.created_at or datetime.fromtimestamp(svc.clock(), UTC),
-        salience=body.salience if body.salience is not None else body.confidence,
+        salience=body.salience if body.salience is not None else body.confidence, subject=body.subject,
     )
     redis = svc.redis
     try:

@@ -18,7 +18,8 @@ from typing import Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from ibex_context.memory.fusion import TEXT_WEIGHT, FusionRule
+from ibex_context.memory.cutoff import BELOW_CUTOFF_SHOWN
+from ibex_context.memory.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
 from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.quotas import Quotas
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
@@ -64,7 +65,15 @@ class MemoryConfig(MemoryServiceSettings):
                     "relevance from its cosine toward 1; 0 ranks by cosine alone (docs/memory-search.md).")
     fusion: FusionRule = Field(
         "lift", description="How a search hit's full-text and vector scores become one "
-                            "relevance: lift (default), convex or rrf (docs/memory-search.md).")
+                            "relevance: lift (default), convex, rrf or zscore (docs/memory-search.md).")
+    subject_boost: float = Field(
+        SUBJECT_BOOST, ge=0.0, le=1.0,
+        description="How far a memory about a person the question names is lifted toward relevance 1 "
+                    "(its subject, or the speaker of a `Name: text` memory); 0 turns it off (docs/memory-search.md).")
+    below_cutoff: int = Field(
+        BELOW_CUTOFF_SHOWN, ge=0, le=50,
+        description="Candidates just under a search's line (past its limit, under the floor or the cosine "
+                    "cutoff) sent beside the answer with their scores, for explain; 0 sends none.")
     exact_knn_max: int = Field(
         EXACT_KNN_MAX, ge=0,
         description="An agent with at most this many memories gets an exact vector "

@@ -25,6 +25,12 @@ can be measured on the same stack (docs/memory-search.md):
     convex:  relevance = (1 - w) x cosine + w x text                 (w = TEXT_WEIGHT setting)
     rrf:     relevance = ((1 - w) / (60 + rank_cosine) + w / (60 + rank_text)) x 61
              (reciprocal rank fusion over the candidates, k = 60, scaled so rank 1 in both is 1)
+    zscore:  relevance = logistic(w x z(text) + (1 - w) x z(cosine))
+             (each side standardised over the search's candidates: a side whose scores spread
+             little moves the order little, whatever its scale)
+
+After the rule, a memory about a person the question names (``memory.subjects``) is lifted by
+``boost``: relevance + boost x (1 - relevance), so the boost never takes a memory past 1.
 
 Retrieval keeps a candidate that matched a question word, or whose cosine reaches the embedder's
 cutoff (``min_similarity``), whatever the rule; the relevance floor (``rank``) applies after.
@@ -38,8 +44,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 TEXT_WEIGHT = 0.8  # measured on the conversation and demo sets: docs/memory-search.md
+SUBJECT_BOOST = 0.3  # measured on the conversation set: docs/memory-search.md
 RRF_K = 60  # reciprocal rank fusion's constant (Cormack, Clarke and Buettcher, 2009)
-FusionRule = Literal["lift", "convex", "rrf"]
+FusionRule = Literal["lift", "convex", "rrf", "zscore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,7 @@ class Fused:
     relevance: float
     text: float  # the share of the question's words matched, weighted by IDF and BM25, in [0, 1]
     vector: float  # cosine with the question, clipped to [0, 1]
+    boost: float = 0.0  # the subject boost this candidate got (``boosted``)
 
 
 def _unit(x: float) -> float:
@@ -104,6 +112,8 @@ def fuse(text: Mapping[str, float], cosine: Mapping[str, float], *, min_similari
             kept[mid] = (score, vec)
     if rule == "rrf":
         return _rrf(kept, text_weight)
+    if rule == "zscore":
+        return _zscore(kept, text_weight)
     if rule == "convex":
         return {m: Fused((1.0 - text_weight) * v + text_weight * t, t, v) for m, (t, v) in kept.items()}
     return {m: Fused(v + text_weight * t * (1.0 - v), t, v) for m, (t, v) in kept.items()}
@@ -122,3 +132,34 @@ def _rrf(kept: Mapping[str, tuple[float, float]], text_weight: float) -> dict[st
             (1.0 - text_weight) / (RRF_K + by_vec[mid]) if mid in by_vec else 0.0)
         out[mid] = Fused(min(score * (RRF_K + 1), 1.0), t, v)
     return out
+
+
+def _standard(values: Sequence[float]) -> list[float]:
+    """Each value's distance from the mean in standard deviations (all 0 when they do not spread)."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+    return [0.0] * n if sd <= 1e-12 else [(v - mean) / sd for v in values]
+
+
+def _zscore(kept: Mapping[str, tuple[float, float]], text_weight: float) -> dict[str, Fused]:
+    """z-score fusion of the kept candidates (see the module), squashed into (0, 1) by the logistic."""
+    if not kept:
+        return {}
+    ids = list(kept)
+    zt = _standard([kept[m][0] for m in ids])
+    zv = _standard([kept[m][1] for m in ids])
+    out: dict[str, Fused] = {}
+    for mid, a, b in zip(ids, zt, zv, strict=True):
+        t, v = kept[mid]
+        out[mid] = Fused(1.0 / (1.0 + math.exp(-(text_weight * a + (1.0 - text_weight) * b))), t, v)
+    return out
+
+
+def boosted(fused: Mapping[str, Fused], about: Mapping[str, bool], boost: float) -> dict[str, Fused]:
+    """``fused`` with every candidate ``about`` marks (a memory about a person the question names)
+    lifted by ``boost`` toward 1 (see the module); the others as they were."""
+    if boost <= 0.0 or not any(about.values()):
+        return dict(fused)
+    return {m: (Fused(f.relevance + boost * (1.0 - f.relevance), f.text, f.vector, boost) if about.get(m) else f)
+            for m, f in fused.items()}

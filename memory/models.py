@@ -51,6 +51,10 @@ def _no_controls(text: str) -> str:
 # created_at arrives as an ISO-8601 string in JSON: lax parsing for this one field only.
 Timestamp = Annotated[AwareDatetime, Field(strict=False), AfterValidator(_sane_timestamp)]
 Content = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS), AfterValidator(_no_controls)]
+# Who a memory is about (memory.subjects): a person's or thing's name, one line.
+MAX_SUBJECT_CHARS = 64
+Subject = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SUBJECT_CHARS, strip_whitespace=True),
+                    AfterValidator(_no_controls)]
 
 
 def iso(ts: datetime) -> str:
@@ -74,6 +78,7 @@ class MemoryRecord(StrictModel):
     access_count: Annotated[int, Field(ge=0, le=10**9)] = 0
     created_at: Timestamp
     salience: Unit = 0.5
+    subject: Subject | None = None  # who the memory is about, as its writer said (memory.subjects)
 
     def hit(self, *, similarity: float, rank: int) -> dict[str, Any]:
         """The JSON object the HTTP contract returns for this memory."""
@@ -103,6 +108,7 @@ class WriteMemory(StrictModel):
     created_at: Timestamp | None = None
     hot: bool = False
     salience: Unit | None = None  # default: the confidence
+    subject: Subject | None = None  # who the memory is about (default: the speaker of a "Name: text" turn)
 
 
 class SearchBody(StrictModel):

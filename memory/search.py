@@ -15,6 +15,7 @@ salience) and the list is ordered by the composite, as search results are. Every
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -23,10 +24,11 @@ from redis.exceptions import ResponseError
 from starlette.responses import JSONResponse, Response
 
 from ibex_context.memory import store
+from ibex_context.memory.cutoff import cosine_reason, cut
 from ibex_context.memory.deadline import check
 from ibex_context.memory.embed import Vectors
 from ibex_context.memory.fulltext import FullText, Scope
-from ibex_context.memory.fusion import Fused, fuse
+from ibex_context.memory.fusion import Fused, boosted, fuse
 from ibex_context.memory.index import (
     index_name,
     knn_query,
@@ -36,13 +38,21 @@ from ibex_context.memory.index import (
     search_args,
 )
 from ibex_context.memory.models import MemoryRecord, SearchBody
-from ibex_context.memory.rank import cosine_scores, hot_relevance, rank_arrays, record_features
+from ibex_context.memory.rank import (
+    check_relevance_floor,
+    cosine_scores,
+    hot_relevance,
+    rank_arrays,
+    record_features,
+)
 from ibex_context.memory.service import MemoryService
+from ibex_context.memory.subjects import names, question_words, subject_of
 from ibex_context.memory.terms import SAMPLE_SIZE
 from ibex_context.shared.stores.keys import memory_ids_key, memory_key_prefix, vector_field
 
 AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
 _query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once
+_question_words = lru_cache(maxsize=4096)(question_words)
 
 
 @store.per_record
@@ -52,29 +62,88 @@ def _features(rec: MemoryRecord) -> tuple[tuple[float, float, float, float, floa
     return f, round(f[4], 6)
 
 
+@store.per_record
+def _subject(rec: MemoryRecord) -> str | None:
+    return subject_of(rec.subject, rec.content)
+
+
+BELOW_CONTENT_CHARS = 200  # a below-cutoff candidate's content is shown up to this many characters
+Below = tuple[MemoryRecord, str, Fused]  # a candidate under the cosine cutoff, why, and its scores
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """A search's per-candidate stage scores, and what it shows under its line (``memory.cutoff``)."""
+
+    fused: Sequence[Fused]  # aligned with the ranked records
+    below: Sequence[Below]  # the vector candidates under the cosine cutoff, most similar first
+    shown: int  # how many candidates under the line are sent
+
+
+def _stages(f: Fused) -> dict[str, float]:
+    """A search hit's stage scores as the wire shows them (docs/memory-search.md)."""
+    return {"text_score": round(f.text, 6), "vector_score": round(f.vector, 6), "boost": round(f.boost, 6)}
+
+
 def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float], *,
             salience: Sequence[float] | None, floor: float, limit: int,
-            fused: Sequence[Fused] | None = None) -> Response:
+            stages: Stages | None = None) -> Response:
     """Rank ``recs`` by the composite (``rank.rank_arrays``) and answer with each hit's relevance,
     composite and components; hot hits (``salience`` given) also carry their salience, which is
     their ``similarity``; a search hit's similarity is its relevance, and it also carries the
-    two scores its relevance was fused from (``fused``)."""
-    kept, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
-                                          now_s=svc.clock(), relevance_floor=floor, limit=limit)
+    stage scores its relevance came from (``stages``), and the first ``stages.shown`` candidates
+    under the line (``memory.cutoff``; then ``stages.below``) are sent beside the answer."""
+    order, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
+                                           now_s=svc.clock(), relevance_floor=0.0, limit=len(recs))
+    at = {i: (s, r) for i, s, r in zip(order, scores, recencies, strict=True)}
+    shown = 0 if stages is None else stages.shown
+    kept, under = cut(order, relevance, floor=check_relevance_floor(floor), limit=limit, shown=shown)
     found: list[tuple[MemoryRecord, float]] = []
     extras: list[dict[str, Any]] = []
-    for i, score, recency in zip(kept, scores, recencies, strict=True):
-        rec, rel = recs[i], round(relevance[i], 6)
+    for i in kept:
+        rec, rel, (score, recency) = recs[i], round(relevance[i], 6), at[i]
         doc: dict[str, Any] = {"relevance": rel, "composite": round(score, 6), "components": {
             "relevance": rel, "recency": round(recency, 6), "usefulness": rec.usefulness,
             "confidence": rec.confidence, "access": _features(rec)[1]}}
         if salience is not None:
             doc["salience"] = salience[i]
-        if fused is not None:
-            doc["text_score"], doc["vector_score"] = round(fused[i].text, 6), round(fused[i].vector, 6)
+        if stages is not None:
+            doc.update(_stages(stages.fused[i]))
         found.append((rec, relevance[i] if salience is None else salience[i]))
         extras.append(doc)
-    return svc.answer(found, where, extras)
+    rows = [_below_row(recs[i], why, None if stages is None else stages.fused[i], relevance[i], at[i][0])
+            for i, why in under]
+    if stages is not None:
+        rows += [_below_row(rec, why, f, None, None) for rec, why, f in stages.below[: max(shown - len(rows), 0)]]
+    return svc.answer(found, where, extras, below=rows)
+
+
+def _below_row(rec: MemoryRecord, why: str, f: Fused | None, relevance: float | None,
+               composite: float | None) -> dict[str, Any]:
+    """One candidate under the line as the search sends it (``memory.cutoff``)."""
+    row: dict[str, Any] = {"memory_id": rec.memory_id, "content": rec.content[:BELOW_CONTENT_CHARS], "reason": why}
+    if relevance is not None and composite is not None:
+        row["relevance"], row["composite"] = round(relevance, 6), round(composite, 6)
+    if f is not None:
+        row.update(_stages(f))
+    return row
+
+
+def _fused(svc: MemoryService, question: str, records: dict[str, MemoryRecord], text_of: dict[str, float],
+           cosine: dict[str, float], cutoff: float) -> tuple[dict[str, Fused], list[Below]]:
+    """The candidates retrieval keeps, fused (``memory.fusion``) and lifted when about a person the
+    question names (``memory.subjects``); and the vector candidates under the cosine cutoff, most
+    similar first, with why (shown only when the search has fewer than its line's worth)."""
+    cfg = svc.config
+    text = {m: s for m, s in text_of.items() if m in records}
+    cos = {m: c for m, c in cosine.items() if m in records}
+    kept = fuse(text, cos, min_similarity=cutoff, text_weight=cfg.text_weight, rule=cfg.fusion)
+    words = _question_words(question)
+    kept = boosted(kept, {m: names(words, _subject(records[m])) for m in kept}, cfg.subject_boost)
+    under = sorted(((c, m) for m, c in cos.items() if m not in kept), key=lambda cm: (-cm[0], cm[1]))
+    below = [(records[m], cosine_reason(c, cutoff), Fused(0.0, 0.0, min(max(c, 0.0), 1.0)))
+             for c, m in under[: cfg.below_cutoff]]
+    return kept, below
 
 
 async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float | None = None) -> Response:
@@ -83,8 +152,10 @@ async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float
     One round trip asks the engine, inside the tenant filter, for each question word's BM25 matches
     (ids and scores) and how many memories hold it, the nearest vectors with their records, and the
     agent's memory count; a second fetches the records of full-text candidates the vector side did
-    not return. ``memory.fusion`` scores each candidate and the composite ranks them. Neither the
-    query's embedding nor the engine's search starts after ``deadline`` (``memory.deadline``).
+    not return. ``memory.fusion`` scores each candidate, memories about a person the question names
+    are lifted, and the composite ranks them; the few just under the line are sent beside the
+    answer (``memory.cutoff``). Neither the query's embedding nor the engine's search starts after
+    ``deadline`` (``memory.deadline``).
     """
     agent = body.agent_id
     text = svc.query_text(body.query)
@@ -93,15 +164,13 @@ async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float
     text_of, cosine, raws = await _candidates(svc, org, agent, _query_terms(text), query_vec)
     records = await _hydrate(svc, org, agent, text_of, cosine, raws, query_vec)
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
-    fused = fuse({m: s for m, s in text_of.items() if m in records},
-                 {m: c for m, c in cosine.items() if m in records}, min_similarity=cutoff,
-                 text_weight=svc.config.text_weight, rule=svc.config.fusion)
-    if not fused:
+    fused, below = _fused(svc, text, records, text_of, cosine, cutoff)
+    if not fused and not below:
         return JSONResponse({"memories": []})
     recs = [records[m] for m in fused]
     return _ranked(svc, f"{org}/{agent}", recs, [fused[r.memory_id].relevance for r in recs], salience=None,
                    floor=svc.config.relevance_floor, limit=body.limit,
-                   fused=[fused[r.memory_id] for r in recs])
+                   stages=Stages([fused[r.memory_id] for r in recs], below, svc.config.below_cutoff))
 
 
 async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[str], query_vec: Vectors,

@@ -119,7 +119,7 @@ def parse_records(
             memory_id=m.memory_id or derived_memory_id(m.org_id, m.agent_id, m.content),
             content=m.content, category=m.category, confidence=m.confidence, usefulness=m.usefulness,
             access_count=m.access_count, created_at=created,
-            salience=m.salience if m.salience is not None else m.confidence,
+            salience=m.salience if m.salience is not None else m.confidence, subject=m.subject,
         )
         memories.append(NewMemory(m.org_id, m.agent_id, record, m.hot))
     return memories, directives

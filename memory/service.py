@@ -208,9 +208,10 @@ class MemoryService:
         return query[:cap]
 
     def answer(self, found: Sequence[tuple[MemoryRecord, float]], where: str,
-               extras: Sequence[dict[str, Any]] | None = None) -> Response:
+               extras: Sequence[dict[str, Any]] | None = None, below: Sequence[dict[str, Any]] = ()) -> Response:
         """``{"memories": [hit, ...]}`` for (record, similarity) pairs, best first; ``extras[i]``
-        (relevance, salience, composite, components) is added to the i-th hit.
+        (relevance, salience, composite, components) is added to the i-th hit; ``below``, when
+        given, is sent as ``below_cutoff`` (``memory.cutoff``: never hits).
 
         Total and bounded: a record that cannot be rendered is skipped and counted (the ranks stay
         1, 2, 3, ...), and the list ends before the hit that would take the body over
@@ -231,7 +232,8 @@ class MemoryService:
                             len(found), self.config.max_answer_bytes)
                 break
             parts.append(part)
-        return Response(_ANSWER_HEAD + b",".join(parts) + _ANSWER_TAIL, media_type="application/json")
+        tail = _ANSWER_TAIL if not below else b'],"below_cutoff":' + _json_list(below) + b"}"
+        return Response(_ANSWER_HEAD + b",".join(parts) + tail, media_type="application/json")
 
     def org_of(self, request: Request) -> str:
         token = bearer_token(request.headers.get("authorization"))
@@ -295,6 +297,17 @@ def _hit_bytes(rec: MemoryRecord, similarity: float, rank: int, extras: dict[str
     if extras is not None:
         tail.update(extras)
     return _hit_head(rec) + b"," + _json_bytes(tail)[1:]
+
+
+def _json_list(rows: Sequence[dict[str, Any]]) -> bytes:
+    """Rows as a JSON array; a row that cannot be rendered is left out."""
+    out: list[bytes] = []
+    for row in rows:
+        try:
+            out.append(_json_bytes(row))
+        except ValueError:
+            continue
+    return b"[" + b",".join(out) + b"]"
 
 
 def _json_bytes(doc: dict[str, Any]) -> bytes:

@@ -3,7 +3,8 @@
 Per memory, written in one MULTI with the agent's id set and hot list (one hash slot), so readers
 never see half a memory:
 
-    mem:{org:agent}:{memory_id}  HASH  org, agent, content, created_at, rec (MemoryRecord JSON),
+    mem:{org:agent}:{memory_id}  HASH  org, agent, content (the searched text: memory.indexed_text),
+                                       created_at, rec (MemoryRecord JSON),
                                        v_{embedder} (float32 unit vector), q (the Redis bytes it
                                        is charged to its org: shared.stores.storage)
     memids:{org:agent}           SET   the agent's memory ids (the per-agent cap counts them)
@@ -35,6 +36,7 @@ from redis.exceptions import WatchError
 
 from ibex_context.memory.embed import Vectors
 from ibex_context.memory.index import tenant_number
+from ibex_context.memory.indexed_text import DATE_WORDS, searched_text
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.quotas import account_write
 from ibex_context.shared.stores import storage
@@ -86,26 +88,32 @@ def doc_fields(org_id: str, agent_id: str, rec: MemoryRecord, vec: Vectors | Non
                ) -> dict[str, str | bytes | float]:
     """The hash of one memory, as the index reads it (``memory.index``)."""
     fields: dict[str, str | bytes | float] = {
-        "org": org_id, "agent": agent_id, "tenant": tenant_number(org_id, agent_id), "content": rec.content,
+        "org": org_id, "agent": agent_id, "tenant": tenant_number(org_id, agent_id),
+        "content": searched_text(rec.content, rec.created_at),
         "created_at": rec.created_at.timestamp(), "rec": rec.model_dump_json()}
     if vec is not None:
         fields[vector_field(embedder_name)] = np.asarray(vec, dtype=np.float32).tobytes()
     return fields
 
 
+DATE_CHARGE = storage.TOKEN_BYTES * DATE_WORDS  # the indexed date's postings (memory_charge)
 CHARGE_FIELD = "q"  # the bytes the memory was charged to its org (shared.stores.storage), credited on rewrite
 _CHARGE_DIGITS = 10
 
 
 def memory_charge(org_id: str, agent_id: str, rec: MemoryRecord, *, hot: bool, embedder_name: str, dim: int) -> int:
     """The Redis bytes one memory is charged (``shared.stores.storage.memory_cost``): its hash as
-    ``doc_fields`` writes it (with its vector and charge), its id entries and its index entries."""
+    ``doc_fields`` writes it (with its vector and charge), its id entries and its index entries.
+
+    The indexed date's words (``memory.indexed_text``) are charged as occurrences only: an org's
+    memories share a few dozen day, month and year words, so unlike a content word they are
+    almost never new to the index (measured: 46 bytes per memory in Redis, docs/memory-search.md)."""
     fields = doc_fields(org_id, agent_id, rec, None, embedder_name)
     sizes = {name: len(v) if isinstance(v, bytes) else len(str(v).encode()) for name, v in fields.items()}
     sizes[vector_field(embedder_name)] = 4 * dim
     sizes[CHARGE_FIELD] = _CHARGE_DIGITS
     return storage.memory_cost(memory_key(org_id, agent_id, rec.memory_id), sizes, rec.content,
-                               vector_bytes=4 * dim, id_len=len(rec.memory_id), hot=hot)
+                               vector_bytes=4 * dim, id_len=len(rec.memory_id), hot=hot) + DATE_CHARGE
 
 
 def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str, charge: int) -> None:

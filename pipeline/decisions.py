@@ -44,6 +44,8 @@ def decisions(
     early: list[DecisionFields] = []
     for r in retrieval.rejections:
         first = answered.get(r.memory_id)
+        if first is not None and r.decision == "below_cutoff":
+            continue  # under the search's line, but the memory came in by another branch: answered there
         if first is None:
             answered[r.memory_id] = d = _rejected(r)
         else:
@@ -57,7 +59,8 @@ def decisions(
 def _rejected(r: Rejection) -> DecisionFields:
     return {"memory_id": r.memory_id, "source": r.source, "decision": r.decision, "reason": r.reason,
             "tokens": r.tokens, "score": _unit(r.score),
-            "components": None if r.components is None else dict(zip(COMPONENTS, r.components, strict=True))}
+            "components": None if r.components is None else dict(zip(COMPONENTS, r.components, strict=True)),
+            "retrieval": r.retrieval}
 
 
 def components_of(m: ScoredMemory) -> dict[str, float] | None:
@@ -69,11 +72,14 @@ def components_of(m: ScoredMemory) -> dict[str, float] | None:
 
 
 def retrieval_scores(m: ScoredMemory) -> dict[str, float] | None:
-    """A search hit's full-text and vector scores, when the memory service sent them."""
+    """A search hit's stage scores (full text, vector, subject boost), when the memory service sent them."""
     h = m.hit
     if h.text_score is None or h.vector_score is None:
         return None
-    return {"text": h.text_score, "vector": h.vector_score}
+    out = {"text": h.text_score, "vector": h.vector_score}
+    if h.boost is not None:
+        out["boost"] = h.boost
+    return out
 
 
 def _excluded(m: ScoredMemory, reason: str) -> DecisionFields:

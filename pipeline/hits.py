@@ -14,7 +14,7 @@ service stores memories under (docs/security.md "Degradation and security": a wr
   ``explain`` inputs stay valid);
 * optional: ``components``, an object of the composite's five numbers (``COMPONENTS``), which
   the packer's score is built from (docs/selection-quality.md), ``salience`` (hot hits),
-  ``text_score`` and ``vector_score`` (search hits: what the relevance was fused from), and
+  ``text_score``, ``vector_score`` and ``boost`` (search hits: what the relevance was fused from), and
   ``created_at`` (a string; its leading ``YYYY-MM-DD``, when it has one, is rendered as the
   memory's date, so "when" questions can be answered from the prompt).
 
@@ -96,7 +96,7 @@ def _optional_problem(raw: Mapping[str, Any]) -> str | None:
     if comps is not None and (not _is_mapping(comps) or comps.keys() != _COMPONENT_SET
                               or not all(_is_number(comps[k]) for k in COMPONENTS)):
         return f"components must be an object of five numbers: {', '.join(COMPONENTS)}"
-    for key in ("salience", "text_score", "vector_score"):
+    for key in ("salience", "text_score", "vector_score", "boost"):
         if raw.get(key) is not None and not _is_number(raw[key]):
             return f"{key} must be a number"
     if raw.get("created_at") is not None and not isinstance(raw["created_at"], str):
@@ -153,14 +153,16 @@ def plain_hit(raw: object, source: Source) -> MemoryHit | None:
             return None
         comps = (float(values[0]), float(values[1]), float(values[2]), float(values[3]), float(values[4]))
     salience, text, vector, created = get("salience"), get("text_score"), get("vector_score"), get("created_at")
-    if (salience is not None and not _plain_number(salience)) or (text is not None and not _plain_number(text)) \
-            or (vector is not None and not _plain_number(vector)) or (created is not None and type(created) is not str):
+    boost = get("boost")
+    if not all(v is None or _plain_number(v) for v in (salience, text, vector, boost)) \
+            or (created is not None and type(created) is not str):
         return None
     return MemoryHit(
         memory_id=mid, content=content, category=cat, similarity=float(sim), confidence=float(conf), rank=rank,
         source=source, components=comps, salience=None if salience is None else float(salience),
         date=None if created is None else hit_date(created),
         text_score=None if text is None else float(text), vector_score=None if vector is None else float(vector),
+        boost=None if boost is None else float(boost),
     )
 
 
@@ -178,7 +180,33 @@ def to_hit(raw: Mapping[str, Any], source: Source) -> MemoryHit:
         salience=None if salience is None else float(salience),
         date=hit_date(raw.get("created_at")),
         text_score=None if text is None else float(text), vector_score=None if vector is None else float(vector),
+        boost=None if raw.get("boost") is None else float(raw["boost"]),
     )
+
+
+BELOW_CUTOFF_MAX: Final = 50  # below-cutoff candidates read from one answer at most
+_BELOW_SCORES: Final = (("text_score", "text"), ("vector_score", "vector"), ("boost", "boost"),
+                        ("relevance", "relevance"), ("composite", "composite"))
+
+
+def below_cutoff(rows: object, source: Source) -> list[Rejection]:
+    """The candidates a search answer lists under its line (``below_cutoff``: memory ids, scores and
+    why), as ``below_cutoff`` rejections for the decisions. Diagnostic only: a row that is not an
+    object with a valid memory_id and a string reason is left out, never an error."""
+    if not isinstance(rows, list):
+        return []
+    out: list[Rejection] = []
+    for row in rows[:BELOW_CUTOFF_MAX]:
+        if not _is_mapping(row) or memory_id_problem(row.get("memory_id")) is not None \
+                or not isinstance(row.get("reason"), str):
+            continue
+        scores = {name: float(row[key]) for key, name in _BELOW_SCORES if _is_number(row.get(key))}
+        composite = scores.get("composite")
+        out.append(Rejection(row["memory_id"], source, "below_cutoff",
+                             f"under the search's line: {row['reason'][:300]}",
+                             score=composite if composite is not None and 0.0 <= composite <= 1.0 else None,
+                             retrieval=scores or None))
+    return out
 
 
 def over_cap(memory_id: str, source: Source, cap: int) -> Rejection:

@@ -43,6 +43,7 @@ class MemoryHit:
     date: str | None = None  # the memory's creation day, YYYY-MM-DD (rendered with it)
     text_score: float | None = None  # search hits: the full-text and vector scores their relevance
     vector_score: float | None = None  # was fused from (shown by explain)
+    boost: float | None = None  # search hits: the subject boost their relevance got
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class Rejection:
     tokens: int | None = None
     score: float | None = None
     components: tuple[float, float, float, float, float] | None = None  # when the score was built from them
+    retrieval: dict[str, float] | None = None  # below-cutoff candidates: their stage scores
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap, plain_hit, to_hit
+from ibex_context.pipeline.hits import below_cutoff, hit_problem, memory_id_problem, over_cap, plain_hit, to_hit
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
@@ -104,6 +104,8 @@ def parse_hits(body: bytes, source: Source, cap: int) -> tuple[list[MemoryHit], 
             rejects.append(over_cap(hit.memory_id, source, cap))  # a sound hit: its id is valid
         else:
             hits.append(hit)
+    if "below_cutoff" in doc:  # search answers: the candidates just under its line (explain shows them)
+        rejects += below_cutoff(doc["below_cutoff"], source)
     return hits, rejects
 
 

@@ -24,6 +24,13 @@ Questions come from the events, so their evidence turns are known by constructio
   a crude stem and a five-letter prefix: stricter than the memory service's own matching).
 * ``no-answer``: about something the conversation never says (an absent pet, city, sibling, or the
   other person's event); no evidence.
+* ``people``: how someone a speaker mentions is related to them ("How is Walt related to Jonah?"); every
+  turn where the speaker names that person with the relation is evidence.
+* ``open-domain``: answered by inference from a statement ("Does Jonah need someone to look after an
+  animal when he goes away?"); the owner's statements of that kind are the evidence.
+
+The last two are drawn after the others from a random stream of their own, so every earlier question
+and turn is unchanged.
 """
 
 from __future__ import annotations
@@ -898,6 +905,49 @@ def questions_for(conv: Conversation, rng: random.Random) -> list[dict[str, obje
     return [{"id": q["id"], **{k: v for k, v in q.items() if k != "id"}} for q in out]
 
 
+# Questions added after the first set, drawn from a random stream of their own per conversation so
+# every earlier question and turn stays byte for byte as it was.
+EXTRA_QUOTA = {"people": 6, "open-domain": 6}
+# Answered by inference from what the owner said (their statement is the evidence); the answer names it.
+INFERRED = {
+    "pet": ("Does {P} need someone to look after an animal when {pron} goes away?", "Yes: {pet} the {species}"),
+    "injury": ("Should {P} have gone easy on sports for a while?", "Yes: a sprained {part}"),
+    "car": ("Could {P} drive somewhere instead of taking the bus?", "Yes: {poss} {car}"),
+    "course": ("Would supplies for a hobby class make a good present for {P}?", "Yes: the {craft} {ctype}"),
+    "book": ("Does {P} enjoy reading novels?", "Yes: {title} by {author}"),
+    "instrument": ("Is {P} learning to make music?", "Yes: {instrument} lessons"),
+    "race": ("Is {P} into running?", "Yes: {race}"),
+    "volunteer": ("Does {P} give {poss} time to a good cause?", "Yes: at {charity}"),
+}
+
+
+def extra_questions(conv: Conversation, first_id: int) -> list[dict[str, object]]:
+    """``people`` (how someone the chat names is related to its speaker: the turns saying it are the
+    evidence) and ``open-domain`` (answered by inference from a statement) questions."""
+    rng = random.Random(SEED * 1_000 + conv.index)
+    people: dict[str, dict[str, object]] = {}
+    inferred: dict[str, dict[str, object]] = {}
+    for e in conv.events:
+        s = {**e.slots, "P": e.owner.name, "poss": e.owner.poss, "pron": e.owner.pron}
+        kin, krel = s["kin"], s["krel"]
+        said = [m for m in (e.fact_id, e.detail_id) if m and kin in _content(conv, m)
+                and re.search(rf"\b{krel}\b", _content(conv, m))]
+        if said:
+            asked = f"How is {kin} related to {e.owner.name}?"
+            q = people.setdefault(asked, _q(conv, "people", asked, f"{e.owner.name}'s {krel}", []))
+            q["evidence"] = sorted({*q["evidence"], *said})  # type: ignore[misc]
+        if e.kind in INFERRED:
+            asked, answer = (_fill(t, s) for t in INFERRED[e.kind])
+            q = inferred.setdefault(asked, _q(conv, "open-domain", asked, answer, []))
+            q["evidence"] = sorted({*q["evidence"], e.fact_id})  # type: ignore[misc]
+    out: list[dict[str, object]] = []
+    for category, pool in (("people", list(people.values())), ("open-domain", list(inferred.values()))):
+        out += rng.sample(pool, min(EXTRA_QUOTA[category], len(pool)))
+    for i, q in enumerate(out, first_id):
+        q["id"] = f"c{conv.index}-q{i:03d}"
+    return [{"id": q["id"], **{k: v for k, v in q.items() if k != "id"}} for q in out]
+
+
 def generate() -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     rng = random.Random(SEED)
     turns: list[dict[str, object]] = []
@@ -905,7 +955,8 @@ def generate() -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     for index in range(1, len(PEOPLE) + 1):
         conv = build_conversation(index, rng)
         turns += conv.turns
-        questions += questions_for(conv, rng)
+        mine = questions_for(conv, rng)
+        questions += mine + extra_questions(conv, len(mine) + 1)
     return turns, questions
 
 

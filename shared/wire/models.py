@@ -163,7 +163,9 @@ Source = Literal["hot", "cold"]
 PackPath = Literal["dp", "greedy", "all_fit", "empty"]
 # Why a candidate never reached the packer (the pipeline's rejections); the two other decisions
 # are the packer's own.
-RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed"]
+# below_cutoff: a search candidate just under the memory service's line, shown but never packed.
+RejectKind = Literal["invalid_score", "duplicate", "below_floor", "over_cap", "over_limit", "malformed",
+                     "below_cutoff"]
 DecisionKind = Literal["packed", "excluded_budget", RejectKind]
 SectionName = Literal["directive", "summary", "history", "memories", "tools"]
 
@@ -192,7 +194,8 @@ class Decision(_Wire):
     tokens: NonNegInt | None = None
     score: Unit | None = None
     components: dict[str, float] | None = None  # the composite's five inputs, when the hit carried them
-    # A search hit's full-text and vector scores, which its relevance was fused from (docs/memory-search.md).
+    # A search hit's stage scores (full text, vector, subject boost; docs/memory-search.md), which its
+    # relevance was fused from; a below-cutoff candidate's also hold its relevance and composite.
     retrieval: dict[str, float] | None = None
 
 

@@ -76,8 +76,8 @@ def test_every_evidence_id_is_a_turn_of_its_conversation(turns: dict[str, dict[s
 def test_categories_and_counts(questions: list[dict[str, Any]]) -> None:
     counts = Counter(q["category"] for q in questions)
     assert len(questions) >= 300
-    assert set(counts) == {"single-hop", "multi-hop", "temporal", "paraphrased", "no-answer"}
-    assert all(n >= 40 for n in counts.values()), counts
+    assert set(counts) == {"single-hop", "multi-hop", "temporal", "paraphrased", "people", "open-domain", "no-answer"}
+    assert all(n >= (20 if c in ("people", "open-domain") else 40) for c, n in counts.items()), counts
     assert len({q["id"] for q in questions}) == len(questions)
     for q in questions:
         n = len(q["evidence"])
@@ -85,6 +85,8 @@ def test_categories_and_counts(questions: list[dict[str, Any]]) -> None:
             assert n == 0 and q["answer"] == "", q["id"]
         elif q["category"] == "multi-hop":
             assert n >= 2 and len(set(q["evidence"])) == n, q["id"]
+        elif q["category"] in ("people", "open-domain"):  # every turn that says it is evidence
+            assert n >= 1 and len(set(q["evidence"])) == n, q["id"]
         else:
             assert n == 1, q["id"]
         if q["category"] == "temporal":
