@@ -28,13 +28,14 @@ from ibex_context.shared.config.observability import WorkerMetrics
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode, encode_error
-from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
+from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest, Overloaded
 from ibex_context.shared.wire.loopsock import LoopSocket
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
 from ibex_context.shared.wire.protocol import Envelope, header_mismatch, parse_header
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.cost import decode, stub_images
 from ibex_context.worker.fair import FairTurns
+from ibex_context.worker.memgate import MemoryGate, calls_memory, memory_outcome
 from ibex_context.worker.summaries import Summaries
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class WorkerServer:
         self.endpoints = endpoints or settings.backends()
         self.capacity = settings.worker_concurrency
         self.turns = FairTurns(per_org=settings.worker_org_concurrency)
+        self.memgate = MemoryGate(settings.worker_concurrency) if settings.memory_admission else None
         self.metrics = metrics
         self.stats: collections.Counter[str] = collections.Counter()
         self.inflight: set[asyncio.Task[None]] = set()
@@ -266,7 +268,7 @@ class WorkerServer:
                     link.send(P.worker_reply_frames(P.ERROR, msg.client, msg.request_id, encode(req)))
                     return
                 timings = {"queue_wait": msg.stamp.queued_us, "worker_wait": (decoding_ns - received_ns) // 1000}
-                await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+                await self._gated(link, msg, req, deadline_ns, transit_ns, timings)
         except DeadlineExceeded as exc:
             # Only the waits for a slot or the decoding turn end here (FairTurns counts them): _serve
             # answers every error of its own.
@@ -276,9 +278,37 @@ class WorkerServer:
             self._reply_error(link, msg.client, msg.request_id, exc, P.Feedback(True, waited_us),
                               None if isinstance(env, ErrorReply) else env.request_id)
 
-    async def _serve(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
+    async def _gated(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
                      transit_ns: int, timings: dict[str, int]) -> None:
+        """``_serve`` within the memory gate (``worker.memgate``): an assembly that would call the
+        memory service while this worker's limit on such calls is full is refused OVERLOADED at once."""
+        gate = self.memgate
+        if gate is None or not calls_memory(req, self.settings):
+            await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+            return
+        start = time.monotonic_ns()
+        if not gate.try_enter(req.org_id, start):
+            self.stats["memory_gate_refused"] += 1
+            if self.metrics is not None:
+                self.metrics.outcome.labels("OVERLOADED").inc()
+            self._reply_error(link, msg.client, msg.request_id, Overloaded(
+                "the memory service is at capacity for this worker: retry, or answer without memories",
+                request_id=req.request_id), P.Feedback(True, timings["worker_wait"]), req.request_id)
+            return
+        binding = gate.total >= gate.slots
+        outcome = (True, False)  # a request that ends without a reply: its memory calls did not make it
+        try:
+            outcome = await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+        finally:
+            now = time.monotonic_ns()
+            gate.leave(req.org_id, overloaded=outcome[0], succeeded=outcome[1], binding=binding, now_ns=now,
+                       took_ns=now - start)
+
+    async def _serve(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
+                     transit_ns: int, timings: dict[str, int]) -> tuple[bool, bool]:
+        """Assemble and reply; (overloaded, succeeded) of its memory calls (``worker.memgate``)."""
         client, rid = msg.client, msg.request_id
+        outcome = (False, False)
         try:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns,
@@ -297,7 +327,8 @@ class WorkerServer:
                     request_id=req.request_id)
             # What the broker's adaptive limit learns: a branch that timed out (or never started for
             # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
-            overloaded = any(b.status == "timeout" for b in resp.branches.values())
+            outcome = memory_outcome(resp.branches)
+            overloaded = outcome[0] or any(b.status == "timeout" for b in resp.branches.values())
             link.send(P.worker_reply_frames(P.REPLY, client, rid, body, P.Feedback(overloaded, timings["worker_wait"])))
             self.stats["replied"] += 1
             if resp.degraded:
@@ -314,12 +345,14 @@ class WorkerServer:
             log.warning("request failed", extra={"request_id": req.request_id, "code": exc.code.value,
                                                  "error": exc.message})
             late = P.Feedback(True, timings["worker_wait"]) if isinstance(exc, DeadlineExceeded) else None
+            outcome = (late is not None, False)
             self._reply_error(link, client, rid, exc, late, req.request_id)
         except Exception as exc:
             self.stats["error_internal"] += 1
             log.exception("request %s failed", req.request_id)
             self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"),
                               request_id=req.request_id)
+        return outcome
 
     def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError,
                      feedback: P.Feedback | None = None, request_id: str | None = None) -> None:
