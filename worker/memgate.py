@@ -12,14 +12,18 @@ service):
 * a hot or cold call that timed out, or that the service refused for lack of time (503 / 504:
   ``memory.querybatch``, ``memory.deadline``), cuts the limit by ``BACKOFF`` (at most once per
   call time, so one burst of late answers counts once);
-* a request whose memory calls all succeeded while the limit was binding raises it by 1/limit.
+* a request whose memory calls all succeeded while the limit was binding raises it by 1/limit;
+* no overload signal for ``RECOVER_NS`` and four call times: the cap again (a limit cut during a
+  fault says nothing once it is over, and a quiet worker would otherwise never learn that).
 
-A request that finds the limit full is refused OVERLOADED before any memory call (``try_enter``
-False): the caller learns in well under a millisecond and the broker's limit learns from it too
-(``protocol.Feedback``). Between orgs the limit is shared fairly: an org holding at least its
+A request that finds the limit full is answered without any memory call (``try_enter`` False):
+at once, degraded, its hot and cold branches errors of class ``MemoryAtCapacity``, so the caller
+sees why; the broker's limit learns from it too (``protocol.Feedback``), and past that the broker
+refuses OVERLOADED on receipt. Between orgs the limit is shared fairly: an org holding at least its
 equal share of the slots (rounded up) does not take the last ones while another org that sent
 work in the last ``RECENT_NS`` holds none, so a flood of one org never leaves another without a slot; an org
-alone may use them all.
+alone may use them all. An org holding none that finds every slot held may wait a little for the
+next one to free (``worker.server``), which is then kept for it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ibex_context.shared.wire.models import AssembleRequest, BranchName, BranchO
 MIN_LIMIT = 2.0  # a worker always lets two assemblies call the memory service: one for each of two orgs
 BACKOFF = 0.75  # multiplicative decrease on an overload signal
 RECENT_NS = 1_000_000_000  # an org that sent an assembly this recently is kept a slot
+RECOVER_NS = 1_000_000_000  # no overload signal for this long (and 4 call times): the whole cap again
 
 
 @dataclass(slots=True)
@@ -46,6 +51,7 @@ class MemoryGate:
     seen_ns: dict[str, int] = field(default_factory=dict)  # org -> its last assembly's arrival
     total: int = 0
     last_cut_ns: int = 0
+    last_took_ns: int = 0  # the last call time an overload was measured over
     cuts: int = 0
     refused: int = 0
 
@@ -66,6 +72,8 @@ class MemoryGate:
     def try_enter(self, org: str, now_ns: int) -> bool:
         """Take a slot for ``org``'s assembly, or False: refuse it (the limit is full, or the free
         slots are kept for orgs under their share)."""
+        if self.limit < self.cap and now_ns - self.last_cut_ns >= max(RECOVER_NS, 4 * self.last_took_ns):
+            self.limit = float(self.cap)
         reserve = self._reserve(org, now_ns)
         self.seen_ns[org] = now_ns
         slots = self.slots
@@ -91,6 +99,7 @@ class MemoryGate:
             self.inflight.pop(org, None)
         self.total -= 1
         if overloaded:
+            self.last_took_ns = took_ns
             if now_ns - self.last_cut_ns >= took_ns:
                 self.limit = max(MIN_LIMIT, self.limit * BACKOFF)
                 self.last_cut_ns = now_ns
@@ -99,7 +108,9 @@ class MemoryGate:
             self.limit = min(float(self.cap), self.limit + 1.0 / self.limit)
 
 
-OVERLOAD_CLASSES = ("HTTP 503", "HTTP 504")  # the memory service refused the call for lack of time
+AT_CAPACITY = "MemoryAtCapacity"  # the error class of a memory branch not called: the limit was full
+# The memory service refused the call for lack of time, or it was not called for lack of room.
+OVERLOAD_CLASSES = ("HTTP 503", "HTTP 504", AT_CAPACITY)
 
 
 def memory_outcome(branches: Mapping[BranchName, BranchOutcome]) -> tuple[bool, bool]:

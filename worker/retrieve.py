@@ -50,6 +50,7 @@ from ibex_context.shared.stores.keys import directive_key, summary_key
 from ibex_context.shared.wire.models import AssembleRequest, BranchName, Source
 from ibex_context.worker import rawredis
 from ibex_context.worker.branches import Branch, Stored, retrieval_result
+from ibex_context.worker.memgate import AT_CAPACITY
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
 from ibex_context.worker.patience import Limit, Patience, all_done_future, expire_now, settle
 
@@ -242,11 +243,13 @@ class Retriever:
     # ---------------------------------------------------------------------------- orchestration
 
     def start(self, req: AssembleRequest, *, wall_end_ns: int, last_ns: int | None = None,
-              busy: Callable[[], int] | None = None) -> Callable[[], Awaitable[RetrievalResult]]:
+              busy: Callable[[], int] | None = None, memory: bool = True) -> Callable[[], Awaitable[RetrievalResult]]:
         """Launch the branches now; the returned coroutine function waits for them (up to the wall).
 
         Splitting start from wait lets the caller do CPU work while the I/O is in flight (the
         conversation is parsed and counted before: a bad one costs no call). ``busy``, ``last_ns``: "Limits" above.
+        ``memory`` False: the memory service is not called (``worker.memgate``: at capacity); its
+        branches are recorded as errors ``MemoryAtCapacity``, so the answer says it is degraded and why.
         """
         s = self.settings
         t0 = time.monotonic_ns()
@@ -266,6 +269,10 @@ class Retriever:
             br = branches[name] = Branch(name)
             if not enabled:
                 br.detail = "disabled by request options or settings"
+                continue
+            if not memory and name != "directive":
+                br.status, br.error_class = "error", AT_CAPACITY
+                br.detail = "not called: the memory service is at capacity (answered without memories)"
                 continue
             budget_ns = min(int(timeout_ms * 1e6), wall_end_ns - t0)
             if budget_ns <= 0:

@@ -28,7 +28,7 @@ from ibex_context.shared.config.observability import WorkerMetrics
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode, encode_error
-from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest, Overloaded
+from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
 from ibex_context.shared.wire.loopsock import LoopSocket
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
 from ibex_context.shared.wire.protocol import Envelope, header_mismatch, parse_header
@@ -39,6 +39,8 @@ from ibex_context.worker.memgate import MemoryGate, calls_memory, memory_outcome
 from ibex_context.worker.summaries import Summaries
 
 log = logging.getLogger(__name__)
+
+GATE_WAIT_NS = 20_000_000  # the longest an org holding no slot of the memory gate waits for one
 
 
 def _access_log(req: AssembleRequest, resp: AssembleResponse) -> None:
@@ -109,6 +111,7 @@ class WorkerServer:
         self.capacity = settings.worker_concurrency
         self.turns = FairTurns(per_org=settings.worker_org_concurrency)
         self.memgate = MemoryGate(settings.worker_concurrency) if settings.memory_admission else None
+        self._gate_freed: list[asyncio.Future[None]] = []  # orgs waiting for a slot of the memory gate
         self.metrics = metrics
         self.stats: collections.Counter[str] = collections.Counter()
         self.inflight: set[asyncio.Task[None]] = set()
@@ -281,19 +284,17 @@ class WorkerServer:
     async def _gated(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
                      transit_ns: int, timings: dict[str, int]) -> None:
         """``_serve`` within the memory gate (``worker.memgate``): an assembly that would call the
-        memory service while this worker's limit on such calls is full is refused OVERLOADED at once."""
+        memory service while this worker's limit on such calls is full is answered at once without
+        memories, degraded, its memory branches ``MemoryAtCapacity``: no call is started that
+        would only wait out its limit."""
         gate = self.memgate
         if gate is None or not calls_memory(req, self.settings):
             await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
             return
         start = time.monotonic_ns()
-        if not gate.try_enter(req.org_id, start):
+        if not gate.try_enter(req.org_id, start) and not await self._gate_slot(req.org_id, deadline_ns, start):
             self.stats["memory_gate_refused"] += 1
-            if self.metrics is not None:
-                self.metrics.outcome.labels("OVERLOADED").inc()
-            self._reply_error(link, msg.client, msg.request_id, Overloaded(
-                "the memory service is at capacity for this worker: retry, or answer without memories",
-                request_id=req.request_id), P.Feedback(True, timings["worker_wait"]), req.request_id)
+            await self._serve(link, msg, req, deadline_ns, transit_ns, timings, memory=False)
             return
         binding = gate.total >= gate.slots
         outcome = (True, False)  # a request that ends without a reply: its memory calls did not make it
@@ -303,9 +304,32 @@ class WorkerServer:
             now = time.monotonic_ns()
             gate.leave(req.org_id, overloaded=outcome[0], succeeded=outcome[1], binding=binding, now_ns=now,
                        took_ns=now - start)
+            freed, self._gate_freed = self._gate_freed, []
+            for fut in freed:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _gate_slot(self, org: str, deadline_ns: int, start: int) -> bool:
+        """A slot for an org holding none in the gate, which every slot was held against: it may
+        wait for the next slot to free (at most ``GATE_WAIT_NS`` and a quarter of its time), which
+        the gate then keeps for it; an org already holding one is answered at once."""
+        assert self.memgate is not None
+        if self.memgate.inflight.get(org):
+            return False
+        end = start + min(GATE_WAIT_NS, (deadline_ns - start) // 4)
+        while (now := time.monotonic_ns()) < end:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._gate_freed.append(fut)
+            try:
+                await asyncio.wait_for(fut, (end - now) / 1e9)
+            except TimeoutError:
+                return False
+            if self.memgate.try_enter(org, time.monotonic_ns()):
+                return True
+        return False
 
     async def _serve(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
-                     transit_ns: int, timings: dict[str, int]) -> tuple[bool, bool]:
+                     transit_ns: int, timings: dict[str, int], *, memory: bool = True) -> tuple[bool, bool]:
         """Assemble and reply; (overloaded, succeeded) of its memory calls (``worker.memgate``)."""
         client, rid = msg.client, msg.request_id
         outcome = (False, False)
@@ -313,7 +337,7 @@ class WorkerServer:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns,
                                                  turn=lambda: self.turns.turn(req.org_id, deadline_ns),
-                                                 busy=lambda: self.turns.busy_ns)
+                                                 busy=lambda: self.turns.busy_ns, memory=memory)
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)

@@ -1,7 +1,8 @@
 """Admission at the memory service on the real stack (broker, two workers, memory service with
 faults, Redis): with the memory service slowed past every retrieval limit, a flood of one org's new
-questions is answered at once, OVERLOADED by the workers' memory gate (``worker.memgate``), instead
-of every request waiting out its memory calls; every answer comes by its deadline; once the
+questions is answered at once by the workers' memory gate (``worker.memgate``: degraded, its memory
+branches ``MemoryAtCapacity``, no memory call made) instead of every request waiting out its memory
+calls; every answer comes by its deadline; once the
 service recovers, another org's requests are served whole while the flood goes on."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.shared.wire.errors import IbexError, Overloaded
+from ibex_context.shared.wire.errors import IbexError
 from ibex_context.shared.wire.models import AssembleResponse
+from ibex_context.worker.memgate import AT_CAPACITY
 from tests.helpers import eventually, start_stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +36,6 @@ ENV = {"IBEX_ADAPTIVE_LIMIT": "false", "IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBE
 SLOW_MS = 5_000.0
 FLOOD_SENDERS = 16
 TIMEOUT_S = 3.0
-GATE = "the memory service is at capacity"
 VICTIM_REQUESTS = 20
 
 
@@ -48,10 +49,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def outcome(r: AssembleResponse | IbexError) -> str:
-    if isinstance(r, Overloaded):
-        return "gate" if GATE in r.message else "overloaded"
     if isinstance(r, IbexError):
         return r.code.value
+    if any(AT_CAPACITY in reason for reason in r.degraded_reasons):
+        return "gate"
     return "degraded" if r.degraded else "whole"
 
 
@@ -119,6 +120,6 @@ async def test_a_flood_against_a_slowed_memory_service_is_refused_at_once_and_an
     # While the service is slow, the flood is mostly refused by the gate rather than left to wait
     # out memory calls that cannot answer: the gate holds a few per worker, the rest are refused.
     assert slow["gate"] > slow["degraded"] + slow["DEADLINE_EXCEEDED"], slow
-    # Once it recovers, the other org is served whole while the flood goes on; its first request on
-    # each worker may find every slot taken (a worker keeps a slot for an org once it has seen it).
+    # Once it recovers, the other org is served whole while the flood goes on (its first request on
+    # a worker waits at most 20 ms for a slot, which on a loaded box may not be enough).
     assert Counter(o for o, _ in served)["whole"] >= VICTIM_REQUESTS - 2, served

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ibex_context.memory.deadline import Horizon
 from ibex_context.memory.querybatch import QueryBatcher, WouldMissDeadline
 from ibex_context.shared.wire.models import BranchOutcome
-from ibex_context.worker.memgate import MIN_LIMIT, MemoryGate, memory_outcome
+from ibex_context.worker.memgate import AT_CAPACITY, MIN_LIMIT, RECOVER_NS, MemoryGate, memory_outcome
 from tests.properties import examples
 
 Queued = list[tuple[str, "asyncio.Future[np.ndarray]"]]
@@ -142,7 +142,11 @@ def test_overload_cuts_the_limit_once_per_call_time_and_clean_binding_replies_ra
         gate.try_enter("a", now)
         gate.leave("a", overloaded=True, succeeded=False, binding=False, now_ns=now, took_ns=500)
     assert gate.limit == MIN_LIMIT
-    gate.limit = 3.0
+    assert gate.try_enter("a", 19_500) and gate.limit == MIN_LIMIT  # not quiet for long yet
+    gate.leave("a", overloaded=False, succeeded=True, binding=False, now_ns=19_600, took_ns=100)
+    assert gate.try_enter("a", 19_000 + RECOVER_NS) and gate.limit == 4.0  # quiet since: the cap again
+    gate.leave("a", overloaded=False, succeeded=True, binding=False, now_ns=19_100 + RECOVER_NS, took_ns=100)
+    gate.limit, gate.last_cut_ns = 3.0, 3_000_000_000
     gate.try_enter("a", 2_000)
     gate.leave("a", overloaded=False, succeeded=True, binding=False, now_ns=2_000, took_ns=500)
     assert gate.limit == 3.0  # a limit that was not binding has not shown it could be higher
@@ -178,3 +182,5 @@ def test_the_outcome_of_a_replys_memory_calls() -> None:
     assert memory_outcome({"hot": ok, "cold": late}) == (True, False)
     assert memory_outcome({"hot": refused, "cold": off}) == (True, False)
     assert memory_outcome({"hot": broken, "cold": ok}) == (False, False)
+    not_called = BranchOutcome(status="error", elapsed_ms=0.0, error_class=AT_CAPACITY)
+    assert memory_outcome({"hot": not_called, "cold": not_called}) == (True, False)
