@@ -267,17 +267,8 @@ class Retriever:
         tasks: dict[BranchName, asyncio.Task[None]] = {}
         for name, enabled, timeout_ms, fn in plan:
             br = branches[name] = Branch(name)
-            if not enabled:
-                br.detail = "disabled by request options or settings"
-                continue
-            if not memory and name != "directive":
-                br.status, br.error_class = "error", AT_CAPACITY
-                br.detail = "not called: the memory service is at capacity (answered without memories)"
-                continue
             budget_ns = min(int(timeout_ms * 1e6), wall_end_ns - t0)
-            if budget_ns <= 0:
-                br.detail = "no time left before the deadline"
-                br.status = "timeout"
+            if _unstarted(br, enabled=enabled, memory=memory, budget_ns=budget_ns):
                 continue
             limit = (Limit(t0, budget_ns, last_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
                      else Limit(t0, budget_ns, wall_end_ns, None))
@@ -359,6 +350,21 @@ class Retriever:
             br.detail = str(exc)[:200] or None
         finally:
             br.elapsed_ms = (time.monotonic_ns() - limit.t0) / 1e6
+
+
+def _unstarted(br: Branch, *, enabled: bool, memory: bool, budget_ns: int) -> bool:
+    """Record why ``br`` is not started (off, the memory service at capacity, no time left); False
+    when it starts."""
+    if not enabled:
+        br.detail = "disabled by request options or settings"
+    elif not memory and br.name != "directive":
+        br.status, br.error_class = "error", AT_CAPACITY
+        br.detail = "not called: the memory service is at capacity (answered without memories)"
+    elif budget_ns <= 0:
+        br.status, br.detail = "timeout", "no time left before the deadline"
+    else:
+        return False
+    return True
 
 
 def _task_branch(task: asyncio.Task[Any]) -> BranchName:
