@@ -228,6 +228,7 @@ async def healthz(svc: MemoryService, request: Request) -> Response:
                             "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated,
                             "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed,
                             "deadline_dropped": svc.deadline_dropped,
+                            "embeds_refused": svc.embeds_refused,
                             "common_words_scored": svc.terms.scored}
     try:
         await svc.redis.ping()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -29,7 +30,7 @@ from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, 
 from ibex_context.memory.http import ApiError, error_response
 from ibex_context.memory.index import check_engine, ensure_index
 from ibex_context.memory.models import MemoryRecord
-from ibex_context.memory.querybatch import QueryBatcher
+from ibex_context.memory.querybatch import QueryBatcher, WouldMissDeadline
 from ibex_context.memory.reads import Scripts
 from ibex_context.memory.resp import HiredisPackedConnection
 from ibex_context.memory.store import RecordHealth
@@ -103,7 +104,16 @@ class MemoryService:
         self._verified: dict[str, str] = {}
         # Embedders with a batched query pass (MiniLM) embed concurrent new questions together.
         embed_queries = getattr(embedder, "embed_queries", None)
-        self._batcher = QueryBatcher(embed_queries) if embedder.blocking and callable(embed_queries) else None
+        self._batcher = (QueryBatcher(embed_queries, weights=config.org_weight_map())
+                         if embedder.blocking and callable(embed_queries) else None)
+        # (org, query text) -> until when: a question whose embedding was refused for lack of time
+        # (``WouldMissDeadline``) is refused to its assembly's other call too, not embedded for it alone.
+        self._refused: dict[tuple[str, str], float] = {}
+
+    @property
+    def embeds_refused(self) -> int:
+        """Query embeddings refused on arrival: they would have ended after their caller's deadline."""
+        return self._batcher.refused if self._batcher is not None else 0
 
     @property
     def redis(self) -> Redis:
@@ -173,15 +183,30 @@ class MemoryService:
             return vec
         running = self._embedding.get(key)
         if running is None:
+            self._check_refused(key)
             horizon = Horizon(deadline)
             running = self._embedding[key] = (asyncio.ensure_future(self._embed_query(key, horizon)), horizon)
         else:
             running[1].extend(deadline)
         return await asyncio.shield(running[0])
 
+    def _check_refused(self, key: tuple[str, str]) -> None:
+        """Refuse a question refused moments ago to another call of the same assembly."""
+        until = self._refused.get(key)
+        if until is None:
+            return
+        if time.monotonic() < until:
+            raise WouldMissDeadline(0.0)
+        del self._refused[key]
+
     async def _embed_query(self, key: tuple[str, str], horizon: Horizon) -> Vectors:
         try:
-            vec: Vectors = np.asarray(await self._embed_query_text(key[1], horizon), dtype=np.float32)
+            vec: Vectors = np.asarray(await self._embed_query_text(key, horizon), dtype=np.float32)
+        except WouldMissDeadline:
+            if len(self._refused) >= 4096:
+                self._refused.clear()
+            self._refused[key] = horizon.at if horizon.at is not None else time.monotonic()
+            raise
         finally:
             self._embedding.pop(key, None)
         self._query_vectors[key] = vec
@@ -189,10 +214,11 @@ class MemoryService:
             self._query_vectors.popitem(last=False)
         return vec
 
-    async def _embed_query_text(self, text: str, horizon: Horizon) -> Vectors:
+    async def _embed_query_text(self, key: tuple[str, str], horizon: Horizon) -> Vectors:
+        org, text = key
         if self._batcher is not None:
             self.embeds_offloaded += 1
-            return await self._batcher.embed(text, horizon)
+            return await self._batcher.embed(text, horizon, org)
         check(horizon.at, "the query embedding")
         if self.embedder.blocking or len(text) > self.config.offload_chars:
             self.embeds_offloaded += 1

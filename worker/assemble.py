@@ -88,7 +88,7 @@ class Assembler:
     async def assemble(
         self, req: AssembleRequest, *, deadline_mono_ns: int, nonce: str | None = None,
         timings_us: dict[str, int] | None = None, transit_ns: int | None = None, turn: Turn | None = None,
-        busy: Callable[[], int] | None = None,
+        busy: Callable[[], int] | None = None, memory: bool = True,
     ) -> AssembleResponse:
         """Retrieve against the live backing services, then run the pipeline on what came back;
         ``turn`` gives each synchronous stage its fair turn on the worker's loop (``worker.fair``),
@@ -107,7 +107,7 @@ class Assembler:
         t_start = time.monotonic_ns()
         last = deadline_mono_ns - self.reserve_ns()  # the latest end of retrieval the deadline allows
         wall_end = min(t_start + int(self.settings.retrieval_wall_ms * 1e6), last)
-        wait = self.retriever.start(req, wall_end_ns=wall_end, last_ns=last, busy=busy)
+        wait = self.retriever.start(req, wall_end_ns=wall_end, last_ns=last, busy=busy, memory=memory)
         retrieval = await wait()
         t_retrieved = time.monotonic_ns()
         timings = {**(timings_us or {}), "retrieval": max(0, (t_retrieved - t_start) // 1000)}

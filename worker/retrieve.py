@@ -50,6 +50,7 @@ from ibex_context.shared.stores.keys import directive_key, summary_key
 from ibex_context.shared.wire.models import AssembleRequest, BranchName, Source
 from ibex_context.worker import rawredis
 from ibex_context.worker.branches import Branch, Stored, retrieval_result
+from ibex_context.worker.memgate import AT_CAPACITY
 from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
 from ibex_context.worker.patience import Limit, Patience, all_done_future, expire_now, settle
 
@@ -244,11 +245,13 @@ class Retriever:
     # ---------------------------------------------------------------------------- orchestration
 
     def start(self, req: AssembleRequest, *, wall_end_ns: int, last_ns: int | None = None,
-              busy: Callable[[], int] | None = None) -> Callable[[], Awaitable[RetrievalResult]]:
+              busy: Callable[[], int] | None = None, memory: bool = True) -> Callable[[], Awaitable[RetrievalResult]]:
         """Launch the branches now; the returned coroutine function waits for them (up to the wall).
 
         Splitting start from wait lets the caller do CPU work while the I/O is in flight (the
         conversation is parsed and counted before: a bad one costs no call). ``busy``, ``last_ns``: "Limits" above.
+        ``memory`` False: the memory service is not called (``worker.memgate``: at capacity); its
+        branches are recorded as errors ``MemoryAtCapacity``, so the answer says it is degraded and why.
         """
         s = self.settings
         t0 = time.monotonic_ns()
@@ -266,13 +269,8 @@ class Retriever:
         tasks: dict[BranchName, asyncio.Task[None]] = {}
         for name, enabled, timeout_ms, fn in plan:
             br = branches[name] = Branch(name)
-            if not enabled:
-                br.detail = "disabled by request options or settings"
-                continue
             budget_ns = min(int(timeout_ms * 1e6), wall_end_ns - t0)
-            if budget_ns <= 0:
-                br.detail = "no time left before the deadline"
-                br.status = "timeout"
+            if _unstarted(br, enabled=enabled, memory=memory, budget_ns=budget_ns):
                 continue
             limit = (Limit(t0, budget_ns, last_ns, busy, DIRECTIVE_RETRIES) if name == "directive"
                      else Limit(t0, budget_ns, wall_end_ns, None))
@@ -354,6 +352,21 @@ class Retriever:
             br.detail = str(exc)[:200] or None
         finally:
             br.elapsed_ms = (time.monotonic_ns() - limit.t0) / 1e6
+
+
+def _unstarted(br: Branch, *, enabled: bool, memory: bool, budget_ns: int) -> bool:
+    """Record why ``br`` is not started (off, the memory service at capacity, no time left); False
+    when it starts."""
+    if not enabled:
+        br.detail = "disabled by request options or settings"
+    elif not memory and br.name != "directive":
+        br.status, br.error_class = "error", AT_CAPACITY
+        br.detail = "not called: the memory service is at capacity (answered without memories)"
+    elif budget_ns <= 0:
+        br.status, br.detail = "timeout", "no time left before the deadline"
+    else:
+        return False
+    return True
 
 
 def _task_branch(task: asyncio.Task[Any]) -> BranchName:

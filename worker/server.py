@@ -35,9 +35,12 @@ from ibex_context.shared.wire.protocol import Envelope, header_mismatch, parse_h
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.cost import decode, stub_images
 from ibex_context.worker.fair import FairTurns
+from ibex_context.worker.memgate import MemoryGate, calls_memory, memory_outcome
 from ibex_context.worker.summaries import Summaries
 
 log = logging.getLogger(__name__)
+
+GATE_WAIT_NS = 20_000_000  # the longest an org holding no slot of the memory gate waits for one
 
 
 def _access_log(req: AssembleRequest, resp: AssembleResponse) -> None:
@@ -107,6 +110,8 @@ class WorkerServer:
         self.endpoints = endpoints or settings.backends()
         self.capacity = settings.worker_concurrency
         self.turns = FairTurns(per_org=settings.worker_org_concurrency)
+        self.memgate = MemoryGate(settings.worker_concurrency) if settings.memory_admission else None
+        self._gate_freed: list[asyncio.Future[None]] = []  # orgs waiting for a slot of the memory gate
         self.metrics = metrics
         self.stats: collections.Counter[str] = collections.Counter()
         self.inflight: set[asyncio.Task[None]] = set()
@@ -266,7 +271,7 @@ class WorkerServer:
                     link.send(P.worker_reply_frames(P.ERROR, msg.client, msg.request_id, encode(req)))
                     return
                 timings = {"queue_wait": msg.stamp.queued_us, "worker_wait": (decoding_ns - received_ns) // 1000}
-                await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+                await self._gated(link, msg, req, deadline_ns, transit_ns, timings)
         except DeadlineExceeded as exc:
             # Only the waits for a slot or the decoding turn end here (FairTurns counts them): _serve
             # answers every error of its own.
@@ -276,14 +281,63 @@ class WorkerServer:
             self._reply_error(link, msg.client, msg.request_id, exc, P.Feedback(True, waited_us),
                               None if isinstance(env, ErrorReply) else env.request_id)
 
-    async def _serve(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
+    async def _gated(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
                      transit_ns: int, timings: dict[str, int]) -> None:
+        """``_serve`` within the memory gate (``worker.memgate``): an assembly that would call the
+        memory service while this worker's limit on such calls is full is answered at once without
+        memories, degraded, its memory branches ``MemoryAtCapacity``: no call is started that
+        would only wait out its limit."""
+        gate = self.memgate
+        if gate is None or not calls_memory(req, self.settings):
+            await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+            return
+        start = time.monotonic_ns()
+        if not gate.try_enter(req.org_id, start) and not await self._gate_slot(req.org_id, deadline_ns, start):
+            self.stats["memory_gate_refused"] += 1
+            await self._serve(link, msg, req, deadline_ns, transit_ns, timings, memory=False)
+            return
+        binding = gate.total >= gate.slots
+        outcome = (True, False)  # a request that ends without a reply: its memory calls did not make it
+        try:
+            outcome = await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+        finally:
+            now = time.monotonic_ns()
+            gate.leave(req.org_id, overloaded=outcome[0], succeeded=outcome[1], binding=binding, now_ns=now,
+                       took_ns=now - start)
+            freed, self._gate_freed = self._gate_freed, []
+            for fut in freed:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _gate_slot(self, org: str, deadline_ns: int, start: int) -> bool:
+        """A slot for an org holding none in the gate, which every slot was held against: it may
+        wait for the next slot to free (at most ``GATE_WAIT_NS`` and a quarter of its time), which
+        the gate then keeps for it; an org already holding one is answered at once."""
+        assert self.memgate is not None
+        if self.memgate.inflight.get(org):
+            return False
+        end = start + min(GATE_WAIT_NS, (deadline_ns - start) // 4)
+        while (now := time.monotonic_ns()) < end:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._gate_freed.append(fut)
+            try:
+                await asyncio.wait_for(fut, (end - now) / 1e9)
+            except TimeoutError:
+                return False
+            if self.memgate.try_enter(org, time.monotonic_ns()):
+                return True
+        return False
+
+    async def _serve(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
+                     transit_ns: int, timings: dict[str, int], *, memory: bool = True) -> tuple[bool, bool]:
+        """Assemble and reply; (overloaded, succeeded) of its memory calls (``worker.memgate``)."""
         client, rid = msg.client, msg.request_id
+        outcome = (False, False)
         try:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
                                                  transit_ns=transit_ns,
                                                  turn=lambda: self.turns.turn(req.org_id, deadline_ns),
-                                                 busy=lambda: self.turns.busy_ns)
+                                                 busy=lambda: self.turns.busy_ns, memory=memory)
             if time.monotonic_ns() >= deadline_ns:  # never hand back work after its deadline
                 self.stats["finished_after_deadline"] += 1
                 raise DeadlineExceeded("assembly finished after the deadline", request_id=req.request_id)
@@ -297,7 +351,8 @@ class WorkerServer:
                     request_id=req.request_id)
             # What the broker's adaptive limit learns: a branch that timed out (or never started for
             # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
-            overloaded = any(b.status == "timeout" for b in resp.branches.values())
+            outcome = memory_outcome(resp.branches)
+            overloaded = outcome[0] or any(b.status == "timeout" for b in resp.branches.values())
             link.send(P.worker_reply_frames(P.REPLY, client, rid, body, P.Feedback(overloaded, timings["worker_wait"])))
             self.stats["replied"] += 1
             if resp.degraded:
@@ -314,12 +369,14 @@ class WorkerServer:
             log.warning("request failed", extra={"request_id": req.request_id, "code": exc.code.value,
                                                  "error": exc.message})
             late = P.Feedback(True, timings["worker_wait"]) if isinstance(exc, DeadlineExceeded) else None
+            outcome = (late is not None, False)
             self._reply_error(link, client, rid, exc, late, req.request_id)
         except Exception as exc:
             self.stats["error_internal"] += 1
             log.exception("request %s failed", req.request_id)
             self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"),
                               request_id=req.request_id)
+        return outcome
 
     def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError,
                      feedback: P.Feedback | None = None, request_id: str | None = None) -> None:

@@ -394,6 +394,10 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
     max_request_items: int = Field(
         10_000, ge=100, description="Maps and arrays one request may hold (messages, content parts, tool calls, "
                                     "schemas); over it the request is refused INVALID_REQUEST, naming the field.")
+    memory_admission: bool = Field(
+        True, description="Adaptive per-worker limit on assemblies calling the memory service at once, learned from "
+                          "how those calls end; over it an assembly is answered at once without memories, degraded "
+                          "(`MemoryAtCapacity`), and no call is made (docs/architecture.md \"Admission control\").")
     worker_org_concurrency: int = Field(
         0, ge=0, description="Assemblies of one org one worker runs at once; more of that org wait in its queue "
                              "while other orgs go on (0: up to the worker's credit).")
