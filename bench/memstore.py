@@ -77,7 +77,10 @@ async def _seed(redis_url: str, agents: int, per_agent: int, seed: int) -> None:
     client = Redis.from_url(redis_url, socket_timeout=120)
     try:
         if ensure_index is not None:
-            await ensure_index(client, "hash1-256", DIM, ORG)
+            try:  # the index per agent (a cluster) or per org: the agent is named since it can be either
+                await ensure_index(client, "hash1-256", DIM, ORG, "agent0")
+            except TypeError:  # a baseline whose index is per org only
+                await ensure_index(client, "hash1-256", DIM, ORG)
         batch = 2_000
         pending: list[Any] = []
 

@@ -62,13 +62,12 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
     retriever = Retriever.create(settings, settings.redis_url)
     catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
     catalog.warm_up()
-    from redis.asyncio import Redis
-
     from ibex_context.shared.config.observability import CalibrationMetrics
+    from ibex_context.shared.stores.connect import async_client
     from ibex_context.worker.calibration import Calibrator
 
     # Its own connection, with generous timeouts: the retriever's are sized to the request deadline.
-    calibrator = Calibrator(redis=Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0),
+    calibrator = Calibrator(redis=async_client(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0),
                             catalog=catalog, settings=settings, metrics=CalibrationMetrics())
     assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id,
                           calibrator=calibrator)

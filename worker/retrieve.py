@@ -45,6 +45,7 @@ from ibex_context.pipeline.hits import hit_problem, memory_id_problem, over_cap,
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.directives import MalformedDirective, get_directive, parse_envelope
 from ibex_context.shared.stores.keys import directive_key, summary_key
 from ibex_context.shared.wire.models import AssembleRequest, BranchName, Source
@@ -129,7 +130,7 @@ class Retriever:
     @classmethod
     def create(cls, settings: WorkerSettings, redis_url: str) -> Retriever:
         wall_s = settings.retrieval_wall_ms / 1000
-        redis = Redis.from_url(
+        redis = async_client(
             redis_url, socket_timeout=max(wall_s, 0.05), socket_connect_timeout=max(wall_s, 0.05),
             max_connections=settings.worker_concurrency * 2, decode_responses=False,
         )

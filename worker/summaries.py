@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores import storage
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.keys import org_storage_key, summary_key
 from ibex_context.shared.stores.storage import LEDGER_LUA
 from ibex_context.shared.stores.summaries import encode_summary
@@ -116,7 +117,7 @@ class Summaries:
         """Its own Redis connection (generous timeouts: nobody waits on it) and memory-service pool."""
         if settings.redis_url is None:
             return None
-        redis = Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        redis = async_client(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         memory = MemoryHTTP(settings.memory_url, max_body=64 * 1024, max_idle=2, user_agent="ibex-context-summaries")
         return cls(redis=redis, settings=settings, memory=memory)
 

@@ -51,9 +51,9 @@ async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
         assert cal.samples == pytest.approx(1000 + 100 * decay ** 1000, rel=1e-6)
         assert cal.ratio <= 0.6 * 1.005
         await store.apply_batch(r, "acme", MODEL, {b6: 1000}, store.SketchPolicy(decay))
-        raw = await r.hgetall(f"acme:calibration:{MODEL}")
+        raw = await r.hgetall(f"{{acme}}:calibration:{MODEL}")
         assert f"b:{b9}".encode() not in raw  # pruned below 1e-3
-        assert 0 < await r.ttl(f"acme:calibration:{MODEL}") <= store.TTL_S
+        assert 0 < await r.ttl(f"{{acme}}:calibration:{MODEL}") <= store.TTL_S
         assert await store.models_of(r, "acme") == [MODEL] and await store.models_of(r, "globex") == []
         assert await store.read(r, "globex", MODEL, quantile=0.995) is None
     finally:
@@ -116,12 +116,12 @@ async def test_one_orgs_poisoned_reports_leave_another_orgs_budget_unchanged(sta
     assert acme2.budget == acme.budget and acme2.prompt_tokens == acme.prompt_tokens  # acme: untouched
     with redis.Redis.from_url(str(stack.redis_url)) as r:
         for _ in range(100):  # the last reports may wait for a flush
-            if int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) >= sent - 5:
+            if int(r.hget(f"{{{evil_org}}}:calibration:{MODEL}", "n") or 0) >= sent - 5:
                 break
             await asyncio.sleep(0.05)
-        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "refused") or 0) == 5
-        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) == sent - 5
-        assert not r.exists(f"acme:calibration:{MODEL}")
+        assert int(r.hget(f"{{{evil_org}}}:calibration:{MODEL}", "refused") or 0) == 5
+        assert int(r.hget(f"{{{evil_org}}}:calibration:{MODEL}", "n") or 0) == sent - 5
+        assert not r.exists(f"{{acme}}:calibration:{MODEL}")
     assert _broker_counter(stack, "usage_forwarded") - forwarded == sent
     # counted by the workers that took them
     assert _worker_counter(stack, "usage_refused_outlier", refused + 5) - refused == 5

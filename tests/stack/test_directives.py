@@ -93,7 +93,7 @@ async def test_malformed_envelope_raises_typed_error(aredis: Redis, raw: bytes) 
     await aredis.set(directive_key("acme", "bot"), raw)
     with pytest.raises(MalformedDirective) as info:
         await get_directive(aredis, "acme", "bot")
-    assert "acme:directive:bot" in str(info.value)
+    assert "{acme}:directive:bot" in str(info.value)
 
 
 async def test_wrong_redis_type_is_malformed(aredis: Redis) -> None:
