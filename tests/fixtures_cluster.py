@@ -4,6 +4,7 @@ backend fixtures that run one test on both the single server and the cluster.
     redis_cluster       session   EmbeddedCluster: .url .nodes .primary_nodes .kill(node) .wait_ok()
     cluster_url         function  the session cluster's URL (``redis+cluster://``), every primary flushed
     cluster_memory      session   MemoryServiceHandle on the cluster
+    cluster_memory_up   function  the same handle: running, faults cleared, the cluster flushed
     backend_url         function  params single|cluster: a flushed Redis URL of either kind
     backend_memory      function  params single|cluster: a running memory service on either, flushed
 
@@ -17,12 +18,15 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ibex_context.memory.redis_cluster import EmbeddedCluster
 from ibex_context.memory.redis_server import RedisStartError
+from ibex_context.ops.stack import LocalStack
 from tests.fixtures_services import MemoryServiceHandle, ServiceStartError, flush_redis
+from tests.helpers import start_stack
 
 BACKENDS = ("single", "cluster")
 
@@ -62,6 +66,25 @@ def cluster_memory(redis_cluster: EmbeddedCluster) -> Iterator[MemoryServiceHand
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.fixture
+def cluster_memory_up(cluster_memory: MemoryServiceHandle, cluster_url: str) -> MemoryServiceHandle:
+    """The cluster's memory service, running, with no faults and every primary flushed."""
+    if not cluster_memory.running:  # an earlier test stopped or killed it
+        try:
+            cluster_memory.start()
+        except ServiceStartError as exc:
+            pytest.fail(str(exc), pytrace=False)
+    cluster_memory.clear_faults()
+    return cluster_memory
+
+
+def cluster_stack(cluster: EmbeddedCluster, log_dir: Path, **kw: Any) -> LocalStack:
+    """A LocalStack (broker, workers, memory service) on the cluster, the demo data seeded."""
+    cluster.wait_ok()
+    flush_redis(cluster.url)
+    return start_stack(log_dir, redis_url=cluster.url, **kw)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend_url(request: pytest.FixtureRequest) -> str:
     """A flushed Redis of each kind: the same test runs on one server and on the cluster."""
@@ -75,12 +98,5 @@ def backend_memory(request: pytest.FixtureRequest) -> MemoryServiceHandle:
     if request.param == "single":
         handle: MemoryServiceHandle = request.getfixturevalue("memory")
         return handle
-    request.getfixturevalue("cluster_url")  # flushed
-    handle = request.getfixturevalue("cluster_memory")
-    if not handle.running:
-        try:
-            handle.start()
-        except ServiceStartError as exc:
-            pytest.fail(str(exc), pytrace=False)
-    handle.clear_faults()
+    handle = request.getfixturevalue("cluster_memory_up")
     return handle

@@ -14,8 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
-from redis.asyncio import Redis
 
 from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.ops.stack import LocalStack
@@ -27,6 +25,7 @@ from ibex_context.pipeline.calibration import (
     upper_edge,
 )
 from ibex_context.shared.stores import calibration as store
+from ibex_context.shared.stores.connect import async_client, sync_client
 from ibex_context.shared.wire import protocol as P
 from tests.helpers import start_stack
 from tests.unit.test_calibration import MODEL, TURN
@@ -38,7 +37,7 @@ EXACT_MODEL = "llama-3.3-70b-instruct"  # llama3: exact offline (quicktok-v1)
 
 
 async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
-    r = Redis.from_url(redis_url)
+    r = async_client(redis_url)
     try:
         decay = decay_per_sample(100)
         b6, b9 = bucket_of(0.6), bucket_of(0.9)
@@ -114,7 +113,7 @@ async def test_one_orgs_poisoned_reports_leave_another_orgs_budget_unchanged(sta
     assert b.calibration_ratio == pytest.approx(0.8) and b.usable > evil.budget.usable
     assert evil2.prompt_tokens_uncalibrated == evil.prompt_tokens_uncalibrated
     assert acme2.budget == acme.budget and acme2.prompt_tokens == acme.prompt_tokens  # acme: untouched
-    with redis.Redis.from_url(str(stack.redis_url)) as r:
+    with sync_client(str(stack.redis_url)) as r:
         for _ in range(100):  # the last reports may wait for a flush
             if int(r.hget(f"{{{evil_org}}}:calibration:{MODEL}", "n") or 0) >= sent - 5:
                 break
@@ -170,7 +169,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 async def test_calibration_show_prints_the_learned_ratio(redis_url: str) -> None:
-    r = Redis.from_url(redis_url)
+    r = async_client(redis_url)
     try:
         b = bucket_of(0.62)
         assert b is not None
