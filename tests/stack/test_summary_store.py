@@ -19,7 +19,7 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.stores.connect import async_client, sync_client
+from ibex_context.shared.stores.connect import async_client, is_cluster, sync_client
 from ibex_context.shared.stores.keys import summary_key
 from ibex_context.shared.stores.summaries import encode_summary
 from ibex_context.shared.wire.errors import InvalidRequest
@@ -92,9 +92,13 @@ async def _run(a: Assembler, org: str = "acme", **over: Any) -> AssembleResponse
 
 
 def _calls(url: str, command: str) -> int:
+    """Calls of ``command`` the server (or every primary of a cluster) has served."""
     with sync_client(url) as r:
-        stats: dict[str, Any] = r.info("commandstats")
-    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+        if is_cluster(r):
+            per_node: list[dict[str, Any]] = list(r.info("commandstats", target_nodes="primaries").values())
+        else:
+            per_node = [r.info("commandstats")]
+    return sum(int(stats.get(f"cmdstat_{command}", {}).get("calls", 0)) for stats in per_node)
 
 
 async def test_a_stored_summary_is_read_with_the_directive_and_placed(make: Any, memory: Any) -> None:
