@@ -15,13 +15,16 @@ The URL of the cluster is ``redis+cluster://127.0.0.1:<first primary port>/0`` (
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +111,7 @@ class EmbeddedCluster:
     primaries: int = 3
     replicas: int = 1
     node_timeout_ms: int = NODE_TIMEOUT_MS
+    base_port: int | None = None  # nodes on base_port, base_port + 1, ...; None: free ports
     nodes: list[ClusterNode] = field(default_factory=list)
     _root: str | None = None
 
@@ -145,7 +149,8 @@ class EmbeddedCluster:
         assert self._root is not None
         workdir = os.path.join(self._root, f"node{i}")
         os.makedirs(workdir)
-        node = ClusterNode(port=cluster_port(), workdir=workdir)
+        port = cluster_port() if self.base_port is None else self.base_port + i
+        node = ClusterNode(port=port, workdir=workdir)
         with open(os.path.join(workdir, "redis.log"), "wb") as log:
             node.proc = subprocess.Popen(node_args(exe, port=node.port, workdir=workdir,
                                                    node_timeout_ms=self.node_timeout_ms),
@@ -277,3 +282,36 @@ def _serves(node: ClusterNode, slot: int) -> bool:
                 if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
                     return True
     return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a private cluster in the foreground until SIGTERM (``up --redis-cluster N``, supervisord)."""
+    ap = argparse.ArgumentParser(prog="python -m ibex_context.memory.redis_cluster", description=main.__doc__)
+    ap.add_argument("--primaries", type=int, default=3, help="primaries, each with one replica (default: 3)")
+    ap.add_argument("--port", type=int, required=True,
+                    help="first node's port; the nodes take the next 2 x primaries - 1 too (at most 55535)")
+    args = ap.parse_args(argv)
+    if not 1 <= args.primaries <= 16 or not 1 <= args.port <= 55536 - 2 * args.primaries:
+        print("error: --primaries must be 1..16 and the ports --port.. at most 55535", file=sys.stderr)
+        raise SystemExit(2)
+    cluster = EmbeddedCluster(primaries=args.primaries, base_port=args.port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        cluster.start()
+    except (RedisStartError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from exc
+    print(f"cluster up: {cluster.url} ({args.primaries} primaries, {args.primaries} replicas)", flush=True)
+    try:
+        while not stop.wait(1.0):
+            if not any(n.running for n in cluster.primary_nodes):
+                print("error: every primary exited", file=sys.stderr)
+                raise SystemExit(1)
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -316,6 +316,11 @@ class StackSettings(IbexSettings):
         description="State dir of `up`: supervisord pid and socket, `logs/`, `redis/`, `redis-url`, `prometheus/`.")
     redis_port: int | None = Field(None, ge=0, le=65535, json_schema_extra=shown("6479"),
                                    description="Port of the private Redis of `up` (data in `$IBEX_RUN_DIR/redis/`).")
+    redis_cluster: int = Field(
+        0, ge=0, le=16, description="`up` (every role, no `IBEX_REDIS_URL`): N > 0 runs a private Redis Cluster of N "
+                                    "primaries with a replica each instead of the one server, on ports from "
+                                    "`IBEX_REDIS_PORT` up (`up --redis-cluster N`; its data is not kept across "
+                                    "`down`). For trying a cluster on one machine.")
 
 
 class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTimeout):
