@@ -211,6 +211,20 @@ class EmbeddedCluster:
                 return node
         raise RuntimeError(f"no running primary serves slot {slot}")
 
+    def wait_served(self, key: str, timeout_s: float = READY_TIMEOUT_S) -> ClusterNode:
+        """Until a running primary serves ``key``'s slot (after its primary died: the replica
+        promoted) and every running node reports ``cluster_state:ok``; that primary."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                node = self.node_for_key(key)
+                self.wait_ok()
+                return node
+            except (RuntimeError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise RedisStartError(f"no primary took over {key!r}'s slot within {timeout_s:.0f}s") from None
+            time.sleep(_POLL_S)
+
     def kill(self, node: ClusterNode) -> None:
         """kill -9 one node (what a machine failing looks like to the cluster)."""
         if node.proc is not None and node.proc.poll() is None:
