@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, WorkerSettings, usable_cpus
 from ibex_context.shared.security.netloc import is_loopback_url
+from ibex_context.worker.memservices import memory_urls
 
 if TYPE_CHECKING:
     from ibex_context.worker.server import WorkerServer
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
 
 def exposure_error(settings: WorkerSettings) -> str | None:
     """Why this worker must not talk to its memory service, or ``None`` when it may."""
-    if settings.memory_secret == DEV_MEMORY_SECRET and not is_loopback_url(settings.memory_url):
+    exposed = [u for u in memory_urls(settings.memory_url) if not is_loopback_url(u)]
+    if settings.memory_secret == DEV_MEMORY_SECRET and exposed:
         try:  # the host only: the URL may carry credentials
-            host = urlsplit(settings.memory_url).hostname
+            host = urlsplit(exposed[0]).hostname
         except ValueError:
             host = None
         return (f"IBEX_MEMORY_URL (host {host!r}) is not a loopback URL and IBEX_MEMORY_SECRET is the "

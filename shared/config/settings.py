@@ -366,7 +366,9 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
     summary_memory_timeout_ms: float = Field(
         5000.0, gt=0, description="A summary's write to the agent's memories (`as_memory`) is given up after this.")
     # -- backing services ----------------------------------------------------------------------
-    memory_url: str = Field("http://127.0.0.1:8765", description="The memory service's base URL.")
+    memory_url: str = Field("http://127.0.0.1:8765", description="The memory service's base URL; workers take "
+                                                             "several, comma-separated (calls spread over them and "
+                                                             "go to the next when one cannot be reached).")
     memory_secret: str = Field(
         DEV_MEMORY_SECRET, min_length=8, json_schema_extra=shown("dev value"),
         description="HMAC key of per-org memory-service tokens, shared by workers and the memory service; the "
