@@ -75,7 +75,9 @@ class HostPlan:
         if "workers" in self.roles:
             names.append(f"{self.workers} worker(s)")
         if self.private_redis:
-            names.insert(0, "redis (embedded)")
+            cluster = self.env.get("IBEX_RUN_REDIS_CLUSTER") == "true"
+            names.insert(0, f"redis cluster {self.env.get('IBEX_REDIS_CLUSTER')}+{self.env.get('IBEX_REDIS_CLUSTER')} "
+                            "(embedded)" if cluster else "redis (embedded)")
         return ", ".join(names)
 
 
