@@ -169,6 +169,19 @@ async def check_engine(redis: Redis) -> None:
         raise
 
 
+def create_args(embedder: str, dim: int, org_id: str, agent_id: str, *, per_agent: bool) -> list[str]:
+    """The arguments of the ``FT.CREATE`` of the agent's index (its name first): the schema above."""
+    name, prefix = memory_index(embedder, org_id, agent_id, per_agent=per_agent)
+    hnsw = ["TYPE", "FLOAT32", "DIM", str(dim), "DISTANCE_METRIC", "COSINE", "M", str(HNSW_M),
+            "EF_CONSTRUCTION", str(HNSW_EF_CONSTRUCTION)]
+    if per_agent:  # many small indexes: room for few vectors at first, not the engine's default
+        hnsw += ["INITIAL_CAP", str(AGENT_INDEX_BLOCK)]
+    return [name, "ON", "HASH", "PREFIX", "1", prefix, "SCHEMA",
+            "org", "TAG", "CASESENSITIVE", "agent", "TAG", "CASESENSITIVE", "tenant", "NUMERIC",
+            "content", "TEXT", "created_at", "NUMERIC", "SORTABLE",
+            vector_field(embedder), "VECTOR", "HNSW", str(len(hnsw)), *hnsw]
+
+
 async def ensure_index(redis: Redis, embedder: str, dim: int, org_id: str, agent_id: str, *,
                        wait_s: float = 5.0, per_agent: bool | None = None) -> None:
     """Create the index of the agent's memories for the embedder if it does not exist (idempotent,
@@ -180,12 +193,8 @@ async def ensure_index(redis: Redis, embedder: str, dim: int, org_id: str, agent
     that name exists with another vector size (another build of the embedder).
     """
     per_agent = per_agent_indexes(redis) if per_agent is None else per_agent
-    name, prefix = memory_index(embedder, org_id, agent_id, per_agent=per_agent)
-    hnsw = ["TYPE", "FLOAT32", "DIM", str(dim), "DISTANCE_METRIC", "COSINE", "M", str(HNSW_M),
-            "EF_CONSTRUCTION", str(HNSW_EF_CONSTRUCTION)]
-    if per_agent:  # many small indexes: room for few vectors at first, not the engine's default
-        hnsw += ["INITIAL_CAP", str(AGENT_INDEX_BLOCK)]
-    field = vector_field(embedder)
+    create = create_args(embedder, dim, org_id, agent_id, per_agent=per_agent)
+    name, field = create[0], vector_field(embedder)
     try:
         info = await redis.execute_command("FT.INFO", name)  # type: ignore[no-untyped-call]
     except ResponseError as exc:
@@ -199,11 +208,7 @@ async def ensure_index(redis: Redis, embedder: str, dim: int, org_id: str, agent
         _check_dim(info, field, dim, name)
         return
     try:
-        await redis.execute_command(  # type: ignore[no-untyped-call]
-            "FT.CREATE", name, "ON", "HASH", "PREFIX", "1", prefix, "SCHEMA",
-            "org", "TAG", "CASESENSITIVE", "agent", "TAG", "CASESENSITIVE", "tenant", "NUMERIC",
-            "content", "TEXT", "created_at", "NUMERIC", "SORTABLE",
-            field, "VECTOR", "HNSW", str(len(hnsw)), *hnsw)
+        await redis.execute_command("FT.CREATE", *create)  # type: ignore[no-untyped-call]
     except ResponseError as exc:
         if "already exists" not in str(exc).lower():
             raise

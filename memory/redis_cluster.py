@@ -329,3 +329,34 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def move_slot(cluster: EmbeddedCluster, slot: int, target: ClusterNode, *, index_args: list[list[str]],
+              batch: int = 100) -> int:
+    """Move one slot to the primary ``target`` (the documented procedure for adding a shard, one slot
+    at a time): mark it importing on the target and migrating on its owner, create the slot's
+    search indexes on the target first (``ASKING`` + ``FT.CREATE``: each ``index_args`` entry is one
+    ``FT.CREATE`` argument list), ``MIGRATE`` its keys, then give the slot to the target on every
+    primary. Returns the keys moved. While it runs, searches of an agent in the slot see only the
+    memories already on one side."""
+    source = next(n for n in cluster.primary_nodes if n.running and _serves(n, slot))
+    with target.client() as t, source.client() as s:
+        t.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+    asking = redis.Redis(host="127.0.0.1", port=target.port, single_connection_client=True, socket_timeout=5.0)
+    try:
+        for args in index_args:
+            asking.execute_command("ASKING")  # type: ignore[no-untyped-call]
+            asking.execute_command("FT.CREATE", *args)  # type: ignore[no-untyped-call]
+    finally:
+        asking.close()
+    moved = 0
+    with source.client() as s:
+        while keys := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
+            s.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+    for node in cluster.primary_nodes:
+        if node.running:
+            with node.client() as c:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target.node_id)
+    return moved
