@@ -17,7 +17,8 @@ from ibex_context.memory.index import create_args, index_name, total_results
 from ibex_context.memory.redis_cluster import EmbeddedCluster, move_slot
 from ibex_context.memory.redis_server import RedisStartError
 from ibex_context.shared.stores.connect import key_slot, sync_client
-from ibex_context.shared.stores.keys import agent_tag
+from ibex_context.shared.stores.keys import agent_tag, directive_key, summary_key
+from ibex_context.worker import rawredis
 from tests.fixtures_services import MemoryServiceHandle, ServiceStartError
 
 ORG, AGENT, N = "acme", "mover", 300
@@ -99,3 +100,32 @@ def test_a_slot_moves_with_its_index_and_searches_stay_whole_after(cluster: Embe
     assert _indexed(cluster.url, "@content:ledger") == N + 1
     print(f"{len(statuses)} searches during the move of {moved} keys; hits per search (limit 10): "
           f"min {min(found)}, max {max(found)}, fewer than 10: {sum(f < 10 for f in found)}")
+
+
+async def test_the_workers_directive_get_follows_ask_and_moved(cluster: EmbeddedCluster) -> None:
+    """``worker.rawredis`` on a cluster: keys of every shard read by slot; a key whose slot is being
+    moved (``ASK``), then has moved (``MOVED``, a stale slot map), still reads right."""
+    keys = {directive_key(f"org{i}", "bot"): f"v{i}".encode() for i in range(40)}
+    with sync_client(cluster.url) as r:
+        for k, v in keys.items():
+            r.set(k, v)
+    conn = rawredis.Connection.for_url(cluster.url, max_idle=2)
+    assert isinstance(conn, rawredis.ClusterConnection)
+    try:
+        assert [await conn.get(k) for k in keys] == list(keys.values())
+        key = directive_key("org7", "bot")
+        slot = key_slot(key)
+        source = cluster.node_for_key(key)
+        target = next(n for n in cluster.primary_nodes if n is not source)
+        with target.client() as t, source.client() as s:
+            t.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+            s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+            s.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", key)
+        assert await conn.get(key) == b"v7"  # the source answers ASK: asked again on the target
+        for node in cluster.primary_nodes:
+            with node.client() as c:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target.node_id)
+        assert await conn.get(key) == b"v7"  # MOVED: the map is read again
+        assert await conn.mget(key, summary_key("org7", "bot", "c1")) == [b"v7", None]
+    finally:
+        conn.close()
