@@ -1,12 +1,12 @@
-"""A Redis Cluster from the bundled server (3 primaries, 3 replicas) as pytest fixtures, and the
-backend fixtures that run one test on both the single server and the cluster.
+"""A Redis Cluster from the bundled server (3 primaries, 3 replicas) as pytest fixtures. The
+tests/stack/test_cluster_*.py modules point ``redis_url``, ``memory`` and ``stack`` at these to run
+another module's tests on the cluster.
 
     redis_cluster       session   EmbeddedCluster: .url .nodes .primary_nodes .kill(node) .wait_ok()
     cluster_url         function  the session cluster's URL (``redis+cluster://``), every primary flushed
     cluster_memory      session   MemoryServiceHandle on the cluster
     cluster_memory_up   function  the same handle: running, faults cleared, the cluster flushed
-    backend_url         function  params single|cluster: a flushed Redis URL of either kind
-    backend_memory      function  params single|cluster: a running memory service on either, flushed
+    cluster_stack()     helper    a LocalStack on the cluster, the demo data seeded
 
 One cluster per session, started only when a test asks for it. A test that kills a node starts a
 cluster of its own (``memory.redis_cluster.EmbeddedCluster``), so this one stays whole.
@@ -27,8 +27,6 @@ from ibex_context.memory.redis_server import RedisStartError
 from ibex_context.ops.stack import LocalStack
 from tests.fixtures_services import MemoryServiceHandle, ServiceStartError, flush_redis
 from tests.helpers import start_stack
-
-BACKENDS = ("single", "cluster")
 
 
 @pytest.fixture(scope="session")
@@ -83,20 +81,3 @@ def cluster_stack(cluster: EmbeddedCluster, log_dir: Path, **kw: Any) -> LocalSt
     cluster.wait_ok()
     flush_redis(cluster.url)
     return start_stack(log_dir, redis_url=cluster.url, **kw)
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_url(request: pytest.FixtureRequest) -> str:
-    """A flushed Redis of each kind: the same test runs on one server and on the cluster."""
-    url: str = request.getfixturevalue("redis_url" if request.param == "single" else "cluster_url")
-    return url
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_memory(request: pytest.FixtureRequest) -> MemoryServiceHandle:
-    """The memory service of each kind, running, no faults, its Redis flushed."""
-    if request.param == "single":
-        handle: MemoryServiceHandle = request.getfixturevalue("memory")
-        return handle
-    handle = request.getfixturevalue("cluster_memory_up")
-    return handle
