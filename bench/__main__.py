@@ -26,6 +26,7 @@ SUITES: dict[str, str] = {
     "pack": "the packer over cases from a JSON file (--cases C.json --out R.json)",
     "memservice": "what the reference memory service costs per assembly (CPU, Redis CPU, wall)",
     "memstore": "the memory store at scale: search latency and CPU with a write before every search",
+    "index_layout": "memory of an index per org against one per agent, and one org spread over a 3+3 cluster",
     "memclient": "what one memory-service call costs the worker, per HTTP client",
     "retrieval": "selection quality on the labelled questions (--suite conversations: long chats)",
     "embedcost": "what a query embedding costs per embedder variant (CPU, wall, cosine to numpy)",

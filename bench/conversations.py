@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from redis.asyncio import Redis
 
 from bench.lib.percentiles import median, percentile
 from bench.lib.stack import started_stack
@@ -50,6 +49,7 @@ from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
 from ibex_context.memory.embed import Embedder, Vectors, content_words, load_embedder
 from ibex_context.memory.seed import seed_records
+from ibex_context.shared.stores.connect import async_client
 
 DATA = Path(__file__).resolve().parent / "data"
 TURNS_FILE = DATA / "conversations.jsonl"
@@ -273,9 +273,9 @@ def _plain(turns: list[dict[str, Any]], vectors: Vectors, emb: Embedder, questio
 
 async def run_suite(turns: list[dict[str, Any]], questions: list[ConvQuestion], *, embedder: str,
                     extra_env: dict[str, str] | None = None, timeout_s: float = 2.0,
-                    log_dir: Path | None = None) -> SuiteResult:
+                    log_dir: Path | None = None, redis_url: str | None = None) -> SuiteResult:
     """Seed ``turns`` into a fresh stack running ``embedder``, assemble every question, rank the same
-    turns with BM25 and dense in the same run."""
+    turns with BM25 and dense in the same run. ``redis_url``: the stack's Redis (a cluster, say)."""
     res = SuiteResult(embedder)
     emb = load_embedder(embedder)
     texts = [t["content"] for t in turns]
@@ -285,8 +285,8 @@ async def run_suite(turns: list[dict[str, Any]], questions: list[ConvQuestion], 
     _plain(turns, vectors, emb, questions, res)
     env = {**QUALITY_DEADLINES, "IBEX_MEMORY_EMBEDDER": embedder, **(extra_env or {})}
     log_dir = log_dir or Path(f"/tmp/ibex-bench-conversations-{uuid.uuid4().hex[:8]}")
-    with started_stack(workers=1, env=env, log_dir=log_dir, seed=False) as stack:
-        redis = Redis.from_url(str(stack.redis_url))
+    with started_stack(workers=1, env=env, log_dir=log_dir, seed=False, redis_url=redis_url) as stack:
+        redis = async_client(str(stack.redis_url))
         try:
             t0 = time.perf_counter()
             await seed_records(redis, turns, embedder=PrecomputedEmbedder(emb, texts, vectors), flush=True)
@@ -392,16 +392,24 @@ def to_json(res: SuiteResult, questions: list[ConvQuestion]) -> dict[str, Any]:
 
 
 def main(*, limit: int | None, out: Path | None, env: list[str], sessions: int | None = None,
-         conversations: Sequence[int] | None = None) -> int:
+         conversations: Sequence[int] | None = None, redis_cluster: int = 0) -> int:
     """The suite as ``bench.retrieval`` runs it: the stack's embedder is ``IBEX_MEMORY_EMBEDDER``
-    (minilm when unset), set explicitly on the stack it starts."""
+    (minilm when unset), set explicitly on the stack it starts; ``redis_cluster`` N > 0: the stack on an
+    embedded Redis Cluster of N primaries (and N replicas) instead of one server."""
     embedder = os.environ.get("IBEX_MEMORY_EMBEDDER") or "minilm"
     turns, questions = load_set(limit=limit, sessions=sessions, conversations=conversations)
     counts = Counter(q.category for q in questions)
     print(f"{len(questions)} questions ({', '.join(f'{c} {counts[c]}' for c in CATEGORIES if counts[c])}) "
           f"over {len(turns)} turns of {len({t['agent_id'] for t in turns})} conversations; embedder {embedder}",
           file=sys.stderr)
-    res = asyncio.run(run_suite(turns, questions, embedder=embedder, extra_env=dict(kv.split("=", 1) for kv in env)))
+    extra = dict(kv.split("=", 1) for kv in env)
+    if redis_cluster:
+        from ibex_context.memory.redis_cluster import EmbeddedCluster
+
+        with EmbeddedCluster(primaries=redis_cluster) as cluster:
+            res = asyncio.run(run_suite(turns, questions, embedder=embedder, extra_env=extra, redis_url=cluster.url))
+    else:
+        res = asyncio.run(run_suite(turns, questions, embedder=embedder, extra_env=extra))
     print("\n".join(report(res, questions)))
     if out is not None:
         out.write_text(json.dumps(to_json(res, questions), indent=1))

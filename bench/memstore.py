@@ -74,10 +74,18 @@ async def _seed(redis_url: str, agents: int, per_agent: int, seed: int) -> None:
         ensure_index = None  # type: ignore[assignment]
     rng, nrng = random.Random(seed), np.random.default_rng(seed)
     base = datetime(2025, 1, 1, tzinfo=UTC)
-    client = Redis.from_url(redis_url, socket_timeout=120)
+    try:  # a cluster URL names a cluster client (stores that know no cluster take a plain URL only)
+        from ibex_context.shared.stores.connect import async_client
+    except ImportError:
+        async_client = Redis.from_url  # type: ignore[assignment]
+    client = async_client(redis_url, socket_timeout=120)
     try:
         if ensure_index is not None:
-            await ensure_index(client, "hash1-256", DIM, ORG)
+            try:  # the index per agent (a cluster: one each) or per org (once): every agent named
+                for a in range(agents):
+                    await ensure_index(client, "hash1-256", DIM, ORG, f"agent{a}")
+            except TypeError:  # a baseline whose index is per org only
+                await ensure_index(client, "hash1-256", DIM, ORG)
         batch = 2_000
         pending: list[Any] = []
 
@@ -143,7 +151,8 @@ def _token() -> str:
     return mint_org_token(SECRET, ORG)
 
 
-def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, redis_pid: int) -> dict[str, Any]:
+def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, redis_pids: list[int],
+            ) -> dict[str, Any]:
     from bench.lib.cpu import cpu_seconds  # here: the seeding child runs this file by path, without the bench
     from bench.lib.percentiles import percentiles
 
@@ -154,7 +163,7 @@ def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, r
     with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
         for _ in range(5):  # warm-up: connections, caches, the embedder
             c.post("/v1/memories/search", json={"query": _sentence(rng, 8), "agent_id": "agent0", "limit": 10})
-        cpu_s0, cpu_r0 = cpu_seconds(service_pid), cpu_seconds(redis_pid)
+        cpu_s0, cpu_r0 = cpu_seconds(service_pid), sum(cpu_seconds(p) for p in redis_pids)
         for i in range(searches):
             agent = f"agent{rng.randrange(agents)}"
             w = c.post("/v1/memories", json={"agent_id": agent, "memory_id": f"new{i}", "content": _sentence(rng, 15),
@@ -164,20 +173,48 @@ def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, r
                                                     "limit": 10})
             walls.append((time.perf_counter() - t0) * 1000.0)
             errors += (w.status_code != 201) + (r.status_code != 200)
-        cpu_s1, cpu_r1 = cpu_seconds(service_pid), cpu_seconds(redis_pid)
+        cpu_s1, cpu_r1 = cpu_seconds(service_pid), sum(cpu_seconds(p) for p in redis_pids)
     return {"searches": searches, "errors": errors, "wall_ms": percentiles(walls, (50, 90, 99)),
             "service_cpu_ms_per_round": (cpu_s1 - cpu_s0) * 1000.0 / searches,
             "redis_cpu_ms_per_round": (cpu_r1 - cpu_r0) * 1000.0 / searches}
 
 
+class _Cluster:
+    """An embedded 3 + 3 cluster with the two things the bench reads of a server: its URL, and one
+    pid for the Redis CPU figure (``pids``: every primary, summed)."""
+
+    def __init__(self, primaries: int) -> None:
+        from ibex_context.memory.redis_cluster import EmbeddedCluster
+
+        self.cluster = EmbeddedCluster(primaries=primaries).start()
+        self.url = self.cluster.url
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.proc.pid for n in self.cluster.primary_nodes if n.proc is not None]
+
+    def close(self) -> None:
+        self.cluster.stop()
+
+
+def _used(url: str) -> int:
+    """used_memory of the server, or summed over a cluster's primaries (replicas hold a copy)."""
+    from ibex_context.shared.stores.connect import is_cluster, sync_client
+
+    with sync_client(url) as r:
+        if is_cluster(r):
+            return sum(int(v["used_memory"]) for v in r.info("memory", target_nodes="primaries").values())
+        return int(r.info("memory")["used_memory"])
+
+
 def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, searches: int,
-               seed: int) -> dict[str, Any]:
+               seed: int, cluster: int = 0) -> dict[str, Any]:
     import redis
 
-    server = _start_redis()
+    server = _Cluster(cluster) if cluster else _start_redis()
+    pids = server.pids if cluster else [int(server.pid or 0)]
     try:
-        with redis.Redis.from_url(server.url) as r:
-            empty = int(r.info("memory")["used_memory"])
+        empty = _used(server.url)
         t0 = time.monotonic()
         env = dict(os.environ)
         if pythonpath:  # the seeding script runs by path, so ``ibex_context`` is the baseline's
@@ -185,21 +222,22 @@ def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, 
         subprocess.run([sys.executable, __file__, "--seed-only", server.url, str(agents), str(per_agent), str(seed)],
                        check=True, env=env, cwd=pythonpath or str(REPO))
         seed_s = time.monotonic() - t0
-        with redis.Redis.from_url(server.url) as r:
-            while True:  # the query engine indexes in the background: measure a settled store
-                try:
-                    info = r.execute_command("FT.INFO", f"ibex:mem:hash1-256:{ORG}")
-                    if not int(float(info.get(b"indexing", 0) if isinstance(info, dict) else 0)):
+        if not cluster:  # the org's index is made before the writes on a cluster: nothing left to index
+            with redis.Redis.from_url(server.url) as r:
+                while True:  # the query engine indexes in the background: measure a settled store
+                    try:
+                        info = r.execute_command("FT.INFO", f"ibex:mem:hash1-256:{ORG}")
+                        if not int(float(info.get(b"indexing", 0) if isinstance(info, dict) else 0)):
+                            break
+                    except redis.ResponseError:
                         break
-                except redis.ResponseError:
-                    break
-                time.sleep(0.5)
-            used = int(r.info("memory")["used_memory"])
+                    time.sleep(0.5)
+        used = _used(server.url)
         n = agents * per_agent
         with tempfile.TemporaryDirectory() as tmp:
             proc, url = _service(server.url, pythonpath, Path(tmp))
             try:
-                result = _rounds(url, agents, searches, seed, proc.pid, int(server.pid or 0))
+                result = _rounds(url, agents, searches, seed, proc.pid, pids)
             finally:
                 proc.terminate()
                 proc.wait(10)
@@ -239,20 +277,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout to run beside this one")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    ap.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                    help="also run this checkout on an embedded cluster of N primaries (+N replicas), side by side")
     args = ap.parse_args(argv)
     scenarios = []
     if args.scenario in ("one-agent", "both"):
         scenarios.append((1, args.memories))
     if args.scenario in ("many-agents", "both"):
         scenarios.append((args.agents, args.per_agent))
-    stores: list[tuple[str, str | None]] = [("this checkout", None)]
+    stores: list[tuple[str, str | None, int]] = [("this checkout", None, 0)]
+    if args.redis_cluster:
+        stores.append((f"this checkout, cluster {args.redis_cluster}+{args.redis_cluster}", None, args.redis_cluster))
     if args.baseline is not None:
-        stores.append((f"baseline {args.baseline.name}", str(args.baseline.resolve())))
+        stores.append((f"baseline {args.baseline.name}", str(args.baseline.resolve()), 0))
     rows = []
     for agents, per_agent in scenarios:
-        for label, path in stores:
+        for label, path, cluster in stores:
             print(f"# {label}: {agents:,} agents x {per_agent:,} memories ...", file=sys.stderr, flush=True)
-            rows.append(_run_store(label, path, agents, per_agent, args.searches, args.seed))
+            rows.append(_run_store(label, path, agents, per_agent, args.searches, args.seed, cluster))
             print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(_table(rows))
     if args.out is not None:

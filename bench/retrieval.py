@@ -319,13 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", default=None, help="conversations: comma-separated chat numbers (1-5)")
     ap.add_argument("--out", type=Path, default=None, help="conversations: write summary, per-question metrics "
                                                            "and rankings as JSON here")
+    ap.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                    help="conversations: the stack on an embedded Redis Cluster of N primaries + N replicas")
     args = ap.parse_args(argv)
     if args.suite == "conversations":
         from bench import conversations
 
         chats = [int(c) for c in args.conversations.split(",")] if args.conversations else None
         return conversations.main(limit=args.limit, out=args.out, env=args.env, sessions=args.sessions,
-                                  conversations=chats)
+                                  conversations=chats, redis_cluster=args.redis_cluster)
     questions = load_questions()
     kinds = statistics.multimode([q.kind for q in questions])
     print(f"{len(questions)} questions ({', '.join(sorted({q.kind for q in questions}))}; most: {kinds})")

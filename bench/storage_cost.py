@@ -85,7 +85,7 @@ async def used(redis: Redis) -> int:
 
 
 async def index_bytes(redis: Redis, org: str) -> float:
-    raw = await redis.execute_command("FT.INFO", index_name("hash", org))
+    raw = await redis.execute_command("FT.INFO", index_name("hash", org, "bot"))
     info = raw if isinstance(raw, dict) else {raw[i]: raw[i + 1] for i in range(0, len(raw) - 1, 2)}
     info = {(k.decode() if isinstance(k, bytes) else k): v for k, v in info.items()}
     return sum(float(info.get(f, 0) or 0) for f in _SIZE_FIELDS) * 1024 * 1024
@@ -108,7 +108,7 @@ async def memory_kind(redis: Redis, kind: str, n: int, rng: random.Random) -> di
         return store.memory_charge(org, agent, rec, hot=True, embedder_name="hash", dim=DIM)
 
     b0, i0 = await used(redis), 0.0
-    await ensure_index(redis, "hash", DIM, org)
+    await ensure_index(redis, "hash", DIM, org, agent)
     b1 = await used(redis)
     await write(record(0))
     b2, i1 = await used(redis), await index_bytes(redis, org)

@@ -194,7 +194,7 @@ async def write(svc: MemoryService, request: Request) -> Response:
             await storage.reserve(redis, org, charge, svc.config.org_storage_budget(pressure.limit), what="content",
                                   replacing=assumed, index=storage.INDEX_BYTES)
             try:
-                await svc.ensure_index(org)
+                await svc.ensure_index(org, body.agent_id)
                 replaced = await store.write_capped(redis, store.NewMemory(org, body.agent_id, record, body.hot),
                                                     embedder_name=svc.embedder.name, embed=svc.embed,
                                                     max_per_agent=svc.config.max_memories_per_agent, charge=charge)

@@ -22,13 +22,13 @@ import json
 import sys
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.directives import (
     MAX_DIRECTIVE_CHARS,
     DirectiveEnvelope,
@@ -87,7 +87,7 @@ def directive_text(args: argparse.Namespace) -> str:
 
 
 async def _run(args: argparse.Namespace, url: str, prog: str, text: str) -> int:
-    client = Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    client = async_client(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         if args.command == "set":
             env = await set_directive(client, args.org, args.agent, text)

@@ -28,6 +28,7 @@ class Scope:
     embedder: str
     org: str
     agent: str
+    per_agent: bool = False  # the agent's own index (a Redis Cluster), not the org's
 
 
 class FullText:
@@ -38,7 +39,8 @@ class FullText:
         org, agent = scope.org, scope.agent
         self._table, self._org, self._agent, self._now = table, org, agent, now
         self._size, self._scan_max, self._limit = size, scan_max, limit
-        self._name, self._vfield = index_name(scope.embedder, org), vector_field(scope.embedder)
+        self._name = index_name(scope.embedder, org, agent, per_agent=scope.per_agent)
+        self._vfield = vector_field(scope.embedder)
         self._prefix = memory_key_prefix(org, agent)
         split = split_terms(terms, table, org, agent, large=size > scan_max, now=now)
         self._scanned, self._probed = split.scanned, split.probed

@@ -1,8 +1,9 @@
 """The memory indexes on the Redis Query Engine (RediSearch): schema, creation, and the two queries
 of a hybrid search (docs/memory-search.md).
 
-One index per org and embedder covers the org's memory hashes (key prefix ``mem:{org:``,
-``shared.stores.keys``):
+One index per org and embedder covers the org's memory hashes (key prefix ``mem:{org:``); on a
+Redis Cluster one index per agent and embedder, named with the agent's hash tag, covers the
+agent's (``shared.stores.keys.memory_index`` says why):
 
     org         TAG  CASESENSITIVE     the tenant: the vector query filters on org and agent
     agent       TAG  CASESENSITIVE
@@ -52,12 +53,18 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from ibex_context.memory.embed import STOPWORDS, normalize
-from ibex_context.shared.stores.keys import MEMORY_PREFIX, check_ident, vector_field
+from ibex_context.shared.stores.connect import is_cluster
+from ibex_context.shared.stores.keys import check_ident, memory_index, vector_field
 
 # HNSW graph parameters: the engine's defaults (M 16, EF_CONSTRUCTION 200), named so a reader
 # sees them; EF_RUNTIME is raised per query to the number of neighbours asked for.
 HNSW_M = 16
 HNSW_EF_CONSTRUCTION = 200
+# An index per agent (a cluster) reserves room for this many vectors when created (empty: ~36 KB
+# against ~54 KB with the engine's default). Its first write still allocates a whole vector block:
+# ~1.7 MB per agent index at 256 dimensions, measured with 20 memories each (``python -m
+# bench.index_layout``); this build's HNSW refuses a smaller BLOCK_SIZE.
+AGENT_INDEX_BLOCK = 64
 MAX_QUERY_TERMS = 16  # a question's distinct content words searched: each is one engine query
 _MAX_TERM_CHARS = 48
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -69,13 +76,14 @@ class QueryEngineMissing(RuntimeError):
     """The Redis server has no query engine (``FT.*`` commands); the memory service needs one."""
 
 
-def index_name(embedder: str, org_id: str) -> str:
-    return f"ibex:mem:{check_ident(embedder, 'embedder')}:{check_ident(org_id, 'org_id')}"
+def index_name(embedder: str, org_id: str, agent_id: str, *, per_agent: bool = False) -> str:
+    """The index ``agent_id``'s memories are searched in (per org; ``per_agent`` on a cluster)."""
+    return memory_index(embedder, org_id, agent_id, per_agent=per_agent)[0]
 
 
-def org_memory_prefix(org_id: str) -> str:
-    """The key prefix of every memory of one org (all its agents)."""
-    return MEMORY_PREFIX + "{" + check_ident(org_id, "org_id") + ":"
+def per_agent_indexes(redis: object) -> bool:
+    """True when ``redis`` is a cluster client: indexes per agent (``shared.stores.keys.memory_index``)."""
+    return is_cluster(redis)
 
 
 def _escape(text: str) -> str:
@@ -161,15 +169,32 @@ async def check_engine(redis: Redis) -> None:
         raise
 
 
-async def ensure_index(redis: Redis, embedder: str, dim: int, org_id: str, *, wait_s: float = 5.0) -> None:
-    """Create the org's index for the embedder if it does not exist (idempotent, safe to race), and
-    wait up to ``wait_s`` for the engine to index the org's memories already stored (it does so in
-    the background).
+def create_args(embedder: str, dim: int, org_id: str, agent_id: str, *, per_agent: bool) -> list[str]:
+    """The arguments of the ``FT.CREATE`` of the agent's index (its name first): the schema above."""
+    name, prefix = memory_index(embedder, org_id, agent_id, per_agent=per_agent)
+    hnsw = ["TYPE", "FLOAT32", "DIM", str(dim), "DISTANCE_METRIC", "COSINE", "M", str(HNSW_M),
+            "EF_CONSTRUCTION", str(HNSW_EF_CONSTRUCTION)]
+    if per_agent:  # many small indexes: room for few vectors at first, not the engine's default
+        hnsw += ["INITIAL_CAP", str(AGENT_INDEX_BLOCK)]
+    return [name, "ON", "HASH", "PREFIX", "1", prefix, "SCHEMA",
+            "org", "TAG", "CASESENSITIVE", "agent", "TAG", "CASESENSITIVE", "tenant", "NUMERIC",
+            "content", "TEXT", "created_at", "NUMERIC", "SORTABLE",
+            vector_field(embedder), "VECTOR", "HNSW", str(len(hnsw)), *hnsw]
+
+
+async def ensure_index(redis: Redis, embedder: str, dim: int, org_id: str, agent_id: str, *,
+                       wait_s: float = 5.0, per_agent: bool | None = None) -> None:
+    """Create the index of the agent's memories for the embedder if it does not exist (idempotent,
+    safe to race), and wait up to ``wait_s`` for the engine to index the memories already stored
+    (it does so in the background). The index is the org's on one server, the agent's on a cluster
+    (``per_agent`` overrides the choice: the layout bench compares both on one server).
 
     ``QueryEngineMissing`` when the server has no ``FT.CREATE``; ``RuntimeError`` when an index of
     that name exists with another vector size (another build of the embedder).
     """
-    name, field = index_name(embedder, org_id), vector_field(embedder)
+    per_agent = per_agent_indexes(redis) if per_agent is None else per_agent
+    create = create_args(embedder, dim, org_id, agent_id, per_agent=per_agent)
+    name, field = create[0], vector_field(embedder)
     try:
         info = await redis.execute_command("FT.INFO", name)  # type: ignore[no-untyped-call]
     except ResponseError as exc:
@@ -183,12 +208,7 @@ async def ensure_index(redis: Redis, embedder: str, dim: int, org_id: str, *, wa
         _check_dim(info, field, dim, name)
         return
     try:
-        await redis.execute_command(  # type: ignore[no-untyped-call]
-            "FT.CREATE", name, "ON", "HASH", "PREFIX", "1", org_memory_prefix(org_id), "SCHEMA",
-            "org", "TAG", "CASESENSITIVE", "agent", "TAG", "CASESENSITIVE", "tenant", "NUMERIC",
-            "content", "TEXT", "created_at", "NUMERIC", "SORTABLE",
-            field, "VECTOR", "HNSW", "10", "TYPE", "FLOAT32", "DIM", str(dim), "DISTANCE_METRIC", "COSINE",
-            "M", str(HNSW_M), "EF_CONSTRUCTION", str(HNSW_EF_CONSTRUCTION))
+        await redis.execute_command("FT.CREATE", *create)  # type: ignore[no-untyped-call]
     except ResponseError as exc:
         if "already exists" not in str(exc).lower():
             raise

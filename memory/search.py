@@ -30,7 +30,6 @@ from ibex_context.memory.embed import Vectors
 from ibex_context.memory.fulltext import FullText, Scope
 from ibex_context.memory.fusion import Fused, boosted, fuse
 from ibex_context.memory.index import (
-    index_name,
     knn_query,
     missing_index,
     parse_reply,
@@ -179,24 +178,24 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
     nearest vectors, and the records the vector query returned with them. One round trip, and one
     more when the question has common or new words (``memory.fulltext``)."""
     k, embedder, now, scan_max = svc.config.max_candidates, svc.embedder, svc.clock(), svc.config.term_scan_max
-    prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), index_name(embedder.name, org)
+    prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), svc.index_name(org, agent)
     size = await _agent_size(svc, org, agent)
     sample = await _sample(svc, org, agent, now) if size > scan_max else ()
-    text = FullText(svc.terms, Scope(embedder.name, org, agent), terms, size=size, sample=sample, scan_max=scan_max,
-                    limit=k, now=now)
+    scope = Scope(embedder.name, org, agent, svc.per_agent_indexes)
+    text = FullText(svc.terms, scope, terms, size=size, sample=sample, scan_max=scan_max, limit=k, now=now)
     commands = text.first()
     commands.append(("FT.SEARCH", name, *search_args(
         knn_query(org, agent, vfield, k, exact=size <= svc.config.exact_knn_max), limit=k,
         returns=("vd", "rec"), scored=False, params={"vec": query_vec.tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))
-    replies = await _engine(svc, org, commands)
+    replies = await _engine(svc, org, agent, commands)
     _remember_size(svc, org, agent, int(replies[-1]))
     text.read_first(replies[:-2], int(replies[-1]))
     vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
     cosine = {f.memory_id: f.score for f in vector_hits}
     if text.needs_second:
         pool = text.scores(k).keys() | cosine.keys()
-        text.read_second(await _engine(svc, org, text.second(pool)), pool)
+        text.read_second(await _engine(svc, org, agent, text.second(pool)), pool)
     return text.scores(k), cosine, {f.memory_id: f.record for f in vector_hits}
 
 
@@ -210,16 +209,16 @@ async def _sample(svc: MemoryService, org: str, agent: str, now: float) -> tuple
     return got
 
 
-async def _engine(svc: MemoryService, org: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+async def _engine(svc: MemoryService, org: str, agent: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     """The commands on one pipeline, the org's index made first; a dropped index (FLUSHALL drops
     every index) is made again, what is stored indexed, and the commands sent once more."""
-    await svc.ensure_index(org)
+    await svc.ensure_index(org, agent)
     try:
         return await _run(svc, commands)
     except ResponseError as exc:
         if not missing_index(exc):
             raise
-        await svc.ensure_index(org, again=True)
+        await svc.ensure_index(org, agent, again=True)
         return await _run(svc, commands)
 
 

@@ -45,6 +45,7 @@ from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.memory.store import NewMemory, write_memories
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.directives import MAX_DIRECTIVE_CHARS, set_directive
 from ibex_context.shared.stores.keys import org_key_patterns
 from ibex_context.shared.wire.models import Ident
@@ -179,8 +180,8 @@ async def seed_records(
 
     if flush:
         await flush_orgs(redis, orgs)
-    for org in sorted({m.org_id for m in memories}):  # indexes first, so every write is indexed as it lands
-        await ensure_index(redis, emb.name, emb.dim, org)
+    for org, agent in sorted({(m.org_id, m.agent_id) for m in memories}):  # indexes first: writes indexed as they land
+        await ensure_index(redis, emb.name, emb.dim, org, agent)
     await write_memories(redis, memories, embedder_name=emb.name, embed=embed)
     for d in directives:
         await set_directive(redis, d.org_id, d.agent_id, d.text, now=now)
@@ -188,7 +189,7 @@ async def seed_records(
 
 
 async def _main(path: Path, url: str, *, flush: bool, embedder: str | None) -> SeedStats:
-    client = Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+    client = async_client(url, socket_timeout=10, socket_connect_timeout=5)
     try:
         emb = load_embedder(embedder) if embedder else None
         return await seed_records(client, read_jsonl(path), embedder=emb, flush=flush)

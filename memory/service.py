@@ -28,7 +28,7 @@ from ibex_context.memory.deadline import Horizon, check
 from ibex_context.memory.embed import Embedder, Vectors
 from ibex_context.memory.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from ibex_context.memory.http import ApiError, error_response
-from ibex_context.memory.index import check_engine, ensure_index
+from ibex_context.memory.index import check_engine, ensure_index, index_name, per_agent_indexes
 from ibex_context.memory.models import MemoryRecord
 from ibex_context.memory.querybatch import QueryBatcher, WouldMissDeadline
 from ibex_context.memory.reads import Scripts
@@ -37,6 +37,8 @@ from ibex_context.memory.store import RecordHealth
 from ibex_context.memory.terms import TermTable
 from ibex_context.shared.security.tenancy import bearer_token, verify_org_token
 from ibex_context.shared.stores import storage
+from ibex_context.shared.stores.connect import async_client
+from ibex_context.shared.stores.layout_migration import tag_org_keys
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class MemoryService:
         self.clock = clock
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
-        self._indexed: set[str] = set()  # orgs whose index this process has seen or made
+        self._indexed: set[str] = set()  # indexes this process has seen or made
         self.agent_sizes: dict[tuple[str, str], int] = {}  # (org, agent) -> memories, as last searched
         self.terms = TermTable()  # large agents' common words and memory samples (memory.terms)
         self.health = RecordHealth()
@@ -138,23 +140,34 @@ class MemoryService:
         # redis-py's own connection classes.
         tcp = self.config.redis_url.startswith("redis://")
         packed: dict[str, Any] = {"connection_class": HiredisPackedConnection} if tcp else {}
-        self._redis = Redis.from_url(
+        self._redis = async_client(
             self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1), protocol=3, **packed,
         )
         self._scripts = Scripts(self._redis)
         self._indexed.clear()
         await check_engine(self._redis)
+        await tag_org_keys(self._redis)  # keys written before they carried the org's hash tag
         load = getattr(self.embedder, "load", None)
         if callable(load):
             await run_in_threadpool(load)
 
-    async def ensure_index(self, org: str, *, again: bool = False) -> None:
-        """Make sure the org's index exists before its first write or search (once per process, or
+    @property
+    def per_agent_indexes(self) -> bool:
+        """True on a Redis Cluster: an index per agent (``shared.stores.keys.memory_index``)."""
+        return per_agent_indexes(self.redis)
+
+    def index_name(self, org: str, agent: str) -> str:
+        """The index the agent's memories are searched in."""
+        return index_name(self.embedder.name, org, agent, per_agent=self.per_agent_indexes)
+
+    async def ensure_index(self, org: str, agent: str, *, again: bool = False) -> None:
+        """Make sure the agent's index exists before its first write or search (once per process, or
         ``again`` after the engine said it is gone: FLUSHALL drops every index)."""
-        if again or org not in self._indexed:
-            await ensure_index(self.redis, self.embedder.name, self.embedder.dim, org)
-            self._indexed.add(org)
+        name = self.index_name(org, agent)
+        if again or name not in self._indexed:
+            await ensure_index(self.redis, self.embedder.name, self.embedder.dim, org, agent)
+            self._indexed.add(name)
 
     async def close(self) -> None:
         if self._redis is not None:

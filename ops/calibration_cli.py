@@ -19,7 +19,6 @@ import sys
 from typing import Any
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ibex_context.memory.redis_server import default_redis_url
@@ -29,6 +28,7 @@ from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.stores import calibration as store
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.keys import check_ident
 from ibex_context.shared.wire.errors import UnknownModel
 
@@ -67,7 +67,7 @@ def describe(model: str, cal: Calibration, catalog: Catalog, settings: WorkerSet
 
 async def _collect(args: argparse.Namespace, url: str, catalog: Catalog,
                    settings: WorkerSettings) -> list[dict[str, Any]]:
-    client = Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    client = async_client(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         models = [catalog.model(args.model).name] if args.model else await store.models_of(client, args.org)
         rows = []

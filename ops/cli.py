@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -61,6 +62,9 @@ def _up_parser(sub: Any) -> None:
                         "several), http://HOST:PORT the memory service, redis://... the Redis")
     p.add_argument("--name", default=None, type=utf8_arg,
                    help="this host's name in worker ids, NAME-w00... (default: the host name)")
+    p.add_argument("--redis-cluster", type=int, default=None, metavar="N",
+                   help="every role, no IBEX_REDIS_URL: a private Redis Cluster of N primaries with a replica "
+                        "each instead of the one server, for trying it on one machine (IBEX_REDIS_CLUSTER)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +197,8 @@ def _stack_command(args: Any) -> int:
     if args.cmd == "up":
         from ibex_context.ops.launch import up
 
+        if args.redis_cluster is not None:
+            os.environ["IBEX_REDIS_CLUSTER"] = str(args.redis_cluster)  # read as StackSettings.redis_cluster
         return up(roles=args.role, workers=args.workers, connect=args.connect, name=args.name)
     if args.cmd == "down":
         return stack.down()

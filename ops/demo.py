@@ -45,13 +45,12 @@ async def seed_missing(url: str, path: Path = stack.DEMO_DATA) -> tuple[int, int
     Returns (memories added, directives added, records kept as they were). Every record is validated
     before anything is written (``memory.seed``); a kept one is never read or rewritten.
     """
-    from redis.asyncio import Redis
-
     from ibex_context.memory.seed import parse_records, read_jsonl, seed_records
+    from ibex_context.shared.stores.connect import async_client
 
     records = read_jsonl(path)
     parse_records(records, now=datetime.now(UTC))  # a bad line fails here, before any lookup
-    client = Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+    client = async_client(url, socket_timeout=10, socket_connect_timeout=5)
     try:
         keys = [_record_key(raw) for _, raw in records]
         async with client.pipeline(transaction=False) as pipe:

@@ -45,7 +45,13 @@ def redacted(url: str) -> str:
 
 
 def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    """A client for the server or the cluster ``url`` names (``shared.stores.connect``)."""
+    from ibex_context.shared.stores.connect import sync_client
+
+    try:
+        return sync_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    except redis.exceptions.RedisClusterException as exc:  # a cluster client reads the slot map at once
+        raise redis.ConnectionError(str(exc)) from None
 
 
 def redis_ok(url: str) -> bool:

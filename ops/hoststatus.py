@@ -30,7 +30,8 @@ def _expected(state: dict[str, Any]) -> list[str]:
     roles = set(state["roles"])
     names = []
     if "redis" in roles:
-        names.append("redis" if state.get("private_redis") else "shared-redis")
+        private = "redis-cluster" if state.get("redis_cluster") else "redis"
+        names.append(private if state.get("private_redis") else "shared-redis")
     names += [r for r in ("memory", "broker") if r in roles]
     if "workers" in roles:
         names += [f"worker:worker-{i:02d}" for i in range(int(state["workers"]))]

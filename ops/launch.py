@@ -203,6 +203,7 @@ class Launch:
     def _record(self) -> None:
         roles = sorted(self.plan.roles) + (["redis"] if self.plan.private_redis else [])
         state = {"roles": sorted(set(roles)), "split": self.plan.split, "private_redis": self.plan.private_redis,
+                 "redis_cluster": self.plan.env.get("IBEX_RUN_REDIS_CLUSTER") == "true",
                  "name": self.plan.name,
                  "workers": self.plan.workers, "broker": self.broker, "frontends": self.frontends(),
                  "backends": self.backends(),

@@ -114,7 +114,9 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    from ibex_context.shared.stores.connect import sync_client
+
+    client = sync_client(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     held = True
     while not stop.is_set():
         try:

@@ -75,7 +75,9 @@ class HostPlan:
         if "workers" in self.roles:
             names.append(f"{self.workers} worker(s)")
         if self.private_redis:
-            names.insert(0, "redis (embedded)")
+            cluster = self.env.get("IBEX_RUN_REDIS_CLUSTER") == "true"
+            names.insert(0, f"redis cluster {self.env.get('IBEX_REDIS_CLUSTER')}+{self.env.get('IBEX_REDIS_CLUSTER')} "
+                            "(embedded)" if cluster else "redis (embedded)")
         return ", ".join(names)
 
 
@@ -215,10 +217,14 @@ def _memory_env(settings: Settings, env: dict[str, str]) -> None:
 
 
 def _redis_env(settings: Settings, env: dict[str, str], *, private: bool) -> None:
+    cluster = private and settings.redis_cluster > 0
+    env.update({"IBEX_RUN_REDIS_CLUSTER": "true" if cluster else "false",
+                "IBEX_REDIS_CLUSTER": str(settings.redis_cluster)})
     if private:
         port = env.get("IBEX_REDIS_PORT") or str(PRIVATE_REDIS_PORT)
-        env.update({"IBEX_EMBEDDED_REDIS": "true", "IBEX_REDIS_PORT": port,
-                    "IBEX_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
+        scheme = "redis+cluster" if cluster else "redis"  # shared.stores.connect.CLUSTER_SCHEME
+        env.update({"IBEX_EMBEDDED_REDIS": "false" if cluster else "true", "IBEX_REDIS_PORT": port,
+                    "IBEX_REDIS_URL": f"{scheme}://127.0.0.1:{port}/0"})
         return
     env.update({"IBEX_EMBEDDED_REDIS": "false", "IBEX_REDIS_URL": settings.redis_url or ""})
     env.setdefault("IBEX_REDIS_PORT", "0")

@@ -136,7 +136,9 @@ def _busy_ports(plan: HostPlan, settings: Settings) -> list[str]:
 
     wanted: list[tuple[str, int]] = []
     if plan.private_redis:
-        wanted.append(("127.0.0.1", int(plan.env["IBEX_REDIS_PORT"])))
+        first = int(plan.env["IBEX_REDIS_PORT"])
+        nodes = 2 * settings.redis_cluster if plan.env.get("IBEX_RUN_REDIS_CLUSTER") == "true" else 1
+        wanted += [("127.0.0.1", port) for port in range(first, first + nodes)]
     if "redis" in plan.roles:
         wanted.append(redis_listen(plan.redis_url)[:2])
     if "memory" in plan.roles:

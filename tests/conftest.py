@@ -37,7 +37,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 
 
 # Real backing services (redis-server, the reference memory service) as session fixtures.
-pytest_plugins = ["tests.fixtures_services"]
+pytest_plugins = ["tests.fixtures_services", "tests.fixtures_cluster"]
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,11 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
-from redis.asyncio import Redis as AsyncRedis
 
 from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError
 from ibex_context.memory.seed import SeedStats, seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.stores.connect import async_client, sync_client
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_SECRET = "test-secret-for-ibex-memory"
@@ -41,7 +40,8 @@ STOP_TIMEOUT_S = 10.0
 
 
 def flush_redis(url: str) -> None:
-    with redis.Redis.from_url(url, socket_timeout=2) as client:
+    """FLUSHALL on the server, or on every primary of a cluster URL (``shared.stores.connect``)."""
+    with sync_client(url, socket_timeout=2) as client:
         client.flushall()
 
 
@@ -202,7 +202,7 @@ class MemoryServiceHandle:
         recs = list(records)
 
         async def run() -> SeedStats:
-            client = AsyncRedis.from_url(self.redis_url)
+            client = async_client(self.redis_url)
             try:
                 return await seed_records(client, recs)
             finally:

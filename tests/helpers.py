@@ -131,3 +131,13 @@ def raw_request_frames(payload: bytes) -> list[bytes]:
         deadline = time.time_ns() + 60 * 10**9
     env = P.Envelope(text("request_id", "raw"), text("org_id", "acme"), text("agent_id", "support-bot"), deadline)
     return P.request_frames(P.pack_header(env), payload)
+
+
+def on_every_node(client: Any, *command: Any) -> None:
+    """Send an admin command (``CLIENT PAUSE``) to the one server, or to every node of a cluster."""
+    from ibex_context.shared.stores.connect import is_cluster
+
+    if is_cluster(client):
+        client.execute_command(*command, target_nodes="all")
+    else:
+        client.execute_command(*command)

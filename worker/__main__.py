@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, WorkerSettings, usable_cpus
 from ibex_context.shared.security.netloc import is_loopback_url
+from ibex_context.worker.memservices import memory_urls
 
 if TYPE_CHECKING:
     from ibex_context.worker.server import WorkerServer
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
 
 def exposure_error(settings: WorkerSettings) -> str | None:
     """Why this worker must not talk to its memory service, or ``None`` when it may."""
-    if settings.memory_secret == DEV_MEMORY_SECRET and not is_loopback_url(settings.memory_url):
+    exposed = [u for u in memory_urls(settings.memory_url) if not is_loopback_url(u)]
+    if settings.memory_secret == DEV_MEMORY_SECRET and exposed:
         try:  # the host only: the URL may carry credentials
-            host = urlsplit(settings.memory_url).hostname
+            host = urlsplit(exposed[0]).hostname
         except ValueError:
             host = None
         return (f"IBEX_MEMORY_URL (host {host!r}) is not a loopback URL and IBEX_MEMORY_SECRET is the "
@@ -62,13 +64,12 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
     retriever = Retriever.create(settings, settings.redis_url)
     catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
     catalog.warm_up()
-    from redis.asyncio import Redis
-
     from ibex_context.shared.config.observability import CalibrationMetrics
+    from ibex_context.shared.stores.connect import async_client
     from ibex_context.worker.calibration import Calibrator
 
     # Its own connection, with generous timeouts: the retriever's are sized to the request deadline.
-    calibrator = Calibrator(redis=Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0),
+    calibrator = Calibrator(redis=async_client(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0),
                             catalog=catalog, settings=settings, metrics=CalibrationMetrics())
     assembler = Assembler(settings=settings, catalog=catalog, retriever=retriever, worker_id=worker_id,
                           calibrator=calibrator)

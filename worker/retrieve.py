@@ -45,13 +45,15 @@ from ibex_context.pipeline.hits import below_cutoff, hit_problem, memory_id_prob
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.directives import MalformedDirective, get_directive, parse_envelope
 from ibex_context.shared.stores.keys import directive_key, summary_key
 from ibex_context.shared.wire.models import AssembleRequest, BranchName, Source
 from ibex_context.worker import rawredis
 from ibex_context.worker.branches import Branch, Stored, retrieval_result
 from ibex_context.worker.memgate import AT_CAPACITY
-from ibex_context.worker.memhttp import ConnectError, MalformedResponse, MemoryHTTP, ResponseTooLarge
+from ibex_context.worker.memhttp import ConnectError, MalformedResponse, ResponseTooLarge
+from ibex_context.worker.memservices import MemoryServices, memory_urls
 from ibex_context.worker.patience import Limit, Patience, all_done_future, expire_now, settle
 
 __all__ = ["ConnectError", "MalformedResponse", "MemoryServiceStatus", "ResponseTooLarge", "Retriever", "parse_hits"]
@@ -124,15 +126,15 @@ class Retriever:
         self.settings = settings
         self.redis = redis
         self.directives = directives  # the directive GET's own connections; None: through redis-py
-        self.http = MemoryHTTP(settings.memory_url, max_body=settings.memory_max_response_bytes,
-                               max_idle=settings.worker_concurrency * 2)
+        self.http = MemoryServices(memory_urls(settings.memory_url), max_body=settings.memory_max_response_bytes,
+                                   max_idle=settings.worker_concurrency * 2)
         self._auth: dict[str, bytes] = {}  # org -> its bearer header line, minted once
         self._orphans: set[asyncio.Task[Any]] = set()
 
     @classmethod
     def create(cls, settings: WorkerSettings, redis_url: str) -> Retriever:
         wall_s = settings.retrieval_wall_ms / 1000
-        redis = Redis.from_url(
+        redis = async_client(
             redis_url, socket_timeout=max(wall_s, 0.05), socket_connect_timeout=max(wall_s, 0.05),
             max_connections=settings.worker_concurrency * 2, decode_responses=False,
         )
@@ -150,7 +152,7 @@ class Retriever:
             log.warning("redis not reachable at start-up: %r", exc)
         try:
             async with asyncio.timeout(2.0):
-                await self.http.request(self.http.request_bytes("GET", "/healthz", b""))
+                await self.http.call("GET", "/healthz", b"")
             # Exercise both memory routes once (a throwaway org with no data) so neither this
             # process nor the service pays first-call costs inside a live request's budget.
             warm = AssembleRequest(request_id="warm-up", org_id="ibex-warmup", agent_id="warmup", model="-",
@@ -220,8 +222,7 @@ class Retriever:
         if end_ns is not None:
             left_ms = max(0.0, (end_ns - time.monotonic_ns()) / 1e6)
             headers += f"Ibex-Timeout-Ms: {left_ms:.1f}\r\n".encode()
-        request = self.http.request_bytes(method, path, headers, params=params, body=body)
-        status, data = await self.http.request(request)
+        status, data = await self.http.call(method, path, headers, params=params, body=body)
         if status != 200:
             raise MemoryServiceStatus(status)
         return data

@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores import storage
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.keys import org_storage_key, summary_key
 from ibex_context.shared.stores.storage import LEDGER_LUA
 from ibex_context.shared.stores.summaries import encode_summary
@@ -44,7 +45,8 @@ from ibex_context.shared.wire.codec import unpack, validate
 from ibex_context.shared.wire.errors import StorageQuotaExceeded
 from ibex_context.shared.wire.models import ErrorReply
 from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
-from ibex_context.worker.memhttp import MalformedResponse, MemoryHTTP
+from ibex_context.worker.memhttp import MalformedResponse
+from ibex_context.worker.memservices import MemoryServices, memory_urls
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ class Summaries:
     """One per worker process: summaries in (``submit``, from the broker link), stored off the loop's
     request path in tasks of their own, at most ``MAX_IN_FLIGHT`` at once."""
 
-    def __init__(self, *, redis: Redis, settings: WorkerSettings, memory: MemoryHTTP | None = None) -> None:
+    def __init__(self, *, redis: Redis, settings: WorkerSettings, memory: MemoryServices | None = None) -> None:
         self.redis = redis
         self.settings = settings
         self.memory = memory
@@ -116,8 +118,9 @@ class Summaries:
         """Its own Redis connection (generous timeouts: nobody waits on it) and memory-service pool."""
         if settings.redis_url is None:
             return None
-        redis = Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        memory = MemoryHTTP(settings.memory_url, max_body=64 * 1024, max_idle=2, user_agent="ibex-context-summaries")
+        redis = async_client(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        memory = MemoryServices(memory_urls(settings.memory_url), max_body=64 * 1024, max_idle=2,
+                                user_agent="ibex-context-summaries")
         return cls(redis=redis, settings=settings, memory=memory)
 
     def check(self, payload: bytes) -> SummaryWrite | ErrorReply:
@@ -179,11 +182,10 @@ class Summaries:
                              "content": memory_text(write.text, made_at_s), "category": MEMORY_CATEGORY,
                              "created_at": datetime.fromtimestamp(made_at_s, UTC).isoformat()})
         token = mint_org_token(self.settings.memory_secret, write.org_id)
-        request = self.memory.request_bytes("POST", "/v1/memories", f"Authorization: Bearer {token}\r\n".encode(),
-                                            body=body)
+        headers = f"Authorization: Bearer {token}\r\n".encode()
         try:
             async with asyncio.timeout(self.settings.summary_memory_timeout_ms / 1000):
-                status, answer = await self.memory.request(request)
+                status, answer = await self.memory.call("POST", "/v1/memories", headers, body=body)
         except (TimeoutError, OSError, MalformedResponse) as exc:
             self.stats["summary_memory_failed"] += 1
             log.warning("summary %s: memory write failed: %s", write.request_id, exc)

@@ -322,6 +322,11 @@ class StackSettings(IbexSettings):
         description="State dir of `up`: supervisord pid and socket, `logs/`, `redis/`, `redis-url`, `prometheus/`.")
     redis_port: int | None = Field(None, ge=0, le=65535, json_schema_extra=shown("6479"),
                                    description="Port of the private Redis of `up` (data in `$IBEX_RUN_DIR/redis/`).")
+    redis_cluster: int = Field(
+        0, ge=0, le=16, description="`up` (every role, no `IBEX_REDIS_URL`): N > 0 runs a private Redis Cluster of N "
+                                    "primaries with a replica each instead of the one server, on ports from "
+                                    "`IBEX_REDIS_PORT` up (`up --redis-cluster N`; its data is not kept across "
+                                    "`down`). For trying a cluster on one machine.")
 
 
 class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTimeout):
@@ -367,7 +372,9 @@ class WorkerSettings(_LinkSettings, PipelineSettings, RedisSettings, _LegacyTime
     summary_memory_timeout_ms: float = Field(
         5000.0, gt=0, description="A summary's write to the agent's memories (`as_memory`) is given up after this.")
     # -- backing services ----------------------------------------------------------------------
-    memory_url: str = Field("http://127.0.0.1:8765", description="The memory service's base URL.")
+    memory_url: str = Field("http://127.0.0.1:8765", description="The memory service's base URL; workers take "
+                                                             "several, comma-separated (calls spread over them and "
+                                                             "go to the next when one cannot be reached).")
     memory_secret: str = Field(
         DEV_MEMORY_SECRET, min_length=8, json_schema_extra=shown("dev value"),
         description="HMAC key of per-org memory-service tokens, shared by workers and the memory service; the "

@@ -25,7 +25,7 @@ from ibex_context.shared.config.settings import (
 
 # Set by `up` for supervisord.conf, never read as settings (README "Quickstart").
 LAUNCHER_ENV = ("IBEX_PYTHON", "IBEX_HOST_NAME", "IBEX_RUN_MEMORY", "IBEX_RUN_BROKER", "IBEX_RUN_SHARED_REDIS",
-                "IBEX_EMBEDDED_REDIS")
+                "IBEX_EMBEDDED_REDIS", "IBEX_RUN_REDIS_CLUSTER")
 
 HEADER = """\
 # Settings

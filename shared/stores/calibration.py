@@ -44,7 +44,7 @@ from ibex_context.pipeline.calibration import (
     upper_edge,
 )
 from ibex_context.shared.stores import storage
-from ibex_context.shared.stores.keys import assembly_key, calibration_key, check_ident, org_storage_key
+from ibex_context.shared.stores.keys import assembly_key, calibration_key, check_ident, org_prefix, org_storage_key
 from ibex_context.shared.stores.storage import LEDGER_LUA
 
 PRUNE_BELOW = 1e-3
@@ -216,7 +216,7 @@ async def read_many(redis: Redis, keys: list[tuple[str, str]], *, quantile: floa
 
 async def models_of(redis: Redis, org_id: str) -> list[str]:
     """The models one org has a sketch for (SCAN over its own prefix only)."""
-    prefix = f"{check_ident(org_id, 'org_id')}:calibration:"
+    prefix = org_prefix(org_id) + "calibration:"
     found = [key.decode(errors="replace")[len(prefix):]
              async for key in redis.scan_iter(match=prefix + "*", count=500)]
     return sorted(found)

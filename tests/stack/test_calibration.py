@@ -18,8 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
-from redis.asyncio import Redis
 
 from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.ops.stack import LocalStack
@@ -31,6 +29,7 @@ from ibex_context.pipeline.calibration import (
     upper_edge,
 )
 from ibex_context.shared.stores import calibration as store
+from ibex_context.shared.stores.connect import async_client, sync_client
 from ibex_context.shared.wire import protocol as P
 from tests.helpers import start_stack
 from tests.unit.test_calibration import MODEL, TURN
@@ -42,7 +41,7 @@ EXACT_MODEL = "llama-3.3-70b-instruct"  # llama3: exact offline (quicktok-v1)
 
 
 async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
-    r = Redis.from_url(redis_url)
+    r = async_client(redis_url)
     try:
         decay = decay_per_sample(100)
         b6, b9 = bucket_of(0.6), bucket_of(0.9)
@@ -55,9 +54,9 @@ async def test_batches_decay_prune_and_stay_bounded(redis_url: str) -> None:
         assert cal.samples == pytest.approx(1000 + 100 * decay ** 1000, rel=1e-6)
         assert cal.ratio <= 0.6 * 1.005
         await store.apply_batch(r, "acme", MODEL, {b6: 1000}, store.SketchPolicy(decay))
-        raw = await r.hgetall(f"acme:calibration:{MODEL}")
+        raw = await r.hgetall(f"{{acme}}:calibration:{MODEL}")
         assert f"b:{b9}".encode() not in raw  # pruned below 1e-3
-        assert 0 < await r.ttl(f"acme:calibration:{MODEL}") <= store.TTL_S
+        assert 0 < await r.ttl(f"{{acme}}:calibration:{MODEL}") <= store.TTL_S
         assert await store.models_of(r, "acme") == [MODEL] and await store.models_of(r, "globex") == []
         assert await store.read(r, "globex", MODEL, quantile=0.995) is None
     finally:
@@ -118,14 +117,14 @@ async def test_one_orgs_poisoned_reports_leave_another_orgs_budget_unchanged(sta
     assert b.calibration_ratio == pytest.approx(0.8) and b.usable > evil.budget.usable
     assert evil2.prompt_tokens_uncalibrated == evil.prompt_tokens_uncalibrated
     assert acme2.budget == acme.budget and acme2.prompt_tokens == acme.prompt_tokens  # acme: untouched
-    with redis.Redis.from_url(str(stack.redis_url)) as r:
+    with sync_client(str(stack.redis_url)) as r:
         for _ in range(100):  # the last reports may wait for a flush
-            if int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) >= sent - 5:
+            if int(r.hget(f"{{{evil_org}}}:calibration:{MODEL}", "n") or 0) >= sent - 5:
                 break
             await asyncio.sleep(0.05)
-        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "refused") or 0) == 5
-        assert int(r.hget(f"{evil_org}:calibration:{MODEL}", "n") or 0) == sent - 5
-        assert not r.exists(f"acme:calibration:{MODEL}")
+        assert int(r.hget(f"{{{evil_org}}}:calibration:{MODEL}", "refused") or 0) == 5
+        assert int(r.hget(f"{{{evil_org}}}:calibration:{MODEL}", "n") or 0) == sent - 5
+        assert not r.exists(f"{{acme}}:calibration:{MODEL}")
     assert _broker_counter(stack, "usage_forwarded") - forwarded == sent
     # counted by the workers that took them
     assert _worker_counter(stack, "usage_refused_outlier", refused + 5) - refused == 5
@@ -174,7 +173,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 async def test_calibration_show_prints_the_learned_ratio(redis_url: str) -> None:
-    r = Redis.from_url(redis_url)
+    r = async_client(redis_url)
     try:
         b = bucket_of(0.62)
         assert b is not None

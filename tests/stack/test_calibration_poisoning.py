@@ -126,7 +126,7 @@ async def test_the_served_ratio_waits_for_min_samples_and_for_the_fall_interval(
                                     store.SketchPolicy(decay, min_samples=100, fall_interval_ms=60_000))
         assert (await _served(r, "acme")).served == upper_edge(UNCALIBRATED_BUCKET - MAX_FALL_BUCKETS)
         # a sketch no script bounded yet charges no less than the catalog's rule
-        await r.hset("acme:calibration:legacy", mapping={f"b:{_bucket(0.3)}": 500.0, "n": 500})
+        await r.hset("{acme}:calibration:legacy", mapping={f"b:{_bucket(0.3)}": 500.0, "n": 500})
         legacy = await store.read(r, "acme", "legacy", quantile=0.995)
         assert legacy is not None and legacy.served == upper_edge(UNCALIBRATED_BUCKET)
     finally:

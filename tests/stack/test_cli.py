@@ -358,7 +358,7 @@ def test_up_down_up_keeps_data_and_the_cli_finds_the_stack(stack_env: Path,
     shown: dict[str, Any] = json.loads(capsys.readouterr().out)
     assert shown["text"] == "Keep me." and shown["version"] == 1
     with redis.Redis.from_url(url) as r:  # the seeded demo data survived too
-        assert r.exists("acme:directive:support-bot") == 1
+        assert r.exists("{acme}:directive:support-bot") == 1
     assert not any("metrics on" in p.read_text() for p in (run_dir / "logs").glob("broker*.log"))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.directives import (
     DirectiveEnvelope,
     MalformedDirective,
@@ -26,7 +27,7 @@ from ibex_context.shared.stores.keys import directive_key
 
 @pytest.fixture
 async def aredis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
+    client = async_client(redis_url)
     try:
         yield client
     finally:
@@ -93,7 +94,7 @@ async def test_malformed_envelope_raises_typed_error(aredis: Redis, raw: bytes) 
     await aredis.set(directive_key("acme", "bot"), raw)
     with pytest.raises(MalformedDirective) as info:
         await get_directive(aredis, "acme", "bot")
-    assert "acme:directive:bot" in str(info.value)
+    assert "{acme}:directive:bot" in str(info.value)
 
 
 async def test_wrong_redis_type_is_malformed(aredis: Redis) -> None:

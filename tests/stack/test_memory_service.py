@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from ibex_context.memory.index import tenant_number
 from ibex_context.memory.redis_server import EmbeddedRedis
 from ibex_context.memory.seed import DEMO_FILE
+from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
 
@@ -167,7 +167,7 @@ def test_records_without_vectors_are_backfilled(http: httpx.Client, memory: Memo
               "category": "fact", "confidence": 0.9, "created_at": "2026-01-01T00:00:00Z"}
     hand_written = {"org": "acme", "agent": "bot", "tenant": tenant_number("acme", "bot"), "content": record["content"],
                     "created_at": 1767225600, "rec": json.dumps(record)}
-    with redis.Redis.from_url(memory.redis_url) as r:
+    with sync_client(memory.redis_url) as r:
         r.hset(memory_key("acme", "bot", "raw-1"), mapping=hand_written)  # no vector
         r.hset(memory_key("acme", "bot", "broken"), mapping={**hand_written, "rec": b"{not json"})
         got = search(http, memory, "acme", {"query": "print shipping labels warehouse", "agent_id": "bot"})

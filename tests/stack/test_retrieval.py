@@ -12,14 +12,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import redis
 
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.wire.errors import DeadlineExceeded
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, BranchName
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.retrieve import Retriever, parse_hits
+from tests.helpers import on_every_node
 
 CATALOG = Catalog.load()
 CATALOG.warm_up()  # load BPE vocabularies now, not inside a 5 ms branch budget
@@ -158,12 +159,12 @@ async def test_refused_connections(make: Any, memory: Any) -> None:
 async def test_redis_paused_directive_times_out(make: Any, memory: Any) -> None:
     a = make(directive_timeout_ms=40)
     await _run(a)  # warm the pool first
-    with redis.Redis.from_url(memory.redis_url) as admin:
-        admin.execute_command("CLIENT", "PAUSE", "400", "ALL")
+    with sync_client(memory.redis_url) as admin:
+        on_every_node(admin, "CLIENT", "PAUSE", "400", "ALL")
         try:
             resp = await _run(a, deadline_s=0.2)  # a deadline inside the pause
         finally:
-            admin.execute_command("CLIENT", "UNPAUSE")
+            on_every_node(admin, "CLIENT", "UNPAUSE")
     d = resp.branches["directive"]
     # tried again on fresh connections, the last try up to the deadline's end, then given up
     assert d.status == "timeout" and d.elapsed_ms < 200 and "3 tries" in (d.detail or ""), d
@@ -177,14 +178,14 @@ async def test_all_three_fail_and_wall_holds_when_everything_hangs(make: Any, me
     memory.set_fault("all", latency_ms=2000)
     a = make(retrieval_timeout_ms=50, context_deadline_ms=50, directive_timeout_ms=1000, hot_timeout_ms=1000,
              cold_timeout_ms=1000)
-    with redis.Redis.from_url(memory.redis_url) as admin:
-        admin.execute_command("CLIENT", "PAUSE", "500", "ALL")
+    with sync_client(memory.redis_url) as admin:
+        on_every_node(admin, "CLIENT", "PAUSE", "500", "ALL")
         try:
             t0 = time.perf_counter()
             resp = await _run(a, deadline_s=0.15)
             elapsed_ms = (time.perf_counter() - t0) * 1000
         finally:
-            admin.execute_command("CLIENT", "UNPAUSE")
+            on_every_node(admin, "CLIENT", "UNPAUSE")
     assert set(_statuses(resp).values()) == {"timeout"}
     assert max(resp.branches[b].elapsed_ms for b in ("hot", "cold")) <= 50 + WALL_SLACK_MS
     assert resp.timings_us["retrieval"] / 1000 <= 150

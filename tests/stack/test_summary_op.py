@@ -21,12 +21,12 @@ import httpx
 import msgpack
 import orjson
 import pytest
-import redis
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.client.sync import SyncClient
 from ibex_context.ops.local import LocalStack
 from ibex_context.shared.security.tenancy import mint_org_token
+from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import summary_key
 from ibex_context.shared.stores.summaries import decode_summary
 from ibex_context.shared.wire import protocol as P
@@ -56,7 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def _stored(stack: LocalStack, org: str, agent: str, key: str) -> tuple[Any, int]:
-    r = redis.Redis.from_url(str(stack.redis_url))
+    r = sync_client(str(stack.redis_url))
     try:
         raw = r.get(summary_key(org, agent, key))
         return (None if raw is None else decode_summary(raw)), int(r.ttl(summary_key(org, agent, key)))
@@ -162,7 +162,7 @@ def test_the_sync_client_sends_one_too(stack: LocalStack) -> None:
         assert not c.report_summary(org_id="globex", agent_id="bad agent", summary_key=key4,
                                     text="synced", covers=2)
         _wait("stored", lambda: _stored(stack, "globex", "support-bot", key4)[0] is not None)
-        raw = redis.Redis.from_url(str(stack.redis_url)).get(summary_key("globex", "support-bot", key4))
+        raw = sync_client(str(stack.redis_url)).get(summary_key("globex", "support-bot", key4))
         assert raw is not None and orjson.loads(raw)["covers"] == 2
     finally:
         c.close()

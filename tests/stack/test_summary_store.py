@@ -18,20 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-from redis.asyncio import Redis
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.settings import Settings
+from ibex_context.shared.stores.connect import async_client, is_cluster, sync_client
 from ibex_context.shared.stores.keys import summary_key
 from ibex_context.shared.stores.summaries import encode_summary
 from ibex_context.shared.wire.errors import InvalidRequest
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from ibex_context.worker.assemble import Assembler
 from ibex_context.worker.retrieve import Retriever
-from tests.helpers import start_stack
+from tests.helpers import on_every_node, start_stack
 
 CATALOG = Catalog.load()
 CATALOG.warm_up()
@@ -75,7 +74,7 @@ async def make(request: pytest.FixtureRequest, memory: Any) -> AsyncIterator[Any
             r = Retriever.create(s, s.redis_url or "")
             assert r.directives is not None
         else:
-            r = Retriever(settings=s, redis=Redis.from_url(memory.redis_url, decode_responses=False))
+            r = Retriever(settings=s, redis=async_client(memory.redis_url, decode_responses=False))
         made.append(r)
         return Assembler(settings=s, catalog=CATALOG, retriever=r)
 
@@ -85,7 +84,7 @@ async def make(request: pytest.FixtureRequest, memory: Any) -> AsyncIterator[Any
 
 
 def _store(url: str, org: str, key: str, value: bytes) -> None:
-    with redis.Redis.from_url(url) as r:
+    with sync_client(url) as r:
         r.set(summary_key(org, "bot", key), value)
 
 
@@ -97,9 +96,13 @@ async def _run(a: Assembler, org: str = "acme", **over: Any) -> AssembleResponse
 
 
 def _calls(url: str, command: str) -> int:
-    with redis.Redis.from_url(url) as r:
-        stats: dict[str, Any] = r.info("commandstats")
-    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+    """Calls of ``command`` the server (or every primary of a cluster) has served."""
+    with sync_client(url) as r:
+        if is_cluster(r):
+            per_node: list[dict[str, Any]] = list(r.info("commandstats", target_nodes="primaries").values())
+        else:
+            per_node = [r.info("commandstats")]
+    return sum(int(stats.get(f"cmdstat_{command}", {}).get("calls", 0)) for stats in per_node)
 
 
 async def test_a_stored_summary_is_read_with_the_directive_and_placed(make: Any, memory: Any) -> None:
@@ -162,13 +165,13 @@ async def test_the_requests_own_summary_means_no_read(make: Any, memory: Any) ->
 async def test_a_stalled_redis_times_the_summary_out_with_the_directive(make: Any, memory: Any) -> None:
     a = make(directive_timeout_ms=40)
     await _run(a, summary_key="conv-1")  # warm the connection first
-    with redis.Redis.from_url(memory.redis_url) as admin:
+    with sync_client(memory.redis_url) as admin:
         # longer than the request's deadline: the directive is retried while its deadline allows
-        admin.execute_command("CLIENT", "PAUSE", "5000", "ALL")
+        on_every_node(admin, "CLIENT", "PAUSE", "5000", "ALL")
         try:
             resp = await _run(a, summary_key="conv-1")
         finally:
-            admin.execute_command("CLIENT", "UNPAUSE")
+            on_every_node(admin, "CLIENT", "UNPAUSE")
     assert resp.branches["directive"].status == "timeout" and resp.branches["summary"].status == "timeout"
     assert resp.summary is None and resp.messages is not None and resp.messages[-1] == MESSAGES[-1]
 

@@ -17,7 +17,7 @@ from ibex_context.shared.wire.models import AssembleRequest, SummarySlot
 # --------------------------------------------------------------------------- the format and the key
 
 def test_summary_key_is_scoped_by_org_and_agent_and_checks_every_part() -> None:
-    assert summary_key("acme", "bot", "conv:2026-01.a_b") == "acme:summary:bot:conv:2026-01.a_b"
+    assert summary_key("acme", "bot", "conv:2026-01.a_b") == "{acme}:summary:bot:conv:2026-01.a_b"
     for org, agent, key in (("ac:me", "bot", "k"), ("acme", "b:ot", "k"), ("acme", "bot", "a b"),
                             ("acme", "bot", "k/1"), ("acme", "bot", ""), ("acme", "bot", "k" * 129),
                             ("acme", "bot", "{x}")):

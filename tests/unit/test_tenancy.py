@@ -85,14 +85,14 @@ def test_bearer_header_parsing() -> None:
 
 
 def test_keys_have_the_documented_shape() -> None:
-    assert directive_key("acme", "bot") == "acme:directive:bot"
+    assert directive_key("acme", "bot") == "{acme}:directive:bot"
     assert hot_key("acme", "bot") == "hot:{acme:bot}"
     assert memory_key("acme", "bot", "m-1") == "mem:{acme:bot}:m-1"
     assert memory_key_prefix("acme", "bot") == "mem:{acme:bot}:"
     assert memory_ids_key("acme", "bot") == "memids:{acme:bot}"
     assert vector_field("hash1-256") == "v_hash1_256"
-    assert org_prefix("acme") == "acme:"
-    assert org_key_patterns("acme") == ("acme:*", "mem:{acme:*", "memids:{acme:*", "hot:{acme:*")
+    assert org_prefix("acme") == "{acme}:"
+    assert org_key_patterns("acme") == ("{acme}:*", "mem:{acme:*", "memids:{acme:*", "hot:{acme:*")
 
 
 @pytest.mark.parametrize("bad", ["", "a:b", "a b", "x" * 65, "*", "a\nb", "ü", "acme:hot_memories:x"])

@@ -1,0 +1,83 @@
+"""A Redis Cluster from the bundled server (3 primaries, 3 replicas) as pytest fixtures. The
+tests/stack/test_cluster_*.py modules point ``redis_url``, ``memory`` and ``stack`` at these to run
+another module's tests on the cluster.
+
+    redis_cluster       session   EmbeddedCluster: .url .nodes .primary_nodes .kill(node) .wait_ok()
+    cluster_url         function  the session cluster's URL (``redis+cluster://``), every primary flushed
+    cluster_memory      session   MemoryServiceHandle on the cluster
+    cluster_memory_up   function  the same handle: running, faults cleared, the cluster flushed
+    cluster_stack()     helper    a LocalStack on the cluster, the demo data seeded
+
+One cluster per session, started only when a test asks for it. A test that kills a node starts a
+cluster of its own (``memory.redis_cluster.EmbeddedCluster``), so this one stays whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibex_context.memory.redis_cluster import EmbeddedCluster
+from ibex_context.memory.redis_server import RedisStartError
+from ibex_context.ops.stack import LocalStack
+from tests.fixtures_services import MemoryServiceHandle, ServiceStartError, flush_redis
+from tests.helpers import start_stack
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[EmbeddedCluster]:
+    cluster = EmbeddedCluster(primaries=3, replicas=1)
+    try:
+        cluster.start()
+    except RedisStartError as exc:
+        pytest.fail(f"embedded Redis Cluster did not start: {exc}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: EmbeddedCluster) -> str:
+    redis_cluster.wait_ok()
+    flush_redis(redis_cluster.url)
+    return redis_cluster.url
+
+
+@pytest.fixture(scope="session")
+def cluster_memory(redis_cluster: EmbeddedCluster) -> Iterator[MemoryServiceHandle]:
+    workdir = Path(tempfile.mkdtemp(prefix="ibex-memsvc-cluster-"))
+    handle = MemoryServiceHandle(redis_url=redis_cluster.url, workdir=workdir)
+    try:
+        handle.start()
+    except ServiceStartError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster_memory_up(cluster_memory: MemoryServiceHandle, cluster_url: str) -> MemoryServiceHandle:
+    """The cluster's memory service, running, with no faults and every primary flushed."""
+    if not cluster_memory.running:  # an earlier test stopped or killed it
+        try:
+            cluster_memory.start()
+        except ServiceStartError as exc:
+            pytest.fail(str(exc), pytrace=False)
+    cluster_memory.clear_faults()
+    return cluster_memory
+
+
+def cluster_stack(cluster: EmbeddedCluster, log_dir: Path, **kw: Any) -> LocalStack:
+    """A LocalStack (broker, workers, memory service) on the cluster, the demo data seeded."""
+    cluster.wait_ok()
+    flush_redis(cluster.url)
+    return start_stack(log_dir, redis_url=cluster.url, **kw)
