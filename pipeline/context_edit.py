@@ -16,8 +16,9 @@ Rules (docs/assembly.md "Context editing"):
     (K), or ``step_share`` of the limit when that is more. The rounding is what keeps the prompt
     cache: the set cleared is a function of the excess, and it only changes when the excess crosses
     a multiple of the step, so the calls in between send the same bytes (a stateless hysteresis:
-    after a clearing the prompt sits up to a step under the limit). When everything that may be cleared saves less than K, nothing is cleared (as
-    Anthropic's strategy does) and the trim drops turns instead.
+    after a clearing the prompt sits up to a step under the limit). When everything that may be
+    cleared saves less than K, nothing is cleared (as Anthropic's strategy does) and the trim drops
+    turns instead.
   * Oldest tool use first (the order of the calls). The last ``keep`` tool uses (counted over all
     tools), tools in ``exclude_tools`` and a result whose placeholder would not be smaller are
     never cleared. A cleared use keeps its call and its result block, ids intact, so every
