@@ -9,6 +9,7 @@ loop its caller has) runs on asyncio too."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,6 +35,13 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     if item.get_closest_marker("both_loops") is not None:
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection loaded (modules, their constants) out of the collector's reach, so the
+    collection after each stack test scans only what tests made."""
+    gc.collect()
+    gc.freeze()
 
 
 # Real backing services (redis-server, the reference memory service) as session fixtures.
