@@ -58,11 +58,12 @@ def _warm(sdk: openai.OpenAI) -> None:
     pytest.fail("no short call was assembled on the default timeout")
 
 
-def test_a_5_mb_conversation_is_assembled_on_the_default_timeout(rig: Any) -> None:
+def test_a_5_mb_conversation_is_assembled_on_the_default_timeout(rig: Any, request: pytest.FixtureRequest) -> None:
     _, upstream, proxy = rig
     messages = cases()[FIVE_MB]["messages"]
     assert text_chars(messages) > 4_900_000
     sdk = openai.OpenAI(api_key="sk-acme", base_url=f"{proxy.url}/v1", max_retries=0, timeout=300)
+    request.addfinalizer(sdk.close)
     _warm(sdk)
     for _ in range(3):
         upstream.clear()

@@ -197,8 +197,9 @@ R_INPUT: list[dict[str, Any]] = [
 ]
 
 
-def test_v1_responses_through_the_openai_sdk_is_assembled(rig: Rig) -> None:
+def test_v1_responses_through_the_openai_sdk_is_assembled(rig: Rig, request: pytest.FixtureRequest) -> None:
     sdk = openai.OpenAI(api_key="sk-acme", base_url=f"{rig.proxy.url}/v1", max_retries=0)
+    request.addfinalizer(sdk.close)
     rig.upstream.clear()
     raw = sdk.responses.with_raw_response.create(model="gpt-4o", instructions="You are the proxy's assistant.",
                                                   input=R_INPUT, tools=R_TOOLS)  # type: ignore[arg-type]

@@ -49,14 +49,29 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         stack.stop()
 
 
+_opened: list[anthropic.Anthropic | openai.OpenAI] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_sdks() -> Iterator[None]:
+    """The SDK clients a test made are closed after it: their connection pools hold sockets."""
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
 def _anthropic(rig: Rig, key: str = "sk-acme") -> anthropic.Anthropic:
     rig.upstream.clear()
-    return anthropic.Anthropic(api_key=key, base_url=rig.proxy.url, max_retries=0, timeout=120)
+    sdk = anthropic.Anthropic(api_key=key, base_url=rig.proxy.url, max_retries=0, timeout=120)
+    _opened.append(sdk)
+    return sdk
 
 
 def _openai(rig: Rig, key: str = "sk-acme") -> openai.OpenAI:
     rig.upstream.clear()
-    return openai.OpenAI(api_key=key, base_url=f"{rig.proxy.url}/v1", max_retries=0, timeout=120)
+    sdk = openai.OpenAI(api_key=key, base_url=f"{rig.proxy.url}/v1", max_retries=0, timeout=120)
+    _opened.append(sdk)
+    return sdk
 
 
 def _reported(rig: Rig, model: str) -> Callable[[], None]:

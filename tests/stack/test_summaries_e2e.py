@@ -16,7 +16,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,12 @@ class Rig:
     proxy: LiteLLMProxy
     redis: redis.Redis
     keys: Path  # the CURVE keypairs (tests.stack.test_litellm_proxy._keys)
+    opened: list[openai.OpenAI] = field(default_factory=list)  # closed with the rig
 
     def sdk(self, key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.proxy.url}/v1", api_key=key, max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{self.proxy.url}/v1", api_key=key, max_retries=0, timeout=60)
+        self.opened.append(client)
+        return client
 
     def stored(self, agent: str, key: str) -> Any:
         raw = self.redis.get(summary_key("acme", agent, key))
@@ -75,10 +78,13 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         hook = curve_hook(d, stack, summaries={"model": "summarizer", "max_chars": 4000, "high_water": 0.8,
                                                "low_water": 0.5, "as_memory": True, "timeout_s": 3})
         with hooked_proxy(d, hook, MODELS, KEYS) as (upstream, proxy):
-            r = redis.Redis.from_url(str(stack.redis_url))
+            made = Rig(stack, upstream, proxy, redis.Redis.from_url(str(stack.redis_url)), d)
+            r = made.redis
             try:
-                yield Rig(stack, upstream, proxy, r, d)
+                yield made
             finally:
+                for client in made.opened:
+                    client.close()
                 r.close()
     finally:
         stack.stop()

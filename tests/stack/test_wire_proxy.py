@@ -48,9 +48,9 @@ def _send(rig: tuple[LocalStack, Upstream, LiteLLMProxy], model: str, messages: 
     """(the proxy's response headers, what the upstream received) for one chat completion."""
     _, upstream, proxy = rig
     upstream.clear()
-    sdk = openai.OpenAI(api_key="sk-acme", base_url=f"{proxy.url}/v1", max_retries=0, timeout=300)
-    raw = sdk.chat.completions.with_raw_response.create(model=model, messages=messages)  # type: ignore[arg-type]
-    assert raw.parse().choices[0].message.content == "ok"
+    with openai.OpenAI(api_key="sk-acme", base_url=f"{proxy.url}/v1", max_retries=0, timeout=300) as sdk:
+        raw = sdk.chat.completions.with_raw_response.create(model=model, messages=messages)  # type: ignore[arg-type]
+        assert raw.parse().choices[0].message.content == "ok"
     (got,) = upstream.received()
     return dict(raw.headers), got
 

@@ -163,8 +163,8 @@ def test_below_cutoff_rows_become_decisions_with_their_scores() -> None:
     result = RetrievalResult(directive=None, hot=(packed,), cold=(), rejections=tuple(rejects),
                              outcomes={"directive": ok, "hot": ok, "cold": ok})
     got = decisions(result, [], [ScoredMemory(packed, 3, 0.5)], [], [], 100)
-    by_id = {d.memory_id: d for d in got}
-    assert by_id["m9"].decision == "packed"  # came in by the hot branch: answered there, not twice
-    assert by_id["m8"].decision == "below_cutoff" and by_id["m8"].retrieval == {"vector": 0.25}
-    assert by_id["m8"].reason.startswith("under the search's line: cosine 0.250")
+    by_id = {d["memory_id"]: d for d in got}
+    assert by_id["m9"]["decision"] == "packed"  # came in by the hot branch: answered there, not twice
+    assert by_id["m8"]["decision"] == "below_cutoff" and by_id["m8"]["retrieval"] == {"vector": 0.25}
+    assert by_id["m8"]["reason"].startswith("under the search's line: cosine 0.250")
     assert len(got) == 2
