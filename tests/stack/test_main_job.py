@@ -26,6 +26,7 @@ from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
 from ibex_context.shared.wire.models import AssembleResponse
+from ibex_context.worker.memgate import AT_CAPACITY
 from tests.helpers import raw_request_frames, start_stack
 
 # Functional tests: branch timeouts far above the spec's 5/15/45 ms so a loaded CI box does not turn
@@ -125,7 +126,8 @@ async def test_client_never_hands_back_after_deadline(stack: LocalStack) -> None
         limit = 0.1 + (RESPONSE_SLACK_S if isinstance(out, AssembleResponse) else ERROR_SLACK_S)
         assert elapsed <= limit, (out, elapsed)
         if isinstance(out, AssembleResponse):
-            assert out.degraded and out.branches["cold"].status == "timeout"
+            cold = out.branches["cold"]  # timed out, or not started: the memory gate was at its limit
+            assert out.degraded and (cold.status == "timeout" or cold.error_class == AT_CAPACITY), cold
         else:  # or shed on receipt: every reply was degraded, so the adaptive limit fell
             assert type(out) in (DeadlineExceeded, Overloaded), out
     # A slow cold branch degrades the assembly; it does not fail it.
