@@ -17,7 +17,8 @@ No work is started that nobody will wait for:
 * a query whose callers' deadlines (``memory.deadline.Horizon``) passed while it waited is dropped
   when its batch is formed, not embedded;
 * a query whose embedding, by the measured batch time and the queries fair order puts ahead of
-  it, would end after its caller's deadline is refused on arrival (``WouldMissDeadline``, 503,
+  it, would end too late to be answered by its caller's deadline (the measured time a search
+  takes after its vector, ``note_after``, counts) is refused on arrival (``WouldMissDeadline``, 503,
   counted in ``refused``): the caller learns at once, instead of waiting out its deadline while
   the work it would throw away delays the calls that still can be answered. An org over its
   share has the most queued ahead of its own new queries, so its queries are refused first.
@@ -74,6 +75,7 @@ class QueryBatcher:
         self._drainer: asyncio.Task[None] | None = None
         self._running_since: float | None = None  # monotonic start of the batch being embedded
         self.batch_s = 0.0  # measured time of one batch (0: nothing measured yet)
+        self.after_s = 0.0  # measured time a call still needs once its vector is known (the search)
         self.batches = 0
         self.queries = 0
         self.dropped = 0  # queries whose callers had all gone before their batch
@@ -89,6 +91,10 @@ class QueryBatcher:
         rest = 0.0 if self._running_since is None else max(0.0, self._running_since + self.batch_s - now)
         return now + rest + (ahead // self._max_batch + 1) * self.batch_s
 
+    def note_after(self, took_s: float) -> None:
+        """A call's time after its vector (the engine's search and the answer), into ``after_s``."""
+        self.after_s = took_s if self.after_s == 0 else self.after_s + EWMA * (took_s - self.after_s)
+
     async def embed(self, text: str, horizon: Horizon | None = None, org: str = "") -> Vectors:
         """``text``'s vector; ``DeadlinePassed`` if ``horizon`` passes before its batch starts,
         ``WouldMissDeadline`` at once if its batch would end after it."""
@@ -96,7 +102,7 @@ class QueryBatcher:
         tag = max(self._vtime, self._last_tag.get(org, 0.0)) + 1.0 / self.weight(org)
         now = time.monotonic()
         if horizon.at is not None and self.batch_s > 0 and (self._pending or self._running_since is not None):
-            end = self.expected_end(tag, now)
+            end = self.expected_end(tag, now) + self.after_s
             if end > horizon.at:
                 self.refused += 1
                 raise WouldMissDeadline((end - horizon.at) * 1000.0)

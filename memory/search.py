@@ -14,6 +14,7 @@ salience) and the list is ordered by the composite, as search results are. Every
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -156,10 +157,19 @@ async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float
     answer (``memory.cutoff``). Neither the query's embedding nor the engine's search starts after
     ``deadline`` (``memory.deadline``).
     """
-    agent = body.agent_id
     text = svc.query_text(body.query)
     query_vec = np.asarray(await svc.query_vector(org, text, deadline), dtype=np.float32)
     check(deadline, "the search")
+    started = time.monotonic()
+    try:
+        return await _searched(svc, org, body, text, query_vec)
+    finally:
+        svc.note_search(time.monotonic() - started)
+
+
+async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, query_vec: Vectors) -> Response:
+    """``search`` once the query's vector is known."""
+    agent = body.agent_id
     text_of, cosine, raws = await _candidates(svc, org, agent, _query_terms(text), query_vec)
     records = await _hydrate(svc, org, agent, text_of, cosine, raws, query_vec)
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity

@@ -112,6 +112,12 @@ class MemoryService:
         # (``WouldMissDeadline``) is refused to its assembly's other call too, not embedded for it alone.
         self._refused: dict[tuple[str, str], float] = {}
 
+    def note_search(self, took_s: float) -> None:
+        """A search's time after its query's vector was known: the batcher keeps that much of a
+        caller's time free after the embedding when it admits a new question."""
+        if self._batcher is not None:
+            self._batcher.note_after(took_s)
+
     @property
     def embeds_refused(self) -> int:
         """Query embeddings refused on arrival: they would have ended after their caller's deadline."""

@@ -94,6 +94,24 @@ async def test_a_query_that_would_end_after_its_deadline_is_refused_at_once_over
     assert embed.batches[1] == ["a0"] and embed.batches[2] == ["b0"] and batcher.queries == 8
 
 
+async def test_the_time_a_call_needs_after_its_vector_counts_against_its_deadline() -> None:
+    """A query whose embedding would end in time but leave too little for the search after it
+    (``note_after``) is refused on arrival too."""
+    embed = Blocked()
+    batcher = QueryBatcher(embed, max_batch=1)
+    first = await _running(batcher, embed)
+    batcher.batch_s = 1.0
+    horizon = Horizon(time.monotonic() + 2.5)  # the running batch's rest, then its own: ends in time
+    fits = asyncio.ensure_future(batcher.embed("fits", horizon, "a"))
+    await asyncio.sleep(0)
+    batcher.note_after(2.0)  # ... but the searches after their vectors take two seconds
+    with pytest.raises(WouldMissDeadline):
+        await batcher.embed("late", Horizon(time.monotonic() + 3.5), "b")
+    assert batcher.after_s == 2.0 and batcher.refused == 1
+    embed.release.set()
+    await asyncio.gather(first, fits)
+
+
 async def test_nothing_is_refused_before_a_batch_time_is_measured() -> None:
     embed = Blocked()
     batcher = QueryBatcher(embed, max_batch=2)
