@@ -109,9 +109,13 @@ class WorkerTable(BrokerBase):
         self._send_front([client, *P.reply_frames(reply.cmd, correlation_id, reply.payload)])
 
     def _learn(self, w: WorkerState, p: Pending, feedback: P.Feedback | None) -> None:
-        """Admission control's inputs from one reply: its service time, and the worker's signals."""
+        """Admission control's inputs from one reply: its service time, and the worker's signals.
+        Only a reply its worker served in full times the service: one degraded for lack of room
+        (refused at the memory gate in a millisecond, or cut at a branch's limit) would make the
+        queue look faster or slower than the answers it is meant to admit."""
         now = time.monotonic_ns()
-        self.service.observe(now - p.dispatched_ns)
+        if feedback is None or not feedback.overloaded:
+            self.service.observe(now - p.dispatched_ns)
         if w.limiter is not None and feedback is not None:
             w.limiter.on_reply(inflight=len(w.inflight), overloaded=feedback.overloaded,
                                loop_lag_us=feedback.loop_lag_us, now_ns=now, service_ns=self.service.mean_ns)
