@@ -33,6 +33,7 @@ LOOP_LAG_US = 5_000  # a request that waited longer than this for the worker's l
 EWMA = 0.05  # weight of one reply in the service-time average
 MIN_SAMPLES = 20  # replies before the queue estimate is trusted (until then only queue_max applies)
 STANDING_NS = 50_000_000  # queue waits over the target for this long: a standing queue, not a burst
+STOOD_NS = 1_000_000_000  # a queue that stood this recently is still judged standing when it refills
 
 
 @dataclass(slots=True)
@@ -100,11 +101,19 @@ def expected_wait_ns(queued: int, slots: int, free: int, service_ns: float, shar
 
 class StandingQueue:
     """CoDel's test for a standing queue: every request dispatched for ``STANDING_NS`` had waited
-    more than the target. Fed with each dispatched request's queue wait."""
+    more than the target. Fed with each dispatched request's queue wait.
+
+    Like CoDel's return to its dropping state, the test remembers: a queue that stood in the last
+    ``STOOD_NS`` is standing again as soon as it refills. Under a load far over capacity the queue
+    still drains for a moment now and then; without the memory each such moment would let in a
+    whole ``STANDING_NS`` of arrivals at the full offered rate (at eight times the capacity, seven
+    intervals' worth of work that then waits past what it could finish in), and the queue would
+    stand at the deadline instead of at the target."""
 
     def __init__(self, target_ns: float) -> None:
         self.target_ns = target_ns
         self.above_since: int | None = None
+        self.stood_ns: int | None = None  # when it was last seen standing
 
     def on_dispatch(self, waited_ns: int, now_ns: int) -> None:
         if waited_ns <= self.target_ns:
@@ -117,7 +126,14 @@ class StandingQueue:
         self.above_since = None
 
     def standing(self, now_ns: int) -> bool:
-        return self.above_since is not None and now_ns - self.above_since >= STANDING_NS
+        if self.above_since is not None and now_ns - self.above_since >= STANDING_NS:
+            self.stood_ns = now_ns
+            return True
+        return self.remembered(now_ns)
+
+    def remembered(self, now_ns: int) -> bool:
+        """It stood within the last ``STOOD_NS``."""
+        return self.stood_ns is not None and now_ns - self.stood_ns < STOOD_NS
 
 
 def shed(*, wait_ns: float, service_ns: float, remaining_ns: int, target_ns: float, standing: bool) -> bool:

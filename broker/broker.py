@@ -256,7 +256,7 @@ class Broker(UsageIntake, WorkerTable):
         org's backlog does not count. Refused now, the caller falls back now."""
         queued = self.queue.queued(org)
         if not queued:
-            self.standing.pop(org, None)  # a standing queue never empties, and only a standing queue sheds
+            self._drained(org, time.monotonic_ns())  # a standing queue never empties, and only a standing queue sheds
             return None
         standing = self.standing.get(org)
         if (not self.admission_queue_ns or not self.service.trusted or not self.workers
@@ -339,14 +339,24 @@ class Broker(UsageIntake, WorkerTable):
 
     def _waited(self, org: str, waited_ns: int, now_ns: int) -> None:
         """A request of ``org`` leaves the queue after ``waited_ns``: the org's standing-queue test
-        (kept only while it has more queued) learns it."""
+        (kept while it has more queued, or while it stood lately) learns it."""
         if not self.queue.queued(org):
-            self.standing.pop(org, None)
+            self._drained(org, now_ns)
             return
         sq = self.standing.get(org)
         if sq is None:
             sq = self.standing[org] = StandingQueue(self.admission_queue_ns)
         sq.on_dispatch(waited_ns, now_ns)
+
+    def _drained(self, org: str, now_ns: int) -> None:
+        """``org``'s queue is empty: its standing-queue test restarts, and is forgotten unless the
+        queue stood lately (``StandingQueue.remembered``)."""
+        sq = self.standing.get(org)
+        if sq is None:
+            return
+        sq.reset()
+        if not sq.remembered(now_ns):
+            del self.standing[org]
 
     def _pick_worker(self) -> WorkerState | None:
         """The live worker with most free slots; ties go to the one dispatched to least recently, so

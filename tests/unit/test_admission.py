@@ -15,6 +15,7 @@ from ibex_context.broker.admission import (
     LOOP_LAG_US,
     MIN_LIMIT,
     STANDING_NS,
+    STOOD_NS,
     Limiter,
     ServiceTime,
     StandingQueue,
@@ -78,10 +79,21 @@ def test_standing_queue_is_a_whole_interval_over_target() -> None:
     assert not q.standing(STANDING_NS - 1)
     assert q.standing(STANDING_NS)
     q.on_dispatch(1 * MS, now_ns=STANDING_NS + 1)  # one quick dispatch: the queue drained
-    assert not q.standing(2 * STANDING_NS)
-    q.on_dispatch(9 * MS, now_ns=0)
-    q.reset()
-    assert not q.standing(10 * STANDING_NS)
+    assert q.standing(2 * STANDING_NS)  # ... but it stood a moment ago: standing again as it refills
+    assert not q.standing(STANDING_NS + STOOD_NS)  # a quiet spell later, a burst is a burst again
+    fresh = StandingQueue(5 * MS)
+    fresh.on_dispatch(9 * MS, now_ns=0)
+    fresh.reset()
+    assert not fresh.standing(10 * STANDING_NS)
+
+
+def test_a_queue_that_stood_sheds_as_soon_as_it_refills() -> None:
+    q = StandingQueue(5 * MS)
+    q.on_dispatch(30 * MS, now_ns=0)
+    assert q.standing(STANDING_NS) and q.remembered(STANDING_NS)
+    q.reset()  # drained for a moment under a load far over capacity
+    assert q.standing(STANDING_NS + 1) and q.remembered(STANDING_NS + STOOD_NS - 1)
+    assert not q.remembered(STANDING_NS + STOOD_NS)
 
 
 def test_service_time_is_trusted_after_enough_replies() -> None:
