@@ -23,12 +23,11 @@ import sys
 
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.stores.connect import async_client
+from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
 from ibex_context.shared.stores.directives import (
     MAX_DIRECTIVE_CHARS,
     DirectiveEnvelope,
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
         return _fail(prog, exc.message, 1)
     except (RedisConnectionError, RedisTimeoutError) as exc:
         return _fail(prog, f"cannot reach Redis at {url} ({source}): {exc}", 1)
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         return _fail(prog, f"Redis at {url} ({source}): {exc}", 1)
     except ValueError as exc:  # an unparseable Redis URL
         return _fail(prog, f"Redis URL {url!r} ({source}): {exc}", 2)

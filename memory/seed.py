@@ -36,7 +36,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from ibex_context.memory.config import MemoryConfig
 from ibex_context.memory.embed import EMBEDDERS, Embedder, Vectors, load_embedder
@@ -45,7 +44,7 @@ from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.memory.store import NewMemory, write_memories
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.stores.connect import async_client
+from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
 from ibex_context.shared.stores.directives import MAX_DIRECTIVE_CHARS, set_directive
 from ibex_context.shared.stores.keys import org_key_patterns
 from ibex_context.shared.wire.models import Ident
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m ibex_context.m
         return _fail(prog, f"--file {args.file}: not valid UTF-8 ({exc.reason})", 2)
     except OSError as exc:
         return _fail(prog, f"--file {args.file}: {exc.strerror or exc}", 2)
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         return _fail(prog, f"Redis at {url} ({source}): {exc}", 1)
     except ValidationError as exc:  # IBEX_MEMORY_* settings of the embedder (before ValueError)
         return _fail(prog, settings_error(exc, "IBEX_MEMORY_"), 2)

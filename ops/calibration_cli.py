@@ -19,7 +19,6 @@ import sys
 from typing import Any
 
 from pydantic import ValidationError
-from redis.exceptions import RedisError
 
 from ibex_context.memory.redis_server import default_redis_url
 from ibex_context.pipeline.budget import multiplier
@@ -28,7 +27,7 @@ from ibex_context.pipeline.catalog import Catalog
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.stores import calibration as store
-from ibex_context.shared.stores.connect import async_client
+from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
 from ibex_context.shared.stores.keys import check_ident
 from ibex_context.shared.wire.errors import UnknownModel
 
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
                            "or start the stack with `make up`", 2)
     try:
         rows = asyncio.run(_collect(args, url, catalog, settings))
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         return _fail(prog, f"Redis at {url} ({source}): {exc}", 1)
     except ValueError as exc:  # an unparseable Redis URL
         return _fail(prog, f"Redis URL {url!r} ({source}): {exc}", 2)

@@ -67,14 +67,15 @@ async def seed_missing(url: str, path: Path = stack.DEMO_DATA) -> tuple[int, int
 
 
 def _seed(url: str) -> bool:
-    from redis.exceptions import RedisError
 
     from ibex_context.memory.seed import SeedError
+    from ibex_context.shared.stores.connect import REDIS_ERRORS
 
     print(f"ibex-context: seeding what is missing of the demo data ({stack.DEMO_DATA}) ...")
+    failures: tuple[type[Exception], ...] = (SeedError, OSError, *REDIS_ERRORS)
     try:
         memories, directives, kept = asyncio.run(seed_missing(url))
-    except (SeedError, RedisError, OSError) as exc:
+    except failures as exc:
         print(f"ibex-context demo: seeding failed: {exc}", file=sys.stderr)
         return False
     print(f"ibex-context: added {memories} memories and {directives} directives; "

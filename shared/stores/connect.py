@@ -21,6 +21,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot as crc_key_slot
 
 CLUSTER_SCHEME = "redis+cluster"
+# What a Redis call may raise: redis-py's cluster client reports an unreachable cluster with an
+# exception outside RedisError, so a command line that caught only that printed a traceback.
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)
 _CLUSTER_SCHEMES = {f"{CLUSTER_SCHEME}://": "redis://", "rediss+cluster://": "rediss://"}
 
 
@@ -53,7 +56,10 @@ def sync_client(url: str, **kwargs: Any) -> redis.Redis:
     """A blocking client for ``url`` (the admin tools): ``redis.RedisCluster`` for a cluster URL."""
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **kwargs)
-    return cast(redis.Redis, redis.cluster.RedisCluster.from_url(node_url(url), **kwargs))
+    try:  # the blocking client connects here to learn the slot map
+        return cast(redis.Redis, redis.cluster.RedisCluster.from_url(node_url(url), **kwargs))
+    except redis.exceptions.RedisClusterException as exc:  # not a RedisError: callers catch that one
+        raise redis.ConnectionError(str(exc)) from None
 
 
 def is_cluster(client: object) -> bool:

@@ -299,6 +299,9 @@ def test_directive_and_seed_errors_are_one_line(redis_url: str, tmp_path: Path) 
     assert_one_line(out, 2, "ibex-context seed: ", "absent.jsonl")
     out = _cli("seed", "--redis-url", "redis://127.0.0.1:1/0", "--file", str(blank.with_name("ok.jsonl")))
     assert out.returncode == 2  # the missing file is found before any connection
+    for unreachable in ("redis://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1/0"):  # one server, a cluster
+        out = _cli("seed", "--redis-url", unreachable)
+        assert_one_line(out, 1, "ibex-context seed: ", "127.0.0.1:1")
     with redis.Redis.from_url(redis_url) as r:
         assert r.dbsize() == 0  # nothing was written by any of them
 
