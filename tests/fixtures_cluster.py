@@ -14,8 +14,7 @@ cluster of its own (``memory.redis_cluster.EmbeddedCluster``), so this one stays
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,14 @@ import pytest
 from ibex_context.memory.redis_cluster import EmbeddedCluster
 from ibex_context.memory.redis_server import RedisStartError
 from ibex_context.ops.stack import LocalStack
-from tests.fixtures_services import MemoryServiceHandle, ServiceStartError, flush_redis
+from tests.fixtures_services import MemoryServiceHandle, flush_redis, healed, running_memory_service
 from tests.helpers import start_stack
 
 
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[EmbeddedCluster]:
-    cluster = EmbeddedCluster(primaries=3, replicas=1)
+@contextlib.contextmanager
+def started_cluster(primaries: int = 3, replicas: int = 1) -> Iterator[EmbeddedCluster]:
+    """An embedded cluster for the ``with`` block; the test fails (never skips) if it cannot start."""
+    cluster = EmbeddedCluster(primaries=primaries, replicas=replicas)
     try:
         cluster.start()
     except RedisStartError as exc:
@@ -40,6 +40,12 @@ def redis_cluster() -> Iterator[EmbeddedCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[EmbeddedCluster]:
+    with started_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -51,29 +57,14 @@ def cluster_url(redis_cluster: EmbeddedCluster) -> str:
 
 @pytest.fixture(scope="session")
 def cluster_memory(redis_cluster: EmbeddedCluster) -> Iterator[MemoryServiceHandle]:
-    workdir = Path(tempfile.mkdtemp(prefix="ibex-memsvc-cluster-"))
-    handle = MemoryServiceHandle(redis_url=redis_cluster.url, workdir=workdir)
-    try:
-        handle.start()
-    except ServiceStartError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
+    with running_memory_service(redis_cluster.url, "ibex-memsvc-cluster-") as handle:
         yield handle
-    finally:
-        handle.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture
 def cluster_memory_up(cluster_memory: MemoryServiceHandle, cluster_url: str) -> MemoryServiceHandle:
     """The cluster's memory service, running, with no faults and every primary flushed."""
-    if not cluster_memory.running:  # an earlier test stopped or killed it
-        try:
-            cluster_memory.start()
-        except ServiceStartError as exc:
-            pytest.fail(str(exc), pytrace=False)
-    cluster_memory.clear_faults()
-    return cluster_memory
+    return healed(cluster_memory)
 
 
 def cluster_stack(cluster: EmbeddedCluster, log_dir: Path, **kw: Any) -> LocalStack:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import signal
@@ -254,10 +255,12 @@ def redis_url(redis_server: EmbeddedRedis) -> str:
     return redis_server.url
 
 
-@pytest.fixture(scope="session")
-def memory_service(redis_server: EmbeddedRedis) -> Iterator[MemoryServiceHandle]:
-    workdir = Path(tempfile.mkdtemp(prefix="ibex-memsvc-"))
-    handle = MemoryServiceHandle(redis_url=redis_server.url, workdir=workdir)
+@contextlib.contextmanager
+def running_memory_service(redis_url: str, prefix: str) -> Iterator[MemoryServiceHandle]:
+    """A memory service on ``redis_url`` for the ``with`` block, in a work dir of its own; the test
+    fails (never skips) if it cannot start."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    handle = MemoryServiceHandle(redis_url=redis_url, workdir=workdir)
     try:
         handle.start()
     except ServiceStartError as exc:
@@ -269,13 +272,24 @@ def memory_service(redis_server: EmbeddedRedis) -> Iterator[MemoryServiceHandle]
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def healed(handle: MemoryServiceHandle) -> MemoryServiceHandle:
+    """``handle`` running again if an earlier test stopped or killed it, with no faults."""
+    if not handle.running:
+        try:
+            handle.start()
+        except ServiceStartError as exc:
+            pytest.fail(str(exc), pytrace=False)
+    handle.clear_faults()
+    return handle
+
+
+@pytest.fixture(scope="session")
+def memory_service(redis_server: EmbeddedRedis) -> Iterator[MemoryServiceHandle]:
+    with running_memory_service(redis_server.url, "ibex-memsvc-") as handle:
+        yield handle
+
+
 @pytest.fixture
 def memory(memory_service: MemoryServiceHandle, redis_url: str) -> MemoryServiceHandle:
     """The session's memory service, running, with no faults and an empty Redis."""
-    if not memory_service.running:  # an earlier test stopped or killed it
-        try:
-            memory_service.start()
-        except ServiceStartError as exc:
-            pytest.fail(str(exc), pytrace=False)
-    memory_service.clear_faults()
-    return memory_service
+    return healed(memory_service)

@@ -15,11 +15,11 @@ import pytest
 
 from ibex_context.client import AsyncClient
 from ibex_context.memory.redis_cluster import EmbeddedCluster
-from ibex_context.memory.redis_server import RedisStartError
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import memory_key
+from tests.fixtures_cluster import started_cluster
 from tests.helpers import start_stack
 
 ORGS = ("acme", "globex")
@@ -45,15 +45,8 @@ class Seen:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[EmbeddedCluster]:
-    c = EmbeddedCluster(primaries=3, replicas=1)
-    try:
-        c.start()
-    except RedisStartError as exc:
-        pytest.fail(f"embedded Redis Cluster did not start: {exc}", pytrace=False)
-    try:
+    with started_cluster(primaries=3, replicas=1) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

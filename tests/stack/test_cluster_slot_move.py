@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,11 +14,11 @@ import pytest
 from ibex_context.memory.embed import load_embedder
 from ibex_context.memory.index import create_args, index_name, total_results
 from ibex_context.memory.redis_cluster import EmbeddedCluster, move_slot
-from ibex_context.memory.redis_server import RedisStartError
 from ibex_context.shared.stores.connect import key_slot, sync_client
 from ibex_context.shared.stores.keys import agent_tag, directive_key, summary_key
 from ibex_context.worker import rawredis
-from tests.fixtures_services import MemoryServiceHandle, ServiceStartError
+from tests.fixtures_cluster import started_cluster
+from tests.fixtures_services import MemoryServiceHandle, running_memory_service
 
 ORG, AGENT, N = "acme", "mover", 300
 EMB = load_embedder("hash")  # the test memory services' embedder (tests/conftest.py)
@@ -27,28 +26,14 @@ EMB = load_embedder("hash")  # the test memory services' embedder (tests/conftes
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[EmbeddedCluster]:
-    c = EmbeddedCluster(primaries=3, replicas=0)
-    try:
-        c.start()
-    except RedisStartError as exc:
-        pytest.fail(f"embedded Redis Cluster did not start: {exc}", pytrace=False)
-    try:
+    with started_cluster(primaries=3, replicas=0) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
-def service(cluster: EmbeddedCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceHandle]:
-    handle = MemoryServiceHandle(redis_url=cluster.url, workdir=Path(tmp_path_factory.mktemp("slot-move")))
-    try:
-        handle.start()
-    except ServiceStartError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
+def service(cluster: EmbeddedCluster) -> Iterator[MemoryServiceHandle]:
+    with running_memory_service(cluster.url, "ibex-memsvc-slot-move-") as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 def _indexed(url: str, query: str) -> int:
