@@ -24,7 +24,7 @@ from ibex_context.memory.models import MAX_QUERY_CHARS
 from ibex_context.memory.quotas import Quotas
 from ibex_context.memory.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ibex_context.memory.terms import TERM_SCAN_MAX
-from ibex_context.shared.config.org_weights import parse_org_weights
+from ibex_context.shared.config.org_weights import OrgWeights, parse_org_weights
 from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, RETIRED_ENV, MemoryServiceSettings, shown
 
 DEV_SECRET = DEV_MEMORY_SECRET
@@ -128,17 +128,11 @@ class MemoryConfig(MemoryServiceSettings):
         description="Writes of all orgs embedded at once, so searches never "
                     "queue behind writes for the CPU.")
 
-    org_weights: str | None = Field(
+    org_weights: OrgWeights = Field(
         None, json_schema_extra=shown("every org 1"),
         description="Orgs' weights in the query-embedding batcher's fair queue, `org=weight` comma-separated "
                     "(`acme=2,beta=1`); an org not named weighs 1. Orgs with questions waiting share the batches "
                     "by weight; an org alone uses them all.")
-
-    @field_validator("org_weights")
-    @classmethod
-    def _org_weights(cls, v: str | None) -> str | None:
-        parse_org_weights(v)
-        return v
 
     def org_weight_map(self) -> dict[str, float]:
         """``org_weights`` as org -> weight."""

@@ -5,6 +5,9 @@ queue; an org not named weighs 1."""
 from __future__ import annotations
 
 import re
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from ibex_context.shared.wire.models import IDENT_CHARS
 
@@ -25,3 +28,12 @@ def parse_org_weights(text: str | None) -> dict[str, float]:
             raise ValueError(f"org weights: {entry.strip()!r:.80} is not org=weight with a positive weight")
         weights[org] = weight
     return weights
+
+
+def _checked(text: str | None) -> str | None:
+    parse_org_weights(text)
+    return text
+
+
+# A settings field holding org weights, refused at load when ``parse_org_weights`` would refuse it.
+OrgWeights = Annotated[str | None, AfterValidator(_checked)]

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ibex_context.shared.config.org_weights import parse_org_weights
+from ibex_context.shared.config.org_weights import OrgWeights, parse_org_weights
 
 # A conversation that fits the largest window in the model catalog must fit the wire (docs/assembly.md "Size
 # limits"): the request limit is that window times this many bytes a token. Measured with o200k
@@ -235,7 +235,7 @@ class BrokerSettings(_LinkSettings):
     adaptive_limit: bool = Field(
         True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
                           "worker holds exactly its credit.")
-    org_weights: str | None = Field(
+    org_weights: OrgWeights = Field(
         None, json_schema_extra=shown("every org 1"),
         description="Orgs' weights in the broker's fair queue, `org=weight` comma-separated (`acme=2,beta=1`); an "
                     "org not named weighs 1. Each org with work is dispatched its weight's share of the slots; "
@@ -250,12 +250,6 @@ class BrokerSettings(_LinkSettings):
     summary_rate_per_key: float = Field(20.0, ge=0, description="Summaries a second one caller key may send.")
     summary_rate_per_org: float = Field(50.0, ge=0, description="Summaries a second one org may send.")
     summary_rate_total: float = Field(200.0, ge=0, description="Summaries a second the broker forwards in all.")
-
-    @field_validator("org_weights")
-    @classmethod
-    def _org_weights(cls, v: str | None) -> str | None:
-        parse_org_weights(v)
-        return v
 
     def org_weight_map(self) -> dict[str, float]:
         """``org_weights`` as org -> weight."""
