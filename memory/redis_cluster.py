@@ -145,15 +145,17 @@ class EmbeddedCluster:
             raise
         return self
 
-    def _spawn(self, exe: str, i: int) -> ClusterNode:
+    def _spawn(self, exe: str, i: int, *, search: bool = True) -> ClusterNode:
         assert self._root is not None
         workdir = os.path.join(self._root, f"node{i}")
         os.makedirs(workdir)
         port = cluster_port() if self.base_port is None else self.base_port + i
         node = ClusterNode(port=port, workdir=workdir)
+        args = node_args(exe, port=node.port, workdir=workdir, node_timeout_ms=self.node_timeout_ms)
+        if not search:
+            args = args[: args.index("--loadmodule")]
         with open(os.path.join(workdir, "redis.log"), "wb") as log:
-            node.proc = subprocess.Popen(node_args(exe, port=node.port, workdir=workdir,
-                                                   node_timeout_ms=self.node_timeout_ms),
+            node.proc = subprocess.Popen(args,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         return node
 
@@ -224,6 +226,16 @@ class EmbeddedCluster:
                 if time.monotonic() >= deadline:
                     raise RedisStartError(f"no primary took over {key!r}'s slot within {timeout_s:.0f}s") from None
             time.sleep(_POLL_S)
+
+    def spare_node(self, *, search: bool = True) -> ClusterNode:
+        """Start one more node, empty and outside the cluster (a new shard for ``ibex-context
+        cluster add-shard``); ``search`` False: without the query engine. Stopped with the rest."""
+        if self._root is None:
+            raise RuntimeError("EmbeddedCluster has not been started")
+        node = self._spawn(redis_executable(), len(self.nodes), search=search)
+        self.nodes.append(node)
+        self._wait_one(node, _answers_ping, "answer PING")
+        return node
 
     def kill(self, node: ClusterNode) -> None:
         """kill -9 one node (what a machine failing looks like to the cluster)."""
@@ -330,33 +342,3 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 
-
-def move_slot(cluster: EmbeddedCluster, slot: int, target: ClusterNode, *, index_args: list[list[str]],
-              batch: int = 100) -> int:
-    """Move one slot to the primary ``target`` (the documented procedure for adding a shard, one slot
-    at a time): mark it importing on the target and migrating on its owner, create the slot's
-    search indexes on the target first (``ASKING`` + ``FT.CREATE``: each ``index_args`` entry is one
-    ``FT.CREATE`` argument list), ``MIGRATE`` its keys, then give the slot to the target on every
-    primary. Returns the keys moved. While it runs, searches of an agent in the slot see only the
-    memories already on one side."""
-    source = next(n for n in cluster.primary_nodes if n.running and _serves(n, slot))
-    with target.client() as t, source.client() as s:
-        t.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
-        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
-    asking = redis.Redis(host="127.0.0.1", port=target.port, single_connection_client=True, socket_timeout=5.0)
-    try:
-        for args in index_args:
-            asking.execute_command("ASKING")  # type: ignore[no-untyped-call]
-            asking.execute_command("FT.CREATE", *args)  # type: ignore[no-untyped-call]
-    finally:
-        asking.close()
-    moved = 0
-    with source.client() as s:
-        while keys := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
-            s.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
-            moved += len(keys)
-    for node in cluster.primary_nodes:
-        if node.running:
-            with node.client() as c:
-                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target.node_id)
-    return moved

@@ -11,6 +11,7 @@
     ibex-context seed ...             load memories and directives from JSONL
     ibex-context keys ...             CURVE keypairs for callers, workers and the broker
     ibex-context calibration show ... token-count ratios learned from usage reports
+    ibex-context cluster ...          add a shard to a Redis Cluster, move slots (indexes first)
 
 Every mistake is one line on stderr (ibex-context CMD: what is wrong) and exit status 2; a service
 fault (no broker, deadline passed) is one line and exit status 1. Run ibex-context CMD -h for help.
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("seed", help="load memories and directives from JSONL", add_help=False)
     sub.add_parser("calibration", help="show learned token-count ratios (see: ibex-context calibration -h)",
                    add_help=False)
+    sub.add_parser("cluster", help="add a shard to a Redis Cluster or move slots, indexes first "
+                                   "(see: ibex-context cluster -h)", add_help=False)
     return ap
 
 
@@ -169,6 +172,10 @@ def _main(argv: list[str]) -> int:
         from ibex_context.ops.calibration_cli import main as calibration_main
 
         return calibration_main(argv[1:], prog=f"{PROG} calibration")
+    if argv and argv[0] == "cluster":
+        from ibex_context.ops.cluster_cli import main as cluster_main
+
+        return cluster_main(argv[1:], prog=f"{PROG} cluster")
     if argv and argv[0] == "seed":
         from ibex_context.memory.seed import main as seed_main
 

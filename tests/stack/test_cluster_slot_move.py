@@ -1,6 +1,6 @@
-"""Moving the slot that holds an agent's memories to another primary (``memory.redis_cluster.
-move_slot``: the agent's index created on the target before the keys move) under a light search
-load: searches never fail during the move, and after it every memory is found on the new primary
+"""Moving the slot that holds an agent's memories to another primary (``ops.reshard.move_slots``,
+what ``ibex-context cluster move-slots`` runs: the agent's index created on the target before the
+keys move) under a light search load: searches never fail during the move, and after it every memory is found on the new primary
 and new writes land there."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.index import create_args, index_name, total_results
-from ibex_context.memory.redis_cluster import EmbeddedCluster, move_slot
+from ibex_context.memory.index import index_name, total_results
+from ibex_context.memory.redis_cluster import EmbeddedCluster
+from ibex_context.ops.reshard import connect, move_slots
 from ibex_context.shared.stores.connect import key_slot, sync_client
 from ibex_context.shared.stores.keys import agent_tag, directive_key, summary_key
 from ibex_context.worker import rawredis
@@ -66,13 +67,18 @@ def test_a_slot_moves_with_its_index_and_searches_stay_whole_after(cluster: Embe
     worker = threading.Thread(target=load)
     worker.start()
     try:
-        moved = move_slot(cluster, slot, target,
-                          index_args=[create_args(EMB.name, EMB.dim, ORG, AGENT, per_agent=True)],
-                          batch=1)  # one key per MIGRATE: long enough for searches to overlap it
+        admin = connect(cluster.url)
+        try:  # one key per MIGRATE: long enough for searches to overlap it
+            report = move_slots(admin, [slot], admin.find(f"127.0.0.1:{target.port}"), batch=1,
+                                progress=lambda _: None)
+        finally:
+            admin.close()
+        moved = report.keys
     finally:
         stop.set()
         worker.join()
     assert moved >= N + 1  # the memories and the agent's id set
+    assert report.indexes == 1 and report.slots_moved == 1  # the agent's index, before its keys
     assert cluster.node_for_key(agent_tag(ORG, AGENT)) is target
     assert statuses and set(statuses) == {200}, sorted(set(statuses))
     assert _indexed(cluster.url, "@content:ledger") == N
