@@ -1,7 +1,7 @@
 """Moving the slot that holds an agent's memories to another primary (``ops.reshard.move_slots``,
 what ``ibex-context cluster move-slots`` runs: the agent's index created on the target before the
-keys move) under a light search load: searches never fail during the move, and after it every memory is found on the new primary
-and new writes land there."""
+keys move) under a light search load: searches never fail during the move, and after it every
+memory is found on the new primary and new writes land there."""
 
 from __future__ import annotations
 
