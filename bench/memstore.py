@@ -2,7 +2,7 @@
 
     python -m bench.memstore [--scenario one-agent|many-agents|both] [--memories 100000]
                              [--agents 10000 --per-agent 100] [--searches 300] [--baseline DIR]
-                             [--out R.json]
+                             [--redis-cluster N] [--concurrency C] [--out R.json]
 
 Each scenario seeds a fresh bundled Redis (one agent with ``--memories`` memories, or ``--agents``
 agents with ``--per-agent`` each), starts the memory service as its own process on it, then runs
@@ -12,7 +12,10 @@ right after a write, as for an agent that writes a memory every turn.
 
 Reported per store: search wall time (client side, p50/p90/p99), CPU per round of the memory
 service and of Redis (``bench.lib.cpu``: all threads), and Redis ``used_memory`` after
-seeding, with its extrapolation per million memories.
+seeding, with its extrapolation per million memories. ``--concurrency C`` adds a searches-only
+phase with C clients at once: searches per second through the one memory service, and the CPU
+one search costs the service and Redis. A search touches only its agent's shard, so the Redis
+CPU per search is the cost on that shard, and 1000 / it is what one shard's core can serve.
 
 Vectors are random unit vectors of the embedder's size (the hash embedder's 256: seeding a
 million memories through a real model would take hours, and the store's cost does not depend on
@@ -179,6 +182,39 @@ def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, r
             "redis_cpu_ms_per_round": (cpu_r1 - cpu_r0) * 1000.0 / searches}
 
 
+def _throughput(url: str, agents: int, searches: int, concurrency: int, seed: int, service_pid: int,
+                redis_pids: list[int]) -> dict[str, Any]:
+    """Searches only, ``concurrency`` clients at once (closed loop): searches per second through
+    the one memory service, and the CPU each search costs the service and Redis (per search on its
+    shard: a search touches only the shard of its agent's index)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.lib.cpu import cpu_seconds
+
+    headers = {"authorization": f"Bearer {_token()}"}
+    per_client = max(1, searches // concurrency)
+
+    def client(k: int) -> int:
+        rng, errors = random.Random(seed + 100 + k), 0
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            for i in range(per_client):
+                r = c.post("/v1/memories/search", json={"query": f"t{k}x{i} {_sentence(rng, 8)}",
+                                                        "agent_id": f"agent{rng.randrange(agents)}", "limit": 10})
+                errors += r.status_code != 200
+        return errors
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(client, range(concurrency)))  # warm: one round each, connections open
+        cpu_s0, cpu_r0 = cpu_seconds(service_pid), sum(cpu_seconds(p) for p in redis_pids)
+        t0 = time.perf_counter()
+        errors = sum(pool.map(client, range(concurrency)))
+        wall = time.perf_counter() - t0
+        cpu_s1, cpu_r1 = cpu_seconds(service_pid), sum(cpu_seconds(p) for p in redis_pids)
+    n = per_client * concurrency
+    return {"tp_searches": n, "tp_concurrency": concurrency, "tp_per_s": n / wall, "tp_errors": errors,
+            "tp_service_cpu_ms": (cpu_s1 - cpu_s0) * 1000.0 / n, "tp_redis_cpu_ms": (cpu_r1 - cpu_r0) * 1000.0 / n}
+
+
 class _Cluster:
     """An embedded 3 + 3 cluster with the two things the bench reads of a server: its URL, and one
     pid for the Redis CPU figure (``pids``: every primary, summed)."""
@@ -208,7 +244,7 @@ def _used(url: str) -> int:
 
 
 def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, searches: int,
-               seed: int, cluster: int = 0) -> dict[str, Any]:
+               seed: int, cluster: int = 0, concurrency: int = 0) -> dict[str, Any]:
     import redis
 
     server = _Cluster(cluster) if cluster else _start_redis()
@@ -238,10 +274,12 @@ def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, 
             proc, url = _service(server.url, pythonpath, Path(tmp))
             try:
                 result = _rounds(url, agents, searches, seed, proc.pid, pids)
+                if concurrency:
+                    result.update(_throughput(url, agents, searches, concurrency, seed, proc.pid, pids))
             finally:
                 proc.terminate()
                 proc.wait(10)
-        result.update({"store": label, "memories": n, "agents": agents, "seed_s": seed_s,
+        result.update({"store": label, "memories": n, "agents": agents, "seed_s": seed_s, "primaries": cluster or 1,
                        "redis_used_mb": used / 2**20,
                        "redis_mb_per_million": (used - empty) / 2**20 * 1e6 / n})
         return result
@@ -259,7 +297,17 @@ def _table(rows: list[dict[str, Any]]) -> str:
              f"{r['service_cpu_ms_per_round']:.2f}", f"{r['redis_cpu_ms_per_round']:.2f}",
              f"{r['redis_used_mb']:.0f}", f"{r['redis_mb_per_million']:.0f}", f"{r['seed_s']:.0f}", r["errors"]]
             for r in rows]
-    return "\n".join(table(cols, body))
+    out = table(cols, body)
+    tp = [r for r in rows if "tp_per_s" in r]
+    if tp:  # searches only, several clients at once
+        cols2 = ["store", "primaries", "clients", "searches", "searches / s (one memory service)",
+                 "service CPU ms / search", "Redis CPU ms / search (on its shard)", "one shard's core: searches / s",
+                 "errors"]
+        out += ["", *table(cols2, [[r["store"], r.get("primaries", 1), r["tp_concurrency"], r["tp_searches"],
+                                    f"{r['tp_per_s']:.0f}", f"{r['tp_service_cpu_ms']:.2f}",
+                                    f"{r['tp_redis_cpu_ms']:.2f}", f"{1000.0 / max(r['tp_redis_cpu_ms'], 1e-6):.0f}",
+                                    r["tp_errors"]] for r in tp])]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout to run beside this one")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    ap.add_argument("--concurrency", type=int, default=0, metavar="C",
+                    help="also run --searches searches only, C clients at once: searches per second and CPU "
+                         "per search (0: skip)")
     ap.add_argument("--redis-cluster", type=int, default=0, metavar="N",
                     help="also run this checkout on an embedded cluster of N primaries (+N replicas), side by side")
     args = ap.parse_args(argv)
@@ -294,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     for agents, per_agent in scenarios:
         for label, path, cluster in stores:
             print(f"# {label}: {agents:,} agents x {per_agent:,} memories ...", file=sys.stderr, flush=True)
-            rows.append(_run_store(label, path, agents, per_agent, args.searches, args.seed, cluster))
+            rows.append(_run_store(label, path, agents, per_agent, args.searches, args.seed, cluster,
+                                   args.concurrency))
             print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(_table(rows))
     if args.out is not None:
