@@ -8,6 +8,12 @@ agents of one org spread over a cluster (docs/memory-search.md "Shards").
    indexes, per index.
 2. On an embedded 3 + 3 cluster the same writes, with the per-agent indexes: the primaries'
    ``used_memory`` and key counts show how one org's agents spread.
+
+``--sizing COPIES``: the conversation set's 2,257 turns (real text) with the default embedder's
+vectors (minilm, 384 dimensions, computed once), written COPIES times through the seed path
+(``--chats-per-agent`` copies of a chat per agent), on one shard of a cluster (index per agent)
+and on one server (index per org): bytes per memory of the hash (record, vector), the agents' id
+sets and hot lists, each index part (``FT.INFO``) and ``used_memory`` in all.
 """
 
 from __future__ import annotations
@@ -92,12 +98,118 @@ async def on_cluster(agents: int, per_agent: int) -> list[tuple[int, int, int]]:
         return rows
 
 
+_INDEX_PARTS = ("inverted_sz_mb", "offset_vectors_sz_mb", "doc_table_size_mb", "sortable_values_size_mb",
+                "key_table_size_mb", "tag_overhead_sz_mb", "text_overhead_sz_mb", "vector_index_sz_mb")
+
+
+def _conversation_records(copies: int, per_agent: int) -> tuple[list[dict[str, Any]], int]:
+    """The conversation set's turns, ``copies`` times, ``per_agent`` copies of a chat to one agent."""
+    from bench.conversations import load_set
+
+    turns, _ = load_set()
+    records = []
+    for c in range(copies):
+        for t in turns:
+            records.append({**t, "agent_id": f"{t['agent_id']}-g{c // per_agent}",
+                            "memory_id": f"{t['memory_id']}-k{c}"})
+    return records, len(turns)
+
+
+def _breakdown(url: str, n: int, vfield: str) -> dict[str, float]:
+    """Bytes per memory: the memory hashes (record, vector), the agents' id sets and hot lists, each
+    index part (``FT.INFO``), and Redis's ``used_memory`` in all."""
+    import redis as sync_redis
+
+    out: dict[str, float] = dict.fromkeys(("hashes", "content", "rec", "vector", "sets", *_INDEX_PARTS), 0.0)
+    with sync_client(url, decode_responses=True) as r:
+        nodes = [r] if not hasattr(r, "get_primaries") else [
+            sync_redis.Redis(host=p.host, port=p.port, decode_responses=True) for p in r.get_primaries()]
+        for c in nodes:
+            for key in c.scan_iter(count=5000):
+                used = c.memory_usage(key, samples=0) or 0
+                if key.startswith("mem:"):
+                    out["hashes"] += used
+                    for f, col in (("content", "content"), ("rec", "rec")):
+                        out[col] += c.hstrlen(key, f)
+                    out["vector"] += c.hstrlen(key, vfield)
+                elif key.startswith(("memids:", "hot:")):
+                    out["sets"] += used
+            for name in c.execute_command("FT._LIST"):
+                info = c.execute_command("FT.INFO", name)
+                for part in _INDEX_PARTS:
+                    out[part] += float(info.get(part, 0)) * 2**20
+                out["terms"] = out.get("terms", 0.0) + float(info.get("num_terms", 0))
+                out["indexes"] = out.get("indexes", 0.0) + 1
+            out["used"] = out.get("used", 0.0) + float(c.info("memory")["used_memory"])
+    return {k: (v / n if k not in ("terms", "indexes", "used") else v) for k, v in out.items()}
+
+
+async def sizing(copies: int, per_agent: int) -> dict[str, dict[str, float]]:
+    """The conversation turns with the default embedder's vectors (minilm, computed once), written
+    ``copies`` times through the seed path: on one shard of a cluster (index per agent) and on one
+    server (index per org). Bytes per memory of each part, and ``used_memory`` over the empty server."""
+    from bench.conversations import PrecomputedEmbedder, _embed_turns
+    from ibex_context.memory.embed import load_embedder
+    from ibex_context.memory.seed import seed_records
+    from ibex_context.shared.stores.keys import vector_field
+
+    records, turns = _conversation_records(copies, per_agent)
+    emb = load_embedder("minilm")
+    texts = sorted({r["content"] for r in records})
+    pre = PrecomputedEmbedder(emb, texts, _embed_turns(emb, texts))
+    out: dict[str, dict[str, float]] = {}
+    for layout in ("one shard, index per agent", "one server, index per org"):
+        server: Any = EmbeddedCluster(primaries=1, replicas=0) if "shard" in layout else EmbeddedRedis(
+            startup_timeout_s=30.0)
+        with server:
+            empty = _used(server.url) if "server" in layout else _cluster_used(server)
+            redis = async_client(server.url)
+            try:
+                await seed_records(redis, records, embedder=pre)
+            finally:
+                await redis.aclose()
+            await asyncio.sleep(1.0)  # the engine indexes in the background
+            row = _breakdown(server.url, len(records), vector_field(pre.name))
+            row["over_empty"] = (row["used"] - empty) / len(records)
+            row.update(memories=len(records), agents=len({r["agent_id"] for r in records}), turns=turns)
+            out[layout] = row
+    return out
+
+
+def _cluster_used(cluster: EmbeddedCluster) -> int:
+    total = 0
+    for node in cluster.primary_nodes:
+        with node.client() as c:
+            total += int(c.info("memory")["used_memory"])
+    return total
+
+
+def _print_sizing(rows: dict[str, dict[str, float]]) -> None:
+    parts = ["hashes", "content", "rec", "vector", "sets", *_INDEX_PARTS, "over_empty"]
+    print("| bytes per memory | " + " | ".join(rows) + " |")
+    print("| --- | " + " | ".join("---" for _ in rows) + " |")
+    for part in parts:
+        print(f"| {part} | " + " | ".join(f"{r[part]:,.0f}" for r in rows.values()) + " |")
+    for extra in ("memories", "agents", "indexes", "terms"):
+        print(f"| {extra} | " + " | ".join(f"{r.get(extra, 0):,.0f}" for r in rows.values()) + " |")
+    for layout, r in rows.items():
+        print(f"{layout}: {r['over_empty'] * 1e6 / 2**30:,.2f} GiB per million memories (used_memory over empty)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.index_layout", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--per-agent", type=int, default=20)
+    ap.add_argument("--sizing", type=int, default=0, metavar="COPIES",
+                    help="instead: the conversation set's turns COPIES times with minilm vectors, bytes per memory "
+                         "on one shard (index per agent) and one server (index per org)")
+    ap.add_argument("--chats-per-agent", type=int, default=2,
+                    help="--sizing: copies of one chat written to one agent (a chat is ~450 turns)")
     args = ap.parse_args(argv)
+    if args.sizing:
+        _print_sizing(asyncio.run(sizing(args.sizing, args.chats_per_agent)))
+        return 0
     single = asyncio.run(single_server(args.agents, args.per_agent))
     n = args.agents * args.per_agent
     print(f"one server, {args.agents} agents x {args.per_agent} memories ({n} memories, {DIM} dims):")
