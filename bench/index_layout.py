@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
@@ -196,6 +197,100 @@ def _print_sizing(rows: dict[str, dict[str, float]]) -> None:
         print(f"{layout}: {r['over_empty'] * 1e6 / 2**30:,.2f} GiB per million memories (used_memory over empty)")
 
 
+def move_under_searches(memories: int, batch: int) -> dict[str, Any]:
+    """One agent's ``memories`` on a 3-primary cluster; its slot moved to a fourth, empty primary
+    (``ops.reshard.add_shard``-style: ``move_slots`` after ``join``) while one client searches the
+    agent without pause (``FT.SEARCH`` routed by slot, following ``ASK`` as the memory service's
+    client does). Per search: its time, how many of the agent's memories it saw, errors."""
+    import threading
+    import time
+
+    from ibex_context.memory.index import index_name, total_results
+    from ibex_context.ops.reshard import connect, join, move_slots
+    from ibex_context.shared.stores.connect import key_slot
+    from ibex_context.shared.stores.keys import agent_tag
+
+    org, agent = ORG, "mover"
+    with EmbeddedCluster(primaries=3, replicas=0) as cluster:
+        asyncio.run(_seed_one(cluster.url, agent, memories))
+        spare = cluster.spare_node()
+        admin = connect(cluster.url)
+        target = join(admin, f"127.0.0.1:{spare.port}")
+        name = index_name("hash", org, agent, per_agent=True)
+        seen: list[tuple[float, int, float, str]] = []  # (at, hits, ms, error)
+        stop, moving = threading.Event(), threading.Event()
+
+        def searcher() -> None:
+            with sync_client(cluster.url) as r:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    try:
+                        hits, err = total_results(r.execute_command("FT.SEARCH", name, "@content:w1|w2|w3|w4|w5",
+                                                                    "LIMIT", "0", "0")), ""
+                    except Exception as exc:  # what a caller would see
+                        hits, err = -1, f"{type(exc).__name__}: {str(exc)[:60]}"
+                    seen.append((t0, hits, (time.perf_counter() - t0) * 1000.0, err if moving.is_set() else ""))
+
+        with sync_client(cluster.url) as r:
+            full = total_results(r.execute_command("FT.SEARCH", name, "@content:w1|w2|w3|w4|w5", "LIMIT", "0", "0"))
+        thread = threading.Thread(target=searcher)
+        thread.start()
+        time.sleep(0.5)
+        t_start = time.perf_counter()
+        moving.set()
+        report = move_slots(admin, [key_slot(agent_tag(org, agent))], target, batch=batch, progress=lambda _: None)
+        t_end = time.perf_counter()
+        time.sleep(0.5)
+        stop.set()
+        thread.join()
+        admin.close()
+    during = [s for s in seen if t_start <= s[0] <= t_end]
+    before = [s for s in seen if s[0] < t_start]
+    return {"memories": memories, "matching": full, "batch": batch, "keys": report.keys,
+            "move_s": t_end - t_start, "during": during, "before": before,
+            "after": [s for s in seen if s[0] > t_end]}
+
+
+async def _seed_one(url: str, agent: str, memories: int) -> None:
+    redis = async_client(url)
+    try:
+        rng, emb = random.Random(7), HashingEmbedder(DIM)
+
+        async def embed(texts: Any) -> Any:
+            return emb.embed(list(texts))
+
+        await ensure_index(redis, "hash", DIM, ORG, agent)
+        items = [store.NewMemory(ORG, agent, MemoryRecord(memory_id=f"m{i}", content=" ".join(rng.choices(WORDS, k=12)),
+                                                          category="fact", confidence=0.8,
+                                                          created_at=datetime(2026, 1, 1, tzinfo=UTC)), hot=False)
+                 for i in range(memories)]
+        for i in range(0, len(items), 2000):
+            await store.write_memories(redis, items[i : i + 2000], embedder_name="hash", embed=embed)
+    finally:
+        await redis.aclose()
+
+
+def _print_move(res: dict[str, Any]) -> None:
+    from statistics import median
+
+    def row(label: str, xs: list[tuple[float, int, float, str]]) -> str:
+        ok = [x for x in xs if x[1] >= 0]
+        ms = sorted(x[2] for x in xs) or [0.0]
+        hits = [x[1] / max(res["matching"], 1) for x in ok] or [0.0]
+        return (f"| {label} | {len(xs)} | {len(xs) - len(ok)} | {min(hits):.2f} / {median(hits):.2f} / {max(hits):.2f} "
+                f"| {median(ms):.2f} / {ms[int(0.99 * (len(ms) - 1))]:.2f} |")
+
+    print(f"one agent, {res['memories']} memories ({res['matching']} match the query), its slot moved to a new "
+          f"primary: {res['keys']} keys in {res['move_s']:.2f}s, {res['batch']} keys per MIGRATE")
+    print("| searches | n | errors | share of the agent's matches seen, min / median / max | ms p50 / p99 |")
+    print("| --- | --- | --- | --- | --- |")
+    for label in ("before", "during", "after"):
+        print(row(label, res[label]))
+    errors = Counter(x[3] for x in res["during"] if x[3])
+    for err, n in errors.most_common():
+        print(f"  during: {n} x {err}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.index_layout", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,7 +301,13 @@ def main(argv: list[str] | None = None) -> int:
                          "on one shard (index per agent) and one server (index per org)")
     ap.add_argument("--chats-per-agent", type=int, default=2,
                     help="--sizing: copies of one chat written to one agent (a chat is ~450 turns)")
+    ap.add_argument("--move", type=int, default=0, metavar="MEMORIES",
+                    help="instead: one agent of MEMORIES memories, its slot moved to a new primary under searches")
+    ap.add_argument("--batch", type=int, default=100, help="--move: keys per MIGRATE")
     args = ap.parse_args(argv)
+    if args.move:
+        _print_move(move_under_searches(args.move, args.batch))
+        return 0
     if args.sizing:
         _print_sizing(asyncio.run(sizing(args.sizing, args.chats_per_agent)))
         return 0

@@ -17,7 +17,9 @@ from typing import Any, cast
 import redis
 import redis.cluster
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster
+from redis.cluster import PRIMARY
 from redis.crc import key_slot as crc_key_slot
 
 CLUSTER_SCHEME = "redis+cluster"
@@ -40,6 +42,34 @@ def node_url(url: str) -> str:
     return url
 
 
+class _AsyncCluster(RedisCluster):
+    """redis-py's asyncio cluster client, also following ``ASK`` to a node its map does not hold:
+    a shard added while the client runs (``ibex-context cluster add-shard``) is first met through
+    the ``ASK`` of a slot moving to it, and redis-py looks the node up without adding it (every such
+    command failed with ``AttributeError`` until the client's next ``MOVED``)."""
+
+    def get_node(self, host: str | None = None, port: int | None = None,
+                 node_name: str | None = None) -> AsyncClusterNode | None:
+        node = super().get_node(host, port, node_name)
+        if node is None and host and port:
+            nodes = self.nodes_manager
+            node = AsyncClusterNode(host, port, PRIMARY, **nodes.connection_kwargs)
+            nodes.set_nodes(nodes.nodes_cache, {node.name: node})
+        return node
+
+
+class _SyncCluster(redis.cluster.RedisCluster):
+    """The blocking client with the same ``ASK`` fix (``_AsyncCluster``)."""
+
+    def get_node(self, host: str | None = None, port: int | None = None,
+                 node_name: str | None = None) -> redis.cluster.ClusterNode | None:
+        node = super().get_node(host, port, node_name)  # type: ignore[no-untyped-call]
+        if node is None and host and port:
+            node = redis.cluster.ClusterNode(host, port, PRIMARY)  # type: ignore[no-untyped-call]
+            self.nodes_manager.nodes_cache[node.name] = node
+        return cast("redis.cluster.ClusterNode | None", node)
+
+
 def async_client(url: str, **kwargs: Any) -> Redis:
     """An asyncio client for ``url``: ``RedisCluster`` for a cluster URL, else ``Redis``.
 
@@ -49,7 +79,7 @@ def async_client(url: str, **kwargs: Any) -> Redis:
     if not is_cluster_url(url):
         return Redis.from_url(url, **kwargs)
     kwargs.pop("connection_class", None)
-    return cast(Redis, RedisCluster.from_url(node_url(url), **kwargs))
+    return cast(Redis, _AsyncCluster.from_url(node_url(url), **kwargs))
 
 
 def sync_client(url: str, **kwargs: Any) -> redis.Redis:
@@ -57,7 +87,7 @@ def sync_client(url: str, **kwargs: Any) -> redis.Redis:
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **kwargs)
     try:  # the blocking client connects here to learn the slot map
-        return cast(redis.Redis, redis.cluster.RedisCluster.from_url(node_url(url), **kwargs))
+        return cast(redis.Redis, _SyncCluster.from_url(node_url(url), **kwargs))
     except redis.exceptions.RedisClusterException as exc:  # not a RedisError: callers catch that one
         raise redis.ConnectionError(str(exc)) from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -19,8 +20,8 @@ import redis
 from ibex_context.memory.embed import load_embedder
 from ibex_context.memory.index import index_name, total_results
 from ibex_context.memory.redis_cluster import ClusterNode, EmbeddedCluster
-from ibex_context.ops.reshard import SlotMover, connect
-from ibex_context.shared.stores.connect import key_slot, sync_client
+from ibex_context.ops.reshard import SlotMover, connect, join, move_slots
+from ibex_context.shared.stores.connect import async_client, key_slot, sync_client
 from ibex_context.shared.stores.keys import agent_tag
 from tests.fixtures_cluster import started_cluster
 from tests.fixtures_services import MemoryServiceHandle, running_memory_service
@@ -30,6 +31,10 @@ EMB = load_embedder("hash")  # the test memory services' embedder (tests/conftes
 # Agents chosen so some live in the slots add-shard moves (the top quarter of each primary's
 # range: 4096-5460, 9557-10922, 15019-16383) and some do not.
 AGENTS = [f"a{i}" for i in range(24)]
+# One larger agent in a slot add-shard moves, moved one key per MIGRATE below: the searches of a
+# service that knew only the first three primaries meet ASK to the new node for a while.
+BIG = next(f"big{i}" for i in range(10_000) if 4200 <= key_slot("{" + f"{ORG}:big{i}" + "}") <= 5400)
+BIG_N = 300
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -82,12 +87,33 @@ def test_add_shard_moves_a_quarter_with_indexes_first_and_loses_nothing(cluster:
                                                                           service: MemoryServiceHandle) -> None:
     service.seed([{"org_id": ORG, "agent_id": a, "memory_id": f"m{i}", "category": "fact",
                    "content": f"note {i} about {a} code{a}x{i}"} for a in AGENTS for i in range(PER_AGENT)])
+    service.seed([{"org_id": ORG, "agent_id": BIG, "memory_id": f"b{i}", "category": "fact",
+                   "content": f"note {i} of the big one"} for i in range(BIG_N)])
     before = _keys(cluster)
     spare = cluster.spare_node()
-    out = _cli("add-shard", "--url", cluster.url, "--node", _addr(spare), "--batch", "7")
+    statuses: list[int] = []  # searches of every agent while the slots move (the service knew 3 primaries)
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=service.url, headers=service.headers(ORG), timeout=10.0) as c:
+            while not stop.is_set():
+                for a in [BIG, *AGENTS[:3]]:
+                    r = c.post("/v1/memories/search", json={"query": "note", "agent_id": a, "limit": 5})
+                    statuses.append(r.status_code)
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        out = _cli("add-shard", "--url", cluster.url, "--node", _addr(spare), "--batch", "1")
+    finally:
+        stop.set()
+        worker.join()
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("moved 4096 slots with ") and "to 127.0.0.1:" in out.stdout, out.stdout
     assert "slots (" in out.stderr and "Traceback" not in out.stderr, out.stderr  # progress lines
+    assert cluster.node_for_key(agent_tag(ORG, BIG)) is spare
+    assert _indexed(cluster.url, BIG) == BIG_N
     moved = [a for a in AGENTS if cluster.node_for_key(agent_tag(ORG, a)) is spare]
     stayed = [a for a in AGENTS if a not in moved]
     assert len(moved) >= 3 and len(stayed) >= 3, moved
@@ -183,3 +209,32 @@ def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) ->
     _one_line(_cli("add-shard", "--url", url, "--node", _addr(bare)), 2, "no query engine")
     for node in (full, bare):
         cluster.kill(node)
+
+
+async def test_clients_follow_ask_to_a_shard_they_have_not_met(cluster: EmbeddedCluster) -> None:
+    """Clients made before a shard joined meet it first through the ``ASK`` of a slot moving to it
+    (``shared.stores.connect``): both the asyncio and the blocking client read the moved key."""
+    key = "{asker}:k"
+    with sync_client(cluster.url) as r:
+        r.set(key, "v")
+    aclient, sclient = async_client(cluster.url), sync_client(cluster.url)
+    try:
+        assert await aclient.get(key) == b"v" and sclient.get(key) == b"v"
+        spare = cluster.spare_node()
+        admin = connect(cluster.url)
+        try:
+            target = join(admin, _addr(spare))
+            source = cluster.node_for_key(key)
+            with spare.client() as t, source.client() as s:
+                t.execute_command("CLUSTER", "SETSLOT", key_slot(key), "IMPORTING", admin.find(_addr(source)).node_id)
+                s.execute_command("CLUSTER", "SETSLOT", key_slot(key), "MIGRATING", target.node_id)
+                s.execute_command("MIGRATE", "127.0.0.1", spare.port, "", 0, 5000, "KEYS", key)
+            assert await aclient.get(key) == b"v"  # ASK to the new node
+            assert sclient.get(key) == b"v"
+            move_slots(admin, [key_slot(key)], target, progress=lambda _: None)
+        finally:
+            admin.close()
+        assert await aclient.get(key) == b"v" and sclient.get(key) == b"v"  # MOVED: the map read again
+    finally:
+        await aclient.aclose()
+        sclient.close()
