@@ -124,7 +124,8 @@ def _service(redis_url: str, pythonpath: str | None, workdir: Path) -> tuple[sub
     port_file = workdir / "port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
     env.update({"IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": EMBEDDER, "PYTHONUNBUFFERED": "1",
-                "IBEX_MEMORY_MAX_MEMORIES_PER_AGENT": str(10**9), "IBEX_MEMORY_REDIS_TIMEOUT_MS": "30000"})
+                "IBEX_MEMORY_MAX_MEMORIES_PER_AGENT": str(10**9), "IBEX_MEMORY_REDIS_TIMEOUT_MS": "30000",
+                "IBEX_ORG_STORAGE_BYTES": str(10**13)})  # one org holds every memory: no 1 GiB budget
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     log = open(workdir / "service.log", "wb")  # the child keeps it open for its life
@@ -176,6 +177,9 @@ def _rounds(url: str, agents: int, searches: int, seed: int, service_pid: int, r
                                                     "limit": 10})
             walls.append((time.perf_counter() - t0) * 1000.0)
             errors += (w.status_code != 201) + (r.status_code != 200)
+            if (w.status_code != 201 or r.status_code != 200) and errors <= 2:
+                print(f"round {i}: write {w.status_code} {w.text[:200]}; search {r.status_code} {r.text[:200]}",
+                      file=sys.stderr)
         cpu_s1, cpu_r1 = cpu_seconds(service_pid), sum(cpu_seconds(p) for p in redis_pids)
     return {"searches": searches, "errors": errors, "wall_ms": percentiles(walls, (50, 90, 99)),
             "service_cpu_ms_per_round": (cpu_s1 - cpu_s0) * 1000.0 / searches,
