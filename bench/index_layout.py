@@ -149,7 +149,9 @@ async def sizing(copies: int, per_agent: int) -> dict[str, dict[str, float]]:
     """The conversation turns with the default embedder's vectors (minilm, computed once), written
     ``copies`` times through the seed path: on one shard of a cluster (index per agent) and on one
     server (index per org). Bytes per memory of each part, and ``used_memory`` over the empty server."""
-    from bench.conversations import PrecomputedEmbedder, _embed_turns
+    import numpy as np
+
+    from bench.conversations import PrecomputedEmbedder
     from ibex_context.memory.embed import load_embedder
     from ibex_context.memory.seed import seed_records
     from ibex_context.shared.stores.keys import vector_field
@@ -157,7 +159,8 @@ async def sizing(copies: int, per_agent: int) -> dict[str, dict[str, float]]:
     records, turns = _conversation_records(copies, per_agent)
     emb = load_embedder("minilm")
     texts = sorted({r["content"] for r in records})
-    pre = PrecomputedEmbedder(emb, texts, _embed_turns(emb, texts))
+    vectors = np.concatenate([emb.embed(texts[i : i + 64]) for i in range(0, len(texts), 64)]).astype(np.float32)
+    pre = PrecomputedEmbedder(emb, texts, vectors)
     out: dict[str, dict[str, float]] = {}
     for layout in ("one shard, index per agent", "one server, index per org"):
         server: Any = EmbeddedCluster(primaries=1, replicas=0) if "shard" in layout else EmbeddedRedis(
