@@ -511,7 +511,7 @@ def _check_open(cluster: Cluster, slots: list[int], target: Node) -> None:
                    (state == "importing" and node is target and owner is not None and other == owner.node_id)
             if not ours:
                 raise SlotBusy(f"slot {slot} is {state} on {node.address} (with node {other[:8]}): "
-                               "finish or cancel that move first (CLUSTER SETSLOT {slot} STABLE)")
+                               f"finish or cancel that move first (CLUSTER SETSLOT {slot} STABLE)")
 
 
 def _check_ok(cluster: Cluster) -> None:
