@@ -209,6 +209,17 @@ def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) ->
     _one_line(_cli("add-shard", "--url", url, "--node", _addr(bare)), 2, "no query engine")
     for node in (full, bare):
         cluster.kill(node)
+    p0, p1, p2 = cluster.primary_nodes
+    slot = 100  # the first primary's, left open towards the second by some other move
+    with p0.client() as a, p1.client() as b:
+        b.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", a.execute_command("CLUSTER", "MYID"))
+        a.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", b.execute_command("CLUSTER", "MYID"))
+        try:
+            _one_line(_cli("move-slots", "--url", url, "--to", _addr(p2), "--slots", str(slot)), 2,
+                      "slot 100 is", "CLUSTER SETSLOT 100 STABLE")
+        finally:
+            for c in (a, b):
+                c.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
 
 
 async def test_clients_follow_ask_to_a_shard_they_have_not_met(cluster: EmbeddedCluster) -> None:
