@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
-from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.calibration import Calibration, bucket_of, decay_per_sample

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.memory.redis_server import default_redis_url
+from ibex_context.memory.embedded_redis.server import default_redis_url
 from ibex_context.pipeline.budget import multiplier
 from ibex_context.pipeline.calibration import Calibration
 from ibex_context.pipeline.catalog import Catalog

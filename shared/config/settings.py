@@ -11,7 +11,7 @@ variables::
     |   +-- ClientSettings       (+ PipelineSettings): the client library and the LiteLLM hook
     +-- PipelineSettings         the pure pipeline's policy: worker, and the client's degraded reply
     +-- RedisSettings            the deployment's Redis
-    |   +-- MemoryServiceSettings   (memory.config.MemoryConfig adds the service's IBEX_MEMORY_*)
+    |   +-- MemoryServiceSettings   (memory.service.config.MemoryConfig adds the service's IBEX_MEMORY_*)
     +-- StackSettings            the ``up`` launcher's own
     Settings                     every class above but the memory service's own: the ops CLI and launcher
 
@@ -286,7 +286,7 @@ class ClientSettings(CommonSettings, PipelineSettings, _LegacyTimeout):
 
 
 class MemoryServiceSettings(RedisSettings):
-    """Where the memory service listens and how it embeds; ``memory.config.MemoryConfig`` adds the rest."""
+    """Where the memory service listens and how it embeds; ``memory.service.config.MemoryConfig`` adds the rest."""
 
     memory_host: str = Field("127.0.0.1", validation_alias="IBEX_MEMORY_HOST",
                              description="Where the memory service listens.")

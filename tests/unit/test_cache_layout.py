@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ibex_context.memory.config import DEV_SECRET
+from ibex_context.memory.service.config import DEV_SECRET
 from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
