@@ -4,7 +4,7 @@ Why (docs/assembly.md "Calibrated token counts"): families without an offline vo
 charged a conservative estimate, so real tokens are left unused. This simulates a provider whose
 true counts the service cannot see: the catalog entry (default ``mistral-small-3``) says
 *estimate*, while the "provider" counts every emitted prompt exactly with o200k by the same
-message rules (``pipeline.chat_count``). Conversations of varied real text (the token corpus,
+message rules (``pipeline.counting.chat_count``). Conversations of varied real text (the token corpus,
 the demo memories, the README and spec prose, generated tool-using turns) from a few hundred
 tokens to 2.5x the window go through the real pipeline, with the demo memories as retrieval.
 
@@ -30,11 +30,11 @@ from typing import Any
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
 from ibex_context.memory.embedded_redis.server import EmbeddedRedis
-from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.calibration import Calibration, bucket_of, decay_per_sample
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.calibration import Calibration, bucket_of, decay_per_sample
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse

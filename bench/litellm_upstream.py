@@ -33,8 +33,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ibex_context.client.integrations.litellm_config import PROMPT_MARK
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
 from ibex_context.shared.config.cliargs import write_port_file
 from ibex_context.shared.wire.errors import UnknownModel
 

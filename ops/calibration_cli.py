@@ -21,9 +21,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from ibex_context.memory.embedded_redis.server import default_redis_url
-from ibex_context.pipeline.budget import multiplier
-from ibex_context.pipeline.calibration import Calibration
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import multiplier
+from ibex_context.pipeline.counting.calibration import Calibration
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.stores import calibration as store

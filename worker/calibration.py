@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ibex_context.pipeline.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
 from ibex_context.shared.config.observability import CalibrationMetrics
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.stores import calibration as store

@@ -39,7 +39,7 @@ from ibex_context.client.integrations.litellm_config import (
 from ibex_context.client.integrations.litellm_routes import Form
 from ibex_context.client.integrations.litellm_summary import Summarizer
 from ibex_context.client.requests import build
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.wire.chat_query import last_user_text
 from ibex_context.shared.wire.errors import ErrorCode, IbexError, Unavailable

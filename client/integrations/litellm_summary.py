@@ -5,7 +5,7 @@
   the worker loads the stored summary; after the assembly, ``plan`` decides whether a new one is
   due: the kept history is above ``high_water`` of what the history may use, or messages were
   dropped that no summary covers. The new ``covers`` is chosen on a unit boundary
-  (``pipeline.summary.cover_boundaries``, from one split of the conversation) so the kept history
+  (``pipeline.conversation.summary.cover_boundaries``, from one split of the conversation) so the kept history
   falls to ``low_water``: compaction ahead of need, so the next calls do not trim.
 * success: ``launch`` starts the summary in a background task with its own timeout, at most one
   per ``summary_key``: the previous summary (the hook's own copy of the last one it made for the
@@ -35,7 +35,7 @@ from typing import Any
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.client.integrations.litellm_config import Summaries
-from ibex_context.pipeline.summary import cover_boundaries, non_system
+from ibex_context.pipeline.conversation.summary import cover_boundaries, non_system
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.models import SUMMARY_KEY_CHARS, AssembleResponse
 

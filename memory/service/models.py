@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
 from ibex_context.memory.search.rank import CATEGORIES
-from ibex_context.pipeline.hits import MAX_CONTENT_CHARS  # one memory-hit contract: stored as read
+from ibex_context.pipeline.selection.hits import MAX_CONTENT_CHARS  # one memory-hit contract: stored as read
 from ibex_context.shared.wire.models import Ident
 
 MAX_QUERY_CHARS = 100_000

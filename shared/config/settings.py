@@ -66,7 +66,7 @@ def shown(text: str) -> Any:
 @functools.cache
 def largest_catalog_window() -> int:
     """The largest ``context_window`` in the bundled model catalog, in tokens."""
-    text = resources.files("ibex_context.pipeline").joinpath("catalog.json").read_text("utf-8")
+    text = resources.files("ibex_context.pipeline.budget").joinpath("catalog.json").read_text("utf-8")
     return max(int(m["context_window"]) for m in json.loads(text)["models"].values())
 
 
@@ -169,7 +169,7 @@ class PipelineSettings(IbexSettings):
     catalog_path: str | None = Field(None, json_schema_extra=shown("bundled"),
                                      description="The model capability catalog JSON; unset: the bundled one.")
     token_cache_entries: int = Field(65536, ge=0, description="Token-count cache entries, keyed by content hash.")
-    # The memories block's nonce key (pipeline.format.nonce_key): the client's degraded reply derives
+    # The memories block's nonce key (pipeline.rendering.format.nonce_key): the client's degraded reply derives
     # it like a worker, from the nonce secret only (a client holds no memory-service secret).
     nonce_secret: str | None = Field(
         None, min_length=8,

@@ -3,7 +3,7 @@ STRING per assembly a usage report may name (``shared.stores.keys.assembly_key``
 
 The sketch:
 
-    b:<bucket>   float   decayed weight of the ratio bucket (``pipeline.calibration``)
+    b:<bucket>   float   decayed weight of the ratio bucket (``pipeline.counting.calibration``)
     n            int     reports accepted, lifetime
     refused      int     reports refused as outliers, lifetime
     s            int     the served bucket: the multiplier the key charges (bounded change)
@@ -35,7 +35,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ibex_context.pipeline.calibration import (
+from ibex_context.pipeline.counting.calibration import (
     MAX_FALL_BUCKETS,
     N_BUCKETS,
     UNCALIBRATED_BUCKET,

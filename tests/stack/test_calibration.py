@@ -21,7 +21,7 @@ import pytest
 
 from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.calibration import (
+from ibex_context.pipeline.counting.calibration import (
     MAX_FALL_BUCKETS,
     UNCALIBRATED_BUCKET,
     bucket_of,

@@ -15,7 +15,7 @@ import pytest
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.hits import MAX_CONTENT_CHARS
+from ibex_context.pipeline.selection.hits import MAX_CONTENT_CHARS
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.wire.errors import IbexError
 from ibex_context.shared.wire.models import AssembleResponse

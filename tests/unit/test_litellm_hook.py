@@ -34,7 +34,7 @@ from ibex_context.client.integrations.litellm_config import (
 )
 from ibex_context.client.integrations.litellm_core import HookCore, header_value, headers, last_user_text, record
 from ibex_context.client.integrations.litellm_degraded import DirectiveCopies
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.security import auth
 
 CATALOG = Catalog.load()

@@ -14,9 +14,9 @@ import pytest
 from ibex_context.client.integrations.litellm_config import HookConfigError, parse_config
 from ibex_context.client.integrations.litellm_summary import Plan, choose_covers, conversation_key, due, transcript
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.pipeline.summary import check_covers
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.conversation.summary import check_covers
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 

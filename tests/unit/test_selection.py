@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from ibex_context.memory.search.rank import HOT_SALIENCE_SHARE, hot_relevance
-from ibex_context.pipeline.score import DEFAULT_WEIGHTS, score_candidates
+from ibex_context.pipeline.selection.score import DEFAULT_WEIGHTS, score_candidates
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.models import COMPONENTS, AssembleRequest, AssemblyOptions, ScoreWeights
 from ibex_context.worker.retrieve import parse_hits

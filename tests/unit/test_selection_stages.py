@@ -15,7 +15,7 @@ from ibex_context.memory.search.fusion import Fused, boosted, fuse
 from ibex_context.memory.search.indexed_text import date_words, searched_text
 from ibex_context.memory.search.subjects import derive_subject, names, question_words, subject_of
 from ibex_context.pipeline.decisions import decisions, retrieval_scores
-from ibex_context.pipeline.hits import below_cutoff, plain_hit, to_hit
+from ibex_context.pipeline.selection.hits import below_cutoff, plain_hit, to_hit
 from ibex_context.pipeline.types import MemoryHit, RetrievalResult, ScoredMemory
 from ibex_context.shared.wire.models import BranchOutcome
 from tests.properties import examples

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from ibex_context.pipeline.calibration import Calibration
-from ibex_context.pipeline.catalog import Catalog, ModelSpec
-from ibex_context.pipeline.tokens import ScaledCounter, TokenCount, TokenCounter
+from ibex_context.pipeline.budget.catalog import Catalog, ModelSpec
+from ibex_context.pipeline.counting.calibration import Calibration
+from ibex_context.pipeline.counting.tokens import ScaledCounter, TokenCount, TokenCounter
 from ibex_context.shared.wire.errors import TokenizerMismatch
 from ibex_context.shared.wire.models import BudgetBreakdown
 
@@ -55,7 +55,7 @@ def multiplier(spec: ModelSpec, calibration: Calibration) -> float:
 def counter_for(catalog: Catalog, spec: ModelSpec, calibration: Calibration | None) -> TokenCounter:
     """The counter a request is budgeted with: the family's own (exact BPE or the estimate with its
     factor) or, for a calibrated (org, model), that count times the learned multiplier (docs/assembly.md
-    "Calibrated token counts"; never below ``pipeline.calibration.multiplier_floor``)."""
+    "Calibrated token counts"; never below ``pipeline.counting.calibration.multiplier_floor``)."""
     base = catalog.counter(spec.family.name)
     if calibration is None:
         return base

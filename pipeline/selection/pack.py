@@ -1,8 +1,8 @@
 """Packing stage: choose the memories that fit the token budget with the most total score.
 
 docs/assembly.md "Scoring and packing": a 0/1 knapsack under the usable token budget, in seven steps
-(marked ``Step N`` in the code). The DP table lives in ``pipeline.knapsack``, steps 5 and 6 in
-``pipeline.swaps``.
+(marked ``Step N`` in the code). The DP table lives in ``pipeline.selection.knapsack``, steps 5 and 6 in
+``pipeline.selection.swaps``.
 
 1. Sort by score desc, then ``memory_id`` (deterministic ties).
 2. Discretize into ``bucket_size``-token buckets. Weights are rounded UP (ceil), unlike the
@@ -28,7 +28,7 @@ docs/assembly.md "Scoring and packing": a 0/1 knapsack under the usable token bu
 7. Emit in score desc, then ``memory_id``.
 
 Pure: no I/O, no clocks, no module state beyond constants. Invalid candidates (negative tokens,
-scores outside [0, 1]) are a caller bug, caught by ``pipeline.score``; here they raise ValueError.
+scores outside [0, 1]) are a caller bug, caught by ``pipeline.selection.score``; here they raise ValueError.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Final
 
 import numpy as np
 
-from ibex_context.pipeline.knapsack import FloatArray, IntArray, knapsack
-from ibex_context.pipeline.swaps import MIN_GAIN, improve, repair
+from ibex_context.pipeline.selection.knapsack import FloatArray, IntArray, knapsack
+from ibex_context.pipeline.selection.swaps import MIN_GAIN, improve, repair
 from ibex_context.pipeline.types import PackResult, ScoredMemory
 from ibex_context.shared.wire.models import PackPath
 
@@ -146,12 +146,12 @@ def _solve_greedy(t: list[int], v: list[float], budget: int, max_consecutive_ski
 
 
 def _check(order: Sequence[ScoredMemory], tokens: list[int], scores: list[float]) -> None:
-    """Refuse inputs ``pipeline.score`` would have rejected: they would break the bounds below."""
+    """Refuse inputs ``pipeline.selection.score`` would have rejected: they would break the bounds below."""
     for m, t, s in zip(order, tokens, scores, strict=True):
         if t < 0 or not 0.0 <= s <= 1.0:  # NaN fails the comparison too
             raise ValueError(
                 f"candidate {m.memory_id!r} has tokens={t!r}, composite_score={s!r}; "
-                "tokens must be >= 0 and the score finite in [0, 1] (see pipeline.score)"
+                "tokens must be >= 0 and the score finite in [0, 1] (see pipeline.selection.score)"
             )
 
 

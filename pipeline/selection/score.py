@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from ibex_context.pipeline.hits import memory_id_problem
+from ibex_context.pipeline.selection.hits import memory_id_problem
 from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory
 from ibex_context.shared.wire.models import COMPONENTS, ScoreWeights
 
@@ -150,7 +150,7 @@ def score_candidates(
     """Score every hit; return (scored in input order, rejections).
 
     Exactly one decision per distinct memory: a hit whose ``memory_id`` breaks the memory-hit
-    contract (``pipeline.hits.memory_id_problem``) is ``malformed`` under a placeholder id
+    contract (``pipeline.selection.hits.memory_id_problem``) is ``malformed`` under a placeholder id
     ``<source#n>`` (n counts that source's hits here); of several copies of one memory_id (hot and
     cold, or twice in one branch) one is kept, valid scores first, then the higher interim score,
     then hot, then the first returned, and every other copy is a ``duplicate`` naming the kept copy

@@ -53,7 +53,7 @@ class TokenCounter(Protocol):
 
     def count(self, text: str) -> int: ...
 
-    def __hash__(self) -> int: ...  # by identity: per-counter memos (``pipeline.count``) key on it
+    def __hash__(self) -> int: ...  # by identity: per-counter memos (``pipeline.counting.count``) key on it
 
 
 _ENCODINGS: dict[str, Any] = {}

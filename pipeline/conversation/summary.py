@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.history import (
+from ibex_context.pipeline.conversation.history import (
     HistoryDrop,
     HistoryFit,
     HistoryPolicy,
@@ -31,6 +30,7 @@ from ibex_context.pipeline.history import (
     pinned_units,
     split_units,
 )
+from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.errors import InvalidRequest
 from ibex_context.shared.wire.models import AssembleRequest, SummaryReport, SummarySlot

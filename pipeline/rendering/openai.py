@@ -1,21 +1,22 @@
 """The OpenAI Chat Completions target: the caller's messages with the directive, the compaction
-summary and the memories block as system (``developer`` for o-series) messages (``pipeline.chat_render.openai_layout``),
-counted by the cookbook's rules (``pipeline.chat_count``)."""
+summary and the memories block as system (``developer`` for o-series) messages
+(``pipeline.rendering.chat_render.openai_layout``), counted by the cookbook's rules
+(``pipeline.counting.chat_count``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline import context_edit
-from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.catalog import ModelSpec
-from ibex_context.pipeline.chat_render import SystemRole, openai_layout
+from ibex_context.pipeline.budget.catalog import ModelSpec
+from ibex_context.pipeline.conversation import context_edit
+from ibex_context.pipeline.conversation.history import HistoryFit
 from ibex_context.pipeline.conversation.layout import materialize
-from ibex_context.pipeline.count import CountedSection, LineCache, memory_cost, summary_counted
-from ibex_context.pipeline.history import HistoryFit
-from ibex_context.pipeline.render import Block, ChatOut, Emitted, Message, text_sections
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.count import CountedSection, LineCache, memory_cost, summary_counted
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.rendering import format as fmt
+from ibex_context.pipeline.rendering.chat_render import SystemRole, openai_layout
+from ibex_context.pipeline.rendering.render import Block, ChatOut, Emitted, Message, text_sections
 from ibex_context.pipeline.types import ScoredMemory, Turns
 
 
@@ -27,7 +28,7 @@ def system_role(spec: ModelSpec) -> SystemRole:
 
 @dataclass(frozen=True, slots=True)
 class OpenAIRenderer:
-    """``pipeline.render.Renderer`` for Chat Completions."""
+    """``pipeline.rendering.render.Renderer`` for Chat Completions."""
 
     turns: Turns
     model: str

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ibex_context.pipeline.catalog import ModelSpec
+from ibex_context.pipeline.budget.catalog import ModelSpec
 from ibex_context.pipeline.conversation.parse import parse_conversation, to_wire, wire_system, wire_tools
-from ibex_context.pipeline.render import Renderer
-from ibex_context.pipeline.render_anthropic import AnthropicRenderer
-from ibex_context.pipeline.render_openai import OpenAIRenderer
-from ibex_context.pipeline.render_text import TextRenderer
-from ibex_context.pipeline.summary import request_slot
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.conversation.summary import request_slot
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.rendering.anthropic import AnthropicRenderer
+from ibex_context.pipeline.rendering.openai import OpenAIRenderer
+from ibex_context.pipeline.rendering.render import Renderer
+from ibex_context.pipeline.rendering.text import TextRenderer
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.models import AssembleRequest
 

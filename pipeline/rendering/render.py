@@ -1,6 +1,6 @@
 """What a renderer is: one target's way of counting and laying out a prompt (one per provider).
 
-Every request, whatever form it came in, reaches the pipeline as one ``Turns`` (``pipeline.turns``)
+Every request, whatever form it came in, reaches the pipeline as one ``Turns`` (``pipeline.conversation.turns``)
 and is rendered by one ``Renderer``: ``render_openai`` and ``render_anthropic`` emit the
 provider-ready conversation, ``render_text`` the flat ``rendered`` text of the simple form. A new
 provider is a new renderer; the stages before it (fit, budget, score, pack) never look at the form.
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.chat_render import Layout
-from ibex_context.pipeline.context_edit import Clearing
-from ibex_context.pipeline.count import CountedSection
-from ibex_context.pipeline.history import HistoryFit
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.conversation.context_edit import Clearing
+from ibex_context.pipeline.conversation.history import HistoryFit
+from ibex_context.pipeline.counting.count import CountedSection
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.rendering import format as fmt
+from ibex_context.pipeline.rendering.chat_render import Layout
 from ibex_context.pipeline.types import ScoredMemory
 from ibex_context.shared.wire.models import ChatFormat, SectionName
 

@@ -11,7 +11,7 @@ the units the packer will spend:
 
 The rendered memories section therefore costs at most sum(memory_cost) + memory_overhead
 (``memory_tokens_bound``); ``fit_memory_section`` checks that with the real counter and drops the
-lowest-scored memory in the rare case a tokenizer merges across a boundary. ``pipeline.format``
+lowest-scored memory in the rare case a tokenizer merges across a boundary. ``pipeline.rendering.format``
 renders and never counts.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.tokens import ScaledCounter, TokenCounter
+from ibex_context.pipeline.counting.tokens import ScaledCounter, TokenCounter
+from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.wire.models import Message
 

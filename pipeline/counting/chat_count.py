@@ -12,7 +12,7 @@ OpenAI source: the OpenAI Cookbook, "How to count tokens with tiktoken", section
 1 per name, 3 to prime the reply, and ``num_tokens_for_tools``'s constants for function definitions.
 Anthropic source: "Tool use with Claude", section "Pricing" (the tool use system prompt table),
 https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/overview#pricing.
-Image formulas and their sources: ``pipeline/image_tokens.py``.
+Image formulas and their sources: ``pipeline/counting/image_tokens.py``.
 
 Thinking (Anthropic): "previous thinking blocks are automatically stripped from the context window
 calculation by the Anthropic API", ``context_window = (input_tokens - previous_thinking_tokens) +
@@ -34,13 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline.image_tokens import (
+from ibex_context.pipeline.counting.image_tokens import (
     anthropic_image_tokens,
     image_size,
     model_key,
     openai_image_tokens,
 )
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.counting.tokens import TokenCounter
 from ibex_context.shared.wire.errors import InvalidRequest
 
 __all__ = [

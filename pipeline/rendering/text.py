@@ -1,8 +1,8 @@
 """The flat text target: the simple form's ``rendered`` text, sections ``## Directive``, the
 compaction summary's block, ``## Recent conversation``, the memories block and ``## Tools``
-(``pipeline.format`` renders them).
+(``pipeline.rendering.format`` renders them).
 
-Counted line by line (``pipeline.count.count_lines``): each history line is one message's cost,
+Counted line by line (``pipeline.counting.count.count_lines``): each history line is one message's cost,
 so the history fit trims this form as it trims a provider's conversation, oldest units first.
 Each line is charged with its newline and the last one the larger of with and without it (the
 last message is always kept: it is pinned), so the kept lines' costs bound the section's count.
@@ -13,23 +13,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.context_edit import Clearing
-from ibex_context.pipeline.count import (
+from ibex_context.pipeline.conversation.context_edit import Clearing
+from ibex_context.pipeline.conversation.history import HistoryFit
+from ibex_context.pipeline.counting.count import (
     CountedSection,
     joins_overhead,
     summary_counted,
     tools_counted,
 )
-from ibex_context.pipeline.history import HistoryFit
-from ibex_context.pipeline.render import Block, Emitted, text_sections
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.rendering import format as fmt
+from ibex_context.pipeline.rendering.render import Block, Emitted, text_sections
 from ibex_context.pipeline.types import Turns
 
 
 @dataclass(frozen=True, slots=True)
 class TextRenderer:
-    """``pipeline.render.Renderer`` for the flat text."""
+    """``pipeline.rendering.render.Renderer`` for the flat text."""
 
     lines: tuple[str, ...]
     costs: tuple[int, ...]

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ibex_context.pipeline.tokens import (
+from ibex_context.pipeline.counting.tokens import (
     QUICKTOK_ENCODINGS,
     CachedCounter,
     EstimateCounter,
@@ -93,7 +93,7 @@ class Catalog:
     def load(cls, path: str | Path | None = None, *, cache_entries: int = 65536,
              slow_vocabularies: bool = True) -> Catalog:
         if path is None:
-            text = resources.files("ibex_context.pipeline").joinpath("catalog.json").read_text("utf-8")
+            text = resources.files("ibex_context.pipeline.budget").joinpath("catalog.json").read_text("utf-8")
         else:
             text = Path(path).read_text("utf-8")
         return cls(json.loads(text), cache_entries=cache_entries, slow_vocabularies=slow_vocabularies)
@@ -140,7 +140,7 @@ class Catalog:
         near = difflib.get_close_matches(normal, list(self._folded), n=3, cutoff=0.6)
         hint = f"nearest: {', '.join(near)}; " if near else ""
         return (f"model {name!r} is not in the capability catalog ({len(self.models)} models known); {hint}"
-                "to add it, copy pipeline/catalog.json, add the model (or an 'aliases' entry) and point "
+                "to add it, copy pipeline/budget/catalog.json, add the model (or an 'aliases' entry) and point "
                 "IBEX_CATALOG_PATH at the copy")
 
     def warm_up(self) -> None:

@@ -1,7 +1,7 @@
 """The exact 0/1 knapsack table of the packer's step 3 (docs/assembly.md "Scoring and packing").
 
 One int value row updated in place per memory and a flat bool decision table holding only the
-columns each row can still reach; ``pipeline.pack`` decides when to call it and on which rows.
+columns each row can still reach; ``pipeline.selection.pack`` decides when to call it and on which rows.
 Pure: numpy over integers, no I/O.
 """
 

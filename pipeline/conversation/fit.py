@@ -2,7 +2,7 @@
 
 Every fixed part is counted by the target's renderer (tools, reply priming, the directive as the
 target sends it, the memories block's frame). The history gets what the window leaves
-(``pipeline.history``: oldest whole units first, system messages and the latest user turn
+(``pipeline.conversation.history``: oldest whole units first, system messages and the latest user turn
 never); if even those do not fit, ``ContextOverflow`` naming how many tokens over. The packer
 then spends what the kept history leaves (docs/assembly.md "Budget and token counting").
 """
@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ibex_context.pipeline import context_edit
-from ibex_context.pipeline.budget import compute_budget, room
-from ibex_context.pipeline.calibration import Calibration
-from ibex_context.pipeline.catalog import ModelSpec
-from ibex_context.pipeline.context_edit import Clearing, ClearPolicy
-from ibex_context.pipeline.count import CountedSection, directive_counted, memory_overhead
-from ibex_context.pipeline.history import (
+from ibex_context.pipeline.budget.catalog import ModelSpec
+from ibex_context.pipeline.budget.usable import compute_budget, room
+from ibex_context.pipeline.conversation import context_edit
+from ibex_context.pipeline.conversation.context_edit import Clearing, ClearPolicy
+from ibex_context.pipeline.conversation.history import (
     REASON_TEXT,
     HistoryFit,
     HistoryOverflow,
@@ -25,10 +23,12 @@ from ibex_context.pipeline.history import (
     fit_history,
     history_budget,
 )
-from ibex_context.pipeline.render import Message
-from ibex_context.pipeline.summary import Slot, fit_rest, non_system
-from ibex_context.pipeline.tokens import TokenCount, TokenCounter
-from ibex_context.pipeline.turns import Counted
+from ibex_context.pipeline.conversation.summary import Slot, fit_rest, non_system
+from ibex_context.pipeline.conversation.turns import Counted
+from ibex_context.pipeline.counting.calibration import Calibration
+from ibex_context.pipeline.counting.count import CountedSection, directive_counted, memory_overhead
+from ibex_context.pipeline.counting.tokens import TokenCount, TokenCounter
+from ibex_context.pipeline.rendering.render import Message
 from ibex_context.shared.wire.errors import ContextOverflow
 from ibex_context.shared.wire.models import BudgetBreakdown, HistoryDecision, HistoryOptions
 
@@ -103,7 +103,7 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
 def _fit(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy,
          clear: ClearPolicy) -> tuple[HistoryFit, Clearing]:
     """The history fitted into what is ``available``, less the summary's ``cost`` when it is placed:
-    old tool uses cleared first (``pipeline.context_edit``), then whole units dropped."""
+    old tool uses cleared first (``pipeline.conversation.context_edit``), then whole units dropped."""
     turns, r = counted.turns, counted.renderer
     skip = frozenset(non_system(turns)[:summary.covers]) if summary is not None else frozenset()
     clearing = (context_edit.plan(turns.format, turns.messages, r.costs, policy=clear,

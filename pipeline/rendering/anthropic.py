@@ -1,28 +1,28 @@
 """The Anthropic Messages target: ``system`` blocks (the caller's, then the directive), the
 compaction summary at the start of the first kept user turn and the memories block at the start
-of the latest one (``pipeline.chat_render.anthropic_layout``),
-with ``cache_control`` breakpoints on request, counted by ``pipeline.chat_count``."""
+of the latest one (``pipeline.rendering.chat_render.anthropic_layout``),
+with ``cache_control`` breakpoints on request, counted by ``pipeline.counting.chat_count``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline import context_edit
-from ibex_context.pipeline.catalog import ModelSpec
-from ibex_context.pipeline.chat_render import add_breakpoints, anthropic_layout
+from ibex_context.pipeline.budget.catalog import ModelSpec
+from ibex_context.pipeline.conversation import context_edit
+from ibex_context.pipeline.conversation.history import HistoryFit
 from ibex_context.pipeline.conversation.layout import materialize
-from ibex_context.pipeline.count import CountedSection, summary_counted
-from ibex_context.pipeline.history import HistoryFit
-from ibex_context.pipeline.render import Block, ChatOut, Emitted, Message, text_sections
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.count import CountedSection, summary_counted
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.rendering.chat_render import add_breakpoints, anthropic_layout
+from ibex_context.pipeline.rendering.render import Block, ChatOut, Emitted, Message, text_sections
 from ibex_context.pipeline.types import Turns
 
 
 @dataclass(frozen=True, slots=True)
 class AnthropicRenderer:
-    """``pipeline.render.Renderer`` for the Messages API."""
+    """``pipeline.rendering.render.Renderer`` for the Messages API."""
 
     turns: Turns
     model: str

@@ -84,7 +84,7 @@ def multiplier_floor(*, exact: bool, estimate_factor: float) -> float:
 
     Estimate families: ``1 / estimate_factor`` (1.0 when the factor is below 1). Their uncalibrated
     count of a piece of text is ``ceil(raw * factor)``, ``raw`` being the conservative estimate,
-    which is built never to undercount any exact encoder the service ships (``pipeline.tokens``). So a
+    which is built never to undercount any exact encoder the service ships (``pipeline.counting.tokens``). So a
     calibrated piece, ``ceil(ceil(raw * factor) * multiplier)``, is never below ``raw``; the framing
     constants are not scaled at all. Every prompt count, and so the history fit and the final
     check against window - reserve, stays an upper bound of the prompt counted by any shipped exact

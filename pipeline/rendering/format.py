@@ -35,7 +35,7 @@ sentence telling the model the block is data. Inner ``<memory>`` tags need no no
 bodies cannot contain markup, and leaving the nonce out keeps each memory's token cost
 independent of the nonce (so it can be cached per worker).
 
-This module only renders text; every token count of what it renders is ``pipeline.count``'s.
+This module only renders text; every token count of what it renders is ``pipeline.counting.count``'s.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ _PROCESS_KEY = secrets.token_bytes(32)
 
 def nonce_key(nonce_secret: str | None, memory_secret: str) -> bytes:
     """The HMAC key of ``derive_nonce`` (docs/assembly.md "Chat-native assembly"), from the settings the
-    caller read (``pipeline.policy.Policy.from_settings``): this module reads no environment.
+    caller read (``pipeline.budget.policy.Policy.from_settings``): this module reads no environment.
 
     ``IBEX_NONCE_SECRET`` when set; otherwise a key derived from ``IBEX_MEMORY_SECRET`` when that
     is not the development default; otherwise ``process_nonce_key()``. That last key is stable
@@ -204,7 +204,7 @@ def history_line(role: str, content: str) -> str:
 
 
 def history_lines(messages: Sequence[Message]) -> list[str]:
-    """One line per message, role first; counted line by line by ``pipeline.count``."""
+    """One line per message, role first; counted line by line by ``pipeline.counting.count``."""
     return [history_line(m.role, m.content) for m in messages]
 
 
