@@ -26,7 +26,7 @@ import redis
 
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.client.client import AsyncClient
-from ibex_context.client.integrations.litellm_summary import conversation_key
+from ibex_context.client.integrations.litellm.summary import conversation_key
 from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.budget.usable import response_reserve

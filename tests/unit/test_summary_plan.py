@@ -19,7 +19,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from bench.litellm import TOOLS, long_conversation
-from ibex_context.client.integrations.litellm_summary import _cost_shares, _first_within, choose_covers
+from ibex_context.client.integrations.litellm.summary import _cost_shares, _first_within, choose_covers
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.conversation.summary import check_covers, cover_boundaries, non_system

@@ -12,10 +12,10 @@ bad config stops the proxy at start with one line.
   embeddings, text completions, files, pass-through routes...): first the caller's org and agent
   from the LiteLLM key's or team's metadata (or the request metadata, as configured; never message
   text); a caller with no org mapping is refused (by default) whatever the route;
-* chat completions, ``/v1/messages`` and ``/v1/responses`` (``litellm_routes``): the model mapped
+* chat completions, ``/v1/messages`` and ``/v1/responses`` (``litellm.routes``): the model mapped
   onto the catalog, then ``assemble_or_degrade`` and the request's conversation replaced with the
   assembled one, in the route's own shape. A service fault degrades, and the caller's
-  ``on_degraded`` says what goes out (``litellm_degraded``: by default the agent's directive all
+  ``on_degraded`` says what goes out (``litellm.degraded``: by default the agent's directive all
   the same, from the hook's copy); a caller fault or an unknown model is refused with one line.
   An agent outside the mapping's allow-lists is refused (403). Other call types of a mapped
   caller, and requests those forms cannot carry, go on unassembled (``passed_through``, with the
@@ -25,7 +25,7 @@ bad config stops the proxy at start with one line.
 * success: the provider's ``usage.prompt_tokens`` reported back for calibration, streamed or not (a
   chat completion's stream only when it asked for ``stream_options.include_usage``; Anthropic's
   messages and OpenAI's responses always stream their usage); with ``summaries`` configured, a
-  compaction summary due after the call is made in the background (``litellm_summary``).
+  compaction summary due after the call is made in the background (``litellm.summary``).
 
 LiteLLM is imported here only: ``ibex_context.client`` never loads it.
 """
@@ -39,7 +39,7 @@ from typing import Any
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 
-from ibex_context.client.integrations.litellm_config import (
+from ibex_context.client.integrations.litellm.config import (
     CONFIG_ENV,
     HookConfig,
     HookConfigError,
@@ -47,7 +47,7 @@ from ibex_context.client.integrations.litellm_config import (
     Unmapped,
     load_config,
 )
-from ibex_context.client.integrations.litellm_core import (
+from ibex_context.client.integrations.litellm.core import (
     RECORD_KEY,
     SUMMARY_TICKET,
     HookCore,
@@ -56,14 +56,14 @@ from ibex_context.client.integrations.litellm_core import (
     record,
     usage_key,
 )
-from ibex_context.client.integrations.litellm_responses import Unconvertible
-from ibex_context.client.integrations.litellm_routes import (
+from ibex_context.client.integrations.litellm.responses import Unconvertible
+from ibex_context.client.integrations.litellm.routes import (
     ANTHROPIC_CALLS,
     RESPONSES_CALLS,
     NotAssembled,
     request_form,
 )
-from ibex_context.client.integrations.litellm_summary import conversation_key
+from ibex_context.client.integrations.litellm.summary import conversation_key
 from ibex_context.shared.config.settings import ClientSettings
 
 log = logging.getLogger(__name__)

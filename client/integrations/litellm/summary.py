@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ibex_context.client.client import AsyncClient
-from ibex_context.client.integrations.litellm_config import Summaries
+from ibex_context.client.integrations.litellm.config import Summaries
 from ibex_context.pipeline.conversation.summary import cover_boundaries, non_system
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.models import SUMMARY_KEY_CHARS, AssembleResponse

@@ -4,7 +4,7 @@
 docs/litellm.md. A degraded assembly (broker down or overloaded, a timeout,
 a retrieval branch that failed) carries the conversation but maybe not the agent's directive, and
 a caller can make the service degrade (a long conversation against a short timeout). So the
-policy of the caller's mapping (``litellm_config``) decides:
+policy of the caller's mapping (``litellm.config``) decides:
 
 * ``fallback_directive`` (the default): the call goes out with the agent's directive all the same,
   the one the service fetched for this call, else the hook's copy of it, else the config's
@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ibex_context.client.integrations.litellm_config import DirectiveCopies as CopyLimits
+from ibex_context.client.integrations.litellm.config import DirectiveCopies as CopyLimits
 from ibex_context.shared.wire.models import AssembleResponse
 
 # x-ibex-context-directive: where the call's directive came from

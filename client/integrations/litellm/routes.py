@@ -7,7 +7,7 @@ route's own shape (docs/litellm.md):
 * ``/v1/chat/completions`` (``completion``, ``acompletion``): OpenAI messages and tools, as is;
 * ``/v1/messages`` (``anthropic_messages``): Anthropic ``system``, messages and tools, as is;
 * ``/v1/responses`` (``responses``, ``aresponses``): ``instructions`` and ``input`` items converted
-  to OpenAI chat messages and back (``litellm_responses``).
+  to OpenAI chat messages and back (``litellm.responses``).
 
 Any other call type, or a request these forms cannot carry, is not assembled: ``request_form``
 answers why, and the hook passes the call on as sent, saying so.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ibex_context.client.integrations import litellm_responses
+from ibex_context.client.integrations.litellm import responses as litellm_responses
 from ibex_context.client.wire import text_chars
 from ibex_context.shared.wire.models import AssembleResponse
 

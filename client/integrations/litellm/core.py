@@ -3,7 +3,7 @@ request's messages, the response headers that say what happened, and the usage r
 
 ``litellm.py`` adapts this to LiteLLM's ``CustomLogger``; keeping LiteLLM out of here lets the
 same logic run (and be tested) without the proxy. docs/litellm.md. What a
-degraded assembly becomes (``on_degraded``) is ``settle``'s, with ``litellm_degraded``.
+degraded assembly becomes (``on_degraded``) is ``settle``'s, with ``litellm.degraded``.
 
 LiteLLM's call id comes from the caller's ``x-litellm-call-id`` header, so two calls may share it:
 it is only the assembly's label (``request_id``), never a key. An assembly waiting for its usage is
@@ -25,8 +25,8 @@ from typing import Any
 
 from ibex_context.client.client import AsyncClient, degraded_response
 from ibex_context.client.degrade import fetched_directive
-from ibex_context.client.integrations import litellm_degraded as D
-from ibex_context.client.integrations.litellm_config import (
+from ibex_context.client.integrations.litellm import degraded as D
+from ibex_context.client.integrations.litellm.config import (
     Caller,
     Denied,
     HookConfig,
@@ -36,8 +36,8 @@ from ibex_context.client.integrations.litellm_config import (
     map_model,
     resolve_identity,
 )
-from ibex_context.client.integrations.litellm_routes import Form
-from ibex_context.client.integrations.litellm_summary import Summarizer
+from ibex_context.client.integrations.litellm.routes import Form
+from ibex_context.client.integrations.litellm.summary import Summarizer
 from ibex_context.client.requests import build
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
@@ -67,7 +67,7 @@ class Refused(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """What a call goes out with: the assembly, where its directive came from (``litellm_degraded``:
+    """What a call goes out with: the assembly, where its directive came from (``litellm.degraded``:
     service, none, copy, configured, absent, off) and the copy's age."""
 
     assembly: AssembleResponse
@@ -145,7 +145,7 @@ class HookCore:
             "history": context_editing_for(self.config, who, form.route)}
         if form.system is not None:
             fields["system"] = form.system
-        if summary_key is not None:  # the worker loads the conversation's stored summary (litellm_summary)
+        if summary_key is not None:  # the worker loads the conversation's stored summary (litellm.summary)
             fields["summary_key"] = summary_key
         if isinstance(call_id, str) and 0 < len(call_id) <= 128:
             fields["request_id"] = call_id  # one id in LiteLLM's logs and the service's: a label, not a key
@@ -170,7 +170,7 @@ class HookCore:
 
     async def settle(self, who: Caller, fields: dict[str, Any], assembly: AssembleResponse,
                      fallback: D.Fallback | None) -> Settled:
-        """What the call goes out with, by the caller's ``on_degraded`` (``litellm_degraded``);
+        """What the call goes out with, by the caller's ``on_degraded`` (``litellm.degraded``);
         ``Refused`` (503) when the policy or a missing directive says so."""
         fetched = fetched_directive(assembly)
         if fetched is not None:
@@ -208,7 +208,7 @@ class HookCore:
 
     def plan_summary(self, rec: dict[str, Any], who: Caller, key: str, form: Form,
                      assembly: AssembleResponse) -> None:
-        """Note in the call's record a summary due on its success (``litellm_summary``: made then,
+        """Note in the call's record a summary due on its success (``litellm.summary``: made then,
         in the background), and the covers the placed summary has."""
         if assembly.summary is not None and assembly.summary.placed:
             rec["summary_covers"] = assembly.summary.covers

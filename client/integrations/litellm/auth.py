@@ -3,7 +3,7 @@ can read each caller's ``ibex_org`` and ``ibex_agent`` without LiteLLM's databas
 from LiteLLM proxy")::
 
     general_settings:
-      custom_auth: ibex_context.client.integrations.litellm_auth.user_api_key_auth
+      custom_auth: ibex_context.client.integrations.litellm.auth.user_api_key_auth
 
 ``IBEX_LITELLM_KEYS`` names the keys file (``.json``, else YAML)::
 
@@ -18,7 +18,7 @@ hash in constant time (``hmac.compare_digest``, every entry, no early exit). The
 keys: a missing, empty or invalid file stops the proxy at start, naming the field. With a
 ``custom_auth``, LiteLLM's own key check (its master key included) is not consulted.
 
-    python -m ibex_context.client.integrations.litellm_auth add --file keys.yaml --name acme-support \\
+    python -m ibex_context.client.integrations.litellm.auth add --file keys.yaml --name acme-support \\
         --org acme --agent support-bot     # makes a key, adds its hash, prints the key once
 """
 
@@ -36,7 +36,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from ibex_context.client.integrations.litellm_config import HookConfigError
+from ibex_context.client.integrations.litellm.config import HookConfigError
 from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.stores.keys import is_ident
 
@@ -174,7 +174,7 @@ def add_key(path: Path, name: str, org: str, agent: str | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ibex_context.client.integrations.litellm_auth",
+    ap = argparse.ArgumentParser(prog="python -m ibex_context.client.integrations.litellm.auth",
                                  description="Keys for the LiteLLM proxy's custom_auth (hashes only on disk).")
     sub = ap.add_subparsers(dest="command", required=True)
     add = sub.add_parser("add", help="make a key, add its hash to the keys file, print the key once")

@@ -6,7 +6,7 @@ takes the org from the key, so a wrong mapping can at worst be FORBIDDEN, never 
 org's memories), where the org and agent ids are read (LiteLLM key metadata, team metadata or
 request metadata; never message text), which agents each mapping may use, what a caller with no
 mapping gets, what goes out when the service cannot answer (``on_degraded``,
-``litellm_degraded``), and how LiteLLM model names map onto the catalog.
+``litellm.degraded``), and how LiteLLM model names map onto the catalog.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ibex_context.shared.wire.models import AssemblyOptions, HistoryOptions
 
 CONFIG_ENV = "IBEX_LITELLM_CONFIG"
 Source = Literal["key", "team", "request"]
-# What goes out when the service cannot answer (litellm_degraded): the degraded assembly as is, a
+# What goes out when the service cannot answer (litellm.degraded): the degraded assembly as is, a
 # refusal (503), or the agent's directive all the same (the service's, the hook's copy, the config's).
 OnDegraded = Literal["pass", "refuse", "fallback_directive"]
 # The routes the hook assembles: /v1/chat/completions, /v1/messages, /v1/responses.
@@ -96,7 +96,7 @@ DEFAULT_PROMPT = (
 
 
 class Summaries(BaseModel):
-    """Compaction summaries made off the call path (``litellm_summary``); off when absent."""
+    """Compaction summaries made off the call path (``litellm.summary``); off when absent."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
