@@ -10,7 +10,7 @@ tokens to 2.5x the window go through the real pipeline, with the demo memories a
 
 Each conversation is assembled twice: by the service with today's rules (``before``) and by the
 service with the calibration learned so far (``after``); only ``after``'s prompts are reported,
-in batches through the real Redis sketch (``shared.stores.calibration``: the worker's flush and
+in batches through the real Redis sketch (``worker.calibration_store``: the worker's flush and
 refresh), so ``after`` runs uncalibrated until the key has ``--min-samples``. Reported per rule:
 the median and p10/p90/p99 of the over-charge (charged / true - 1) and the number of prompts whose
 true count exceeded window - response reserve.
@@ -36,8 +36,8 @@ from ibex_context.pipeline.counting import chat_count as cc
 from ibex_context.pipeline.counting.calibration import Calibration, bucket_of, decay_per_sample
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
+from ibex_context.worker import calibration_store as store
 
 ROOT = Path(__file__).resolve().parent.parent
 TRUTH = "o200k"  # the hidden provider tokenizer

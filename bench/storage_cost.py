@@ -15,7 +15,7 @@ the hash embedder's 256-dimension vectors) and reports per memory:
   ``charged / measured``, which must stay at or above 1.
 
 Then summaries (``worker.summaries``' stored value) and calibration sketches and assembly records
-(``shared.stores.calibration``): measured by ``used_memory`` growth over many keys, against their
+(``worker.calibration_store``): measured by ``used_memory`` growth over many keys, against their
 charge. Kinds of text: ``tiny`` (one character), ``normal`` (a sentence of common words),
 ``distinct`` (words never seen before, with suffixes English stemming strips: two terms each),
 ``large`` (64,000 characters of common words) and ``large-distinct`` (64,000 characters of new
@@ -40,8 +40,9 @@ from ibex_context.memory.search.index import ensure_index, index_name
 from ibex_context.memory.service.models import MAX_CONTENT_CHARS, MemoryRecord
 from ibex_context.memory.store import writes as store
 from ibex_context.pipeline.counting.calibration import N_BUCKETS
-from ibex_context.shared.stores import calibration, storage
+from ibex_context.shared.stores import storage
 from ibex_context.shared.stores.keys import assembly_key, calibration_key, summary_key
+from ibex_context.worker import calibration_store as calibration
 
 DIM = 256
 COMMON = ("the invoice for the account is sent on the first day of each month and the customer pays by card "

@@ -26,10 +26,10 @@ from ibex_context.pipeline.budget.usable import multiplier
 from ibex_context.pipeline.counting.calibration import Calibration
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
 from ibex_context.shared.stores.keys import check_ident
 from ibex_context.shared.wire.errors import UnknownModel
+from ibex_context.worker import calibration_store as store
 
 PROG = "ibex-context calibration"
 REDIS_TIMEOUT_S = 5.0

@@ -32,7 +32,7 @@ caller's word:
 * **A floor** (``multiplier_floor``) that keeps every emitted prompt within window - reserve by
   the exact encoders whatever the sketch holds: see ``Calibration.multiplier``.
 
-Pure functions only: the Redis layout is ``shared.stores.calibration``, the worker's copy
+Pure functions only: the Redis layout is ``worker.calibration_store``, the worker's copy
 ``worker.calibration``.
 """
 

@@ -17,7 +17,7 @@ variables::
 
 Fields inherited by the memory service's ``IBEX_MEMORY_`` prefixed config name their variable
 (``validation_alias``). Every field has a ``description``: docs/settings.md is generated from them
-(``python -m ibex_context.shared.config.settings_doc``). Times are milliseconds on the environment surface
+(``python -m ibex_context.ops.settings_doc``). Times are milliseconds on the environment surface
 and are converted to nanoseconds once by the code that uses them.
 """
 

@@ -9,9 +9,9 @@ smuggle a separator and name a key in another tenant's namespace. A bad identifi
     {ORG}:directive:AGENT                   STRING  JSON DirectiveEnvelope (shared/stores/directives.py)
     {ORG}:summary:AGENT:KEY                 STRING  JSON {text, covers}: a conversation's compaction
                                                     summary (shared/stores/summaries.py)
-    {ORG}:calibration:MODEL                 HASH    usage-report ratio sketch (shared/stores/calibration.py)
+    {ORG}:calibration:MODEL                 HASH    usage-report ratio sketch (worker/calibration_store.py)
     {ORG}:assembly:ASSEMBLY_ID              STRING  one assembly's own count for its usage report, short TTL
-                                                    (shared/stores/calibration.py)
+                                                    (worker/calibration_store.py)
     {ORG}:storage                           HASH    the org's storage ledger: Redis bytes charged to it
                                                     (shared/stores/storage.py)
     {ORG}:mem_agents                        SET     the org's agents with memories (memory.service.quotas)

@@ -28,9 +28,9 @@ from ibex_context.pipeline.counting.calibration import (
     decay_per_sample,
     upper_edge,
 )
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.stores.connect import async_client, sync_client
 from ibex_context.shared.wire import protocol as P
+from ibex_context.worker import calibration_store as store
 from tests.helpers import start_stack
 from tests.unit.test_calibration import MODEL, TURN
 

@@ -39,8 +39,8 @@ from ibex_context.pipeline.counting.calibration import (
     multiplier_floor,
     upper_edge,
 )
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.stores.keys import calibration_key
+from ibex_context.worker import calibration_store as store
 from tests.helpers import eventually, start_stack
 
 pytestmark = pytest.mark.timeout(240)
