@@ -84,7 +84,8 @@ async def test_a_bad_conversation_is_refused_before_any_retrieval(stack: LocalSt
         r.close()
 
 
-STAGE_MODULES = tuple(f"ibex_context.pipeline.{m}" for m in ("assemble", "turns", "fit", "emit"))
+STAGE_MODULES = tuple(f"ibex_context.pipeline.{m}" for m in ("assemble", "conversation.turns", "conversation.fit",
+                                                            "rendering.emit"))
 
 
 def _stage_calls(req: AssembleRequest) -> list[str]:
