@@ -27,12 +27,12 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ibex_context.memory import store
-from ibex_context.memory.embed import HashingEmbedder
-from ibex_context.memory.index import ensure_index
-from ibex_context.memory.models import MemoryRecord
-from ibex_context.memory.redis_cluster import EmbeddedCluster
-from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+from ibex_context.memory.embedders.embed import HashingEmbedder
+from ibex_context.memory.search.index import ensure_index
+from ibex_context.memory.service.models import MemoryRecord
+from ibex_context.memory.store import writes as store
 from ibex_context.shared.stores.connect import async_client, sync_client
 
 DIM = 256
@@ -152,8 +152,8 @@ async def sizing(copies: int, per_agent: int) -> dict[str, dict[str, float]]:
     import numpy as np
 
     from bench.conversations import PrecomputedEmbedder
-    from ibex_context.memory.embed import load_embedder
-    from ibex_context.memory.seed import seed_records
+    from ibex_context.memory.embedders.embed import load_embedder
+    from ibex_context.memory.store.seed import seed_records
     from ibex_context.shared.stores.keys import vector_field
 
     records, turns = _conversation_records(copies, per_agent)
@@ -208,7 +208,7 @@ def move_under_searches(memories: int, batch: int) -> dict[str, Any]:
     import threading
     import time
 
-    from ibex_context.memory.index import index_name, total_results
+    from ibex_context.memory.search.index import index_name, total_results
     from ibex_context.ops.reshard import connect, join, move_slots
     from ibex_context.shared.stores.connect import key_slot
     from ibex_context.shared.stores.keys import agent_tag

@@ -10,7 +10,7 @@ knows nothing of indexes, so every slot moves in five steps:
 
 1. ``CLUSTER SETSLOT S IMPORTING <source>`` on the target;
 2. every memory index of the slot (the source's ``FT._LIST`` read when the move starts) created on
-   the target: ``ASKING`` + ``FT.CREATE`` with the product's schema (``memory.index.create_args``);
+   the target: ``ASKING`` + ``FT.CREATE`` with the product's schema (``memory.search.index.create_args``);
 3. ``CLUSTER SETSLOT S MIGRATING <target>`` on the source;
 4. batches of ``CLUSTER GETKEYSINSLOT`` + ``MIGRATE ... KEYS``; before a batch moves, an agent in it
    that has no index on the target yet (its first memory came after the listing) gets one;
@@ -38,7 +38,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
-from ibex_context.memory.index import create_args
+from ibex_context.memory.search.index import create_args
 from ibex_context.shared.stores.connect import key_slot
 
 SLOTS = 16384

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import redis
 
-from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.index import index_name, total_results
-from ibex_context.memory.redis_cluster import ClusterNode, EmbeddedCluster
+from ibex_context.memory.embedded_redis.cluster import ClusterNode, EmbeddedCluster
+from ibex_context.memory.embedders.embed import load_embedder
+from ibex_context.memory.search.index import index_name, total_results
 from ibex_context.ops.reshard import SlotMover, connect, join, move_slots
 from ibex_context.shared.stores.connect import async_client, key_slot, sync_client
 from ibex_context.shared.stores.keys import agent_tag

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.index import index_name, total_results
-from ibex_context.memory.redis_cluster import EmbeddedCluster
+from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
+from ibex_context.memory.embedders.embed import load_embedder
+from ibex_context.memory.search.index import index_name, total_results
 from ibex_context.ops.reshard import connect, move_slots
 from ibex_context.shared.stores.connect import key_slot, sync_client
 from ibex_context.shared.stores.keys import agent_tag, directive_key, summary_key
