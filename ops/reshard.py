@@ -40,6 +40,7 @@ import redis
 
 from ibex_context.memory.search.index import create_args
 from ibex_context.shared.stores.connect import key_slot
+from ibex_context.shared.stores.keys import memory_index
 
 SLOTS = 16384
 MEET_TIMEOUT_S = 30.0  # a bound on gossip spreading a new node, not a speed claim
@@ -406,8 +407,11 @@ class SlotMover:
             for owner, name in self._embedders.get(embedder, []):
                 try:
                     dim = vector_dim(_cmd(self.cluster.client(owner), "FT.INFO", name))
-                except redis.ResponseError:  # its slot is open: the owner answers ASK
-                    continue
+                except redis.ResponseError:  # its slot is open: the owner answers ASK; the target may have it
+                    try:
+                        dim = vector_dim(self._ask("FT.INFO", name))
+                    except redis.ResponseError:
+                        continue
                 if dim is not None:
                     self._dims[embedder] = dim
                     break
@@ -447,7 +451,10 @@ class SlotMover:
         an agent newer than the listing, one per embedder in use."""
         created = 0
         for agent in {a for k in keys if (a := agent_of_key(k)) is not None}:
-            names = self._agents.get(agent) or [f"ibex:mem:{e}:{{{agent[0]}:{agent[1]}}}" for e in self._embedders]
+            try:
+                names = self._agents.get(agent) or [memory_index(e, *agent, per_agent=True)[0] for e in self._embedders]
+            except ValueError:  # not identifiers the product writes: no index of ours
+                continue
             created += sum(self.ensure(n) for n in names)
         return created
 
