@@ -13,7 +13,8 @@ knows nothing of indexes, so every slot moves in five steps:
    the target: ``ASKING`` + ``FT.CREATE`` with the product's schema (``memory.search.index.create_args``);
 3. ``CLUSTER SETSLOT S MIGRATING <target>`` on the source;
 4. batches of ``CLUSTER GETKEYSINSLOT`` + ``MIGRATE ... KEYS``; before a batch moves, an agent in it
-   that has no index on the target yet (its first memory came after the listing) gets one;
+   that has no index on the target yet (its first memory came after the listing, or it had none)
+   gets one per embedder in use;
 5. ``CLUSTER SETSLOT S NODE <target>`` on the target, the source, then every other primary.
 
 Resuming: each step is read back from the cluster, so the same command run again after an
