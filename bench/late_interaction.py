@@ -39,7 +39,7 @@ from ibex_context.shared.security.tenancy import mint_org_token
 Array = np.ndarray[Any, Any]
 HALVES = {"A": frozenset({1, 3, 5}), "B": frozenset({2, 4})}
 ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
-VARIANTS = (("fp32", HIDDEN, False), ("int8", HIDDEN, True), ("int8-128", 128, True), ("int8-64", 64, True))
+VARIANTS = (("fp32", HIDDEN, False), ("int8-64 pca-eval", 64, True))
 Candidates = dict[str, list[tuple[str, float]]]  # qid -> (memory_id, composite), the stack's order
 
 
@@ -162,7 +162,9 @@ def _maxsim_ms(cands: Candidates, memories: dict[str, Array], queries: dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.late_interaction", description=__doc__.split("\n")[0])
-    ap.parse_args(argv)
+    ap.add_argument("--projection", nargs=2, action="append", default=[], metavar=("LABEL", "NPZ"),
+                    help="also score int8 states projected by this file (memory/data/fit_token_projection.py)")
+    args = ap.parse_args(argv)
     turns, questions = load_set()
     answerable = [q for q in questions if q.category != "no-answer"]
     cands = asyncio.run(stack_candidates(turns, answerable))
@@ -186,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(report(cands, mems, qs, name, answerable)))
         per_token = dims * (1 if quantise else 4) + (2 if quantise else 0)  # int8 rows carry an fp16 scale
         costs.append(f"| {name} | {tokens * per_token:.0f} | {_maxsim_ms(cands, mems, qs, answerable[0].qid):.3f} |")
+    for label, path in args.projection:
+        with np.load(path) as z:
+            shipped = (np.asarray(z["centre"]), np.asarray(z["basis"]).T)
+        dims = shipped[1].shape[0]
+        mems, qs = compress(states, dims, True, shipped), compress(queries, dims, False, shipped)
+        print("\n".join(report(cands, mems, qs, f"int8-{dims} {label}", answerable)))
     print("\n| states | bytes per memory (mean) | CPU ms per MaxSim over 50 candidates |\n| --- | --- | --- |")
     print("\n".join(costs))
     return 0

@@ -32,13 +32,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, ValidationError, field_validator
 from redis.asyncio import Redis
 
 from ibex_context.memory.config import MemoryConfig
-from ibex_context.memory.embed import EMBEDDERS, Embedder, Vectors, load_embedder
+from ibex_context.memory.embed import EMBEDDERS, Embedded, Embedder, Vectors, load_embedder
 from ibex_context.memory.index import QueryEngineMissing, ensure_index
 from ibex_context.memory.models import MemoryRecord, StrictModel, WriteMemory
 from ibex_context.memory.redis_server import default_redis_url
@@ -172,10 +172,13 @@ async def seed_records(
     orgs = tuple(sorted({m.org_id for m in memories} | {d.org_id for d in directives}))
     emb = embedder or load_embedder(MemoryConfig().embedder)  # IBEX_MEMORY_EMBEDDER, as the service
 
-    async def embed(texts: Any) -> Vectors:
+    with_states = getattr(emb, "embed_with_states", None)
+    embed_many = with_states if callable(with_states) else emb.embed  # token states from the same pass
+
+    async def embed(texts: Any) -> Vectors | Embedded:
         if emb.blocking:
-            return await asyncio.to_thread(emb.embed, texts)
-        return emb.embed(texts)
+            return cast("Vectors | Embedded", await asyncio.to_thread(embed_many, texts))
+        return cast("Vectors | Embedded", embed_many(texts))
 
     if flush:
         await flush_orgs(redis, orgs)
