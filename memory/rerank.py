@@ -28,7 +28,7 @@ from numpy.typing import NDArray
 from ibex_context.memory.fusion import Fused
 from ibex_context.memory.token_states import DIMS, Array, decode
 
-RERANK_WEIGHT = 0.3  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
+RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
 RERANK_DEPTH = 50  # candidates reranked
 
 
