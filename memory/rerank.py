@@ -20,25 +20,25 @@ candidate under the relevance floor it was above. Each reranked candidate's MaxS
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from typing import cast
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ibex_context.memory.fusion import Fused
-from ibex_context.memory.token_states import DIMS, Array, decode
+from ibex_context.memory.token_states import DIMS, Array, decode, decode_many, rows_of
 
 RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
 RERANK_DEPTH = 50  # candidates reranked
 
 
-def maxsim(query: Array, docs: Sequence[Array]) -> list[float]:
-    """Each doc's MaxSim with ``query`` (unit rows ``[tokens, DIMS]`` each; docs non-empty): one
-    product over all of the docs' rows, then the best per doc with ``maximum.reduceat``."""
-    if not docs or query.shape[0] == 0:
-        return [0.0] * len(docs)
-    rows = np.concatenate(docs)
-    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
+def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
+    """Each doc's MaxSim with ``query`` (unit rows ``[tokens, DIMS]``): ``rows`` holds every doc's
+    rows in order, ``counts[i]`` (at least 1) of them the i-th doc's. One product over all of them,
+    then each doc's best per query token with ``maximum.reduceat``."""
+    if not counts or query.shape[0] == 0:
+        return [0.0] * len(counts)
+    starts = np.cumsum([0, *counts[:-1]])
     best = np.maximum.reduceat(query @ rows.T, starts, axis=1)
     return [float(x) for x in best.mean(axis=0)]
 
@@ -46,6 +46,24 @@ def maxsim(query: Array, docs: Sequence[Array]) -> list[float]:
 def _z(values: NDArray[np.float64]) -> NDArray[np.float64] | None:
     sd = float(values.std())
     return None if sd < 1e-9 else (values - values.mean()) / sd
+
+
+def _stored_rows(top: Sequence[str], states: Mapping[str, object]) -> tuple[list[str], Array, list[int]] | None:
+    """The memories of ``top`` with usable token states, all their rows in one matrix, and each
+    one's row count; ``None`` when fewer than two have any. Decoded in one conversion; one at a
+    time only when that meets a damaged scale."""
+    counts = {m: rows_of(states.get(m)) for m in top}
+    rated = [m for m in top if counts[m] > 0]
+    if len(rated) < 2:
+        return None
+    rows = decode_many([cast(bytes, states[m]) for m in rated], [counts[m] for m in rated])
+    if rows is None:
+        each = {m: decode(states[m]) for m in rated}
+        rated = [m for m in rated if each[m] is not None]
+        if len(rated) < 2:
+            return None
+        rows = np.concatenate([cast(Array, each[m]) for m in rated])
+    return rated, rows, [counts[m] for m in rated]
 
 
 def rerank(fused: Mapping[str, Fused], query_states: Array | None, states: Mapping[str, object], *,
@@ -58,21 +76,22 @@ def rerank(fused: Mapping[str, Fused], query_states: Array | None, states: Mappi
     if weight <= 0.0 or query_states is None or query_states.shape[0] == 0 or query_states.shape[1] != DIMS:
         return out
     top = sorted(fused, key=lambda m: (-fused[m].relevance, m))[:depth]
-    decoded = {m: decode(states.get(m)) for m in top}
-    rated = [m for m in top if decoded[m] is not None]
-    if len(rated) < 2:
+    got = _stored_rows(top, states)
+    if got is None:
         return out
-    sims = maxsim(query_states, [d for m in rated if (d := decoded[m]) is not None])
+    rated, rows, counts = got
+    sims = maxsim(query_states, rows, counts)
     rel = np.array([fused[m].relevance for m in top], dtype=np.float64)
     z_rel, z_sim = _z(rel), _z(np.asarray(sims, dtype=np.float64))
-    at = {m: i for i, m in enumerate(top)}
-    for j, (m, sim) in enumerate(zip(rated, sims, strict=True)):
+    if z_rel is None or z_sim is None:  # nothing to standardise: the order stays, the scores are shown
+        mixed = [fused[m].relevance for m in rated]
+    else:
+        at = {m: i for i, m in enumerate(top)}
+        z_mix = (1.0 - weight) * z_rel[[at[m] for m in rated]] + weight * z_sim
+        mixed = np.clip(rel.mean() + rel.std() * z_mix, 0.0, 1.0).tolist()
+    for m, sim, r in zip(rated, sims, mixed, strict=True):
         f = fused[m]
-        r = f.relevance
-        if z_rel is not None and z_sim is not None:
-            mixed = (1.0 - weight) * z_rel[at[m]] + weight * z_sim[j]
-            r = min(max(float(rel.mean() + rel.std() * mixed), 0.0), 1.0)
-            if f.relevance >= floor:
-                r = max(r, floor)
-        out[m] = replace(f, relevance=r, rerank=min(max(sim, 0.0), 1.0))
+        if f.relevance >= floor:
+            r = max(r, floor)
+        out[m] = Fused(r, f.text, f.vector, f.boost, min(max(sim, 0.0), 1.0))
     return out

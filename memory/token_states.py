@@ -19,6 +19,7 @@ rows give ``None``, and the rerank leaves that memory at its relevance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,30 @@ def decode(raw: object) -> Array | None:
     n = body // ROW_BYTES
     q = np.frombuffer(raw, dtype=np.int8, count=n * DIMS, offset=len(HEADER)).reshape(n, DIMS)
     scale = np.frombuffer(raw, dtype=np.float16, count=n, offset=len(HEADER) + n * DIMS).astype(np.float32)
-    if not np.all(np.isfinite(scale)):
+    if not np.isfinite(scale.sum()):
         return None
-    return q.astype(np.float32) * scale[:, None]
+    return q * scale[:, None]  # int8 times float32: float32 rows
+
+
+def rows_of(raw: object) -> int:
+    """How many token states a stored value holds; 0 when absent or malformed (``decode``'s checks
+    without decoding)."""
+    if not isinstance(raw, bytes):
+        return 0
+    body = len(raw) - len(HEADER)
+    if body <= 0 or body % ROW_BYTES or raw[: len(HEADER)] != HEADER:
+        return 0
+    return body // ROW_BYTES
+
+
+def decode_many(raws: Sequence[bytes], counts: Sequence[int]) -> Array | None:
+    """Several well-formed values (``rows_of`` gave their ``counts``) as one float32 matrix of all
+    their rows, in order: one conversion for a search's candidates instead of one per memory.
+    ``None`` if a scale is not finite."""
+    body = len(HEADER)
+    q = np.frombuffer(b"".join(r[body:body + n * DIMS] for r, n in zip(raws, counts, strict=True)), dtype=np.int8)
+    scale = np.frombuffer(b"".join(r[body + n * DIMS:] for r, n in zip(raws, counts, strict=True)),
+                          dtype=np.float16).astype(np.float32)
+    if not np.isfinite(scale.sum()):
+        return None
+    return q.reshape(-1, DIMS) * scale[:, None]

@@ -9,7 +9,16 @@ from hypothesis import strategies as st
 
 from ibex_context.memory.fusion import Fused
 from ibex_context.memory.rerank import maxsim, rerank
-from ibex_context.memory.token_states import DIMS, ROW_BYTES, decode, encode, project, stored_bytes
+from ibex_context.memory.token_states import (
+    DIMS,
+    ROW_BYTES,
+    decode,
+    decode_many,
+    encode,
+    project,
+    rows_of,
+    stored_bytes,
+)
 from ibex_context.pipeline.decisions import retrieval_scores
 from ibex_context.pipeline.hits import to_hit
 from ibex_context.pipeline.types import ScoredMemory
@@ -47,7 +56,14 @@ def test_maxsim_is_the_mean_of_each_query_tokens_best_cosine() -> None:
     q = project(_states(3, 5))
     docs = [project(_states(4 + i, n)) for i, n in enumerate((1, 7, 3))]
     want = [float((q @ d.T).max(axis=1).mean()) for d in docs]
-    assert np.allclose(maxsim(q, docs), want, atol=1e-6)
+    assert np.allclose(maxsim(q, np.concatenate(docs), [1, 7, 3]), want, atol=1e-6)
+
+
+def test_many_values_decode_as_each_does() -> None:
+    raws = [encode(_states(5 + i, n)) for i, n in enumerate((3, 1, 6))]
+    got = decode_many(raws, [rows_of(r) for r in raws])
+    assert got is not None and np.array_equal(got, np.concatenate([decode(r) for r in raws]))
+    assert [rows_of(r) for r in (*raws, raws[0][:-1], None)] == [3, 1, 6, 0, 0]
 
 
 def _fused(*relevance: float) -> dict[str, Fused]:
@@ -71,6 +87,9 @@ def test_the_mix_reorders_and_keeps_memories_without_states_and_the_floor() -> N
     assert out["m1"].relevance > out["m0"].relevance  # the memory whose tokens match the question's rises
     assert out["m2"] == fused["m2"]  # no states: its relevance and no rerank score
     assert out["m3"].relevance >= 0.15  # never taken under the floor it was above
+    damaged = dict(states, m0=bytes(encode(_states(20, 6))[:-2]) + b"\xff\x7f")  # its last scale is NaN
+    again = rerank(fused, q, damaged, weight=0.9, floor=0.15)
+    assert again["m0"] == fused["m0"] and again["m1"].rerank is not None
     assert all(out[m].rerank is not None for m in ("m0", "m1", "m3"))
 
 
