@@ -188,7 +188,7 @@ async def write(svc: MemoryService, request: Request) -> Response:
             quotas.check_floor(pressure, svc.config.write_floor_fraction)
             await quotas.check_agents(redis, svc.config.quotas, org, body.agent_id)
             charge = store.memory_charge(org, body.agent_id, record, hot=body.hot, embedder_name=svc.embedder.name,
-                                         dim=svc.embedder.dim, state_bytes=svc.state_bytes(record.content))
+                                         dim=svc.embedder.dim, state_bytes=await svc.state_bytes(record.content))
             # A rewrite is charged what it adds: the memory it replaces is credited in the same step.
             assumed = await store.stored_charge(redis, org, body.agent_id, record.memory_id)
             await storage.reserve(redis, org, charge, svc.config.org_storage_budget(pressure.limit), what="content",

@@ -205,10 +205,15 @@ class MemoryService:
         self.embeds_offloaded += 1
         return split_embedded(await run_in_threadpool(with_states, texts))
 
-    def state_bytes(self, text: str) -> int:
-        """The token-state bytes a memory of ``text`` stores (0 for an embedder without them)."""
+    async def state_bytes(self, text: str) -> int:
+        """The token-state bytes a memory of ``text`` stores (0 for an embedder without them); a
+        long text is tokenised in a worker thread, off the event loop."""
         count = getattr(self.embedder, "state_bytes", None)
-        return int(count(text)) if callable(count) else 0
+        if not callable(count):
+            return 0
+        if len(text) > self.config.offload_chars:
+            return int(await run_in_threadpool(count, text))
+        return int(count(text))
 
     def query_states(self, org: str, text: str) -> Vectors | None:
         """The question's projected token states, kept with its vector (``None`` when the embedder
