@@ -47,8 +47,15 @@ from bench.lib.percentiles import median, percentile
 from bench.lib.stack import started_stack
 from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
-from ibex_context.memory.embed import Embedded, Embedder, Vectors, content_words, load_embedder, split_embedded
-from ibex_context.memory.seed import seed_records
+from ibex_context.memory.embedders.embed import (
+    Embedded,
+    Embedder,
+    Vectors,
+    content_words,
+    load_embedder,
+    split_embedded,
+)
+from ibex_context.memory.store.seed import seed_records
 from ibex_context.shared.stores.connect import async_client
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -234,7 +241,7 @@ class SuiteResult:
     embed_s: float = 0.0
 
 
-def _embed_turns(emb: Embedder, texts: list[str]) -> tuple[Vectors, list[bytes | None] | None]:
+def embed_turns(emb: Embedder, texts: list[str]) -> tuple[Vectors, list[bytes | None] | None]:
     """The turns' vectors and, when the embedder gives them, their stored token states (one pass)."""
     batch = 64
     with_states = getattr(emb, "embed_with_states", None)
@@ -302,7 +309,7 @@ async def run_suite(turns: list[dict[str, Any]], questions: list[ConvQuestion], 
     emb = load_embedder(embedder)
     texts = [t["content"] for t in turns]
     t0 = time.perf_counter()
-    vectors, states = _embed_turns(emb, texts)
+    vectors, states = embed_turns(emb, texts)
     res.embed_s = time.perf_counter() - t0
     _plain(turns, vectors, emb, questions, res)
     env = {**QUALITY_DEADLINES, "IBEX_MEMORY_EMBEDDER": embedder, **(extra_env or {})}
@@ -427,7 +434,7 @@ def main(*, limit: int | None, out: Path | None, env: list[str], sessions: int |
           file=sys.stderr)
     extra = dict(kv.split("=", 1) for kv in env)
     if redis_cluster:
-        from ibex_context.memory.redis_cluster import EmbeddedCluster
+        from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
 
         with EmbeddedCluster(primaries=redis_cluster) as cluster:
             res = asyncio.run(run_suite(turns, questions, embedder=embedder, extra_env=extra, redis_url=cluster.url))

@@ -1,4 +1,4 @@
-"""``python -m bench.late_interaction``: what the late-interaction rerank (``memory.rerank``) earns
+"""``python -m bench.late_interaction``: what the late-interaction rerank (``memory.search.rerank``) earns
 on the conversation set, offline, and what its token states cost.
 
 The conversation set (``bench.conversations``) is seeded into a real stack (embedded Redis and the
@@ -37,9 +37,9 @@ from redis.asyncio import Redis
 
 from bench.conversations import QUALITY_DEADLINES, ConvQuestion, judge, load_set
 from bench.lib.stack import started_stack
-from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.minilm import HIDDEN, LAYERS, MiniLM, MiniLMEmbedder, _layer_norm
-from ibex_context.memory.seed import seed_records
+from ibex_context.memory.embedders.embed import load_embedder
+from ibex_context.memory.embedders.minilm import HIDDEN, LAYERS, MiniLM, MiniLMEmbedder, _layer_norm
+from ibex_context.memory.store.seed import seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
 
 Array = np.ndarray[Any, Any]
@@ -171,7 +171,7 @@ async def _redis_bytes(turns: list[dict[str, Any]], vectors: Array, states: list
     """Seed ``turns`` (with their token states, or without) into a fresh embedded Redis: the growth
     of ``used_memory`` and the storage charge, each per memory."""
     from bench.conversations import PrecomputedEmbedder
-    from ibex_context.memory.redis_server import EmbeddedRedis
+    from ibex_context.memory.embedded_redis.server import EmbeddedRedis
     from ibex_context.shared.stores import storage
 
     texts = [t["content"] for t in turns]
@@ -193,10 +193,10 @@ async def _redis_bytes(turns: list[dict[str, Any]], vectors: Array, states: list
 
 def redis_bytes() -> int:
     """``--redis-bytes``: the conversation turns written with and without their token states."""
-    from bench.conversations import _embed_turns
+    from bench.conversations import embed_turns
 
     turns, _ = load_set()
-    vectors, states = _embed_turns(load_embedder("minilm"), [t["content"] for t in turns])
+    vectors, states = embed_turns(load_embedder("minilm"), [t["content"] for t in turns])
     print("| memories stored | Redis bytes per memory (used_memory growth) | charged per memory |\n| --- | --- | --- |")
     for label, with_states in (("without token states", None), ("with token states", states)):
         used, charged = asyncio.run(_redis_bytes(turns, vectors, with_states))

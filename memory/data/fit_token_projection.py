@@ -3,7 +3,7 @@
     python memory/data/fit_token_projection.py pca      # PCA of MiniLM token states of docs/*.md
     python memory/data/fit_token_projection.py random   # a fixed random orthogonal basis (no fit)
 
-``memory.token_states`` projects each token state (384 dimensions, unit rows) to ``DIMS`` before it
+``memory.embedders.token_states`` projects each token state (384 dimensions, unit rows) to ``DIMS`` before it
 is stored as int8. ``pca``: the centre and the first ``DIMS`` principal axes of the last-layer
 token states of this repository's own documentation (``docs/*.md`` and ``README.md``, split into
 sentences: English prose that is in no evaluation set, so the projection never saw the text it
@@ -40,7 +40,7 @@ def fitted(kind: str, dims: int) -> tuple[np.ndarray, np.ndarray]:
     if kind == "random":
         q, _ = np.linalg.qr(np.random.default_rng(SEED).standard_normal((384, dims)))
         return np.zeros(384, dtype=np.float32), q.astype(np.float32)
-    from ibex_context.memory.minilm import MiniLM
+    from ibex_context.memory.embedders.minilm import MiniLM
 
     model = MiniLM.from_wheel()
     _, states = model.encode_states(corpus())
@@ -53,7 +53,7 @@ def fitted(kind: str, dims: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def main() -> None:
-    from ibex_context.memory.token_states import DIMS
+    from ibex_context.memory.embedders.token_states import DIMS
 
     kind = sys.argv[1] if len(sys.argv) > 1 else "pca"
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else OUT

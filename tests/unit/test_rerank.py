@@ -7,9 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.memory.fusion import Fused
-from ibex_context.memory.rerank import maxsim, rerank
-from ibex_context.memory.token_states import (
+from ibex_context.memory.embedders.token_states import (
     DIMS,
     ROW_BYTES,
     decode,
@@ -19,8 +17,10 @@ from ibex_context.memory.token_states import (
     rows_of,
     stored_bytes,
 )
+from ibex_context.memory.search.fusion import Fused
+from ibex_context.memory.search.rerank import maxsim, rerank
 from ibex_context.pipeline.decisions import retrieval_scores
-from ibex_context.pipeline.hits import to_hit
+from ibex_context.pipeline.selection.hits import to_hit
 from ibex_context.pipeline.types import ScoredMemory
 
 
