@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from redis.asyncio import Redis
 
@@ -235,3 +236,20 @@ def test_explain_shows_the_rerank_score(stack: LocalStack) -> None:
     table = assemble("--explain")
     assert table.returncode == 0, table.stderr
     assert "rerank score" in table.stdout
+
+
+def test_every_runtime_gives_the_references_token_states() -> None:
+    """The compiled graph's ``states`` output (OpenVINO or onnxruntime, whichever minilm runs on
+    here) is the numpy pass's, from the same pass as the vector, for memories and questions."""
+    texts = [t["content"] for t in TURNS]
+    fast, ref = load_embedder("minilm"), MiniLMEmbedder()
+    got, want = fast.embed_with_states(texts), ref.embed_with_states(texts)  # type: ignore[attr-defined]
+    assert np.allclose(got.vectors, fast.embed(texts), atol=1e-6)
+    for a, b in zip(got.states, want.states, strict=True):
+        da, db = decode(a), decode(b)
+        assert da is not None and db is not None and da.shape == db.shape
+        assert float(np.min(np.sum(da * db, axis=1) / np.linalg.norm(da, axis=1) / np.linalg.norm(db, axis=1))) > 0.99
+    for (vec, rows), (ref_vec, ref_rows) in zip(fast.embed_queries_states(QUESTIONS),  # type: ignore[attr-defined]
+                                                ref.embed_queries_states(QUESTIONS), strict=True):
+        assert float(vec @ ref_vec) > 0.999 and rows.shape == ref_rows.shape
+        assert float(np.min(np.sum(rows * ref_rows, axis=1))) > 0.99
