@@ -47,14 +47,8 @@ from bench.lib.percentiles import median, percentile
 from bench.lib.stack import started_stack
 from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
-from ibex_context.memory.embedders.embed import (
-    Embedded,
-    Embedder,
-    Vectors,
-    content_words,
-    load_embedder,
-    split_embedded,
-)
+from ibex_context.memory.embedders.embed import Embedder, Vectors, content_words, load_embedder
+from ibex_context.memory.embedders.token_states import Embedded, split_embedded
 from ibex_context.memory.store.seed import seed_records
 from ibex_context.shared.stores.connect import async_client
 

@@ -28,7 +28,6 @@ import math
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -128,23 +127,6 @@ class Embedder(Protocol):
     def embed_query(self, text: str) -> Vectors:
         """One search query's vector (1-D); an embedder may read less of a query than of a memory."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class Embedded:
-    """Memories' vectors and, from the same forward pass, their stored token states
-    (``memory.embedders.token_states``; ``None`` for a text without any, or an embedder that has none)."""
-
-    vectors: Vectors
-    states: Sequence[bytes | None]
-
-
-QueryEmbedding = tuple[Vectors, Vectors | None]  # a question's vector and its projected token states
-
-
-def split_embedded(out: Vectors | Embedded) -> Embedded:
-    """An embedding function's answer as ``Embedded`` (plain vectors carry no token states)."""
-    return out if isinstance(out, Embedded) else Embedded(out, [None] * len(out))
 
 
 class HashingEmbedder:

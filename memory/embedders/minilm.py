@@ -23,7 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 if TYPE_CHECKING:
-    from ibex_context.memory.embedders.embed import Embedded
+    from ibex_context.memory.embedders.token_states import Embedded
 
 Array = NDArray[np.float32]
 
@@ -263,9 +263,8 @@ class MiniLMEmbedder:
         return [(vec, project(rows)) for vec, rows in zip(vectors, states, strict=True)]
 
     def embed_with_states(self, texts: Sequence[str]) -> Embedded:
-        """Memories' vectors and their stored token states (``memory.embedders.embed.Embedded``), one pass."""
-        from ibex_context.memory.embedders.embed import Embedded
-        from ibex_context.memory.embedders.token_states import encode
+        """Memories' vectors and their stored token states (``memory.embedders.token_states.Embedded``), one pass."""
+        from ibex_context.memory.embedders.token_states import Embedded, encode
 
         vectors, states = self.model.encode_states(texts)
         return Embedded(vectors, [encode(rows) if len(rows) else None for rows in states])

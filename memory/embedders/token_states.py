@@ -20,6 +20,7 @@ rows give ``None``, and the rerank leaves that memory at its relevance.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,23 @@ DIMS = 64  # dimensions a token state is projected to
 HEADER = bytes((FORMAT, DIMS))
 ROW_BYTES = DIMS + 2  # int8 row and its float16 scale
 PROJECTION = Path(__file__).resolve().parents[1] / "data" / "token-states" / "projection.npz"
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """Memories' vectors and, from the same forward pass, their stored token states (``encode``;
+    ``None`` for a text without any, or an embedder that has none)."""
+
+    vectors: Array
+    states: Sequence[bytes | None]
+
+
+QueryEmbedding = tuple[Array, Array | None]  # a question's vector and its projected token states
+
+
+def split_embedded(out: Array | Embedded) -> Embedded:
+    """An embedding function's answer as ``Embedded`` (plain vectors carry no token states)."""
+    return out if isinstance(out, Embedded) else Embedded(out, [None] * len(out))
 
 
 @cache

@@ -22,7 +22,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ibex_context.memory.embedders.embed import Embedded, Embedder, QueryEmbedding, Vectors, split_embedded
+from ibex_context.memory.embedders.embed import Embedder, Vectors
+from ibex_context.memory.embedders.token_states import Embedded, QueryEmbedding, split_embedded
 from ibex_context.memory.search.index import check_engine, ensure_index, index_name, per_agent_indexes
 from ibex_context.memory.search.terms import TermTable
 from ibex_context.memory.service.config import MemoryConfig

@@ -38,7 +38,8 @@ from pydantic import Field, ValidationError, field_validator
 from redis.asyncio import Redis
 
 from ibex_context.memory.embedded_redis.server import default_redis_url
-from ibex_context.memory.embedders.embed import EMBEDDERS, Embedded, Embedder, Vectors, load_embedder
+from ibex_context.memory.embedders.embed import EMBEDDERS, Embedder, Vectors, load_embedder
+from ibex_context.memory.embedders.token_states import Embedded
 from ibex_context.memory.search.index import QueryEngineMissing, ensure_index
 from ibex_context.memory.service.config import MemoryConfig
 from ibex_context.memory.service.models import MemoryRecord, StrictModel, WriteMemory

@@ -35,7 +35,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from ibex_context.memory.embedders.embed import Embedded, Vectors, split_embedded
+from ibex_context.memory.embedders.embed import Vectors
+from ibex_context.memory.embedders.token_states import Embedded, split_embedded
 from ibex_context.memory.search.index import tenant_number
 from ibex_context.memory.search.indexed_text import DATE_WORDS, searched_text
 from ibex_context.memory.service.models import MemoryRecord
