@@ -48,6 +48,7 @@ from bench.lib.stack import started_stack
 from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
 from ibex_context.memory.embedders.embed import Embedder, Vectors, content_words, load_embedder
+from ibex_context.memory.embedders.token_states import Embedded, split_embedded
 from ibex_context.memory.store.seed import seed_records
 from ibex_context.shared.stores.connect import async_client
 
@@ -169,9 +170,11 @@ class PrecomputedEmbedder:
     """The stack's embedder with the turns' vectors computed once: the seed stores exactly the vectors
     the dense baseline ranks with."""
 
-    def __init__(self, inner: Embedder, texts: Sequence[str], vectors: Vectors) -> None:
+    def __init__(self, inner: Embedder, texts: Sequence[str], vectors: Vectors,
+                 states: Sequence[bytes | None] | None = None) -> None:
         self.inner = inner
         self.rows = {t: vectors[i] for i, t in enumerate(texts)}
+        self.states = {t: states[i] for i, t in enumerate(texts)} if states is not None else None
 
     @property
     def name(self) -> str:
@@ -199,6 +202,19 @@ class PrecomputedEmbedder:
     def embed_query(self, text: str) -> Vectors:
         return self.inner.embed_query(text)
 
+    def embed_with_states(self, texts: Sequence[str]) -> Embedded:
+        """The vectors with the token states of the same pass, as the service writes them (when the
+        embedder gives them: ``minilm``)."""
+        vectors = self.embed(texts)
+        if self.states is None:
+            return Embedded(vectors, [None] * len(texts))
+        missing = [t for t in texts if t not in self.states]
+        if missing:
+            for t, st in zip(missing, split_embedded(self.inner.embed_with_states(missing)).states,  # type: ignore[attr-defined]
+                             strict=True):
+                self.states[t] = st
+        return Embedded(vectors, [self.states[t] for t in texts])
+
 
 # --------------------------------------------------------------------------------------- the run
 
@@ -219,9 +235,16 @@ class SuiteResult:
     embed_s: float = 0.0
 
 
-def _embed_turns(emb: Embedder, texts: list[str]) -> Vectors:
+def embed_turns(emb: Embedder, texts: list[str]) -> tuple[Vectors, list[bytes | None] | None]:
+    """The turns' vectors and, when the embedder gives them, their stored token states (one pass)."""
     batch = 64
-    return np.concatenate([emb.embed(texts[i : i + batch]) for i in range(0, len(texts), batch)]).astype(np.float32)
+    with_states = getattr(emb, "embed_with_states", None)
+    if not callable(with_states):
+        return np.concatenate([emb.embed(texts[i : i + batch])
+                               for i in range(0, len(texts), batch)]).astype(np.float32), None
+    parts = [split_embedded(with_states(texts[i : i + batch])) for i in range(0, len(texts), batch)]
+    return (np.concatenate([p.vectors for p in parts]).astype(np.float32),
+            [st for p in parts for st in p.states])
 
 
 async def _assemble(client: AsyncClient, questions: list[ConvQuestion], res: SuiteResult, timeout_s: float) -> None:
@@ -280,7 +303,7 @@ async def run_suite(turns: list[dict[str, Any]], questions: list[ConvQuestion], 
     emb = load_embedder(embedder)
     texts = [t["content"] for t in turns]
     t0 = time.perf_counter()
-    vectors = _embed_turns(emb, texts)
+    vectors, states = embed_turns(emb, texts)
     res.embed_s = time.perf_counter() - t0
     _plain(turns, vectors, emb, questions, res)
     env = {**QUALITY_DEADLINES, "IBEX_MEMORY_EMBEDDER": embedder, **(extra_env or {})}
@@ -289,7 +312,8 @@ async def run_suite(turns: list[dict[str, Any]], questions: list[ConvQuestion], 
         redis = async_client(str(stack.redis_url))
         try:
             t0 = time.perf_counter()
-            await seed_records(redis, turns, embedder=PrecomputedEmbedder(emb, texts, vectors), flush=True)
+            await seed_records(redis, turns, embedder=PrecomputedEmbedder(emb, texts, vectors, states),
+                               flush=True)
             res.seed_s = time.perf_counter() - t0
         finally:
             await redis.aclose()

@@ -1,17 +1,23 @@
-"""``python -m bench.late_interaction``: would a late-interaction rerank of the search's candidates
-earn its CPU and bytes on the conversation set?
+"""``python -m bench.late_interaction``: what the late-interaction rerank (``memory.search.rerank``) earns
+on the conversation set, offline, and what its token states cost.
 
 The conversation set (``bench.conversations``) is seeded into a real stack (embedded Redis and the
-memory service with minilm) and every answerable question is searched as the worker searches
-(``limit`` 50, the embedder's cutoff): the stack's own top 50 by composite. Then, offline, each
-candidate gets a MaxSim score: the mean over the question's MiniLM token states of the best
-cosine with the memory's token states (ColBERT's late interaction; [CLS] and [SEP] left out),
-both from the numpy reference pass. The rerank orders the 50 by ``(1 - a) · z(composite) + a ·
-z(maxsim)`` (each standardised over the 50). ``a`` is fitted on one half of the chats (1, 3, 5 or
-2, 4) by hit@10 + hit@1 and scored on the other, both ways. Memory token states are tried as
-stored in float32, int8 (a scale per token) at 384 dimensions, and int8 after a PCA to 128 and 64
-dimensions (fitted on the turns: no labels). Per variant: the bytes a memory would store, and the
-CPU of one MaxSim over 50 candidates. Nothing is built into the service; nothing is asserted.
+memory service with minilm, its rerank off) and every answerable question is searched as the
+worker searches (``limit`` 50, the embedder's cutoff): the stack's own top 50 by composite. Then,
+offline, each candidate gets a MaxSim score: the mean over the question's MiniLM token states of
+the best cosine with the memory's token states (ColBERT's late interaction; [CLS] and [SEP] left
+out), both from the numpy reference pass. The rerank orders the 50 by ``(1 - a) · z(composite) +
+a · z(maxsim)`` (each standardised over the 50). ``a`` is fitted on one half of the chats (1, 3,
+5 or 2, 4) by hit@10 + hit@1 and scored on the other, both ways. Memory token states are tried in
+float32 and as int8 (a scale per token) after a PCA to 64 dimensions fitted on these turns (no
+labels, but the evaluation's own text: an upper bound), and ``--projection LABEL FILE`` scores the
+projections ``memory/data/fit_token_projection.py`` writes (``random``: no fit; ``pca``: fitted on
+the documentation's text), as the service stores them. Per variant: the bytes a memory would
+store, and the CPU of one MaxSim over 50 candidates.
+
+``--redis-bytes`` instead writes the 2,257 turns to a fresh embedded Redis with and without their
+token states (the service's own seed path) and reports ``used_memory`` growth and the storage
+charge per memory. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -38,14 +44,14 @@ from ibex_context.shared.security.tenancy import mint_org_token
 
 Array = np.ndarray[Any, Any]
 HALVES = {"A": frozenset({1, 3, 5}), "B": frozenset({2, 4})}
-ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
-VARIANTS = (("fp32", HIDDEN, False), ("int8", HIDDEN, True), ("int8-128", 128, True), ("int8-64", 64, True))
+ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+VARIANTS = (("fp32", HIDDEN, False), ("int8-64 pca-eval", 64, True))
 Candidates = dict[str, list[tuple[str, float]]]  # qid -> (memory_id, composite), the stack's order
 
 
 async def stack_candidates(turns: list[dict[str, Any]], questions: Sequence[ConvQuestion]) -> Candidates:
     """The memory service's top 50 per question, on a fresh stack seeded with ``turns``."""
-    env = {**QUALITY_DEADLINES, "IBEX_MEMORY_EMBEDDER": "minilm"}
+    env = {**QUALITY_DEADLINES, "IBEX_MEMORY_EMBEDDER": "minilm", "IBEX_MEMORY_RERANK_WEIGHT": "0"}
     out: Candidates = {}
     with started_stack(workers=1, env=env, log_dir=Path(f"/tmp/ibex-bench-li-{uuid.uuid4().hex[:8]}"),
                        seed=False) as stack:
@@ -160,9 +166,53 @@ def _maxsim_ms(cands: Candidates, memories: dict[str, Array], queries: dict[str,
     return (time.perf_counter() - t0) / 200 * 1e3
 
 
+async def _redis_bytes(turns: list[dict[str, Any]], vectors: Array, states: list[bytes | None] | None
+                      ) -> tuple[float, float]:
+    """Seed ``turns`` (with their token states, or without) into a fresh embedded Redis: the growth
+    of ``used_memory`` and the storage charge, each per memory."""
+    from bench.conversations import PrecomputedEmbedder
+    from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+    from ibex_context.shared.stores import storage
+
+    texts = [t["content"] for t in turns]
+    server = EmbeddedRedis().start()
+    try:
+        redis = Redis.from_url(server.url)
+        try:
+            before = int((await redis.info("memory"))["used_memory"])
+            await seed_records(redis, turns, embedder=PrecomputedEmbedder(load_embedder("minilm"), texts, vectors,
+                                                                          states), flush=True)
+            used = int((await redis.info("memory"))["used_memory"]) - before
+            charged = sum([await storage.usage(redis, org) for org in sorted({t["org_id"] for t in turns})])
+        finally:
+            await redis.aclose()
+    finally:
+        server.close()
+    return used / len(turns), charged / len(turns)
+
+
+def redis_bytes() -> int:
+    """``--redis-bytes``: the conversation turns written with and without their token states."""
+    from bench.conversations import embed_turns
+
+    turns, _ = load_set()
+    vectors, states = embed_turns(load_embedder("minilm"), [t["content"] for t in turns])
+    print("| memories stored | Redis bytes per memory (used_memory growth) | charged per memory |\n| --- | --- | --- |")
+    for label, with_states in (("without token states", None), ("with token states", states)):
+        used, charged = asyncio.run(_redis_bytes(turns, vectors, with_states))
+        print(f"| {label} | {used:,.0f} | {charged:,.0f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.late_interaction", description=__doc__.split("\n")[0])
-    ap.parse_args(argv)
+    ap.add_argument("--projection", nargs=2, action="append", default=[], metavar=("LABEL", "NPZ"),
+                    help="also score int8 states projected by this file (memory/data/fit_token_projection.py)")
+    ap.add_argument("--redis-bytes", action="store_true",
+                    help="only measure what Redis holds per conversation turn with and without its token states")
+    args = ap.parse_args(argv)
+    if args.redis_bytes:
+        return redis_bytes()
     turns, questions = load_set()
     answerable = [q for q in questions if q.category != "no-answer"]
     cands = asyncio.run(stack_candidates(turns, answerable))
@@ -186,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(report(cands, mems, qs, name, answerable)))
         per_token = dims * (1 if quantise else 4) + (2 if quantise else 0)  # int8 rows carry an fp16 scale
         costs.append(f"| {name} | {tokens * per_token:.0f} | {_maxsim_ms(cands, mems, qs, answerable[0].qid):.3f} |")
+    for label, path in args.projection:
+        with np.load(path) as z:
+            shipped = (np.asarray(z["centre"]), np.asarray(z["basis"]).T)
+        dims = shipped[1].shape[0]
+        mems, qs = compress(states, dims, True, shipped), compress(queries, dims, False, shipped)
+        print("\n".join(report(cands, mems, qs, f"int8-{dims} {label}", answerable)))
     print("\n| states | bytes per memory (mean) | CPU ms per MaxSim over 50 candidates |\n| --- | --- | --- |")
     print("\n".join(costs))
     return 0

@@ -72,13 +72,15 @@ def components_of(m: ScoredMemory) -> dict[str, float] | None:
 
 
 def retrieval_scores(m: ScoredMemory) -> dict[str, float] | None:
-    """A search hit's stage scores (full text, vector, subject boost), when the memory service sent them."""
+    """A search hit's stage scores (full text, vector, subject boost, rerank), when the memory service sent them."""
     h = m.hit
     if h.text_score is None or h.vector_score is None:
         return None
     out = {"text": h.text_score, "vector": h.vector_score}
     if h.boost is not None:
         out["boost"] = h.boost
+    if h.rerank_score is not None:
+        out["rerank"] = h.rerank_score
     return out
 
 

@@ -44,6 +44,7 @@ class MemoryHit:
     text_score: float | None = None  # search hits: the full-text and vector scores their relevance
     vector_score: float | None = None  # was fused from (shown by explain)
     boost: float | None = None  # search hits: the subject boost their relevance got
+    rerank_score: float | None = None  # search hits: their late-interaction MaxSim, when reranked
 
 
 @dataclass(frozen=True, slots=True)

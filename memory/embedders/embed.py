@@ -11,7 +11,9 @@ Three embedders share one small interface (docs/selection-quality.md compares th
   ``make install`` installs without its torch. Its graph (``memory.embedders.minilm_onnx``) is run by
   OpenVINO in bfloat16 where the CPU computes bfloat16 natively (``memory.embedders.minilm_openvino``), else
   by onnxruntime, else by the numpy reference pass (``memory.embedders.minilm``); ``IBEX_MEMORY_MINILM_RUNTIME``
-  picks one. All give the same vectors (cosine >= 0.999) under the same name.
+  picks one. All give the same vectors (cosine >= 0.999) under the same name, and from the same
+  forward pass each text's token states (``embed_with_states``, ``embed_queries_states``:
+  ``memory.embedders.token_states``), which the late-interaction rerank compares (``memory.search.rerank``).
 * ``static``: a static embedding distilled from it (``memory.embedders.static``), microseconds per text.
 
 The module also owns text normalisation for full-text matching (``content_terms``), so that the

@@ -17,10 +17,13 @@ import threading
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from ibex_context.memory.embedders.token_states import Embedded
 
 Array = NDArray[np.float32]
 
@@ -75,6 +78,12 @@ def _layer_norm(x: Array, w: Array, b: Array) -> Array:
     return np.asarray((x - mu) / np.sqrt(var + _EPS) * w + b, dtype=np.float32)
 
 
+def token_states(hidden: Array, ids: Sequence[Sequence[int]]) -> list[Array]:
+    """Each sequence's rows of ``hidden`` (``[batch, seq, HIDDEN]``, right-padded) without its
+    [CLS] and [SEP]: what a late-interaction rerank compares (``memory.embedders.token_states``)."""
+    return [np.ascontiguousarray(hidden[j, 1:max(len(s) - 1, 1)], dtype=np.float32) for j, s in enumerate(ids)]
+
+
 class MiniLM:
     """The network and tokenizer, loaded once (about 0.5 s, 90 MB of float32 weights)."""
 
@@ -99,9 +108,14 @@ class MiniLM:
 
     def encode_ids(self, ids: Sequence[Sequence[int]]) -> Array:
         """Mean-pooled, L2-normalised embeddings of token id sequences ([CLS] ... [SEP] included)."""
+        return self.encode_ids_states(ids)[0]
+
+    def encode_ids_states(self, ids: Sequence[Sequence[int]]) -> tuple[Array, list[Array]]:
+        """``encode_ids`` and, from the same pass, each sequence's last-layer token states
+        (``[tokens, HIDDEN]``, [CLS] and [SEP] left out: ``token_states``)."""
         n, length = len(ids), max((len(s) for s in ids), default=0)
         if n == 0 or length == 0:
-            return np.zeros((n, HIDDEN), dtype=np.float32)
+            return np.zeros((n, HIDDEN), dtype=np.float32), [np.zeros((0, HIDDEN), dtype=np.float32)] * n
         tokens = np.zeros((n, length), dtype=np.int64)
         mask = np.zeros((n, length), dtype=np.float32)
         for i, s in enumerate(ids):
@@ -116,7 +130,7 @@ class MiniLM:
             x = self._layer(i, x, bias)
         pooled = (x * mask[:, :, None]).sum(1) / np.maximum(mask.sum(1, keepdims=True), 1.0)
         norms = np.linalg.norm(pooled, axis=1, keepdims=True)
-        return np.asarray(pooled / np.maximum(norms, 1e-12), dtype=np.float32)
+        return np.asarray(pooled / np.maximum(norms, 1e-12), dtype=np.float32), token_states(x, ids)
 
     def _layer(self, i: int, x: Array, bias: Array) -> Array:
         w, p = self.w, f"encoder.layer.{i}."
@@ -147,21 +161,36 @@ class MiniLM:
     def encode_queries(self, texts: Sequence[str]) -> Array:
         """``encode_query`` of several queries as one padded batch: concurrent new questions cost
         about half the CPU each of one at a time (the attention mask keeps padding out)."""
+        return self.encode_queries_states(texts)[0]
+
+    def encode_queries_states(self, texts: Sequence[str]) -> tuple[Array, list[Array]]:
+        """``encode_queries`` and each query's token states from the same pass."""
         seqs: list[list[int]] = []
         for enc in self.tokenizer.encode_batch(list(texts)):
             ids = list(enc.ids)
             seqs.append([*ids[: MAX_QUERY_TOKENS - 1], ids[-1]] if len(ids) > MAX_QUERY_TOKENS else ids)
-        return self.encode_ids(seqs)
+        return self.encode_ids_states(seqs)
 
     def encode(self, texts: Sequence[str]) -> Array:
         """Embeddings of texts, batched by similar length so short texts are not padded to long ones."""
+        return self.encode_states(texts)[0]
+
+    def encode_states(self, texts: Sequence[str]) -> tuple[Array, list[Array]]:
+        """``encode`` and each text's token states from the same pass."""
         encs = self.tokenizer.encode_batch(list(texts))
         order = sorted(range(len(encs)), key=lambda i: len(encs[i].ids))
         out = np.zeros((len(encs), HIDDEN), dtype=np.float32)
+        states: list[Array] = [np.zeros((0, HIDDEN), dtype=np.float32)] * len(encs)
         for start in range(0, len(order), 32):
             chunk = order[start:start + 32]
-            out[chunk] = self.encode_ids([encs[i].ids for i in chunk])
-        return out
+            out[chunk], got = self.encode_ids_states([encs[i].ids for i in chunk])
+            for i, rows in zip(chunk, got, strict=True):
+                states[i] = rows
+        return out, states
+
+    def token_count(self, text: str) -> int:
+        """How many token states a memory of ``text`` stores ([CLS] and [SEP] left out)."""
+        return max(len(self.tokenizer.encode(text).ids) - 2, 0)
 
 
 class MiniLMEmbedder:
@@ -225,3 +254,23 @@ class MiniLMEmbedder:
     def embed_queries(self, texts: Sequence[str]) -> Array:
         """Several queries' vectors in one forward pass (``MemoryService`` batches concurrent ones)."""
         return self.model.encode_queries(texts)
+
+    def embed_queries_states(self, texts: Sequence[str]) -> list[tuple[Array, Array]]:
+        """Each query's vector and projected token states (``memory.embedders.token_states.project``), one pass."""
+        from ibex_context.memory.embedders.token_states import project
+
+        vectors, states = self.model.encode_queries_states(texts)
+        return [(vec, project(rows)) for vec, rows in zip(vectors, states, strict=True)]
+
+    def embed_with_states(self, texts: Sequence[str]) -> Embedded:
+        """Memories' vectors and their stored token states (``memory.embedders.token_states.Embedded``), one pass."""
+        from ibex_context.memory.embedders.token_states import Embedded, encode
+
+        vectors, states = self.model.encode_states(texts)
+        return Embedded(vectors, [encode(rows) if len(rows) else None for rows in states])
+
+    def state_bytes(self, text: str) -> int:
+        """The bytes ``embed_with_states`` stores for ``text`` (charged before it is embedded)."""
+        from ibex_context.memory.embedders.token_states import stored_bytes
+
+        return stored_bytes(self.model.token_count(text))

@@ -51,7 +51,7 @@ import numpy as np
 
 from ibex_context.memory.embedders.minilm import HEADS, HIDDEN, LAYERS, Array
 
-GRAPH_VERSION = 2  # part of the cached file's name: bump it whenever the graph below changes
+GRAPH_VERSION = 3  # part of the cached file's name: bump it whenever the graph below changes
 OPSET = 17  # LayerNormalization is a standard op from 17
 _EPS = 1e-12  # BERT's LayerNorm epsilon, as memory.embedders.minilm
 Weights = Literal["fp32", "int8-block", "int8-dynamic", "int8-qk", "int8-groups"]
@@ -207,7 +207,8 @@ def _pool(g: _Graph, x: str) -> str:
 
 def build_model(w: dict[str, Array], weights: Weights = "fp32") -> Any:
     """The network as an ``onnx.ModelProto``: inputs ``input_ids`` and ``attention_mask`` (int64
-    ``[batch, seq]``, right-padded with mask 0), output ``embedding`` (``[batch, HIDDEN]``, unit rows)."""
+    ``[batch, seq]``, right-padded with mask 0), outputs ``embedding`` (``[batch, HIDDEN]``, unit rows)
+    and ``states`` (``[batch, seq, HIDDEN]``, the last layer's token states, from the same pass)."""
     from onnx import TensorProto, helper
 
     g = _Graph()
@@ -216,9 +217,11 @@ def build_model(w: dict[str, Array], weights: Weights = "fp32") -> Any:
     for i in range(LAYERS):
         x = _layer(g, weights, w, i, x)
     _pool(g, x)
+    g.op("Identity", [x], "states")  # the last layer's token states, for the late-interaction rerank
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
               for n in ("input_ids", "attention_mask")]
-    output = helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", HIDDEN])
-    graph = helper.make_graph(g.nodes, "all-MiniLM-L6-v2", inputs, [output], initializer=g.inits)
+    outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", HIDDEN]),
+               helper.make_tensor_value_info("states", TensorProto.FLOAT, ["batch", "seq", HIDDEN])]
+    graph = helper.make_graph(g.nodes, "all-MiniLM-L6-v2", inputs, outputs, initializer=g.inits)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8, producer_name="ibex-context")

@@ -25,7 +25,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ibex_context.memory.embedders.minilm import HIDDEN, Array, MiniLM, MiniLMEmbedder, load_tokenizer, model_zip
+from ibex_context.memory.embedders.minilm import (
+    HIDDEN,
+    Array,
+    MiniLM,
+    MiniLMEmbedder,
+    load_tokenizer,
+    model_zip,
+    token_states,
+)
 from ibex_context.memory.embedders.minilm_graph import GRAPH_VERSION, Weights, build_model
 
 log = logging.getLogger(__name__)
@@ -152,16 +160,25 @@ class OnnxMiniLM(MiniLM):
 
     def encode_ids(self, ids: Sequence[Sequence[int]]) -> Array:
         """Mean-pooled, L2-normalised embeddings of token id sequences ([CLS] ... [SEP] included)."""
+        return self._run(ids, states=False)[0]
+
+    def encode_ids_states(self, ids: Sequence[Sequence[int]]) -> tuple[Array, list[Array]]:
+        """``encode_ids`` and the graph's ``states`` output of the same pass ([CLS], [SEP] left out)."""
+        return self._run(ids, states=True)
+
+    def _run(self, ids: Sequence[Sequence[int]], *, states: bool) -> tuple[Array, list[Array]]:
         n, length = len(ids), max((len(s) for s in ids), default=0)
         if n == 0 or length == 0:
-            return np.zeros((n, HIDDEN), dtype=np.float32)
+            return np.zeros((n, HIDDEN), dtype=np.float32), [np.zeros((0, HIDDEN), dtype=np.float32)] * n
         tokens = np.zeros((n, length), dtype=np.int64)
         mask = np.zeros((n, length), dtype=np.int64)
         for i, s in enumerate(ids):
             tokens[i, : len(s)] = s
             mask[i, : len(s)] = 1
-        out = self.session.run(["embedding"], {"input_ids": tokens, "attention_mask": mask})[0]
-        return np.asarray(out, dtype=np.float32)
+        out = self.session.run(["embedding", "states"] if states else ["embedding"],
+                               {"input_ids": tokens, "attention_mask": mask})
+        pooled = np.asarray(out[0], dtype=np.float32)
+        return pooled, token_states(np.asarray(out[1], dtype=np.float32), ids) if states else []
 
 
 class MiniLMOnnxEmbedder(MiniLMEmbedder):

@@ -57,6 +57,7 @@ class Fused:
     text: float  # the share of the question's words matched, weighted by IDF and BM25, in [0, 1]
     vector: float  # cosine with the question, clipped to [0, 1]
     boost: float = 0.0  # the subject boost this candidate got (``boosted``)
+    rerank: float | None = None  # its MaxSim with the question, when reranked (``memory.search.rerank``)
 
 
 def _unit(x: float) -> float:

@@ -253,16 +253,17 @@ class Found:
     score: float  # BM25 for the text query; cosine similarity for the vector query
     record: bytes | None
     vector: bytes | None
+    states: bytes | None = None  # the memory's token states, when the query returned them
 
 
-def parse_reply(reply: Any, prefix: str, vfield: str, *, vector_query: bool) -> list[Found]:
+def parse_reply(reply: Any, prefix: str, vfield: str, *, vector_query: bool, sfield: str = "") -> list[Found]:
     """The hits of an ``FT.SEARCH`` reply (RESP3 map or RESP2 list) whose key has ``prefix``.
 
     The prefix check is a second tenant guard: the tenant filter already confines the query, and
     a key of another agent is dropped here even if it were returned.
     """
     out: list[Found] = []
-    bprefix, bvfield, n = prefix.encode(), vfield.encode(), len(prefix)
+    bprefix, bvfield, bsfield, n = prefix.encode(), vfield.encode(), sfield.encode(), len(prefix)
     for key, score, fields in _rows(reply):
         if not key.startswith(bprefix):
             continue
@@ -272,9 +273,10 @@ def parse_reply(reply: Any, prefix: str, vfield: str, *, vector_query: bool) -> 
                 score = 1.0 - float(raw) if raw is not None else 0.0  # COSINE distance is 1 - cosine
             except ValueError:
                 score = 0.0
-        rec, vec = fields.get(b"rec"), fields.get(bvfield)
+        rec, vec, states = fields.get(b"rec"), fields.get(bvfield), fields.get(bsfield) if bsfield else None
         out.append(Found(key[n:].decode(), score if math.isfinite(score) else 0.0,
-                         rec if isinstance(rec, bytes) else None, vec if isinstance(vec, bytes) else None))
+                         rec if isinstance(rec, bytes) else None, vec if isinstance(vec, bytes) else None,
+                         states if isinstance(states, bytes) else None))
     return out
 
 

@@ -42,13 +42,14 @@ from ibex_context.memory.search.rank import (
     rank_arrays,
     record_features,
 )
+from ibex_context.memory.search.rerank import rerank
 from ibex_context.memory.search.subjects import names, question_words, subject_of
 from ibex_context.memory.search.terms import SAMPLE_SIZE
 from ibex_context.memory.service.deadline import check
 from ibex_context.memory.service.models import MemoryRecord, SearchBody
 from ibex_context.memory.service.state import MemoryService
 from ibex_context.memory.store import writes as store
-from ibex_context.shared.stores.keys import memory_ids_key, memory_key_prefix, vector_field
+from ibex_context.shared.stores.keys import memory_ids_key, memory_key_prefix, states_field, vector_field
 
 AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
 _query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once
@@ -81,8 +82,12 @@ class Stages:
 
 
 def _stages(f: Fused) -> dict[str, float]:
-    """A search hit's stage scores as the wire shows them (docs/memory-search.md)."""
-    return {"text_score": round(f.text, 6), "vector_score": round(f.vector, 6), "boost": round(f.boost, 6)}
+    """A search hit's stage scores as the wire shows them (docs/memory-search.md); ``rerank_score``
+    only for a candidate the late-interaction rerank scored (``memory.search.rerank``)."""
+    out = {"text_score": round(f.text, 6), "vector_score": round(f.vector, 6), "boost": round(f.boost, 6)}
+    if f.rerank is not None:
+        out["rerank_score"] = round(f.rerank, 6)
+    return out
 
 
 def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float], *,
@@ -170,10 +175,15 @@ async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float
 async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, query_vec: Vectors) -> Response:
     """``search`` once the query's vector is known."""
     agent = body.agent_id
-    text_of, cosine, raws = await _candidates(svc, org, agent, _query_terms(text), query_vec)
-    records = await _hydrate(svc, org, agent, text_of, cosine, raws, query_vec)
+    cfg = svc.config
+    query_states = svc.query_states(org, text) if cfg.rerank_weight > 0.0 else None
+    sfield = states_field(svc.embedder.name) if query_states is not None else ""
+    text_of, cosine, raws, states = await _candidates(svc, org, agent, _query_terms(text), query_vec, sfield)
+    records = await _hydrate(svc, org, agent, (text_of, cosine, raws, states), query_vec, sfield)
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
     fused, below = _fused(svc, text, records, text_of, cosine, cutoff)
+    fused = rerank(fused, query_states, states, weight=cfg.rerank_weight, depth=cfg.rerank_depth,
+                   floor=cfg.relevance_floor)
     if not fused and not below:
         return JSONResponse({"memories": []})
     recs = [records[m] for m in fused]
@@ -182,11 +192,15 @@ async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, q
                    stages=Stages([fused[r.memory_id] for r in recs], below, svc.config.below_cutoff))
 
 
+Candidates = tuple[dict[str, float], dict[str, float], dict[str, bytes | None], dict[str, bytes | None]]
+
+
 async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[str], query_vec: Vectors,
-                      ) -> tuple[dict[str, float], dict[str, float], dict[str, bytes | None]]:
+                      sfield: str = "") -> Candidates:
     """The engine's candidates: full-text scores (the best ``max_candidates``), cosines of the
-    nearest vectors, and the records the vector query returned with them. One round trip, and one
-    more when the question has common or new words (``memory.search.fulltext``)."""
+    nearest vectors, and the records (and, with an ``sfield``, the token states) the vector query
+    returned with them. One round trip, and one more when the question has common or new words
+    (``memory.search.fulltext``)."""
     k, embedder, now, scan_max = svc.config.max_candidates, svc.embedder, svc.clock(), svc.config.term_scan_max
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), svc.index_name(org, agent)
     size = await _agent_size(svc, org, agent)
@@ -196,17 +210,19 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
     commands = text.first()
     commands.append(("FT.SEARCH", name, *search_args(
         knn_query(org, agent, vfield, k, exact=size <= svc.config.exact_knn_max), limit=k,
-        returns=("vd", "rec"), scored=False, params={"vec": query_vec.tobytes()}, sort_by="vd")))
+        returns=("vd", "rec", sfield) if sfield else ("vd", "rec"), scored=False,
+        params={"vec": query_vec.tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))
     replies = await _engine(svc, org, agent, commands)
     _remember_size(svc, org, agent, int(replies[-1]))
     text.read_first(replies[:-2], int(replies[-1]))
-    vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
+    vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True, sfield=sfield)
     cosine = {f.memory_id: f.score for f in vector_hits}
     if text.needs_second:
         pool = text.scores(k).keys() | cosine.keys()
         text.read_second(await _engine(svc, org, agent, text.second(pool)), pool)
-    return text.scores(k), cosine, {f.memory_id: f.record for f in vector_hits}
+    return (text.scores(k), cosine, {f.memory_id: f.record for f in vector_hits},
+            {f.memory_id: f.states for f in vector_hits})
 
 
 async def _sample(svc: MemoryService, org: str, agent: str, now: float) -> tuple[str, ...]:
@@ -232,19 +248,14 @@ async def _engine(svc: MemoryService, org: str, agent: str, commands: Sequence[t
         return await _run(svc, commands)
 
 
-async def _hydrate(svc: MemoryService, org: str, agent: str, text_of: dict[str, float], cosine: dict[str, float],
-                   raws: dict[str, bytes | None], query_vec: Vectors) -> dict[str, MemoryRecord]:
-    """Every candidate's parsed record; full-text-only candidates are read (record and vector) in
-    one more round trip and get their cosine added to ``cosine`` (embedded now if they have none)."""
-    prefix, vfield = memory_key_prefix(org, agent), vector_field(svc.embedder.name)
-    missing = [m for m in text_of if m not in raws]
-    vectors: dict[str, bytes | None] = {}
-    if missing:
-        async with svc.redis.pipeline(transaction=False) as pipe:
-            for m in missing:
-                pipe.hmget(f"{prefix}{m}", ["rec", vfield])
-            for m, (raw, vec) in zip(missing, await pipe.execute(), strict=True):
-                raws[m], vectors[m] = raw, vec
+async def _hydrate(svc: MemoryService, org: str, agent: str, found: Candidates, query_vec: Vectors,
+                   sfield: str = "") -> dict[str, MemoryRecord]:
+    """Every candidate's parsed record; full-text-only candidates are read (record, vector and,
+    with an ``sfield``, token states) in one more round trip and get their cosine added to the
+    cosines (embedded now if they have none)."""
+    _, cosine, raws, _ = found
+    prefix = memory_key_prefix(org, agent)
+    vectors = await _read_missing(svc, org, agent, found, sfield)
     records: dict[str, MemoryRecord] = {}
     for mid, raw in raws.items():
         rec = store.parse_record(raw, f"{prefix}{mid}", svc.health, memory_id=mid)
@@ -261,6 +272,27 @@ async def _hydrate(svc: MemoryService, org: str, agent: str, text_of: dict[str, 
     if unvectored:
         await _backfill(svc, org, agent, unvectored, query_vec, cosine)
     return records
+
+
+async def _read_missing(svc: MemoryService, org: str, agent: str, found: Candidates, sfield: str
+                        ) -> dict[str, bytes | None]:
+    """Read the full-text-only candidates' records (into ``found``'s records), token states (into
+    its states, with an ``sfield``) and vectors (returned), in one round trip."""
+    text_of, _, raws, states = found
+    prefix, vfield = memory_key_prefix(org, agent), vector_field(svc.embedder.name)
+    missing = [m for m in text_of if m not in raws]
+    vectors: dict[str, bytes | None] = {}
+    if not missing:
+        return vectors
+    fields = ["rec", vfield, sfield] if sfield else ["rec", vfield]
+    async with svc.redis.pipeline(transaction=False) as pipe:
+        for m in missing:
+            pipe.hmget(f"{prefix}{m}", fields)
+        for m, got in zip(missing, await pipe.execute(), strict=True):
+            raws[m], vectors[m] = got[0], got[1]
+            if sfield:
+                states[m] = got[2]
+    return vectors
 
 
 async def _agent_size(svc: MemoryService, org: str, agent: str) -> int:

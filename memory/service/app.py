@@ -190,7 +190,7 @@ async def write(svc: MemoryService, request: Request) -> Response:
             quotas.check_floor(pressure, svc.config.write_floor_fraction)
             await quotas.check_agents(redis, svc.config.quotas, org, body.agent_id)
             charge = store.memory_charge(org, body.agent_id, record, hot=body.hot, embedder_name=svc.embedder.name,
-                                         dim=svc.embedder.dim)
+                                         dim=svc.embedder.dim, state_bytes=await svc.state_bytes(record.content))
             # A rewrite is charged what it adds: the memory it replaces is credited in the same step.
             assumed = await store.stored_charge(redis, org, body.agent_id, record.memory_id)
             await storage.reserve(redis, org, charge, svc.config.org_storage_budget(pressure.limit), what="content",
@@ -198,7 +198,7 @@ async def write(svc: MemoryService, request: Request) -> Response:
             try:
                 await svc.ensure_index(org, body.agent_id)
                 replaced = await store.write_capped(redis, store.NewMemory(org, body.agent_id, record, body.hot),
-                                                    embedder_name=svc.embedder.name, embed=svc.embed,
+                                                    embedder_name=svc.embedder.name, embed=svc.embed_memories,
                                                     max_per_agent=svc.config.max_memories_per_agent, charge=charge)
             except BaseException:
                 # Nothing stored: the reservation back, and the charge of the memory still there.

@@ -21,6 +21,7 @@ from pydantic_settings import SettingsConfigDict
 from ibex_context.memory.search.cutoff import BELOW_CUTOFF_SHOWN
 from ibex_context.memory.search.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
 from ibex_context.memory.search.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
+from ibex_context.memory.search.rerank import RERANK_DEPTH, RERANK_WEIGHT
 from ibex_context.memory.search.terms import TERM_SCAN_MAX
 from ibex_context.memory.service.models import MAX_QUERY_CHARS
 from ibex_context.memory.service.quotas import Quotas
@@ -71,6 +72,14 @@ class MemoryConfig(MemoryServiceSettings):
         SUBJECT_BOOST, ge=0.0, le=1.0,
         description="How far a memory about a person the question names is lifted toward relevance 1 "
                     "(its subject, or the speaker of a `Name: text` memory); 0 turns it off (docs/memory-search.md).")
+    rerank_weight: float = Field(
+        RERANK_WEIGHT, ge=0.0, le=1.0,
+        description="Weight of the late-interaction MaxSim (MiniLM token states) mixed with the fused relevance of "
+                    "the best `rerank_depth` candidates; 0 turns the rerank off (docs/memory-search.md).")
+    rerank_depth: int = Field(
+        RERANK_DEPTH, ge=2, le=200,
+        description="How many of a search's best candidates the late-interaction rerank reorders (their token "
+                    "states are read with the candidates, in the same round trips).")
     below_cutoff: int = Field(
         BELOW_CUTOFF_SHOWN, ge=0, le=50,
         description="Candidates just under a search's line (past its limit, under the floor or the cosine "

@@ -30,16 +30,16 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from ibex_context.memory.embedders.embed import Vectors
 from ibex_context.memory.service.deadline import DeadlinePassed, Horizon
 from ibex_context.memory.service.http import ApiError
 
-EmbedMany = Callable[[Sequence[str]], Vectors]
+R = TypeVar("R")  # what the batch function gives per query (a vector, or a vector and its token states)
 EWMA = 0.2  # weight of one batch in the measured batch time
 
 
@@ -56,15 +56,16 @@ class _Waiting:
     tag: float
     seq: int
     text: str = field(compare=False)
-    fut: asyncio.Future[Vectors] = field(compare=False)
+    fut: asyncio.Future[Any] = field(compare=False)
     horizon: Horizon = field(compare=False)
     org: str = field(compare=False)
 
 
-class QueryBatcher:
+class QueryBatcher(Generic[R]):
     """Embeds queries with ``embed_many`` in a worker thread, batching the ones that queue up."""
 
-    def __init__(self, embed_many: EmbedMany, max_batch: int = 8, weights: Mapping[str, float] | None = None) -> None:
+    def __init__(self, embed_many: Callable[[Sequence[str]], Iterable[R]], max_batch: int = 8,
+                 weights: Mapping[str, float] | None = None) -> None:
         self._embed_many = embed_many
         self._max_batch = max_batch
         self._weights = dict(weights or {})
@@ -95,7 +96,7 @@ class QueryBatcher:
         """A call's time after its vector (the engine's search and the answer), into ``after_s``."""
         self.after_s = took_s if self.after_s == 0 else self.after_s + EWMA * (took_s - self.after_s)
 
-    async def embed(self, text: str, horizon: Horizon | None = None, org: str = "") -> Vectors:
+    async def embed(self, text: str, horizon: Horizon | None = None, org: str = "") -> R:
         """``text``'s vector; ``DeadlinePassed`` if ``horizon`` passes before its batch starts,
         ``WouldMissDeadline`` at once if its batch would end after it."""
         horizon = horizon or Horizon(None)
@@ -106,7 +107,7 @@ class QueryBatcher:
             if end > horizon.at:
                 self.refused += 1
                 raise WouldMissDeadline((end - horizon.at) * 1000.0)
-        fut: asyncio.Future[Vectors] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._last_tag[org] = tag
         heapq.heappush(self._pending, _Waiting(tag, next(self._seq), text, fut, horizon, org))
         if self._drainer is None:
@@ -136,7 +137,7 @@ class QueryBatcher:
         self.queries += len(batch)
         self._running_since = started = time.monotonic()
         try:
-            vectors = await run_in_threadpool(self._embed_many, [w.text for w in batch])
+            rows = list(await run_in_threadpool(self._embed_many, [w.text for w in batch]))
         except Exception as exc:  # each waiting call fails the way a lone embedding would
             for w in batch:
                 if not w.fut.done():
@@ -146,9 +147,9 @@ class QueryBatcher:
             self._running_since = None
         took = time.monotonic() - started
         self.batch_s = took if self.batch_s == 0 else self.batch_s + EWMA * (took - self.batch_s)
-        for w, vec in zip(batch, vectors, strict=True):
+        for w, row in zip(batch, rows, strict=True):
             if not w.fut.done():
-                w.fut.set_result(vec)
+                w.fut.set_result(row)
 
     async def _drain(self) -> None:
         try:

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ibex_context.memory.embedders.embed import Embedder, Vectors
+from ibex_context.memory.embedders.token_states import Embedded, QueryEmbedding, split_embedded
 from ibex_context.memory.search.index import check_engine, ensure_index, index_name, per_agent_indexes
 from ibex_context.memory.search.terms import TermTable
 from ibex_context.memory.service.config import MemoryConfig
@@ -98,19 +99,27 @@ class MemoryService:
         self.deadline_dropped = 0  # reads answered 504: their caller's deadline passed first
         # (org, query text) -> its vector: the hot and the search call of one assembly embed the
         # question once. Keyed by org so one tenant's timing never tells it what another asked.
-        self._query_vectors: OrderedDict[tuple[str, str], Vectors] = OrderedDict()
-        self._embedding: dict[tuple[str, str], tuple[asyncio.Task[Vectors], Horizon]] = {}
+        # Each vector is kept with the question's token states from the same pass (``memory.search.rerank``).
+        self._query_vectors: OrderedDict[tuple[str, str], QueryEmbedding] = OrderedDict()
+        self._embedding: dict[tuple[str, str], tuple[asyncio.Task[QueryEmbedding], Horizon]] = {}
         self.query_cache_size = 1024
         # Valid tokens seen -> their org: one HMAC per token, not per call (tokens never expire;
         # the secret is fixed for the process's life).
         self._verified: dict[str, str] = {}
         # Embedders with a batched query pass (MiniLM) embed concurrent new questions together.
-        embed_queries = getattr(embedder, "embed_queries", None)
-        self._batcher = (QueryBatcher(embed_queries, weights=config.org_weight_map())
-                         if embedder.blocking and callable(embed_queries) else None)
+        self._batcher = (QueryBatcher(self._query_rows(), weights=config.org_weight_map())
+                         if embedder.blocking and callable(getattr(embedder, "embed_queries", None)) else None)
         # (org, query text) -> until when: a question whose embedding was refused for lack of time
         # (``WouldMissDeadline``) is refused to its assembly's other call too, not embedded for it alone.
         self._refused: dict[tuple[str, str], float] = {}
+
+    def _query_rows(self) -> Callable[[Sequence[str]], Sequence[QueryEmbedding]]:
+        """The batcher's pass: each question's vector and, when the embedder gives them, its token states."""
+        with_states = getattr(self.embedder, "embed_queries_states", None)
+        if callable(with_states):
+            return with_states  # type: ignore[no-any-return]
+        embed_queries = self.embedder.embed_queries  # type: ignore[attr-defined]
+        return lambda texts: [(vec, None) for vec in embed_queries(texts)]
 
     def note_search(self, took_s: float) -> None:
         """A search's time after its query's vector was known: the batcher keeps that much of a
@@ -188,6 +197,31 @@ class MemoryService:
             return await run_in_threadpool(self.embedder.embed, texts)
         return self.embedder.embed(texts)
 
+    async def embed_memories(self, texts: Sequence[str]) -> Vectors | Embedded:
+        """Memories' vectors for a write, with their token states from the same pass when the
+        embedder gives them (``memory.embedders.token_states``)."""
+        with_states = getattr(self.embedder, "embed_with_states", None)
+        if not callable(with_states):
+            return await self.embed(texts)
+        self.embeds_offloaded += 1
+        return split_embedded(await run_in_threadpool(with_states, texts))
+
+    async def state_bytes(self, text: str) -> int:
+        """The token-state bytes a memory of ``text`` stores (0 for an embedder without them); a
+        long text is tokenised in a worker thread, off the event loop."""
+        count = getattr(self.embedder, "state_bytes", None)
+        if not callable(count):
+            return 0
+        if len(text) > self.config.offload_chars:
+            return int(await run_in_threadpool(count, text))
+        return int(count(text))
+
+    def query_states(self, org: str, text: str) -> Vectors | None:
+        """The question's projected token states, kept with its vector (``None`` when the embedder
+        gives none, or the vector has left the cache since)."""
+        got = self._query_vectors.get((org, text))
+        return None if got is None else got[1]
+
     async def query_vector(self, org: str, text: str, deadline: float | None = None) -> Vectors:
         """The query's vector, computed once for concurrent and repeated calls of one org.
 
@@ -196,10 +230,10 @@ class MemoryService:
         starts only when every waiting caller's ``deadline`` has passed (``memory.service.deadline``).
         """
         key = (org, text)
-        vec = self._query_vectors.get(key)
-        if vec is not None:
+        got = self._query_vectors.get(key)
+        if got is not None:
             self._query_vectors.move_to_end(key)
-            return vec
+            return got[0]
         running = self._embedding.get(key)
         if running is None:
             self._check_refused(key)
@@ -207,7 +241,7 @@ class MemoryService:
             running = self._embedding[key] = (asyncio.ensure_future(self._embed_query(key, horizon)), horizon)
         else:
             running[1].extend(deadline)
-        return await asyncio.shield(running[0])
+        return (await asyncio.shield(running[0]))[0]
 
     def _check_refused(self, key: tuple[str, str]) -> None:
         """Refuse a question refused moments ago to another call of the same assembly."""
@@ -218,9 +252,10 @@ class MemoryService:
             raise WouldMissDeadline(0.0)
         del self._refused[key]
 
-    async def _embed_query(self, key: tuple[str, str], horizon: Horizon) -> Vectors:
+    async def _embed_query(self, key: tuple[str, str], horizon: Horizon) -> QueryEmbedding:
         try:
-            vec: Vectors = np.asarray(await self._embed_query_text(key, horizon), dtype=np.float32)
+            vec, states = await self._embed_query_text(key, horizon)
+            got: QueryEmbedding = (np.asarray(vec, dtype=np.float32), states)
         except WouldMissDeadline:
             if len(self._refused) >= 4096:
                 self._refused.clear()
@@ -228,12 +263,12 @@ class MemoryService:
             raise
         finally:
             self._embedding.pop(key, None)
-        self._query_vectors[key] = vec
+        self._query_vectors[key] = got
         while len(self._query_vectors) > self.query_cache_size:
             self._query_vectors.popitem(last=False)
-        return vec
+        return got
 
-    async def _embed_query_text(self, key: tuple[str, str], horizon: Horizon) -> Vectors:
+    async def _embed_query_text(self, key: tuple[str, str], horizon: Horizon) -> QueryEmbedding:
         org, text = key
         if self._batcher is not None:
             self.embeds_offloaded += 1
@@ -241,8 +276,8 @@ class MemoryService:
         check(horizon.at, "the query embedding")
         if self.embedder.blocking or len(text) > self.config.offload_chars:
             self.embeds_offloaded += 1
-            return await run_in_threadpool(self.embedder.embed_query, text)
-        return self.embedder.embed_query(text)
+            return await run_in_threadpool(self.embedder.embed_query, text), None
+        return self.embedder.embed_query(text), None
 
     def query_text(self, query: str) -> str:
         """The part of a search query that is embedded and matched (``max_query_chars``)."""

@@ -32,13 +32,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, ValidationError, field_validator
 from redis.asyncio import Redis
 
 from ibex_context.memory.embedded_redis.server import default_redis_url
 from ibex_context.memory.embedders.embed import EMBEDDERS, Embedder, Vectors, load_embedder
+from ibex_context.memory.embedders.token_states import Embedded
 from ibex_context.memory.search.index import QueryEngineMissing, ensure_index
 from ibex_context.memory.service.config import MemoryConfig
 from ibex_context.memory.service.models import MemoryRecord, StrictModel, WriteMemory
@@ -172,10 +173,13 @@ async def seed_records(
     orgs = tuple(sorted({m.org_id for m in memories} | {d.org_id for d in directives}))
     emb = embedder or load_embedder(MemoryConfig().embedder)  # IBEX_MEMORY_EMBEDDER, as the service
 
-    async def embed(texts: Any) -> Vectors:
+    with_states = getattr(emb, "embed_with_states", None)
+    embed_many = with_states if callable(with_states) else emb.embed  # token states from the same pass
+
+    async def embed(texts: Any) -> Vectors | Embedded:
         if emb.blocking:
-            return await asyncio.to_thread(emb.embed, texts)
-        return emb.embed(texts)
+            return cast("Vectors | Embedded", await asyncio.to_thread(embed_many, texts))
+        return cast("Vectors | Embedded", embed_many(texts))
 
     if flush:
         await flush_orgs(redis, orgs)

@@ -5,8 +5,9 @@ never see half a memory:
 
     mem:{org:agent}:{memory_id}  HASH  org, agent, content (the searched text: memory.search.indexed_text),
                                        created_at, rec (MemoryRecord JSON),
-                                       v_{embedder} (float32 unit vector), q (the Redis bytes it
-                                       is charged to its org: shared.stores.storage)
+                                       v_{embedder} (float32 unit vector), t_{embedder} (its token
+                                       states, int8: memory.embedders.token_states; not indexed), q (the Redis
+                                       bytes it is charged to its org: shared.stores.storage)
     memids:{org:agent}           SET   the agent's memory ids (the per-agent cap counts them)
     hot:{org:agent}              ZSET  memory_id -> salience (only memories marked hot)
 
@@ -35,17 +36,19 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
 from ibex_context.memory.embedders.embed import Vectors
+from ibex_context.memory.embedders.token_states import Embedded, split_embedded
 from ibex_context.memory.search.index import tenant_number
 from ibex_context.memory.search.indexed_text import DATE_WORDS, searched_text
 from ibex_context.memory.service.models import MemoryRecord
 from ibex_context.memory.service.quotas import account_write
 from ibex_context.shared.stores import storage
-from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key, vector_field
+from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key, states_field, vector_field
 from ibex_context.shared.wire.validation import first_error
 
 log = logging.getLogger(__name__)
 
-EmbedFn = Callable[[Sequence[str]], Awaitable[Vectors]]
+# Vectors, or vectors with their token states from the same pass (``MemoryService.embed_memories``).
+EmbedFn = Callable[[Sequence[str]], Awaitable[Vectors | Embedded]]
 _WRITE_CHUNK = 256
 _WATCH_ATTEMPTS = 8
 
@@ -84,15 +87,17 @@ class NewMemory:
     hot: bool
 
 
-def doc_fields(org_id: str, agent_id: str, rec: MemoryRecord, vec: Vectors | None, embedder_name: str
-               ) -> dict[str, str | bytes | float]:
-    """The hash of one memory, as the index reads it (``memory.search.index``)."""
+def doc_fields(org_id: str, agent_id: str, rec: MemoryRecord, vec: Vectors | None, embedder_name: str,
+               states: bytes | None = None) -> dict[str, str | bytes | float]:
+    """The hash of one memory, as the index reads it (``memory.search.index``), with its token states if any."""
     fields: dict[str, str | bytes | float] = {
         "org": org_id, "agent": agent_id, "tenant": tenant_number(org_id, agent_id),
         "content": searched_text(rec.content, rec.created_at),
         "created_at": rec.created_at.timestamp(), "rec": rec.model_dump_json()}
     if vec is not None:
         fields[vector_field(embedder_name)] = np.asarray(vec, dtype=np.float32).tobytes()
+    if states:
+        fields[states_field(embedder_name)] = states
     return fields
 
 
@@ -101,9 +106,11 @@ CHARGE_FIELD = "q"  # the bytes the memory was charged to its org (shared.stores
 _CHARGE_DIGITS = 10
 
 
-def memory_charge(org_id: str, agent_id: str, rec: MemoryRecord, *, hot: bool, embedder_name: str, dim: int) -> int:
+def memory_charge(org_id: str, agent_id: str, rec: MemoryRecord, *, hot: bool, embedder_name: str, dim: int,
+                  state_bytes: int = 0) -> int:
     """The Redis bytes one memory is charged (``shared.stores.storage.memory_cost``): its hash as
-    ``doc_fields`` writes it (with its vector and charge), its id entries and its index entries.
+    ``doc_fields`` writes it (with its vector, its ``state_bytes`` of token states and its charge),
+    its id entries and its index entries.
 
     The indexed date's words (``memory.search.indexed_text``) are charged as occurrences only: an org's
     memories share a few dozen day, month and year words, so unlike a content word they are
@@ -112,16 +119,21 @@ def memory_charge(org_id: str, agent_id: str, rec: MemoryRecord, *, hot: bool, e
     sizes = {name: len(v) if isinstance(v, bytes) else len(str(v).encode()) for name, v in fields.items()}
     sizes[vector_field(embedder_name)] = 4 * dim
     sizes[CHARGE_FIELD] = _CHARGE_DIGITS
+    if state_bytes > 0:
+        sizes[states_field(embedder_name)] = state_bytes
     return storage.memory_cost(memory_key(org_id, agent_id, rec.memory_id), sizes, rec.content,
                                vector_bytes=4 * dim, id_len=len(rec.memory_id), hot=hot) + DATE_CHARGE
 
 
-def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, embedder_name: str, charge: int) -> None:
+def _queue_write(pipe: Pipeline, m: NewMemory, vec: Vectors, states: bytes | None, embedder_name: str,
+                 charge: int) -> None:
     """Queue one memory's hash (with its charge), id and hot flag on a pipeline (all in the agent's
-    hash slot)."""
+    hash slot). A rewrite without token states drops the old ones (they were of the old content)."""
     rec = m.record
-    fields = doc_fields(m.org_id, m.agent_id, rec, vec, embedder_name)
+    fields = doc_fields(m.org_id, m.agent_id, rec, vec, embedder_name, states)
     fields[CHARGE_FIELD] = str(charge)
+    if not states:
+        pipe.hdel(memory_key(m.org_id, m.agent_id, rec.memory_id), states_field(embedder_name))
     pipe.hset(memory_key(m.org_id, m.agent_id, rec.memory_id), mapping=fields)  # type: ignore[arg-type]
     pipe.sadd(memory_ids_key(m.org_id, m.agent_id), rec.memory_id)
     if m.hot:
@@ -139,18 +151,18 @@ async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_n
     """
     for start in range(0, len(items), _WRITE_CHUNK):
         chunk = items[start : start + _WRITE_CHUNK]
-        vectors = await embed([m.record.content for m in chunk])
-        by_agent: dict[tuple[str, str], list[tuple[NewMemory, Vectors]]] = {}
-        for m, vec in zip(chunk, vectors, strict=True):
-            by_agent.setdefault((m.org_id, m.agent_id), []).append((m, vec))
+        got = split_embedded(await embed([m.record.content for m in chunk]))
+        by_agent: dict[tuple[str, str], list[tuple[NewMemory, Vectors, bytes | None]]] = {}
+        for m, vec, states in zip(chunk, got.vectors, got.states, strict=True):
+            by_agent.setdefault((m.org_id, m.agent_id), []).append((m, vec, states))
         for (org, agent), group in by_agent.items():
-            charges = [memory_charge(org, agent, m.record, hot=m.hot, embedder_name=embedder_name, dim=len(vec))
-                       for m, vec in group]
+            charges = [memory_charge(org, agent, m.record, hot=m.hot, embedder_name=embedder_name, dim=len(vec),
+                                     state_bytes=len(states or b"")) for m, vec, states in group]
             async with redis.pipeline(transaction=True) as pipe:
-                for m, _ in group:
+                for m, _, _ in group:
                     pipe.hget(memory_key(org, agent, m.record.memory_id), CHARGE_FIELD)
-                for (m, vec), charge in zip(group, charges, strict=True):
-                    _queue_write(pipe, m, vec, embedder_name, charge)
+                for (m, vec, states), charge in zip(group, charges, strict=True):
+                    _queue_write(pipe, m, vec, states, embedder_name, charge)
                 replaced = (await pipe.execute())[:len(group)]
             await storage.force_charge(redis, org, sum(charges) - sum(_charge_of(old) for old in replaced))
             await account_write(redis, org, agent)  # the org's agents (memory.service.quotas)
@@ -179,7 +191,8 @@ async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, emb
     the one replaced. ``AgentFull`` if full; rewriting an existing ``memory_id`` never counts as a
     new memory. ``charge`` is stored with the memory (``CHARGE_FIELD``).
     """
-    [vec] = await embed([item.record.content])
+    got = split_embedded(await embed([item.record.content]))
+    vec, states = got.vectors[0], got.states[0]
     mkey = memory_ids_key(item.org_id, item.agent_id)
     key = memory_key(item.org_id, item.agent_id, item.record.memory_id)
     async with redis.pipeline(transaction=True) as pipe:
@@ -192,7 +205,7 @@ async def write_capped(redis: Redis, item: NewMemory, *, embedder_name: str, emb
                 if not exists and count >= max_per_agent:
                     raise AgentFull(count, max_per_agent)
                 pipe.multi()  # type: ignore[no-untyped-call]
-                _queue_write(pipe, item, vec, embedder_name, charge)
+                _queue_write(pipe, item, vec, states, embedder_name, charge)
                 await pipe.execute()
                 return replaced
             except WatchError:

@@ -14,7 +14,8 @@ service stores memories under (docs/security.md "Degradation and security": a wr
   ``explain`` inputs stay valid);
 * optional: ``components``, an object of the composite's five numbers (``COMPONENTS``), which
   the packer's score is built from (docs/selection-quality.md), ``salience`` (hot hits),
-  ``text_score``, ``vector_score`` and ``boost`` (search hits: what the relevance was fused from), and
+  ``text_score``, ``vector_score``, ``boost`` and ``rerank_score`` (search hits: what the relevance
+  was fused from, and the late-interaction MaxSim that reordered it), and
   ``created_at`` (a string; its leading ``YYYY-MM-DD``, when it has one, is rendered as the
   memory's date, so "when" questions can be answered from the prompt).
 
@@ -96,7 +97,7 @@ def _optional_problem(raw: Mapping[str, Any]) -> str | None:
     if comps is not None and (not _is_mapping(comps) or comps.keys() != _COMPONENT_SET
                               or not all(_is_number(comps[k]) for k in COMPONENTS)):
         return f"components must be an object of five numbers: {', '.join(COMPONENTS)}"
-    for key in ("salience", "text_score", "vector_score", "boost"):
+    for key in ("salience", "text_score", "vector_score", "boost", "rerank_score"):
         if raw.get(key) is not None and not _is_number(raw[key]):
             return f"{key} must be a number"
     if raw.get("created_at") is not None and not isinstance(raw["created_at"], str):
@@ -153,8 +154,8 @@ def plain_hit(raw: object, source: Source) -> MemoryHit | None:
             return None
         comps = (float(values[0]), float(values[1]), float(values[2]), float(values[3]), float(values[4]))
     salience, text, vector, created = get("salience"), get("text_score"), get("vector_score"), get("created_at")
-    boost = get("boost")
-    if not all(v is None or _plain_number(v) for v in (salience, text, vector, boost)) \
+    boost, rerank = get("boost"), get("rerank_score")
+    if not all(v is None or _plain_number(v) for v in (salience, text, vector, boost, rerank)) \
             or (created is not None and type(created) is not str):
         return None
     return MemoryHit(
@@ -162,7 +163,7 @@ def plain_hit(raw: object, source: Source) -> MemoryHit | None:
         source=source, components=comps, salience=None if salience is None else float(salience),
         date=None if created is None else hit_date(created),
         text_score=None if text is None else float(text), vector_score=None if vector is None else float(vector),
-        boost=None if boost is None else float(boost),
+        boost=None if boost is None else float(boost), rerank_score=None if rerank is None else float(rerank),
     )
 
 
@@ -181,12 +182,13 @@ def to_hit(raw: Mapping[str, Any], source: Source) -> MemoryHit:
         date=hit_date(raw.get("created_at")),
         text_score=None if text is None else float(text), vector_score=None if vector is None else float(vector),
         boost=None if raw.get("boost") is None else float(raw["boost"]),
+        rerank_score=None if raw.get("rerank_score") is None else float(raw["rerank_score"]),
     )
 
 
 BELOW_CUTOFF_MAX: Final = 50  # below-cutoff candidates read from one answer at most
 _BELOW_SCORES: Final = (("text_score", "text"), ("vector_score", "vector"), ("boost", "boost"),
-                        ("relevance", "relevance"), ("composite", "composite"))
+                        ("rerank_score", "rerank"), ("relevance", "relevance"), ("composite", "composite"))
 
 
 def below_cutoff(rows: object, source: Source) -> list[Rejection]:

@@ -142,6 +142,12 @@ def vector_field(embedder: str) -> str:
     return f"v_{check_ident(embedder, 'embedder').replace('-', '_').replace('.', '_')}"
 
 
+def states_field(embedder: str) -> str:
+    """The hash field holding a memory's token states for one embedder (``memory.embedders.token_states``;
+    not indexed: only the late-interaction rerank reads it)."""
+    return f"t_{check_ident(embedder, 'embedder').replace('-', '_').replace('.', '_')}"
+
+
 def calibration_key(org_id: str, model: str) -> str:
     """One (org, model) calibration sketch: scoped by org, so one tenant's reports move only its own
     budgets. ``model`` is the catalog's name for it (aliases and dated ids share one key)."""

@@ -1,0 +1,97 @@
+"""Late-interaction rerank: the fused candidates reordered by MaxSim over MiniLM token states.
+
+A pooled vector keeps one point per text; a question of twelve words and a turn that answers
+three of them can sit far apart. ColBERT's late interaction compares every question token with
+every memory token instead: a memory's MaxSim is the mean, over the question's token states, of
+the best cosine with any of the memory's (``maxsim``). The states come from the embedder's own
+forward pass (the question's when it is embedded, a memory's when it is written:
+``memory.embedders.token_states``), so the rerank costs no extra pass, only one small matrix product.
+
+``rerank`` moves the ``depth`` best candidates by relevance (after fusion and the subject boost):
+each one's relevance ``r`` becomes ``mean(r) + sd(r) · ((1 − a)·z(r) + a·z(maxsim))``, the two
+standardised over those candidates, ``a`` = ``IBEX_MEMORY_RERANK_WEIGHT``. The relevance stays
+on its own scale (so the composite, the floor and the worker's scoring read it as before), and
+``a`` 0 leaves it unchanged. A memory without usable token states (written before they were
+stored, by another embedder, or damaged) keeps its relevance, and the rerank never takes a
+candidate under the relevance floor it was above. Each reranked candidate's MaxSim is its
+``rerank`` stage score (``explain`` shows it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ibex_context.memory.embedders.token_states import DIMS, Array, decode, decode_many, rows_of
+from ibex_context.memory.search.fusion import Fused
+
+RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
+RERANK_DEPTH = 50  # candidates reranked
+
+
+def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
+    """Each doc's MaxSim with ``query`` (unit rows ``[tokens, DIMS]``): ``rows`` holds every doc's
+    rows in order, ``counts[i]`` (at least 1) of them the i-th doc's. One product over all of them,
+    then each doc's best per query token with ``maximum.reduceat``."""
+    if not counts or query.shape[0] == 0:
+        return [0.0] * len(counts)
+    starts = np.cumsum([0, *counts[:-1]])
+    best = np.maximum.reduceat(query @ rows.T, starts, axis=1)
+    return [float(x) for x in best.mean(axis=0)]
+
+
+def _z(values: NDArray[np.float64]) -> NDArray[np.float64] | None:
+    sd = float(values.std())
+    return None if sd < 1e-9 else (values - values.mean()) / sd
+
+
+def _stored_rows(top: Sequence[str], states: Mapping[str, object]) -> tuple[list[str], Array, list[int]] | None:
+    """The memories of ``top`` with usable token states, all their rows in one matrix, and each
+    one's row count; ``None`` when fewer than two have any. Decoded in one conversion; one at a
+    time only when that meets a damaged scale."""
+    counts = {m: rows_of(states.get(m)) for m in top}
+    rated = [m for m in top if counts[m] > 0]
+    if len(rated) < 2:
+        return None
+    rows = decode_many([cast(bytes, states[m]) for m in rated], [counts[m] for m in rated])
+    if rows is None:
+        each = {m: decode(states[m]) for m in rated}
+        rated = [m for m in rated if each[m] is not None]
+        if len(rated) < 2:
+            return None
+        rows = np.concatenate([cast(Array, each[m]) for m in rated])
+    return rated, rows, [counts[m] for m in rated]
+
+
+def rerank(fused: Mapping[str, Fused], query_states: Array | None, states: Mapping[str, object], *,
+           weight: float, depth: int = RERANK_DEPTH, floor: float = 0.0) -> dict[str, Fused]:
+    """``fused`` with its ``depth`` best candidates' relevance mixed with their MaxSim (module
+    docstring); ``states`` maps a memory id to its stored token states (bytes, any may be missing
+    or damaged). Unchanged when ``weight`` is 0, the question has no states, or fewer than two of
+    the candidates have usable ones."""
+    out = dict(fused)
+    if weight <= 0.0 or query_states is None or query_states.shape[0] == 0 or query_states.shape[1] != DIMS:
+        return out
+    top = sorted(fused, key=lambda m: (-fused[m].relevance, m))[:depth]
+    got = _stored_rows(top, states)
+    if got is None:
+        return out
+    rated, rows, counts = got
+    sims = maxsim(query_states, rows, counts)
+    rel = np.array([fused[m].relevance for m in top], dtype=np.float64)
+    z_rel, z_sim = _z(rel), _z(np.asarray(sims, dtype=np.float64))
+    if z_rel is None or z_sim is None:  # nothing to standardise: the order stays, the scores are shown
+        mixed = [fused[m].relevance for m in rated]
+    else:
+        at = {m: i for i, m in enumerate(top)}
+        z_mix = (1.0 - weight) * z_rel[[at[m] for m in rated]] + weight * z_sim
+        mixed = np.clip(rel.mean() + rel.std() * z_mix, 0.0, 1.0).tolist()
+    for m, sim, r in zip(rated, sims, mixed, strict=True):
+        f = fused[m]
+        if f.relevance >= floor:
+            r = max(r, floor)
+        out[m] = Fused(r, f.text, f.vector, f.boost, min(max(sim, 0.0), 1.0))
+    return out
