@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 import uvloop
 
+from bench.lib.checkout import memory_server_module, pythonpath
 from bench.lib.cpu import cpu_seconds, descendants
 from bench.lib.percentiles import median, percentile
 from bench.lib.stack import seed_demo
@@ -160,10 +161,10 @@ def _service(name: str, checkout: str | None, redis_url: str, log_dir: Path, ext
              embedder: str) -> Iterator[System]:
     env = {**os.environ, "IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": embedder}
     if checkout is not None:
-        env["PYTHONPATH"] = checkout
+        env["PYTHONPATH"] = pythonpath(checkout)
     port_file, log = log_dir / f"{name}.port", log_dir / f"{name}.log"
     with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.service.server", "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", memory_server_module(checkout), "--port", "0",
                                  "--port-file", str(port_file), "--redis-url", redis_url, *extra],
                                 cwd=log_dir, env=env, stdout=fh, stderr=subprocess.STDOUT)
     try:

@@ -121,18 +121,21 @@ def _start_redis() -> Any:
 
 
 def _service(redis_url: str, pythonpath: str | None, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    from bench.lib.checkout import memory_server_module
+    from bench.lib.checkout import pythonpath as baseline_path
+
     port_file = workdir / "port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
     env.update({"IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": EMBEDDER, "PYTHONUNBUFFERED": "1",
                 "IBEX_MEMORY_MAX_MEMORIES_PER_AGENT": str(10**9), "IBEX_MEMORY_REDIS_TIMEOUT_MS": "30000",
                 "IBEX_ORG_STORAGE_BYTES": str(10**13)})  # one org holds every memory: no 1 GiB budget
     if pythonpath:
-        env["PYTHONPATH"] = pythonpath
+        env["PYTHONPATH"] = baseline_path(pythonpath)
     log = open(workdir / "service.log", "wb")  # the child keeps it open for its life
-    proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.service.server", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", memory_server_module(pythonpath), "--host", "127.0.0.1",
                              "--port", "0", "--port-file", str(port_file), "--redis-url", redis_url],
                             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=pythonpath or str(REPO))
+                            cwd=str(REPO))
     deadline = time.monotonic() + 60
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -251,6 +254,8 @@ def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, 
                seed: int, cluster: int = 0, concurrency: int = 0) -> dict[str, Any]:
     import redis
 
+    from bench.lib.checkout import pythonpath as baseline_path
+
     server = _Cluster(cluster) if cluster else _start_redis()
     pids = server.pids if cluster else [int(server.pid or 0)]
     try:
@@ -258,9 +263,9 @@ def _run_store(label: str, pythonpath: str | None, agents: int, per_agent: int, 
         t0 = time.monotonic()
         env = dict(os.environ)
         if pythonpath:  # the seeding script runs by path, so ``ibex_context`` is the baseline's
-            env["PYTHONPATH"] = pythonpath
+            env["PYTHONPATH"] = baseline_path(pythonpath)
         subprocess.run([sys.executable, __file__, "--seed-only", server.url, str(agents), str(per_agent), str(seed)],
-                       check=True, env=env, cwd=pythonpath or str(REPO))
+                       check=True, env=env, cwd=str(REPO))
         seed_s = time.monotonic() - t0
         if not cluster:  # the org's index is made before the writes on a cluster: nothing left to index
             with redis.Redis.from_url(server.url) as r:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.lib.checkout import checkout_of, pythonpath
 from bench.lib.cpu import tree_cpu_seconds
 from bench.lib.stack import (
     FULL_WORKER,
@@ -171,7 +172,7 @@ class BaselineStack(LocalStack):
     has the transport mode in its worker (``--mode transport``)."""
 
     def start_worker(self, i: int) -> subprocess.Popen[bytes]:
-        root = Path(self.extra_env["PYTHONPATH"])
+        root = checkout_of(self.extra_env["PYTHONPATH"])
         if (root / "bench" / "lib" / "transport.py").exists():
             return super().start_worker(i)
         mode = "transport" if self.worker_module == TRANSPORT_WORKER else "full"
@@ -192,7 +193,7 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
         seed_demo(str(stack.redis_url))
         if plan.baseline is not None:
             base = BaselineStack(workers=2, log_dir=log_dir / "base", redis_url=stack.redis_url, secret=stack.secret,
-                                 env={"PYTHONPATH": plan.baseline})
+                                 env={"PYTHONPATH": pythonpath(plan.baseline)})
             base.worker_module = TRANSPORT_WORKER
             (log_dir / "base").mkdir(exist_ok=True)
             base.memory_port = stack.memory_port  # one memory service for every system

@@ -41,6 +41,7 @@ import msgpack
 import orjson
 import zmq
 
+from bench.lib.checkout import pythonpath
 from bench.lib.cpu import cpu_seconds, thread_cpu_seconds
 from bench.lib.percentiles import median
 from bench.lib.stack import seed_demo
@@ -69,10 +70,9 @@ class Worker:
 def _spawn_worker(stack: LocalStack, checkout: Path, endpoint: str, name: str, log_dir: Path,
                   extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
     env = stack.env()
-    # The checkout's own package first where its ibex_context/ holds the folders (older trees link them);
-    # a tree laid out by package-dir reaches them through the editable install of this venv.
+    # The checkout's own package (bench.lib.checkout): not this venv's editable install of today's code.
     env.update({"IBEX_BROKER_BACKENDS": endpoint, "IBEX_BROKER_BACKEND": endpoint, "IBEX_PIN_CPUS": "false",
-                "PYTHONPATH": str(checkout), **extra_env})
+                "PYTHONPATH": pythonpath(checkout), **extra_env})
     log = open(log_dir / f"{name}.log", "ab")  # the child owns it
     try:
         return subprocess.Popen([sys.executable, "-m", "ibex_context.worker", "--worker-id", name], cwd=checkout,
