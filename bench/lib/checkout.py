@@ -30,11 +30,19 @@ def _package_dirs(root: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in dirs.items()} if isinstance(dirs, dict) else {}
 
 
+# Run at the child's start (after the .pth files): the editable install of the bench's own checkout
+# must not serve a module the baseline lacks.
+SITECUSTOMIZE = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not str(getattr(f, "__module__", "")).startswith("__editable__")]
+"""
+
+
 def _view(root: Path, dirs: dict[str, str]) -> Path:
     """A folder holding ``ibex_context`` as ``root`` lays it out (made afresh on every call)."""
     view = Path(tempfile.gettempdir()) / f"ibex-baseline-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}"
     shutil.rmtree(view, ignore_errors=True)
     view.mkdir(parents=True)
+    (view / "sitecustomize.py").write_text(SITECUSTOMIZE, "utf-8")
     top = root / dirs.get(PACKAGE, PACKAGE)
     if top.resolve() == root:  # the checkout is the package
         (view / PACKAGE).symlink_to(root, target_is_directory=True)
@@ -57,10 +65,8 @@ def pythonpath(checkout: str | Path) -> str:
     root = Path(checkout).resolve()
     if not (root / "pyproject.toml").is_file():
         raise ValueError(f"{root} is not a checkout of the project (no pyproject.toml)")
-    dirs = _package_dirs(root)
-    if not dirs:  # an ibex_context/ folder of its own (real or linked) is the package
-        return str(root)
-    return os.pathsep.join((str(_view(root, dirs)), str(root)))
+    # without a package-dir table, an ibex_context/ folder of its own (real or linked) is the package
+    return os.pathsep.join((str(_view(root, _package_dirs(root))), str(root)))
 
 
 def checkout_of(path_entry: str) -> Path:
