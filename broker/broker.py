@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import zmq
 
-from ibex_context.broker.admission import ServiceTime, StandingQueue, expected_wait_ns, shed
+from ibex_context.broker.admission import STALE_FACTOR, ServiceTime, StandingQueue, expected_wait_ns, shed
 from ibex_context.broker.fairqueue import FairQueue
 from ibex_context.broker.org_counts import TopCounts
 from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
@@ -183,6 +183,8 @@ class Broker(UsageIntake, WorkerTable):
             self._expire(now)
         if now >= self.next_check_ns:
             self._heartbeat(now)
+        if self.standing:
+            self._drop_stale(now)
         if self.queue:
             self._dispatch()
 
@@ -304,12 +306,17 @@ class Broker(UsageIntake, WorkerTable):
     # ------------------------------------------------------------------------------- dispatch
 
     def _dispatch(self) -> None:
-        """Queued requests to free slots, in the fair queue's order (``broker.fairqueue``)."""
+        """Queued requests to free slots, in the fair queue's order (``broker.fairqueue``); an org
+        whose queue stands gives its newest request first (adaptive LIFO, ``broker.admission``)."""
+        lifo: set[str] = set()
+        if self.standing:
+            now = time.monotonic_ns()
+            lifo = {org for org, sq in self.standing.items() if sq.standing(now)}
         while self.queue:
             w = self._pick_worker()
             if w is None:
                 return
-            nxt = self.queue.pop()
+            nxt = self.queue.pop(lifo)
             if nxt is None:
                 return
             org, key = nxt
@@ -339,14 +346,43 @@ class Broker(UsageIntake, WorkerTable):
 
     def _waited(self, org: str, waited_ns: int, now_ns: int) -> None:
         """A request of ``org`` leaves the queue after ``waited_ns``: the org's standing-queue test
-        (kept while it has more queued, or while it stood lately) learns it."""
-        if not self.queue.queued(org):
+        (kept while it has more queued, or while it stood lately) learns it, or the age of the
+        org's oldest queued request if that is more (served newest first, the dispatched ones
+        are fresh while the queue still stands)."""
+        oldest = self.queue.oldest(org)
+        if oldest is None:
             self._drained(org, now_ns)
             return
+        p = self.pending.get(oldest)
+        if p is not None:
+            waited_ns = max(waited_ns, now_ns - p.enqueued_ns)
         sq = self.standing.get(org)
         if sq is None:
             sq = self.standing[org] = StandingQueue(self.admission_queue_ns)
         sq.on_dispatch(waited_ns, now_ns)
+
+    def _drop_stale(self, now_ns: int) -> None:
+        """With an org's queue standing, its requests that waited over ``STALE_FACTOR`` targets are
+        answered OVERLOADED now (served newest first, they would wait on to their deadline)."""
+        stale_ns = STALE_FACTOR * self.admission_queue_ns
+        for org, sq in list(self.standing.items()):
+            if not sq.standing(now_ns):
+                continue
+            while (key := self.queue.oldest(org)) is not None:
+                p = self.pending.get(key)
+                waited = now_ns - p.enqueued_ns if p is not None else 0
+                if p is not None and waited <= stale_ns:
+                    break
+                self.queue.remove(org, key)
+                if p is None or p.answered or p.worker is not None:
+                    continue
+                self.stats["shed_stale"] += 1
+                self.org_shed.add(org)
+                self._answer_error(key, Overloaded(
+                    f"shed after {waited / 1e6:.1f} ms in the standing queue of org {org!r}, which serves its "
+                    f"newest requests first; retry with backoff or another broker"))
+            if not self.queue.queued(org):
+                self._drained(org, now_ns)  # remembered: it stood just now
 
     def _drained(self, org: str, now_ns: int) -> None:
         """``org``'s queue is empty: its standing-queue test restarts, and is forgotten unless the
