@@ -246,7 +246,7 @@ class Broker(UsageIntake, WorkerTable):
         if key in self.pending:  # only a client that sent no correlation id can repeat one
             return "rejected_duplicate", InvalidRequest(
                 f"request_id {req.request_id!r} is already in flight from this client", field="request_id")
-        refusal = self._shed(req.org_id, remaining)
+        refusal = self._shed(req.org_id, remaining) or self._gates_full(req.org_id)
         if refusal is None and len(self.queue) >= self.settings.queue_max:
             refusal = self._full(req.org_id)
         return refusal
@@ -275,6 +275,22 @@ class Broker(UsageIntake, WorkerTable):
             f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
             f"share of {slots * share:.1f} of {slots} slot(s), and {self.service.mean_ns / 1e6:.1f} ms of service; "
             f"retry with backoff or another broker")
+
+    def _gates_full(self, org: str) -> tuple[str, IbexError] | None:
+        """OVERLOADED on receipt while every worker's memory gate is full (``worker.memgate``, told in
+        each reply's feedback) and ``org`` holds at least an equal share of the requests in flight:
+        a worker's gate would answer it without memories after a hop, at a worker's CPU. An org
+        under its share goes on to a worker, where the gate keeps it a slot."""
+        live = [w for w in self.workers.values() if not w.draining]
+        if not live or not all(w.gate_full and w.inflight for w in live):
+            return None
+        held = collections.Counter(self.pending[k].org for w in live for k in w.inflight if k in self.pending)
+        total, mine = sum(held.values()), held.get(org, 0)
+        if mine * (1 + sum(1 for o in held if o != org)) < total:
+            return None
+        return "shed_gates_full", Overloaded(
+            f"every worker's limit on memory-service calls is full and org {org!r} holds {mine} of the {total} "
+            f"request(s) in flight; retry with backoff or another broker")
 
     def _full(self, org: str) -> tuple[str, IbexError] | None:
         """The queue holds ``queue_max``: an arrival of an org under its share of the queue takes

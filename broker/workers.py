@@ -116,6 +116,8 @@ class WorkerTable(BrokerBase):
         now = time.monotonic_ns()
         if feedback is None or not feedback.overloaded:
             self.service.observe(now - p.dispatched_ns)
+        if feedback is not None:
+            w.gate_full = feedback.gate_full
         if w.limiter is not None and feedback is not None:
             w.limiter.on_reply(inflight=len(w.inflight), overloaded=feedback.overloaded,
                                loop_lag_us=feedback.loop_lag_us, now_ns=now, service_ns=self.service.mean_ns)
