@@ -274,6 +274,12 @@ class ClientSettings(CommonSettings, PipelineSettings, _LegacyTimeout):
         10_000.0, gt=0, le=600_000, description="The default timeout scaled by conversation size stops here "
                                                 "(never below IBEX_CLIENT_TIMEOUT_MS).")
     broker_endpoints: str = Field("tcp://127.0.0.1:5555", description="Frontends the client uses (comma-separated).")
+    client_throttle_k: float = Field(
+        2.0, ge=0, description="Client-side adaptive throttling per org: a call is refused locally (OVERLOADED) "
+                               "with probability max(0, (requests - k * accepts) / (requests + 1)) over the window; "
+                               "0 = off.")
+    client_throttle_window_s: float = Field(
+        2.0, gt=0, le=600, description="The window client-side throttling counts requests and accepts over.")
     client_key_file: str | None = Field(None, description="The caller's CURVE keypair file.")
     litellm_config: str | None = Field(
         None, description="The LiteLLM proxy hook's YAML or JSON config; required when the hook is loaded.")
