@@ -378,8 +378,10 @@ class Broker(UsageIntake, WorkerTable):
         sq.on_dispatch(waited_ns, now_ns)
 
     def _drop_stale(self, now_ns: int) -> None:
-        """With an org's queue standing, its requests that waited over ``STALE_FACTOR`` targets are
-        answered OVERLOADED now (served newest first, they would wait on to their deadline)."""
+        """With an org's queue standing, its oldest requests that waited over ``STALE_FACTOR``
+        targets and a quarter of the time they had on receipt (the rule a request is refused by on
+        receipt: one with seconds to spare may wait) are answered OVERLOADED now: served newest
+        first, they would otherwise wait on to their deadline."""
         stale_ns = STALE_FACTOR * self.admission_queue_ns
         for org, sq in list(self.standing.items()):
             if not sq.standing(now_ns):
@@ -387,7 +389,7 @@ class Broker(UsageIntake, WorkerTable):
             while (key := self.queue.oldest(org)) is not None:
                 p = self.pending.get(key)
                 waited = now_ns - p.enqueued_ns if p is not None else 0
-                if p is not None and waited <= stale_ns:
+                if p is not None and waited <= max(stale_ns, (p.deadline_ns - p.enqueued_ns) / 4):
                     break
                 self.queue.remove(org, key)
                 if p is None or p.answered or p.worker is not None:

@@ -269,10 +269,9 @@ class AsyncClient:
         try:
             resp = await self._send(rid, frames, timeout)
         except IbexError as exc:
-            if exc.code is not ErrorCode.OVERLOADED:
-                throttle.accepted(org, time.monotonic())
+            throttle.answered(org, time.monotonic(), accepted=exc.code is not ErrorCode.OVERLOADED)
             raise
-        throttle.accepted(org, time.monotonic())
+        throttle.answered(org, time.monotonic(), accepted=True)
         return resp
 
     async def _send(self, rid: str, frames: list[bytes], timeout: float) -> AssembleResponse:

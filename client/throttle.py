@@ -3,8 +3,9 @@
 When the service refuses most of what an org sends (OVERLOADED), sending more only costs both
 sides a round trip per refusal: the client's socket, the broker's loop, on a machine whose CPU is
 what is short. So the client keeps, per org, how many requests it was asked to send and how many
-the service accepted (answered with anything but OVERLOADED) over the last ``window_s`` seconds,
-and refuses a new one locally with probability
+the service accepted (answered with anything but OVERLOADED) over the last ``window_s`` seconds
+(a request sent counts once its answer is back, one refused here at once), and refuses a new one
+locally with probability
 
     max(0, (requests - k * accepts) / (requests + 1))
 
@@ -65,21 +66,26 @@ class Throttle:
         return max(0.0, (requests - self.k * accepts) / (requests + 1))
 
     def admit(self, org: str, now_s: float) -> bool:
-        """Whether to send ``org``'s request; counted as a request either way."""
+        """Whether to send ``org``'s request. One refused here counts as a request at once; one
+        sent counts when its answer comes (``answered``), so a burst sent before any answer is
+        back is not refused for answers it has not had yet."""
         p = self.reject_probability(org, now_s)
+        if p <= 0.0 or self.rand() >= p:
+            return True
+        self._window(org, now_s).add(self._slot(now_s), 1, 0)
+        return False
+
+    def answered(self, org: str, now_s: float, *, accepted: bool) -> None:
+        """The service answered ``org``'s request: ``accepted`` unless it was refused OVERLOADED."""
+        self._window(org, now_s).add(self._slot(now_s), 1, int(accepted))
+
+    def _window(self, org: str, now_s: float) -> _Window:
         w = self.orgs.get(org)
         if w is None:
             if len(self.orgs) >= MAX_ORGS:
                 self._prune(now_s)
             w = self.orgs[org] = _Window()
-        w.add(self._slot(now_s), 1, 0)
-        return p <= 0.0 or self.rand() >= p
-
-    def accepted(self, org: str, now_s: float) -> None:
-        """The service answered ``org``'s request with anything but OVERLOADED."""
-        w = self.orgs.get(org)
-        if w is not None:
-            w.add(self._slot(now_s), 0, 1)
+        return w
 
     def _prune(self, now_s: float) -> None:
         slot = self._slot(now_s)
