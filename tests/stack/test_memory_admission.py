@@ -105,6 +105,7 @@ async def test_a_flood_against_a_slowed_memory_service_is_refused_at_once_and_an
             await eventually("the flood answered while the service is slow", lambda: len(flood.seen) >= 200,
                              timeout_s=120)
             slow = flood.since(0)
+            refused_on_receipt = (await client.status())["stats"].get("shed_gates_full", 0)
             (await http.delete(faults)).raise_for_status()
             healed = len(flood.seen)
             # The calls admitted while the service was slow hold their slots to their limits; the
@@ -122,6 +123,8 @@ async def test_a_flood_against_a_slowed_memory_service_is_refused_at_once_and_an
     # memory calls that cannot answer: the gate holds a few per worker, the rest are refused (by the
     # gate, or with every gate full by the broker on receipt and then by the client's throttle).
     assert slow["gate"] + slow["OVERLOADED"] > slow["degraded"] + slow["DEADLINE_EXCEEDED"], slow
+    # The workers told the broker their gates were full: it refused acme itself, with no hop.
+    assert refused_on_receipt > 0
     # Once it recovers, the other org is served whole while the flood goes on (its first request on
     # a worker waits at most 20 ms for a slot, which on a loaded box may not be enough).
     assert Counter(o for o, _ in served)["whole"] >= VICTIM_REQUESTS - 2, served
