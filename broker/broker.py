@@ -378,18 +378,20 @@ class Broker(UsageIntake, WorkerTable):
         sq.on_dispatch(waited_ns, now_ns)
 
     def _drop_stale(self, now_ns: int) -> None:
-        """With an org's queue standing, its oldest requests that waited over ``STALE_FACTOR``
-        targets and a quarter of the time they had on receipt (the rule a request is refused by on
-        receipt: one with seconds to spare may wait) are answered OVERLOADED now: served newest
-        first, they would otherwise wait on to their deadline."""
-        stale_ns = STALE_FACTOR * self.admission_queue_ns
+        """With an org's queue standing (served newest first), its oldest requests that can no
+        longer be answered in full (less time left than a service time and the target) are
+        answered OVERLOADED now, instead of waiting on to their deadline behind newer ones; one
+        with time to spare waits on (it goes when the queue drains)."""
+        if not self.service.trusted:
+            return
+        need_ns = self.service.mean_ns + STALE_FACTOR * self.admission_queue_ns
         for org, sq in list(self.standing.items()):
             if not sq.standing(now_ns):
                 continue
             while (key := self.queue.oldest(org)) is not None:
                 p = self.pending.get(key)
                 waited = now_ns - p.enqueued_ns if p is not None else 0
-                if p is not None and waited <= max(stale_ns, (p.deadline_ns - p.enqueued_ns) / 4):
+                if p is not None and p.deadline_ns - now_ns >= need_ns:
                     break
                 self.queue.remove(org, key)
                 if p is None or p.answered or p.worker is not None:
@@ -397,8 +399,8 @@ class Broker(UsageIntake, WorkerTable):
                 self.stats["shed_stale"] += 1
                 self.org_shed.add(org)
                 self._answer_error(key, Overloaded(
-                    f"shed after {waited / 1e6:.1f} ms in the standing queue of org {org!r}, which serves its "
-                    f"newest requests first; retry with backoff or another broker"))
+                    f"shed after {waited / 1e6:.1f} ms in the standing queue of org {org!r} (served newest first) "
+                    f"with too little time left to be answered in full; retry with backoff or another broker"))
             if not self.queue.queued(org):
                 self._drained(org, now_ns)  # remembered: it stood just now
 

@@ -77,12 +77,7 @@ class WorkerState:
 
     @property
     def free(self) -> int:
-        """Slots it may be sent work on now: none while draining, or while its memory gate is full
-        with requests of ours in flight (what it would get it would answer without memories; the
-        reply that frees a gate slot says so)."""
-        if self.draining or (self.gate_full and self.inflight):
-            return 0
-        return self.slots - len(self.inflight)
+        return 0 if self.draining else self.slots - len(self.inflight)
 
 
 class BrokerBase:

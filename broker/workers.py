@@ -91,6 +91,8 @@ class WorkerTable(BrokerBase):
             if p is not None and p.worker == ident:
                 self._learn(w, p, reply.feedback)
             w.inflight.discard(key)
+            if not w.inflight:
+                w.gate_full = False  # its gate holds nothing of ours: a flag from a past burst says nothing now
             if w.draining and not w.inflight:
                 del self.workers[ident]
         if p is None or p.worker != ident:
@@ -183,6 +185,8 @@ class WorkerTable(BrokerBase):
         w = self.workers.get(p.worker) if p.worker is not None else None
         if w is not None:
             w.inflight.discard(p.key)
+        if w is not None and not w.inflight:
+            w.gate_full = False
         self.stats["reaped_no_reply"] += 1
         log.warning("no reply from worker %s for request %s within %d ms of its deadline; freeing its credit",
                     w.worker_id if w else "?", p.request_id, self.hb_ns * self.liveness // 1_000_000)
@@ -198,7 +202,7 @@ class WorkerTable(BrokerBase):
         """Requests held by a lost (or reconnected) worker: re-dispatch while time allows, else
         UNAVAILABLE; records already answered are dropped. Either way the worker holds none."""
         now = time.monotonic_ns()
-        held, w.inflight = w.inflight, set()
+        held, w.inflight, w.gate_full = w.inflight, set(), False
         for key in sorted(held, key=lambda k: self.pending[k].deadline_ns if k in self.pending else 0,
                           reverse=True):
             p = self.pending.get(key)

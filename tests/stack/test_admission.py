@@ -129,9 +129,9 @@ NO_THROTTLE = ClientSettings(client_throttle_k=0)  # every call reaches the brok
 
 async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late() -> None:
     """Offered three times what one slow worker can serve, for long enough to make the queue stand:
-    the surplus is refused OVERLOADED on receipt or, served newest first, once it has waited a
-    target in the standing queue (said so, and counted), the rest is served, and no answer of
-    any kind comes after its deadline."""
+    the surplus is refused OVERLOADED on receipt or, served newest first, once too little of its
+    time is left to be answered in full (said so, and counted), the rest is served, and no answer
+    of any kind comes after its deadline."""
     deadline_s = 0.1
     with broker_with([("w0", 2, 0.01)]) as (broker, _):
         async with AsyncClient(broker.frontend_endpoint, settings=NO_THROTTLE) as c:
@@ -157,7 +157,10 @@ async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late() -> None
             results = await asyncio.gather(*tasks)
     outcomes = collections.Counter(o for o, _ in results)
     assert outcomes["OVERLOADED"] > 0 and outcomes["ok"] > 0, outcomes
-    assert broker.stats["shed_overloaded"] + broker.stats["shed_stale"] == outcomes["OVERLOADED"]
+    # A request shed with little time left may reach its caller just after the caller's own clock
+    # ended it (DEADLINE_EXCEEDED there): never more refusals seen than the broker sent.
+    shed_by_broker = broker.stats["shed_overloaded"] + broker.stats["shed_stale"]
+    assert outcomes["OVERLOADED"] <= shed_by_broker <= outcomes["OVERLOADED"] + outcomes["DEADLINE_EXCEEDED"]
     assert sum(outcomes.values()) == 240 and broker.stats["replies"] == 30 + outcomes["ok"]
     assert all(t <= deadline_s + 0.05 for _, t in results), max(t for _, t in results)
 
@@ -170,26 +173,25 @@ async def _outcome(call: Awaitable[object]) -> str:
         return f"OVERLOADED: {exc.message}"
 
 
-async def _gates_full(broker: Broker, w0: ScriptedWorker, c: AsyncClient) -> asyncio.Task[str]:
-    """The worker's replies say its memory gate is full; one of acme's requests held in flight."""
+async def _gates_full(w0: ScriptedWorker, c: AsyncClient) -> asyncio.Task[str]:
+    """The worker's replies say its memory gate is full: one acme request's reply tells the broker
+    so while a second one is still in flight (returned, to be awaited)."""
     w0.gate_full = True
-    await c.assemble(timeout=2.0, **_fields(0))  # its reply tells the broker
-    held = asyncio.create_task(_outcome(c.assemble(timeout=2.0, **_fields(1))))
-    end = time.monotonic() + 2
-    while not broker.pending or next(iter(broker.pending.values())).worker is None:
-        assert time.monotonic() < end, "the held request was not dispatched"
-        await asyncio.sleep(0.005)
+    first = asyncio.create_task(_outcome(c.assemble(timeout=3.0, **_fields(0))))
+    await asyncio.sleep(w0.delay_s / 3)
+    held = asyncio.create_task(_outcome(c.assemble(timeout=3.0, **_fields(1))))
+    assert await first == "ok"
     return held
 
 
 async def test_full_memory_gates_refuse_an_org_at_its_share_on_receipt() -> None:
     """Every worker's gate full: acme, holding every request in flight, is refused OVERLOADED on
-    receipt (no hop to a worker); globex, holding none, is queued and served once the gate has
-    room. Every call has exactly one outcome, and the worker saw only what was admitted."""
+    receipt (no hop to a worker); globex, holding none, goes on to the worker (whose gate keeps
+    it a slot). Every call has exactly one outcome, and the worker saw only what was admitted."""
     with broker_with([("w0", 4, 0.3)]) as (broker, (w0,)):
         async with AsyncClient(broker.frontend_endpoint, settings=NO_THROTTLE) as c:
             await c.wait_connected()
-            held = await _gates_full(broker, w0, c)
+            held = await _gates_full(w0, c)
             refused = await _outcome(c.assemble(timeout=2.0, **_fields(2)))
             other = await _outcome(c.assemble(timeout=2.0, **{**_fields(3), "org_id": "globex"}))
             assert await held == "ok"
@@ -204,11 +206,11 @@ async def test_the_client_throttles_an_org_the_service_refuses() -> None:
     typed OVERLOADED and at once; every call still has exactly one outcome, the refusals the
     broker made and the client's add up to the calls, and ``assemble_or_degrade`` answers a
     throttled call with its degraded fallback."""
-    with broker_with([("w0", 4, 0.5)]) as (broker, (w0,)):
+    with broker_with([("w0", 4, 1.0)]) as (broker, (w0,)):
         async with AsyncClient(broker.frontend_endpoint) as c:
             await c.wait_connected()
             await c.prepare_fallback()
-            held = await _gates_full(broker, w0, c)
+            held = await _gates_full(w0, c)
             outcomes = [await _outcome(c.assemble(timeout=2.0, **_fields(10 + i))) for i in range(60)]
             throttled = c.stats["throttled"]
             degraded = await c.assemble_or_degrade(timeout=2.0, **_fields(100))
