@@ -38,17 +38,18 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
+import os
 import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ibex_context.broker.admission import STALE_FACTOR, ServiceTime, StandingQueue, expected_wait_ns, shed
 from ibex_context.broker.fairqueue import FairQueue
-from ibex_context.broker.org_counts import TopCounts
-from ibex_context.broker.state import BURST, Authorizer, Key, Pending, WorkerState
+from ibex_context.broker.org_counts import TopCounts, org_snapshot
+from ibex_context.broker.state import BURST, MIN_RETRY_NS, Authorizer, Key, Pending, Wire, WorkerState, checked
 from ibex_context.broker.usage import UsageIntake
-from ibex_context.broker.usage_limits import UsageLimits
 from ibex_context.broker.workers import WorkerTable
 from ibex_context.shared.config.settings import BrokerSettings
 from ibex_context.shared.wire import protocol as P
@@ -82,7 +83,11 @@ def _reply_payload(frames: list[object]) -> int | None:
     return 5 if len(frames) in (6, 7) and frames[2] in (P.REPLY, P.ERROR) else None
 
 
-class Broker(UsageIntake, WorkerTable):
+class Broker:
+    """The request table (pending requests, the fair queue, deadline timers) and the loop; the
+    workers live in ``self.table`` (``broker.workers``), the report path in ``self.usage``
+    (``broker.usage``), the sends in ``self.wire`` (``broker.state``)."""
+
     def __init__(self, *, settings: BrokerSettings, frontend: str | None = None, backend: str | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None, authorizer: Authorizer | None = None,
                  configure_frontend: Callable[[zmq.Socket[bytes]], None] | None = None,
@@ -90,8 +95,6 @@ class Broker(UsageIntake, WorkerTable):
         self.settings = settings
         self.ctx = ctx or zmq.Context.instance()
         self.authorizer = authorizer
-        self.hb_ns = settings.heartbeat_interval_ms * 1_000_000
-        self.liveness = settings.heartbeat_liveness
         self.front = self._socket(configure_frontend, P.frontend_max_msgsize(settings.max_request_bytes))
         self.back = self._socket(configure_backend,
                                  P.backend_max_msgsize(settings.max_request_bytes, settings.max_reply_bytes))
@@ -102,26 +105,19 @@ class Broker(UsageIntake, WorkerTable):
         self.back_monitor = self.back.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poll_items: list[tuple[zmq.Socket[bytes], int]] = [
             (s, zmq.POLLIN) for s in (self.front, self.back, self.back_monitor)]
-        self.queue: FairQueue[Key] = FairQueue(settings.org_weight_map())
-        self.org_shed = TopCounts()
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.wire = Wire(self.front, self.back, self.stats)
+        self.table = WorkerTable(settings, self.wire, self.stats)
+        self.queue: FairQueue[Key] = FairQueue(settings.org_weight_map())  # per-org FIFOs, weighted fair order
+        self.usage = UsageIntake(settings, self.wire, self.table, self.queue, self.stats, authorizer)
+        self.org_shed = TopCounts()  # requests refused OVERLOADED on receipt or pushed out, per org
         self.pending: dict[Key, Pending] = {}
         self.timers: list[tuple[int, int, Key]] = []  # (deadline_ns, attempt, key)
-        self.workers: dict[bytes, WorkerState] = {}
-        self.stats: collections.Counter[str] = collections.Counter()
         self.service = ServiceTime()  # dispatch-to-reply time, for the queue-wait estimate
-        self.picks = 0  # dispatch sequence number (ties between workers go to the least recent)
         self.admission_queue_ns = settings.admission_queue_ms * 1e6
-        self.standing: dict[str, StandingQueue] = {}
-        self.next_hb_ns = time.monotonic_ns() + self.hb_ns
-        self.next_check_ns = 0  # next worker-liveness check (a tenth of an interval apart, not every poll)
+        self.standing: dict[str, StandingQueue] = {}  # per org with requests queued: CoDel's standing-queue test
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
-        self.usage_rr = 0  # round-robin position for usage reports
-        self.usage_limits = UsageLimits(per_key=settings.usage_rate_per_key, per_org=settings.usage_rate_per_org,
-                                        total=settings.usage_rate_total, burst_s=settings.usage_burst_s)
-        self.summary_limits = UsageLimits(per_key=settings.summary_rate_per_key,
-                                          per_org=settings.summary_rate_per_org,
-                                          total=settings.summary_rate_total, burst_s=settings.usage_burst_s)
 
     def _socket(self, configure: Callable[[zmq.Socket[bytes]], None] | None, max_msgsize: int) -> zmq.Socket[bytes]:
         s = self.ctx.socket(zmq.ROUTER)
@@ -163,7 +159,7 @@ class Broker(UsageIntake, WorkerTable):
 
     def poll_once(self) -> None:
         now = time.monotonic_ns()
-        wake = min(self.next_hb_ns, self.timers[0][0] if self.timers else now + 100_000_000)
+        wake = min(self.table.next_hb_ns, self.timers[0][0] if self.timers else now + 100_000_000)
         timeout_ms = max(0, (wake - now + 999_999) // 1_000_000)
         ready = {sock for sock, _ in zmq.zmq_poll(self.poll_items, min(timeout_ms, 100))}
         if self.back in ready:
@@ -181,10 +177,9 @@ class Broker(UsageIntake, WorkerTable):
         now = time.monotonic_ns()
         if self.timers and self.timers[0][0] <= now:
             self._expire(now)
-        if now >= self.next_check_ns:
-            self._heartbeat(now)
-        if self.standing:
-            self._drop_stale(now)
+        if now >= self.table.next_check_ns:
+            for w, why in self.table.heartbeat(now):
+                self._worker_dead(w, why)
         if self.queue:
             self._dispatch()
 
@@ -200,22 +195,23 @@ class Broker(UsageIntake, WorkerTable):
             parsed = P.parse_client_message(msg[1:])
         except P.FrameError as exc:
             self.stats["rejected_malformed_frames"] += 1
-            self._reply_error(client, b"", InvalidRequest(str(exc), field="<frames>"))
+            self.wire.reply_error(client, b"", InvalidRequest(str(exc), field="<frames>"))
             return
         if isinstance(parsed, P.StatusRequest):
-            self._send_front([client, *P.status_reply_frames(self.snapshot())])
+            self.wire.send_front([client, *P.status_reply_frames(self.snapshot())])
             return
         if isinstance(parsed, P.UsageMessage | P.SummaryMessage):
             if self.queue:
                 self._dispatch()  # requests waiting for a worker go before any report or summary
-            self._on_usage(client, parsed.payload, last, "usage" if isinstance(parsed, P.UsageMessage) else "summary")
+            self.usage.on_report(client, parsed.payload, last,
+                                 "usage" if isinstance(parsed, P.UsageMessage) else "summary")
             return
         header, req = self._envelope(parsed)
         # replies are matched by the client's correlation id; a REQUEST has none: its request_id
         correlation_id = parsed.correlation_id or (req.request_id or "").encode()
         if isinstance(req, ErrorReply):
             self.stats["rejected_invalid"] += 1
-            self._reply_error(client, correlation_id, req)
+            self.wire.reply_error(client, correlation_id, req)
             return
         key = (client, correlation_id)
         refusal = self._refusal(key, req, last)
@@ -223,7 +219,7 @@ class Broker(UsageIntake, WorkerTable):
             self.stats[refusal[0]] += 1
             if refusal[1].code is ErrorCode.OVERLOADED:
                 self.org_shed.add(req.org_id)
-            self._reply_error(client, correlation_id, refusal[1], req.request_id)
+            self.wire.reply_error(client, correlation_id, refusal[1], req.request_id)
             return
         self._enqueue(key, req, header, parsed.payload)
 
@@ -239,9 +235,9 @@ class Broker(UsageIntake, WorkerTable):
 
     def _refusal(self, key: Key, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
         """(counter, error) when a well-formed request must be answered at once, else None."""
-        checked = self._checked(req, last)
-        if checked is not None:
-            return checked
+        first = checked(req, last, self.authorizer)
+        if first is not None:
+            return first
         remaining = req.deadline_ns - time.time_ns()
         if key in self.pending:  # only a client that sent no correlation id can repeat one
             return "rejected_duplicate", InvalidRequest(
@@ -261,10 +257,10 @@ class Broker(UsageIntake, WorkerTable):
             self._drained(org, time.monotonic_ns())  # a standing queue never empties, and only a standing queue sheds
             return None
         standing = self.standing.get(org)
-        if (not self.admission_queue_ns or not self.service.trusted or not self.workers
+        if (not self.admission_queue_ns or not self.service.trusted or not self.table
                 or standing is None or not standing.standing(time.monotonic_ns())):
             return None
-        live = [w for w in self.workers.values() if not w.draining]
+        live = self.table.live()
         slots = sum(w.slots for w in live)
         share = self.queue.share(org)
         wait = expected_wait_ns(queued, slots, sum(max(0, w.free) for w in live), self.service.mean_ns, share)
@@ -281,7 +277,7 @@ class Broker(UsageIntake, WorkerTable):
         each reply's feedback) and ``org`` holds at least an equal share of the requests in flight:
         a worker's gate would answer it without memories after a hop, at a worker's CPU. An org
         under its share goes on to a worker, where the gate keeps it a slot."""
-        live = [w for w in self.workers.values() if not w.draining]
+        live = self.table.live()
         if not live or not all(w.gate_full and w.inflight for w in live):
             return None
         held = collections.Counter(self.pending[k].org for w in live for k in w.inflight if k in self.pending)
@@ -327,9 +323,10 @@ class Broker(UsageIntake, WorkerTable):
         lifo: set[str] = set()
         if self.standing:
             now = time.monotonic_ns()
+            self._drop_stale(now)
             lifo = {org for org, sq in self.standing.items() if sq.standing(now)}
         while self.queue:
-            w = self._pick_worker()
+            w = self.table.pick()
             if w is None:
                 return
             nxt = self.queue.pop(lifo)
@@ -348,14 +345,12 @@ class Broker(UsageIntake, WorkerTable):
                     f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms in the broker queue"))
                 continue
             stamp = P.Stamp(p.deadline_epoch_ns, (now - p.enqueued_ns) // 1000, time.time_ns(), p.attempt)
-            if not self._send_back([w.ident, *P.dispatch_frames(key[0], key[1], stamp, p.header, p.payload)]):
+            if not self.wire.send_back([w.ident, *P.dispatch_frames(key[0], key[1], stamp, p.header, p.payload)]):
                 self._worker_dead(w, "send failed")
                 self.queue.push_front(org, key)
                 continue
             p.worker, p.dispatched_ns = w.ident, now
-            self.picks += 1
-            w.picked = self.picks
-            w.inflight.add(key)
+            self.table.dispatched(w, key)
             self.stats["dispatched"] += 1
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
@@ -414,13 +409,169 @@ class Broker(UsageIntake, WorkerTable):
         if not sq.remembered(now_ns):
             del self.standing[org]
 
-    def _pick_worker(self) -> WorkerState | None:
-        """The live worker with most free slots; ties go to the one dispatched to least recently, so
-        equal workers get equal work (a stable tie-break would load one worker 2-3x more)."""
-        best: WorkerState | None = None
-        best_free = 0
-        for w in self.workers.values():
-            free = w.free
-            if free > best_free or (free == best_free and free > 0 and best is not None and w.picked < best.picked):
-                best, best_free = w, free
-        return best
+    # ------------------------------------------------------------------------------- backend
+
+    def _on_backend(self, frames: list[bytes]) -> None:
+        if len(frames) < 3 or frames[1] != P.TAG:
+            self.stats["backend_malformed"] += 1
+            return
+        ident = frames[0]
+        w = self.table.heard(ident)
+        try:
+            msg = P.parse_worker_message(frames[1:])
+        except P.FrameError as exc:
+            self.stats["backend_malformed"] += 1
+            log.debug("malformed worker message: %s", exc)
+            return
+        if isinstance(msg, P.WorkerReply):
+            self._on_reply(ident, msg)
+        elif isinstance(msg, P.WorkerHeartbeat | P.WorkerReady):
+            info = msg.info
+            if info is not None:
+                reconnected = self.table.on_ready(ident, w, info, from_heartbeat=isinstance(msg, P.WorkerHeartbeat))
+                if reconnected is not None:
+                    self._recover(reconnected, "reconnected")
+        else:
+            self.table.on_disconnect(ident, w)
+
+    def _on_reply(self, ident: bytes, reply: P.WorkerReply) -> None:
+        client, correlation_id = reply.client, reply.request_id
+        key = (client, correlation_id)
+        p = self.pending.get(key)
+        w = self.table.get(ident)
+        if w is not None:
+            if p is not None and p.worker == ident:
+                self._learn(w, p, reply.feedback)
+            self.table.release(w, key)
+        if p is None or p.worker != ident:
+            self.stats["late_or_unknown_reply"] += 1  # re-dispatched elsewhere, or already answered
+            return
+        del self.pending[key]
+        if p.answered:
+            self.stats["late_reply_after_deadline"] += 1
+            return
+        if time.monotonic_ns() >= p.deadline_ns:
+            self.stats["late_reply_after_deadline"] += 1
+            self.wire.reply_error(client, correlation_id, DeadlineExceeded("worker replied after the deadline"),
+                                  p.request_id)
+            return
+        self.stats["replies" if reply.cmd == P.REPLY else "worker_errors"] += 1
+        self.wire.send_front([client, *P.reply_frames(reply.cmd, correlation_id, reply.payload)])
+
+    def _learn(self, w: WorkerState, p: Pending, feedback: P.Feedback | None) -> None:
+        """Admission control's inputs from one reply: its service time, and the worker's signals.
+        Only a reply its worker served in full times the service: one degraded for lack of room
+        (refused at the memory gate in a millisecond, or cut at a branch's limit) would make the
+        queue look faster or slower than the answers it is meant to admit."""
+        now = time.monotonic_ns()
+        if feedback is None or not feedback.overloaded:
+            self.service.observe(now - p.dispatched_ns)
+        if feedback is not None:
+            w.gate_full = feedback.gate_full
+        if w.limiter is not None and feedback is not None:
+            w.limiter.on_reply(inflight=len(w.inflight), overloaded=feedback.overloaded,
+                               loop_lag_us=feedback.loop_lag_us, now_ns=now, service_ns=self.service.mean_ns)
+
+    def _on_monitor(self) -> None:
+        try:
+            while True:
+                ev = recv_monitor_message(self.back_monitor, zmq.NOBLOCK)
+                log.debug("backend event %s", ev)
+                if ev["event"] == zmq.EVENT_DISCONNECTED:
+                    self.stats["backend_disconnects"] += 1
+                    for w, why in self.table.probe():
+                        self._worker_dead(w, why)
+        except zmq.Again:
+            return
+
+    def _worker_dead(self, w: WorkerState, why: str) -> None:
+        if not self.table.remove(w):
+            return
+        log.warning("worker %s lost (%s); %d request(s) in flight", w.worker_id, why, len(w.inflight))
+        self._recover(w, why)
+
+    def _recover(self, w: WorkerState, why: str) -> None:
+        """Requests held by a lost (or reconnected) worker: re-dispatch while time allows, else
+        UNAVAILABLE; records already answered are dropped. Either way the worker holds none."""
+        now = time.monotonic_ns()
+        held, w.inflight, w.gate_full = w.inflight, set(), False
+        for key in sorted(held, key=lambda k: self.pending[k].deadline_ns if k in self.pending else 0,
+                          reverse=True):
+            p = self.pending.get(key)
+            if p is None:
+                continue
+            if p.answered:
+                del self.pending[key]
+            elif p.deadline_ns - now > MIN_RETRY_NS:
+                p.worker, p.attempt = None, p.attempt + 1
+                heapq.heappush(self.timers, (p.deadline_ns, p.attempt, key))
+                self.queue.push_front(p.org, key)
+                self.stats["redispatched"] += 1
+            else:
+                self._answer_error(key, Unavailable(
+                    f"worker {w.worker_id} was lost ({why}) with no time left to retry"))
+
+    # ------------------------------------------------------------------------ deadlines
+
+    def _expire(self, now: int) -> None:
+        while self.timers and self.timers[0][0] <= now:
+            _, attempt, key = heapq.heappop(self.timers)
+            p = self.pending.get(key)
+            if p is None or p.attempt != attempt:
+                continue
+            if p.answered:  # answered at its deadline; the worker never replied within the grace
+                self._reap(p)
+            elif p.worker is None:
+                self.stats["expired_in_queue"] += 1
+                self.queue.remove(p.org, key)
+                self._left_queue(p.org)
+                self._answer_error(key, DeadlineExceeded(
+                    f"deadline passed after {(now - p.enqueued_ns) / 1e6:.2f} ms waiting in the broker queue"))
+            else:  # the worker still holds it: answer now, keep the record until the worker frees credit
+                self.stats["expired_in_worker"] += 1
+                p.answered = True
+                self.wire.reply_error(key[0], key[1], DeadlineExceeded("deadline passed while a worker was assembling"),
+                                      p.request_id)
+                # Keep the record (it holds the worker's credit) until the late reply comes, but not
+                # for ever: a reply lost on the way must not leave pending/inflight stuck.
+                heapq.heappush(self.timers, (now + self.table.grace_ns, p.attempt, key))
+
+    def _reap(self, p: Pending) -> None:
+        del self.pending[p.key]
+        w = self.table.get(p.worker) if p.worker is not None else None
+        if w is not None:
+            w.inflight.discard(p.key)
+            w.gate_full = w.gate_full and bool(w.inflight)
+        self.stats["reaped_no_reply"] += 1
+        log.warning("no reply from worker %s for request %s within %d ms of its deadline; freeing its credit",
+                    w.worker_id if w else "?", p.request_id, self.table.grace_ns // 1_000_000)
+
+    # ------------------------------------------------------------------------ shared state
+
+    def _answer_error(self, key: Key, exc: IbexError) -> None:
+        p = self.pending.pop(key, None)
+        self.wire.reply_error(key[0], key[1], exc, p.request_id if p is not None else None)
+
+    def _left_queue(self, org: str) -> None:
+        """A request of ``org`` left the queue (dispatched, expired or pushed out): once its org has
+        none waiting, its standing-queue state goes (a standing queue never empties), so the table
+        holds only orgs with requests queued."""
+        if not self.queue.queued(org):
+            self.standing.pop(org, None)
+
+    def snapshot(self, *, orgs: bool = True) -> dict[str, object]:
+        """Counters and gauges for STATUS requests, metrics and tests; per org only the busiest
+        (``broker.org_counts``), so a caller naming many orgs cannot grow it. ``orgs=False`` leaves
+        the per-org part out: it walks the pending requests, and the metrics thread reads the
+        snapshot while the broker's thread changes them."""
+        snap: dict[str, object] = {
+            "pid": os.getpid(),
+            "queue_depth": len(self.queue),
+            "pending": len(self.pending),
+            "workers": self.table.snapshot(),
+            "stats": dict(self.stats),
+        }
+        if orgs:
+            inflight = (p.org for p in self.pending.values() if p.worker is not None and not p.answered)
+            snap |= org_snapshot(self.queue.queued_by_org(), inflight, self.org_shed)
+        return snap

@@ -1,28 +1,27 @@
-"""What the broker remembers between messages, and the sends every part of it shares.
+"""What the broker's parts share: the records of a request and a worker, the sends on its two
+sockets (``Wire``), and the checks every caller's message passes first (``checked``).
 
-``BrokerBase`` holds the request table (pending, queue, deadline timers), the worker table and
-the counters; ``broker.workers`` (backend side) and ``broker.broker`` (frontend, dispatch, loop)
-build on it. Every request ends in exactly one reply, always sent through ``_reply_error`` or a
-forwarded worker reply (docs/architecture.md "Processes and data flow").
+The parts: ``broker.broker.Broker`` (frontend, the request table, dispatch, the loop) holds a
+``broker.workers.WorkerTable`` (the live workers, their credit and liveness) and a
+``broker.usage.UsageIntake`` (usage reports and summaries). Every request ends in exactly one
+reply, always sent through ``Wire.reply_error`` or a forwarded worker reply (docs/architecture.md
+"Processes and data flow").
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
-from ibex_context.broker.admission import Limiter, StandingQueue
-from ibex_context.broker.fairqueue import FairQueue
-from ibex_context.broker.org_counts import TopCounts, org_snapshot
-from ibex_context.shared.config.settings import BrokerSettings
+from ibex_context.broker.admission import Limiter
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode_error
-from ibex_context.shared.wire.errors import IbexError
+from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError
 from ibex_context.shared.wire.loopsock import send_frames
 from ibex_context.shared.wire.models import ErrorReply
 from ibex_context.shared.wire.protocol import Envelope
@@ -80,32 +79,19 @@ class WorkerState:
         return 0 if self.draining else self.slots - len(self.inflight)
 
 
-class BrokerBase:
-    """Tables, counters and sends; no socket is made here (``Broker.__init__`` makes them)."""
+class Wire:
+    """The broker's two sockets as every part of it sends on them: a failed send is counted and
+    reported, never raised (a vanished client or worker must not stop the loop)."""
 
-    settings: BrokerSettings
-    front: zmq.Socket[bytes]
-    back: zmq.Socket[bytes]
-    hb_ns: int
-    liveness: int
-    queue: FairQueue[Key]  # per-org FIFOs, dispatched in weighted fair order
-    standing: dict[str, StandingQueue]  # per org with requests queued: CoDel's standing-queue test
-    org_shed: TopCounts  # requests refused OVERLOADED on receipt or pushed out, per org
-    pending: dict[Key, Pending]
-    timers: list[tuple[int, int, Key]]  # (deadline_ns, attempt, key)
-    workers: dict[bytes, WorkerState]
-    stats: collections.Counter[str]
+    def __init__(self, front: zmq.Socket[bytes], back: zmq.Socket[bytes], stats: collections.Counter[str]) -> None:
+        self.front, self.back, self.stats = front, back, stats
 
-    def _answer_error(self, key: Key, exc: IbexError) -> None:
-        p = self.pending.pop(key, None)
-        self._reply_error(key[0], key[1], exc, p.request_id if p is not None else None)
-
-    def _reply_error(self, client: bytes, correlation_id: bytes, err: IbexError | ErrorReply,
-                     request_id: str | None = None) -> None:
+    def reply_error(self, client: bytes, correlation_id: bytes, err: IbexError | ErrorReply,
+                    request_id: str | None = None) -> None:
         """ERROR under the request's correlation id; the error itself names the caller's request_id."""
-        self._send_front([client, *P.reply_frames(P.ERROR, correlation_id, encode_error(err, request_id))])
+        self.send_front([client, *P.reply_frames(P.ERROR, correlation_id, encode_error(err, request_id))])
 
-    def _send_front(self, frames: list[bytes]) -> bool:
+    def send_front(self, frames: list[bytes]) -> bool:
         try:
             send_frames(self.front, frames)
             return True
@@ -114,7 +100,7 @@ class BrokerBase:
             log.debug("frontend send failed: %s", exc)
             return False
 
-    def _send_back(self, frames: list[bytes]) -> bool:
+    def send_back(self, frames: list[bytes]) -> bool:
         try:
             send_frames(self.back, frames)
             return True
@@ -122,28 +108,17 @@ class BrokerBase:
             self.stats["worker_send_failed"] += 1
             return False
 
-    def _left_queue(self, org: str) -> None:
-        """A request of ``org`` left the queue (dispatched, expired or pushed out): once its org has
-        none waiting, its standing-queue state goes (a standing queue never empties), so the table
-        holds only orgs with requests queued."""
-        if not self.queue.queued(org):
-            self.standing.pop(org, None)
 
-    def snapshot(self, *, orgs: bool = True) -> dict[str, object]:
-        """Counters and gauges for STATUS requests, metrics and tests; per org only the busiest
-        (``broker.org_counts``), so a caller naming many orgs cannot grow it. ``orgs=False`` leaves
-        the per-org part out: it walks the pending requests, and the metrics thread reads the
-        snapshot while the broker's thread changes them."""
-        snap: dict[str, object] = {
-            "pid": os.getpid(),
-            "queue_depth": len(self.queue),
-            "pending": len(self.pending),
-            "workers": {w.worker_id: {"capacity": w.capacity, "limit": w.slots, "inflight": len(w.inflight),
-                                      "draining": w.draining, "stats": w.stats}
-                        for w in self.workers.values()},
-            "stats": dict(self.stats),
-        }
-        if orgs:
-            inflight = (p.org for p in self.pending.values() if p.worker is not None and not p.answered)
-            snap |= org_snapshot(self.queue.queued_by_org(), inflight, self.org_shed)
-        return snap
+def checked(req: Envelope, last: zmq.Frame, authorizer: Authorizer | None) -> tuple[str, IbexError] | None:
+    """(counter, error) when a request or report is past its deadline or its caller may not act for
+    its org and agent, else None: the checks every message of a caller passes before anything else."""
+    remaining = req.deadline_ns - time.time_ns()
+    if remaining <= 0:
+        return "expired_at_receipt", DeadlineExceeded(
+            f"deadline passed {-remaining / 1e6:.2f} ms before the broker received the request")
+    if authorizer is not None:
+        try:
+            authorizer(last, req)
+        except IbexError as exc:
+            return f"rejected_{exc.code.value.lower()}", exc
+    return None

@@ -19,17 +19,20 @@ under the same outcomes with the ``summary_`` prefix (``summary_forwarded``, ...
 
 from __future__ import annotations
 
+import collections
 import time
+from collections.abc import Sized
 
 import zmq
 
-from ibex_context.broker.state import Authorizer, BrokerBase
+from ibex_context.broker.state import Authorizer, Wire, checked
 from ibex_context.broker.usage_limits import UsageLimits, shed_message
+from ibex_context.broker.workers import WorkerTable
+from ibex_context.shared.config.settings import BrokerSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import peek_envelope, scan_request_id, unpack, validate
-from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, InvalidRequest, Overloaded
+from ibex_context.shared.wire.errors import InvalidRequest, Overloaded
 from ibex_context.shared.wire.models import ErrorReply, UsageReport
-from ibex_context.shared.wire.protocol import Envelope
 from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
 
 # kind -> (its frame's command, its payload's size limit, its model)
@@ -39,27 +42,21 @@ KINDS: dict[str, tuple[bytes, int, type[UsageReport] | type[SummaryWrite]]] = {
 }
 
 
-class UsageIntake(BrokerBase):
-    authorizer: Authorizer | None
-    usage_limits: UsageLimits
-    summary_limits: UsageLimits
-    usage_rr: int  # round-robin position over the live workers
+class UsageIntake:
+    """Reports and summaries from callers to a worker, under their own limits (module doc). It sees
+    the broker's request queue only to know whether requests wait (then reports are shed)."""
 
-    def _checked(self, req: Envelope, last: zmq.Frame) -> tuple[str, IbexError] | None:
-        """(counter, error) when a request or report is past its deadline or its caller may not
-        act for its org and agent, else None."""
-        remaining = req.deadline_ns - time.time_ns()
-        if remaining <= 0:
-            return "expired_at_receipt", DeadlineExceeded(
-                f"deadline passed {-remaining / 1e6:.2f} ms before the broker received the request")
-        if self.authorizer is not None:
-            try:
-                self.authorizer(last, req)
-            except IbexError as exc:
-                return f"rejected_{exc.code.value.lower()}", exc
-        return None
+    def __init__(self, settings: BrokerSettings, wire: Wire, table: WorkerTable, queue: Sized,
+                 stats: collections.Counter[str], authorizer: Authorizer | None) -> None:
+        self.wire, self.table, self.queue, self.stats, self.authorizer = wire, table, queue, stats, authorizer
+        self.usage_limits = UsageLimits(per_key=settings.usage_rate_per_key, per_org=settings.usage_rate_per_org,
+                                        total=settings.usage_rate_total, burst_s=settings.usage_burst_s)
+        self.summary_limits = UsageLimits(per_key=settings.summary_rate_per_key,
+                                          per_org=settings.summary_rate_per_org,
+                                          total=settings.summary_rate_total, burst_s=settings.usage_burst_s)
+        self.rr = 0  # round-robin position over the live workers
 
-    def _on_usage(self, client: bytes, payload: bytes, last: zmq.Frame, kind: str = "usage") -> None:
+    def on_report(self, client: bytes, payload: bytes, last: zmq.Frame, kind: str = "usage") -> None:
         """One report or summary (module doc): shed while requests wait, then the key's bucket before
         it is decoded, the envelope and the caller's grant as for a request, the org's and the total
         bucket, and forwarded. Refusals of a bad or unauthorized one are answered."""
@@ -67,7 +64,7 @@ class UsageIntake(BrokerBase):
         now = time.monotonic_ns()
         caller = self._caller(client, last)
         limits = self.usage_limits if kind == "usage" else self.summary_limits
-        if self.queue:  # the broker dispatched what it could before this: these wait for a worker
+        if len(self.queue):  # the broker dispatched what it could before this: these wait for a worker
             self._shed_usage(caller, client, payload, None, "busy", now, kind)
             return
         if not limits.admit_key(caller, now):
@@ -76,23 +73,23 @@ class UsageIntake(BrokerBase):
         max_bytes = KINDS[kind][1]
         if len(payload) > max_bytes:
             self.stats[f"{kind}_rejected_invalid"] += 1
-            self._reply_error(client, b"", InvalidRequest(
+            self.wire.reply_error(client, b"", InvalidRequest(
                 f"{kind} payload of {len(payload)} bytes exceeds {max_bytes} bytes", field="<payload>"))
             return
         env = peek_envelope(payload, max_bytes=max_bytes)
         if isinstance(env, ErrorReply):
             self.stats[f"{kind}_rejected_invalid"] += 1
-            self._reply_error(client, (env.request_id or "").encode(), env)
+            self.wire.reply_error(client, (env.request_id or "").encode(), env)
             return
         whole = validate(unpack(payload, max_bytes=max_bytes), KINDS[kind][2])
         if isinstance(whole, ErrorReply):  # no reply follows a forwarded one: a bad one is answered here
             self.stats[f"{kind}_rejected_invalid"] += 1
-            self._reply_error(client, env.request_id.encode(), whole, env.request_id)
+            self.wire.reply_error(client, env.request_id.encode(), whole, env.request_id)
             return
-        refusal = self._checked(env, last)
+        refusal = checked(env, last, self.authorizer)
         if refusal is not None:
             self.stats[f"{kind}_{refusal[0]}"] += 1
-            self._reply_error(client, env.request_id.encode(), refusal[1], env.request_id)
+            self.wire.reply_error(client, env.request_id.encode(), refusal[1], env.request_id)
             return
         over = limits.admit_org(env.org_id, now)
         if over is not None:
@@ -120,15 +117,15 @@ class UsageIntake(BrokerBase):
         if rid is None:
             return
         self.stats[f"{kind}_overloaded_replies"] += 1
-        self._reply_error(client, rid.encode(), Overloaded(shed_message(why, kind)), rid)
+        self.wire.reply_error(client, rid.encode(), Overloaded(shed_message(why, kind)), rid)
 
     def _forward_usage(self, payload: bytes, kind: str = "usage") -> None:
-        live = sorted(w.ident for w in self.workers.values() if not w.draining)
+        live = sorted(w.ident for w in self.table.live())
         if not live:
             self.stats[f"{kind}_dropped_no_worker"] += 1
             return
-        self.usage_rr = (self.usage_rr + 1) % len(live)
-        if self._send_back([live[self.usage_rr], *P.usage_frames(payload, KINDS[kind][0])]):
+        self.rr = (self.rr + 1) % len(live)
+        if self.wire.send_back([live[self.rr], *P.usage_frames(payload, KINDS[kind][0])]):
             self.stats[f"{kind}_forwarded"] += 1
         else:
             self.stats[f"{kind}_dropped_send_failed"] += 1

@@ -83,7 +83,7 @@ def broker_with(workers: list[tuple[str, int, float]],
         w.start()
     try:
         end = time.monotonic() + 10
-        while len(broker.workers) < len(scripted):
+        while len(broker.table) < len(scripted):
             assert time.monotonic() < end, "scripted workers did not register"
             time.sleep(0.01)
         yield broker, scripted

@@ -113,7 +113,7 @@ def broker_with(capacity: int = 4, **settings: Any) -> Iterator[tuple[Broker, Co
     worker.start()
     try:
         end = time.monotonic() + 10
-        while not broker.workers:
+        while not broker.table:
             assert time.monotonic() < end, "the worker did not register"
             time.sleep(0.01)
         yield broker, worker, ctx
