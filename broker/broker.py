@@ -318,10 +318,11 @@ class Broker:
     # ------------------------------------------------------------------------------- dispatch
 
     def _dispatch(self) -> None:
-        """Queued requests to free slots, in the fair queue's order (``broker.fairqueue``); an org
-        whose queue stands gives its newest request first (adaptive LIFO, ``broker.admission``)."""
+        """Queued requests to free slots, in the fair queue's order (``broker.fairqueue``); with
+        ``IBEX_ADMISSION_LIFO`` an org whose queue stands gives its newest request first (adaptive
+        LIFO), and its oldest ones that can no longer be answered in full are refused first."""
         lifo: set[str] = set()
-        if self.standing:
+        if self.standing and self.settings.admission_lifo:
             now = time.monotonic_ns()
             self._drop_stale(now)
             lifo = {org for org, sq in self.standing.items() if sq.standing(now)}

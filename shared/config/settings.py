@@ -232,6 +232,10 @@ class BrokerSettings(_LinkSettings):
         5.0, ge=0, description="With a standing queue, a request expected to wait longer than this (and than a "
                                "quarter of its time), or too long to finish by its deadline, is refused OVERLOADED "
                                "on receipt; 0 = off.")
+    admission_lifo: bool = Field(
+        False, description="An org whose queue stands has its newest request dispatched first, and its oldest ones "
+                           "that can no longer be answered in full refused OVERLOADED (adaptive LIFO; "
+                           "docs/architecture.md \"Admission control\").")
     adaptive_limit: bool = Field(
         True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
                           "worker holds exactly its credit.")

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Awaitable, Iterator
 
+import pytest
 import zmq
 
 from bench.lib.transport import transport_response
@@ -127,13 +128,14 @@ async def test_overload_feedback_lowers_the_limit_and_clean_replies_restore_it()
 NO_THROTTLE = ClientSettings(client_throttle_k=0)  # every call reaches the broker
 
 
-async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late() -> None:
+@pytest.mark.parametrize("lifo", [False, True], ids=["fifo", "lifo"])
+async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late(lifo: bool) -> None:
     """Offered three times what one slow worker can serve, for long enough to make the queue stand:
-    the surplus is refused OVERLOADED on receipt or, served newest first, once too little of its
-    time is left to be answered in full (said so, and counted), the rest is served, and no answer
-    of any kind comes after its deadline."""
+    the surplus is refused OVERLOADED on receipt or (``lifo``: served newest first) once too little
+    of its time is left to be answered in full (said so, and counted), the rest is served, and no
+    answer of any kind comes after its deadline."""
     deadline_s = 0.1
-    with broker_with([("w0", 2, 0.01)]) as (broker, _):
+    with broker_with([("w0", 2, 0.01)], admission_lifo=lifo) as (broker, _):
         async with AsyncClient(broker.frontend_endpoint, settings=NO_THROTTLE) as c:
             await c.wait_connected()
             for i in range(30):  # the broker learns the service time first
