@@ -31,8 +31,8 @@ from bench import tool_heavy
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 

@@ -4,13 +4,13 @@ Why (docs/assembly.md "Calibrated token counts"): families without an offline vo
 charged a conservative estimate, so real tokens are left unused. This simulates a provider whose
 true counts the service cannot see: the catalog entry (default ``mistral-small-3``) says
 *estimate*, while the "provider" counts every emitted prompt exactly with o200k by the same
-message rules (``pipeline.chat_count``). Conversations of varied real text (the token corpus,
+message rules (``pipeline.counting.chat_count``). Conversations of varied real text (the token corpus,
 the demo memories, the README and spec prose, generated tool-using turns) from a few hundred
 tokens to 2.5x the window go through the real pipeline, with the demo memories as retrieval.
 
 Each conversation is assembled twice: by the service with today's rules (``before``) and by the
 service with the calibration learned so far (``after``); only ``after``'s prompts are reported,
-in batches through the real Redis sketch (``shared.stores.calibration``: the worker's flush and
+in batches through the real Redis sketch (``worker.calibration_store``: the worker's flush and
 refresh), so ``after`` runs uncalibrated until the key has ``--min-samples``. Reported per rule:
 the median and p10/p90/p99 of the over-charge (charged / true - 1) and the number of prompts whose
 true count exceeded window - response reserve.
@@ -29,15 +29,15 @@ from typing import Any
 
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
-from ibex_context.memory.redis_server import EmbeddedRedis
-from ibex_context.pipeline import chat_count as cc
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.calibration import Calibration, bucket_of, decay_per_sample
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.calibration import Calibration, bucket_of, decay_per_sample
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
+from ibex_context.worker import calibration_store as store
 
 ROOT = Path(__file__).resolve().parent.parent
 TRUTH = "o200k"  # the hidden provider tokenizer

@@ -34,8 +34,8 @@ from bench import tool_heavy
 from bench.lib.cpu import cpu_seconds
 from bench.lib.percentiles import median, percentile
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.shared.wire.errors import ContextOverflow
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 
@@ -102,7 +102,7 @@ WINDOWS = {"32K": 32_768, "128K": 131_072}
 
 def window_catalog() -> Catalog:
     """The shipped catalog plus an o200k model per window of ``WINDOWS``."""
-    text = resources.files("ibex_context.pipeline").joinpath("catalog.json").read_text("utf-8")
+    text = resources.files("ibex_context.pipeline.budget").joinpath("catalog.json").read_text("utf-8")
     data = json.loads(text)
     for name, size in WINDOWS.items():
         data["models"][f"o200k-{name}"] = {"family": "o200k", "context_window": size, "max_output": 4096}

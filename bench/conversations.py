@@ -47,8 +47,8 @@ from bench.lib.percentiles import median, percentile
 from bench.lib.stack import started_stack
 from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
-from ibex_context.memory.embed import Embedder, Vectors, content_words, load_embedder
-from ibex_context.memory.seed import seed_records
+from ibex_context.memory.embedders.embed import Embedder, Vectors, content_words, load_embedder
+from ibex_context.memory.store.seed import seed_records
 from ibex_context.shared.stores.connect import async_client
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -404,7 +404,7 @@ def main(*, limit: int | None, out: Path | None, env: list[str], sessions: int |
           file=sys.stderr)
     extra = dict(kv.split("=", 1) for kv in env)
     if redis_cluster:
-        from ibex_context.memory.redis_cluster import EmbeddedCluster
+        from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
 
         with EmbeddedCluster(primaries=redis_cluster) as cluster:
             res = asyncio.run(run_suite(turns, questions, embedder=embedder, extra_env=extra, redis_url=cluster.url))

@@ -14,10 +14,10 @@ The demo memories (``memory/data/demo.jsonl``, 354) are then embedded once per v
 service embeds memories (``embed``: length-sorted batches of 32, up to 256 tokens), for their
 cosine and their CPU per memory (one pass, not interleaved: indicative only).
 
-Variants: ``numpy`` (``memory.minilm``, the reference), the onnxruntime graph
-(``memory.minilm_onnx``) as ``fp32``, ``int8-block``, ``int8-dynamic`` and ``int8-qk``, and the
+Variants: ``numpy`` (``memory.embedders.minilm``, the reference), the onnxruntime graph
+(``memory.embedders.minilm_onnx``) as ``fp32``, ``int8-block``, ``int8-dynamic`` and ``int8-qk``, and the
 fp32 graph on OpenVINO in bfloat16 as ``openvino-bf16`` and the ``int8-groups`` graph there as
-``openvino-int8`` (``memory.minilm_openvino``; the latter is the default where the CPU computes
+``openvino-int8`` (``memory.embedders.minilm_openvino``; the latter is the default where the CPU computes
 bfloat16 natively; both listed when openvino is installed). Cosine is against
 the numpy vector of the same text. Graphs are built (or loaded) from the default cache before
 timing. Nothing is asserted.
@@ -39,9 +39,9 @@ import numpy as np
 from bench.lib.cpu import cpu_seconds
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
-from ibex_context.memory.minilm import MAX_QUERY_TOKENS, MiniLMEmbedder, load_tokenizer, model_zip
-from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder
-from ibex_context.memory.minilm_openvino import openvino_available
+from ibex_context.memory.embedders.minilm import MAX_QUERY_TOKENS, MiniLMEmbedder, load_tokenizer, model_zip
+from ibex_context.memory.embedders.minilm_onnx import MiniLMOnnxEmbedder
+from ibex_context.memory.embedders.minilm_openvino import openvino_available
 
 DATA = Path(__file__).resolve().parent / "data"
 DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"

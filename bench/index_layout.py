@@ -20,12 +20,12 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ibex_context.memory import store
-from ibex_context.memory.embed import HashingEmbedder
-from ibex_context.memory.index import ensure_index
-from ibex_context.memory.models import MemoryRecord
-from ibex_context.memory.redis_cluster import EmbeddedCluster
-from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+from ibex_context.memory.embedders.embed import HashingEmbedder
+from ibex_context.memory.search.index import ensure_index
+from ibex_context.memory.service.models import MemoryRecord
+from ibex_context.memory.store import writes as store
 from ibex_context.shared.stores.connect import async_client, sync_client
 
 DIM = 256

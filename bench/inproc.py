@@ -1,7 +1,7 @@
 """The CPU pipeline with no transport (``inproc`` mode, docs/performance.md).
 
 ``pipeline.assemble.assemble`` (budget, scoring, packing, formatting and the response model) on a
-``RetrievalResult`` from ``pipeline.hits.offline_result`` with n = 70 candidates (20 hot + 50
+``RetrievalResult`` from ``pipeline.selection.hits.offline_result`` with n = 70 candidates (20 hot + 50
 cold) of realistic sizes, with a worker's line cache. Two token-count cache states:
 
 * warm: one Catalog with the default cache, warmed by ``warmup`` calls on the same candidates
@@ -22,9 +22,9 @@ from typing import Any
 from bench.stats import WORKER_STAGES, Histograms
 from bench.workload import candidate_hits
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.count import LineCache
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.count import LineCache
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 

@@ -48,7 +48,7 @@ from bench.lib.stack import started_stack
 from bench.lib.tables import table
 from bench.litellm_rig import LiteLLMProxy, Upstream, proxy_config
 from ibex_context.client import SyncClient
-from ibex_context.client.integrations.litellm_core import last_user_text
+from ibex_context.client.integrations.litellm.core import last_user_text
 from ibex_context.shared.stores.keys import summary_key
 
 OUT = Path(__file__).resolve().parent / "out" / "litellm.json"

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from ibex_context.client.integrations.litellm_auth import KEYS_ENV, key_hash
+from ibex_context.client.integrations.litellm.auth import KEYS_ENV, key_hash
 from ibex_context.ops.procs import die_with_parent, read_port_file, stop_processes, wait_for
 from ibex_context.ops.stack import free_port
 
@@ -40,11 +40,11 @@ _DUMP_STATS = (  # the hook LiteLLM built from its callbacks (built once: the mo
     "    os.replace(path + '.tmp', path)\n"
     "signal.signal(signal.SIGUSR1, _dump)\n")
 
-AUTH = "ibex_context.client.integrations.litellm_auth.user_api_key_auth"  # the product's custom_auth
+AUTH = "ibex_context.client.integrations.litellm.auth.user_api_key_auth"  # the product's custom_auth
 
 
 def keys_file(keys: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys file (client.integrations.litellm_auth) for ``{bearer key: {metadata, team_id,
+    """The keys file (client.integrations.litellm.auth) for ``{bearer key: {metadata, team_id,
     team_metadata, ...}}``: each key's hash, never the key."""
     return {"keys": [{"name": f"key-{i}", "sha256": key_hash(key), **attrs}
                      for i, (key, attrs) in enumerate(keys.items())]}
@@ -155,7 +155,7 @@ class LiteLLMProxy:
             return False
 
     def hook_stats(self, timeout_s: float = 10.0) -> dict[str, int]:
-        """The hook's summary counters (``litellm_summary.Summarizer.stats``), as the proxy wrote
+        """The hook's summary counters (``litellm.summary.Summarizer.stats``), as the proxy wrote
         them on ``SIGUSR1``; empty when the hook has no ``summaries``."""
         if self.stats_file is None:
             raise RuntimeError("this proxy was started without stats_file")

@@ -14,7 +14,7 @@ too, as Anthropic and OpenAI do (their usage always in the stream: ``message_sta
 ``GET /_received`` returns the recorded requests (body and counted prompt tokens), ``DELETE
 /_received`` forgets them. Loopback only; stdlib HTTP server, one thread per connection.
 
-A chat call whose system prompt is the hook's default summary prompt (``litellm_config.PROMPT_MARK``)
+A chat call whose system prompt is the hook's default summary prompt (``litellm.config.PROMPT_MARK``)
 is answered deterministically: ``digest`` of every ``FACT-<n>`` token in its other messages (the
 previous summary and the messages to fold), so a test knows what each summary says. ``PUT
 /_summary {"mode": "digest" | "fail" | "hang"}`` makes those calls answer HTTP 500 or never answer
@@ -32,9 +32,9 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ibex_context.client.integrations.litellm_config import PROMPT_MARK
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
+from ibex_context.client.integrations.litellm.config import PROMPT_MARK
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.chat_count import anthropic_prompt_tokens, canonical_json, openai_prompt_tokens
 from ibex_context.shared.config.cliargs import write_port_file
 from ibex_context.shared.wire.errors import UnknownModel
 

@@ -39,7 +39,7 @@ from bench.lib.percentiles import median, percentile
 from bench.lib.stack import seed_demo
 from bench.lib.tables import table
 from bench.workload import AGENTS
-from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.ops.procs import http_ok, read_port_file, stop_processes, wait_for
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.security.tenancy import mint_org_token
@@ -163,8 +163,8 @@ def _service(name: str, checkout: str | None, redis_url: str, log_dir: Path, ext
         env["PYTHONPATH"] = checkout
     port_file, log = log_dir / f"{name}.port", log_dir / f"{name}.log"
     with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.server", "--port", "0", "--port-file",
-                                 str(port_file), "--redis-url", redis_url, *extra],
+        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.service.server", "--port", "0",
+                                 "--port-file", str(port_file), "--redis-url", redis_url, *extra],
                                 cwd=log_dir, env=env, stdout=fh, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{read_port_file(port_file, proc, 60, log)[0]}"

@@ -61,15 +61,15 @@ def _unit_rows(rng: np.random.Generator, n: int) -> np.ndarray[Any, np.dtype[np.
 
 
 async def _seed(redis_url: str, agents: int, per_agent: int, seed: int) -> None:
-    """Write ``agents`` x ``per_agent`` memories with ``memory.store.write_memories`` of whichever
+    """Write ``agents`` x ``per_agent`` memories with ``memory.store.writes.write_memories`` of whichever
     checkout is first on ``sys.path`` (so the baseline seeds its own layout)."""
     from redis.asyncio import Redis
 
-    from ibex_context.memory import store
-    from ibex_context.memory.models import MemoryRecord
+    from ibex_context.memory.service.models import MemoryRecord
+    from ibex_context.memory.store import writes as store
 
     try:  # the query engine's index (absent in stores that keep their own)
-        from ibex_context.memory.index import ensure_index
+        from ibex_context.memory.search.index import ensure_index
     except ImportError:
         ensure_index = None  # type: ignore[assignment]
     rng, nrng = random.Random(seed), np.random.default_rng(seed)
@@ -112,7 +112,7 @@ async def _seed(redis_url: str, agents: int, per_agent: int, seed: int) -> None:
 
 
 def _start_redis() -> Any:
-    from ibex_context.memory.redis_server import EmbeddedRedis
+    from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 
     return EmbeddedRedis(startup_timeout_s=30.0).start()
 
@@ -125,8 +125,8 @@ def _service(redis_url: str, pythonpath: str | None, workdir: Path) -> tuple[sub
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     log = open(workdir / "service.log", "wb")  # the child keeps it open for its life
-    proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.server", "--host", "127.0.0.1", "--port", "0",
-                             "--port-file", str(port_file), "--redis-url", redis_url],
+    proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.service.server", "--host", "127.0.0.1",
+                             "--port", "0", "--port-file", str(port_file), "--redis-url", redis_url],
                             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=pythonpath or str(REPO))
     deadline = time.monotonic() + 60
@@ -184,7 +184,7 @@ class _Cluster:
     pid for the Redis CPU figure (``pids``: every primary, summed)."""
 
     def __init__(self, primaries: int) -> None:
-        from ibex_context.memory.redis_cluster import EmbeddedCluster
+        from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
 
         self.cluster = EmbeddedCluster(primaries=primaries).start()
         self.url = self.cluster.url

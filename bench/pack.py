@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.percentiles import percentile
-from ibex_context.pipeline.pack import pack
-from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.selection.pack import pack
+from ibex_context.pipeline.selection.score import score_candidates
 from ibex_context.pipeline.types import MemoryHit
 
 _CANDIDATE_KEYS = ("memory_id", "tokens", "similarity", "confidence")

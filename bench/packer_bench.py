@@ -39,8 +39,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from bench.lib.percentiles import percentile
 from bench.lib.tables import table
-from ibex_context.pipeline.pack import MAX_CONSECUTIVE_SKIPS, pack
-from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.selection.pack import MAX_CONSECUTIVE_SKIPS, pack
+from ibex_context.pipeline.selection.score import score_candidates
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 
 OUT = Path(__file__).parent / "out" / "packer.json"

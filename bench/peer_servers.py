@@ -72,7 +72,7 @@ class Service:
 
 async def build_service(name: str) -> Service:
     """The worker's own start-up (``ibex_context.worker.__main__.serve``) without its sockets."""
-    from ibex_context.pipeline.catalog import Catalog
+    from ibex_context.pipeline.budget.catalog import Catalog
     from ibex_context.worker.retrieve import Retriever
 
     settings = Settings()

@@ -14,7 +14,7 @@ The ranking judged is the packed memories by the packer's score (highest first, 
 ties): what the model reads first. Per question: recall@5, recall@10, recall of all packed, the
 reciprocal rank of the first relevant memory, nDCG@10 (binary gains). Questions labelled ``none``
 have no answer: their row counts the cold hits packed (fewer is better). Reworded questions are
-checked to share no content term with their answers (``memory.embed.content_terms``); a label that
+checked to share no content term with their answers (``memory.embedders.embed.content_terms``); a label that
 names no memory, or more than one, fails the run.
 
 The memory service's CPU (``bench.lib.cpu``) is read around the assemblies (hot + search per
@@ -46,8 +46,8 @@ from bench.lib.percentiles import median
 from bench.lib.stack import started_stack
 from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
-from ibex_context.memory.embed import content_terms
-from ibex_context.memory.seed import DEMO_FILE, derived_memory_id
+from ibex_context.memory.embedders.embed import content_terms
+from ibex_context.memory.store.seed import DEMO_FILE, derived_memory_id
 from ibex_context.shared.security.tenancy import mint_org_token
 
 EVAL_FILE = Path(__file__).resolve().parent / "data" / "retrieval_eval.jsonl"
@@ -218,9 +218,9 @@ async def _scale(n: int, embedder: str, queries: list[Question], rounds: int) ->
     data) with random unit vectors (the search's work does not depend on what the vectors say)."""
     from redis.asyncio import Redis
 
-    from ibex_context.memory.embed import load_embedder
-    from ibex_context.memory.models import MemoryRecord
-    from ibex_context.memory.store import NewMemory, write_memories
+    from ibex_context.memory.embedders.embed import load_embedder
+    from ibex_context.memory.service.models import MemoryRecord
+    from ibex_context.memory.store.writes import NewMemory, write_memories
 
     dim = load_embedder(embedder).dim
     name = load_embedder(embedder).name

@@ -4,18 +4,18 @@
 
 Starts its own bundled Redis (with the query engine) and, for each kind of memory text, a fresh org:
 creates the org's index, writes one memory (the index's first allocations, reported apart), then
-``--memories`` more through the memory service's own write path (``memory.store.write_capped``,
+``--memories`` more through the memory service's own write path (``memory.store.writes.write_capped``,
 the hash embedder's 256-dimension vectors) and reports per memory:
 
 * ``measured``: the growth of ``INFO memory`` ``used_memory``, divided by the memories written;
 * ``hash``: ``MEMORY USAGE`` of the memory's key (the record, its fields and the vector);
 * ``index``: the growth of the org's index as ``FT.INFO`` reports it (inverted lists, offsets,
   doc table, tags, vectors), per memory;
-* ``charged``: what ``shared.stores.storage`` charges (``memory.store.memory_charge``), and
+* ``charged``: what ``shared.stores.storage`` charges (``memory.store.writes.memory_charge``), and
   ``charged / measured``, which must stay at or above 1.
 
 Then summaries (``worker.summaries``' stored value) and calibration sketches and assembly records
-(``shared.stores.calibration``): measured by ``used_memory`` growth over many keys, against their
+(``worker.calibration_store``): measured by ``used_memory`` growth over many keys, against their
 charge. Kinds of text: ``tiny`` (one character), ``normal`` (a sentence of common words),
 ``distinct`` (words never seen before, with suffixes English stemming strips: two terms each),
 ``large`` (64,000 characters of common words) and ``large-distinct`` (64,000 characters of new
@@ -34,14 +34,15 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ibex_context.memory import store
-from ibex_context.memory.embed import HashingEmbedder
-from ibex_context.memory.index import ensure_index, index_name
-from ibex_context.memory.models import MAX_CONTENT_CHARS, MemoryRecord
-from ibex_context.memory.redis_server import EmbeddedRedis
-from ibex_context.pipeline.calibration import N_BUCKETS
-from ibex_context.shared.stores import calibration, storage
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+from ibex_context.memory.embedders.embed import HashingEmbedder
+from ibex_context.memory.search.index import ensure_index, index_name
+from ibex_context.memory.service.models import MAX_CONTENT_CHARS, MemoryRecord
+from ibex_context.memory.store import writes as store
+from ibex_context.pipeline.counting.calibration import N_BUCKETS
+from ibex_context.shared.stores import storage
 from ibex_context.shared.stores.keys import assembly_key, calibration_key, summary_key
+from ibex_context.worker import calibration_store as calibration
 
 DIM = 256
 COMMON = ("the invoice for the account is sent on the first day of each month and the customer pays by card "

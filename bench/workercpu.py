@@ -167,10 +167,10 @@ def _py_spy(w: Worker, out_dir: Path, seconds: float, native: bool) -> subproces
 def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: int) -> dict[str, float]:
     """CPU µs per request of what a worker runs after retrieval, in this process, for ``tmpls``."""
     from ibex_context.pipeline.assemble import Clock, Engine, Policy, assemble
-    from ibex_context.pipeline.budget import counter_for
-    from ibex_context.pipeline.catalog import Catalog
-    from ibex_context.pipeline.count import LineCache
-    from ibex_context.pipeline.turns import count_turns
+    from ibex_context.pipeline.budget.catalog import Catalog
+    from ibex_context.pipeline.budget.usable import counter_for
+    from ibex_context.pipeline.conversation.turns import count_turns
+    from ibex_context.pipeline.counting.count import LineCache
     from ibex_context.shared.config.settings import Settings
     from ibex_context.worker.retrieve import HOT_QUERY_CHARS, Retriever, parse_hits
 

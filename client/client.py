@@ -49,7 +49,7 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
 from ibex_context.client.throttle import Throttle
 from ibex_context.client.usage import USAGE_ID_PREFIX, summary_payload, usage_payload
 from ibex_context.client.wire import Outgoing, outgoing, scaled_timeout, too_large
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import decode_reply

@@ -34,9 +34,9 @@ from ibex_context.client.requests import to_exc
 # The pipeline a degraded response runs, its chat-native part included (module-level imports
 # all through, so its ~0.2-0.5 s of schema building happens here, not in the first fallback).
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import failed_result
-from ibex_context.pipeline.tokens import CachedCounter, EstimateKind
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.tokens import CachedCounter, EstimateKind
+from ibex_context.pipeline.selection.hits import failed_result
 from ibex_context.shared.config.settings import PipelineSettings
 from ibex_context.shared.wire.codec import validate
 from ibex_context.shared.wire.errors import ContextOverflow, IbexError, Internal
@@ -44,7 +44,7 @@ from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, B
 
 log = logging.getLogger(__name__)
 
-DIRECTIVE_HEADING = "## Directive\n"  # how pipeline.format.directive_section opens the directive's section
+DIRECTIVE_HEADING = "## Directive\n"  # how pipeline.rendering.format.directive_section opens the directive's section
 # The client's copies of directives (``DirectiveCopies``): bounded in entries, characters and age.
 COPY_ENTRIES = 10_000
 COPY_CHARS = 16_000_000

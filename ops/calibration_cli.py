@@ -20,16 +20,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.memory.redis_server import default_redis_url
-from ibex_context.pipeline.budget import multiplier
-from ibex_context.pipeline.calibration import Calibration
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.memory.embedded_redis.server import default_redis_url
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import multiplier
+from ibex_context.pipeline.counting.calibration import Calibration
 from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
 from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
 from ibex_context.shared.stores.keys import check_ident
 from ibex_context.shared.wire.errors import UnknownModel
+from ibex_context.worker import calibration_store as store
 
 PROG = "ibex-context calibration"
 REDIS_TIMEOUT_S = 5.0

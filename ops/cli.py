@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] == "directive":
-        from ibex_context.memory.directive_cli import main as directive_main
+        from ibex_context.memory.store.directive_cli import main as directive_main
 
         return int(directive_main(argv[1:], prog=f"{PROG} directive") or 0)
     if argv and argv[0] == "calibration":
@@ -170,7 +170,7 @@ def _main(argv: list[str]) -> int:
 
         return calibration_main(argv[1:], prog=f"{PROG} calibration")
     if argv and argv[0] == "seed":
-        from ibex_context.memory.seed import main as seed_main
+        from ibex_context.memory.store.seed import main as seed_main
 
         return int(seed_main(argv[1:], prog=f"{PROG} seed") or 0)
     args = build_parser().parse_args(argv)

@@ -2,7 +2,7 @@
 
 Reads the request (an ``AssembleRequest`` as JSON) and what retrieval would have returned
 (``{"directive": str|null, "hot": [hit], "cold": [hit]}``, each hit held to the one memory-hit
-contract of ``pipeline.hits``), runs the pipeline the worker runs (``pipeline.assemble``) with
+contract of ``pipeline.selection.hits``), runs the pipeline the worker runs (``pipeline.assemble``) with
 no network, and prints the ``AssembleResponse`` as JSON or a table.
 """
 
@@ -18,8 +18,8 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result, shape_problem, to_hit
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.selection.hits import offline_result, shape_problem, to_hit
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire.errors import ContextOverflow, IbexError, InvalidRequest

@@ -105,7 +105,7 @@ class LocalStack:
 
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         if self.redis_url is None:
-            from ibex_context.memory.redis_server import EmbeddedRedis
+            from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 
             self.embedded = EmbeddedRedis()
             self.embedded.start()
@@ -122,7 +122,7 @@ class LocalStack:
         """Start the memory service (on its old port after the first start) and wait for /healthz."""
         port_file, log = self.log_dir / "memory.port", self.log_dir / "memory.log"
         port_file.unlink(missing_ok=True)
-        args = ["-m", "ibex_context.memory.server", "--host", "127.0.0.1", "--port", str(self.memory_port),
+        args = ["-m", "ibex_context.memory.service.server", "--host", "127.0.0.1", "--port", str(self.memory_port),
                 "--port-file", str(port_file), "--redis-url", str(self.redis_url)]
         if self.enable_faults:
             args.append("--enable-faults")

@@ -1,6 +1,6 @@
 """``python -m ibex_context.ops.redis_role --dir DIR``: the deployment's Redis (``up --role redis``).
 
-The embedded server (``memory.redis_server``: Redis 8 with the query engine) serving
+The embedded server (``memory.embedded_redis.server``: Redis 8 with the query engine) serving
 ``IBEX_REDIS_URL``, the URL every host of the deployment connects to: it listens on that URL's
 host and port with its password (``ops.roles.redis_listen``) and keeps its data in ``DIR``
 (append-only file). The password goes into a 0600 config file in ``DIR``, never onto the command
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from ibex_context.memory.redis_server import RedisStartError, redis_executable, server_args
+from ibex_context.memory.embedded_redis.server import RedisStartError, redis_executable, server_args
 from ibex_context.ops.roles import RoleError, redis_listen
 from ibex_context.shared.config.settings import RedisSettings
 

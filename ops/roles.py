@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ibex_context.memory.redis_server import RUN_DIR_ENV
+from ibex_context.memory.embedded_redis.server import RUN_DIR_ENV
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.security.netloc import is_loopback_host
 

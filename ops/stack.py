@@ -26,8 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ibex_context.memory.redis_server import RUN_DIR_ENV, default_run_dir, record_stack_redis_url
-from ibex_context.memory.redis_server import free_port as free_port
+from ibex_context.memory.embedded_redis.server import RUN_DIR_ENV, default_run_dir, record_stack_redis_url
+from ibex_context.memory.embedded_redis.server import free_port as free_port
 from ibex_context.ops import opskey
 from ibex_context.ops.local import LocalStack as LocalStack
 from ibex_context.ops.procs import broker_status as broker_status
@@ -185,7 +185,7 @@ def read_host_file(run_dir: Path) -> dict[str, Any] | None:
 
 def _record_redis_url(url: str, run_dir: Path) -> None:
     """The admin CLIs' default Redis (README "Quickstart"), in a 0600 file: the URL may carry a password."""
-    from ibex_context.memory.redis_server import STACK_REDIS_URL_FILE
+    from ibex_context.memory.embedded_redis.server import STACK_REDIS_URL_FILE
 
     path = run_dir / STACK_REDIS_URL_FILE
     path.unlink(missing_ok=True)

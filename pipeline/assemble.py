@@ -7,8 +7,8 @@
 calls it after its retrieval wall (having parsed and counted the conversation before any I/O),
 ``ops explain`` on a file and the client for its degraded response (docs/architecture.md "Processes and data
 flow"), so all three answer with the same accounting. The request form matters only at the two
-ends: ``pipeline.turns`` makes one conversation of it, and the renderer it picks emits it
-(``pipeline.render``: the flat text, OpenAI or Anthropic messages).
+ends: ``pipeline.conversation.turns`` makes one conversation of it, and the renderer it picks emits it
+(``pipeline.rendering.render``: the flat text, OpenAI or Anthropic messages).
 
 Deadlines (docs/architecture.md "Deadlines"): with a ``Clock`` the deadline is checked before every CPU stage.
 """
@@ -18,20 +18,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ibex_context.pipeline import context_edit, summary
-from ibex_context.pipeline import format as fmt
-from ibex_context.pipeline.budget import counter_for
-from ibex_context.pipeline.calibration import Calibration
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.count import LineCache, MemoryCost
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.policy import Clock, Policy, elapsed_us, tick
+from ibex_context.pipeline.budget.usable import counter_for
+from ibex_context.pipeline.conversation import context_edit, summary
+from ibex_context.pipeline.conversation.fit import Limits, Plan, fit_stage, history_decisions
+from ibex_context.pipeline.conversation.summary import Slot
+from ibex_context.pipeline.conversation.turns import Counted, count_turns
+from ibex_context.pipeline.counting.calibration import Calibration
+from ibex_context.pipeline.counting.count import LineCache, MemoryCost
 from ibex_context.pipeline.decisions import decisions
-from ibex_context.pipeline.emit import Nonce, Output, emit_stage
-from ibex_context.pipeline.fit import Limits, Plan, fit_stage, history_decisions
-from ibex_context.pipeline.pack import pack
-from ibex_context.pipeline.policy import Clock, Policy, elapsed_us, tick
-from ibex_context.pipeline.score import score_candidates
-from ibex_context.pipeline.summary import Slot
-from ibex_context.pipeline.turns import Counted, count_turns
+from ibex_context.pipeline.rendering import format as fmt
+from ibex_context.pipeline.rendering.emit import Nonce, Output, emit_stage
+from ibex_context.pipeline.selection.pack import pack
+from ibex_context.pipeline.selection.score import score_candidates
 from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
 from ibex_context.shared.wire.editing import MessageEdit
 from ibex_context.shared.wire.models import (
@@ -83,7 +83,7 @@ def assemble(
     """Fit, budget, score, pack and render ``retrieval`` for ``req`` with ``engine``; no I/O.
 
     ``clock``: this request's deadline. ``counted``: the request's conversation already parsed and
-    counted (``pipeline.turns.count_turns`` with ``counter_for``'s counter; the worker does it
+    counted (``pipeline.conversation.turns.count_turns`` with ``counter_for``'s counter; the worker does it
     before retrieval). ``timings_us``: stage timings measured before this call (queue wait,
     retrieval), carried on. ``calibration``: the (org, model) ratio learned from usage reports,
     when it has enough samples (docs/assembly.md "Calibrated token counts").

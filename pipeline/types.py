@@ -24,7 +24,7 @@ from ibex_context.shared.wire.models import (
 class MemoryHit:
     """One memory as the memory service returned it (untrusted text, scores not yet checked).
 
-    Built only through ``pipeline.hits`` from wire data, so the shape is already checked; the
+    Built only through ``pipeline.selection.hits`` from wire data, so the shape is already checked; the
     scores are checked by the scorer, which reports a bad one as a decision (docs/assembly.md "Scoring and
     packing").
     """
@@ -124,7 +124,7 @@ Target = Literal["text", "openai", "anthropic"]
 
 @dataclass(frozen=True, slots=True)
 class Turns:
-    """A request's conversation in the one form the pipeline works on (``pipeline.turns`` makes it).
+    """A request's conversation in the one form the pipeline works on (``pipeline.conversation.turns`` makes it).
 
     ``messages`` and ``tools`` are plain dicts in the provider's shape (the simple form's
     ``recent_messages`` are OpenAI-shaped ``{"role", "content"}`` messages and its

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from ibex_context.memory.minilm import MiniLMEmbedder
+from ibex_context.memory.embedders.minilm import MiniLMEmbedder
 
 # The suite's memory services and seeding use the hashing embedder unless a test asks for another:
 # its lexical behaviour is what most ranking assertions are written against, and it costs

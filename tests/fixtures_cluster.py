@@ -9,7 +9,7 @@ another module's tests on the cluster.
     cluster_stack()     helper    a LocalStack on the cluster, the demo data seeded
 
 One cluster per session, started only when a test asks for it. A test that kills a node starts a
-cluster of its own (``memory.redis_cluster.EmbeddedCluster``), so this one stays whole.
+cluster of its own (``memory.embedded_redis.cluster.EmbeddedCluster``), so this one stays whole.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from ibex_context.memory.redis_cluster import EmbeddedCluster
-from ibex_context.memory.redis_server import RedisStartError
+from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
+from ibex_context.memory.embedded_redis.server import RedisStartError
 from ibex_context.ops.stack import LocalStack
 from tests.fixtures_services import MemoryServiceHandle, flush_redis, healed, running_memory_service
 from tests.helpers import start_stack

@@ -2,7 +2,7 @@
 
     redis_server    session   EmbeddedRedis: .url .port .running .stop() .start() .log_tail()
     redis_url       function  the session server's URL; restarted if a test stopped it; FLUSHALLed
-    memory_service  session   MemoryServiceHandle for `python -m ibex_context.memory.server --enable-faults`
+    memory_service  session   MemoryServiceHandle for `python -m ibex_context.memory.service.server --enable-faults`
     memory          function  the same handle: running, faults cleared, Redis flushed
 
 A service that cannot start FAILS the test (never skips): CI must not go green without it.
@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError
-from ibex_context.memory.seed import SeedStats, seed_records
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis, RedisStartError
+from ibex_context.memory.store.seed import SeedStats, seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.connect import async_client, sync_client
 
@@ -58,7 +58,7 @@ class ServiceStartError(RuntimeError):
 
 
 class MemoryServiceHandle:
-    """A `python -m ibex_context.memory.server` subprocess on 127.0.0.1 with faults enabled.
+    """A `python -m ibex_context.memory.service.server` subprocess on 127.0.0.1 with faults enabled.
 
     ``url``/``port`` stay the same across ``stop()``/``start()``/``kill()``/``restart()`` so
     clients configured once keep working. Faults and seeding go through the real service/Redis.
@@ -114,7 +114,7 @@ class MemoryServiceHandle:
         self._port_file.unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
         env.update({"IBEX_MEMORY_SECRET": self.secret, "PYTHONUNBUFFERED": "1", **self._extra_env})
-        cmd = [sys.executable, "-m", "ibex_context.memory.server", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "ibex_context.memory.service.server", "--host", "127.0.0.1",
                "--port", str(self._port or 0),
                "--port-file", str(self._port_file), "--redis-url", self.redis_url]
         if self.enable_faults:
@@ -196,7 +196,7 @@ class MemoryServiceHandle:
     # ---------------------------------------------------------------------------------- data
 
     def seed(self, records: Iterable[Mapping[str, Any]]) -> SeedStats:
-        """Write memories / directives (the ``memory.seed`` JSONL record format) into Redis.
+        """Write memories / directives (the ``memory.store.seed`` JSONL record format) into Redis.
 
         Runs on a private event loop in a helper thread, so it works from sync and async tests.
         """

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from ibex_context.memory.rank import (
+from ibex_context.memory.search.rank import (
     DEFAULT_RELEVANCE_FLOOR,
     WEIGHTS,
     Weights,
@@ -34,7 +34,7 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
     try:
         stack.start()
         if seed:
-            seeded = subprocess.run([sys.executable, "-m", "ibex_context.memory.seed", "--file", str(DEMO_DATA),
+            seeded = subprocess.run([sys.executable, "-m", "ibex_context.memory.store.seed", "--file", str(DEMO_DATA),
                                      "--redis-url", str(stack.redis_url)],
                                     capture_output=True, text=True, timeout=120, check=False)
             assert seeded.returncode == 0, seeded.stderr
@@ -54,7 +54,7 @@ async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.
 
 
 # ------------------------------------------------------------- the ranking's scalar reference
-# ``memory.rank.rank_arrays`` ranks with array operations; this is the same composite one
+# ``memory.search.rank.rank_arrays`` ranks with array operations; this is the same composite one
 # candidate at a time, in the same floating-point order, so the tests can hold the two equal.
 DAY_S = 86_400.0
 

@@ -54,7 +54,7 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
     (the bench's transport-mode worker)."""
     import zmq
 
-    from ibex_context.pipeline.catalog import Catalog
+    from ibex_context.pipeline.budget.catalog import Catalog
     from ibex_context.worker.assemble import Assembler
     from ibex_context.worker.retrieve import Retriever
     from ibex_context.worker.server import WorkerServer

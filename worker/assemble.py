@@ -18,10 +18,10 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 
 from ibex_context.pipeline.assemble import Clock, Engine, Policy, assemble
-from ibex_context.pipeline.budget import counter_for
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.count import LineCache
-from ibex_context.pipeline.turns import count_turns
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import counter_for
+from ibex_context.pipeline.conversation.turns import count_turns
+from ibex_context.pipeline.counting.count import LineCache
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from ibex_context.worker.calibration import Calibrator

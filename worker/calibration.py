@@ -9,7 +9,7 @@
 * ``flush`` (every ``FLUSH_INTERVAL_S``, a background task) writes the buffered records, matches
   the buffered reports to records (any worker's: the broker sends a report to any worker, so the
   records live in Redis), buckets each ratio or refuses it as an outlier, and writes the samples
-  to the Redis sketches, one atomic script per (org, model) (``shared.stores.calibration``), each
+  to the Redis sketches, one atomic script per (org, model) (``worker.calibration_store``), each
   charged to its org's storage budget (a refused record or new sketch is counted, never stored). A
   report whose record is not there yet (its assembly was served by a worker that has not flushed)
   is looked up again on the next ``RESOLVE_FLUSHES`` flushes, then dropped as unknown and counted,
@@ -36,16 +36,16 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ibex_context.pipeline.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
 from ibex_context.shared.config.observability import CalibrationMetrics
 from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.stores.storage import StorePressure
 from ibex_context.shared.wire.codec import unpack, validate
 from ibex_context.shared.wire.errors import StorageQuotaExceeded
 from ibex_context.shared.wire.models import AssembleResponse, ErrorReply, UsageReport
 from ibex_context.shared.wire.protocol import MAX_USAGE_BYTES
+from ibex_context.worker import calibration_store as store
 
 log = logging.getLogger(__name__)
 

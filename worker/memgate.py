@@ -10,7 +10,7 @@ Netflix's concurrency-limits; Envoy's adaptive concurrency filter does the same 
 service):
 
 * a hot or cold call that timed out, or that the service refused for lack of time (503 / 504:
-  ``memory.querybatch``, ``memory.deadline``), cuts the limit by ``BACKOFF`` (at most once per
+  ``memory.service.querybatch``, ``memory.service.deadline``), cuts the limit by ``BACKOFF`` (at most once per
   call time, so one burst of late answers counts once);
 * a request whose memory calls all succeeded while the limit was binding raises it by 1/limit;
 * no overload signal for ``RECOVER_NS`` and four call times: the cap again (a limit cut during a

@@ -24,7 +24,7 @@ starts no embedding or search for a call this worker has already given up on (do
 
 Security: every call is scoped to the request's org (the Redis key, and an org-bound bearer token
 for the memory service). A failed branch yields nothing: no fallback query, no other tenant's data,
-no invented memory. What a hit must look like is ``pipeline.hits`` (one memory-hit contract).
+no invented memory. What a hit must look like is ``pipeline.selection.hits`` (one memory-hit contract).
 """
 
 from __future__ import annotations
@@ -41,7 +41,14 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from ibex_context.pipeline.hits import below_cutoff, hit_problem, memory_id_problem, over_cap, plain_hit, to_hit
+from ibex_context.pipeline.selection.hits import (
+    below_cutoff,
+    hit_problem,
+    memory_id_problem,
+    over_cap,
+    plain_hit,
+    to_hit,
+)
 from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token

@@ -52,7 +52,7 @@ ORG = "evalconv"
 QUOTA = {"single-hop": 16, "multi-hop": 12, "temporal": 14, "paraphrased": 12, "no-answer": 10}
 MIN_TURNS = 300
 
-# The memory service's stop words (memory/embed.py), so "no shared content word" here implies the same there.
+# The memory service's stop words (memory/embedders/embed.py), so "no shared content word" here implies the same there.
 STOPWORDS = frozenset(
     """a about above after again against all am an and any are as at be because been before being
     below between both but by can could did do does doing down during each few for from further had

@@ -4,7 +4,7 @@
     python memory/data/distill_static.py                      # ~2.5 min on one core; no torch
 
 model2vec's recipe without its dependencies: every vocabulary token is run through the network
-alone (``[CLS] token [SEP]``, mean-pooled; ``memory.minilm``, a numpy forward pass), the vectors are
+alone (``[CLS] token [SEP]``, mean-pooled; ``memory.embedders.minilm``, a numpy forward pass), the vectors are
 centred and reduced by PCA to ``DIM`` dimensions, and weighted by log(rank + 2) (Zipf: the
 vocabulary is roughly frequency-sorted, so common pieces weigh less in a mean). Rows are stored as
 int8 with one float32 scale each. Writes ``static-minilm/vectors.npz`` and copies the model's
@@ -25,7 +25,7 @@ BATCH = 1024
 
 
 def distil() -> tuple[np.ndarray, np.ndarray]:
-    from ibex_context.memory.minilm import MiniLM, model_zip
+    from ibex_context.memory.embedders.minilm import MiniLM, model_zip
 
     model = MiniLM.from_wheel()
     vocab = model.w["embeddings.word_embeddings.weight"].shape[0]

@@ -1,6 +1,6 @@
 """Images on the wire: the pixel size read from an image's header, and the stub sent for its bytes.
 
-Counting an image needs only its size and ``detail`` (``pipeline.image_tokens``), so the client
+Counting an image needs only its size and ``detail`` (``pipeline.counting.image_tokens``), so the client
 library sends the service a stub in place of each base64 image (docs/assembly.md "Size limits"): OpenAI's
 ``image_url.url`` data URL and Anthropic's ``source.data`` become
 

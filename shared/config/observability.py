@@ -128,7 +128,7 @@ class CalibrationMetrics:
                              ["org", "model"], multiprocess_mode="mostrecent", **kw)
 
     def observe(self, org: str, model: str, cal: Any) -> None:
-        """Publish one key's ``pipeline.calibration.Calibration``."""
+        """Publish one key's ``pipeline.counting.calibration.Calibration``."""
         self.ratio.labels(org, model, "0.5").set(cal.median)
         self.ratio.labels(org, model, str(cal.quantile)).set(cal.ratio)
         self.ratio.labels(org, model, "max").set(cal.top)

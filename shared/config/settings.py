@@ -11,13 +11,13 @@ variables::
     |   +-- ClientSettings       (+ PipelineSettings): the client library and the LiteLLM hook
     +-- PipelineSettings         the pure pipeline's policy: worker, and the client's degraded reply
     +-- RedisSettings            the deployment's Redis
-    |   +-- MemoryServiceSettings   (memory.config.MemoryConfig adds the service's IBEX_MEMORY_*)
+    |   +-- MemoryServiceSettings   (memory.service.config.MemoryConfig adds the service's IBEX_MEMORY_*)
     +-- StackSettings            the ``up`` launcher's own
     Settings                     every class above but the memory service's own: the ops CLI and launcher
 
 Fields inherited by the memory service's ``IBEX_MEMORY_`` prefixed config name their variable
 (``validation_alias``). Every field has a ``description``: docs/settings.md is generated from them
-(``python -m ibex_context.shared.config.settings_doc``). Times are milliseconds on the environment surface
+(``python -m ibex_context.ops.settings_doc``). Times are milliseconds on the environment surface
 and are converted to nanoseconds once by the code that uses them.
 """
 
@@ -66,7 +66,7 @@ def shown(text: str) -> Any:
 @functools.cache
 def largest_catalog_window() -> int:
     """The largest ``context_window`` in the bundled model catalog, in tokens."""
-    text = resources.files("ibex_context.pipeline").joinpath("catalog.json").read_text("utf-8")
+    text = resources.files("ibex_context.pipeline.budget").joinpath("catalog.json").read_text("utf-8")
     return max(int(m["context_window"]) for m in json.loads(text)["models"].values())
 
 
@@ -169,7 +169,7 @@ class PipelineSettings(IbexSettings):
     catalog_path: str | None = Field(None, json_schema_extra=shown("bundled"),
                                      description="The model capability catalog JSON; unset: the bundled one.")
     token_cache_entries: int = Field(65536, ge=0, description="Token-count cache entries, keyed by content hash.")
-    # The memories block's nonce key (pipeline.format.nonce_key): the client's degraded reply derives
+    # The memories block's nonce key (pipeline.rendering.format.nonce_key): the client's degraded reply derives
     # it like a worker, from the nonce secret only (a client holds no memory-service secret).
     nonce_secret: str | None = Field(
         None, min_length=8,
@@ -296,7 +296,7 @@ class ClientSettings(CommonSettings, PipelineSettings, _LegacyTimeout):
 
 
 class MemoryServiceSettings(RedisSettings):
-    """Where the memory service listens and how it embeds; ``memory.config.MemoryConfig`` adds the rest."""
+    """Where the memory service listens and how it embeds; ``memory.service.config.MemoryConfig`` adds the rest."""
 
     memory_host: str = Field("127.0.0.1", validation_alias="IBEX_MEMORY_HOST",
                              description="Where the memory service listens.")

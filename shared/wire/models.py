@@ -42,7 +42,7 @@ class ScoreWeights(_Wire):
 
     The packer's score of a hit that carries its components is their weighted sum with these
     weights (docs/selection-quality.md). Each finite, non-negative; together they sum to 1. The
-    defaults are the packer's (``pipeline.score.DEFAULT_WEIGHTS``), not the memory service's.
+    defaults are the packer's (``pipeline.selection.score.DEFAULT_WEIGHTS``), not the memory service's.
     """
 
     relevance: _Weight = 0.70

@@ -34,7 +34,7 @@ STACK_TIMEOUT_S = 120
 # assembly below is judged on what it found, not on the box's load.
 SLOW_BOX_ENV = {"IBEX_DIRECTIVE_TIMEOUT_MS": "2000", "IBEX_HOT_TIMEOUT_MS": "2000", "IBEX_COLD_TIMEOUT_MS": "2000",
                 "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000"}
-REQUIRED_DATA = ["ibex_context/ops/supervisord.conf", "ibex_context/pipeline/catalog.json",
+REQUIRED_DATA = ["ibex_context/ops/supervisord.conf", "ibex_context/pipeline/budget/catalog.json",
                  "ibex_context/memory/data/demo.jsonl"]
 # What only the bench or the tests use lives in bench/ and tests/helpers.py, never in the wheel.
 BENCH_ONLY_MODULES = ["ibex_context/worker/transport.py"]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ibex_context.shared.config import settings_doc
+from ibex_context.ops import settings_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "settings.md"
@@ -17,11 +17,11 @@ PACKAGES = ("broker", "worker", "client", "shared", "pipeline", "memory", "ops")
 
 def test_the_page_is_in_step_with_the_fields() -> None:
     assert PAGE.read_text("utf-8") == settings_doc.render(), (
-        "docs/settings.md is stale: python -m ibex_context.shared.config.settings_doc > docs/settings.md")
+        "docs/settings.md is stale: python -m ibex_context.ops.settings_doc > docs/settings.md")
 
 
 def test_the_generator_runs_as_a_module() -> None:
-    out = subprocess.run([sys.executable, "-m", "ibex_context.shared.config.settings_doc"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ibex_context.ops.settings_doc"], capture_output=True,
                          text=True, timeout=60, check=True, env={"PATH": "/usr/bin:/bin"})
     assert out.stdout == PAGE.read_text("utf-8")  # the environment does not change the page
 

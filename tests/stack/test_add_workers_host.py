@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from ibex_context.client.client import AsyncClient
-from ibex_context.memory.redis_server import free_port
+from ibex_context.memory.embedded_redis.server import free_port
 from ibex_context.ops import nonce
 from ibex_context.ops.procs import broker_status
 from ibex_context.ops.stack import DEMO_DATA

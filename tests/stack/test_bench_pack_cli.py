@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from ibex_context.pipeline.pack import pack
-from ibex_context.pipeline.score import score_candidates
+from ibex_context.pipeline.selection.pack import pack
+from ibex_context.pipeline.selection.score import score_candidates
 from ibex_context.pipeline.types import MemoryHit
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Anthropic allows four ``cache_control`` breakpoints per request, wherever they sit: the caller's
 marks inside ``tool_result`` content count toward them like top-level ones, so the service adds
-only what still fits (``pipeline.chat_render.add_breakpoints``). Real broker, worker, memory service
+only what still fits (``pipeline.rendering.chat_render.add_breakpoints``). Real broker, worker, memory service
 and Redis.
 """
 

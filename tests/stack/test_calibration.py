@@ -21,16 +21,16 @@ import pytest
 
 from ibex_context.client import AsyncClient, SyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.calibration import (
+from ibex_context.pipeline.counting.calibration import (
     MAX_FALL_BUCKETS,
     UNCALIBRATED_BUCKET,
     bucket_of,
     decay_per_sample,
     upper_edge,
 )
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.stores.connect import async_client, sync_client
 from ibex_context.shared.wire import protocol as P
+from ibex_context.worker import calibration_store as store
 from tests.helpers import start_stack
 from tests.unit.test_calibration import MODEL, TURN
 

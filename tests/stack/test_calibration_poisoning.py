@@ -27,9 +27,10 @@ from redis.asyncio import Redis
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline.budget import response_reserve
-from ibex_context.pipeline.calibration import (
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import response_reserve
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.calibration import (
     MAX_FALL_BUCKETS,
     UNCALIBRATED_BUCKET,
     Calibration,
@@ -38,9 +39,8 @@ from ibex_context.pipeline.calibration import (
     multiplier_floor,
     upper_edge,
 )
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.shared.stores import calibration as store
 from ibex_context.shared.stores.keys import calibration_key
+from ibex_context.worker import calibration_store as store
 from tests.helpers import eventually, start_stack
 
 pytestmark = pytest.mark.timeout(240)
@@ -67,7 +67,7 @@ STACK_ENV = {"IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",
 @given(st.integers(min_value=0, max_value=10_000_000), st.floats(min_value=1.0, max_value=3.0))
 def test_at_the_floor_an_estimated_piece_is_never_below_its_raw_estimate(raw: int, factor: float) -> None:
     """ceil(ceil(raw * factor) * floor) >= raw: a calibrated count keeps the raw estimate, the
-    upper bound of every shipped exact encoder (pipeline.tokens)."""
+    upper bound of every shipped exact encoder (pipeline.counting.tokens)."""
     floor = multiplier_floor(exact=False, estimate_factor=factor)
     assert math.ceil(math.ceil(raw * factor) * floor) >= raw
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 
-import ibex_context.memory.redis_server as redis_server
+import ibex_context.memory.embedded_redis.server as redis_server
 import ibex_context.ops.cli as cli
 import ibex_context.ops.stack as stack
 from ibex_context.ops.launch import up

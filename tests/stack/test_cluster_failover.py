@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from ibex_context.client import AsyncClient
-from ibex_context.memory.redis_cluster import EmbeddedCluster
+from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.connect import sync_client

@@ -4,8 +4,8 @@ shard, and untagged org keys of a single server moved to their tagged names once
 
 from __future__ import annotations
 
-from ibex_context.memory.index import index_name
-from ibex_context.memory.redis_cluster import SLOTS, EmbeddedCluster
+from ibex_context.memory.embedded_redis.cluster import SLOTS, EmbeddedCluster
+from ibex_context.memory.search.index import index_name
 from ibex_context.shared.stores import keys
 from ibex_context.shared.stores.connect import async_client, is_cluster, key_slot, sync_client
 from ibex_context.shared.stores.layout_migration import MARKER_KEY, tag_org_keys

@@ -1,4 +1,4 @@
-"""Moving the slot that holds an agent's memories to another primary (``memory.redis_cluster.
+"""Moving the slot that holds an agent's memories to another primary (``memory.embedded_redis.cluster.
 move_slot``: the agent's index created on the target before the keys move) under a light search
 load: searches never fail during the move, and after it every memory is found on the new primary
 and new writes land there."""
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.index import create_args, index_name, total_results
-from ibex_context.memory.redis_cluster import EmbeddedCluster, move_slot
+from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster, move_slot
+from ibex_context.memory.embedders.embed import load_embedder
+from ibex_context.memory.search.index import create_args, index_name, total_results
 from ibex_context.shared.stores.connect import key_slot, sync_client
 from ibex_context.shared.stores.keys import agent_tag, directive_key, summary_key
 from ibex_context.worker import rawredis

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ibex_context.memory.redis_cluster import EmbeddedCluster
+from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
 from ibex_context.ops.stack import LocalStack
 from tests.fixtures_cluster import cluster_stack
 from tests.fixtures_services import MemoryServiceHandle

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ibex_context.memory.terms import TermTable, estimate_df, split_terms
+from ibex_context.memory.search.terms import TermTable, estimate_df, split_terms
 from tests.fixtures_services import MemoryServiceHandle, memory_service_with
 from tests.stack.test_memory_service import mem
 

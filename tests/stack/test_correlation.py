@@ -287,7 +287,7 @@ async def test_litellm_calls_sharing_a_call_id_each_get_their_own_assembly_and_u
     service (not refused, not the fallback), and each provider's usage is reported once, for that
     call's own assembly, through its own org's client, though the calls finish in the opposite order."""
     from ibex_context.client.integrations.litellm import IbexContextHook
-    from ibex_context.client.integrations.litellm_config import parse_config
+    from ibex_context.client.integrations.litellm.config import parse_config
 
     hook = IbexContextHook(parse_config({"orgs": {"acme": {}, "globex": {}}, "endpoints": [stack.frontend],
                                          "timeout_ms": int(TIMEOUT_S * 1000)}))

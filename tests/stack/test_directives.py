@@ -146,7 +146,7 @@ def _cli(*args: str, url: str | None, stdin: str | None = None) -> subprocess.Co
     if url:
         env["IBEX_REDIS_URL"] = url
     return subprocess.run(
-        [sys.executable, "-m", "ibex_context.memory.directive_cli", *args],
+        [sys.executable, "-m", "ibex_context.memory.store.directive_cli", *args],
         capture_output=True, text=True, env=env, input=stdin, timeout=30,
     )
 
@@ -191,7 +191,7 @@ def _one_line(r: subprocess.CompletedProcess[str], code: int, prefix: str, *need
 def test_cli_refuses_an_empty_directive(redis_url: str, how: list[str], stdin: str | None) -> None:
     _cli("set", "--org", "acme", "--agent", "bot", "--text", "Keep me.", url=redis_url)
     r = _cli("set", "--org", "acme", "--agent", "bot", *how, url=redis_url, stdin=stdin)
-    _one_line(r, 2, "python -m ibex_context.memory.directive_cli set: ", how[0], "empty", "delete")
+    _one_line(r, 2, "python -m ibex_context.memory.store.directive_cli set: ", how[0], "empty", "delete")
     r = _cli("show", "--org", "acme", "--agent", "bot", url=redis_url)
     assert r.returncode == 0 and json.loads(r.stdout)["text"] == "Keep me."  # the old one stands
 
@@ -200,12 +200,12 @@ def test_cli_mistakes_are_one_line(redis_url: str, tmp_path: Path) -> None:
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"caf\xe9")
     r = _cli("set", "--org", "acme", "--agent", "bot", "--file", str(binary), url=redis_url)
-    _one_line(r, 2, "python -m ibex_context.memory.directive_cli set: ", "binary.txt", "UTF-8")
+    _one_line(r, 2, "python -m ibex_context.memory.store.directive_cli set: ", "binary.txt", "UTF-8")
     r = _cli("set", "--org", "acme", "--agent", "bot", "--text", "x" * 100_001, url=redis_url)
-    _one_line(r, 2, "python -m ibex_context.memory.directive_cli set: ", "--text", "100000")
+    _one_line(r, 2, "python -m ibex_context.memory.store.directive_cli set: ", "--text", "100000")
     r = _cli("show", "--org", "acme", "--agent", "bot", "--extra", url=redis_url)
-    _one_line(r, 2, "python -m ibex_context.memory.directive_cli: ", "--extra")
+    _one_line(r, 2, "python -m ibex_context.memory.store.directive_cli: ", "--extra")
     r = _cli("show", "--agent", "bot", url=redis_url)
-    _one_line(r, 2, "python -m ibex_context.memory.directive_cli show: ", "--org")
+    _one_line(r, 2, "python -m ibex_context.memory.store.directive_cli show: ", "--org")
     r = _cli("show", "--org", "acme", "--agent", "bot", url="redis://127.0.0.1:1/0")
-    _one_line(r, 1, "python -m ibex_context.memory.directive_cli show: ", "cannot reach Redis", "IBEX_REDIS_URL")
+    _one_line(r, 1, "python -m ibex_context.memory.store.directive_cli show: ", "cannot reach Redis", "IBEX_REDIS_URL")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError, free_port, resolve_redis_url
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis, RedisStartError, free_port, resolve_redis_url
 from ibex_context.shared.config.settings import Settings
 
 
@@ -123,7 +123,8 @@ def test_session_server_can_be_stopped_and_started(redis_server: EmbeddedRedis, 
 def test_foreground_mode_execs_the_server(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ibex_context.memory.redis_server", "--port", str(port), "--dir", str(tmp_path)],
+        [sys.executable, "-m", "ibex_context.memory.embedded_redis.server", "--port", str(port),
+         "--dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
@@ -175,7 +176,7 @@ def test_foreground_persist_mode_keeps_data_across_a_supervisor_restart(tmp_path
 
     def start() -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ibex_context.memory.redis_server", "--port", str(port), "--dir", str(data),
+            [sys.executable, "-m", "ibex_context.memory.embedded_redis.server", "--port", str(port), "--dir", str(data),
              "--persist"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )
@@ -207,5 +208,5 @@ def test_supervisord_runs_the_embedded_redis_with_persistence_under_run() -> Non
     conf = configparser.RawConfigParser()
     conf.read(Path(__file__).resolve().parents[2] / "supervisord.conf")
     command = conf.get("program:redis", "command")
-    assert "-m ibex_context.memory.redis_server" in command
+    assert "-m ibex_context.memory.embedded_redis.server" in command
     assert "--persist" in command and "--dir %(ENV_IBEX_RUN_DIR)s/redis" in command

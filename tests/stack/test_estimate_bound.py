@@ -6,7 +6,7 @@ so on any text the estimate must be at least what o200k_base, cl100k_base, llama
 The property tests generate adversarial text (whitespace and control runs, punctuation chains,
 numbers in every script, emoji, CJK, base64, text that NFC changes, random Unicode) and natural
 text; the hand cases pin texts that cost far more tokens than their words suggest; the structure
-tests check the vocabulary facts the bound's argument rests on (``pipeline.tokens.token_bound``);
+tests check the vocabulary facts the bound's argument rests on (``pipeline.counting.tokens.token_bound``);
 the pipeline and stack tests send Claude, Gemini and Mistral requests whose history or memories
 are mostly whitespace, offline and through the real broker and worker.
 

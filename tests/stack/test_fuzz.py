@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
-from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.ops.stack import LocalStack, free_port, wait_for
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import unpack, validate

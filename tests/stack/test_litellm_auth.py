@@ -1,4 +1,4 @@
-"""The LiteLLM ``custom_auth`` shipped with the hook (client/integrations/litellm_auth.py): bearer
+"""The LiteLLM ``custom_auth`` shipped with the hook (client/integrations/litellm/auth.py): bearer
 keys mapped to key and team metadata from a keys file, hashes only, no database, no default keys.
 docs/litellm.md. Every other LiteLLM proxy test authenticates through it too
 (bench.litellm_rig writes its keys file).
@@ -19,17 +19,17 @@ import httpx
 import pytest
 
 from bench.litellm_rig import MASTER_KEY, LiteLLMProxy, Upstream, proxy_config
-from ibex_context.client.integrations.litellm_auth import KEYS_ENV, authenticate, key_hash, load_keys
+from ibex_context.client.integrations.litellm.auth import KEYS_ENV, authenticate, key_hash, load_keys
 from tests.unit.test_litellm_auth import _write
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "ibex_context.client.integrations.litellm_auth"]
+CLI = [sys.executable, "-m", "ibex_context.client.integrations.litellm.auth"]
 
 
 def test_no_keys_file_no_auth() -> None:
-    code = ("import ibex_context.client.integrations.litellm_auth as a\n"
+    code = ("import ibex_context.client.integrations.litellm.auth as a\n"
             "try:\n    a.user_api_key_auth\nexcept Exception as e:\n    print(type(e).__name__ + ': ' + str(e))\n")
     env = {k: v for k, v in os.environ.items() if k != KEYS_ENV}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,

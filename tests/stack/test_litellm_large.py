@@ -16,11 +16,11 @@ import pytest
 
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from bench.wire_size import cases
-from ibex_context.client.integrations.litellm_config import parse_config
-from ibex_context.client.integrations.litellm_routes import text_chars
+from ibex_context.client.integrations.litellm.config import parse_config
+from ibex_context.client.integrations.litellm.routes import text_chars
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.budget import response_reserve
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import response_reserve
 from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(600)

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
-from ibex_context.client.integrations.litellm_responses import Chat, to_chat
+from ibex_context.client.integrations.litellm.responses import Chat, to_chat
 from ibex_context.ops.stack import LocalStack
 from tests.stack.test_litellm_proxy import _accepted, _demo, _keys, curve_hook, curve_stack
 

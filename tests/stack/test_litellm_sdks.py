@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from bench.litellm_rig import hooked_proxy
-from ibex_context.pipeline.budget import response_reserve
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import response_reserve
 from tests.stack.test_litellm_proxy import _accepted, _demo, _keys, curve_hook, curve_stack
 from tests.stack.test_litellm_routes import A_TOOLS, A_TURN, R_INPUT, R_TOOLS, Rig, _memory_bodies
 

@@ -1,4 +1,4 @@
-"""The caller's deadline on a memory-service read (memory.deadline): a call whose
+"""The caller's deadline on a memory-service read (memory.service.deadline): a call whose
 ``Ibex-Timeout-Ms`` has run out gets a 504 before any embedding or search starts, a malformed one a
 400 naming the header, a queued query nobody waits for any more is not embedded, and the worker
 sends its branch's time left, so the service skips the work of a branch the worker gave up on.
@@ -17,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
-from ibex_context.memory.deadline import DeadlinePassed, Horizon
-from ibex_context.memory.querybatch import QueryBatcher
+from ibex_context.memory.service.deadline import DeadlinePassed, Horizon
+from ibex_context.memory.service.querybatch import QueryBatcher
 from tests.helpers import eventually
 from tests.stack.test_retrieval import ACME, _run, make  # noqa: F401  (make: the fixture, used by name)
 

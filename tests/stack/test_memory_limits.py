@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis
 
-from ibex_context.memory.index import tenant_number
-from ibex_context.memory.models import MAX_CONTENT_CHARS
+from ibex_context.memory.search.index import tenant_number
+from ibex_context.memory.service.models import MAX_CONTENT_CHARS
 from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key
 from tests.fixtures_services import MemoryServiceHandle
 

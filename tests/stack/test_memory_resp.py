@@ -1,4 +1,4 @@
-"""The memory service's Redis connections (``memory.resp``): hiredis packs what redis-py would,
+"""The memory service's Redis connections (``memory.store.resp``): hiredis packs what redis-py would,
 byte for byte, and what it cannot pack goes through redis-py, errors included."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
-from ibex_context.memory.resp import HiredisPackedConnection
+from ibex_context.memory.store.resp import HiredisPackedConnection
 
 ARGS = [("SET", "k", "v"), ("CONFIG GET", "maxmemory"), ("HSET", "h", "f", 1735689600.25, "n", 3, "b", b"\x00\xff"),
         ("FT.SEARCH", "idx", "@content:caf\u00e9", "INKEYS", "2", "a", "b")]

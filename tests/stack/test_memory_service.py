@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from ibex_context.memory.index import tenant_number
-from ibex_context.memory.redis_server import EmbeddedRedis
-from ibex_context.memory.seed import DEMO_FILE
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+from ibex_context.memory.search.index import tenant_number
+from ibex_context.memory.store.seed import DEMO_FILE
 from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
@@ -493,27 +493,27 @@ def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subproce
 @pytest.mark.parametrize("how", [["--relevance-floor", "0.5"], ["--relevance-floor", "0.9"], []])
 def test_relevance_floor_at_or_above_half_is_refused_at_startup(how: list[str], redis_url: str) -> None:
     env = {} if how else {"IBEX_MEMORY_RELEVANCE_FLOOR": "0.5"}
-    r = _run("memory.server", "--port", "0", "--redis-url", redis_url, *how, env=env)
+    r = _run("memory.service.server", "--port", "0", "--redis-url", redis_url, *how, env=env)
     assert r.returncode == 2, r.stderr
     assert "relevance floor" in r.stderr and "0.5" in r.stderr
 
 
 def test_seed_cli(redis_url: str, tmp_path: Path) -> None:
-    r = _run("memory.seed", "--redis-url", redis_url)
+    r = _run("memory.store.seed", "--redis-url", redis_url)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["orgs"] == ["acme", "globex"] and out["memories"] >= 300 and out["directives"] >= 6
-    again = _run("memory.seed", "--redis-url", redis_url, "--flush-orgs")
+    again = _run("memory.store.seed", "--redis-url", redis_url, "--flush-orgs")
     assert again.returncode == 0 and json.loads(again.stdout)["memories"] == out["memories"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"org_id": "acme", "agent_id": "bot", "content": "ok", "category": "fact"}\n'
                    '{"org_id": "acme", "agent_id": "bot", "content": "x", "category": "fact", "confidence": NaN}\n')
-    r = _run("memory.seed", "--redis-url", redis_url, "--file", str(bad))
+    r = _run("memory.store.seed", "--redis-url", redis_url, "--file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:2" in r.stderr
     bad.write_text('{"org_id": "ac:me", "agent_id": "bot", "content": "x", "category": "fact"}\n')
-    r = _run("memory.seed", "--redis-url", redis_url, "--file", str(bad))
+    r = _run("memory.store.seed", "--redis-url", redis_url, "--file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr and "org_id" in r.stderr
-    assert _run("memory.seed").returncode == 2  # no Redis named anywhere
+    assert _run("memory.store.seed").returncode == 2  # no Redis named anywhere
 
 
 # ------------------------------------------------------------------------- async, both loops

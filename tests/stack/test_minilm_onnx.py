@@ -1,5 +1,5 @@
-"""The onnxruntime minilm pass (memory.minilm_onnx) gives the numpy reference's vectors
-(memory.minilm): every shipped text, in batches and one query at a time, with padding and
+"""The onnxruntime minilm pass (memory.embedders.minilm_onnx) gives the numpy reference's vectors
+(memory.embedders.minilm): every shipped text, in batches and one query at a time, with padding and
 truncation as the reference does them, on one thread, from a graph cached after its first build."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.minilm import MAX_QUERY_TOKENS, MAX_TOKENS, MiniLMEmbedder
-from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, load_session, onnx_available
+from ibex_context.memory.embedders.embed import load_embedder
+from ibex_context.memory.embedders.minilm import MAX_QUERY_TOKENS, MAX_TOKENS, MiniLMEmbedder
+from ibex_context.memory.embedders.minilm_onnx import MiniLMOnnxEmbedder, load_session, onnx_available
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND = 0.999  # the cosine both passes must agree to, for every text

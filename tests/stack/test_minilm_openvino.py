@@ -1,5 +1,5 @@
-"""minilm on OpenVINO in bfloat16 (memory.minilm_openvino) gives the numpy reference's vectors
-(memory.minilm) for the shipped texts, one query at a time and in padded batches, from any
+"""minilm on OpenVINO in bfloat16 (memory.embedders.minilm_openvino) gives the numpy reference's vectors
+(memory.embedders.minilm) for the shipped texts, one query at a time and in padded batches, from any
 thread; ``IBEX_MEMORY_MINILM_RUNTIME`` picks the runtime, ``auto`` OpenVINO only where bfloat16 is
 native, and ``IBEX_MEMORY_MINILM_WEIGHTS=auto`` there the weights measured faster at load."""
 
@@ -14,11 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ibex_context.memory.config import MemoryConfig
-from ibex_context.memory.embed import load_embedder
-from ibex_context.memory.minilm import MiniLMEmbedder, model_zip
-from ibex_context.memory.minilm_onnx import MiniLMOnnxEmbedder, Weights, _cache_name, faster_weights, load_session
-from ibex_context.memory.minilm_openvino import BUCKETS, OpenVinoSession, bf16_native
+from ibex_context.memory.embedders.embed import load_embedder
+from ibex_context.memory.embedders.minilm import MiniLMEmbedder, model_zip
+from ibex_context.memory.embedders.minilm_onnx import (
+    MiniLMOnnxEmbedder,
+    Weights,
+    _cache_name,
+    faster_weights,
+    load_session,
+)
+from ibex_context.memory.embedders.minilm_openvino import BUCKETS, OpenVinoSession, bf16_native
+from ibex_context.memory.service.config import MemoryConfig
 from tests.stack.test_minilm_onnx import BOUND, _conversation_sample, _cosines, _demo_texts, _eval_questions
 
 
@@ -129,7 +135,7 @@ def test_auto_weights_are_the_faster_of_the_two_timed_at_load(cache: Path, caplo
     best, times = faster_weights(cache_dir=cache)
     assert sorted(times) == ["fp32", "int8-groups"] and all(0 < ms < 1000 for ms in times.values())
     assert times[best] == min(times.values())
-    with caplog.at_level(logging.INFO, logger="ibex_context.memory.minilm_onnx"):
+    with caplog.at_level(logging.INFO, logger="ibex_context.memory.embedders.minilm_onnx"):
         emb = MiniLMOnnxEmbedder(cache_dir=cache, runtime="openvino")
         assert emb.weights is None  # chosen at load, not at construction
         emb.load()
@@ -148,7 +154,7 @@ def test_a_weights_probe_that_fails_keeps_fp32_and_serves(cache: Path, tmp_path:
         info = z.getinfo("model.safetensors")
     shutil.copy(cache / _cache_name(info, "fp32"), tmp_path / _cache_name(info, "fp32"))
     (tmp_path / _cache_name(info, "int8-groups")).write_bytes(b"not a graph")
-    with caplog.at_level(logging.WARNING, logger="ibex_context.memory.minilm_onnx"):
+    with caplog.at_level(logging.WARNING, logger="ibex_context.memory.embedders.minilm_onnx"):
         emb = MiniLMOnnxEmbedder(cache_dir=tmp_path, runtime="openvino")
         vec = emb.embed_query("When are Acme Backup invoices sent out?")
     assert emb.weights == "fp32"

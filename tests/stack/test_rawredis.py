@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from redis.asyncio import Redis
 
-from ibex_context.memory.redis_server import EmbeddedRedis, RedisStartError
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis, RedisStartError
 from ibex_context.worker.rawredis import Connection, ReplyError
 
 

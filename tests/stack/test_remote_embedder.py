@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ibex_context.memory.embed import HashingEmbedder
-from ibex_context.memory.remote_embed import RemoteEmbedder
+from ibex_context.memory.embedders.embed import HashingEmbedder
+from ibex_context.memory.embedders.remote_embed import RemoteEmbedder
 from tests.fixtures_services import MemoryServiceHandle, memory_service_with
 
 MODEL = "text-embedder-test"
@@ -153,7 +153,8 @@ def test_an_endpoint_down_at_start_is_a_one_line_error(tmp_path: Path) -> None:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("IBEX_")},
            "IBEX_MEMORY_EMBEDDER": "openai", "IBEX_MEMORY_EMBED_URL": "http://127.0.0.1:9",
            "IBEX_MEMORY_EMBED_MODEL": MODEL}
-    r = subprocess.run([sys.executable, "-m", "ibex_context.memory.server", "--port", "0"], env=env, cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.server", "--port", "0"], env=env,
+                       cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "unreachable" in r.stderr

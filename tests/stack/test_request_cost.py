@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.image_tokens import openai_image_tokens
+from ibex_context.pipeline.counting.image_tokens import openai_image_tokens
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.errors import InvalidRequest

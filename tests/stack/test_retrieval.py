@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.wire.errors import DeadlineExceeded

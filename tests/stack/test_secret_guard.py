@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ibex_context.memory.config import DEV_SECRET, MemoryConfig
+from ibex_context.memory.service.config import DEV_SECRET, MemoryConfig
 from ibex_context.ops.stack import free_port
 from ibex_context.shared.config.settings import Settings
 from tests.fixtures_services import REPO_ROOT, MemoryServiceHandle
@@ -84,14 +84,14 @@ def test_memory_service_refuses_a_public_bind_with_the_dev_secret(host: str, how
         args += ["--host", host]
     else:
         env["IBEX_MEMORY_HOST"] = host
-    r = _run("memory.server", *args, env=env)
+    r = _run("memory.service.server", *args, env=env)
     assert r.returncode == 2, r.stderr
     line = _one_error_line(r.stderr)
     assert "IBEX_MEMORY_SECRET" in line and repr(host) in line
 
 
 def test_memory_service_refuses_faults_off_loopback(redis_url: str) -> None:
-    r = _run("memory.server", "--host", "0.0.0.0", "--port", "0", "--redis-url", redis_url, "--enable-faults",
+    r = _run("memory.service.server", "--host", "0.0.0.0", "--port", "0", "--redis-url", redis_url, "--enable-faults",
              env=_env(IBEX_MEMORY_SECRET=PRIVATE_SECRET))
     assert r.returncode == 2, r.stderr
     assert "--enable-faults" in _one_error_line(r.stderr)
@@ -100,8 +100,8 @@ def test_memory_service_refuses_faults_off_loopback(redis_url: str) -> None:
 def test_memory_service_with_a_private_secret_listens_anywhere(redis_url: str, tmp_path: Path) -> None:
     port_file, log = tmp_path / "port", tmp_path / "memory.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.server", "--host", "0.0.0.0", "--port", "0",
-                                 "--port-file", str(port_file), "--redis-url", redis_url],
+        proc = subprocess.Popen([sys.executable, "-m", "ibex_context.memory.service.server", "--host", "0.0.0.0",
+                                 "--port", "0", "--port-file", str(port_file), "--redis-url", redis_url],
                                 env=_env(IBEX_MEMORY_SECRET=PRIVATE_SECRET), cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT)
     try:

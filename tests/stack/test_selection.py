@@ -96,9 +96,9 @@ def test_search_keeps_full_text_hits_below_the_cutoff(memory: MemoryServiceHandl
 def test_a_search_without_a_cutoff_gets_the_embedders_own(memory: MemoryServiceHandle) -> None:
     """The cutoff belongs to the embedder (cosine scales differ): minilm's is 0.20, hash's the
     spec's 0.70; a search naming ``min_similarity`` gets exactly that (docs/selection-quality.md)."""
-    from ibex_context.memory.embed import HashingEmbedder
-    from ibex_context.memory.minilm import MiniLMEmbedder
-    from ibex_context.memory.static import StaticEmbedder
+    from ibex_context.memory.embedders.embed import HashingEmbedder
+    from ibex_context.memory.embedders.minilm import MiniLMEmbedder
+    from ibex_context.memory.embedders.static import StaticEmbedder
     from ibex_context.shared.config.settings import Settings
 
     assert (HashingEmbedder().min_similarity, StaticEmbedder().min_similarity) == (0.70, 0.70)

@@ -29,7 +29,7 @@ def test_memory_service_logs_json_when_asked(tmp_path: Path, redis_url: str) -> 
     log_path, port_file = tmp_path / "memory.log", tmp_path / "memory.port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
     env.update({"IBEX_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"})
-    cmd = [sys.executable, "-m", "ibex_context.memory.server", "--port", "0", "--port-file", str(port_file),
+    cmd = [sys.executable, "-m", "ibex_context.memory.service.server", "--port", "0", "--port-file", str(port_file),
            "--redis-url", redis_url]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)

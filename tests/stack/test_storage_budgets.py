@@ -20,7 +20,7 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from ibex_context.memory.redis_server import EmbeddedRedis
+from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.stores.directives import set_directive
 from ibex_context.shared.stores.keys import org_storage_key

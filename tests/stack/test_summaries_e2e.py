@@ -26,10 +26,10 @@ import redis
 
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.client.client import AsyncClient
-from ibex_context.client.integrations.litellm_summary import conversation_key
+from ibex_context.client.integrations.litellm.summary import conversation_key
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.budget import response_reserve
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import response_reserve
 from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.stores.keys import memory_key, summary_key
 from ibex_context.shared.stores.summaries import decode_summary

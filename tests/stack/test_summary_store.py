@@ -21,7 +21,7 @@ import pytest
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.stores.connect import async_client, is_cluster, sync_client
 from ibex_context.shared.stores.keys import summary_key

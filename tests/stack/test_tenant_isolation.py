@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from ibex_context.client.client import AsyncClient
-from ibex_context.memory.app import OrgLimiter
-from ibex_context.memory.config import DEFAULT_MAX_QUERY_CHARS
-from ibex_context.memory.models import MAX_QUERY_CHARS
+from ibex_context.memory.service.app import OrgLimiter
+from ibex_context.memory.service.config import DEFAULT_MAX_QUERY_CHARS
+from ibex_context.memory.service.models import MAX_QUERY_CHARS
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.wire.errors import IbexError
 from ibex_context.shared.wire.models import AssembleResponse

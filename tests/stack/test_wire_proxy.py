@@ -19,8 +19,8 @@ import pytest
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from bench.wire_size import cases
 from ibex_context.ops.stack import LocalStack
-from ibex_context.pipeline.budget import response_reserve
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import response_reserve
 from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(600)

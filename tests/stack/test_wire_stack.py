@@ -16,8 +16,8 @@ import pytest
 from bench.wire_size import cases, kept, measure
 from ibex_context.client import AsyncClient, InvalidRequest
 from ibex_context.ops.stack import LocalStack, free_port
-from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting import chat_count as cc
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire.models import AssembleResponse
 from tests.helpers import start_stack

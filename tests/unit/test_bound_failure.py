@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.count import LineCache
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.count import LineCache
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.models import AssembleRequest
 
@@ -24,7 +24,7 @@ WINDOW = 20000
 
 
 def _catalog() -> Catalog:
-    data = json.loads((Path(__file__).resolve().parents[2] / "pipeline" / "catalog.json").read_text("utf-8"))
+    data = json.loads((Path(__file__).resolve().parents[2] / "pipeline" / "budget" / "catalog.json").read_text("utf-8"))
     data["models"]["claude-sonnet-4"]["context_window"] = WINDOW
     return Catalog(data)
 

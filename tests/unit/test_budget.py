@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.pipeline.budget import compute_budget, response_reserve, safety_buffer
-from ibex_context.pipeline.catalog import Catalog, FamilyPolicy, ModelSpec
-from ibex_context.pipeline.tokens import TokenCount
+from ibex_context.pipeline.budget.catalog import Catalog, FamilyPolicy, ModelSpec
+from ibex_context.pipeline.budget.usable import compute_budget, response_reserve, safety_buffer
+from ibex_context.pipeline.counting.tokens import TokenCount
 from ibex_context.shared.wire.errors import TokenizerMismatch, UnknownModel
 
 POLICY = FamilyPolicy("o200k", "exact", "o200k_base", 0.02, 1.0)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from ibex_context.client.usage import usage_payload
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.calibration import (
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.calibration import (
     N_BUCKETS,
     RATIO_MAX,
     RATIO_MIN,
@@ -26,8 +27,7 @@ from ibex_context.pipeline.calibration import (
     summarize,
     upper_edge,
 )
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import unpack, validate
 from ibex_context.shared.wire.models import AssembleRequest, UsageReport

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.conversation.history import latest_user_index
 from ibex_context.pipeline.conversation.parse import parse_conversation
-from ibex_context.pipeline.history import latest_user_index
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.codec import decode_request, encode
 from ibex_context.shared.wire.errors import ContextOverflow, ErrorCode, InvalidRequest
@@ -210,10 +210,10 @@ def test_property_no_orphans_latest_turn_kept_exact_count_within_window(
        st.sampled_from(["o200k", "cl100k", "llama3", "qwen"]))
 def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: str) -> None:
     """The block's count from cached line counts equals a fresh BPE pass over the block, for any
-    memory text (``pipeline.render_openai.memory_block_tokens``: the pre-tokenizers split between lines)."""
-    from ibex_context.pipeline import format as fmt
-    from ibex_context.pipeline.count import LineCache
-    from ibex_context.pipeline.render_openai import memory_block_tokens
+    memory text (``pipeline.rendering.openai.memory_block_tokens``: the pre-tokenizers split between lines)."""
+    from ibex_context.pipeline.counting.count import LineCache
+    from ibex_context.pipeline.rendering import format as fmt
+    from ibex_context.pipeline.rendering.openai import memory_block_tokens
     from ibex_context.pipeline.types import ScoredMemory
 
     kept = [ScoredMemory(MemoryHit(f"m{i}", c, "fact", 0.9, 0.9, i + 1, "hot"), 1, 0.9)
@@ -229,10 +229,10 @@ def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: 
 def test_scored_block_count_is_the_block_count(contents: list[str], family: str) -> None:
     """Memories priced by the scorer (``MemoryCost`` with the same counter and line cache) give the
     block's exact count from their own ``tokens`` (what the render stage uses)."""
-    from ibex_context.pipeline import format as fmt
-    from ibex_context.pipeline.count import LineCache, MemoryCost
-    from ibex_context.pipeline.render_openai import memory_block_tokens, scored_block_tokens
-    from ibex_context.pipeline.score import score_candidates
+    from ibex_context.pipeline.counting.count import LineCache, MemoryCost
+    from ibex_context.pipeline.rendering import format as fmt
+    from ibex_context.pipeline.rendering.openai import memory_block_tokens, scored_block_tokens
+    from ibex_context.pipeline.selection.score import score_candidates
 
     hits = [MemoryHit(f"m{i}", c, "fact", 0.9, 0.9, i + 1, "hot") for i, c in enumerate(contents)]
     counter, lines = CATALOG.counter(family), LineCache()
@@ -318,9 +318,9 @@ def test_property_anthropic_no_orphans_latest_turn_kept_within_window(
 def _small_claude() -> Catalog:
     import json
 
-    from ibex_context.pipeline.catalog import Catalog as _Catalog
+    from ibex_context.pipeline.budget.catalog import Catalog as _Catalog
 
-    path = Path(__file__).resolve().parents[2] / "pipeline" / "catalog.json"
+    path = Path(__file__).resolve().parents[2] / "pipeline" / "budget" / "catalog.json"
     data = json.loads(path.read_text())
     fam = data["models"]["claude-sonnet-4"]["family"]
     data["models"]["claude-small"] = {"family": fam, "context_window": 6_000, "max_output": 4096}

@@ -1,4 +1,4 @@
-"""Provider-faithful prompt counting (pipeline/chat_count.py, pipeline/image_tokens.py).
+"""Provider-faithful prompt counting (pipeline/counting/chat_count.py, pipeline/counting/image_tokens.py).
 
 The worked examples are the providers' own published numbers: the OpenAI cookbook's message and
 tool examples (counted there against the live API), OpenAI's vision cost examples, Anthropic's
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.chat_count import (
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.chat_count import (
     anthropic_image_tokens,
     anthropic_prompt_tokens,
     anthropic_tools_tokens,
@@ -28,7 +28,7 @@ from ibex_context.pipeline.chat_count import (
     openai_prompt_tokens,
     openai_tools_tokens,
 )
-from ibex_context.pipeline.image_tokens import ANTHROPIC_IMAGE_CAP, openai_patches, sniff_size
+from ibex_context.pipeline.counting.image_tokens import ANTHROPIC_IMAGE_CAP, openai_patches, sniff_size
 from ibex_context.shared.wire.errors import InvalidRequest
 
 CATALOG = Catalog.load()

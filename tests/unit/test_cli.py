@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import ibex_context.memory.redis_server as redis_server
+import ibex_context.memory.embedded_redis.server as redis_server
 import ibex_context.ops.cli as cli
 import ibex_context.ops.stack as stack
 from ibex_context.shared.config.settings import Settings

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.conversation.layout import for_wire
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.codec import decode_reply, decode_request, encode, encode_error, peek_envelope, unpack
 from ibex_context.shared.wire.errors import ErrorCode, Overloaded

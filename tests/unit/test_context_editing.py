@@ -17,13 +17,13 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline import context_edit
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.conversation import context_edit
 from ibex_context.pipeline.conversation.parse import parse_conversation
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.pipeline.turns import count_turns
+from ibex_context.pipeline.conversation.turns import count_turns
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.shared.wire.codec import encode
 from ibex_context.shared.wire.errors import ContextOverflow
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
@@ -373,7 +373,7 @@ def test_clear_thinking_leaves_out_earlier_thinking_never_the_loops() -> None:
 # --------------------------------------------------------------------------- the real stack
 
 def _small_claude() -> Catalog:
-    path = Path(__file__).resolve().parents[2] / "pipeline" / "catalog.json"
+    path = Path(__file__).resolve().parents[2] / "pipeline" / "budget" / "catalog.json"
     data = json.loads(path.read_text())
     fam = data["models"]["claude-sonnet-4"]["family"]
     data["models"]["claude-small"] = {"family": fam, "context_window": 8_000, "max_output": 4096}

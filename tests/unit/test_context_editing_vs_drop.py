@@ -12,12 +12,12 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import chat_count as cc
-from ibex_context.pipeline import context_edit
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.conversation import context_edit
 from ibex_context.pipeline.conversation.parse import parse_conversation
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.shared.wire.errors import ContextOverflow
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from tests.properties import examples
@@ -32,7 +32,7 @@ A_TOOLS = [{"name": n, "description": f"{n} tool", "input_schema": {"type": "obj
 def _catalog() -> Catalog:
     """The shipped catalog plus an 8K Claude (the pipeline's Anthropic path on a window generated
     conversations overflow) and claude-sonnet-4 (strips earlier thinking) and opus-4-5 (does not) at 8K."""
-    data = json.loads((Path(__file__).resolve().parents[2] / "pipeline" / "catalog.json").read_text())
+    data = json.loads((Path(__file__).resolve().parents[2] / "pipeline" / "budget" / "catalog.json").read_text())
     fam = data["models"]["claude-sonnet-4"]["family"]
     data["models"]["claude-small"] = {"family": fam, "context_window": 8_000, "max_output": 1024}
     data["models"]["claude-sonnet-4"] = {"family": fam, "context_window": 8_000, "max_output": 1024}

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ibex_context.memory.embed import content_terms
-from ibex_context.memory.seed import parse_records
+from ibex_context.memory.embedders.embed import content_terms
+from ibex_context.memory.store.seed import parse_records
 
 pytestmark = pytest.mark.timeout(60)
 

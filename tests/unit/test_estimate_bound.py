@@ -6,7 +6,7 @@ so on any text the estimate must be at least what o200k_base, cl100k_base, llama
 The property tests generate adversarial text (whitespace and control runs, punctuation chains,
 numbers in every script, emoji, CJK, base64, text that NFC changes, random Unicode) and natural
 text; the hand cases pin texts that cost far more tokens than their words suggest; the structure
-tests check the vocabulary facts the bound's argument rests on (``pipeline.tokens.token_bound``);
+tests check the vocabulary facts the bound's argument rests on (``pipeline.counting.tokens.token_bound``);
 the pipeline and stack tests send Claude, Gemini and Mistral requests whose history or memories
 are mostly whitespace, offline and through the real broker and worker.
 
@@ -28,11 +28,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import chat_count as cc
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.pipeline.tokens import ExactCounter, estimate_tokens
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.tokens import ExactCounter, estimate_tokens
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 from tests.properties import examples
@@ -107,7 +107,7 @@ HAND_CASES = {
     "devanagari-nukta": "\u0958" * 500 + "क़" * 500,  # NFC decomposes U+0958, Qwen normalizes
     "combining": "e\u0301\u0344a\u0308" * 500,
     "mixed-scripts": "Ωмир١٢٣ שלום 日本 🎉 abc123 ..." * 200,
-    "code": (ROOT / "pipeline" / "tokens.py").read_text("utf-8"),
+    "code": (ROOT / "pipeline" / "counting" / "tokens.py").read_text("utf-8"),
     "readme": (ROOT / "README.md").read_text("utf-8"),
 }
 
@@ -132,7 +132,7 @@ def test_estimate_stays_tight_on_natural_text() -> None:
 
 
 def test_an_estimate_factor_below_one_is_refused() -> None:
-    from ibex_context.pipeline.tokens import EstimateCounter
+    from ibex_context.pipeline.counting.tokens import EstimateCounter
 
     with pytest.raises(ValueError, match="factor"):
         EstimateCounter("claude", 0.9)
@@ -192,7 +192,7 @@ def test_over_the_per_call_limit(text: str) -> None:
     which Qwen charges three tokens where the raw text has two bytes)."""
     import quicktok
 
-    from ibex_context.pipeline.tokens import MAX_CHARS_PER_CALL
+    from ibex_context.pipeline.counting.tokens import MAX_CHARS_PER_CALL
 
     assert len(text) >= MAX_CHARS_PER_CALL
     whole = {e.encoding_name: len(quicktok.get_encoding(e.encoding_name).encode_ordinary(text)) for e in EXACT[2:]}
@@ -226,7 +226,7 @@ def test_numeral_table_covers_every_unicode_number() -> None:
     character, by Python's tables and by the newer ones of the ``regex`` module."""
     import regex  # type: ignore[import-untyped]
 
-    from ibex_context.pipeline.tokens import numeral_surplus
+    from ibex_context.pipeline.counting.tokens import numeral_surplus
 
     every = "".join(map(chr, [*range(0xD800), *range(0xE000, 0x110000)]))
     numbers = set(regex.findall(r"\p{N}", every)) | {c for c in every if unicodedata.category(c)[0] == "N"}
@@ -298,7 +298,7 @@ def test_whitespace_memory_is_charged_its_real_size() -> None:
 def test_low_detail_is_openai_only(model: str, provider_count: int) -> None:
     """``detail: low`` is OpenAI's price; another provider reached through the OpenAI format charges
     a large image by its own rules, so a model OpenAI publishes nothing for is charged as high."""
-    from ibex_context.pipeline.image_tokens import openai_image_tokens
+    from ibex_context.pipeline.counting.image_tokens import openai_image_tokens
 
     for size in ((3072, 3072), (1024, 1024), (None, None)):
         assert openai_image_tokens(*size, "low", model=model) >= provider_count

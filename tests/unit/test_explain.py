@@ -14,8 +14,8 @@ from typing import Any
 
 from ibex_context.ops.explain import explain, load_candidates, load_request, run
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.config.settings import Settings
 

@@ -20,9 +20,9 @@ import pytest
 
 from ibex_context.client import AssembleRequest, Unavailable, degraded_response
 from ibex_context.client.degrade import BYTE_BOUND_NOTE, ByteBoundCatalog, Fallback
-from ibex_context.pipeline.budget import response_reserve
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.chat_count import openai_prompt_tokens
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.budget.usable import response_reserve
+from ibex_context.pipeline.counting.chat_count import openai_prompt_tokens
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire.errors import ContextOverflow
 

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import count
-from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.pipeline.tokens import TokenCounter
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting import count
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.rendering import format as fmt
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.wire.models import AssembleRequest, Message
 
@@ -182,7 +182,7 @@ def test_line_by_line_counts_bound_the_sections(
 
 
 def test_history_counting_reuses_the_cache_for_seen_messages() -> None:
-    from ibex_context.pipeline.tokens import CachedCounter, ExactCounter
+    from ibex_context.pipeline.counting.tokens import CachedCounter, ExactCounter
 
     counter = CachedCounter(ExactCounter("o200k", "o200k_base"))
     convo = [Message(role="user" if i % 2 else "assistant", content=f"turn {i}: " + "words " * 50) for i in range(20)]

@@ -1,4 +1,4 @@
-"""History trimming (pipeline/history.py) and provider-ready rendering (pipeline/chat_render.py).
+"""History trimming (pipeline/conversation/history.py) and provider-ready rendering (pipeline/rendering/chat_render.py).
 
 Hand cases pin the documented behaviour; the property tests generate OpenAI and Anthropic
 conversations with tool calls, images and long histories and check the invariants against an
@@ -15,8 +15,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline.chat_render import render_anthropic, render_openai
-from ibex_context.pipeline.history import (
+from ibex_context.pipeline.conversation.history import (
     HistoryOverflow,
     HistoryPolicy,
     fit_history,
@@ -24,6 +23,7 @@ from ibex_context.pipeline.history import (
     latest_user_index,
     split_units,
 )
+from ibex_context.pipeline.rendering.chat_render import render_anthropic, render_openai
 from ibex_context.shared.wire.errors import InvalidRequest
 from tests.properties import examples
 

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline.hits import MAX_CATEGORY_CHARS, hit_problem, plain_hit, to_hit
+from ibex_context.pipeline.selection.hits import MAX_CATEGORY_CHARS, hit_problem, plain_hit, to_hit
 from tests.properties import examples
 
 NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3), st.booleans())

@@ -1,4 +1,4 @@
-"""The LiteLLM ``custom_auth`` shipped with the hook (client/integrations/litellm_auth.py): bearer
+"""The LiteLLM ``custom_auth`` shipped with the hook (client/integrations/litellm/auth.py): bearer
 keys mapped to key and team metadata from a keys file, hashes only, no database, no default keys.
 docs/litellm.md. Every other LiteLLM proxy test authenticates through it too
 (bench.litellm_rig writes its keys file).
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from ibex_context.client.integrations import litellm_auth
-from ibex_context.client.integrations.litellm_auth import KEYS_ENV, authenticate, key_hash, load_keys, make_auth
-from ibex_context.client.integrations.litellm_config import HookConfigError
+from ibex_context.client.integrations.litellm import auth as litellm_auth
+from ibex_context.client.integrations.litellm.auth import KEYS_ENV, authenticate, key_hash, load_keys, make_auth
+from ibex_context.client.integrations.litellm.config import HookConfigError
 
 pytestmark = pytest.mark.timeout(300)
 

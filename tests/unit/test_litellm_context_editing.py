@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ibex_context.client.integrations.litellm_config import (
+from ibex_context.client.integrations.litellm.config import (
     Caller,
     Denied,
     context_editing_for,
     parse_config,
     resolve_identity,
 )
-from ibex_context.client.integrations.litellm_routes import request_form
+from ibex_context.client.integrations.litellm.routes import request_form
 
 CONFIG = parse_config({"orgs": {"acme": {}}, "history": {"context_editing": {"keep": 2}},
                        "context_editing_routes": {"messages": {"keep": 4, "clear_tool_inputs": True}}})

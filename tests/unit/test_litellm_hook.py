@@ -21,7 +21,7 @@ from litellm.proxy._types import UserAPIKeyAuth
 
 from ibex_context.client import AssembleRequest, Unavailable, degraded_response
 from ibex_context.client.integrations.litellm import IbexContextHook
-from ibex_context.client.integrations.litellm_config import (
+from ibex_context.client.integrations.litellm.config import (
     Caller,
     Denied,
     HookConfigError,
@@ -32,9 +32,9 @@ from ibex_context.client.integrations.litellm_config import (
     parse_config,
     resolve_identity,
 )
-from ibex_context.client.integrations.litellm_core import HookCore, header_value, headers, last_user_text, record
-from ibex_context.client.integrations.litellm_degraded import DirectiveCopies
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.client.integrations.litellm.core import HookCore, header_value, headers, last_user_text, record
+from ibex_context.client.integrations.litellm.degraded import DirectiveCopies
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.security import auth
 
 CATALOG = Catalog.load()

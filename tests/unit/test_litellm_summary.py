@@ -1,4 +1,4 @@
-"""The hook's summary planning (client/integrations/litellm_summary.py) on real assemblies: the
+"""The hook's summary planning (client/integrations/litellm/summary.py) on real assemblies: the
 pipeline fits a real conversation (``pipeline.assemble`` with no retrieval), and the hook picks
 its next ``covers`` from that reply: on a unit boundary (a tool call with its results), at least
 what was dropped, bringing the kept history to the low-water mark; its conversation key; the
@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from ibex_context.client.integrations.litellm_config import HookConfigError, parse_config
-from ibex_context.client.integrations.litellm_summary import Plan, choose_covers, conversation_key, due, transcript
+from ibex_context.client.integrations.litellm.config import HookConfigError, parse_config
+from ibex_context.client.integrations.litellm.summary import Plan, choose_covers, conversation_key, due, transcript
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.pipeline.summary import check_covers
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.conversation.summary import check_covers
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 

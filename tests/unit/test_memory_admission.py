@@ -1,5 +1,5 @@
 """Admission at the memory service: the query batcher's fair order and its refusal of work that
-would end after its caller's deadline (memory.querybatch), and the worker's adaptive limit on
+would end after its caller's deadline (memory.service.querybatch), and the worker's adaptive limit on
 assemblies calling the memory service (worker.memgate)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.memory.deadline import Horizon
-from ibex_context.memory.querybatch import QueryBatcher, WouldMissDeadline
+from ibex_context.memory.service.deadline import Horizon
+from ibex_context.memory.service.querybatch import QueryBatcher, WouldMissDeadline
 from ibex_context.shared.wire.models import BranchOutcome
 from ibex_context.worker.memgate import AT_CAPACITY, MIN_LIMIT, RECOVER_NS, MemoryGate, memory_outcome
 from tests.properties import examples

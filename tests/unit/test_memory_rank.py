@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.memory.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
-from ibex_context.memory.fusion import TEXT_WEIGHT, Fused, fuse, idf, text_scores
-from ibex_context.memory.index import MAX_QUERY_TERMS, query_terms, tenant_filter
-from ibex_context.memory.rank import (
+from ibex_context.memory.embedders.embed import EmbedderUnavailable, HashingEmbedder, content_terms, load_embedder
+from ibex_context.memory.search.fusion import TEXT_WEIGHT, Fused, fuse, idf, text_scores
+from ibex_context.memory.search.index import MAX_QUERY_TERMS, query_terms, tenant_filter
+from ibex_context.memory.search.rank import (
     ACCESS_SATURATION,
     DEFAULT_RELEVANCE_FLOOR,
     FLOOR_LIMIT,
@@ -281,8 +281,8 @@ def test_unknown_or_missing_embedders_fail_clearly() -> None:
 def test_per_record_memoises_by_identity_and_skips_large_records() -> None:
     from datetime import UTC, datetime
 
-    from ibex_context.memory.models import MemoryRecord
-    from ibex_context.memory.store import per_record
+    from ibex_context.memory.service.models import MemoryRecord
+    from ibex_context.memory.store.writes import per_record
 
     calls: list[str] = []
 

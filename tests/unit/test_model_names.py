@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire.errors import InvalidRequest, UnknownModel
 
@@ -73,7 +73,7 @@ def _catalog(models: dict[str, Any]) -> Catalog:
 
 def test_aliases_extend_a_catalog_loaded_from_ibex_catalog_path(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    data = json.loads(Path("pipeline/catalog.json").read_text("utf-8"))
+    data = json.loads(Path("pipeline/budget/catalog.json").read_text("utf-8"))
     data["models"]["in-house-7b"] = {"family": "llama3", "context_window": 8192, "max_output": 1024,
                                      "aliases": ["acme.in-house-7b-v1:0"]}
     path = tmp_path / "catalog.json"

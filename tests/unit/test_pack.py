@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline import swaps
-from ibex_context.pipeline.knapsack import knapsack
-from ibex_context.pipeline.pack import MAX_CONSECUTIVE_SKIPS, pack
+from ibex_context.pipeline.selection import swaps
+from ibex_context.pipeline.selection.knapsack import knapsack
+from ibex_context.pipeline.selection.pack import MAX_CONSECUTIVE_SKIPS, pack
 from ibex_context.pipeline.types import MemoryHit, PackResult, ScoredMemory
 from tests.properties import examples
 

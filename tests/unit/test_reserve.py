@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ibex_context.pipeline.catalog import Catalog
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.shared.config.settings import Settings
 from ibex_context.worker.assemble import Assembler, StageCostTracker
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ibex_context.memory.config import RETIRED_ENV, MemoryConfig
-from ibex_context.memory.server import main
+from ibex_context.memory.service.config import RETIRED_ENV, MemoryConfig
+from ibex_context.memory.service.server import main
 
 
 @pytest.mark.parametrize("name", sorted(RETIRED_ENV))

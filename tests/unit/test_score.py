@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex_context.pipeline.score import INTERIM_WEIGHTS, interim_score, score_candidates
+from ibex_context.pipeline.selection.score import INTERIM_WEIGHTS, interim_score, score_candidates
 from ibex_context.pipeline.types import MemoryHit
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from ibex_context.memory.rank import HOT_SALIENCE_SHARE, hot_relevance
-from ibex_context.pipeline.score import DEFAULT_WEIGHTS, score_candidates
+from ibex_context.memory.search.rank import HOT_SALIENCE_SHARE, hot_relevance
+from ibex_context.pipeline.selection.score import DEFAULT_WEIGHTS, score_candidates
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.models import COMPONENTS, AssembleRequest, AssemblyOptions, ScoreWeights
 from ibex_context.worker.retrieve import parse_hits
@@ -99,7 +99,7 @@ class _Counting:
     """The real hashing embedder, counting the query embeddings it is asked for."""
 
     def __init__(self) -> None:
-        from ibex_context.memory.embed import HashingEmbedder
+        from ibex_context.memory.embedders.embed import HashingEmbedder
 
         self.inner = HashingEmbedder()
         self.name, self.dim, self.blocking = self.inner.name, self.inner.dim, True
@@ -116,8 +116,8 @@ class _Counting:
 async def test_a_query_is_embedded_once_per_org_even_when_its_first_caller_goes_away() -> None:
     import asyncio
 
-    from ibex_context.memory.config import MemoryConfig
-    from ibex_context.memory.service import MemoryService
+    from ibex_context.memory.service.config import MemoryConfig
+    from ibex_context.memory.service.state import MemoryService
 
     emb = _Counting()
     svc = MemoryService(MemoryConfig(), emb, enable_faults=False, clock=lambda: 0.0)  # type: ignore[arg-type]

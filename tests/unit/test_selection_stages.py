@@ -10,12 +10,12 @@ from datetime import UTC, datetime, timedelta, timezone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.memory.cutoff import cosine_reason, cut
-from ibex_context.memory.fusion import Fused, boosted, fuse
-from ibex_context.memory.indexed_text import date_words, searched_text
-from ibex_context.memory.subjects import derive_subject, names, question_words, subject_of
+from ibex_context.memory.search.cutoff import cosine_reason, cut
+from ibex_context.memory.search.fusion import Fused, boosted, fuse
+from ibex_context.memory.search.indexed_text import date_words, searched_text
+from ibex_context.memory.search.subjects import derive_subject, names, question_words, subject_of
 from ibex_context.pipeline.decisions import decisions, retrieval_scores
-from ibex_context.pipeline.hits import below_cutoff, plain_hit, to_hit
+from ibex_context.pipeline.selection.hits import below_cutoff, plain_hit, to_hit
 from ibex_context.pipeline.types import MemoryHit, RetrievalResult, ScoredMemory
 from ibex_context.shared.wire.models import BranchOutcome
 from tests.properties import examples

@@ -11,7 +11,7 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from ibex_context.memory.config import MemoryConfig
+from ibex_context.memory.service.config import MemoryConfig
 from ibex_context.shared.config.settings import (
     BrokerSettings,
     ClientSettings,

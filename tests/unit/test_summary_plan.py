@@ -1,4 +1,4 @@
-"""The hook's next ``covers`` from one split of the conversation (``pipeline.summary.cover_boundaries``,
+"""The hook's next ``covers`` from one split of the conversation (``pipeline.conversation.summary.cover_boundaries``,
 ``litellm_summary.choose_covers``), held to the answer of asking ``check_covers`` of every count:
 the boundaries are exactly the counts ``check_covers`` accepts, exhaustively on every short
 conversation shape and by property on long ones (tool groups, system and developer messages
@@ -19,11 +19,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from bench.litellm import TOOLS, long_conversation
-from ibex_context.client.integrations.litellm_summary import _cost_shares, _first_within, choose_covers
+from ibex_context.client.integrations.litellm.summary import _cost_shares, _first_within, choose_covers
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.hits import offline_result
-from ibex_context.pipeline.summary import check_covers, cover_boundaries, non_system
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.conversation.summary import check_covers, cover_boundaries, non_system
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import Turns
 from ibex_context.shared.wire.errors import ContextOverflow
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, HistoryDecision, SummaryReport

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.tokens import CachedCounter, ExactCounter, TokenCount, estimate_tokens
+from ibex_context.pipeline.budget.catalog import Catalog
+from ibex_context.pipeline.counting.tokens import CachedCounter, ExactCounter, TokenCount, estimate_tokens
 from ibex_context.shared.wire.errors import TokenizerMismatch
 from tests.properties import examples
 
@@ -78,7 +78,7 @@ def test_catalog_counter_per_family() -> None:
 def test_long_text_split_counts_exactly(words: list[str], family: str) -> None:
     """Texts over the encoder's per-call limits are counted in halves split where the pre-tokenizer
     always splits; the halves must add up to the one-call count."""
-    from ibex_context.pipeline.tokens import split_point
+    from ibex_context.pipeline.counting.tokens import split_point
 
     inner = Catalog.load().counter(family).inner
     text = " ".join(words)

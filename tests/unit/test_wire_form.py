@@ -19,11 +19,11 @@ from pydantic import ValidationError
 
 from ibex_context.client.wire import outgoing
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.catalog import Catalog
-from ibex_context.pipeline.chat_count import image_size
+from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.conversation.images import MIN_STUBBED, stub_for, stub_size
 from ibex_context.pipeline.conversation.layout import for_wire, materialize, restore
-from ibex_context.pipeline.hits import offline_result
+from ibex_context.pipeline.counting.chat_count import image_size
+from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.config.settings import WIRE_BYTES_PER_TOKEN, Settings
 from ibex_context.shared.wire.codec import encode

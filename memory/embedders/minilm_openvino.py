@@ -1,0 +1,159 @@
+"""The minilm graph on OpenVINO in bfloat16, where the CPU computes bfloat16 natively.
+
+The graph is ``memory.embedders.minilm_onnx``'s own (the same cached ``.onnx`` file, built from the same
+weights); only the runtime differs. On a CPU with native bfloat16 (AVX-512 BF16 or AMX: OpenVINO
+reports ``BF16`` among its CPU capabilities) the matrix products read half the weight bytes and
+run on the bfloat16 units, accumulating in fp32, so the vectors stay the reference's (worst
+cosine 0.99997 on the shipped texts; tests/stack/test_minilm_openvino.py holds it to 0.999) and one
+new question costs ~40 % less CPU than onnxruntime's fp32 pass, a batch of memories ~75 % less
+(docs/selection-quality.md, ``python -m bench.embedcost``). Elsewhere OpenVINO would run fp32
+and lose to onnxruntime, so ``IBEX_MEMORY_MINILM_RUNTIME=auto`` picks it only where bfloat16 is
+native.
+
+One thread, one stream, latency hint: the memory service embeds in a worker thread next to its
+event loop, on a box it shares with the workers. An infer request is not thread-safe, so each
+calling thread gets its own from the one compiled model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from functools import cache
+from typing import Any, TypeVar
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PRECISION = "bf16"
+# One query's lengths (tokens) run on fixed-shape models. A pass costs ~1.1 ms plus ~0.1 ms a token
+# (bf16, one thread), so a question (median 12 tokens) padded to 16 paid a third more than its
+# own length; each bucket is one more compiled model with its own copy of the weights (~50 MB
+# held as bfloat16, ~20 MB as int8).
+BUCKETS = (12, 16, 24, 32)
+
+
+def openvino_available() -> bool:
+    """True when the openvino package is installed."""
+    return importlib.util.find_spec("openvino") is not None
+
+
+@cache
+def bf16_native() -> bool:
+    """True when OpenVINO is installed and this CPU computes bfloat16 natively."""
+    if not openvino_available():
+        return False
+    import openvino as ov
+
+    try:
+        caps = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    except RuntimeError as exc:  # no CPU plugin
+        log.warning("minilm: openvino has no CPU device: %s", exc)
+        return False
+    return "BF16" in caps
+
+
+def _config(precision: str) -> dict[str, Any]:
+    return {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": precision}
+
+
+class OpenVinoSession:
+    """What ``memory.embedders.minilm_onnx.OnnxMiniLM`` asks of an onnxruntime session (``run``), over an
+    OpenVINO model compiled from the graph's ``.onnx`` file (a path, or the serialised bytes).
+
+    One query of up to ``BUCKETS[-1]`` tokens runs on a model compiled for a fixed shape, its ids
+    right-padded to the next bucket (the attention mask keeps padding out, as in a batch): with
+    dynamic shapes OpenVINO re-plans every call, which cost ~40 % of a short query's CPU. Batches
+    and longer texts run on the dynamic model.
+    """
+
+    def __init__(self, model: str | bytes, precision: str = PRECISION) -> None:
+        import openvino as ov
+
+        core = ov.Core()
+        graph = _read(core, model)
+        self.compiled = core.compile_model(graph, "CPU", _config(precision))
+        self.static: dict[int, Any] = {}
+        for n in BUCKETS:  # each compiled clone holds its own copy of the weights
+            fixed = graph.clone()
+            fixed.reshape({"input_ids": [1, n], "attention_mask": [1, n]})
+            self.static[n] = core.compile_model(fixed, "CPU", _config(precision))
+        self.precision: str = self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16", "f32"
+        self._local = threading.local()
+
+    def run(self, outputs: Sequence[str], feeds: Mapping[str, Any]) -> list[Any]:
+        """The named outputs, copied out of the request's buffers (the next call reuses them)."""
+        ids, mask = np.asarray(feeds["input_ids"]), np.asarray(feeds["attention_mask"])
+        compiled = self.compiled
+        if ids.shape[0] == 1:
+            bucket = next((n for n in BUCKETS if ids.shape[1] <= n), None)
+            if bucket is not None:
+                compiled = self.static[bucket]
+                pad = ((0, 0), (0, bucket - ids.shape[1]))
+                ids, mask = np.pad(ids, pad), np.pad(mask, pad)
+        requests: dict[int, Any] | None = getattr(self._local, "requests", None)
+        if requests is None:
+            requests = self._local.requests = {}
+        request = requests.get(id(compiled))
+        if request is None:
+            request = requests[id(compiled)] = compiled.create_infer_request()
+        result = request.infer({"input_ids": ids, "attention_mask": mask})
+        return [np.array(result[compiled.output(name)], dtype=np.float32) for name in outputs]
+
+
+PROBE_TOKENS = 12  # a question's median length: what the weights are timed on
+PROBE_PASSES = 24  # per graph, taking turns, after 4 to warm up: ~0.1 s in all
+
+
+Name = TypeVar("Name", bound=str)
+
+
+def faster_graph(graphs: Mapping[Name, str | bytes]) -> tuple[Name, dict[Name, float]]:
+    """The name of the graph that answers one question with the least CPU here, and each one's
+    median CPU ms: each compiled for ``PROBE_TOKENS`` tokens as ``OpenVinoSession`` compiles a
+    question's shape, timed in turns on this thread (the pass runs on the caller's thread).
+
+    Whether int8 weights beat bfloat16 ones depends on the CPU and the OpenVINO release: the int8
+    kernel quantises activations on the fly, the bfloat16 one reads twice the weight bytes.
+    """
+    import openvino as ov
+
+    core = ov.Core()
+    requests = {}
+    for name, model in graphs.items():
+        graph = _read(core, model)
+        graph.reshape({"input_ids": [1, PROBE_TOKENS], "attention_mask": [1, PROBE_TOKENS]})
+        requests[name] = core.compile_model(graph, "CPU", _config(PRECISION)).create_infer_request()
+    ids = np.array([[101, *range(2000, 2000 + PROBE_TOKENS - 2), 102]], dtype=np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    samples: dict[Name, list[float]] = {name: [] for name in requests}
+    order = list(requests.items())
+    for i in range(4 + PROBE_PASSES):
+        for name, request in order[i % len(order):] + order[: i % len(order)]:
+            started = time.thread_time_ns()
+            request.infer(feed)
+            if i >= 4:
+                samples[name].append((time.thread_time_ns() - started) / 1e6)
+    times = {name: statistics.median(ms) for name, ms in samples.items()}
+    return min(times, key=times.__getitem__), times
+
+
+def _read(core: Any, model: str | bytes) -> Any:
+    """The graph as an ``openvino.Model``; bytes (an unwritable cache) through a private temporary file."""
+    if not isinstance(model, bytes):
+        return core.read_model(model)
+    fd, path = tempfile.mkstemp(suffix=".onnx")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model)
+        return core.read_model(path)
+    finally:
+        os.unlink(path)

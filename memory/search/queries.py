@@ -1,0 +1,320 @@
+"""Search and hot ranking of the memory service (the handlers in ``memory.service.app`` call these).
+
+Search (docs/memory-search.md): the query is embedded once (``MemoryService.query_vector``); the
+Redis Query Engine answers a BM25 full-text query and a KNN vector query over the agent's
+memories, both filtered to the tenant inside the engine, in one round trip that also returns the
+candidates' records; ``memory.search.fusion`` turns each candidate's two scores into one relevance, and
+the five-part composite (spec "Memory-service composite") ranks them.
+
+Hot with a query: the hot list (the ``limit`` most salient) is ranked for the question instead of
+by salience alone: each hit's relevance is ``rank.hot_relevance`` (cosine with the question and
+salience) and the list is ordered by the composite, as search results are. Every hit carries
+``relevance``, ``composite`` and its ``components``; hot hits also carry ``salience``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+from redis.exceptions import ResponseError
+from starlette.responses import JSONResponse, Response
+
+from ibex_context.memory.embedders.embed import Vectors
+from ibex_context.memory.search.cutoff import cosine_reason, cut
+from ibex_context.memory.search.fulltext import FullText, Scope
+from ibex_context.memory.search.fusion import Fused, boosted, fuse
+from ibex_context.memory.search.index import (
+    knn_query,
+    missing_index,
+    parse_reply,
+    query_terms,
+    search_args,
+)
+from ibex_context.memory.search.rank import (
+    check_relevance_floor,
+    cosine_scores,
+    hot_relevance,
+    rank_arrays,
+    record_features,
+)
+from ibex_context.memory.search.subjects import names, question_words, subject_of
+from ibex_context.memory.search.terms import SAMPLE_SIZE
+from ibex_context.memory.service.deadline import check
+from ibex_context.memory.service.models import MemoryRecord, SearchBody
+from ibex_context.memory.service.state import MemoryService
+from ibex_context.memory.store import writes as store
+from ibex_context.shared.stores.keys import memory_ids_key, memory_key_prefix, vector_field
+
+AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
+_query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once
+_question_words = lru_cache(maxsize=4096)(question_words)
+
+
+@store.per_record
+def _features(rec: MemoryRecord) -> tuple[tuple[float, float, float, float, float], float]:
+    """The record's ``rank.record_features`` and its access score as the wire shows it."""
+    f = record_features(rec.created_at.timestamp(), rec.category, rec.usefulness, rec.confidence, rec.access_count)
+    return f, round(f[4], 6)
+
+
+@store.per_record
+def _subject(rec: MemoryRecord) -> str | None:
+    return subject_of(rec.subject, rec.content)
+
+
+BELOW_CONTENT_CHARS = 200  # a below-cutoff candidate's content is shown up to this many characters
+Below = tuple[MemoryRecord, str, Fused]  # a candidate under the cosine cutoff, why, and its scores
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """A search's per-candidate stage scores, and what it shows under its line (``memory.search.cutoff``)."""
+
+    fused: Sequence[Fused]  # aligned with the ranked records
+    below: Sequence[Below]  # the vector candidates under the cosine cutoff, most similar first
+    shown: int  # how many candidates under the line are sent
+
+
+def _stages(f: Fused) -> dict[str, float]:
+    """A search hit's stage scores as the wire shows them (docs/memory-search.md)."""
+    return {"text_score": round(f.text, 6), "vector_score": round(f.vector, 6), "boost": round(f.boost, 6)}
+
+
+def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float], *,
+            salience: Sequence[float] | None, floor: float, limit: int,
+            stages: Stages | None = None) -> Response:
+    """Rank ``recs`` by the composite (``rank.rank_arrays``) and answer with each hit's relevance,
+    composite and components; hot hits (``salience`` given) also carry their salience, which is
+    their ``similarity``; a search hit's similarity is its relevance, and it also carries the
+    stage scores its relevance came from (``stages``), and the first ``stages.shown`` candidates
+    under the line (``memory.search.cutoff``; then ``stages.below``) are sent beside the answer."""
+    order, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
+                                           now_s=svc.clock(), relevance_floor=0.0, limit=len(recs))
+    at = {i: (s, r) for i, s, r in zip(order, scores, recencies, strict=True)}
+    shown = 0 if stages is None else stages.shown
+    kept, under = cut(order, relevance, floor=check_relevance_floor(floor), limit=limit, shown=shown)
+    found: list[tuple[MemoryRecord, float]] = []
+    extras: list[dict[str, Any]] = []
+    for i in kept:
+        rec, rel, (score, recency) = recs[i], round(relevance[i], 6), at[i]
+        doc: dict[str, Any] = {"relevance": rel, "composite": round(score, 6), "components": {
+            "relevance": rel, "recency": round(recency, 6), "usefulness": rec.usefulness,
+            "confidence": rec.confidence, "access": _features(rec)[1]}}
+        if salience is not None:
+            doc["salience"] = salience[i]
+        if stages is not None:
+            doc.update(_stages(stages.fused[i]))
+        found.append((rec, relevance[i] if salience is None else salience[i]))
+        extras.append(doc)
+    rows = [_below_row(recs[i], why, None if stages is None else stages.fused[i], relevance[i], at[i][0])
+            for i, why in under]
+    if stages is not None:
+        rows += [_below_row(rec, why, f, None, None) for rec, why, f in stages.below[: max(shown - len(rows), 0)]]
+    return svc.answer(found, where, extras, below=rows)
+
+
+def _below_row(rec: MemoryRecord, why: str, f: Fused | None, relevance: float | None,
+               composite: float | None) -> dict[str, Any]:
+    """One candidate under the line as the search sends it (``memory.search.cutoff``)."""
+    row: dict[str, Any] = {"memory_id": rec.memory_id, "content": rec.content[:BELOW_CONTENT_CHARS], "reason": why}
+    if relevance is not None and composite is not None:
+        row["relevance"], row["composite"] = round(relevance, 6), round(composite, 6)
+    if f is not None:
+        row.update(_stages(f))
+    return row
+
+
+def _fused(svc: MemoryService, question: str, records: dict[str, MemoryRecord], text_of: dict[str, float],
+           cosine: dict[str, float], cutoff: float) -> tuple[dict[str, Fused], list[Below]]:
+    """The candidates retrieval keeps, fused (``memory.search.fusion``) and lifted when about a person the
+    question names (``memory.search.subjects``); and the vector candidates under the cosine cutoff, most
+    similar first, with why (shown only when the search has fewer than its line's worth)."""
+    cfg = svc.config
+    text = {m: s for m, s in text_of.items() if m in records}
+    cos = {m: c for m, c in cosine.items() if m in records}
+    kept = fuse(text, cos, min_similarity=cutoff, text_weight=cfg.text_weight, rule=cfg.fusion)
+    words = _question_words(question)
+    kept = boosted(kept, {m: names(words, _subject(records[m])) for m in kept}, cfg.subject_boost)
+    under = sorted(((c, m) for m, c in cos.items() if m not in kept), key=lambda cm: (-cm[0], cm[1]))
+    below = [(records[m], cosine_reason(c, cutoff), Fused(0.0, 0.0, min(max(c, 0.0), 1.0)))
+             for c, m in under[: cfg.below_cutoff]]
+    return kept, below
+
+
+async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float | None = None) -> Response:
+    """Rank the agent's memories for the query (docs/memory-search.md).
+
+    One round trip asks the engine, inside the tenant filter, for each question word's BM25 matches
+    (ids and scores) and how many memories hold it, the nearest vectors with their records, and the
+    agent's memory count; a second fetches the records of full-text candidates the vector side did
+    not return. ``memory.search.fusion`` scores each candidate, memories about a person the question names
+    are lifted, and the composite ranks them; the few just under the line are sent beside the
+    answer (``memory.search.cutoff``). Neither the query's embedding nor the engine's search starts after
+    ``deadline`` (``memory.service.deadline``).
+    """
+    text = svc.query_text(body.query)
+    query_vec = np.asarray(await svc.query_vector(org, text, deadline), dtype=np.float32)
+    check(deadline, "the search")
+    started = time.monotonic()
+    try:
+        return await _searched(svc, org, body, text, query_vec)
+    finally:
+        svc.note_search(time.monotonic() - started)
+
+
+async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, query_vec: Vectors) -> Response:
+    """``search`` once the query's vector is known."""
+    agent = body.agent_id
+    text_of, cosine, raws = await _candidates(svc, org, agent, _query_terms(text), query_vec)
+    records = await _hydrate(svc, org, agent, text_of, cosine, raws, query_vec)
+    cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
+    fused, below = _fused(svc, text, records, text_of, cosine, cutoff)
+    if not fused and not below:
+        return JSONResponse({"memories": []})
+    recs = [records[m] for m in fused]
+    return _ranked(svc, f"{org}/{agent}", recs, [fused[r.memory_id].relevance for r in recs], salience=None,
+                   floor=svc.config.relevance_floor, limit=body.limit,
+                   stages=Stages([fused[r.memory_id] for r in recs], below, svc.config.below_cutoff))
+
+
+async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[str], query_vec: Vectors,
+                      ) -> tuple[dict[str, float], dict[str, float], dict[str, bytes | None]]:
+    """The engine's candidates: full-text scores (the best ``max_candidates``), cosines of the
+    nearest vectors, and the records the vector query returned with them. One round trip, and one
+    more when the question has common or new words (``memory.search.fulltext``)."""
+    k, embedder, now, scan_max = svc.config.max_candidates, svc.embedder, svc.clock(), svc.config.term_scan_max
+    prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), svc.index_name(org, agent)
+    size = await _agent_size(svc, org, agent)
+    sample = await _sample(svc, org, agent, now) if size > scan_max else ()
+    scope = Scope(embedder.name, org, agent, svc.per_agent_indexes)
+    text = FullText(svc.terms, scope, terms, size=size, sample=sample, scan_max=scan_max, limit=k, now=now)
+    commands = text.first()
+    commands.append(("FT.SEARCH", name, *search_args(
+        knn_query(org, agent, vfield, k, exact=size <= svc.config.exact_knn_max), limit=k,
+        returns=("vd", "rec"), scored=False, params={"vec": query_vec.tobytes()}, sort_by="vd")))
+    commands.append(("SCARD", memory_ids_key(org, agent)))
+    replies = await _engine(svc, org, agent, commands)
+    _remember_size(svc, org, agent, int(replies[-1]))
+    text.read_first(replies[:-2], int(replies[-1]))
+    vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True)
+    cosine = {f.memory_id: f.score for f in vector_hits}
+    if text.needs_second:
+        pool = text.scores(k).keys() | cosine.keys()
+        text.read_second(await _engine(svc, org, agent, text.second(pool)), pool)
+    return text.scores(k), cosine, {f.memory_id: f.record for f in vector_hits}
+
+
+async def _sample(svc: MemoryService, org: str, agent: str, now: float) -> tuple[str, ...]:
+    """A random sample of the agent's memory ids, drawn again each ``terms.SAMPLE_TTL_S``."""
+    got = svc.terms.sample(org, agent, now)
+    if got is None:
+        raw = await svc.redis.srandmember(memory_ids_key(org, agent), SAMPLE_SIZE)
+        got = tuple(sorted(m.decode() if isinstance(m, bytes) else str(m) for m in raw or ()))
+        svc.terms.keep_sample(org, agent, got, now)
+    return got
+
+
+async def _engine(svc: MemoryService, org: str, agent: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The commands on one pipeline, the org's index made first; a dropped index (FLUSHALL drops
+    every index) is made again, what is stored indexed, and the commands sent once more."""
+    await svc.ensure_index(org, agent)
+    try:
+        return await _run(svc, commands)
+    except ResponseError as exc:
+        if not missing_index(exc):
+            raise
+        await svc.ensure_index(org, agent, again=True)
+        return await _run(svc, commands)
+
+
+async def _hydrate(svc: MemoryService, org: str, agent: str, text_of: dict[str, float], cosine: dict[str, float],
+                   raws: dict[str, bytes | None], query_vec: Vectors) -> dict[str, MemoryRecord]:
+    """Every candidate's parsed record; full-text-only candidates are read (record and vector) in
+    one more round trip and get their cosine added to ``cosine`` (embedded now if they have none)."""
+    prefix, vfield = memory_key_prefix(org, agent), vector_field(svc.embedder.name)
+    missing = [m for m in text_of if m not in raws]
+    vectors: dict[str, bytes | None] = {}
+    if missing:
+        async with svc.redis.pipeline(transaction=False) as pipe:
+            for m in missing:
+                pipe.hmget(f"{prefix}{m}", ["rec", vfield])
+            for m, (raw, vec) in zip(missing, await pipe.execute(), strict=True):
+                raws[m], vectors[m] = raw, vec
+    records: dict[str, MemoryRecord] = {}
+    for mid, raw in raws.items():
+        rec = store.parse_record(raw, f"{prefix}{mid}", svc.health, memory_id=mid)
+        if rec is not None:
+            records[mid] = rec
+    unvectored: list[MemoryRecord] = []
+    for mid, vec in vectors.items():
+        if mid not in records:
+            continue
+        if isinstance(vec, bytes) and len(vec) == svc.embedder.dim * 4:
+            cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ query_vec)
+        else:
+            unvectored.append(records[mid])
+    if unvectored:
+        await _backfill(svc, org, agent, unvectored, query_vec, cosine)
+    return records
+
+
+async def _agent_size(svc: MemoryService, org: str, agent: str) -> int:
+    """The agent's memory count as its last search saw it (it only picks the vector query's
+    strategy, never what a search may see); read from Redis on the agent's first search."""
+    size = svc.agent_sizes.get((org, agent))
+    if size is None:
+        size = int(await svc.redis.scard(memory_ids_key(org, agent)))
+        _remember_size(svc, org, agent, size)
+    return size
+
+
+def _remember_size(svc: MemoryService, org: str, agent: str, size: int) -> None:
+    if len(svc.agent_sizes) >= AGENT_SIZES_KEPT and (org, agent) not in svc.agent_sizes:
+        svc.agent_sizes.clear()  # bounded: a cleared entry costs one SCARD
+    svc.agent_sizes[(org, agent)] = size
+
+
+async def _run(svc: MemoryService, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The commands on one pipeline: one round trip."""
+    async with svc.redis.pipeline(transaction=False) as pipe:
+        for args in commands:
+            pipe.execute_command(*args)
+        return list(await pipe.execute())
+
+
+async def _backfill(svc: MemoryService, org: str, agent: str, recs: Sequence[MemoryRecord],
+                    query_vec: Vectors, cosine: dict[str, float]) -> None:
+    """Embed memories found by full text that have no vector for this embedder, store the
+    vectors (so the vector side finds them from now on) and add their cosines."""
+    if not recs:
+        return
+    vectors = await svc.embed([r.content for r in recs])
+    new = {r.memory_id: np.asarray(v, dtype=np.float32) for r, v in zip(recs, vectors, strict=True)}
+    await store.store_vectors(svc.redis, org, agent, new, svc.embedder.name)
+    for mid, vec in new.items():
+        cosine[mid] = float(vec @ query_vec)
+
+
+async def rank_hot(svc: MemoryService, org: str, agent: str, found: list[tuple[MemoryRecord, float]],
+                   vectors: dict[str, Vectors], query: str, deadline: float | None = None) -> Response:
+    """The hot list ordered by composite with each hit's relevance to ``query`` (``vectors``: the
+    stored ones, read with the list by ``reads.hot_with_vectors``; missing ones are embedded). The
+    query's embedding does not start after ``deadline`` (``memory.service.deadline``)."""
+    text = svc.query_text(query)
+    ids = [rec.memory_id for rec, _ in found]
+    missing = [rec for rec, _ in found if rec.memory_id not in vectors]
+    if missing:  # written by hand or by another embedder: embed and store them now
+        new = {rec.memory_id: np.asarray(vec, dtype=np.float32)
+               for rec, vec in zip(missing, await svc.embed([r.content for r in missing]), strict=True)}
+        await store.store_vectors(svc.redis, org, agent, new, svc.embedder.name)
+        vectors.update(new)
+    query_vec = await svc.query_vector(org, text, deadline)
+    cosines = cosine_scores(np.stack([vectors[i] for i in ids]), query_vec) if ids else np.zeros(0)
+    relevance = [hot_relevance(float(c), s) for (_, s), c in zip(found, cosines.tolist(), strict=True)]
+    return _ranked(svc, f"{org}/{agent}", [rec for rec, _ in found], relevance, salience=[s for _, s in found],
+                   floor=0.0, limit=len(found))

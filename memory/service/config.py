@@ -1,0 +1,160 @@
+"""Settings of the reference memory service: its part of the settings tree (``shared.config.settings``).
+
+``MemoryConfig`` is ``MemoryServiceSettings`` (log, ``IBEX_REDIS_URL``, host, port, embedder) plus
+the service's own ``IBEX_MEMORY_*`` variables; the service loads this class only. The HMAC secret is
+the same ``IBEX_MEMORY_SECRET`` the workers mint tokens with (``WorkerSettings.memory_secret``),
+with the same development default. That default is
+in the source, so anyone can mint a token for any org with it: the service only runs with it on a
+loopback address (docs/security.md "Degradation and security").
+
+The limits below keep one tenant (or one bad write) from hurting the others (docs/settings.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from ibex_context.memory.search.cutoff import BELOW_CUTOFF_SHOWN
+from ibex_context.memory.search.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
+from ibex_context.memory.search.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
+from ibex_context.memory.search.terms import TERM_SCAN_MAX
+from ibex_context.memory.service.models import MAX_QUERY_CHARS
+from ibex_context.memory.service.quotas import Quotas
+from ibex_context.shared.config.org_weights import OrgWeights, parse_org_weights
+from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, RETIRED_ENV, MemoryServiceSettings, shown
+
+DEV_SECRET = DEV_MEMORY_SECRET
+
+# Hashing embedder, worst case (distinct CJK characters, cold feature cache), dev machine:
+# ~4 us a character: 1,000 chars ~4 ms, 4,000 ~16 ms, 100,000 ~660 ms. A normal search is ~2 ms,
+# so 1,000 characters keeps the dearest query within a few normal ones.
+DEFAULT_MAX_QUERY_CHARS = 1_000
+EXACT_KNN_MAX = 5_000  # an agent up to this many memories gets an exact vector search (index.knn_query)
+
+
+class MemoryConfig(MemoryServiceSettings):
+    """The memory service process (``memory.service.server``); fields below read ``IBEX_MEMORY_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="IBEX_MEMORY_")
+
+    secret: str = Field(DEV_SECRET, min_length=8, json_schema_extra=shown("dev value"),
+                        description="Token HMAC key; the dev value only on a loopback host.")
+    embed_url: str | None = Field(None, description="`openai` embedder: base URL of the embeddings endpoint.")
+    embed_model: str = Field("", description="The model the endpoint is asked for.")
+    embed_api_key: str | None = Field(None, description="Sent as a bearer token.")
+    embed_dim: int | None = Field(None, ge=1, le=8192,
+                                  description="Expected dimension (default: probed at start).")
+    embed_min_similarity: float = Field(
+        0.30, ge=0.0, le=1.0,
+        description="`openai` embedder: the remote model's retrieval cosine cutoff.")
+    embed_timeout_ms: float = Field(2000.0, gt=0, description="Timeout of each embeddings request.")
+    relevance_floor: float = Field(
+        DEFAULT_RELEVANCE_FLOOR, description="Scoring-time relevance floor; 0.5 or more is refused at start.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, json_schema_extra=shown("1 MiB"),
+                                description="Larger request bodies get 413.")
+    max_candidates: int = Field(
+        100, ge=1, le=1000,
+        description="Candidates each half of a hybrid search (full text, vectors) "
+                    "returns for fusion and ranking; a search answers at most 50.")
+    text_weight: float = Field(
+        TEXT_WEIGHT, ge=0.0, le=1.0,
+        description="How far a full match of the question's words lifts a search hit's "
+                    "relevance from its cosine toward 1; 0 ranks by cosine alone (docs/memory-search.md).")
+    fusion: FusionRule = Field(
+        "lift", description="How a search hit's full-text and vector scores become one "
+                            "relevance: lift (default), convex, rrf or zscore (docs/memory-search.md).")
+    subject_boost: float = Field(
+        SUBJECT_BOOST, ge=0.0, le=1.0,
+        description="How far a memory about a person the question names is lifted toward relevance 1 "
+                    "(its subject, or the speaker of a `Name: text` memory); 0 turns it off (docs/memory-search.md).")
+    below_cutoff: int = Field(
+        BELOW_CUTOFF_SHOWN, ge=0, le=50,
+        description="Candidates just under a search's line (past its limit, under the floor or the cosine "
+                    "cutoff) sent beside the answer with their scores, for explain; 0 sends none.")
+    exact_knn_max: int = Field(
+        EXACT_KNN_MAX, ge=0,
+        description="An agent with at most this many memories gets an exact vector "
+                    "search (every memory compared); larger ones the HNSW graph's approximate one.")
+    term_scan_max: int = Field(
+        TERM_SCAN_MAX, ge=1,
+        description="A question word held by more of the agent's memories than this "
+                    "is common: it scores only the other words' and the vector side's candidates instead of "
+                    "being scanned in full (docs/memory-search.md).")
+    redis_timeout_ms: float = Field(1000.0, gt=0, description="Timeout of each Redis command.")
+    max_query_chars: int = Field(
+        DEFAULT_MAX_QUERY_CHARS, ge=16, le=MAX_QUERY_CHARS,
+        description="Only this many leading characters of a search query are embedded and matched; the rest is "
+                    "ignored (the wire allows 100,000). The hashing embedder's worst case (distinct CJK "
+                    "characters) is ~4 µs a character: 1,000 ≈ 4 ms, 100,000 ≈ 660 ms.",
+    )
+    offload_chars: int = Field(
+        4_000, ge=0,
+        description="Texts to embed longer than this (in total) are embedded "
+                    "in a worker thread, so a large write does not hold the event loop.",
+    )
+    max_concurrent_per_org: int = Field(
+        4, ge=1,
+        description="Searches and writes of one org computed at "
+                    "once; more wait their turn, other orgs do not wait behind them.",
+    )
+    max_answer_bytes: int = Field(
+        4 << 20, ge=64 << 10,
+        description="A hot or search answer ends before the hit that would take "
+                    "it over this size (the lowest ranks go); half the size workers accept by default "
+                    "(IBEX_MEMORY_MAX_RESPONSE_BYTES, 8 MiB).",
+    )
+    max_memories_per_agent: int = Field(
+        10_000, ge=1,
+        description="A write that would add one more is refused "
+                    "with 409 (rewriting an existing memory_id is always allowed).",
+    )
+    max_agents_per_org: int = Field(
+        100_000, ge=1,
+        description="A write for a new agent of an org that already has this "
+                    "many agents with memories is refused with 409.")
+    write_floor_fraction: float = Field(
+        0.90, gt=0.0, le=1.0,
+        description="With a Redis maxmemory, memory writes are refused "
+                    "(507) once Redis uses this share of it; reads, directives, summaries and calibration go on.")
+    max_writes_per_org: int = Field(
+        1, ge=1,
+        description="Writes of one org embedded at once; more wait their turn.")
+    max_write_embeds: int = Field(
+        2, ge=1,
+        description="Writes of all orgs embedded at once, so searches never "
+                    "queue behind writes for the CPU.")
+
+    org_weights: OrgWeights = Field(
+        None, json_schema_extra=shown("every org 1"),
+        description="Orgs' weights in the query-embedding batcher's fair queue, `org=weight` comma-separated "
+                    "(`acme=2,beta=1`); an org not named weighs 1. Orgs with questions waiting share the batches "
+                    "by weight; an org alone uses them all.")
+
+    def org_weight_map(self) -> dict[str, float]:
+        """``org_weights`` as org -> weight."""
+        return parse_org_weights(self.org_weights)
+
+    @property
+    def quotas(self) -> Quotas:
+        return Quotas(self.max_agents_per_org, self.write_floor_fraction)
+
+    @field_validator("relevance_floor")
+    @classmethod
+    def _floor(cls, v: float) -> float:
+        return check_relevance_floor(v)
+
+    @model_validator(mode="after")
+    def _retired(self) -> Self:
+        for name, instead in RETIRED_ENV.items():
+            if name in os.environ:
+                raise ValueError(f"{name} is no longer read: use {instead}")
+        return self
+
+    @property
+    def uses_dev_secret(self) -> bool:
+        """True while the secret is the public development default from the source."""
+        return self.secret == DEV_SECRET

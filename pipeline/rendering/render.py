@@ -1,0 +1,124 @@
+"""What a renderer is: one target's way of counting and laying out a prompt (one per provider).
+
+Every request, whatever form it came in, reaches the pipeline as one ``Turns`` (``pipeline.conversation.turns``)
+and is rendered by one ``Renderer``: ``render_openai`` and ``render_anthropic`` emit the
+provider-ready conversation, ``render_text`` the flat ``rendered`` text of the simple form. A new
+provider is a new renderer; the stages before it (fit, budget, score, pack) never look at the form.
+
+Every render also carries the flat text of the directive and memories block (``text_sections``),
+so a text-only reader of any response sees the same sections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ibex_context.pipeline.conversation.context_edit import Clearing
+from ibex_context.pipeline.conversation.history import HistoryFit
+from ibex_context.pipeline.counting.count import CountedSection
+from ibex_context.pipeline.counting.tokens import TokenCounter
+from ibex_context.pipeline.rendering import format as fmt
+from ibex_context.pipeline.rendering.chat_render import Layout
+from ibex_context.pipeline.types import ScoredMemory
+from ibex_context.shared.wire.models import ChatFormat, SectionName
+
+Message = dict[str, Any]
+EMPTY = CountedSection("", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """The memories block of one render: its text ("" when nothing is packed), its tokens as the
+    flat text charges them, its nonce, the memories in it and those dropped to make it fit."""
+
+    text: str
+    tokens: int
+    nonce: str
+    kept: list[ScoredMemory]
+    dropped: list[ScoredMemory]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOut:
+    """What the proxy sends a provider: the layout (what a reply carries), the messages and, for
+    Anthropic, the system blocks it renders to, and the ``cache_control`` breakpoints added."""
+
+    format: ChatFormat
+    layout: Layout
+    messages: list[Message]
+    system: list[Any] | None
+    marked: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Emitted:
+    """One render: the flat text and its sections, and the conversation when the target has one."""
+
+    text: fmt.Rendered
+    chat: ChatOut | None = None
+
+
+class Renderer(Protocol):
+    """One target's rules. Built per request from its ``Turns`` (before retrieval: it needs the
+    request alone); ``costs`` are the conversation's messages one by one, ``fixed`` what the
+    target sends whatever history is kept (tool definitions, reply priming, a caller's system),
+    ``tools`` the part of ``fixed`` that is tool definitions."""
+
+    @property
+    def costs(self) -> tuple[int, ...]: ...
+
+    @property
+    def fixed(self) -> int: ...
+
+    @property
+    def tools(self) -> int: ...
+
+    @property
+    def thinking(self) -> tuple[tuple[int, bool], ...]:
+        """Per message, its thinking tokens and whether they count zero (Anthropic; else empty)."""
+        ...
+
+    def recount(self, i: int, message: Message) -> int:
+        """Tokens of conversation message ``i`` as context editing changed it, by this target's rules."""
+        ...
+
+    def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
+        """The directive as this target sends it (``directive_text``: its flat section, counted once)."""
+        ...
+
+    def frame_tokens(self, directive_text: CountedSection) -> int:
+        """What this target adds around the memories block beyond its flat text (its own message
+        or block; the joins between the flat sections)."""
+        ...
+
+    def summary_tokens(self, summary: str) -> int:
+        """What the framed compaction summary adds as this target places it (at most)."""
+        ...
+
+    def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
+               breakpoints: bool, summary: str | None = None, clearing: Clearing | None = None) -> Emitted:
+        """The kept history with the directive, the framed compaction summary and the memories block
+        placed, and the tool uses ``clearing`` cleared."""
+        ...
+
+    def count(self, out: Emitted, counter: TokenCounter, *, block: Block | None = None) -> int:
+        """Tokens of exactly what ``out`` emits, by ``counter`` and the target's rules (``block``:
+        the memories block as rendered, whose memories were priced with ``counter``)."""
+        ...
+
+    def stable_prefix(self, out: Emitted) -> int | None:
+        """Tokens before the first part that depends on this turn's retrieval (None: no conversation)."""
+        ...
+
+
+def text_sections(directive: CountedSection, block: Block, history: CountedSection = EMPTY,
+                  tools: CountedSection = EMPTY, summary: CountedSection = EMPTY) -> fmt.Rendered:
+    """The flat text: the non-empty sections in their fixed order."""
+    parts: Sequence[tuple[SectionName, str, int]] = [("directive", directive.text, directive.tokens),
+                                              ("summary", summary.text, summary.tokens),
+                                              ("history", history.text, history.tokens),
+                                              ("memories", block.text, block.tokens),
+                                              ("tools", tools.text, tools.tokens)]
+    return fmt.assemble_text(parts)
