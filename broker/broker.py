@@ -14,7 +14,10 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
   not keep up (``broker.admission``). A request goes to the live worker with most free slots,
   ties to the one dispatched to least recently. With its org's queue standing, a request that
   could not be answered in full at its org's share of the slots is refused OVERLOADED on receipt:
-  a longer deadline buys no org a place ahead of another.
+  a longer deadline buys no org a place ahead of another. While every worker's memory gate is
+  full (a flag in its replies' feedback), an org holding at least an equal share of the requests
+  in flight is refused on receipt too, with no hop to a worker. ``IBEX_ADMISSION_LIFO``: an org
+  whose queue stands is served newest first (docs/architecture.md "Admission control").
 * The broker routes and authorizes on the request's header frame and never reads the payload; a
   large payload is forwarded as the frame it arrived in, uncopied (docs/architecture.md "Processes and data flow").
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
