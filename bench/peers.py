@@ -4,7 +4,8 @@ would otherwise serve it, in one run, interleaved.
 Three systems share one embedded Redis and one memory service seeded with the demo data:
 
 * ``ibex``: this stack (broker + 2 pinned workers, ``ibex_context.ops.local.LocalStack``), driven
-  through the real ``AsyncClient``;
+  through the real ``AsyncClient`` (its adaptive throttle as configured, ``IBEX_CLIENT_THROTTLE_K``;
+  a ``--baseline`` checkout's client has it off: that is the "before");
 * ``grpc``: 2 grpc.aio processes on one SO_REUSEPORT port (``bench.peer_servers``), driven by a
   grpc.aio client over 8 channels;
 * ``http``: 2 uvicorn/Starlette processes (uvloop + httptools) on one SO_REUSEPORT port, driven by
@@ -80,6 +81,7 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.ops.local import LocalStack
 from ibex_context.ops.procs import stop_processes, wait_for
 from ibex_context.ops.stack import free_port
+from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.wire import protocol as P
 
 REPO = Path(__file__).resolve().parent.parent
@@ -262,7 +264,8 @@ class Targets:
             elif system == "ibex-base":
                 assert self.servers.base is not None
                 assert self.plan.baseline is not None
-                legacy = AsyncClient(self.servers.base.frontend)
+                # The baseline is "before": its client has no adaptive throttle either.
+                legacy = AsyncClient(self.servers.base.frontend, settings=ClientSettings(client_throttle_k=0))
                 await legacy.wait_connected(10.0)
                 await legacy.prepare_fallback()
                 self.clients.append(legacy)

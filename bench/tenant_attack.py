@@ -42,6 +42,7 @@ from bench.lib.stack import runner
 from bench.loadgen import NOT_SENT, OK, ClientTarget, arrival_offsets_ns, gc_paused, open_loop
 from bench.workload import Requests, request_templates
 from ibex_context.client.client import AsyncClient
+from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.security import auth
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.wire.models import AssembleResponse
@@ -86,7 +87,9 @@ class Attacker:
     def __init__(self, cfg: AttackConfig) -> None:
         self.cfg = cfg
         configure = auth.curve_client(auth.load_keypair(cfg.key_file), auth.load_public_key(cfg.broker_public))
-        self.client = AsyncClient(cfg.frontend, configure_socket=configure)
+        # An attacker does not throttle itself: the client library's adaptive throttle is off.
+        self.client = AsyncClient(cfg.frontend, configure_socket=configure,
+                                  settings=ClientSettings(client_throttle_k=0))
         self.requests = Requests(org_templates(cfg.org, cfg.seed), new_questions=True)
         self.target = ClientTarget(self.client, self.requests, tag=f"attack-{cfg.org}")
         self.http = MemoryHTTP(cfg.memory_url, max_body=1 << 20, max_idle=64, user_agent="bench-attacker")

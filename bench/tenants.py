@@ -35,7 +35,8 @@ undegraded ones, 201 writes, reports forwarded by the broker) and its generator'
 
 The attacker's generator is kept small and reported (``bench.tenant_attack``): one process,
 ``os.nice(19)`` before it opens a socket, open loop at a capped rate (``--attack-rate-cap``)
-with pipelined async sends on one event loop (no send waits for a reply), and its own CPU
+with pipelined async sends on one event loop (no send waits for a reply), its client library's
+adaptive throttle off (``client.throttle``: an attacker would not throttle itself), and its own CPU
 seconds per window are in the table (``gen CPU``), beside the victim generator's, so a reader can
 see how much of the 2 cores the load itself took. On a shared box the low priority means the
 attacker may fall behind its offered rate: the achieved send rate is printed next to it.

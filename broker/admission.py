@@ -34,6 +34,7 @@ EWMA = 0.05  # weight of one reply in the service-time average
 MIN_SAMPLES = 20  # replies before the queue estimate is trusted (until then only queue_max applies)
 STANDING_NS = 50_000_000  # queue waits over the target for this long: a standing queue, not a burst
 STOOD_NS = 1_000_000_000  # a queue that stood this recently is still judged standing when it refills
+STALE_FACTOR = 1  # targets a request in a standing queue needs left, beyond a service time, to stay
 
 
 @dataclass(slots=True)

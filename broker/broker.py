@@ -14,7 +14,10 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
   not keep up (``broker.admission``). A request goes to the live worker with most free slots,
   ties to the one dispatched to least recently. With its org's queue standing, a request that
   could not be answered in full at its org's share of the slots is refused OVERLOADED on receipt:
-  a longer deadline buys no org a place ahead of another.
+  a longer deadline buys no org a place ahead of another. While every worker's memory gate is
+  full (a flag in its replies' feedback), an org holding at least an equal share of the requests
+  in flight is refused on receipt too, with no hop to a worker. ``IBEX_ADMISSION_LIFO``: an org
+  whose queue stands is served newest first (docs/architecture.md "Admission control").
 * The broker routes and authorizes on the request's header frame and never reads the payload; a
   large payload is forwarded as the frame it arrived in, uncopied (docs/architecture.md "Processes and data flow").
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
@@ -45,7 +48,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ibex_context.broker.admission import ServiceTime, StandingQueue, expected_wait_ns, shed
+from ibex_context.broker.admission import STALE_FACTOR, ServiceTime, StandingQueue, expected_wait_ns, shed
 from ibex_context.broker.fairqueue import FairQueue
 from ibex_context.broker.org_counts import TopCounts, org_snapshot
 from ibex_context.broker.state import BURST, MIN_RETRY_NS, Authorizer, Key, Pending, Wire, WorkerState, checked
@@ -242,7 +245,7 @@ class Broker:
         if key in self.pending:  # only a client that sent no correlation id can repeat one
             return "rejected_duplicate", InvalidRequest(
                 f"request_id {req.request_id!r} is already in flight from this client", field="request_id")
-        refusal = self._shed(req.org_id, remaining)
+        refusal = self._shed(req.org_id, remaining) or self._gates_full(req.org_id)
         if refusal is None and len(self.queue) >= self.settings.queue_max:
             refusal = self._full(req.org_id)
         return refusal
@@ -271,6 +274,22 @@ class Broker:
             f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
             f"share of {slots * share:.1f} of {slots} slot(s), and {self.service.mean_ns / 1e6:.1f} ms of service; "
             f"retry with backoff or another broker")
+
+    def _gates_full(self, org: str) -> tuple[str, IbexError] | None:
+        """OVERLOADED on receipt while every worker's memory gate is full (``worker.memgate``, told in
+        each reply's feedback) and ``org`` holds at least an equal share of the requests in flight:
+        a worker's gate would answer it without memories after a hop, at a worker's CPU. An org
+        under its share goes on to a worker, where the gate keeps it a slot."""
+        live = self.table.live()
+        if not live or not all(w.gate_full and w.inflight for w in live):
+            return None
+        held = collections.Counter(self.pending[k].org for w in live for k in w.inflight if k in self.pending)
+        total, mine = sum(held.values()), held.get(org, 0)
+        if mine * (1 + sum(1 for o in held if o != org)) < total:
+            return None
+        return "shed_gates_full", Overloaded(
+            f"every worker's limit on memory-service calls is full and org {org!r} holds {mine} of the {total} "
+            f"request(s) in flight; retry with backoff or another broker")
 
     def _full(self, org: str) -> tuple[str, IbexError] | None:
         """The queue holds ``queue_max``: an arrival of an org under its share of the queue takes
@@ -302,12 +321,19 @@ class Broker:
     # ------------------------------------------------------------------------------- dispatch
 
     def _dispatch(self) -> None:
-        """Queued requests to free slots, in the fair queue's order (``broker.fairqueue``)."""
+        """Queued requests to free slots, in the fair queue's order (``broker.fairqueue``); with
+        ``IBEX_ADMISSION_LIFO`` an org whose queue stands gives its newest request first (adaptive
+        LIFO), and its oldest ones that can no longer be answered in full are refused first."""
+        lifo: set[str] = set()
+        if self.standing and self.settings.admission_lifo:
+            now = time.monotonic_ns()
+            self._drop_stale(now)
+            lifo = {org for org, sq in self.standing.items() if sq.standing(now)}
         while self.queue:
             w = self.table.pick()
             if w is None:
                 return
-            nxt = self.queue.pop()
+            nxt = self.queue.pop(lifo)
             if nxt is None:
                 return
             org, key = nxt
@@ -335,14 +361,47 @@ class Broker:
 
     def _waited(self, org: str, waited_ns: int, now_ns: int) -> None:
         """A request of ``org`` leaves the queue after ``waited_ns``: the org's standing-queue test
-        (kept while it has more queued, or while it stood lately) learns it."""
-        if not self.queue.queued(org):
+        (kept while it has more queued, or while it stood lately) learns it, or the age of the
+        org's oldest queued request if that is more (served newest first, the dispatched ones
+        are fresh while the queue still stands)."""
+        oldest = self.queue.oldest(org)
+        if oldest is None:
             self._drained(org, now_ns)
             return
+        p = self.pending.get(oldest)
+        if p is not None:
+            waited_ns = max(waited_ns, now_ns - p.enqueued_ns)
         sq = self.standing.get(org)
         if sq is None:
             sq = self.standing[org] = StandingQueue(self.admission_queue_ns)
         sq.on_dispatch(waited_ns, now_ns)
+
+    def _drop_stale(self, now_ns: int) -> None:
+        """With an org's queue standing (served newest first), its oldest requests that can no
+        longer be answered in full (less time left than a service time and the target) are
+        answered OVERLOADED now, instead of waiting on to their deadline behind newer ones; one
+        with time to spare waits on (it goes when the queue drains)."""
+        if not self.service.trusted:
+            return
+        need_ns = self.service.mean_ns + STALE_FACTOR * self.admission_queue_ns
+        for org, sq in list(self.standing.items()):
+            if not sq.standing(now_ns):
+                continue
+            while (key := self.queue.oldest(org)) is not None:
+                p = self.pending.get(key)
+                waited = now_ns - p.enqueued_ns if p is not None else 0
+                if p is not None and p.deadline_ns - now_ns >= need_ns:
+                    break
+                self.queue.remove(org, key)
+                if p is None or p.answered or p.worker is not None:
+                    continue
+                self.stats["shed_stale"] += 1
+                self.org_shed.add(org)
+                self._answer_error(key, Overloaded(
+                    f"shed after {waited / 1e6:.1f} ms in the standing queue of org {org!r} (served newest first) "
+                    f"with too little time left to be answered in full; retry with backoff or another broker"))
+            if not self.queue.queued(org):
+                self._drained(org, now_ns)  # remembered: it stood just now
 
     def _drained(self, org: str, now_ns: int) -> None:
         """``org``'s queue is empty: its standing-queue test restarts, and is forgotten unless the
@@ -411,6 +470,8 @@ class Broker:
         now = time.monotonic_ns()
         if feedback is None or not feedback.overloaded:
             self.service.observe(now - p.dispatched_ns)
+        if feedback is not None:
+            w.gate_full = feedback.gate_full
         if w.limiter is not None and feedback is not None:
             w.limiter.on_reply(inflight=len(w.inflight), overloaded=feedback.overloaded,
                                loop_lag_us=feedback.loop_lag_us, now_ns=now, service_ns=self.service.mean_ns)
@@ -437,7 +498,7 @@ class Broker:
         """Requests held by a lost (or reconnected) worker: re-dispatch while time allows, else
         UNAVAILABLE; records already answered are dropped. Either way the worker holds none."""
         now = time.monotonic_ns()
-        held, w.inflight = w.inflight, set()
+        held, w.inflight, w.gate_full = w.inflight, set(), False
         for key in sorted(held, key=lambda k: self.pending[k].deadline_ns if k in self.pending else 0,
                           reverse=True):
             p = self.pending.get(key)
@@ -484,6 +545,7 @@ class Broker:
         w = self.table.get(p.worker) if p.worker is not None else None
         if w is not None:
             w.inflight.discard(p.key)
+            w.gate_full = w.gate_full and bool(w.inflight)
         self.stats["reaped_no_reply"] += 1
         log.warning("no reply from worker %s for request %s within %d ms of its deadline; freeing its credit",
                     w.worker_id if w else "?", p.request_id, self.table.grace_ns // 1_000_000)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Container, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -132,13 +132,32 @@ class FairQueue(Generic[T]):
             q.items.clear()
             q.dead.clear()
 
-    def pop(self) -> tuple[str, T] | None:
-        """The next (org, item) in fair order, or None when nothing waits."""
+    def oldest(self, org: str) -> T | None:
+        """The live item that has waited longest in ``org``'s FIFO (dead entries ahead of it are
+        dropped on the way), or None."""
+        q = self.orgs.get(org)
+        if q is None or not q.live:
+            return None
+        while q.items:
+            item = q.items[0]
+            if not q.dead or not q.dead.get(item):
+                return item
+            q.items.popleft()
+            self._is_dead(q, item)
+        return None  # unreachable while the counts hold: a live org has a live item
+
+    def pop(self, newest_first: Container[str] = ()) -> tuple[str, T] | None:
+        """The next (org, item) in fair order, or None when nothing waits. The org whose turn it is
+        gives its oldest item, or its newest when it is in ``newest_first`` (adaptive LIFO: the
+        broker's orgs with a standing queue)."""
         order = self.order
         while order:
             tag, _, org = order[0]
             q = self.orgs[org]
-            item = self._next_live(q) if q.dead else (q.items.popleft() if q.items else None)
+            if org in newest_first:
+                item = self._newest_live(q)
+            else:
+                item = self._next_live(q) if q.dead else (q.items.popleft() if q.items else None)
             if item is None:  # nothing live left: out of the order until it has work again
                 heapq.heappop(order)
                 q.in_order = False
@@ -206,6 +225,13 @@ class FairQueue(Generic[T]):
     def _next_live(self, q: OrgQueue[T]) -> T | None:
         while q.items:
             item = q.items.popleft()
+            if not q.dead or not self._is_dead(q, item):
+                return item
+        return None
+
+    def _newest_live(self, q: OrgQueue[T]) -> T | None:
+        while q.items:
+            item = q.items.pop()
             if not q.dead or not self._is_dead(q, item):
                 return item
         return None

@@ -67,6 +67,7 @@ class WorkerState:
     stats: dict[str, int] = field(default_factory=dict)
     limiter: Limiter | None = None  # None: fixed credit (IBEX_ADAPTIVE_LIMIT=false)
     picked: int = 0  # when it was last dispatched to (a sequence number): ties go to the least recent
+    gate_full: bool = False  # its memory gate had no free slot as its last reply left (protocol.Feedback)
 
     @property
     def slots(self) -> int:

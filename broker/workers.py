@@ -96,6 +96,8 @@ class WorkerTable:
     def release(self, w: WorkerState, key: Key) -> None:
         """``w`` holds ``key`` no more; a draining worker holding nothing leaves the table."""
         w.inflight.discard(key)
+        if not w.inflight:
+            w.gate_full = False  # its gate holds nothing of ours: a flag from a past burst says nothing now
         if w.draining and not w.inflight:
             self.workers.pop(w.ident, None)
 

@@ -46,6 +46,7 @@ from ibex_context.client.requests import (  # ClientClosed is part of this modul
     load_settings,
     parse_endpoints,
 )
+from ibex_context.client.throttle import Throttle
 from ibex_context.client.usage import USAGE_ID_PREFIX, summary_payload, usage_payload
 from ibex_context.client.wire import Outgoing, outgoing, scaled_timeout, too_large
 from ibex_context.pipeline.budget.catalog import Catalog
@@ -58,6 +59,7 @@ from ibex_context.shared.wire.errors import (
     IbexError,
     Internal,
     InvalidRequest,
+    Overloaded,
     Unauthenticated,
     Unavailable,
 )
@@ -113,6 +115,7 @@ class AsyncClient:
         self._closed = False
         self._fallback: Fallback | None = None
         self._directives = DirectiveCopies(entries=COPY_ENTRIES if directive_copies else 0)  # for the fallback
+        self._throttle = Throttle(settings.client_throttle_k, settings.client_throttle_window_s)
 
     async def __aenter__(self) -> AsyncClient:
         await self.start()
@@ -251,9 +254,25 @@ class AsyncClient:
         """
         self._check_open()
         out, frames, seconds = self._encode(request, fields, timeout)
-        resp = await self._send(out.sent.request_id, frames, seconds)
+        resp = await self._throttled(out.sent.org_id, out.sent.request_id, frames, seconds)
         self._directives.keep(out.sent, resp)
         return out.restore(resp)
+
+    async def _throttled(self, org: str, rid: str, frames: list[bytes], timeout: float) -> AssembleResponse:
+        """``_send`` behind the client's adaptive throttle (``client.throttle``): refused here, at
+        once and typed, while the service refuses most of ``org``'s calls."""
+        throttle = self._throttle
+        if not throttle.admit(org, time.monotonic()):
+            self._count("throttled")
+            raise Overloaded(f"refused by this client's adaptive throttle: the service refused most of org {org!r}'s "
+                             f"calls in the last {self.settings.client_throttle_window_s:g} s", request_id=rid)
+        try:
+            resp = await self._send(rid, frames, timeout)
+        except IbexError as exc:
+            throttle.answered(org, time.monotonic(), accepted=exc.code is not ErrorCode.OVERLOADED)
+            raise
+        throttle.answered(org, time.monotonic(), accepted=True)
+        return resp
 
     async def _send(self, rid: str, frames: list[bytes], timeout: float) -> AssembleResponse:
         """The reply to ``frames``, from the first broker that answers in time (failing over)."""
@@ -381,7 +400,7 @@ class AsyncClient:
         out, frames, seconds = self._encode(request, fields, timeout)
         end = start + seconds
         try:
-            resp = await self._send(out.sent.request_id, frames, seconds)
+            resp = await self._throttled(out.sent.org_id, out.sent.request_id, frames, seconds)
             self._directives.keep(out.sent, resp)
             return out.restore(resp)
         except IbexError as exc:

@@ -299,7 +299,7 @@ class WorkerServer:
         binding = gate.total >= gate.slots
         outcome = (True, False)  # a request that ends without a reply: its memory calls did not make it
         try:
-            outcome = await self._serve(link, msg, req, deadline_ns, transit_ns, timings)
+            outcome = await self._serve(link, msg, req, deadline_ns, transit_ns, timings, gated=True)
         finally:
             now = time.monotonic_ns()
             gate.leave(req.org_id, overloaded=outcome[0], succeeded=outcome[1], binding=binding, now_ns=now,
@@ -329,8 +329,10 @@ class WorkerServer:
         return False
 
     async def _serve(self, link: BrokerLink, msg: P.Dispatch, req: AssembleRequest, deadline_ns: int,
-                     transit_ns: int, timings: dict[str, int], *, memory: bool = True) -> tuple[bool, bool]:
-        """Assemble and reply; (overloaded, succeeded) of its memory calls (``worker.memgate``)."""
+                     transit_ns: int, timings: dict[str, int], *, memory: bool = True,
+                     gated: bool = False) -> tuple[bool, bool]:
+        """Assemble and reply; (overloaded, succeeded) of its memory calls (``worker.memgate``).
+        ``gated``: it holds a slot of the memory gate, given back once the reply is sent."""
         client, rid = msg.client, msg.request_id
         outcome = (False, False)
         try:
@@ -353,7 +355,8 @@ class WorkerServer:
             # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
             outcome = memory_outcome(resp.branches)
             overloaded = outcome[0] or any(b.status == "timeout" for b in resp.branches.values())
-            link.send(P.worker_reply_frames(P.REPLY, client, rid, body, P.Feedback(overloaded, timings["worker_wait"])))
+            feedback = P.Feedback(overloaded, timings["worker_wait"], self._gate_full(gated))
+            link.send(P.worker_reply_frames(P.REPLY, client, rid, body, feedback))
             self.stats["replied"] += 1
             if resp.degraded:
                 self.stats["degraded"] += 1
@@ -377,6 +380,13 @@ class WorkerServer:
             self._reply_error(link, client, rid, Internal(f"internal error: {type(exc).__name__}"),
                               request_id=req.request_id)
         return outcome
+
+    def _gate_full(self, gated: bool) -> bool:
+        """Whether the memory gate has no free slot once a reply leaves (``gated``: the reply's own
+        slot is given back with it): the broker refuses an org at its share while every worker's
+        gate is full, so a refusal costs no hop to a worker (``protocol.Feedback``)."""
+        gate = self.memgate
+        return gate is not None and gate.total - gated >= gate.slots
 
     def _reply_error(self, link: BrokerLink, client: bytes, rid: bytes, exc: IbexError,
                      feedback: P.Feedback | None = None, request_id: str | None = None) -> None:

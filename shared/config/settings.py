@@ -232,6 +232,10 @@ class BrokerSettings(_LinkSettings):
         5.0, ge=0, description="With a standing queue, a request expected to wait longer than this (and than a "
                                "quarter of its time), or too long to finish by its deadline, is refused OVERLOADED "
                                "on receipt; 0 = off.")
+    admission_lifo: bool = Field(
+        False, description="An org whose queue stands has its newest request dispatched first, and its oldest ones "
+                           "that can no longer be answered in full refused OVERLOADED (adaptive LIFO; "
+                           "docs/architecture.md \"Admission control\").")
     adaptive_limit: bool = Field(
         True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
                           "worker holds exactly its credit.")
@@ -274,6 +278,12 @@ class ClientSettings(CommonSettings, PipelineSettings, _LegacyTimeout):
         10_000.0, gt=0, le=600_000, description="The default timeout scaled by conversation size stops here "
                                                 "(never below IBEX_CLIENT_TIMEOUT_MS).")
     broker_endpoints: str = Field("tcp://127.0.0.1:5555", description="Frontends the client uses (comma-separated).")
+    client_throttle_k: float = Field(
+        2.0, ge=0, description="Client-side adaptive throttling per org: a call is refused locally (OVERLOADED) "
+                               "with probability max(0, (requests - k * accepts) / (requests + 1)) over the window; "
+                               "0 = off.")
+    client_throttle_window_s: float = Field(
+        2.0, gt=0, le=600, description="The window client-side throttling counts requests and accepts over.")
     client_key_file: str | None = Field(None, description="The caller's CURVE keypair file.")
     litellm_config: str | None = Field(
         None, description="The LiteLLM proxy hook's YAML or JSON config; required when the hook is loaded.")

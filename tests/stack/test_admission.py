@@ -14,14 +14,15 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 
+import pytest
 import zmq
 
 from bench.lib.transport import transport_response
 from ibex_context.broker.broker import Broker
 from ibex_context.client.client import AsyncClient
-from ibex_context.shared.config.settings import BrokerSettings
+from ibex_context.shared.config.settings import BrokerSettings, ClientSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode
 from ibex_context.shared.wire.errors import IbexError, Overloaded
@@ -38,6 +39,7 @@ class ScriptedWorker(threading.Thread):
         super().__init__(daemon=True)
         self.ctx, self.backend, self.name, self.capacity, self.delay_s = ctx, backend, name, capacity, delay_s
         self.overloaded = False
+        self.gate_full = False  # what its replies say of its memory gate
         self.served = 0
         self.stop = threading.Event()
         self.body = encode(transport_response("-", {}).model_copy(update={"worker_id": name}))
@@ -64,7 +66,7 @@ class ScriptedWorker(threading.Thread):
             msg = P.parse_broker_message(s.recv_multipart())
             if isinstance(msg, P.Dispatch):
                 reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, self.body,
-                                              P.Feedback(self.overloaded, 0))
+                                              P.Feedback(self.overloaded, 0, self.gate_full))
                 due.append((time.monotonic() + self.delay_s, reply))
         s.close(linger=0)
 
@@ -123,13 +125,18 @@ async def test_overload_feedback_lowers_the_limit_and_clean_replies_restore_it()
     assert low < 8 and high == 8, (low, high)
 
 
-async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late() -> None:
+NO_THROTTLE = ClientSettings(client_throttle_k=0)  # every call reaches the broker
+
+
+@pytest.mark.parametrize("lifo", [False, True], ids=["fifo", "lifo"])
+async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late(lifo: bool) -> None:
     """Offered three times what one slow worker can serve, for long enough to make the queue stand:
-    the surplus is refused OVERLOADED on receipt (said so, and counted), the rest is served, and
-    no answer of either kind comes after its deadline."""
+    the surplus is refused OVERLOADED on receipt or (``lifo``: served newest first) once too little
+    of its time is left to be answered in full (said so, and counted), the rest is served, and no
+    answer of any kind comes after its deadline."""
     deadline_s = 0.1
-    with broker_with([("w0", 2, 0.01)]) as (broker, _):
-        async with AsyncClient(broker.frontend_endpoint) as c:
+    with broker_with([("w0", 2, 0.01)], admission_lifo=lifo) as (broker, _):
+        async with AsyncClient(broker.frontend_endpoint, settings=NO_THROTTLE) as c:
             await c.wait_connected()
             for i in range(30):  # the broker learns the service time first
                 await c.assemble(timeout=2.0, **_fields(i))
@@ -140,7 +147,7 @@ async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late() -> None
                     await c.assemble(timeout=deadline_s, **_fields(1000 + i))
                     return "ok", time.monotonic() - t0
                 except Overloaded as exc:
-                    assert "shed on receipt" in exc.message, exc
+                    assert "shed on receipt" in exc.message or "in the standing queue" in exc.message, exc
                     return "OVERLOADED", time.monotonic() - t0
                 except IbexError as exc:
                     return exc.code.value, time.monotonic() - t0
@@ -152,5 +159,65 @@ async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late() -> None
             results = await asyncio.gather(*tasks)
     outcomes = collections.Counter(o for o, _ in results)
     assert outcomes["OVERLOADED"] > 0 and outcomes["ok"] > 0, outcomes
-    assert broker.stats["shed_overloaded"] == outcomes["OVERLOADED"]
+    # A request shed with little time left may reach its caller just after the caller's own clock
+    # ended it (DEADLINE_EXCEEDED there): never more refusals seen than the broker sent.
+    shed_by_broker = broker.stats["shed_overloaded"] + broker.stats["shed_stale"]
+    assert outcomes["OVERLOADED"] <= shed_by_broker <= outcomes["OVERLOADED"] + outcomes["DEADLINE_EXCEEDED"]
+    assert sum(outcomes.values()) == 240 and broker.stats["replies"] == 30 + outcomes["ok"]
     assert all(t <= deadline_s + 0.05 for _, t in results), max(t for _, t in results)
+
+
+async def _outcome(call: Awaitable[object]) -> str:
+    try:
+        await call
+        return "ok"
+    except Overloaded as exc:
+        return f"OVERLOADED: {exc.message}"
+
+
+async def _gates_full(w0: ScriptedWorker, c: AsyncClient) -> asyncio.Task[str]:
+    """The worker's replies say its memory gate is full: one acme request's reply tells the broker
+    so while a second one is still in flight (returned, to be awaited)."""
+    w0.gate_full = True
+    first = asyncio.create_task(_outcome(c.assemble(timeout=3.0, **_fields(0))))
+    await asyncio.sleep(w0.delay_s / 3)
+    held = asyncio.create_task(_outcome(c.assemble(timeout=3.0, **_fields(1))))
+    assert await first == "ok"
+    return held
+
+
+async def test_full_memory_gates_refuse_an_org_at_its_share_on_receipt() -> None:
+    """Every worker's gate full: acme, holding every request in flight, is refused OVERLOADED on
+    receipt (no hop to a worker); globex, holding none, goes on to the worker (whose gate keeps
+    it a slot). Every call has exactly one outcome, and the worker saw only what was admitted."""
+    with broker_with([("w0", 4, 0.3)]) as (broker, (w0,)):
+        async with AsyncClient(broker.frontend_endpoint, settings=NO_THROTTLE) as c:
+            await c.wait_connected()
+            held = await _gates_full(w0, c)
+            refused = await _outcome(c.assemble(timeout=2.0, **_fields(2)))
+            other = await _outcome(c.assemble(timeout=2.0, **{**_fields(3), "org_id": "globex"}))
+            assert await held == "ok"
+    assert refused.startswith("OVERLOADED") and "limit on memory-service calls is full" in refused, refused
+    assert other == "ok"
+    assert broker.stats["shed_gates_full"] == 1 and broker.stats["replies"] == 3 and w0.served == 3
+    assert not broker.pending and not broker.queue
+
+
+async def test_the_client_throttles_an_org_the_service_refuses() -> None:
+    """With the service refusing acme's calls (full gates), the client starts refusing them itself,
+    typed OVERLOADED and at once; every call still has exactly one outcome, the refusals the
+    broker made and the client's add up to the calls, and ``assemble_or_degrade`` answers a
+    throttled call with its degraded fallback."""
+    with broker_with([("w0", 4, 1.0)]) as (broker, (w0,)):
+        async with AsyncClient(broker.frontend_endpoint) as c:
+            await c.wait_connected()
+            await c.prepare_fallback()
+            held = await _gates_full(w0, c)
+            outcomes = [await _outcome(c.assemble(timeout=2.0, **_fields(10 + i))) for i in range(60)]
+            throttled = c.stats["throttled"]
+            degraded = await c.assemble_or_degrade(timeout=2.0, **_fields(100))
+            assert await held == "ok"
+    assert all(o.startswith("OVERLOADED") for o in outcomes), outcomes
+    local = sum("adaptive throttle" in o for o in outcomes)
+    assert local == throttled > 0 and local + broker.stats["shed_gates_full"] >= 60, (local, broker.stats)
+    assert degraded.degraded and w0.served == 2

@@ -1,8 +1,9 @@
 """Admission at the memory service on the real stack (broker, two workers, memory service with
 faults, Redis): with the memory service slowed past every retrieval limit, a flood of one org's new
 questions is answered at once by the workers' memory gate (``worker.memgate``: degraded, its memory
-branches ``MemoryAtCapacity``, no memory call made) instead of every request waiting out its memory
-calls; every answer comes by its deadline; once the
+branches ``MemoryAtCapacity``, no memory call made), or, while every gate is full, refused
+OVERLOADED on receipt by the broker or by the client's throttle, instead of every request waiting
+out its memory calls; every answer comes by its deadline; once the
 service recovers, another org's requests are served whole while the flood goes on."""
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ async def test_a_flood_against_a_slowed_memory_service_is_refused_at_once_and_an
             await eventually("the flood answered while the service is slow", lambda: len(flood.seen) >= 200,
                              timeout_s=120)
             slow = flood.since(0)
+            refused_on_receipt = (await client.status())["stats"].get("shed_gates_full", 0)
             (await http.delete(faults)).raise_for_status()
             healed = len(flood.seen)
             # The calls admitted while the service was slow hold their slots to their limits; the
@@ -117,9 +119,12 @@ async def test_a_flood_against_a_slowed_memory_service_is_refused_at_once_and_an
     print(f"\n  slowed: {dict(slow)}; healed: {dict(flooding)}; victim: {Counter(o for o, _ in served)}")
     # Every answer by its deadline (the client hands back nothing later: DEADLINE_EXCEEDED at worst).
     assert all(t <= TIMEOUT_S + 0.25 for _, t in flood.seen + served)
-    # While the service is slow, the flood is mostly refused by the gate rather than left to wait
-    # out memory calls that cannot answer: the gate holds a few per worker, the rest are refused.
-    assert slow["gate"] > slow["degraded"] + slow["DEADLINE_EXCEEDED"], slow
+    # While the service is slow, the flood is mostly refused at once rather than left to wait out
+    # memory calls that cannot answer: the gate holds a few per worker, the rest are refused (by the
+    # gate, or with every gate full by the broker on receipt and then by the client's throttle).
+    assert slow["gate"] + slow["OVERLOADED"] > slow["degraded"] + slow["DEADLINE_EXCEEDED"], slow
+    # The workers told the broker their gates were full: it refused acme itself, with no hop.
+    assert refused_on_receipt > 0
     # Once it recovers, the other org is served whole while the flood goes on (its first request on
     # a worker waits at most 20 ms for a slot, which on a loaded box may not be enough).
     assert Counter(o for o, _ in served)["whole"] >= VICTIM_REQUESTS - 2, served

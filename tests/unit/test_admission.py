@@ -112,3 +112,11 @@ def test_feedback_frame_round_trip_and_a_bad_one_still_forwards_the_reply() -> N
     bad = P.parse_worker_message([P.TAG, P.REPLY, b"c", b"r", b"x", b"\x01"])
     assert bad == P.WorkerReply(P.REPLY, b"c", b"r", b"x", None)
     assert P.Feedback.unpack(P.Feedback(False, -5).pack()) == P.Feedback(False, 0)
+
+
+def test_feedback_carries_the_memory_gate_flag_beside_the_overload_flag() -> None:
+    for overloaded in (False, True):
+        for gate_full in (False, True):
+            fb = P.Feedback(overloaded, 7, gate_full)
+            assert P.Feedback.unpack(fb.pack()) == fb
+    assert len(P.Feedback(True, 7, True).pack()) == len(P.Feedback(True, 7).pack())  # one layout for both

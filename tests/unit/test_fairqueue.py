@@ -173,3 +173,25 @@ def test_the_queue_agrees_with_a_model_of_per_org_lists(ops: list[tuple[str, str
         assert all(q.queued(o) == len(v) for o, v in model.items())
         active = [o for o, v in model.items() if v]
         assert q.active == len(active) and q.active_weight == pytest.approx(sum(q.weight(o) for o in active))
+
+
+def test_an_org_served_newest_first_gives_its_newest_and_keeps_its_share() -> None:
+    q: FairQueue[str] = FairQueue()
+    for i in range(4):
+        q.push("flood", f"f{i}")
+    q.push("light", "l0")
+    q.push("light", "l1")
+    q.remove("flood", "f3")  # a dead entry at the back is skipped
+    out = [q.pop(newest_first={"flood"}) for _ in range(4)]
+    assert out == [("flood", "f2"), ("light", "l0"), ("flood", "f1"), ("light", "l1")]
+    assert q.oldest("flood") == "f0" and q.oldest("light") is None
+
+
+def test_oldest_skips_dead_entries_and_leaves_the_item_queued() -> None:
+    q: FairQueue[str] = FairQueue()
+    for i in range(3):
+        q.push("acme", f"a{i}")
+    q.remove("acme", "a0")
+    assert q.oldest("acme") == "a1" and len(q) == 2
+    assert drain(q) == [("acme", "a1"), ("acme", "a2")]
+    assert q.oldest("acme") is None and q.oldest("nobody") is None
