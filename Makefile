@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
 # mypy reads modules from directories, not through the editable install's import hook, so install
-# also writes the package as the wheel lays it out: $(VENV)/typecheck/ibex_context/<name> links to
-# each folder of pyproject's [tool.setuptools.package-dir] ([tool.mypy] mypy_path). Nothing
-# imports from it at run time.
+# also writes the package as the wheel lays it out: $(VENV)/typecheck/ibex_context holds the root's
+# __init__.py and links to each folder of pyproject's [tool.setuptools.package-dir] ([tool.mypy]
+# mypy_path), and nothing else of the checkout. Nothing imports from it at run time.
 define TYPECHECK_VIEW
 import pathlib, shutil, sys, tomllib
 view = pathlib.Path(sys.argv[1]).resolve()

@@ -1,8 +1,8 @@
 """The package's layout as pyproject.toml declares it: which folder holds which ``ibex_context`` name.
 
-The repo keeps its top-level folders and ``[tool.setuptools.package-dir]`` maps each to its name
-under ``ibex_context``; the meta tests read the same table the wheel and the editable install are
-built from, so a folder added there is checked without editing them.
+The checkout is the package (its ``__init__.py`` at the root) and ``[tool.setuptools.package-dir]``
+names each top-level folder as one of its subpackages; the meta tests read the same table the wheel
+and the editable install are built from, so a folder added there is checked without editing them.
 """
 
 from __future__ import annotations

@@ -130,3 +130,33 @@ def test_cycles_are_found() -> None:
 def test_no_import_cycles() -> None:
     cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# The floors of the house (docs/architecture.md "Processes and data flow"): a folder imports only
+# its own modules and the folders on floors below it.
+FLOORS = {"shared": 1, "pipeline": 2, "broker": 2, "worker": 3, "memory": 3, "client": 3, "ops": 4}
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    def folder(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else ""
+
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if folder(a) and folder(b) and folder(a) != folder(b)
+                  and FLOORS[folder(b)] >= FLOORS[folder(a)])
+
+
+def test_upward_imports_are_found() -> None:
+    graph = {"ibex_context.shared.a": {"ibex_context.pipeline.b"}, "ibex_context.ops.c": {"ibex_context.shared.a"},
+             "ibex_context.worker.d": {"ibex_context.memory.e"}, "ibex_context.memory.e": set(),
+             "ibex_context.pipeline.b": set()}
+    assert _upward(graph) == ["ibex_context.shared.a -> ibex_context.pipeline.b",
+                              "ibex_context.worker.d -> ibex_context.memory.e"]
+
+
+def test_every_folder_is_on_a_floor_and_imports_only_below_it() -> None:
+    graph = _graph()
+    folders = {name.split(".")[1] for name in graph if name.count(".")}
+    assert folders == set(FLOORS), sorted(folders ^ set(FLOORS))
+    upward = _upward(graph)
+    assert not upward, "imports along or up a floor:\n" + "\n".join(upward)

@@ -75,12 +75,12 @@ def test_no_file_loads_as_two_modules() -> None:
 
 def test_every_package_is_listed_and_mapped() -> None:
     """The wheel and the editable install hold exactly the folders with an ``__init__.py``."""
-    assert PACKAGE_DIRS[PACKAGE] == ROOT / PACKAGE and set(FOLDERS) >= {"broker", "client", "shared", "worker"}
+    assert PACKAGE_DIRS[PACKAGE] == ROOT and set(FOLDERS) >= {"broker", "client", "shared", "worker"}
     on_disk = {PACKAGE, *(f"{PACKAGE}.{'.'.join(p.parent.relative_to(ROOT).parts)}"
                           for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py"))}
     assert sorted(PACKAGES) == sorted(on_disk)
-    # no symlinked package tree: ibex_context/ holds its own two files, no folder links anywhere
-    assert not [p for p in (ROOT / PACKAGE).iterdir() if p.is_symlink() or (p.is_dir() and p.name != "__pycache__")]
+    # the checkout is the package (its __init__ at the root): no ibex_context/ tree beside it, no folder links
+    assert (ROOT / "__init__.py").is_file() and not (ROOT / PACKAGE).exists()
     assert not [p for folder in FOLDERS for p in (ROOT / folder).rglob("*") if p.is_symlink() and p.is_dir()]
 
 

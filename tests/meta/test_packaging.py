@@ -49,7 +49,8 @@ def _run(args: list[str | Path], *, cwd: Path, env: dict[str, str],
 
 
 def _source_copy(dest: Path) -> Path:
-    """What the wheel is built from: pyproject, README and the folders its package-dir table maps.
+    """What the wheel is built from: pyproject, README, the package's root files and the folders its
+    package-dir table maps.
 
     Built from a copy so the test never writes build/ into the checkout others work in.
     """
@@ -57,8 +58,11 @@ def _source_copy(dest: Path) -> Path:
     for name in ("pyproject.toml", "README.md", "supervisord.conf"):
         shutil.copy2(SRC / name, dest / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("__init__.py", "py.typed"):  # the package's own files: the checkout is the package
+        shutil.copy2(SRC / name, dest / name)
     for folder in PACKAGE_DIRS.values():
-        shutil.copytree(folder, dest / folder.relative_to(SRC), symlinks=True, ignore=ignore)
+        if folder != SRC:
+            shutil.copytree(folder, dest / folder.relative_to(SRC), symlinks=True, ignore=ignore)
     return dest
 
 
