@@ -9,15 +9,15 @@ import signal
 import sys
 from typing import Any
 
-from ibex_context.shared.config.cliargs import write_port_file
-from ibex_context.shared.config.settings import BrokerSettings
+from ..shared.config.cliargs import write_port_file
+from ..shared.config.settings import BrokerSettings
 
 
 def _secure(settings: BrokerSettings, ctx: Any, endpoints: list[str]) -> tuple[Any, dict[str, Any]]:
     """CURVE + ZAP when a keys file is set (docs/security.md "Authentication"); otherwise refuse any endpoint
     another host could reach. Returns the running authenticator (or None) and the Broker options;
     raises AuthConfigError with a one-line reason before anything is bound."""
-    from ibex_context.shared.security import auth
+    from ..shared.security import auth
 
     if not settings.auth_keys_file:
         auth.require_auth_or_loopback(endpoints, auth_on=False)
@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="after binding, write the bound frontend and backend endpoints here (one a line)")
     args = ap.parse_args(argv)
     settings = BrokerSettings()
-    from ibex_context.shared.config.observability import setup_logging
+    from ..shared.config.observability import setup_logging
 
     setup_logging(settings.log_level, "broker", settings.log_format)
     import zmq
 
-    from ibex_context.broker.broker import Broker
-    from ibex_context.shared.security import auth
+    from ..shared.security import auth
+    from .broker import Broker
 
     frontend = args.frontend or settings.broker_frontend
     backend = args.backend or settings.broker_backend
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.port_file:
         write_port_file(args.port_file, broker.frontend_endpoint, broker.backend_endpoint)
     if settings.metrics_port:
-        from ibex_context.shared.config.observability import broker_registry, serve
+        from ..shared.config.observability import broker_registry, serve
 
         registry, metrics = broker_registry(lambda: broker.snapshot(orgs=False))
         broker.observe_queue_wait = metrics.queue_wait.observe

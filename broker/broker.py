@@ -48,15 +48,9 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ibex_context.broker.admission import STALE_FACTOR, ServiceTime, StandingQueue, expected_wait_ns, shed
-from ibex_context.broker.fairqueue import FairQueue
-from ibex_context.broker.org_counts import TopCounts, org_snapshot
-from ibex_context.broker.state import BURST, MIN_RETRY_NS, Authorizer, Key, Pending, Wire, WorkerState, checked
-from ibex_context.broker.usage import UsageIntake
-from ibex_context.broker.workers import WorkerTable
-from ibex_context.shared.config.settings import BrokerSettings
-from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.errors import (
+from ..shared.config.settings import BrokerSettings
+from ..shared.wire import protocol as P
+from ..shared.wire.errors import (
     DeadlineExceeded,
     ErrorCode,
     IbexError,
@@ -64,9 +58,15 @@ from ibex_context.shared.wire.errors import (
     Overloaded,
     Unavailable,
 )
-from ibex_context.shared.wire.loopsock import readable, recv_forwarding
-from ibex_context.shared.wire.models import ErrorReply
-from ibex_context.shared.wire.protocol import Envelope, parse_header
+from ..shared.wire.loopsock import readable, recv_forwarding
+from ..shared.wire.models import ErrorReply
+from ..shared.wire.protocol import Envelope, parse_header
+from .admission import STALE_FACTOR, ServiceTime, StandingQueue, expected_wait_ns, shed
+from .fairqueue import FairQueue
+from .org_counts import TopCounts, org_snapshot
+from .state import BURST, MIN_RETRY_NS, Authorizer, Key, Pending, Wire, WorkerState, checked
+from .usage import UsageIntake
+from .workers import WorkerTable
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ibex_context.broker.admission import Limiter
-from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import encode_error
-from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError
-from ibex_context.shared.wire.loopsock import send_frames
-from ibex_context.shared.wire.models import ErrorReply
-from ibex_context.shared.wire.protocol import Envelope
+from ..shared.wire import protocol as P
+from ..shared.wire.codec import encode_error
+from ..shared.wire.errors import DeadlineExceeded, IbexError
+from ..shared.wire.loopsock import send_frames
+from ..shared.wire.models import ErrorReply
+from ..shared.wire.protocol import Envelope
+from .admission import Limiter
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ from collections.abc import Sized
 
 import zmq
 
-from ibex_context.broker.state import Authorizer, Wire, checked
-from ibex_context.broker.usage_limits import UsageLimits, shed_message
-from ibex_context.broker.workers import WorkerTable
-from ibex_context.shared.config.settings import BrokerSettings
-from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import peek_envelope, scan_request_id, unpack, validate
-from ibex_context.shared.wire.errors import InvalidRequest, Overloaded
-from ibex_context.shared.wire.models import ErrorReply, UsageReport
-from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
+from ..shared.config.settings import BrokerSettings
+from ..shared.wire import protocol as P
+from ..shared.wire.codec import peek_envelope, scan_request_id, unpack, validate
+from ..shared.wire.errors import InvalidRequest, Overloaded
+from ..shared.wire.models import ErrorReply, UsageReport
+from ..shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
+from .state import Authorizer, Wire, checked
+from .usage_limits import UsageLimits, shed_message
+from .workers import WorkerTable
 
 # kind -> (its frame's command, its payload's size limit, its model)
 KINDS: dict[str, tuple[bytes, int, type[UsageReport] | type[SummaryWrite]]] = {

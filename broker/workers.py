@@ -14,10 +14,10 @@ import collections
 import logging
 import time
 
-from ibex_context.broker.admission import Limiter
-from ibex_context.broker.state import Key, Wire, WorkerState
-from ibex_context.shared.config.settings import BrokerSettings
-from ibex_context.shared.wire import protocol as P
+from ..shared.config.settings import BrokerSettings
+from ..shared.wire import protocol as P
+from .admission import Limiter
+from .state import Key, Wire, WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,7 @@
 if not __name__.startswith("ibex_context."):
     raise ImportError("import ibex_context.client, not client")
 
-from ibex_context.client.client import AsyncClient, ClientClosed, degraded_response
-from ibex_context.client.sync import SyncClient
-from ibex_context.shared.wire.errors import (
+from ..shared.wire.errors import (
     ContextOverflow,
     DeadlineExceeded,
     Forbidden,
@@ -17,7 +15,9 @@ from ibex_context.shared.wire.errors import (
     Unauthenticated,
     Unavailable,
 )
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
+from ..shared.wire.models import AssembleRequest, AssembleResponse
+from .client import AsyncClient, ClientClosed, degraded_response
+from .sync import SyncClient
 
 __all__ = [
     "AssembleRequest",

@@ -36,24 +36,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ibex_context.client.connection import Conn, failure, open_conn, pick, time_out, too_short
-from ibex_context.client.degrade import COPY_ENTRIES, DirectiveCopies, Fallback, degraded_response
-from ibex_context.client.requests import (  # ClientClosed is part of this module's API
-    ClientClosed,
-    build,
-    check_timeout,
-    encode_request,
-    load_settings,
-    parse_endpoints,
-)
-from ibex_context.client.throttle import Throttle
-from ibex_context.client.usage import USAGE_ID_PREFIX, summary_payload, usage_payload
-from ibex_context.client.wire import Outgoing, outgoing, scaled_timeout, too_large
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.shared.config.settings import ClientSettings
-from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import decode_reply
-from ibex_context.shared.wire.errors import (
+from ..pipeline.budget.catalog import Catalog
+from ..shared.config.settings import ClientSettings
+from ..shared.wire import protocol as P
+from ..shared.wire.codec import decode_reply
+from ..shared.wire.errors import (
     DeadlineExceeded,
     ErrorCode,
     IbexError,
@@ -63,7 +50,20 @@ from ibex_context.shared.wire.errors import (
     Unauthenticated,
     Unavailable,
 )
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
+from ..shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
+from .connection import Conn, failure, open_conn, pick, time_out, too_short
+from .degrade import COPY_ENTRIES, DirectiveCopies, Fallback, degraded_response
+from .requests import (  # ClientClosed is part of this module's API
+    ClientClosed,
+    build,
+    check_timeout,
+    encode_request,
+    load_settings,
+    parse_endpoints,
+)
+from .throttle import Throttle
+from .usage import USAGE_ID_PREFIX, summary_payload, usage_payload
+from .wire import Outgoing, outgoing, scaled_timeout, too_large
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class AsyncClient:
             settings.client_timeout_ms / 1000 if default_timeout is None else default_timeout, "default_timeout")
         self.max_request_bytes = settings.max_request_bytes
         if configure_socket is None and settings.client_key_file:
-            from ibex_context.shared.security import auth
+            from ..shared.security import auth
 
             try:
                 configure_socket = auth.curve_client_for(settings.client_key_file, settings, role="client")

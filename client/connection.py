@@ -22,8 +22,8 @@ from typing import Any
 
 import zmq
 
-from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.errors import (
+from ..shared.wire import protocol as P
+from ..shared.wire.errors import (
     ERROR_BY_CODE,
     DeadlineExceeded,
     IbexError,
@@ -31,8 +31,8 @@ from ibex_context.shared.wire.errors import (
     Unauthenticated,
     Unavailable,
 )
-from ibex_context.shared.wire.loopsock import LoopSocket
-from ibex_context.shared.wire.models import AssembleResponse, ErrorReply
+from ..shared.wire.loopsock import LoopSocket
+from ..shared.wire.models import AssembleResponse, ErrorReply
 
 # How long a new client may take to connect before "not connected" means the broker cannot be
 # reached: a call whose deadline ends sooner, before any connection is ready, had too short a

@@ -29,18 +29,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ibex_context.client.requests import to_exc
-
 # The pipeline a degraded response runs, its chat-native part included (module-level imports
 # all through, so its ~0.2-0.5 s of schema building happens here, not in the first fallback).
-from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.counting.tokens import CachedCounter, EstimateKind
-from ibex_context.pipeline.selection.hits import failed_result
-from ibex_context.shared.config.settings import PipelineSettings
-from ibex_context.shared.wire.codec import validate
-from ibex_context.shared.wire.errors import ContextOverflow, IbexError, Internal
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
+from ..pipeline.assemble import Engine, Policy, assemble
+from ..pipeline.budget.catalog import Catalog
+from ..pipeline.counting.tokens import CachedCounter, EstimateKind
+from ..pipeline.selection.hits import failed_result
+from ..shared.config.settings import PipelineSettings
+from ..shared.wire.codec import validate
+from ..shared.wire.errors import ContextOverflow, IbexError, Internal
+from ..shared.wire.models import AssembleRequest, AssembleResponse, BranchOutcome, ErrorReply
+from .requests import to_exc
 
 log = logging.getLogger(__name__)
 

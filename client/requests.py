@@ -15,12 +15,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.shared.config.settings import ClientSettings, env_name
-from ibex_context.shared.wire.codec import encode_document
-from ibex_context.shared.wire.errors import ERROR_BY_CODE, IbexError, Internal, InvalidRequest
-from ibex_context.shared.wire.models import AssembleRequest, ErrorReply
-from ibex_context.shared.wire.protocol import Envelope, pack_header
-from ibex_context.shared.wire.validation import first_error
+from ..shared.config.settings import ClientSettings, env_name
+from ..shared.wire.codec import encode_document
+from ..shared.wire.errors import ERROR_BY_CODE, IbexError, Internal, InvalidRequest
+from ..shared.wire.models import AssembleRequest, ErrorReply
+from ..shared.wire.protocol import Envelope, pack_header
+from ..shared.wire.validation import first_error
 
 # Longest timeout a call accepts: anything longer is a unit mistake (milliseconds passed as seconds),
 # and it keeps deadline_ns inside the wire's 64-bit integer.

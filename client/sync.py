@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from ibex_context.client.client import AsyncClient
-from ibex_context.client.requests import ClientClosed
-from ibex_context.client.usage import summary_payload
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
+from ..shared.wire.models import AssembleRequest, AssembleResponse
+from .client import AsyncClient
+from .requests import ClientClosed
+from .usage import summary_payload
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.shared.wire.codec import encode
-from ibex_context.shared.wire.models import AssembleResponse, UsageReport
-from ibex_context.shared.wire.protocol import MAX_USAGE_BYTES
-from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
+from ..shared.wire.codec import encode
+from ..shared.wire.models import AssembleResponse, UsageReport
+from ..shared.wire.protocol import MAX_USAGE_BYTES
+from ..shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
 
 USAGE_ID_PREFIX = "usage-"  # a refusal from the broker comes back under this id: counted, not waited for
 USAGE_TTL_NS = 10_000_000_000  # a report the broker receives more than 10 s after it was made is dropped

@@ -14,11 +14,11 @@ from typing import Any
 
 import msgpack
 
-from ibex_context.pipeline.conversation.images import stub_messages
-from ibex_context.pipeline.conversation.layout import restore
-from ibex_context.shared.config.settings import ClientSettings
-from ibex_context.shared.wire.errors import InvalidRequest
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
+from ..pipeline.conversation.images import stub_messages
+from ..pipeline.conversation.layout import restore
+from ..shared.config.settings import ClientSettings
+from ..shared.wire.errors import InvalidRequest
+from ..shared.wire.models import AssembleRequest, AssembleResponse
 
 # The fields a caller's conversation travels in, per request form: what a size error names.
 CHAT_FIELDS = ("messages", "tools", "system", "query")

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from ibex_context.shared.config.cliargs import utf8_arg
+from ..shared.config.cliargs import utf8_arg
 
 PROG = "ibex-context"
 
@@ -127,7 +127,7 @@ def print_response(resp: Any, full: bool = False) -> None:
     if resp.degraded:
         print(f"  DEGRADED: {'; '.join(resp.degraded_reasons)}")
     if resp.summary is not None:
-        from ibex_context.ops.explain import summary_line
+        from .explain import summary_line
 
         print(f"  {summary_line(resp)}")
     if resp.format is not None:
@@ -161,7 +161,7 @@ def _print_prompt(resp: Any, full: bool = False) -> None:
 
 def _field_error(exc: Any) -> str:
     """The first pydantic error as ``--option: what is wrong`` (a ValidationError names model fields)."""
-    from ibex_context.shared.wire.validation import first_error
+    from ..shared.wire.validation import first_error
 
     err = first_error(exc)
     loc = list(err.loc)
@@ -178,8 +178,8 @@ def _request(args: Any) -> Any:
     """
     from pydantic import ValidationError
 
-    from ibex_context.shared.wire.models import AssembleRequest
-    from ibex_context.shared.wire.validation import first_error
+    from ..shared.wire.models import AssembleRequest
+    from ..shared.wire.validation import first_error
 
     doc = _request_file(args.request) if args.request else {}
     missing = [(opt, field) for opt, field in (("--org", "org_id"), ("--agent", "agent_id"), ("--query", "query"))
@@ -205,7 +205,7 @@ def _request(args: Any) -> Any:
 
 
 def _request_file(path: str) -> dict[str, Any]:
-    from ibex_context.ops.explain import ExplainInputError, load_json
+    from .explain import ExplainInputError, load_json
 
     try:
         doc = load_json(path, "request")
@@ -229,7 +229,7 @@ def empty_context_hint(resp: Any) -> str | None:
 
 
 async def _call(args: Any, request: Any) -> Any:
-    from ibex_context.client.client import AsyncClient
+    from ..client.client import AsyncClient
 
     async with AsyncClient(args.endpoint) as c:
         return await c.assemble(request, timeout=args.timeout_ms / 1000)
@@ -240,8 +240,8 @@ def run_assemble(args: Any) -> int:
     import zmq
     from pydantic import ValidationError
 
-    from ibex_context.shared.security.auth import AuthConfigError
-    from ibex_context.shared.wire.errors import ErrorCode, IbexError
+    from ..shared.security.auth import AuthConfigError
+    from ..shared.wire.errors import ErrorCode, IbexError
 
     prog = f"{PROG} assemble"
     try:
@@ -261,7 +261,7 @@ def run_assemble(args: Any) -> int:
     if args.json:
         print(resp.model_dump_json(indent=2))
     elif args.explain:
-        from ibex_context.ops.explain import render_table
+        from .explain import render_table
 
         render_table(resp, sys.stdout)
     else:

@@ -20,16 +20,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ibex_context.memory.embedded_redis.server import default_redis_url
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.budget.usable import multiplier
-from ibex_context.pipeline.counting.calibration import Calibration
-from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
-from ibex_context.shared.stores.keys import check_ident
-from ibex_context.shared.wire.errors import UnknownModel
-from ibex_context.worker import calibration_store as store
+from ..memory.embedded_redis.server import default_redis_url
+from ..pipeline.budget.catalog import Catalog
+from ..pipeline.budget.usable import multiplier
+from ..pipeline.counting.calibration import Calibration
+from ..shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ..shared.config.settings import WorkerSettings
+from ..shared.stores.connect import REDIS_ERRORS, async_client
+from ..shared.stores.keys import check_ident
+from ..shared.wire.errors import UnknownModel
+from ..worker import calibration_store as store
 
 PROG = "ibex-context calibration"
 REDIS_TIMEOUT_S = 5.0

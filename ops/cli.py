@@ -25,10 +25,10 @@ import os
 import sys
 from typing import Any
 
-from ibex_context.ops.assemble_cmd import DEFAULT_TIMEOUT_MS as DEFAULT_TIMEOUT_MS
-from ibex_context.ops.assemble_cmd import PROG, assemble_parser, print_response, run_assemble
-from ibex_context.ops.assemble_cmd import fail as _fail
-from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ..shared.config.cliargs import CliParser, settings_error, utf8_arg
+from .assemble_cmd import DEFAULT_TIMEOUT_MS as DEFAULT_TIMEOUT_MS
+from .assemble_cmd import PROG, assemble_parser, print_response, run_assemble
+from .assemble_cmd import fail as _fail
 
 # Modules only the ``server`` extra installs (pyproject): a command that imports one on a client-only
 # install ends in one line naming the extra, not a traceback (README "Quickstart").
@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _status() -> int:
     """This host's report as JSON (ops.hoststatus); one line and exit 1 when a role is not healthy."""
-    import ibex_context.ops.stack as stack
-    from ibex_context.ops.hoststatus import StatusFailed, host_status
+    from . import stack as stack
+    from .hoststatus import StatusFailed, host_status
 
     try:
         report, problems = host_status(stack.CONF)
@@ -124,7 +124,7 @@ def _status() -> int:
 def _keys(args: Any) -> int:
     from pathlib import Path
 
-    from ibex_context.shared.security import auth
+    from ..shared.security import auth
 
     try:
         if args.keys_cmd == "generate":
@@ -165,24 +165,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] == "directive":
-        from ibex_context.memory.store.directive_cli import main as directive_main
+        from ..memory.store.directive_cli import main as directive_main
 
         return int(directive_main(argv[1:], prog=f"{PROG} directive") or 0)
     if argv and argv[0] == "calibration":
-        from ibex_context.ops.calibration_cli import main as calibration_main
+        from .calibration_cli import main as calibration_main
 
         return calibration_main(argv[1:], prog=f"{PROG} calibration")
     if argv and argv[0] == "cluster":
-        from ibex_context.ops.cluster_cli import main as cluster_main
+        from .cluster_cli import main as cluster_main
 
         return cluster_main(argv[1:], prog=f"{PROG} cluster")
     if argv and argv[0] == "seed":
-        from ibex_context.memory.store.seed import main as seed_main
+        from ..memory.store.seed import main as seed_main
 
         return int(seed_main(argv[1:], prog=f"{PROG} seed") or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "explain":
-        from ibex_context.ops.explain import run
+        from .explain import run
 
         return run(args)
     if args.cmd == "assemble":
@@ -198,11 +198,11 @@ def _main(argv: list[str]) -> int:
 
 
 def _stack_command(args: Any) -> int:
-    import ibex_context.ops.stack as stack
+    from . import stack as stack
     if args.cmd == "status":
         return _status()
     if args.cmd == "up":
-        from ibex_context.ops.launch import up
+        from .launch import up
 
         if args.redis_cluster is not None:
             os.environ["IBEX_REDIS_CLUSTER"] = str(args.redis_cluster)  # read as StackSettings.redis_cluster
@@ -210,11 +210,11 @@ def _stack_command(args: Any) -> int:
     if args.cmd == "down":
         return stack.down()
     if args.cmd == "workers-env":
-        from ibex_context.ops.joinenv import main as workers_env
+        from .joinenv import main as workers_env
 
         return workers_env()
     if args.cmd == "demo":
-        from ibex_context.ops.demo import demo
+        from .demo import demo
 
         return demo(keep=args.keep, show=print_response)
     return 2

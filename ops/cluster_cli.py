@@ -19,9 +19,9 @@ import sys
 import redis
 from pydantic import ValidationError
 
-from ibex_context.memory.embedded_redis.server import default_redis_url
-from ibex_context.ops.reshard import Cluster, ReshardError, add_shard, connect, move_slots, parse_slots
-from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ..memory.embedded_redis.server import default_redis_url
+from ..shared.config.cliargs import CliParser, settings_error, utf8_arg
+from .reshard import Cluster, ReshardError, add_shard, connect, move_slots, parse_slots
 
 PROG = "ibex-context cluster"
 

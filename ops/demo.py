@@ -17,10 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ibex_context.ops import stack
-from ibex_context.ops.launch import up
-from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.stores.keys import directive_key, memory_key
+from ..shared.config.settings import Settings
+from ..shared.stores.keys import directive_key, memory_key
+from . import stack
+from .launch import up
 
 DEMO_REQUESTS = [
     ("acme", "support-bot", "gpt-4o", "The customer asks where their invoice from October is."),
@@ -31,7 +31,7 @@ DEMO_REQUESTS = [
 
 def _record_key(raw: Mapping[str, Any]) -> str:
     """The Redis key a (validated) seed record would write: its directive, or its memory's hash."""
-    from ibex_context.memory.store.seed import derived_memory_id
+    from ..memory.store.seed import derived_memory_id
 
     org, agent = raw["org_id"], raw["agent_id"]
     if raw.get("kind") == "directive":
@@ -45,8 +45,8 @@ async def seed_missing(url: str, path: Path = stack.DEMO_DATA) -> tuple[int, int
     Returns (memories added, directives added, records kept as they were). Every record is validated
     before anything is written (``memory.store.seed``); a kept one is never read or rewritten.
     """
-    from ibex_context.memory.store.seed import parse_records, read_jsonl, seed_records
-    from ibex_context.shared.stores.connect import async_client
+    from ..memory.store.seed import parse_records, read_jsonl, seed_records
+    from ..shared.stores.connect import async_client
 
     records = read_jsonl(path)
     parse_records(records, now=datetime.now(UTC))  # a bad line fails here, before any lookup
@@ -68,8 +68,8 @@ async def seed_missing(url: str, path: Path = stack.DEMO_DATA) -> tuple[int, int
 
 def _seed(url: str) -> bool:
 
-    from ibex_context.memory.store.seed import SeedError
-    from ibex_context.shared.stores.connect import REDIS_ERRORS
+    from ..memory.store.seed import SeedError
+    from ..shared.stores.connect import REDIS_ERRORS
 
     print(f"ibex-context: seeding what is missing of the demo data ({stack.DEMO_DATA}) ...")
     failures: tuple[type[Exception], ...] = (SeedError, OSError, *REDIS_ERRORS)
@@ -84,8 +84,8 @@ def _seed(url: str) -> bool:
 
 
 def demo(*, keep: bool, show: Callable[[Any], None]) -> int:
-    from ibex_context.client.client import AsyncClient
-    from ibex_context.shared.wire.errors import IbexError
+    from ..client.client import AsyncClient
+    from ..shared.wire.errors import IbexError
 
     if up() != 0:
         return 1

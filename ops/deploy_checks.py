@@ -15,9 +15,9 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import redis
 
-from ibex_context.ops import nonce
-from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.security.tenancy import mint_org_token
+from ..shared.config.settings import Settings
+from ..shared.security.tenancy import mint_org_token
+from . import nonce
 
 PROBE_ORG = "ibex-ops"  # an org no tenant uses: its hot list is empty, reading it changes nothing
 PROBE_AGENT = "status"
@@ -46,7 +46,7 @@ def redacted(url: str) -> str:
 
 def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
     """A client for the server or the cluster ``url`` names (``shared.stores.connect``)."""
-    from ibex_context.shared.stores.connect import sync_client
+    from ..shared.stores.connect import sync_client
 
     try:
         return sync_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)

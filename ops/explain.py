@@ -17,14 +17,14 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from ibex_context.pipeline.assemble import Engine, Policy, assemble
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.selection.hits import offline_result, shape_problem, to_hit
-from ibex_context.pipeline.types import MemoryHit
-from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.wire.errors import ContextOverflow, IbexError, InvalidRequest
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, Source
-from ibex_context.shared.wire.validation import first_error
+from ..pipeline.assemble import Engine, Policy, assemble
+from ..pipeline.budget.catalog import Catalog
+from ..pipeline.selection.hits import offline_result, shape_problem, to_hit
+from ..pipeline.types import MemoryHit
+from ..shared.config.settings import Settings
+from ..shared.wire.errors import ContextOverflow, IbexError, InvalidRequest
+from ..shared.wire.models import AssembleRequest, AssembleResponse, Source
+from ..shared.wire.validation import first_error
 
 
 class ExplainInputError(Exception):

@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ibex_context.ops import stack as S
-from ibex_context.ops.deploy_checks import redacted, redis_ok
-from ibex_context.ops.launch import host_workers
-from ibex_context.ops.opskey import StatusKey
-from ibex_context.ops.procs import broker_status
-from ibex_context.shared.config.settings import Settings
+from ..shared.config.settings import Settings
+from . import stack as S
+from .deploy_checks import redacted, redis_ok
+from .launch import host_workers
+from .opskey import StatusKey
+from .procs import broker_status
 
 
 class StatusFailed(Exception):

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ibex_context.ops import stack as S
-from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.security.netloc import is_loopback_host
+from ..shared.config.settings import Settings
+from ..shared.security.netloc import is_loopback_host
+from . import stack as S
 
 PROG = "ibex-context workers-env"
 

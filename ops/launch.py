@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ibex_context.ops import opskey
-from ibex_context.ops import stack as S
-from ibex_context.ops.deploy_checks import CheckFailed, check_workers_host, redacted, redis_ok, release_lease
-from ibex_context.ops.procs import broker_status, wait_for
-from ibex_context.ops.roles import HostPlan, RoleError, parse_connect, settings_for
-from ibex_context.shared.config.settings import Settings, usable_cpus
+from ..shared.config.settings import Settings, usable_cpus
+from . import opskey
+from . import stack as S
+from .deploy_checks import CheckFailed, check_workers_host, redacted, redis_ok, release_lease
+from .procs import broker_status, wait_for
+from .roles import HostPlan, RoleError, parse_connect, settings_for
 
 
 class LaunchError(Exception):
@@ -236,7 +236,7 @@ def up(timeout_s: float = 60.0, *, conf: Path | None = None, roles: Iterable[str
     """Start this host's roles under supervisord and wait for them (README "Quickstart" and
     docs/deploy.md "Deploying on several machines"); record what runs for ``status`` and the Redis
     URL for the admin CLIs."""
-    from ibex_context.shared.security.auth import AuthConfigError
+    from ..shared.security.auth import AuthConfigError
 
     conf = conf or S.CONF
     run_dir = S.run_dir_of(conf)

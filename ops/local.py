@@ -20,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from ibex_context.ops.procs import broker_status, die_with_parent, http_ok, read_port_file, stop_processes, wait_for
-from ibex_context.shared.config.settings import MemoryServiceSettings
+from ..shared.config.settings import MemoryServiceSettings
+from .procs import broker_status, die_with_parent, http_ok, read_port_file, stop_processes, wait_for
 
 UNBOUND_TCP = "tcp://127.0.0.1:0"  # port 0: the broker binds a free port and reports it
 
@@ -105,7 +105,7 @@ class LocalStack:
 
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         if self.redis_url is None:
-            from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+            from ..memory.embedded_redis.server import EmbeddedRedis
 
             self.embedded = EmbeddedRedis()
             self.embedded.start()

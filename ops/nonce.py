@@ -64,7 +64,7 @@ def fingerprint(nonce_key: bytes) -> str:
 
 def worker_fingerprint(nonce_secret: str | None, memory_secret: str) -> str:
     """The fingerprint of the key the workers of a host with these settings derive nonces with."""
-    from ibex_context.pipeline.rendering.format import nonce_key
+    from ..pipeline.rendering.format import nonce_key
 
     return fingerprint(nonce_key(nonce_secret, memory_secret))
 
@@ -102,8 +102,8 @@ def main() -> int:
     """The lease keeper of one workers host: refresh every ``REFRESH_S``; log an error while another holds it."""
     import redis
 
-    from ibex_context.shared.config.observability import setup_logging
-    from ibex_context.shared.config.settings import WorkerSettings
+    from ..shared.config.observability import setup_logging
+    from ..shared.config.settings import WorkerSettings
 
     settings = WorkerSettings()
     setup_logging(settings.log_level, "nonce-lease", settings.log_format)
@@ -114,7 +114,7 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    from ibex_context.shared.stores.connect import sync_client
+    from ..shared.stores.connect import sync_client
 
     client = sync_client(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     held = True

@@ -18,8 +18,8 @@ from typing import Any
 
 import zmq
 
-from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.security import auth
+from ..shared.config.settings import Settings
+from ..shared.security import auth
 
 OPS_ORG = "ibex-ops"
 OPS_AGENT = "status"

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import zmq
 
-from ibex_context.shared.wire import protocol as P
+from ..shared.wire import protocol as P
 
 POLL_S = 0.05  # how often wait_for re-checks its condition
 

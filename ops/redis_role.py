@@ -15,9 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-from ibex_context.memory.embedded_redis.server import RedisStartError, redis_executable, server_args
-from ibex_context.ops.roles import RoleError, redis_listen
-from ibex_context.shared.config.settings import RedisSettings
+from ..memory.embedded_redis.server import RedisStartError, redis_executable, server_args
+from ..shared.config.settings import RedisSettings
+from .roles import RoleError, redis_listen
 
 AUTH_CONF = "auth.conf"
 

@@ -39,9 +39,9 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
-from ibex_context.memory.search.index import create_args
-from ibex_context.shared.stores.connect import key_slot
-from ibex_context.shared.stores.keys import memory_index
+from ..memory.search.index import create_args
+from ..shared.stores.connect import key_slot
+from ..shared.stores.keys import memory_index
 
 SLOTS = 16384
 MEET_TIMEOUT_S = 30.0  # a bound on gossip spreading a new node, not a speed claim

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ibex_context.memory.embedded_redis.server import RUN_DIR_ENV
-from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.security.netloc import is_loopback_host
+from ..memory.embedded_redis.server import RUN_DIR_ENV
+from ..shared.config.settings import Settings
+from ..shared.security.netloc import is_loopback_host
 
 ROLES = ("redis", "memory", "broker", "workers")
 PRIVATE_REDIS_PORT = 6479  # the private Redis of `up --role all` when IBEX_REDIS_URL is unset

@@ -14,7 +14,7 @@ from pydantic import AliasChoices
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from ibex_context.shared.config.settings import (
+from ..shared.config.settings import (
     RETIRED_ENV,
     BrokerSettings,
     ClientSettings,
@@ -72,7 +72,7 @@ class Row:
 
 def role_classes() -> list[tuple[str, type[BaseSettings]]]:
     """The role of each process and the class it loads; ``ops`` last (it reads every other row)."""
-    from ibex_context.memory.service.config import MemoryConfig  # the memory service's part, server side
+    from ..memory.service.config import MemoryConfig  # the memory service's part, server side
 
     return [("broker", BrokerSettings), ("worker", WorkerSettings), ("client", ClientSettings),
             ("memory", MemoryConfig), ("ops", Settings)]

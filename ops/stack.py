@@ -26,19 +26,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ibex_context.memory.embedded_redis.server import RUN_DIR_ENV, default_run_dir, record_stack_redis_url
-from ibex_context.memory.embedded_redis.server import free_port as free_port
-from ibex_context.ops import opskey
-from ibex_context.ops.local import LocalStack as LocalStack
-from ibex_context.ops.procs import broker_status as broker_status
-from ibex_context.ops.procs import http_ok
-from ibex_context.ops.procs import port_in_use as port_in_use
-from ibex_context.ops.procs import stop_processes as stop_processes
-from ibex_context.ops.procs import wait_for as wait_for
-from ibex_context.ops.roles import UP_METRICS_PORT as UP_METRICS_PORT
-from ibex_context.ops.roles import HostPlan, host_name, parse_roles, plan_host
-from ibex_context.ops.roles import metrics_port as metrics_port
-from ibex_context.shared.config.settings import Settings
+from ..memory.embedded_redis.server import RUN_DIR_ENV, default_run_dir, record_stack_redis_url
+from ..memory.embedded_redis.server import free_port as free_port
+from ..shared.config.settings import Settings
+from . import opskey
+from .local import LocalStack as LocalStack
+from .procs import broker_status as broker_status
+from .procs import http_ok
+from .procs import port_in_use as port_in_use
+from .procs import stop_processes as stop_processes
+from .procs import wait_for as wait_for
+from .roles import UP_METRICS_PORT as UP_METRICS_PORT
+from .roles import HostPlan, host_name, parse_roles, plan_host
+from .roles import metrics_port as metrics_port
 
 PACKAGED_CONF = Path(str(resources.files("ibex_context.ops").joinpath("supervisord.conf")))
 CONF = PACKAGED_CONF  # tests point this at a private copy (see run_dir_of)
@@ -132,7 +132,7 @@ def probe_endpoint(bind: str) -> str:
 
 def _busy_ports(plan: HostPlan, settings: Settings) -> list[str]:
     """The ports ``up`` would bind for this host's roles that something already holds."""
-    from ibex_context.ops.roles import redis_listen
+    from .roles import redis_listen
 
     wanted: list[tuple[str, int]] = []
     if plan.private_redis:
@@ -185,7 +185,7 @@ def read_host_file(run_dir: Path) -> dict[str, Any] | None:
 
 def _record_redis_url(url: str, run_dir: Path) -> None:
     """The admin CLIs' default Redis (README "Quickstart"), in a 0600 file: the URL may carry a password."""
-    from ibex_context.memory.embedded_redis.server import STACK_REDIS_URL_FILE
+    from ..memory.embedded_redis.server import STACK_REDIS_URL_FILE
 
     path = run_dir / STACK_REDIS_URL_FILE
     path.unlink(missing_ok=True)

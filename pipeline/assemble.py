@@ -18,28 +18,28 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.budget.policy import Clock, Policy, elapsed_us, tick
-from ibex_context.pipeline.budget.usable import counter_for
-from ibex_context.pipeline.conversation import context_edit, summary
-from ibex_context.pipeline.conversation.fit import Limits, Plan, fit_stage, history_decisions
-from ibex_context.pipeline.conversation.summary import Slot
-from ibex_context.pipeline.conversation.turns import Counted, count_turns
-from ibex_context.pipeline.counting.calibration import Calibration
-from ibex_context.pipeline.counting.count import LineCache, MemoryCost
-from ibex_context.pipeline.decisions import decisions
-from ibex_context.pipeline.rendering import format as fmt
-from ibex_context.pipeline.rendering.emit import Nonce, Output, emit_stage
-from ibex_context.pipeline.selection.pack import pack
-from ibex_context.pipeline.selection.score import score_candidates
-from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
-from ibex_context.shared.wire.editing import MessageEdit
-from ibex_context.shared.wire.models import (
+from ..shared.wire.editing import MessageEdit
+from ..shared.wire.models import (
     AssembleRequest,
     AssembleResponse,
     CountRule,
     PackerStats,
 )
+from .budget.catalog import Catalog
+from .budget.policy import Clock, Policy, elapsed_us, tick
+from .budget.usable import counter_for
+from .conversation import context_edit, summary
+from .conversation.fit import Limits, Plan, fit_stage, history_decisions
+from .conversation.summary import Slot
+from .conversation.turns import Counted, count_turns
+from .counting.calibration import Calibration
+from .counting.count import LineCache, MemoryCost
+from .decisions import decisions
+from .rendering import format as fmt
+from .rendering.emit import Nonce, Output, emit_stage
+from .selection.pack import pack
+from .selection.score import score_candidates
+from .types import Rejection, RetrievalResult, ScoredMemory
 
 __all__ = ["STAGES", "Clock", "Engine", "Policy", "assemble", "scoring_stage"]
 

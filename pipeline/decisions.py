@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline.types import Rejection, RetrievalResult, ScoredMemory
-from ibex_context.shared.wire.models import COMPONENTS
+from ..shared.wire.models import COMPONENTS
+from .types import Rejection, RetrievalResult, ScoredMemory
 
 # A Decision's fields: the response validates every row in one pass (``pipeline.assemble.response``),
 # a third cheaper than a model per candidate, and the models it builds are the same.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ibex_context.shared.wire.models import (
+from ..shared.wire.models import (
     BranchName,
     BranchOutcome,
     ChatFormat,

@@ -18,12 +18,12 @@ import sys
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, WorkerSettings, usable_cpus
-from ibex_context.shared.security.netloc import is_loopback_url
-from ibex_context.worker.memservices import memory_urls
+from ..shared.config.settings import DEV_MEMORY_SECRET, WorkerSettings, usable_cpus
+from ..shared.security.netloc import is_loopback_url
+from .memservices import memory_urls
 
 if TYPE_CHECKING:
-    from ibex_context.worker.server import WorkerServer
+    from .server import WorkerServer
 
 
 def exposure_error(settings: WorkerSettings) -> str | None:
@@ -54,19 +54,19 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
     (the bench's transport-mode worker)."""
     import zmq
 
-    from ibex_context.pipeline.budget.catalog import Catalog
-    from ibex_context.worker.assemble import Assembler
-    from ibex_context.worker.retrieve import Retriever
-    from ibex_context.worker.server import WorkerServer
+    from ..pipeline.budget.catalog import Catalog
+    from .assemble import Assembler
+    from .retrieve import Retriever
+    from .server import WorkerServer
 
     if settings.redis_url is None:
         raise SystemExit("IBEX_REDIS_URL is not set; `ibex-context up` sets it (or start an embedded Redis)")
     retriever = Retriever.create(settings, settings.redis_url)
     catalog = Catalog.load(settings.catalog_path, cache_entries=settings.token_cache_entries)
     catalog.warm_up()
-    from ibex_context.shared.config.observability import CalibrationMetrics
-    from ibex_context.shared.stores.connect import async_client
-    from ibex_context.worker.calibration import Calibrator
+    from ..shared.config.observability import CalibrationMetrics
+    from ..shared.stores.connect import async_client
+    from .calibration import Calibrator
 
     # Its own connection, with generous timeouts: the retriever's are sized to the request deadline.
     calibrator = Calibrator(redis=async_client(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0),
@@ -75,13 +75,13 @@ async def serve(settings: WorkerSettings, worker_id: str, server_cls: type[Worke
                           calibrator=calibrator)
     await retriever.warm_up()
     ctx = zmq.Context()
-    from ibex_context.shared.security import auth
+    from ..shared.security import auth
 
     try:
         configure = auth.curve_client_for(settings.worker_key_file, settings, role="worker")
     except auth.MissingBrokerKey as exc:
         raise SystemExit(str(exc)) from None
-    from ibex_context.shared.config.observability import WorkerMetrics
+    from ..shared.config.observability import WorkerMetrics
 
     server = (server_cls or WorkerServer)(settings=settings, assembler=assembler, worker_id=worker_id, ctx=ctx,
                                           configure_socket=configure, metrics=WorkerMetrics())
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None, *, server_cls: type[WorkerServer] | None
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
-    from ibex_context.shared.config.observability import setup_logging
+    from ..shared.config.observability import setup_logging
 
     setup_logging(settings.log_level, "worker", settings.log_format)
     cpus = usable_cpus()  # before pinning: afterwards the mask holds one CPU

@@ -17,15 +17,15 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 
-from ibex_context.pipeline.assemble import Clock, Engine, Policy, assemble
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.budget.usable import counter_for
-from ibex_context.pipeline.conversation.turns import count_turns
-from ibex_context.pipeline.counting.count import LineCache
-from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
-from ibex_context.worker.calibration import Calibrator
-from ibex_context.worker.retrieve import Retriever
+from ..pipeline.assemble import Clock, Engine, Policy, assemble
+from ..pipeline.budget.catalog import Catalog
+from ..pipeline.budget.usable import counter_for
+from ..pipeline.conversation.turns import count_turns
+from ..pipeline.counting.count import LineCache
+from ..shared.config.settings import WorkerSettings
+from ..shared.wire.models import AssembleRequest, AssembleResponse
+from .calibration import Calibrator
+from .retrieve import Retriever
 
 Turn = Callable[[], AbstractAsyncContextManager[None]]
 

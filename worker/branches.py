@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ibex_context.pipeline.types import Rejection, RetrievalResult
-from ibex_context.shared.stores.summaries import decode_summary
-from ibex_context.shared.wire.models import BranchName, BranchOutcome, SummarySlot
+from ..pipeline.types import Rejection, RetrievalResult
+from ..shared.stores.summaries import decode_summary
+from ..shared.wire.models import BranchName, BranchOutcome, SummarySlot
 
 
 @dataclass

@@ -36,16 +36,16 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.counting.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
-from ibex_context.shared.config.observability import CalibrationMetrics
-from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.stores.storage import StorePressure
-from ibex_context.shared.wire.codec import unpack, validate
-from ibex_context.shared.wire.errors import StorageQuotaExceeded
-from ibex_context.shared.wire.models import AssembleResponse, ErrorReply, UsageReport
-from ibex_context.shared.wire.protocol import MAX_USAGE_BYTES
-from ibex_context.worker import calibration_store as store
+from ..pipeline.budget.catalog import Catalog
+from ..pipeline.counting.calibration import FALL_INTERVAL_MS, Calibration, bucket_of, decay_per_sample
+from ..shared.config.observability import CalibrationMetrics
+from ..shared.config.settings import WorkerSettings
+from ..shared.stores.storage import StorePressure
+from ..shared.wire.codec import unpack, validate
+from ..shared.wire.errors import StorageQuotaExceeded
+from ..shared.wire.models import AssembleResponse, ErrorReply, UsageReport
+from ..shared.wire.protocol import MAX_USAGE_BYTES
+from . import calibration_store as store
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ibex_context.pipeline.counting.calibration import (
+from ..pipeline.counting.calibration import (
     MAX_FALL_BUCKETS,
     N_BUCKETS,
     UNCALIBRATED_BUCKET,
@@ -43,9 +43,9 @@ from ibex_context.pipeline.counting.calibration import (
     summarize,
     upper_edge,
 )
-from ibex_context.shared.stores import storage
-from ibex_context.shared.stores.keys import assembly_key, calibration_key, check_ident, org_prefix, org_storage_key
-from ibex_context.shared.stores.storage import LEDGER_LUA
+from ..shared.stores import storage
+from ..shared.stores.keys import assembly_key, calibration_key, check_ident, org_prefix, org_storage_key
+from ..shared.stores.storage import LEDGER_LUA
 
 PRUNE_BELOW = 1e-3
 TTL_S = 30 * 24 * 3600  # a month without reports and the key is gone

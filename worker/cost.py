@@ -21,10 +21,10 @@ from typing import Any
 
 import msgpack
 
-from ibex_context.pipeline.conversation.images import stub_messages
-from ibex_context.shared.wire.codec import decode_request, validate
-from ibex_context.shared.wire.errors import ErrorCode
-from ibex_context.shared.wire.models import AssembleRequest, ErrorReply
+from ..pipeline.conversation.images import stub_messages
+from ..shared.wire.codec import decode_request, validate
+from ..shared.wire.errors import ErrorCode
+from ..shared.wire.models import AssembleRequest, ErrorReply
 
 ITEMS_SETTING = "IBEX_MAX_REQUEST_ITEMS"
 

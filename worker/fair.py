@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from ibex_context.shared.wire.errors import DeadlineExceeded
+from ..shared.wire.errors import DeadlineExceeded
 
 GRANT_HOPS = 3  # loop iterations between a stage's end and the next grant (I/O is polled in each)
 

@@ -32,8 +32,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.wire.models import AssembleRequest, BranchName, BranchOutcome
+from ..shared.config.settings import WorkerSettings
+from ..shared.wire.models import AssembleRequest, BranchName, BranchOutcome
 
 MIN_LIMIT = 2.0  # a worker always lets two assemblies call the memory service: one for each of two orgs
 BACKOFF = 0.75  # multiplicative decrease on an overload signal

@@ -24,7 +24,7 @@ from urllib.parse import urlencode, urlsplit
 
 import httptools
 
-from ibex_context.worker.exchange import Exchange
+from .exchange import Exchange
 
 LATE_S = 1.0  # how long a cancelled call's connection waits for its answer before it is closed
 

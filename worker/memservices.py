@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ibex_context.worker.memhttp import ConnectError, MemoryHTTP, ServerDisconnectedError
+from .memhttp import ConnectError, MemoryHTTP, ServerDisconnectedError
 
 COOL_S = 2.0  # a service that could not be reached is tried after the others for this long
 

@@ -25,8 +25,8 @@ from typing import Any
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
-from ibex_context.shared.stores.connect import is_cluster_url, key_slot, node_url
-from ibex_context.worker.exchange import Exchange
+from ..shared.stores.connect import is_cluster_url, key_slot, node_url
+from .exchange import Exchange
 
 
 def _pack(*args: str) -> bytes:

@@ -41,7 +41,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from ibex_context.pipeline.selection.hits import (
+from ..pipeline.selection.hits import (
     below_cutoff,
     hit_problem,
     memory_id_problem,
@@ -49,19 +49,19 @@ from ibex_context.pipeline.selection.hits import (
     plain_hit,
     to_hit,
 )
-from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
-from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.security.tenancy import mint_org_token
-from ibex_context.shared.stores.connect import async_client
-from ibex_context.shared.stores.directives import MalformedDirective, get_directive, parse_envelope
-from ibex_context.shared.stores.keys import directive_key, summary_key
-from ibex_context.shared.wire.models import AssembleRequest, BranchName, Source
-from ibex_context.worker import rawredis
-from ibex_context.worker.branches import Branch, Stored, retrieval_result
-from ibex_context.worker.memgate import AT_CAPACITY
-from ibex_context.worker.memhttp import ConnectError, MalformedResponse, ResponseTooLarge
-from ibex_context.worker.memservices import MemoryServices, memory_urls
-from ibex_context.worker.patience import Limit, Patience, all_done_future, expire_now, settle
+from ..pipeline.types import MemoryHit, Rejection, RetrievalResult
+from ..shared.config.settings import WorkerSettings
+from ..shared.security.tenancy import mint_org_token
+from ..shared.stores.connect import async_client
+from ..shared.stores.directives import MalformedDirective, get_directive, parse_envelope
+from ..shared.stores.keys import directive_key, summary_key
+from ..shared.wire.models import AssembleRequest, BranchName, Source
+from . import rawredis
+from .branches import Branch, Stored, retrieval_result
+from .memgate import AT_CAPACITY
+from .memhttp import ConnectError, MalformedResponse, ResponseTooLarge
+from .memservices import MemoryServices, memory_urls
+from .patience import Limit, Patience, all_done_future, expire_now, settle
 
 __all__ = ["ConnectError", "MalformedResponse", "MemoryServiceStatus", "ResponseTooLarge", "Retriever", "parse_hits"]
 

@@ -23,20 +23,20 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ibex_context.pipeline.conversation.layout import for_wire
-from ibex_context.shared.config.observability import WorkerMetrics
-from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.wire import protocol as P
-from ibex_context.shared.wire.codec import encode, encode_error
-from ibex_context.shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
-from ibex_context.shared.wire.loopsock import LoopSocket
-from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
-from ibex_context.shared.wire.protocol import Envelope, header_mismatch, parse_header
-from ibex_context.worker.assemble import Assembler
-from ibex_context.worker.cost import decode, stub_images
-from ibex_context.worker.fair import FairTurns
-from ibex_context.worker.memgate import MemoryGate, calls_memory, memory_outcome
-from ibex_context.worker.summaries import Summaries
+from ..pipeline.conversation.layout import for_wire
+from ..shared.config.observability import WorkerMetrics
+from ..shared.config.settings import WorkerSettings
+from ..shared.wire import protocol as P
+from ..shared.wire.codec import encode, encode_error
+from ..shared.wire.errors import DeadlineExceeded, IbexError, Internal, InvalidRequest
+from ..shared.wire.loopsock import LoopSocket
+from ..shared.wire.models import AssembleRequest, AssembleResponse, ErrorReply
+from ..shared.wire.protocol import Envelope, header_mismatch, parse_header
+from .assemble import Assembler
+from .cost import decode, stub_images
+from .fair import FairTurns
+from .memgate import MemoryGate, calls_memory, memory_outcome
+from .summaries import Summaries
 
 log = logging.getLogger(__name__)
 

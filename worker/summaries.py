@@ -34,19 +34,19 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ibex_context.shared.config.settings import WorkerSettings
-from ibex_context.shared.security.tenancy import mint_org_token
-from ibex_context.shared.stores import storage
-from ibex_context.shared.stores.connect import async_client
-from ibex_context.shared.stores.keys import org_storage_key, summary_key
-from ibex_context.shared.stores.storage import LEDGER_LUA
-from ibex_context.shared.stores.summaries import encode_summary
-from ibex_context.shared.wire.codec import unpack, validate
-from ibex_context.shared.wire.errors import StorageQuotaExceeded
-from ibex_context.shared.wire.models import ErrorReply
-from ibex_context.shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
-from ibex_context.worker.memhttp import MalformedResponse
-from ibex_context.worker.memservices import MemoryServices, memory_urls
+from ..shared.config.settings import WorkerSettings
+from ..shared.security.tenancy import mint_org_token
+from ..shared.stores import storage
+from ..shared.stores.connect import async_client
+from ..shared.stores.keys import org_storage_key, summary_key
+from ..shared.stores.storage import LEDGER_LUA
+from ..shared.stores.summaries import encode_summary
+from ..shared.wire.codec import unpack, validate
+from ..shared.wire.errors import StorageQuotaExceeded
+from ..shared.wire.models import ErrorReply
+from ..shared.wire.summary_write import MAX_SUMMARY_BYTES, SummaryWrite
+from .memhttp import MalformedResponse
+from .memservices import MemoryServices, memory_urls
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from types import TracebackType
 
 import redis
 
-from ibex_context.memory.embedded_redis.server import RedisStartError, free_port, redis_executable, search_module
-from ibex_context.shared.stores.connect import CLUSTER_SCHEME, key_slot
+from ...shared.stores.connect import CLUSTER_SCHEME, key_slot
+from .server import RedisStartError, free_port, redis_executable, search_module
 
 SLOTS = 16384
 NODE_TIMEOUT_MS = 2000  # how long a primary may be silent before its replica takes over

@@ -33,7 +33,7 @@ from types import TracebackType
 
 import redis
 
-from ibex_context.shared.config.settings import RedisSettings, StackSettings
+from ...shared.config.settings import RedisSettings, StackSettings
 
 RUN_DIR: Path | None = None  # overrides default_run_dir() (tests point the CLIs at a private stack)
 RUN_DIR_ENV = "IBEX_RUN_DIR"  # StackSettings.run_dir: the `up` stack's state dir (README "Quickstart")

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from ibex_context.memory.search.rank import DEFAULT_MIN_SIMILARITY
+from ..search.rank import DEFAULT_MIN_SIMILARITY
 
 Vectors = NDArray[np.float32]
 
@@ -210,7 +210,7 @@ def load_embedder(kind: str, config: Any = None) -> Embedder:
     if kind == "hash":
         return HashingEmbedder()
     if kind == "static":
-        from ibex_context.memory.embedders.static import StaticEmbedder
+        from .static import StaticEmbedder
 
         return StaticEmbedder()
     if kind == "minilm":
@@ -220,10 +220,10 @@ def load_embedder(kind: str, config: Any = None) -> Embedder:
 
 def _minilm(config: Any) -> Embedder:
     """minilm on the runtime ``IBEX_MEMORY_MINILM_RUNTIME`` names (``auto``: the fastest one here)."""
-    from ibex_context.memory.embedders.minilm import MiniLMEmbedder, ModelUnavailable
-    from ibex_context.memory.embedders.minilm_onnx import MiniLMOnnxEmbedder, onnx_available
-    from ibex_context.memory.embedders.minilm_openvino import bf16_native, openvino_available
-    from ibex_context.memory.service.config import MemoryConfig
+    from ..service.config import MemoryConfig
+    from .minilm import MiniLMEmbedder, ModelUnavailable
+    from .minilm_onnx import MiniLMOnnxEmbedder, onnx_available
+    from .minilm_openvino import bf16_native, openvino_available
 
     cfg = MemoryConfig() if config is None else config
     runtime, weights = cfg.minilm_runtime, cfg.minilm_weights
@@ -243,8 +243,8 @@ def _minilm(config: Any) -> Embedder:
 
 
 def _remote(config: Any) -> Embedder:
-    from ibex_context.memory.embedders.remote_embed import RemoteEmbedder
-    from ibex_context.memory.service.config import MemoryConfig
+    from ..service.config import MemoryConfig
+    from .remote_embed import RemoteEmbedder
 
     cfg = MemoryConfig() if config is None else config
     if not cfg.embed_url:

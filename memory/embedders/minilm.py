@@ -23,7 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 if TYPE_CHECKING:
-    from ibex_context.memory.embedders.token_states import Embedded
+    from .token_states import Embedded
 
 Array = NDArray[np.float32]
 
@@ -257,20 +257,20 @@ class MiniLMEmbedder:
 
     def embed_queries_states(self, texts: Sequence[str]) -> list[tuple[Array, Array]]:
         """Each query's vector and projected token states (``memory.embedders.token_states.project``), one pass."""
-        from ibex_context.memory.embedders.token_states import project
+        from .token_states import project
 
         vectors, states = self.model.encode_queries_states(texts)
         return [(vec, project(rows)) for vec, rows in zip(vectors, states, strict=True)]
 
     def embed_with_states(self, texts: Sequence[str]) -> Embedded:
         """Memories' vectors and their stored token states (``memory.embedders.token_states.Embedded``), one pass."""
-        from ibex_context.memory.embedders.token_states import Embedded, encode
+        from .token_states import Embedded, encode
 
         vectors, states = self.model.encode_states(texts)
         return Embedded(vectors, [encode(rows) if len(rows) else None for rows in states])
 
     def state_bytes(self, text: str) -> int:
         """The bytes ``embed_with_states`` stores for ``text`` (charged before it is embedded)."""
-        from ibex_context.memory.embedders.token_states import stored_bytes
+        from .token_states import stored_bytes
 
         return stored_bytes(self.model.token_count(text))

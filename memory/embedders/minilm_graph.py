@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ibex_context.memory.embedders.minilm import HEADS, HIDDEN, LAYERS, Array
+from .minilm import HEADS, HIDDEN, LAYERS, Array
 
 GRAPH_VERSION = 3  # part of the cached file's name: bump it whenever the graph below changes
 OPSET = 17  # LayerNormalization is a standard op from 17

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ibex_context.memory.embedders.minilm import (
+from .minilm import (
     HIDDEN,
     Array,
     MiniLM,
@@ -34,7 +34,7 @@ from ibex_context.memory.embedders.minilm import (
     model_zip,
     token_states,
 )
-from ibex_context.memory.embedders.minilm_graph import GRAPH_VERSION, Weights, build_model
+from .minilm_graph import GRAPH_VERSION, Weights, build_model
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
 
     def session(model: str | bytes) -> Any:
         if runtime == "openvino":
-            from ibex_context.memory.embedders.minilm_openvino import OpenVinoSession
+            from .minilm_openvino import OpenVinoSession
 
             return OpenVinoSession(model)
         import onnxruntime as ort
@@ -141,7 +141,7 @@ def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) 
     """The weights OpenVINO runs faster on this CPU, ``fp32`` or ``int8-groups``, and each one's
     median CPU ms for a question (``minilm_openvino.faster_graph``): which wins depends on the CPU
     and the OpenVINO release (docs/selection-quality.md)."""
-    from ibex_context.memory.embedders.minilm_openvino import faster_graph
+    from .minilm_openvino import faster_graph
 
     candidates: tuple[Weights, ...] = ("fp32", "int8-groups")
     with zipfile.ZipFile(zip_path or model_zip()) as z:

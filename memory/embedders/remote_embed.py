@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 
-from ibex_context.memory.service.http import ApiError
+from ..service.http import ApiError
 
 Vectors = NDArray[np.float32]  # memory.embedders.embed's rows; that module loads this one, so not imported from it
 

@@ -13,10 +13,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.memory.search.fusion import text_scores
-from ibex_context.memory.search.index import index_name, parse_reply, search_args, total_results, word_query
-from ibex_context.memory.search.terms import TermStats, TermTable, estimate_df, split_terms
-from ibex_context.shared.stores.keys import memory_key_prefix, vector_field
+from ...shared.stores.keys import memory_key_prefix, vector_field
+from .fusion import text_scores
+from .index import index_name, parse_reply, search_args, total_results, word_query
+from .terms import TermStats, TermTable, estimate_df, split_terms
 
 Command = tuple[Any, ...]
 

@@ -52,9 +52,9 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from ibex_context.memory.embedders.embed import STOPWORDS, normalize
-from ibex_context.shared.stores.connect import is_cluster
-from ibex_context.shared.stores.keys import check_ident, memory_index, vector_field
+from ...shared.stores.connect import is_cluster
+from ...shared.stores.keys import check_ident, memory_index, vector_field
+from ..embedders.embed import STOPWORDS, normalize
 
 # HNSW graph parameters: the engine's defaults (M 16, EF_CONSTRUCTION 200), named so a reader
 # sees them; EF_RUNTIME is raised per query to the number of neighbours asked for.

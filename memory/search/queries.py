@@ -24,32 +24,32 @@ import numpy as np
 from redis.exceptions import ResponseError
 from starlette.responses import JSONResponse, Response
 
-from ibex_context.memory.embedders.embed import Vectors
-from ibex_context.memory.search.cutoff import cosine_reason, cut
-from ibex_context.memory.search.fulltext import FullText, Scope
-from ibex_context.memory.search.fusion import Fused, boosted, fuse
-from ibex_context.memory.search.index import (
+from ...shared.stores.keys import memory_ids_key, memory_key_prefix, states_field, vector_field
+from ..embedders.embed import Vectors
+from ..service.deadline import check
+from ..service.models import MemoryRecord, SearchBody
+from ..service.state import MemoryService
+from ..store import writes as store
+from .cutoff import cosine_reason, cut
+from .fulltext import FullText, Scope
+from .fusion import Fused, boosted, fuse
+from .index import (
     knn_query,
     missing_index,
     parse_reply,
     query_terms,
     search_args,
 )
-from ibex_context.memory.search.rank import (
+from .rank import (
     check_relevance_floor,
     cosine_scores,
     hot_relevance,
     rank_arrays,
     record_features,
 )
-from ibex_context.memory.search.rerank import rerank
-from ibex_context.memory.search.subjects import names, question_words, subject_of
-from ibex_context.memory.search.terms import SAMPLE_SIZE
-from ibex_context.memory.service.deadline import check
-from ibex_context.memory.service.models import MemoryRecord, SearchBody
-from ibex_context.memory.service.state import MemoryService
-from ibex_context.memory.store import writes as store
-from ibex_context.shared.stores.keys import memory_ids_key, memory_key_prefix, states_field, vector_field
+from .rerank import rerank
+from .subjects import names, question_words, subject_of
+from .terms import SAMPLE_SIZE
 
 AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
 _query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once

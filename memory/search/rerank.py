@@ -25,8 +25,8 @@ from typing import cast
 import numpy as np
 from numpy.typing import NDArray
 
-from ibex_context.memory.embedders.token_states import DIMS, Array, decode, decode_many, rows_of
-from ibex_context.memory.search.fusion import Fused
+from ..embedders.token_states import DIMS, Array, decode, decode_many, rows_of
+from .fusion import Fused
 
 RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
 RERANK_DEPTH = 50  # candidates reranked

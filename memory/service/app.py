@@ -53,13 +53,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from ibex_context.memory.embedders.embed import Embedder, load_embedder
-from ibex_context.memory.search.queries import rank_hot
-from ibex_context.memory.search.queries import search as run_search
-from ibex_context.memory.service import quotas
-from ibex_context.memory.service.config import MemoryConfig
-from ibex_context.memory.service.deadline import DeadlinePassed, check, deadline_of
-from ibex_context.memory.service.http import (
+from ...shared.stores import storage
+from ...shared.wire.errors import StorageQuotaExceeded
+from ..embedders.embed import Embedder, load_embedder
+from ..search.queries import rank_hot
+from ..search.queries import search as run_search
+from ..store import reads
+from ..store import writes as store
+from ..store.writes import AgentFull, WriteContention
+from . import quotas
+from .config import MemoryConfig
+from .deadline import DeadlinePassed, check, deadline_of
+from .http import (
     ApiError,
     agent_id_param,
     error_response,
@@ -68,7 +73,7 @@ from ibex_context.memory.service.http import (
     read_body,
     validate_body,
 )
-from ibex_context.memory.service.models import (
+from .models import (
     HOT_LIMIT_MAX,
     MAX_QUERY_CHARS,
     FaultSpec,
@@ -76,12 +81,7 @@ from ibex_context.memory.service.models import (
     SearchBody,
     WriteMemory,
 )
-from ibex_context.memory.service.state import MemoryService, OrgLimiter
-from ibex_context.memory.store import reads
-from ibex_context.memory.store import writes as store
-from ibex_context.memory.store.writes import AgentFull, WriteContention
-from ibex_context.shared.stores import storage
-from ibex_context.shared.wire.errors import StorageQuotaExceeded
+from .state import MemoryService, OrgLimiter
 
 log = logging.getLogger(__name__)
 

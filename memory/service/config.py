@@ -18,15 +18,15 @@ from typing import Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from ibex_context.memory.search.cutoff import BELOW_CUTOFF_SHOWN
-from ibex_context.memory.search.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
-from ibex_context.memory.search.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
-from ibex_context.memory.search.rerank import RERANK_DEPTH, RERANK_WEIGHT
-from ibex_context.memory.search.terms import TERM_SCAN_MAX
-from ibex_context.memory.service.models import MAX_QUERY_CHARS
-from ibex_context.memory.service.quotas import Quotas
-from ibex_context.shared.config.org_weights import OrgWeights, parse_org_weights
-from ibex_context.shared.config.settings import DEV_MEMORY_SECRET, RETIRED_ENV, MemoryServiceSettings, shown
+from ...shared.config.org_weights import OrgWeights, parse_org_weights
+from ...shared.config.settings import DEV_MEMORY_SECRET, RETIRED_ENV, MemoryServiceSettings, shown
+from ..search.cutoff import BELOW_CUTOFF_SHOWN
+from ..search.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
+from ..search.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
+from ..search.rerank import RERANK_DEPTH, RERANK_WEIGHT
+from ..search.terms import TERM_SCAN_MAX
+from .models import MAX_QUERY_CHARS
+from .quotas import Quotas
 
 DEV_SECRET = DEV_MEMORY_SECRET
 

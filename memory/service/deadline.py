@@ -15,7 +15,7 @@ import time
 
 from starlette.requests import Request
 
-from ibex_context.memory.service.http import ApiError
+from .http import ApiError
 
 NAME = "Ibex-Timeout-Ms"
 HEADER = NAME.lower()  # as Starlette looks headers up

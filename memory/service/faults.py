@@ -19,7 +19,7 @@ from typing import Any, cast
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ibex_context.memory.service.models import FaultSpec
+from .models import FaultSpec
 
 ENDPOINTS = ("hot", "search")
 

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ibex_context.shared.stores.keys import is_ident
-from ibex_context.shared.wire.validation import first_error
+from ...shared.stores.keys import is_ident
+from ...shared.wire.validation import first_error
 
 M = TypeVar("M", bound=BaseModel)
 

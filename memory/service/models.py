@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
-from ibex_context.memory.search.rank import CATEGORIES
-from ibex_context.pipeline.selection.hits import MAX_CONTENT_CHARS  # one memory-hit contract: stored as read
-from ibex_context.shared.wire.models import Ident
+from ...pipeline.selection.hits import MAX_CONTENT_CHARS  # one memory-hit contract: stored as read
+from ...shared.wire.models import Ident
+from ..search.rank import CATEGORIES
 
 MAX_QUERY_CHARS = 100_000
 HOT_LIMIT_MAX = 20

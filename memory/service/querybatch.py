@@ -36,8 +36,8 @@ from typing import Any, Generic, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from ibex_context.memory.service.deadline import DeadlinePassed, Horizon
-from ibex_context.memory.service.http import ApiError
+from .deadline import DeadlinePassed, Horizon
+from .http import ApiError
 
 R = TypeVar("R")  # what the batch function gives per query (a vector, or a vector and its token states)
 EWMA = 0.2  # weight of one batch in the measured batch time

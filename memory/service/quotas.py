@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from ibex_context.shared.stores.keys import org_memory_agents_key
-from ibex_context.shared.stores.storage import StorePressure
+from ...shared.stores.keys import org_memory_agents_key
+from ...shared.stores.storage import StorePressure
 
 
 class QuotaExceeded(Exception):

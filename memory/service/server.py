@@ -26,16 +26,16 @@ import uvicorn
 from pydantic import ValidationError
 from threadpoolctl import threadpool_limits
 
-from ibex_context.memory.embedded_redis.server import EmbeddedRedis, RedisStartError, resolve_redis_url
-from ibex_context.memory.embedders.embed import EMBEDDERS, Embedder, EmbedderUnavailable, load_embedder
-from ibex_context.memory.service.app import create_app
-from ibex_context.memory.service.config import MemoryConfig
-from ibex_context.memory.service.faults import TrackingH11Protocol, TrackingHttpToolsProtocol
-from ibex_context.memory.service.http import ApiError
-from ibex_context.shared.config.cliargs import write_port_file
-from ibex_context.shared.config.observability import setup_logging
-from ibex_context.shared.config.settings import env_name
-from ibex_context.shared.security.netloc import is_loopback_host
+from ...shared.config.cliargs import write_port_file
+from ...shared.config.observability import setup_logging
+from ...shared.config.settings import env_name
+from ...shared.security.netloc import is_loopback_host
+from ..embedded_redis.server import EmbeddedRedis, RedisStartError, resolve_redis_url
+from ..embedders.embed import EMBEDDERS, Embedder, EmbedderUnavailable, load_embedder
+from .app import create_app
+from .config import MemoryConfig
+from .faults import TrackingH11Protocol, TrackingHttpToolsProtocol
+from .http import ApiError
 
 log = logging.getLogger(__name__)
 

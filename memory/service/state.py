@@ -22,24 +22,24 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ibex_context.memory.embedders.embed import Embedder, Vectors
-from ibex_context.memory.embedders.token_states import Embedded, QueryEmbedding, split_embedded
-from ibex_context.memory.search.index import check_engine, ensure_index, index_name, per_agent_indexes
-from ibex_context.memory.search.terms import TermTable
-from ibex_context.memory.service.config import MemoryConfig
-from ibex_context.memory.service.deadline import Horizon, check
-from ibex_context.memory.service.faults import MALFORMED_BODY, Faults, drop_connection, huge_body
-from ibex_context.memory.service.http import ApiError, error_response
-from ibex_context.memory.service.models import MemoryRecord
-from ibex_context.memory.service.querybatch import QueryBatcher, WouldMissDeadline
-from ibex_context.memory.store import writes as store
-from ibex_context.memory.store.reads import Scripts
-from ibex_context.memory.store.resp import HiredisPackedConnection
-from ibex_context.memory.store.writes import RecordHealth
-from ibex_context.shared.security.tenancy import bearer_token, verify_org_token
-from ibex_context.shared.stores import storage
-from ibex_context.shared.stores.connect import async_client
-from ibex_context.shared.stores.layout_migration import tag_org_keys
+from ...shared.security.tenancy import bearer_token, verify_org_token
+from ...shared.stores import storage
+from ...shared.stores.connect import async_client
+from ...shared.stores.layout_migration import tag_org_keys
+from ..embedders.embed import Embedder, Vectors
+from ..embedders.token_states import Embedded, QueryEmbedding, split_embedded
+from ..search.index import check_engine, ensure_index, index_name, per_agent_indexes
+from ..search.terms import TermTable
+from ..store import writes as store
+from ..store.reads import Scripts
+from ..store.resp import HiredisPackedConnection
+from ..store.writes import RecordHealth
+from .config import MemoryConfig
+from .deadline import Horizon, check
+from .faults import MALFORMED_BODY, Faults, drop_connection, huge_body
+from .http import ApiError, error_response
+from .models import MemoryRecord
+from .querybatch import QueryBatcher, WouldMissDeadline
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,9 @@ from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ibex_context.memory.embedded_redis.server import default_redis_url
-from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
-from ibex_context.shared.stores.directives import (
+from ...shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ...shared.stores.connect import REDIS_ERRORS, async_client
+from ...shared.stores.directives import (
     MAX_DIRECTIVE_CHARS,
     DirectiveEnvelope,
     MalformedDirective,
@@ -36,7 +35,8 @@ from ibex_context.shared.stores.directives import (
     get_directive,
     set_directive,
 )
-from ibex_context.shared.stores.keys import check_ident
+from ...shared.stores.keys import check_ident
+from ..embedded_redis.server import default_redis_url
 
 PROG = "python -m ibex_context.memory.store.directive_cli"
 REDIS_TIMEOUT_S = 5.0  # connect and per-command; an admin tool may wait longer than a request

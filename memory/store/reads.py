@@ -18,10 +18,10 @@ import numpy as np
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from ibex_context.memory.embedders.embed import Vectors
-from ibex_context.memory.service.models import MemoryRecord
-from ibex_context.memory.store.writes import RecordHealth, parse_record
-from ibex_context.shared.stores.keys import hot_key, memory_key_prefix, vector_field
+from ...shared.stores.keys import hot_key, memory_key_prefix, vector_field
+from ..embedders.embed import Vectors
+from ..service.models import MemoryRecord
+from .writes import RecordHealth, parse_record
 
 _HOT = """
 local pairs = redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')

@@ -37,19 +37,19 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import Field, ValidationError, field_validator
 from redis.asyncio import Redis
 
-from ibex_context.memory.embedded_redis.server import default_redis_url
-from ibex_context.memory.embedders.embed import EMBEDDERS, Embedder, Vectors, load_embedder
-from ibex_context.memory.embedders.token_states import Embedded
-from ibex_context.memory.search.index import QueryEngineMissing, ensure_index
-from ibex_context.memory.service.config import MemoryConfig
-from ibex_context.memory.service.models import MemoryRecord, StrictModel, WriteMemory
-from ibex_context.memory.store.writes import NewMemory, write_memories
-from ibex_context.shared.config.cliargs import CliParser, settings_error, utf8_arg
-from ibex_context.shared.stores.connect import REDIS_ERRORS, async_client
-from ibex_context.shared.stores.directives import MAX_DIRECTIVE_CHARS, set_directive
-from ibex_context.shared.stores.keys import org_key_patterns
-from ibex_context.shared.wire.models import Ident
-from ibex_context.shared.wire.validation import first_error
+from ...shared.config.cliargs import CliParser, settings_error, utf8_arg
+from ...shared.stores.connect import REDIS_ERRORS, async_client
+from ...shared.stores.directives import MAX_DIRECTIVE_CHARS, set_directive
+from ...shared.stores.keys import org_key_patterns
+from ...shared.wire.models import Ident
+from ...shared.wire.validation import first_error
+from ..embedded_redis.server import default_redis_url
+from ..embedders.embed import EMBEDDERS, Embedder, Vectors, load_embedder
+from ..embedders.token_states import Embedded
+from ..search.index import QueryEngineMissing, ensure_index
+from ..service.config import MemoryConfig
+from ..service.models import MemoryRecord, StrictModel, WriteMemory
+from .writes import NewMemory, write_memories
 
 DEMO_FILE = Path(__file__).resolve().parents[1] / "data" / "demo.jsonl"
 

@@ -35,15 +35,15 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from ibex_context.memory.embedders.embed import Vectors
-from ibex_context.memory.embedders.token_states import Embedded, split_embedded
-from ibex_context.memory.search.index import tenant_number
-from ibex_context.memory.search.indexed_text import DATE_WORDS, searched_text
-from ibex_context.memory.service.models import MemoryRecord
-from ibex_context.memory.service.quotas import account_write
-from ibex_context.shared.stores import storage
-from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key, states_field, vector_field
-from ibex_context.shared.wire.validation import first_error
+from ...shared.stores import storage
+from ...shared.stores.keys import hot_key, memory_ids_key, memory_key, states_field, vector_field
+from ...shared.wire.validation import first_error
+from ..embedders.embed import Vectors
+from ..embedders.token_states import Embedded, split_embedded
+from ..search.index import tenant_number
+from ..search.indexed_text import DATE_WORDS, searched_text
+from ..service.models import MemoryRecord
+from ..service.quotas import account_write
 
 log = logging.getLogger(__name__)
 

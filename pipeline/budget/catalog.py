@@ -16,7 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ibex_context.pipeline.counting.tokens import (
+from ...shared.wire.errors import UnknownModel
+from ..counting.tokens import (
     QUICKTOK_ENCODINGS,
     CachedCounter,
     EstimateCounter,
@@ -24,7 +25,6 @@ from ibex_context.pipeline.counting.tokens import (
     ExactCounter,
     TokenCounter,
 )
-from ibex_context.shared.wire.errors import UnknownModel
 
 # A trailing release date or moving alias, as providers append them to a model family's name:
 # claude-sonnet-4-20250514, gpt-4o-2024-08-06, claude-3-5-haiku-latest.

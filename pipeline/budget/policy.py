@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ibex_context.pipeline.rendering import format as fmt
-from ibex_context.shared.config.settings import PipelineSettings
-from ibex_context.shared.wire.errors import DeadlineExceeded
+from ...shared.config.settings import PipelineSettings
+from ...shared.wire.errors import DeadlineExceeded
+from ..rendering import format as fmt
 
 
 @dataclass(slots=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 
-from ibex_context.pipeline.budget.catalog import Catalog, ModelSpec
-from ibex_context.pipeline.counting.calibration import Calibration
-from ibex_context.pipeline.counting.tokens import ScaledCounter, TokenCount, TokenCounter
-from ibex_context.shared.wire.errors import TokenizerMismatch
-from ibex_context.shared.wire.models import BudgetBreakdown
+from ...shared.wire.errors import TokenizerMismatch
+from ...shared.wire.models import BudgetBreakdown
+from ..counting.calibration import Calibration
+from ..counting.tokens import ScaledCounter, TokenCount, TokenCounter
+from .catalog import Catalog, ModelSpec
 
 RESERVE_MIN = 500
 RESERVE_MAX = 4096

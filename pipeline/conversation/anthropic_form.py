@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StringConstraints, Tag
 
-from ibex_context.pipeline.conversation.base import (
+from ...shared.wire.errors import InvalidRequest
+from .base import (
     MAX_PARTS,
     MAX_TOOLS,
     ChatModel,
@@ -29,7 +30,6 @@ from ibex_context.pipeline.conversation.base import (
     shape_of,
     tag_of,
 )
-from ibex_context.shared.wire.errors import InvalidRequest
 
 BLOCK_TYPES: dict[str, tuple[str, ...]] = {
     "user": ("text", "image", "document", "tool_result"),

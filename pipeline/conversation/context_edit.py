@@ -43,10 +43,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibex_context.pipeline.conversation.layout import blocks_of, rebuilt
-from ibex_context.pipeline.counting.chat_count import THINKING_KINDS, canonical_json, latest_turn
-from ibex_context.shared.wire.editing import ContextEditing, MessageEdit
-from ibex_context.shared.wire.models import ChatFormat, ChatLayout, Piece, Placed
+from ...shared.wire.editing import ContextEditing, MessageEdit
+from ...shared.wire.models import ChatFormat, ChatLayout, Piece, Placed
+from ..counting.chat_count import THINKING_KINDS, canonical_json, latest_turn
+from .layout import blocks_of, rebuilt
 
 Message = dict[str, Any]
 Recount = Callable[[int, Message], int]  # tokens of message i as edited, by the target's rules

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ibex_context.pipeline.budget.catalog import ModelSpec
-from ibex_context.pipeline.budget.usable import compute_budget, room
-from ibex_context.pipeline.conversation import context_edit
-from ibex_context.pipeline.conversation.context_edit import Clearing, ClearPolicy
-from ibex_context.pipeline.conversation.history import (
+from ...shared.wire.errors import ContextOverflow
+from ...shared.wire.models import BudgetBreakdown, HistoryDecision, HistoryOptions
+from ..budget.catalog import ModelSpec
+from ..budget.usable import compute_budget, room
+from ..counting.calibration import Calibration
+from ..counting.count import CountedSection, directive_counted, memory_overhead
+from ..counting.tokens import TokenCount, TokenCounter
+from ..rendering.render import Message
+from . import context_edit
+from .context_edit import Clearing, ClearPolicy
+from .history import (
     REASON_TEXT,
     HistoryFit,
     HistoryOverflow,
@@ -23,14 +29,8 @@ from ibex_context.pipeline.conversation.history import (
     fit_history,
     history_budget,
 )
-from ibex_context.pipeline.conversation.summary import Slot, fit_rest, non_system
-from ibex_context.pipeline.conversation.turns import Counted
-from ibex_context.pipeline.counting.calibration import Calibration
-from ibex_context.pipeline.counting.count import CountedSection, directive_counted, memory_overhead
-from ibex_context.pipeline.counting.tokens import TokenCount, TokenCounter
-from ibex_context.pipeline.rendering.render import Message
-from ibex_context.shared.wire.errors import ContextOverflow
-from ibex_context.shared.wire.models import BudgetBreakdown, HistoryDecision, HistoryOptions
+from .summary import Slot, fit_rest, non_system
+from .turns import Counted
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
 
-from ibex_context.shared.wire.errors import InvalidRequest
+from ...shared.wire.errors import InvalidRequest
 
 ChatFormat = Literal["openai", "anthropic"]
 HistoryMode = Literal["trim_oldest", "fail"]

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ibex_context.shared.wire.errors import Internal
-from ibex_context.shared.wire.models import AssembleResponse, ChatLayout, Piece, Placed
+from ...shared.wire.errors import Internal
+from ...shared.wire.models import AssembleResponse, ChatLayout, Piece, Placed
 
 Message = dict[str, Any]
 EPHEMERAL = {"type": "ephemeral"}

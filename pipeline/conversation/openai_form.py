@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from ibex_context.pipeline.conversation.base import (
+from ...shared.wire.errors import InvalidRequest
+from .base import (
     MAX_TOOL_CALLS,
     MAX_TOOLS,
     CallId,
@@ -29,7 +30,6 @@ from ibex_context.pipeline.conversation.base import (
     shape_of,
     tag_of,
 )
-from ibex_context.shared.wire.errors import InvalidRequest
 
 # Every part type this module knows, per role (the errors name them).
 PART_TYPES: dict[str, tuple[str, ...]] = {

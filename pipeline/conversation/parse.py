@@ -18,10 +18,10 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from ibex_context.pipeline.conversation import anthropic_form as anth
-from ibex_context.pipeline.conversation import openai_form as oai
-from ibex_context.pipeline.conversation.base import MAX_MESSAGES, PathError, clean_path
-from ibex_context.shared.wire.errors import InvalidRequest
+from ...shared.wire.errors import InvalidRequest
+from . import anthropic_form as anth
+from . import openai_form as oai
+from .base import MAX_MESSAGES, PathError, clean_path
 
 Format = Literal["openai", "anthropic"]
 ChatMessage = oai.AnyOpenAIMessage | anth.AnyAnthropicMessage

@@ -20,7 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ibex_context.pipeline.conversation.history import (
+from ...shared.wire.errors import InvalidRequest
+from ...shared.wire.models import AssembleRequest, SummaryReport, SummarySlot
+from ..rendering import format as fmt
+from ..types import Turns
+from .history import (
     HistoryDrop,
     HistoryFit,
     HistoryPolicy,
@@ -30,10 +34,6 @@ from ibex_context.pipeline.conversation.history import (
     pinned_units,
     split_units,
 )
-from ibex_context.pipeline.rendering import format as fmt
-from ibex_context.pipeline.types import Turns
-from ibex_context.shared.wire.errors import InvalidRequest
-from ibex_context.shared.wire.models import AssembleRequest, SummaryReport, SummarySlot
 
 FIELD = "summary.covers"
 

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ibex_context.pipeline.budget.catalog import ModelSpec
-from ibex_context.pipeline.conversation.parse import parse_conversation, to_wire, wire_system, wire_tools
-from ibex_context.pipeline.conversation.summary import request_slot
-from ibex_context.pipeline.counting.tokens import TokenCounter
-from ibex_context.pipeline.rendering.anthropic import AnthropicRenderer
-from ibex_context.pipeline.rendering.openai import OpenAIRenderer
-from ibex_context.pipeline.rendering.render import Renderer
-from ibex_context.pipeline.rendering.text import TextRenderer
-from ibex_context.pipeline.types import Turns
-from ibex_context.shared.wire.models import AssembleRequest
+from ...shared.wire.models import AssembleRequest
+from ..budget.catalog import ModelSpec
+from ..counting.tokens import TokenCounter
+from ..rendering.anthropic import AnthropicRenderer
+from ..rendering.openai import OpenAIRenderer
+from ..rendering.render import Renderer
+from ..rendering.text import TextRenderer
+from ..types import Turns
+from .parse import parse_conversation, to_wire, wire_system, wire_tools
+from .summary import request_slot
 
 
 @dataclass(frozen=True, slots=True)

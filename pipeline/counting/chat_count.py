@@ -34,14 +34,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline.counting.image_tokens import (
+from ...shared.wire.errors import InvalidRequest
+from .image_tokens import (
     anthropic_image_tokens,
     image_size,
     model_key,
     openai_image_tokens,
 )
-from ibex_context.pipeline.counting.tokens import TokenCounter
-from ibex_context.shared.wire.errors import InvalidRequest
+from .tokens import TokenCounter
 
 __all__ = [
     "anthropic_image_tokens",

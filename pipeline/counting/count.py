@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline.counting.tokens import ScaledCounter, TokenCounter
-from ibex_context.pipeline.rendering import format as fmt
-from ibex_context.pipeline.types import MemoryHit, ScoredMemory
-from ibex_context.shared.wire.models import Message
+from ...shared.wire.models import Message
+from ..rendering import format as fmt
+from ..types import MemoryHit, ScoredMemory
+from .tokens import ScaledCounter, TokenCounter
 
 
 @dataclass(frozen=True, slots=True)

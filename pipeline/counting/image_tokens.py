@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from ibex_context.pipeline.conversation.images import STUB_PREFIX, base64_size, part_payload, sniff_size, stub_size
+from ..conversation.images import STUB_PREFIX, base64_size, part_payload, sniff_size, stub_size
 
 __all__ = ["ANTHROPIC_IMAGE_CAP", "anthropic_image_tokens", "image_size", "model_key", "openai_image_tokens",
            "openai_patches", "sniff_size"]

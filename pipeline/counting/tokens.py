@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from ibex_context.shared.wire.errors import TokenizerMismatch
+from ...shared.wire.errors import TokenizerMismatch
 
 EstimateKind = Literal["exact", "estimate"]  # a catalog family's own rule
 # What produced a count (docs/assembly.md "Calibrated token counts").

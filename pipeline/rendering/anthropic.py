@@ -8,16 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ibex_context.pipeline.budget.catalog import ModelSpec
-from ibex_context.pipeline.conversation import context_edit
-from ibex_context.pipeline.conversation.history import HistoryFit
-from ibex_context.pipeline.conversation.layout import materialize
-from ibex_context.pipeline.counting import chat_count as cc
-from ibex_context.pipeline.counting.count import CountedSection, summary_counted
-from ibex_context.pipeline.counting.tokens import TokenCounter
-from ibex_context.pipeline.rendering.chat_render import add_breakpoints, anthropic_layout
-from ibex_context.pipeline.rendering.render import Block, ChatOut, Emitted, Message, text_sections
-from ibex_context.pipeline.types import Turns
+from ..budget.catalog import ModelSpec
+from ..conversation import context_edit
+from ..conversation.history import HistoryFit
+from ..conversation.layout import materialize
+from ..counting import chat_count as cc
+from ..counting.count import CountedSection, summary_counted
+from ..counting.tokens import TokenCounter
+from ..types import Turns
+from .chat_render import add_breakpoints, anthropic_layout
+from .render import Block, ChatOut, Emitted, Message, text_sections
 
 
 @dataclass(frozen=True, slots=True)

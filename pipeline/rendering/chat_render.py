@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from ibex_context.pipeline.conversation.history import Message, latest_user_index
-from ibex_context.pipeline.conversation.layout import blocks_of, materialize
-from ibex_context.shared.wire.errors import InvalidRequest
-from ibex_context.shared.wire.models import ChatLayout, Piece, Placed
+from ...shared.wire.errors import InvalidRequest
+from ...shared.wire.models import ChatLayout, Piece, Placed
+from ..conversation.history import Message, latest_user_index
+from ..conversation.layout import blocks_of, materialize
 
 SystemRole = Literal["system", "developer"]
 SYSTEM_ROLES: tuple[SystemRole, ...] = ("system", "developer")

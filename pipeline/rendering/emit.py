@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ibex_context.pipeline.conversation.fit import Plan
-from ibex_context.pipeline.counting.count import LineCache, fit_memory_section, memory_tokens_bound
-from ibex_context.pipeline.counting.tokens import TokenCounter
-from ibex_context.pipeline.rendering import format as fmt
-from ibex_context.pipeline.rendering.render import Block, Emitted
-from ibex_context.pipeline.selection.pack import pack
-from ibex_context.pipeline.types import PackResult, ScoredMemory
-from ibex_context.shared.wire.errors import Internal
+from ...shared.wire.errors import Internal
+from ..conversation.fit import Plan
+from ..counting.count import LineCache, fit_memory_section, memory_tokens_bound
+from ..counting.tokens import TokenCounter
+from ..selection.pack import pack
+from ..types import PackResult, ScoredMemory
+from . import format as fmt
+from .render import Block, Emitted
 
 MAX_REPACKS = 3
 

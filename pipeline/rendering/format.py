@@ -49,9 +49,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline.types import MemoryHit, ScoredMemory
-from ibex_context.shared.config.settings import Settings
-from ibex_context.shared.wire.models import Message, Section, SectionName
+from ...shared.config.settings import Settings
+from ...shared.wire.models import Message, Section, SectionName
+from ..types import MemoryHit, ScoredMemory
 
 NONCE_BYTES = 16
 SECTION_JOIN = "\n\n"

@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ibex_context.pipeline.conversation.context_edit import Clearing
-from ibex_context.pipeline.conversation.history import HistoryFit
-from ibex_context.pipeline.counting.count import CountedSection
-from ibex_context.pipeline.counting.tokens import TokenCounter
-from ibex_context.pipeline.rendering import format as fmt
-from ibex_context.pipeline.rendering.chat_render import Layout
-from ibex_context.pipeline.types import ScoredMemory
-from ibex_context.shared.wire.models import ChatFormat, SectionName
+from ...shared.wire.models import ChatFormat, SectionName
+from ..conversation.context_edit import Clearing
+from ..conversation.history import HistoryFit
+from ..counting.count import CountedSection
+from ..counting.tokens import TokenCounter
+from ..types import ScoredMemory
+from . import format as fmt
+from .chat_render import Layout
 
 Message = dict[str, Any]
 EMPTY = CountedSection("", 0)

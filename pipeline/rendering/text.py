@@ -13,18 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.pipeline.conversation.context_edit import Clearing
-from ibex_context.pipeline.conversation.history import HistoryFit
-from ibex_context.pipeline.counting.count import (
+from ..conversation.context_edit import Clearing
+from ..conversation.history import HistoryFit
+from ..counting.count import (
     CountedSection,
     joins_overhead,
     summary_counted,
     tools_counted,
 )
-from ibex_context.pipeline.counting.tokens import TokenCounter
-from ibex_context.pipeline.rendering import format as fmt
-from ibex_context.pipeline.rendering.render import Block, Emitted, text_sections
-from ibex_context.pipeline.types import Turns
+from ..counting.tokens import TokenCounter
+from ..types import Turns
+from . import format as fmt
+from .render import Block, Emitted, text_sections
 
 
 @dataclass(frozen=True, slots=True)

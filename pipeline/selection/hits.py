@@ -30,8 +30,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from ibex_context.pipeline.types import MemoryHit, Rejection, RetrievalResult
-from ibex_context.shared.wire.models import COMPONENTS, IDENT_CHARS, BranchOutcome, Source
+from ...shared.wire.models import COMPONENTS, IDENT_CHARS, BranchOutcome, Source
+from ..types import MemoryHit, Rejection, RetrievalResult
 
 HIT_FIELDS: Final = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 MAX_CONTENT_CHARS: Final = 64_000  # the memory service's limit on a stored memory

@@ -41,10 +41,10 @@ from typing import Final
 
 import numpy as np
 
-from ibex_context.pipeline.selection.knapsack import FloatArray, IntArray, knapsack
-from ibex_context.pipeline.selection.swaps import MIN_GAIN, improve, repair
-from ibex_context.pipeline.types import PackResult, ScoredMemory
-from ibex_context.shared.wire.models import PackPath
+from ...shared.wire.models import PackPath
+from ..types import PackResult, ScoredMemory
+from .knapsack import FloatArray, IntArray, knapsack
+from .swaps import MIN_GAIN, improve, repair
 
 BUCKET_SIZE: Final = 16  # spec step 2
 CELL_CEILING: Final = 70 * 6251  # spec step 3: 70 candidates x (100K / 16 + 1) columns

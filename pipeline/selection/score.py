@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from ibex_context.pipeline.selection.hits import memory_id_problem
-from ibex_context.pipeline.types import MemoryHit, Rejection, ScoredMemory
-from ibex_context.shared.wire.models import COMPONENTS, ScoreWeights
+from ...shared.wire.models import COMPONENTS, ScoreWeights
+from ..types import MemoryHit, Rejection, ScoredMemory
+from .hits import memory_id_problem
 
 # (similarity weight, confidence weight) of the interim score; docs/assembly.md "Scoring and packing".
 INTERIM_WEIGHTS: Final[tuple[float, float]] = (0.85, 0.15)

@@ -11,7 +11,7 @@ from typing import Final
 
 import numpy as np
 
-from ibex_context.pipeline.selection.knapsack import BoolArray, FloatArray, IntArray
+from .knapsack import BoolArray, FloatArray, IntArray
 
 _NEVER_FITS: Final = np.iinfo(np.int64).max
 # A move must gain more than this much score: float noise must never cause swap cycles.

@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from pydantic import ValidationError
 
-from ibex_context.shared.wire.validation import first_error
+from ..wire.validation import first_error
 
 
 class CliParser(argparse.ArgumentParser):

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator
 
-from ibex_context.shared.wire.models import IDENT_CHARS
+from ..wire.models import IDENT_CHARS
 
 
 def parse_org_weights(text: str | None) -> dict[str, float]:

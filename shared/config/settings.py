@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ibex_context.shared.config.org_weights import OrgWeights, parse_org_weights
+from .org_weights import OrgWeights, parse_org_weights
 
 # A conversation that fits the largest window in the model catalog must fit the wire (docs/assembly.md "Size
 # limits"): the request limit is that window times this many bytes a token. Measured with o200k
@@ -201,7 +201,7 @@ class RedisSettings(IbexSettings):
 
     def org_storage_budget(self, maxmemory: int) -> int:
         """One org's storage budget in bytes, given the server's ``maxmemory`` (0: none)."""
-        from ibex_context.shared.stores.storage import org_budget  # server side: the client installs no redis
+        from ..stores.storage import org_budget  # server side: the client installs no redis
 
         return org_budget(self.org_storage_bytes, self.org_storage_fraction, maxmemory)
 

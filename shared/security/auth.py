@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ibex_context.shared.security.curve import (
+from .curve import (
     BACK_DOMAIN,
     FRONT_DOMAIN,
     ROLES,
@@ -43,8 +43,8 @@ from ibex_context.shared.security.curve import (
     load_public_key,
     write_keypair,
 )
-from ibex_context.shared.security.keyring import ClientGrant, KeyRing, register
-from ibex_context.shared.security.netloc import is_local_endpoint
+from .keyring import ClientGrant, KeyRing, register
+from .netloc import is_local_endpoint
 
 __all__ = [
     "BACK_DOMAIN", "FRONT_DOMAIN", "ROLES", "AuthConfigError", "ClientGrant", "KeyPair", "KeyRing",

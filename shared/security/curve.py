@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from ibex_context.shared.config.settings import CommonSettings
-from ibex_context.shared.stores.keys import is_ident
+from ..config.settings import CommonSettings
+from ..stores.keys import is_ident
 
 FRONT_DOMAIN = "ibex-front"
 BACK_DOMAIN = "ibex-back"

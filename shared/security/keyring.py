@@ -13,7 +13,10 @@ from typing import Any
 
 import zmq
 
-from ibex_context.shared.security.curve import (
+from ..stores.keys import is_ident
+from ..wire.errors import Forbidden, Unauthenticated
+from ..wire.protocol import Envelope
+from .curve import (
     BACK_DOMAIN,
     FRONT_DOMAIN,
     IDENT_HELP,
@@ -23,9 +26,6 @@ from ibex_context.shared.security.curve import (
     check_z85,
     os_reason,
 )
-from ibex_context.shared.stores.keys import is_ident
-from ibex_context.shared.wire.errors import Forbidden, Unauthenticated
-from ibex_context.shared.wire.protocol import Envelope
 
 
 @dataclass(frozen=True, slots=True)

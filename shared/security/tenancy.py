@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from ibex_context.shared.stores.keys import check_ident, is_ident
+from ..stores.keys import check_ident, is_ident
 
 TOKEN_PREFIX = "ibex1."
 _DOMAIN = b"ibex-org-token:v1:"  # domain separation: this MAC signs nothing else

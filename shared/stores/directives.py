@@ -18,9 +18,9 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstrai
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from ibex_context.shared.stores.keys import directive_key
-from ibex_context.shared.wire.errors import Internal
-from ibex_context.shared.wire.validation import first_error
+from ..wire.errors import Internal
+from ..wire.validation import first_error
+from .keys import directive_key
 
 MAX_DIRECTIVE_CHARS = 100_000
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from typing import TypeGuard
 
-from ibex_context.shared.wire.models import IDENT_CHARS, SUMMARY_KEY_CHARS
+from ..wire.models import IDENT_CHARS, SUMMARY_KEY_CHARS
 
 IDENT_PATTERN = f"^{IDENT_CHARS}$"  # as written in error messages
 _IDENT = re.compile(IDENT_CHARS)

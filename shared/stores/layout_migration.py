@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from ibex_context.shared.stores.connect import is_cluster
-from ibex_context.shared.stores.keys import is_ident
+from .connect import is_cluster
+from .keys import is_ident
 
 MARKER_KEY = "ibex:layout"  # no ':'-separated org part that is an identifier followed by a family
 MARKER_VALUE = b"org-tags"

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from ibex_context.shared.stores.keys import org_storage_key
-from ibex_context.shared.wire.errors import StorageQuotaExceeded
+from ..wire.errors import StorageQuotaExceeded
+from .keys import org_storage_key
 
 __all__ = ["BUCKET_S", "LEDGER_LUA", "StorageQuotaExceeded", "StorePressure", "alloc", "hash_cost", "memory_cost",
            "org_budget", "string_cost"]

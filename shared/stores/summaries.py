@@ -12,8 +12,8 @@ from __future__ import annotations
 import orjson
 from pydantic import ValidationError
 
-from ibex_context.shared.stores.keys import summary_key
-from ibex_context.shared.wire.models import SummarySlot
+from ..wire.models import SummarySlot
+from .keys import summary_key
 
 __all__ = ["decode_summary", "encode_summary", "summary_key"]
 

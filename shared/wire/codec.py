@@ -13,12 +13,12 @@ import msgpack
 import ormsgpack
 from pydantic import BaseModel, ValidationError
 
-from ibex_context.shared.config.settings import default_max_request_bytes
-from ibex_context.shared.stores.keys import is_ident
-from ibex_context.shared.wire.errors import ErrorCode, IbexError, InvalidRequest
-from ibex_context.shared.wire.models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
-from ibex_context.shared.wire.protocol.layouts import Envelope, version_error
-from ibex_context.shared.wire.validation import first_error
+from ..config.settings import default_max_request_bytes
+from ..stores.keys import is_ident
+from .errors import ErrorCode, IbexError, InvalidRequest
+from .models import PROTOCOL_VERSION, AssembleRequest, AssembleResponse, ErrorReply
+from .protocol.layouts import Envelope, version_error
+from .validation import first_error
 
 DEFAULT_MAX_BYTES = default_max_request_bytes()  # settings.max_request_bytes overrides
 MAX_DEPTH = 32

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from ibex_context.shared.wire.base import WireModel as _Wire
+from .base import WireModel as _Wire
 
 NonNegInt = Annotated[int, Field(ge=0)]
 ToolName = Annotated[str, StringConstraints(min_length=1, max_length=128)]

@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
-from ibex_context.shared.wire.base import WireModel as _Wire
-from ibex_context.shared.wire.chat_query import last_user_text
-from ibex_context.shared.wire.editing import ContextEditing, MessageEdit
-from ibex_context.shared.wire.errors import ErrorCode
+from .base import WireModel as _Wire
+from .chat_query import last_user_text
+from .editing import ContextEditing, MessageEdit
+from .errors import ErrorCode
 
 PROTOCOL_VERSION = 1
 

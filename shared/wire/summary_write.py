@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from ibex_context.shared.wire.base import WireModel as _Wire
-from ibex_context.shared.wire.models import (
+from .base import WireModel as _Wire
+from .models import (
     MAX_SUMMARY_CHARS,
     PROTOCOL_VERSION,
     SUMMARY_KEY_CHARS,

@@ -39,7 +39,8 @@ from typing import Any
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 
-from ibex_context.client.integrations.litellm.config import (
+from ....shared.config.settings import ClientSettings
+from .config import (
     CONFIG_ENV,
     HookConfig,
     HookConfigError,
@@ -47,7 +48,7 @@ from ibex_context.client.integrations.litellm.config import (
     Unmapped,
     load_config,
 )
-from ibex_context.client.integrations.litellm.core import (
+from .core import (
     RECORD_KEY,
     SUMMARY_TICKET,
     HookCore,
@@ -56,15 +57,14 @@ from ibex_context.client.integrations.litellm.core import (
     record,
     usage_key,
 )
-from ibex_context.client.integrations.litellm.responses import Unconvertible
-from ibex_context.client.integrations.litellm.routes import (
+from .responses import Unconvertible
+from .routes import (
     ANTHROPIC_CALLS,
     RESPONSES_CALLS,
     NotAssembled,
     request_form,
 )
-from ibex_context.client.integrations.litellm.summary import conversation_key
-from ibex_context.shared.config.settings import ClientSettings
+from .summary import conversation_key
 
 log = logging.getLogger(__name__)
 

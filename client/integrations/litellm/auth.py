@@ -36,9 +36,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from ibex_context.client.integrations.litellm.config import HookConfigError
-from ibex_context.shared.config.settings import ClientSettings
-from ibex_context.shared.stores.keys import is_ident
+from ....shared.config.settings import ClientSettings
+from ....shared.stores.keys import is_ident
+from .config import HookConfigError
 
 KEYS_ENV = "IBEX_LITELLM_KEYS"
 KEY_PREFIX = "sk-ibex-"

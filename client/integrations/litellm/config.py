@@ -20,11 +20,11 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.shared.stores.keys import is_ident
-from ibex_context.shared.wire.editing import ContextEditing
-from ibex_context.shared.wire.errors import UnknownModel
-from ibex_context.shared.wire.models import AssemblyOptions, HistoryOptions
+from ....pipeline.budget.catalog import Catalog
+from ....shared.stores.keys import is_ident
+from ....shared.wire.editing import ContextEditing
+from ....shared.wire.errors import UnknownModel
+from ....shared.wire.models import AssemblyOptions, HistoryOptions
 
 CONFIG_ENV = "IBEX_LITELLM_CONFIG"
 Source = Literal["key", "team", "request"]

@@ -23,10 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibex_context.client.client import AsyncClient, degraded_response
-from ibex_context.client.degrade import fetched_directive
-from ibex_context.client.integrations.litellm import degraded as D
-from ibex_context.client.integrations.litellm.config import (
+from ....pipeline.budget.catalog import Catalog
+from ....shared.config.settings import ClientSettings
+from ....shared.wire.chat_query import last_user_text
+from ....shared.wire.errors import ErrorCode, IbexError, Unavailable
+from ....shared.wire.models import AssembleResponse
+from ...client import AsyncClient, degraded_response
+from ...degrade import fetched_directive
+from ...requests import build
+from . import degraded as D
+from .config import (
     Caller,
     Denied,
     HookConfig,
@@ -36,14 +42,8 @@ from ibex_context.client.integrations.litellm.config import (
     map_model,
     resolve_identity,
 )
-from ibex_context.client.integrations.litellm.routes import Form
-from ibex_context.client.integrations.litellm.summary import Summarizer
-from ibex_context.client.requests import build
-from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.shared.config.settings import ClientSettings
-from ibex_context.shared.wire.chat_query import last_user_text
-from ibex_context.shared.wire.errors import ErrorCode, IbexError, Unavailable
-from ibex_context.shared.wire.models import AssembleResponse
+from .routes import Form
+from .summary import Summarizer
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ibex_context.client.integrations.litellm.config import DirectiveCopies as CopyLimits
-from ibex_context.shared.wire.models import AssembleResponse
+from ....shared.wire.models import AssembleResponse
+from .config import DirectiveCopies as CopyLimits
 
 # x-ibex-context-directive: where the call's directive came from
 SERVICE, NONE, COPY, CONFIGURED, ABSENT, OFF = "service", "none", "copy", "configured", "absent", "off"

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibex_context.shared.wire.models import AssembleResponse
+from ....shared.wire.models import AssembleResponse
 
 SERVER_STATE = ("previous_response_id", "conversation", "prompt")
 ROLES = frozenset({"user", "assistant", "system", "developer"})

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ibex_context.client.integrations.litellm import responses as litellm_responses
-from ibex_context.client.wire import text_chars
-from ibex_context.shared.wire.models import AssembleResponse
+from ....shared.wire.models import AssembleResponse
+from ...wire import text_chars
+from . import responses as litellm_responses
 
 CHAT_CALLS = frozenset({"completion", "acompletion"})
 ANTHROPIC_CALLS = frozenset({"anthropic_messages", "aanthropic_messages"})

@@ -33,11 +33,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibex_context.client.client import AsyncClient
-from ibex_context.client.integrations.litellm.config import Summaries
-from ibex_context.pipeline.conversation.summary import cover_boundaries, non_system
-from ibex_context.pipeline.types import Turns
-from ibex_context.shared.wire.models import SUMMARY_KEY_CHARS, AssembleResponse
+from ....pipeline.conversation.summary import cover_boundaries, non_system
+from ....pipeline.types import Turns
+from ....shared.wire.models import SUMMARY_KEY_CHARS, AssembleResponse
+from ...client import AsyncClient
+from .config import Summaries
 
 log = logging.getLogger(__name__)
 

@@ -50,14 +50,14 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ibex_context.shared.wire.protocol.layouts import OVERLOADED_FLAG as OVERLOADED_FLAG
-from ibex_context.shared.wire.protocol.layouts import Envelope as Envelope
-from ibex_context.shared.wire.protocol.layouts import Feedback as Feedback
-from ibex_context.shared.wire.protocol.layouts import Stamp as Stamp
-from ibex_context.shared.wire.protocol.layouts import header_mismatch as header_mismatch
-from ibex_context.shared.wire.protocol.layouts import pack_header as pack_header
-from ibex_context.shared.wire.protocol.layouts import parse_header as parse_header
-from ibex_context.shared.wire.protocol.layouts import version_error as version_error
+from .layouts import OVERLOADED_FLAG as OVERLOADED_FLAG
+from .layouts import Envelope as Envelope
+from .layouts import Feedback as Feedback
+from .layouts import Stamp as Stamp
+from .layouts import header_mismatch as header_mismatch
+from .layouts import pack_header as pack_header
+from .layouts import parse_header as parse_header
+from .layouts import version_error as version_error
 
 TAG = b"IBX2"  # the protocol's generation: a peer speaking another tag is refused whole
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from ibex_context.shared.stores.keys import is_ident
-from ibex_context.shared.wire.errors import ErrorCode
-from ibex_context.shared.wire.models import PROTOCOL_VERSION, AssembleRequest, ErrorReply
+from ...stores.keys import is_ident
+from ..errors import ErrorCode
+from ..models import PROTOCOL_VERSION, AssembleRequest, ErrorReply
 
 # ------------------------------------------------------------------------------- the header
 
