@@ -324,6 +324,13 @@ def vector_dim(info: Any) -> int | None:
     return None
 
 
+def still_indexing(info: Any) -> bool:
+    """Whether an ``FT.INFO`` reply (map or flat list) says the index still scans existing keys:
+    an index created over keys already there finds them in the background."""
+    info_map = info if isinstance(info, dict) else dict(zip(info[::2], info[1::2], strict=False))
+    return str(info_map.get("indexing", 0)) not in ("0", "0.0")
+
+
 def wait_until(check: Callable[[], bool], what: str, timeout_s: float = MEET_TIMEOUT_S) -> None:
     """Poll ``check`` until true; ``ReshardError`` naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -379,6 +386,7 @@ class SlotMover:
     _embedders: dict[str, list[tuple[Node, str]]] = field(default_factory=dict)  # embedder -> (owner, index)
     _dims: dict[str, int] = field(default_factory=dict)
     _ensured: set[str] = field(default_factory=set)
+    _created: list[str] = field(default_factory=list)  # created on the target during this slot's move
     _asking: redis.Redis | None = None
 
     def prepare(self, slots: list[int]) -> None:
@@ -440,6 +448,7 @@ class SlotMover:
             embedder = memory_index_of(name)
             try:
                 self._ask("FT.CREATE", *index_create_args(name, self._dim(embedder[0] if embedder else "")))
+                self._created.append(name)
                 created = 1
             except redis.ResponseError as again:
                 if "already exists" not in str(again).lower():
@@ -485,8 +494,20 @@ class SlotMover:
             created += self._ensure_agents(keys)
             self._migrate(slot, source, keys)
             moved += len(keys)
+        self._built(slot)
         self._assign(slot, source)
         return moved, created
+
+    def _built(self, slot: int) -> None:
+        """Wait until the indexes created for ``slot`` have indexed the keys that reached the target
+        before them (a move resumed after an interruption): the slot is handed over complete."""
+        names, self._created = self._created, []
+        for name in names:
+            wait_until(partial(self._indexed, name),
+                       f"index {name} on {self.target.address} did not finish indexing slot {slot}'s keys")
+
+    def _indexed(self, name: str) -> bool:
+        return not still_indexing(self._ask("FT.INFO", name))
 
     def _assign(self, slot: int, source: Node) -> None:
         """``SETSLOT NODE`` on the target, the source, then the other primaries (gossip would tell
