@@ -158,11 +158,13 @@ class Attacker:
         sent = skipped = 0
         with gc_paused():
             if cmd.get("concurrency"):
-                async def writer() -> None:
+                async def writer() -> None:  # one write at least: a starved generator still floods, late
                     nonlocal sent
-                    while time.monotonic() < end:
+                    while True:
                         sent += 1
                         await one()
+                        if time.monotonic() >= end:
+                            break
 
                 await asyncio.gather(*(writer() for _ in range(int(cmd["concurrency"]))))
             else:
@@ -196,7 +198,10 @@ class Attacker:
         sent = 0
         t0 = time.monotonic()
         with gc_paused():
-            while (elapsed := time.monotonic() - t0) < duration_s:
+            last = False
+            while not last:  # one pass more at the window's end: a starved generator sends what was due, late
+                elapsed = min(time.monotonic() - t0, duration_s)
+                last = elapsed >= duration_s
                 due = int(rate * elapsed) - sent
                 for _ in range(due):
                     if kind == "usage":
@@ -208,7 +213,8 @@ class Attacker:
                                                    summary_key=f"flood-{n % ids}", text=text,
                                                    covers=min(MAX_COVERS, n // ids + 1), as_memory=True)
                     sent += 1
-                await asyncio.sleep(TICK_S)
+                if not last:
+                    await asyncio.sleep(TICK_S)
         await asyncio.sleep(0.05)  # refusals already on the wire are counted
         delta = {k: v - before.get(k, 0) for k, v in self.client.stats.items() if v != before.get(k, 0)}
         return {"offered_rps": rate, "duration_s": duration_s, "sent": sent, "served": None, "undegraded": None,
