@@ -314,9 +314,14 @@ def agent_of_key(key: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
+def info_fields(info: Any) -> dict[Any, Any]:
+    """An ``FT.INFO`` reply as a map, whether it came as one (RESP3) or as a flat list (RESP2)."""
+    return info if isinstance(info, dict) else dict(zip(info[::2], info[1::2], strict=False))
+
+
 def vector_dim(info: Any) -> int | None:
     """The vector field's dimension in an ``FT.INFO`` reply (map or flat list), if any."""
-    info_map = info if isinstance(info, dict) else dict(zip(info[::2], info[1::2], strict=False))
+    info_map = info_fields(info)
     for attr in info_map.get("attributes", []):
         a = attr if isinstance(attr, dict) else dict(zip(attr[::2], attr[1::2], strict=False))
         if str(a.get("type")) == "VECTOR" and a.get("dim") is not None:
@@ -327,7 +332,7 @@ def vector_dim(info: Any) -> int | None:
 def still_indexing(info: Any) -> bool:
     """Whether an ``FT.INFO`` reply (map or flat list) says the index still scans existing keys:
     an index created over keys already there finds them in the background."""
-    info_map = info if isinstance(info, dict) else dict(zip(info[::2], info[1::2], strict=False))
+    info_map = info_fields(info)
     return str(info_map.get("indexing", 0)) not in ("0", "0.0")
 
 
