@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "retrieval": "selection quality on the labelled questions (--suite conversations: long chats)",
     "embedcost": "what a query embedding costs per embedder variant (CPU, wall, cosine to numpy)",
     "late_interaction": "a MaxSim rerank of the search's top 50 on the conversation set: quality, bytes, CPU",
+    "evidence_stages": "at which search stage each conversation question's evidence is lost, and tokens packed",
     "calibration": "budget over-charge before and after usage-report calibration",
     "cache": "how much of each turn's prompt a provider's prefix cache can reuse",
     "escaping": "tokens the formatter's escaping costs",

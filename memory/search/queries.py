@@ -47,7 +47,7 @@ from .rank import (
     rank_arrays,
     record_features,
 )
-from .rerank import rerank
+from .rerank import rerank, stays, widened
 from .subjects import names, question_words, subject_of
 from .terms import SAMPLE_SIZE
 
@@ -135,20 +135,33 @@ def _below_row(rec: MemoryRecord, why: str, f: Fused | None, relevance: float | 
 
 
 def _fused(svc: MemoryService, question: str, records: dict[str, MemoryRecord], text_of: dict[str, float],
-           cosine: dict[str, float], cutoff: float) -> tuple[dict[str, Fused], list[Below]]:
+           cosine: dict[str, float], cutoff: float) -> tuple[dict[str, Fused], list[tuple[float, str]]]:
     """The candidates retrieval keeps, fused (``memory.search.fusion``) and lifted when about a person the
     question names (``memory.search.subjects``); and the vector candidates under the cosine cutoff, most
-    similar first, with why (shown only when the search has fewer than its line's worth)."""
+    similar first, as (cosine, memory id): some may join the rerank (``rerank.widened``), the others are
+    shown under the line when the search has fewer than its line's worth (``_below``)."""
     cfg = svc.config
     text = {m: s for m, s in text_of.items() if m in records}
     cos = {m: c for m, c in cosine.items() if m in records}
     kept = fuse(text, cos, min_similarity=cutoff, text_weight=cfg.text_weight, rule=cfg.fusion)
     words = _question_words(question)
     kept = boosted(kept, {m: names(words, _subject(records[m])) for m in kept}, cfg.subject_boost)
-    under = sorted(((c, m) for m, c in cos.items() if m not in kept), key=lambda cm: (-cm[0], cm[1]))
-    below = [(records[m], cosine_reason(c, cutoff), Fused(0.0, 0.0, min(max(c, 0.0), 1.0)))
-             for c, m in under[: cfg.below_cutoff]]
-    return kept, below
+    return kept, sorted(((c, m) for m, c in cos.items() if m not in kept), key=lambda cm: (-cm[0], cm[1]))
+
+
+def _below(records: dict[str, MemoryRecord], under: Sequence[tuple[float, str]], fused: dict[str, Fused],
+           joined: dict[str, Fused], cutoff: float, shown: int) -> list[Below]:
+    """The vector candidates under the cosine cutoff that were not kept, most similar first, with why
+    (and, for one the rerank scored, its MaxSim and the relevance it left it at)."""
+    out: list[Below] = []
+    for c, m in under:
+        if len(out) >= shown:
+            break
+        if m in fused:
+            continue
+        why, f = cosine_reason(c, cutoff), joined.get(m, Fused(0.0, 0.0, min(max(c, 0.0), 1.0)))
+        out.append((records[m], why if f.rerank is None else f"{why}; reranked to {f.relevance:.3f}", f))
+    return out
 
 
 async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float | None = None) -> Response:
@@ -181,9 +194,13 @@ async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, q
     text_of, cosine, raws, states = await _candidates(svc, org, agent, _query_terms(text), query_vec, sfield)
     records = await _hydrate(svc, org, agent, (text_of, cosine, raws, states), query_vec, sfield)
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
-    fused, below = _fused(svc, text, records, text_of, cosine, cutoff)
-    fused = rerank(fused, query_states, states, weight=cfg.rerank_weight, depth=cfg.rerank_depth,
-                   floor=cfg.relevance_floor)
+    fused, under = _fused(svc, text, records, text_of, cosine, cutoff)
+    joined = widened(fused, under, min(cfg.rerank_min_candidates, cfg.rerank_depth)) if query_states is not None else {}
+    reranked = rerank({**fused, **joined}, query_states, states, weight=cfg.rerank_weight, depth=cfg.rerank_depth,
+                      floor=cfg.relevance_floor)
+    joined = {m: reranked[m] for m in joined}
+    fused = stays(reranked, joined, cutoff)
+    below = _below(records, under, fused, joined, cutoff, cfg.below_cutoff)
     if not fused and not below:
         return JSONResponse({"memories": []})
     recs = [records[m] for m in fused]
@@ -198,10 +215,11 @@ Candidates = tuple[dict[str, float], dict[str, float], dict[str, bytes | None], 
 async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[str], query_vec: Vectors,
                       sfield: str = "") -> Candidates:
     """The engine's candidates: full-text scores (the best ``max_candidates``), cosines of the
-    nearest vectors, and the records (and, with an ``sfield``, the token states) the vector query
+    ``vector_candidates`` nearest vectors, and the records (and, with an ``sfield``, the token states) the vector query
     returned with them. One round trip, and one more when the question has common or new words
     (``memory.search.fulltext``)."""
     k, embedder, now, scan_max = svc.config.max_candidates, svc.embedder, svc.clock(), svc.config.term_scan_max
+    kv = svc.config.vector_candidates
     prefix, vfield, name = memory_key_prefix(org, agent), vector_field(embedder.name), svc.index_name(org, agent)
     size = await _agent_size(svc, org, agent)
     sample = await _sample(svc, org, agent, now) if size > scan_max else ()
@@ -209,7 +227,7 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
     text = FullText(svc.terms, scope, terms, size=size, sample=sample, scan_max=scan_max, limit=k, now=now)
     commands = text.first()
     commands.append(("FT.SEARCH", name, *search_args(
-        knn_query(org, agent, vfield, k, exact=size <= svc.config.exact_knn_max), limit=k,
+        knn_query(org, agent, vfield, kv, exact=size <= svc.config.exact_knn_max), limit=kv,
         returns=("vd", "rec", sfield) if sfield else ("vd", "rec"), scored=False,
         params={"vec": query_vec.tobytes()}, sort_by="vd")))
     commands.append(("SCARD", memory_ids_key(org, agent)))

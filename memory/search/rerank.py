@@ -28,8 +28,10 @@ from numpy.typing import NDArray
 from ..embedders.token_states import DIMS, Array, decode, decode_many, rows_of
 from .fusion import Fused
 
-RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
-RERANK_DEPTH = 50  # candidates reranked
+RERANK_WEIGHT = 0.7  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
+RERANK_DEPTH = 200  # candidates reranked
+RERANK_DEPTH_MAX = 1000  # the largest IBEX_MEMORY_RERANK_DEPTH accepted
+RERANK_MIN_CANDIDATES = 100  # candidates the rerank compares at least (``widened``)
 
 
 def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
@@ -95,3 +97,19 @@ def rerank(fused: Mapping[str, Fused], query_states: Array | None, states: Mappi
             r = max(r, floor)
         out[m] = Fused(r, f.text, f.vector, f.boost, min(max(sim, 0.0), 1.0))
     return out
+
+
+def widened(kept: Mapping[str, Fused], under: Sequence[tuple[float, str]], want: int) -> dict[str, Fused]:
+    """The candidates under the cosine cutoff that join the rerank: when fewer than ``want`` were
+    kept, the most similar of ``under`` ((cosine, memory id), most similar first) until ``want``,
+    each at its cosine (the relevance of a memory that holds no question word). ``stays`` decides
+    after the rerank which of them are kept."""
+    room = max(want - len(kept), 0)
+    return {m: Fused(min(max(c, 0.0), 1.0), 0.0, min(max(c, 0.0), 1.0)) for c, m in under[:room]}
+
+
+def stays(reranked: Mapping[str, Fused], joined: Mapping[str, Fused], cutoff: float) -> dict[str, Fused]:
+    """``reranked`` without the candidates that joined from under the cosine cutoff (``widened``) and
+    whose reranked relevance is still under it: a memory that holds no question word is kept when
+    its relevance reaches the cutoff, by its cosine or by the rerank."""
+    return {m: f for m, f in reranked.items() if m not in joined or f.relevance >= cutoff}

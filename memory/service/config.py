@@ -23,7 +23,7 @@ from ...shared.config.settings import DEV_MEMORY_SECRET, RETIRED_ENV, MemoryServ
 from ..search.cutoff import BELOW_CUTOFF_SHOWN
 from ..search.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
 from ..search.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
-from ..search.rerank import RERANK_DEPTH, RERANK_WEIGHT
+from ..search.rerank import RERANK_DEPTH, RERANK_DEPTH_MAX, RERANK_MIN_CANDIDATES, RERANK_WEIGHT
 from ..search.terms import TERM_SCAN_MAX
 from .models import MAX_QUERY_CHARS
 from .quotas import Quotas
@@ -35,6 +35,9 @@ DEV_SECRET = DEV_MEMORY_SECRET
 # so 1,000 characters keeps the dearest query within a few normal ones.
 DEFAULT_MAX_QUERY_CHARS = 1_000
 EXACT_KNN_MAX = 5_000  # an agent up to this many memories gets an exact vector search (index.knn_query)
+# The vector side's depth: on the conversation set the evidence turn of a question worded unlike it
+# often sits past the 100 nearest; 200 gives the rerank a deeper pool (docs/memory-search.md).
+VECTOR_CANDIDATES = 200
 
 
 class MemoryConfig(MemoryServiceSettings):
@@ -59,8 +62,12 @@ class MemoryConfig(MemoryServiceSettings):
                                 description="Larger request bodies get 413.")
     max_candidates: int = Field(
         100, ge=1, le=1000,
-        description="Candidates each half of a hybrid search (full text, vectors) "
-                    "returns for fusion and ranking; a search answers at most 50.")
+        description="Candidates each question word's full-text query returns for fusion and ranking; "
+                    "a search answers at most 50.")
+    vector_candidates: int = Field(
+        VECTOR_CANDIDATES, ge=1, le=1000,
+        description="Nearest memories the vector query (KNN) returns for fusion, the rerank and ranking, "
+                    "with their records and token states.")
     text_weight: float = Field(
         TEXT_WEIGHT, ge=0.0, le=1.0,
         description="How far a full match of the question's words lifts a search hit's "
@@ -77,9 +84,15 @@ class MemoryConfig(MemoryServiceSettings):
         description="Weight of the late-interaction MaxSim (MiniLM token states) mixed with the fused relevance of "
                     "the best `rerank_depth` candidates; 0 turns the rerank off (docs/memory-search.md).")
     rerank_depth: int = Field(
-        RERANK_DEPTH, ge=2, le=200,
+        RERANK_DEPTH, ge=2, le=RERANK_DEPTH_MAX,
         description="How many of a search's best candidates the late-interaction rerank reorders (their token "
                     "states are read with the candidates, in the same round trips).")
+    rerank_min_candidates: int = Field(
+        RERANK_MIN_CANDIDATES, ge=0, le=RERANK_DEPTH_MAX,
+        description="The rerank compares at least this many candidates (up to `rerank_depth`): when fewer pass "
+                    "the cosine cutoff or match a question word, the most similar vector candidates under the "
+                    "cutoff join it, and one stays only if the rerank lifts its relevance to the cutoff; "
+                    "0 reranks only what passed.")
     below_cutoff: int = Field(
         BELOW_CUTOFF_SHOWN, ge=0, le=50,
         description="Candidates just under a search's line (past its limit, under the floor or the cosine "

@@ -96,7 +96,7 @@ def test_a_common_word_scores_candidates_as_a_full_scan_does(service: MemoryServ
 
 def test_a_rare_word_is_still_scanned_in_a_large_agent(redis_url: str, tmp_path: Path) -> None:
     with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_TERM_SCAN_MAX=str(SCAN_MAX),
-                             IBEX_MEMORY_MAX_CANDIDATES="3") as handle:
+                             IBEX_MEMORY_MAX_CANDIDATES="3", IBEX_MEMORY_VECTOR_CANDIDATES="3") as handle:
         handle.flush()
         handle.seed([mem("acme", "bot", f"filler {i} about the weekly standup", memory_id=f"f{i}")
                      for i in range(300)]
@@ -113,7 +113,7 @@ def test_a_rare_word_is_still_scanned_in_a_large_agent(redis_url: str, tmp_path:
 
 def test_a_common_word_never_brings_in_a_memory_nothing_else_found(redis_url: str, tmp_path: Path) -> None:
     with memory_service_with(redis_url, tmp_path, IBEX_MEMORY_TERM_SCAN_MAX=str(SCAN_MAX),
-                             IBEX_MEMORY_MAX_CANDIDATES="3") as handle:
+                             IBEX_MEMORY_MAX_CANDIDATES="3", IBEX_MEMORY_VECTOR_CANDIDATES="3") as handle:
         handle.flush()
         handle.seed([mem("acme", "bot", f"invoice invoice invoice {i}", memory_id=f"i{i}") for i in range(10)]
                     + [mem("acme", "bot", "zebra crossing permits", memory_id="z0")])

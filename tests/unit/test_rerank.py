@@ -18,7 +18,7 @@ from ibex_context.memory.embedders.token_states import (
     stored_bytes,
 )
 from ibex_context.memory.search.fusion import Fused
-from ibex_context.memory.search.rerank import maxsim, rerank
+from ibex_context.memory.search.rerank import maxsim, rerank, stays, widened
 from ibex_context.pipeline.decisions import retrieval_scores
 from ibex_context.pipeline.selection.hits import to_hit
 from ibex_context.pipeline.types import ScoredMemory
@@ -98,3 +98,33 @@ def test_the_rerank_score_reaches_the_decisions() -> None:
                   "rank": 1, "text_score": 0.1, "vector_score": 0.4, "boost": 0.0, "rerank_score": 0.7}, "cold")
     assert retrieval_scores(ScoredMemory(hit=hit, tokens=1, composite_score=0.5)) == {
         "text": 0.1, "vector": 0.4, "boost": 0.0, "rerank": 0.7}
+
+
+def test_candidates_under_the_cutoff_join_the_rerank_up_to_the_minimum() -> None:
+    kept = _fused(0.9, 0.5)
+    under = [(0.18, "u0"), (0.12, "u1"), (0.05, "u2")]  # most similar first
+    assert widened(kept, under, 0) == {} and widened(kept, under, 2) == {}
+    joined = widened(kept, under, 4)
+    assert list(joined) == ["u0", "u1"]  # the most similar first, until 4 candidates
+    assert joined["u0"] == Fused(0.18, 0.0, 0.18)  # at its cosine, no text score, not yet reranked
+    assert list(widened({}, under, 10)) == ["u0", "u1", "u2"]
+
+
+def test_a_joined_candidate_stays_only_if_reranked_to_the_cutoff() -> None:
+    reranked = {"m0": Fused(0.1, 0.5, 0.1, rerank=0.2), "u0": Fused(0.25, 0.0, 0.18, rerank=0.9),
+                "u1": Fused(0.19, 0.0, 0.12, rerank=0.4)}
+    joined = {m: reranked[m] for m in ("u0", "u1")}
+    assert set(stays(reranked, joined, 0.2)) == {"m0", "u0"}  # a kept candidate is never dropped here
+    assert stays(reranked, {}, 0.2) == reranked
+
+
+def test_the_rerank_lifts_a_joined_candidate_whose_tokens_say_the_question() -> None:
+    q = project(_states(9, 5))
+    kept = _fused(0.6, 0.55, 0.5)
+    joined = widened(kept, [(0.12, "u0"), (0.11, "u1")], 5)
+    states: dict[str, object] = {"m0": encode(_states(20, 6)), "m1": encode(_states(21, 6)),
+                                 "m2": encode(_states(22, 6)), "u0": encode(_states(9, 5)),
+                                 "u1": encode(_states(23, 6))}
+    out = stays(rerank({**kept, **joined}, q, states, weight=0.9, floor=0.15), joined, 0.2)
+    assert "u0" in out and out["u0"].relevance >= 0.2 and out["u0"].rerank is not None
+    assert "u1" not in out or out["u1"].relevance >= 0.2

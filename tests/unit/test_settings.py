@@ -29,7 +29,7 @@ def test_spec_defaults() -> None:
     assert s.retrieval_wall_ms == 40.0  # min(45, 40)
     # hot 45: the hot call carries the question, embedded by the memory service
     assert (s.directive_timeout_ms, s.hot_timeout_ms, s.cold_timeout_ms) == (5.0, 45.0, 45.0)
-    assert (s.hot_limit, s.cold_limit) == (20, 50)
+    assert (s.hot_limit, s.cold_limit) == (20, 40)
     assert s.redis_url is None  # embedded Redis
     assert s.workers == usable_cpus()
     assert s.endpoints() == ["tcp://127.0.0.1:5555"] and s.backends() == [s.broker_backend]
