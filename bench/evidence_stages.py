@@ -152,13 +152,13 @@ async def run(turns: list[dict[str, Any]], questions: list[ConvQuestion], extra_
                 for q in questions:
                     if q.category == "no-answer":
                         continue
-                    query_vec = np.asarray(emb.embed_query(q.question), dtype=np.float32)
-                    sets = await _engine_stages(redis, cfg, q, query_vec, subjects, emb.min_similarity)
                     headers = {"authorization": f"Bearer {mint_org_token(stack.secret, q.org_id)}"}
                     body = {"query": q.question, "agent_id": q.agent_id, "limit": cold_limit}
                     async with http.post("/v1/memories/search", json=body, headers=headers) as r:
                         hits = (await r.json())["memories"] if r.status == 200 else []
-                    answered = [h["memory_id"] for h in hits]
+                    answered = [h["memory_id"] for h in hits]  # the search made the org's index first
+                    query_vec = np.asarray(emb.embed_query(q.question), dtype=np.float32)
+                    sets = await _engine_stages(redis, cfg, q, query_vec, subjects, emb.min_similarity)
                     sets["search@10"], sets["answered"] = set(answered[:10]), set(answered)
                     resp = await client.assemble(org_id=q.org_id, agent_id=q.agent_id, model="gpt-4o",
                                                  query=q.question, timeout=timeout_s)

@@ -254,3 +254,30 @@ def test_every_runtime_gives_the_references_token_states() -> None:
                                                 ref.embed_queries_states(QUESTIONS), strict=True):
         assert float(vec @ ref_vec) > 0.999 and rows.shape == ref_rows.shape
         assert float(np.min(np.sum(rows * ref_rows, axis=1))) > 0.99
+
+
+def _search_body(memory: MemoryServiceHandle, query: str) -> dict[str, Any]:
+    """The whole search answer at the embedder's own cosine cutoff (minilm 0.20)."""
+    with httpx.Client(base_url=memory.url, timeout=30.0) as http:
+        got = http.post("/v1/memories/search", headers=memory.headers("acme"),
+                        json={"agent_id": "chat", "query": query})
+    assert got.status_code == 200, got.text
+    body: dict[str, Any] = got.json()
+    return body
+
+
+def test_candidates_under_the_cosine_cutoff_join_the_rerank(seeded: dict[str, MemoryServiceHandle]) -> None:
+    """Fewer candidates than IBEX_MEMORY_RERANK_MIN_CANDIDATES pass the cutoff: the most similar under
+    it are reranked too, and one stays only if the rerank lifts it to the cutoff; without the rerank
+    they are shown under the line by their cosine alone."""
+    q = "What pet does Jonah have?"
+    on, off = _search_body(seeded["on"], q), _search_body(seeded["off"], q)
+    joined_below = [b for b in on["below_cutoff"] if "reranked to" in b["reason"]]
+    assert joined_below and all("rerank_score" in b and b["vector_score"] < 0.2 and b["text_score"] == 0.0
+                                for b in joined_below)
+    for hit in on["memories"]:  # a hit that holds no question word reaches the cutoff, by cosine or rerank
+        assert hit["text_score"] > 0.0 or hit["relevance"] >= 0.2
+    assert not [b for b in off["below_cutoff"] if "reranked" in b["reason"] or "rerank_score" in b]
+    under_off = {b["memory_id"] for b in off["below_cutoff"] if b["reason"].startswith("cosine")}
+    assert under_off and under_off <= {b["memory_id"] for b in on["below_cutoff"]} | {
+        h["memory_id"] for h in on["memories"]}
