@@ -89,9 +89,10 @@ def _environ(extra: Mapping[str, str]) -> Iterator[None]:
 
 
 async def _engine_stages(redis: Any, cfg: MemoryConfig, q: ConvQuestion, query_vec: np.ndarray,
-                         subjects: Mapping[str, str | None], cutoff: float) -> dict[str, set[str]]:
-    """The candidate sets of one question's search, from the engine's replies (module docstring)."""
-    org, agent, emb = q.org_id, q.agent_id, "minilm"
+                         subjects: Mapping[str, str | None], cutoff: float, emb: str) -> dict[str, set[str]]:
+    """The candidate sets of one question's search, from the engine's replies (module docstring);
+    ``emb``: the embedder's name, as its index and vector field are named."""
+    org, agent = q.org_id, q.agent_id
     name, prefix, vfield = index_name(emb, org, agent), memory_key_prefix(org, agent), vector_field(emb)
     # No sample and a small agent: every question word is scanned in full, as the service does for
     # an agent of at most IBEX_MEMORY_TERM_SCAN_MAX memories (the conversations' are 400-500).
@@ -158,7 +159,7 @@ async def run(turns: list[dict[str, Any]], questions: list[ConvQuestion], extra_
                         hits = (await r.json())["memories"] if r.status == 200 else []
                     answered = [h["memory_id"] for h in hits]  # the search made the org's index first
                     query_vec = np.asarray(emb.embed_query(q.question), dtype=np.float32)
-                    sets = await _engine_stages(redis, cfg, q, query_vec, subjects, emb.min_similarity)
+                    sets = await _engine_stages(redis, cfg, q, query_vec, subjects, emb.min_similarity, emb.name)
                     sets["search@10"], sets["answered"] = set(answered[:10]), set(answered)
                     resp = await client.assemble(org_id=q.org_id, agent_id=q.agent_id, model="gpt-4o",
                                                  query=q.question, timeout=timeout_s)
