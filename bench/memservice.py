@@ -11,7 +11,10 @@ MiniLM query embedding costs ~10 ms of CPU, so a new-question run saturates far 
 Reported per row (median of the interleaved rounds, each round shown): memory-service CPU and Redis
 CPU per assembly (``bench.lib.cpu`` over the service's process tree), and p50/p99 of each call's wall time pooled
 over the rounds. ``--redis-unix`` puts Redis on a unix socket; ``--server-args`` passes flags to
-this checkout's server.
+this checkout's server. ``--baseline-env K=V`` (repeatable) runs this checkout a second time as the
+baseline with those settings (its calls ask for ``IBEX_COLD_LIMIT`` hits when one is given);
+``--data conversations`` seeds the long-conversation set (``bench.conversations``: 5 agents of
+400-500 turns, token states stored) and asks its questions instead of the demo's.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class System:
     name: str
     proc: subprocess.Popen[bytes]
     url: str
+    cold_limit: int = 0  # hits its searches ask for (0: the worker's setting here)
 
     def cpu(self) -> CpuSnapshot:
         """CPU seconds of the server and every process below it (uvicorn ``--workers`` children)."""
@@ -88,13 +92,15 @@ class Caller:
     """Sends assemblies the way ``worker.retrieve`` does: its HTTP client (``worker.memhttp``),
     routes, parameters and body."""
 
-    def __init__(self, url: str, new_questions: bool, run: Run) -> None:
+    def __init__(self, url: str, new_questions: bool, run: Run, plan: list[tuple[str, str, str]] | None = None,
+                 cold_limit: int = 0) -> None:
         self.http = MemoryHTTP(url, max_body=8 << 20, max_idle=64)
         self.run = run
         self.settings = Settings()
+        self.cold_limit = cold_limit or self.settings.cold_limit
+        self.plan = plan or [(org, agent, q) for (org, agent), qs in AGENTS.items() for q in qs]
         self.auth = {org: f"Authorization: Bearer {mint_org_token(SECRET, org)}\r\n".encode()
-                     for org in {o for o, _ in AGENTS}}
-        self.plan = [(org, agent, q) for (org, agent), qs in AGENTS.items() for q in qs]
+                     for org in {o for o, _, _ in self.plan}}
         self.new_questions = new_questions
 
     async def _call(self, request: bytes, out: list[float]) -> None:
@@ -111,7 +117,7 @@ class Caller:
         if self.new_questions:  # never asked before in this process, nor by an earlier bench run
             query = f"{query} (case {_NONCE}-{n})"
         hot = {"agent_id": agent, "limit": str(self.settings.hot_limit), "query": query[:HOT_QUERY_CHARS]}
-        body = orjson.dumps({"query": query, "agent_id": agent, "limit": self.settings.cold_limit})
+        body = orjson.dumps({"query": query, "agent_id": agent, "limit": self.cold_limit})
         try:
             await asyncio.gather(
                 self._call(self.http.request_bytes("GET", "/v1/memories/hot", self.auth[org], params=hot),
@@ -124,9 +130,9 @@ class Caller:
 
 
 async def _drive(system: System, redis_pid: int, *, new: bool, rate: float | None, concurrency: int,
-                 duration_s: float) -> Run:
+                 duration_s: float, plan: list[tuple[str, str, str]] | None = None) -> Run:
     """One run: open-loop at ``rate`` assemblies/s, or closed-loop with ``concurrency`` in flight."""
-    caller = Caller(system.url, new, Run())
+    caller = Caller(system.url, new, Run(), plan, system.cold_limit)
     for _ in range(20):  # warm the pool and the service's caches (repeated questions)
         await caller.assembly()
     run = caller.run = Run()
@@ -158,8 +164,8 @@ async def _drive(system: System, redis_pid: int, *, new: bool, rate: float | Non
 
 @contextmanager
 def _service(name: str, checkout: str | None, redis_url: str, log_dir: Path, extra: list[str],
-             embedder: str) -> Iterator[System]:
-    env = {**os.environ, "IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": embedder}
+             embedder: str, settings: dict[str, str] | None = None) -> Iterator[System]:
+    env = {**os.environ, **(settings or {}), "IBEX_MEMORY_SECRET": SECRET, "IBEX_MEMORY_EMBEDDER": embedder}
     if checkout is not None:
         env["PYTHONPATH"] = pythonpath(checkout)
     port_file, log = log_dir / f"{name}.port", log_dir / f"{name}.log"
@@ -170,7 +176,7 @@ def _service(name: str, checkout: str | None, redis_url: str, log_dir: Path, ext
     try:
         url = f"http://127.0.0.1:{read_port_file(port_file, proc, 60, log)[0]}"
         wait_for(f"memory service {name}", lambda: http_ok(url + "/healthz"), 60, log)
-        yield System(name, proc, url)
+        yield System(name, proc, url, int((settings or {}).get("IBEX_COLD_LIMIT", 0)))
     finally:
         stop_processes([proc])
 
@@ -205,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="", help="extra arguments for this checkout's server")
     ap.add_argument("--redis-unix", action="store_true", help="Redis on a unix socket instead of loopback TCP")
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run interleaved")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="K=V",
+                    help="this checkout again as the baseline, with these settings (repeatable)")
+    ap.add_argument("--data", choices=("demo", "conversations"), default="demo", help="memories and questions")
     args = ap.parse_args(argv)
+    base_env = dict(kv.split("=", 1) for kv in args.baseline_env)
+    plan = None
     loads: list[tuple[str, bool, float | None]] = [(f"repeated, {args.rate:.0f}/s", False, args.rate),
                                                    (f"new, {args.new_rate:.0f}/s", True, args.new_rate)]
     if args.concurrency > 0:
@@ -216,17 +227,22 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(tmp)
         redis = EmbeddedRedis(unix_socket=args.redis_unix).start()
         try:
-            seed_demo(redis.url)
+            if args.data == "conversations":
+                plan = _seed_conversations(redis.url, args.embedder)
+            else:
+                seed_demo(redis.url)
             assert redis.pid is not None
             with _service("this", None, redis.url, log_dir, args.server_args.split(), args.embedder) as ours, \
-                    (_service("base", str(args.baseline.resolve()), redis.url, log_dir, [], args.embedder)
-                     if args.baseline else _nothing()) as base:
+                    (_service("base", str(args.baseline.resolve()) if args.baseline else None, redis.url, log_dir,
+                              [], args.embedder, base_env)
+                     if args.baseline or base_env else _nothing()) as base:
                 systems = [s for s in (base, ours) if s is not None]
                 for rnd in range(args.rounds):
                     for label, new, rate in loads:
                         for system in systems if rnd % 2 == 0 else systems[::-1]:
                             run = uvloop.run(_drive(system, redis.pid, new=new, rate=rate,
-                                                    concurrency=args.concurrency, duration_s=args.duration))
+                                                    concurrency=args.concurrency, duration_s=args.duration,
+                                                    plan=plan))
                             results.setdefault((system.name, label), []).append(run)
         finally:
             redis.close()
@@ -237,6 +253,30 @@ def main(argv: list[str] | None = None) -> int:
                            "hot p50 / p99 ms", "search p50 / p99 ms", "errors"],
                           sorted(_rows(results), key=lambda r: (r[1], r[0])))))
     return 0
+
+
+def _seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
+    """The conversation set's turns in Redis (vectors and token states computed once), and its
+    answerable questions as (org, agent, question)."""
+    from bench.conversations import PrecomputedEmbedder, embed_turns, load_set
+    from ibex_context.memory.embedders.embed import load_embedder
+    from ibex_context.memory.store.seed import seed_records
+    from ibex_context.shared.stores.connect import async_client
+
+    turns, questions = load_set()
+    emb = load_embedder(embedder)
+    texts = [t["content"] for t in turns]
+    vectors, states = embed_turns(emb, texts)
+
+    async def seed() -> None:
+        redis = async_client(url)
+        try:
+            await seed_records(redis, turns, embedder=PrecomputedEmbedder(emb, texts, vectors, states), flush=True)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(seed())
+    return [(q.org_id, q.agent_id, q.question) for q in questions if q.category != "no-answer"]
 
 
 @contextmanager
