@@ -21,8 +21,8 @@ from typing import Any
 
 from bench.lib.tables import table
 from ibex_context.memory.store.seed import derived_memory_id
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.wire.models import Message
 
