@@ -15,9 +15,9 @@ import redis
 
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import LocalStack
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.errors import InvalidRequest
@@ -89,7 +89,7 @@ async def test_a_bad_conversation_is_refused_before_any_retrieval(stack: LocalSt
         r.close()
 
 
-STAGE_MODULES = tuple(f"ibex_context.pipeline.{m}" for m in ("assemble", "conversation.turns", "conversation.fit",
+STAGE_MODULES = tuple(f"ibex_context.pipeline.{m}" for m in ("assemble", "rendering.turns", "conversation.fit",
                                                             "rendering.emit"))
 
 
