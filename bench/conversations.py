@@ -49,7 +49,7 @@ from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
 from ibex_context.memory.embedders.embed import Embedder, Vectors, content_words, load_embedder
 from ibex_context.memory.embedders.token_states import Embedded, split_embedded
-from ibex_context.memory.store.seed import seed_records
+from ibex_context.memory.service.seed import seed_records
 from ibex_context.shared.stores.connect import async_client
 
 DATA = Path(__file__).resolve().parent / "data"

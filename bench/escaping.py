@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.tables import table
-from ibex_context.memory.store.seed import derived_memory_id
+from ibex_context.memory.service.seed import derived_memory_id
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.wire.models import Message
 
@@ -112,7 +112,7 @@ def _new_sections(memories: Sequence[ScoredMemory]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.escaping", description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DEMO, help="memories JSONL (memory.store.seed format)")
+    ap.add_argument("--data", type=Path, default=DEMO, help="memories JSONL (memory.service.seed format)")
     ap.add_argument("--family", default="o200k", help="tokenizer family from the catalog")
     args = ap.parse_args(argv)
     counter = Catalog.load().counter(args.family)

@@ -63,7 +63,7 @@ from ibex_context.memory.search.rerank import widened
 from ibex_context.memory.search.subjects import names, question_words, subject_of
 from ibex_context.memory.search.terms import TermTable
 from ibex_context.memory.service.config import MemoryConfig
-from ibex_context.memory.store.seed import seed_records
+from ibex_context.memory.service.seed import seed_records
 from ibex_context.shared.config.settings import WorkerSettings
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.connect import async_client

@@ -31,8 +31,8 @@ from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
 from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.memory.embedders.embed import HashingEmbedder
 from ibex_context.memory.search.index import ensure_index
-from ibex_context.memory.service.models import MemoryRecord
 from ibex_context.memory.store import writes as store
+from ibex_context.memory.store.records import MemoryRecord
 from ibex_context.shared.stores.connect import async_client, sync_client
 
 DIM = 256
@@ -153,7 +153,7 @@ async def sizing(copies: int, per_agent: int) -> dict[str, dict[str, float]]:
 
     from bench.conversations import PrecomputedEmbedder
     from ibex_context.memory.embedders.embed import load_embedder
-    from ibex_context.memory.store.seed import seed_records
+    from ibex_context.memory.service.seed import seed_records
     from ibex_context.shared.stores.keys import vector_field
 
     records, turns = _conversation_records(copies, per_agent)

@@ -39,7 +39,7 @@ from bench.conversations import QUALITY_DEADLINES, ConvQuestion, judge, load_set
 from bench.lib.stack import started_stack
 from ibex_context.memory.embedders.embed import load_embedder
 from ibex_context.memory.embedders.minilm import HIDDEN, LAYERS, MiniLM, MiniLMEmbedder, _layer_norm
-from ibex_context.memory.store.seed import seed_records
+from ibex_context.memory.service.seed import seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
 
 Array = np.ndarray[Any, Any]

@@ -260,7 +260,7 @@ def _seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
     answerable questions as (org, agent, question)."""
     from bench.conversations import PrecomputedEmbedder, embed_turns, load_set
     from ibex_context.memory.embedders.embed import load_embedder
-    from ibex_context.memory.store.seed import seed_records
+    from ibex_context.memory.service.seed import seed_records
     from ibex_context.shared.stores.connect import async_client
 
     turns, questions = load_set()

@@ -68,8 +68,8 @@ async def _seed(redis_url: str, agents: int, per_agent: int, seed: int) -> None:
     checkout is first on ``sys.path`` (so the baseline seeds its own layout)."""
     from redis.asyncio import Redis
 
-    from ibex_context.memory.service.models import MemoryRecord
     from ibex_context.memory.store import writes as store
+    from ibex_context.memory.store.records import MemoryRecord
 
     try:  # the query engine's index (absent in stores that keep their own)
         from ibex_context.memory.search.index import ensure_index

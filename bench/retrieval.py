@@ -47,7 +47,7 @@ from bench.lib.stack import started_stack
 from bench.lib.tables import table
 from ibex_context.client.client import AsyncClient
 from ibex_context.memory.embedders.embed import content_terms
-from ibex_context.memory.store.seed import DEMO_FILE, derived_memory_id
+from ibex_context.memory.service.seed import DEMO_FILE, derived_memory_id
 from ibex_context.shared.security.tenancy import mint_org_token
 
 EVAL_FILE = Path(__file__).resolve().parent / "data" / "retrieval_eval.jsonl"
@@ -219,7 +219,7 @@ async def _scale(n: int, embedder: str, queries: list[Question], rounds: int) ->
     from redis.asyncio import Redis
 
     from ibex_context.memory.embedders.embed import load_embedder
-    from ibex_context.memory.service.models import MemoryRecord
+    from ibex_context.memory.store.records import MemoryRecord
     from ibex_context.memory.store.writes import NewMemory, write_memories
 
     dim = load_embedder(embedder).dim

@@ -37,8 +37,8 @@ from redis.asyncio import Redis
 from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.memory.embedders.embed import HashingEmbedder
 from ibex_context.memory.search.index import ensure_index, index_name
-from ibex_context.memory.service.models import MAX_CONTENT_CHARS, MemoryRecord
 from ibex_context.memory.store import writes as store
+from ibex_context.memory.store.records import MAX_CONTENT_CHARS, MemoryRecord
 from ibex_context.pipeline.counting.calibration import N_BUCKETS
 from ibex_context.shared.stores import storage
 from ibex_context.shared.stores.keys import assembly_key, calibration_key, summary_key

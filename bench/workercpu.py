@@ -169,8 +169,8 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
     from ibex_context.pipeline.assemble import Clock, Engine, Policy, assemble
     from ibex_context.pipeline.budget.catalog import Catalog
     from ibex_context.pipeline.budget.usable import counter_for
-    from ibex_context.pipeline.conversation.turns import count_turns
     from ibex_context.pipeline.counting.count import LineCache
+    from ibex_context.pipeline.rendering.turns import count_turns
     from ibex_context.shared.config.settings import Settings
     from ibex_context.worker.retrieve import HOT_QUERY_CHARS, Retriever, parse_hits
 

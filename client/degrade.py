@@ -43,7 +43,7 @@ from .requests import to_exc
 
 log = logging.getLogger(__name__)
 
-DIRECTIVE_HEADING = "## Directive\n"  # how pipeline.rendering.format.directive_section opens the directive's section
+DIRECTIVE_HEADING = "## Directive\n"  # how pipeline.format.directive_section opens the directive's section
 # The client's copies of directives (``DirectiveCopies``): bounded in entries, characters and age.
 COPY_ENTRIES = 10_000
 COPY_CHARS = 16_000_000

@@ -1,6 +1,6 @@
 """What the client library sends for a request, and what it makes of the reply (docs/assembly.md "Size limits").
 
-A chat request travels with every base64 image replaced by its stub (``pipeline.conversation.images``: its size
+A chat request travels with every base64 image replaced by its stub (``pipeline.counting.images``: its size
 from the header and a digest, read here, once per call); the pictures stay in this process. The
 reply carries a layout, not the conversation, and ``Outgoing.restore`` rebuilds the provider-ready
 messages from the caller's own, so the kept parts come back as the very objects the caller passed.
@@ -14,8 +14,8 @@ from typing import Any
 
 import msgpack
 
-from ..pipeline.conversation.images import stub_messages
 from ..pipeline.conversation.layout import restore
+from ..pipeline.counting.images import stub_messages
 from ..shared.config.settings import ClientSettings
 from ..shared.wire.errors import InvalidRequest
 from ..shared.wire.models import AssembleRequest, AssembleResponse

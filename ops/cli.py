@@ -177,7 +177,7 @@ def _main(argv: list[str]) -> int:
 
         return cluster_main(argv[1:], prog=f"{PROG} cluster")
     if argv and argv[0] == "seed":
-        from ..memory.store.seed import main as seed_main
+        from ..memory.service.seed import main as seed_main
 
         return int(seed_main(argv[1:], prog=f"{PROG} seed") or 0)
     args = build_parser().parse_args(argv)

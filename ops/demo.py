@@ -3,7 +3,7 @@ missing, print demo assemblies.
 
 The demo never overwrites what is already there: a directive is seeded only for an agent that has
 none, a memory only when its id is not stored (demo memories have ids derived from org, agent and
-content, ``memory.store.seed.derived_memory_id``). A directive or memory someone set, edited or seeded
+content, ``memory.service.seed.derived_memory_id``). A directive or memory someone set, edited or seeded
 before, demo or not, is kept exactly as it is, so ``make run`` after ``make up`` and some real
 use changes nothing of it.
 """
@@ -31,7 +31,7 @@ DEMO_REQUESTS = [
 
 def _record_key(raw: Mapping[str, Any]) -> str:
     """The Redis key a (validated) seed record would write: its directive, or its memory's hash."""
-    from ..memory.store.seed import derived_memory_id
+    from ..memory.service.seed import derived_memory_id
 
     org, agent = raw["org_id"], raw["agent_id"]
     if raw.get("kind") == "directive":
@@ -43,9 +43,9 @@ async def seed_missing(url: str, path: Path = stack.DEMO_DATA) -> tuple[int, int
     """Seed the records of ``path`` whose directive or memory is not stored yet.
 
     Returns (memories added, directives added, records kept as they were). Every record is validated
-    before anything is written (``memory.store.seed``); a kept one is never read or rewritten.
+    before anything is written (``memory.service.seed``); a kept one is never read or rewritten.
     """
-    from ..memory.store.seed import parse_records, read_jsonl, seed_records
+    from ..memory.service.seed import parse_records, read_jsonl, seed_records
     from ..shared.stores.connect import async_client
 
     records = read_jsonl(path)
@@ -68,7 +68,7 @@ async def seed_missing(url: str, path: Path = stack.DEMO_DATA) -> tuple[int, int
 
 def _seed(url: str) -> bool:
 
-    from ..memory.store.seed import SeedError
+    from ..memory.service.seed import SeedError
     from ..shared.stores.connect import REDIS_ERRORS
 
     print(f"ibex-context: seeding what is missing of the demo data ({stack.DEMO_DATA}) ...")

@@ -58,13 +58,13 @@ log = logging.getLogger(__name__)
 
 
 def fingerprint(nonce_key: bytes) -> str:
-    """The deployment-wide check value of a nonce key (``pipeline.rendering.format.nonce_key``): HMAC of a constant."""
+    """The deployment-wide check value of a nonce key (``pipeline.format.nonce_key``): HMAC of a constant."""
     return hmac.new(nonce_key, _FINGERPRINT_MESSAGE, hashlib.sha256).hexdigest()
 
 
 def worker_fingerprint(nonce_secret: str | None, memory_secret: str) -> str:
     """The fingerprint of the key the workers of a host with these settings derive nonces with."""
-    from ..pipeline.rendering.format import nonce_key
+    from ..pipeline.format import nonce_key
 
     return fingerprint(nonce_key(nonce_secret, memory_secret))
 

@@ -7,7 +7,7 @@
 calls it after its retrieval wall (having parsed and counted the conversation before any I/O),
 ``ops explain`` on a file and the client for its degraded response (docs/architecture.md "Processes and data
 flow"), so all three answer with the same accounting. The request form matters only at the two
-ends: ``pipeline.conversation.turns`` makes one conversation of it, and the renderer it picks emits it
+ends: ``pipeline.rendering.turns`` makes one conversation of it, and the renderer it picks emits it
 (``pipeline.rendering.render``: the flat text, OpenAI or Anthropic messages).
 
 Deadlines (docs/architecture.md "Deadlines"): with a ``Clock`` the deadline is checked before every CPU stage.
@@ -25,18 +25,19 @@ from ..shared.wire.models import (
     CountRule,
     PackerStats,
 )
+from . import format as fmt
 from .budget.catalog import Catalog
 from .budget.policy import Clock, Policy, elapsed_us, tick
 from .budget.usable import counter_for
 from .conversation import context_edit, summary
-from .conversation.fit import Limits, Plan, fit_stage, history_decisions
+from .conversation.fit import Counted, Limits, Plan, fit_stage, history_decisions
 from .conversation.summary import Slot
-from .conversation.turns import Counted, count_turns
 from .counting.calibration import Calibration
 from .counting.count import LineCache, MemoryCost
 from .decisions import decisions
-from .rendering import format as fmt
 from .rendering.emit import Nonce, Output, emit_stage
+from .rendering.render import Renderer
+from .rendering.turns import count_turns
 from .selection.pack import pack
 from .selection.score import score_candidates
 from .types import Rejection, RetrievalResult, ScoredMemory
@@ -77,13 +78,13 @@ class Scored:
 
 def assemble(
     req: AssembleRequest, retrieval: RetrievalResult, engine: Engine, *, nonce: str | None = None,
-    clock: Clock | None = None, counted: Counted | None = None, timings_us: dict[str, int] | None = None,
+    clock: Clock | None = None, counted: Counted[Renderer] | None = None, timings_us: dict[str, int] | None = None,
     calibration: Calibration | None = None,
 ) -> AssembleResponse:
     """Fit, budget, score, pack and render ``retrieval`` for ``req`` with ``engine``; no I/O.
 
     ``clock``: this request's deadline. ``counted``: the request's conversation already parsed and
-    counted (``pipeline.conversation.turns.count_turns`` with ``counter_for``'s counter; the worker does it
+    counted (``pipeline.rendering.turns.count_turns`` with ``counter_for``'s counter; the worker does it
     before retrieval). ``timings_us``: stage timings measured before this call (queue wait,
     retrieval), carried on. ``calibration``: the (org, model) ratio learned from usage reports,
     when it has enough samples (docs/assembly.md "Calibrated token counts").
@@ -119,7 +120,8 @@ def assemble(
                     worker_id=engine.worker_id)
 
 
-def summary_slot(req: AssembleRequest, retrieval: RetrievalResult, counted: Counted, nonce: Nonce) -> Slot | None:
+def summary_slot(req: AssembleRequest, retrieval: RetrievalResult, counted: Counted[Renderer],
+                 nonce: Nonce) -> Slot | None:
     """The summary to place (the request's, else the one stored under ``summary_key``), framed:
     its nonce derived from its text like the memories block's from its lines, or the one given."""
     slot = summary.choose(req, retrieval.summary, counted.turns)
@@ -148,7 +150,7 @@ def scoring_stage(req: AssembleRequest, retrieval: RetrievalResult, cost: Memory
     return Scored(ranked[:limit], [*rejected, *over])
 
 
-def message_edits(plan: Plan, model: str) -> list[MessageEdit]:
+def message_edits(plan: Plan[Renderer], model: str) -> list[MessageEdit]:
     """The kept messages sent or counted other than as written: cleared, and how thinking counted."""
     turns, r, kept = plan.counted.turns, plan.counted.renderer, plan.fit.kept_indices
     cleared = context_edit.edits(plan.clearing, turns.messages, kept, r.costs)
@@ -157,8 +159,8 @@ def message_edits(plan: Plan, model: str) -> list[MessageEdit]:
 
 
 def response(
-    req: AssembleRequest, retrieval: RetrievalResult, plan: Plan, scored: Scored, out: Output, basis: CountBasis,
-    *, timings: dict[str, int], worker_id: str,
+    req: AssembleRequest, retrieval: RetrievalResult, plan: Plan[Renderer], scored: Scored, out: Output,
+    basis: CountBasis, *, timings: dict[str, int], worker_id: str,
 ) -> AssembleResponse:
     """The wire response, from one render: what was packed, every decision, the budget, the
     packer's stats and, for a conversation target, the messages and their count."""

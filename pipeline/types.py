@@ -125,7 +125,7 @@ Target = Literal["text", "openai", "anthropic"]
 
 @dataclass(frozen=True, slots=True)
 class Turns:
-    """A request's conversation in the one form the pipeline works on (``pipeline.conversation.turns`` makes it).
+    """A request's conversation in the one form the pipeline works on (``pipeline.rendering.turns`` makes it).
 
     ``messages`` and ``tools`` are plain dicts in the provider's shape (the simple form's
     ``recent_messages`` are OpenAI-shaped ``{"role", "content"}`` messages and its

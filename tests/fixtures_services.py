@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from ibex_context.memory.embedded_redis.server import EmbeddedRedis, RedisStartError
-from ibex_context.memory.store.seed import SeedStats, seed_records
+from ibex_context.memory.service.seed import SeedStats, seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.connect import async_client, sync_client
 
@@ -196,7 +196,7 @@ class MemoryServiceHandle:
     # ---------------------------------------------------------------------------------- data
 
     def seed(self, records: Iterable[Mapping[str, Any]]) -> SeedStats:
-        """Write memories / directives (the ``memory.store.seed`` JSONL record format) into Redis.
+        """Write memories / directives (the ``memory.service.seed`` JSONL record format) into Redis.
 
         Runs on a private event loop in a helper thread, so it works from sync and async tests.
         """

@@ -34,7 +34,7 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
     try:
         stack.start()
         if seed:
-            seeded = subprocess.run([sys.executable, "-m", "ibex_context.memory.store.seed", "--file", str(DEMO_DATA),
+            seeded = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.seed", "--file", str(DEMO_DATA),
                                      "--redis-url", str(stack.redis_url)],
                                     capture_output=True, text=True, timeout=120, check=False)
             assert seeded.returncode == 0, seeded.stderr

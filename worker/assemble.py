@@ -20,8 +20,8 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from ..pipeline.assemble import Clock, Engine, Policy, assemble
 from ..pipeline.budget.catalog import Catalog
 from ..pipeline.budget.usable import counter_for
-from ..pipeline.conversation.turns import count_turns
 from ..pipeline.counting.count import LineCache
+from ..pipeline.rendering.turns import count_turns
 from ..shared.config.settings import WorkerSettings
 from ..shared.wire.models import AssembleRequest, AssembleResponse
 from .calibration import Calibrator

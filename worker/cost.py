@@ -8,7 +8,7 @@ bounded before the work that grows with them:
   ``IBEX_MAX_REQUEST_ITEMS``: a request over it is refused INVALID_REQUEST naming the top-level
   field that holds them, before the codec walks or the pipeline counts any of it;
 * ``stub_images`` reads each base64 image a raw-protocol caller sent (the client library sends
-  stubs) once, on receipt, and puts its stub in its place (``pipeline.conversation.images``), so budget and
+  stubs) once, on receipt, and puts its stub in its place (``pipeline.counting.images``), so budget and
   formatting read the size from the stub and never walk the bytes again.
 
 ``Cost`` is what the fair scheduler (``worker.fair``) charges a request before its stages run.
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from ..pipeline.conversation.images import stub_messages
+from ..pipeline.counting.images import stub_messages
 from ..shared.wire.codec import decode_request, validate
 from ..shared.wire.errors import ErrorCode
 from ..shared.wire.models import AssembleRequest, ErrorReply

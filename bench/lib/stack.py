@@ -57,8 +57,8 @@ async def connected_client(endpoint: str) -> AsyncClient:
 
 
 def seed_demo(redis_url: str) -> None:
-    """Seed the demo memories (``ibex_context.memory.store.seed``) into ``redis_url``."""
-    done = subprocess.run([sys.executable, "-m", "ibex_context.memory.store.seed", "--file", str(DEMO_DATA),
+    """Seed the demo memories (``ibex_context.memory.service.seed``) into ``redis_url``."""
+    done = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.seed", "--file", str(DEMO_DATA),
                            "--redis-url", redis_url],
                           capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:

@@ -97,7 +97,7 @@ def server_args(exe: str, *, port: int, bind: str, workdir: str, unixsocket: str
     file in ``workdir`` (fsynced every second, and at shutdown), which the next start replays.
     ``maxmemory`` (default: half the machine's memory) with ``noeviction``: a full server refuses
     writes and never drops data; the memory service refuses memory writes before that
-    (``memory.service.quotas``), so directives and calibration keep room.
+    (``memory.store.quotas``), so directives and calibration keep room.
     """
     durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
     args = [

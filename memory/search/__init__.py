@@ -1,1 +1,1 @@
-"""Search over stored memories: the query, full-text and vector legs, their fusion, ranking and cut-off, the index."""
+"""Search over stored memories: the full-text and vector legs, their fusion, ranking, rerank and cut-off, the index."""

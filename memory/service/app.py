@@ -10,7 +10,7 @@
            access_count[, relevance, composite, components, salience]}; rank is the 1-based
            position; for hot hits similarity is the stored salience. Search hits, and hot hits
            when the call sends the question (``query``), also carry their relevance, the
-           five-part composite and its components (``memory.search.queries``); hot hits their salience.
+           five-part composite and its components (``memory.service.search``); hot hits their salience.
 
 Every /v1 call needs ``Authorization: Bearer <org token>`` (``shared.security.tenancy``); the org id comes
 from the token only and scopes every Redis key; it is checked before anything else, injected
@@ -56,12 +56,10 @@ from starlette.types import Receive, Scope, Send
 from ...shared.stores import storage
 from ...shared.wire.errors import StorageQuotaExceeded
 from ..embedders.embed import Embedder, load_embedder
-from ..search.queries import rank_hot
-from ..search.queries import search as run_search
-from ..store import reads
+from ..store import quotas, reads
 from ..store import writes as store
+from ..store.records import MemoryRecord
 from ..store.writes import AgentFull, WriteContention
-from . import quotas
 from .config import MemoryConfig
 from .deadline import DeadlinePassed, check, deadline_of
 from .http import (
@@ -77,10 +75,11 @@ from .models import (
     HOT_LIMIT_MAX,
     MAX_QUERY_CHARS,
     FaultSpec,
-    MemoryRecord,
     SearchBody,
     WriteMemory,
 )
+from .search import rank_hot
+from .search import search as run_search
 from .state import MemoryService, OrgLimiter
 
 log = logging.getLogger(__name__)

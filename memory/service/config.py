@@ -25,8 +25,8 @@ from ..search.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
 from ..search.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
 from ..search.rerank import RERANK_DEPTH, RERANK_DEPTH_MAX, RERANK_MIN_CANDIDATES, RERANK_WEIGHT
 from ..search.terms import TERM_SCAN_MAX
+from ..store.quotas import Quotas
 from .models import MAX_QUERY_CHARS
-from .quotas import Quotas
 
 DEV_SECRET = DEV_MEMORY_SECRET
 

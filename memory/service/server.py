@@ -6,7 +6,7 @@
 ``--port 0`` binds a free port; the bound port is logged and, with ``--port-file``, written to
 that file (atomically, once the socket listens) so a supervisor or test can find it. Without
 ``--redis-url`` or ``IBEX_REDIS_URL`` an embedded redis-server is started for the process's
-lifetime (empty: seed it with ``python -m ibex_context.memory.store.seed``). The token secret is read from
+lifetime (empty: seed it with ``python -m ibex_context.memory.service.seed``). The token secret is read from
 ``IBEX_MEMORY_SECRET`` only, never from the command line (it would show in ``ps``).
 Exit status 2 for a bad configuration, e.g. ``IBEX_MEMORY_RELEVANCE_FLOOR`` >= 0.5, a host other
 than loopback (``--host`` / ``IBEX_MEMORY_HOST``) while the secret is the development default

@@ -32,13 +32,13 @@ from ..search.index import check_engine, ensure_index, index_name, per_agent_ind
 from ..search.terms import TermTable
 from ..store import writes as store
 from ..store.reads import Scripts
+from ..store.records import MemoryRecord
 from ..store.resp import HiredisPackedConnection
 from ..store.writes import RecordHealth
 from .config import MemoryConfig
 from .deadline import Horizon, check
 from .faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from .http import ApiError, error_response
-from .models import MemoryRecord
 from .querybatch import QueryBatcher, WouldMissDeadline
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class MemoryService:
         self.terms = TermTable()  # large agents' common words and memory samples (memory.search.terms)
         self.health = RecordHealth()
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
-        self.write_limiter = OrgLimiter(config.max_writes_per_org)  # memory.service.quotas
+        self.write_limiter = OrgLimiter(config.max_writes_per_org)  # memory.store.quotas
         self.write_embeds = asyncio.Semaphore(config.max_write_embeds)
         self.store_pressure = storage.StorePressure()
         self.queries_truncated = 0

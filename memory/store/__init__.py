@@ -1,1 +1,2 @@
-"""Memories and directives in Redis: writes, reads, seeding, the raw RESP reader, the directive admin CLI."""
+"""Memories and directives in Redis: the stored record, writes, reads, write quotas, the raw RESP reader,
+the directive admin CLI."""

@@ -11,7 +11,7 @@
 so the CLI says so and exits 2. Every mistake is one line on stderr, ``PROG: what is wrong``.
 Exit codes: 0 done, 1 not found / Redis unreachable / malformed value, 2 usage error.
 
-``CliParser`` and ``utf8_arg`` are shared by the other admin CLIs (``memory.store.seed``, ``client.cli``).
+``CliParser`` and ``utf8_arg`` are shared by the other admin CLIs (``memory.service.seed``, ``client.cli``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from redis.commands.core import AsyncScript
 
 from ...shared.stores.keys import hot_key, memory_key_prefix, vector_field
 from ..embedders.embed import Vectors
-from ..service.models import MemoryRecord
+from .records import MemoryRecord
 from .writes import RecordHealth, parse_record
 
 _HOT = """

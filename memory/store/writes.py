@@ -42,8 +42,8 @@ from ..embedders.embed import Vectors
 from ..embedders.token_states import Embedded, split_embedded
 from ..search.index import tenant_number
 from ..search.indexed_text import DATE_WORDS, searched_text
-from ..service.models import MemoryRecord
-from ..service.quotas import account_write
+from .quotas import account_write
+from .records import MemoryRecord
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ async def write_memories(redis: Redis, items: Sequence[NewMemory], *, embedder_n
                     _queue_write(pipe, m, vec, states, embedder_name, charge)
                 replaced = (await pipe.execute())[:len(group)]
             await storage.force_charge(redis, org, sum(charges) - sum(_charge_of(old) for old in replaced))
-            await account_write(redis, org, agent)  # the org's agents (memory.service.quotas)
+            await account_write(redis, org, agent)  # the org's agents (memory.store.quotas)
 
 
 def _charge_of(raw: bytes | str | None) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ...shared.config.settings import PipelineSettings
 from ...shared.wire.errors import DeadlineExceeded
-from ..rendering import format as fmt
+from .. import format as fmt
 
 
 @dataclass(slots=True)

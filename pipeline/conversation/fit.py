@@ -10,6 +10,7 @@ then spends what the kept history leaves (docs/assembly.md "Budget and token cou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from ...shared.wire.errors import ContextOverflow
 from ...shared.wire.models import BudgetBreakdown, HistoryDecision, HistoryOptions
@@ -18,7 +19,7 @@ from ..budget.usable import compute_budget, room
 from ..counting.calibration import Calibration
 from ..counting.count import CountedSection, directive_counted, memory_overhead
 from ..counting.tokens import TokenCount, TokenCounter
-from ..rendering.render import Message
+from ..types import Turns
 from . import context_edit
 from .context_edit import Clearing, ClearPolicy
 from .history import (
@@ -26,21 +27,55 @@ from .history import (
     HistoryFit,
     HistoryOverflow,
     HistoryPolicy,
+    Message,
     fit_history,
     history_budget,
 )
 from .summary import Slot, fit_rest, non_system
-from .turns import Counted
+
+
+class TargetCosts(Protocol):
+    """What the fit stage reads of a target's renderer (``pipeline.rendering.render.Renderer`` is one):
+    the conversation's messages one by one (``costs``), what the target sends whatever history is
+    kept (``fixed``, of which ``tools`` is tool definitions), and the cost of each part it places."""
+
+    @property
+    def costs(self) -> tuple[int, ...]: ...
+
+    @property
+    def fixed(self) -> int: ...
+
+    @property
+    def tools(self) -> int: ...
+
+    def recount(self, i: int, message: Message) -> int: ...
+
+    def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int: ...
+
+    def frame_tokens(self, directive_text: CountedSection) -> int: ...
+
+    def summary_tokens(self, summary: str) -> int: ...
+
+
+R = TypeVar("R", bound=TargetCosts, covariant=True)
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Counted(Generic[R]):
+    """A request's conversation with the renderer that emits it, which holds its counts."""
+
+    turns: Turns
+    renderer: R
+
+
+@dataclass(frozen=True, slots=True)
+class Plan(Generic[R]):
     """The fit stage's output: what of the conversation is sent, the budget left for memories,
     the directive (and its flat text), the memories block's flat frame (``memory_overhead``), and
     the compaction summary: the one placed (None when none is, or it was dropped), its tokens as
     charged, when dropped, why, and the one offered (placed or not, for the reply's report)."""
 
-    counted: Counted
+    counted: Counted[R]
     fit: HistoryFit
     budget: BudgetBreakdown
     directive: str | None
@@ -60,8 +95,8 @@ class Limits:
     calibration: Calibration | None
 
 
-def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, spec: ModelSpec,
-              counter: TokenCounter, *, nonce: str, limits: Limits, summary: Slot | None = None) -> Plan:
+def fit_stage(counted: Counted[R], options: HistoryOptions, directive: str | None, spec: ModelSpec,
+              counter: TokenCounter, *, nonce: str, limits: Limits, summary: Slot | None = None) -> Plan[R]:
     """Fit the history, then budget the memories with the kept history's cost.
 
     With a ``summary`` (framed, its ``covers`` checked) the covered messages go first and the
@@ -100,7 +135,7 @@ def fit_stage(counted: Counted, options: HistoryOptions, directive: str | None, 
                 placed, cost, dropped, summary, clearing)
 
 
-def _fit(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy,
+def _fit(counted: Counted[TargetCosts], summary: Slot | None, cost: int, available: int, policy: HistoryPolicy,
          clear: ClearPolicy) -> tuple[HistoryFit, Clearing]:
     """The history fitted into what is ``available``, less the summary's ``cost`` when it is placed:
     old tool uses cleared first (``pipeline.conversation.context_edit``), then whole units dropped."""
@@ -112,7 +147,7 @@ def _fit(counted: Counted, summary: Slot | None, cost: int, available: int, poli
     return _fit_history(counted, summary, cost, available, policy, clearing.costs), clearing
 
 
-def _fit_history(counted: Counted, summary: Slot | None, cost: int, available: int, policy: HistoryPolicy,
+def _fit_history(counted: Counted[TargetCosts], summary: Slot | None, cost: int, available: int, policy: HistoryPolicy,
                  costs: tuple[int, ...]) -> HistoryFit:
     turns = counted.turns
     where = {id(m): i for i, m in enumerate(turns.messages)}
@@ -130,7 +165,7 @@ def _fit_history(counted: Counted, summary: Slot | None, cost: int, available: i
         raise HistoryOverflow(needed=exc.needed + cost, available=available, reason=exc.reason) from exc
 
 
-def _overflow(counted: Counted, spec: ModelSpec, unclamped: int, exc: HistoryOverflow) -> ContextOverflow:
+def _overflow(counted: Counted[TargetCosts], spec: ModelSpec, unclamped: int, exc: HistoryOverflow) -> ContextOverflow:
     field = counted.turns.field
     over = exc.over_by + max(0, -unclamped)
     return ContextOverflow(

@@ -118,7 +118,7 @@ def for_wire(response: AssembleResponse) -> AssembleResponse:
 def restore(response: AssembleResponse, messages: Sequence[Any], system: Any = None) -> AssembleResponse:
     """The reply as the caller sees it: ``messages`` and ``system`` rebuilt from the caller's own
     conversation. A chat reply without a layout (a worker that does not send one) is ``Internal``:
-    its messages are the service's copy, whose images are stubs (``pipeline.conversation.images``)."""
+    its messages are the service's copy, whose images are stubs (``pipeline.counting.images``)."""
     if response.format is None:
         return response
     if response.layout is None:

@@ -22,7 +22,7 @@ from typing import Literal
 
 from ...shared.wire.errors import InvalidRequest
 from ...shared.wire.models import AssembleRequest, SummaryReport, SummarySlot
-from ..rendering import format as fmt
+from .. import format as fmt
 from ..types import Turns
 from .history import (
     HistoryDrop,

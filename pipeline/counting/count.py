@@ -11,7 +11,7 @@ the units the packer will spend:
 
 The rendered memories section therefore costs at most sum(memory_cost) + memory_overhead
 (``memory_tokens_bound``); ``fit_memory_section`` checks that with the real counter and drops the
-lowest-scored memory in the rare case a tokenizer merges across a boundary. ``pipeline.rendering.format``
+lowest-scored memory in the rare case a tokenizer merges across a boundary. ``pipeline.format``
 renders and never counts.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...shared.wire.models import Message
-from ..rendering import format as fmt
+from .. import format as fmt
 from ..types import MemoryHit, ScoredMemory
 from .tokens import ScaledCounter, TokenCounter
 

@@ -2,7 +2,7 @@
 
 Pure functions over pixel sizes, plus ``image_size``, which reads the size from the stub the
 client library sends for an image's bytes or from the header of a base64 PNG, JPEG, GIF or WebP
-image, without decoding the picture (``pipeline.conversation.images``). When the size is unknown (an
+image, without decoding the picture (``pipeline.counting.images``). When the size is unknown (an
 image URL, a file id, a header we cannot read) every function charges the largest amount its
 formula allows for that model and detail: a request counted short is one the provider rejects.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from ..conversation.images import STUB_PREFIX, base64_size, part_payload, sniff_size, stub_size
+from .images import STUB_PREFIX, base64_size, part_payload, sniff_size, stub_size
 
 __all__ = ["ANTHROPIC_IMAGE_CAP", "anthropic_image_tokens", "image_size", "model_key", "openai_image_tokens",
            "openai_patches", "sniff_size"]
@@ -168,7 +168,7 @@ def anthropic_image_tokens(width: int | None, height: int | None) -> int:
 
 def image_size(part_or_block: dict[str, Any]) -> tuple[int, int] | None:
     """(width, height) of an OpenAI ``image_url`` part or an Anthropic ``image`` block: from the
-    stub the client library sent for its bytes (``pipeline.conversation.images``), else from the header of its
+    stub the client library sent for its bytes (``pipeline.counting.images``), else from the header of its
     base64 data; None for URLs, file ids, other encodings and headers we cannot read."""
     payload = part_payload(part_or_block)
     if payload is None:

@@ -1,2 +1,2 @@
-"""What the model receives: one renderer per target (OpenAI, Anthropic, text), the directive and
-memory block, the text format, emitting and counting exactly what is sent."""
+"""What the model receives: each request form made one ``Turns`` with its target's renderer (OpenAI,
+Anthropic, text), the directive and memory block, emitting and counting exactly what is sent."""

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...shared.wire.errors import Internal
+from .. import format as fmt
 from ..conversation.fit import Plan
 from ..counting.count import LineCache, fit_memory_section, memory_tokens_bound
 from ..counting.tokens import TokenCounter
 from ..selection.pack import pack
 from ..types import PackResult, ScoredMemory
-from . import format as fmt
-from .render import Block, Emitted
+from .render import Block, Emitted, Renderer
 
 MAX_REPACKS = 3
 
@@ -70,7 +70,7 @@ def memory_block(result: PackResult, counter: TokenCounter, nonce: str, overhead
     return Block(text, memory_tokens_bound(counter, result.total_tokens, overhead) if kept else 0, nonce, kept, [])
 
 
-def emit_stage(plan: Plan, scored: list[ScoredMemory], result: PackResult, counter: TokenCounter, *,
+def emit_stage(plan: Plan[Renderer], scored: list[ScoredMemory], result: PackResult, counter: TokenCounter, *,
                nonce: Nonce, lines: LineCache | None, verify: bool, breakpoints: bool) -> Output:
     """Render ``result`` and count it; repack, then drop memories, while it is over the limit: the
     window less the response reserve, as the plan's budget has them."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .. import format as fmt
 from ..budget.catalog import ModelSpec
 from ..conversation import context_edit
 from ..conversation.history import HistoryFit
@@ -15,7 +16,6 @@ from ..counting import chat_count as cc
 from ..counting.count import CountedSection, LineCache, memory_cost, summary_counted
 from ..counting.tokens import TokenCounter
 from ..types import ScoredMemory, Turns
-from . import format as fmt
 from .chat_render import SystemRole, openai_layout
 from .render import Block, ChatOut, Emitted, Message, text_sections
 

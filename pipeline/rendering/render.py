@@ -1,6 +1,6 @@
 """What a renderer is: one target's way of counting and laying out a prompt (one per provider).
 
-Every request, whatever form it came in, reaches the pipeline as one ``Turns`` (``pipeline.conversation.turns``)
+Every request, whatever form it came in, reaches the pipeline as one ``Turns`` (``pipeline.rendering.turns``)
 and is rendered by one ``Renderer``: ``render_openai`` and ``render_anthropic`` emit the
 provider-ready conversation, ``render_text`` the flat ``rendered`` text of the simple form. A new
 provider is a new renderer; the stages before it (fit, budget, score, pack) never look at the form.
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ...shared.wire.models import ChatFormat, SectionName
+from .. import format as fmt
 from ..conversation.context_edit import Clearing
 from ..conversation.history import HistoryFit
 from ..counting.count import CountedSection
 from ..counting.tokens import TokenCounter
 from ..types import ScoredMemory
-from . import format as fmt
 from .chat_render import Layout
 
 Message = dict[str, Any]

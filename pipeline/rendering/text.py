@@ -1,6 +1,6 @@
 """The flat text target: the simple form's ``rendered`` text, sections ``## Directive``, the
 compaction summary's block, ``## Recent conversation``, the memories block and ``## Tools``
-(``pipeline.rendering.format`` renders them).
+(``pipeline.format`` renders them).
 
 Counted line by line (``pipeline.counting.count.count_lines``): each history line is one message's cost,
 so the history fit trims this form as it trims a provider's conversation, oldest units first.
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import format as fmt
 from ..conversation.context_edit import Clearing
 from ..conversation.history import HistoryFit
 from ..counting.count import (
@@ -23,7 +24,6 @@ from ..counting.count import (
 )
 from ..counting.tokens import TokenCounter
 from ..types import Turns
-from . import format as fmt
 from .render import Block, Emitted, text_sections
 
 

@@ -39,7 +39,7 @@ from .org_weights import OrgWeights, parse_org_weights
 # limits"): the request limit is that window times this many bytes a token. Measured with o200k
 # (bench/wire_size.py): prose ~3.7 bytes a token, code ~4.0, JSON ~2.9, CJK ~1.8, deeply indented
 # code ~6.3; only long runs of one character pack more (a token can hold 128 spaces). Images do
-# not count: they travel as their size (pipeline.conversation.images).
+# not count: they travel as their size (pipeline.counting.images).
 WIRE_BYTES_PER_TOKEN = 8
 # Room in a reply for what is not history: the memories block (twice, in rendered and sections),
 # decisions and the layout.
@@ -169,7 +169,7 @@ class PipelineSettings(IbexSettings):
     catalog_path: str | None = Field(None, json_schema_extra=shown("bundled"),
                                      description="The model capability catalog JSON; unset: the bundled one.")
     token_cache_entries: int = Field(65536, ge=0, description="Token-count cache entries, keyed by content hash.")
-    # The memories block's nonce key (pipeline.rendering.format.nonce_key): the client's degraded reply derives
+    # The memories block's nonce key (pipeline.format.nonce_key): the client's degraded reply derives
     # it like a worker, from the nonce secret only (a client holds no memory-service secret).
     nonce_secret: str | None = Field(
         None, min_length=8,

@@ -14,7 +14,7 @@ smuggle a separator and name a key in another tenant's namespace. A bad identifi
                                                     (worker/calibration_store.py)
     {ORG}:storage                           HASH    the org's storage ledger: Redis bytes charged to it
                                                     (shared/stores/storage.py)
-    {ORG}:mem_agents                        SET     the org's agents with memories (memory.service.quotas)
+    {ORG}:mem_agents                        SET     the org's agents with memories (memory.store.quotas)
     mem:{ORG:AGENT}:MEMORY_ID               HASH    one memory: org, agent, content, created_at,
                                                     rec (the JSON record), v_{embedder} (float32 vector)
     memids:{ORG:AGENT}                      SET     the agent's memory ids (the per-agent cap)
@@ -122,7 +122,7 @@ def hot_key(org_id: str, agent_id: str) -> str:
 
 
 def org_memory_agents_key(org_id: str) -> str:
-    """The org's agents that have memories (the agents-per-org quota, ``memory.service.quotas``)."""
+    """The org's agents that have memories (the agents-per-org quota, ``memory.store.quotas``)."""
     return f"{org_tag(org_id)}:mem_agents"
 
 

@@ -1,4 +1,5 @@
-"""No import cycles among the product's modules.
+"""No import cycles among the product's modules, and every import points down a floor: between the
+top-level folders (``FLOORS``) and between the stages inside ``pipeline/`` and ``memory/`` (``INNER_FLOORS``).
 
 The graph is read from the source (ast), not from a run: every ``import`` of an ``ibex_context``
 module counts, at module level, inside a function (a deferred import is still a dependency) and
@@ -160,3 +161,68 @@ def test_every_folder_is_on_a_floor_and_imports_only_below_it() -> None:
     assert folders == set(FLOORS), sorted(folders ^ set(FLOORS))
     upward = _upward(graph)
     assert not upward, "imports along or up a floor:\n" + "\n".join(upward)
+
+
+# The floors inside a room (docs/architecture.md "Processes and data flow"): each stage of
+# pipeline/ and each job of memory/ is a sub-package, or a module at the room's top, and imports
+# only its own modules and the stages or jobs on floors below it, so a change to a stage touches
+# nothing beneath it and the room has no cycle.
+INNER_FLOORS = {
+    "pipeline": {"types": 1, "format": 2, "counting": 3, "selection": 3, "decisions": 3, "budget": 4,
+                 "conversation": 5, "rendering": 6, "assemble": 7},
+    "memory": {"embedders": 1, "embedded_redis": 1, "search": 2, "store": 3, "service": 4},
+}
+# Imports that still run up inside a room: the embedders read the search's default similarity
+# floor, the service's embedder settings and its HTTP error. Each must still be an import of the
+# code (one that is gone fails the test until it is struck here), so this list only shrinks.
+KNOWN_UPWARD = {
+    "ibex_context.memory.embedders.embed -> ibex_context.memory.search.rank",
+    "ibex_context.memory.embedders.embed -> ibex_context.memory.service.config",
+    "ibex_context.memory.embedders.remote_embed -> ibex_context.memory.service.http",
+    "ibex_context.memory.embedders.static -> ibex_context.memory.search.rank",
+}
+
+
+def _inner(module: str, room: str) -> str | None:
+    """The stage or job of ``room`` that ``module`` belongs to (None: outside the room, or its ``__init__``)."""
+    prefix = f"ibex_context.{room}."
+    return module.removeprefix(prefix).split(".")[0] if module.startswith(prefix) else None
+
+
+def _inner_upward(graph: dict[str, set[str]], floors: dict[str, dict[str, int]]) -> list[str]:
+    out = []
+    for room, table in floors.items():
+        for a, targets in graph.items():
+            for b in targets:
+                below, above = _inner(a, room), _inner(b, room)
+                if below and above and below != above and table[above] >= table[below]:
+                    out.append(f"{a} -> {b}")
+    return sorted(out)
+
+
+def test_inner_upward_imports_are_found() -> None:
+    floors = {"pipeline": {"types": 1, "counting": 2, "rendering": 3}}
+    graph = {"ibex_context.pipeline.counting.count": {"ibex_context.pipeline.rendering.format",
+                                                      "ibex_context.pipeline.types",
+                                                      "ibex_context.pipeline.counting.tokens"},
+             "ibex_context.pipeline.rendering.format": {"ibex_context.pipeline.counting.count"},
+             "ibex_context.pipeline.counting.tokens": set(), "ibex_context.pipeline.types": set(),
+             "ibex_context.pipeline": {"ibex_context.pipeline.rendering.format"},
+             "ibex_context.worker.w": {"ibex_context.pipeline.rendering.format"}}
+    assert _inner_upward(graph, floors) == [
+        "ibex_context.pipeline.counting.count -> ibex_context.pipeline.rendering.format"]
+    floors["pipeline"]["counting"] = 3  # along a floor is not below it
+    assert _inner_upward(graph, floors) == [
+        "ibex_context.pipeline.counting.count -> ibex_context.pipeline.rendering.format",
+        "ibex_context.pipeline.rendering.format -> ibex_context.pipeline.counting.count"]
+
+
+def test_every_stage_is_on_an_inner_floor_and_imports_only_below_it() -> None:
+    graph = _graph()
+    for room, table in INNER_FLOORS.items():
+        inside = {stage for name in graph if (stage := _inner(name, room))}
+        assert inside == set(table), f"{room}/: {sorted(inside ^ set(table))} (add it to INNER_FLOORS)"
+    upward = set(_inner_upward(graph, INNER_FLOORS))
+    assert not upward - KNOWN_UPWARD, "imports along or up an inner floor:\n" + "\n".join(sorted(upward - KNOWN_UPWARD))
+    assert not KNOWN_UPWARD - upward, "gone from the code, strike from KNOWN_UPWARD:\n" + "\n".join(
+        sorted(KNOWN_UPWARD - upward))

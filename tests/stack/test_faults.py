@@ -171,12 +171,13 @@ async def test_broker_restart_ends_inflight_with_errors_then_recovers(stack: Loc
 
 async def test_redis_stopped_degrades_without_losing_requests(stack: LocalStack) -> None:
     """Redis stopped while requests are in flight: none is lost (load checks one outcome each);
-    once it is down, every assembly degrades and none fails. A slow search keeps all 40 in
-    flight until the stop (a stop after a fixed delay raced the burst: on a fast run all 40
-    finished first)."""
+    once it is down, every assembly degrades and none fails. A slow search keeps the burst in
+    flight until the stop (a stop after a fixed delay raced the burst: on a fast run all of it
+    finished first). The burst fits the workers' slots (2 x 16), so none waits in the broker's
+    queue, where a loaded machine's longer service times would have it shed as OVERLOADED."""
     assert stack.embedded is not None
     fault(stack, endpoint="search", latency_ms=300)
-    during = await load(stack, 40, timeout=3.0, inject=stack.embedded.stop, when=in_flight(40))
+    during = await load(stack, 24, timeout=3.0, inject=stack.embedded.stop, when=in_flight(24))
     assert set(during) <= {"ok", "degraded"}, during
     assert not stack.embedded.running
     fault(stack, endpoint="search", latency_ms=0)

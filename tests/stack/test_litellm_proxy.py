@@ -24,7 +24,7 @@ from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy, proxy_config
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.budget.usable import response_reserve
-from ibex_context.pipeline.rendering.format import escape_body
+from ibex_context.pipeline.format import escape_body
 from ibex_context.shared.security import auth
 from ibex_context.shared.stores.keys import calibration_key
 from tests.helpers import start_stack

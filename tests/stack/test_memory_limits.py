@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from ibex_context.memory.search.index import tenant_number
-from ibex_context.memory.service.models import MAX_CONTENT_CHARS
+from ibex_context.memory.store.records import MAX_CONTENT_CHARS
 from ibex_context.shared.stores.keys import hot_key, memory_ids_key, memory_key
 from tests.fixtures_services import MemoryServiceHandle
 

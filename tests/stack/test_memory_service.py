@@ -17,7 +17,7 @@ import pytest
 
 from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.memory.search.index import tenant_number
-from ibex_context.memory.store.seed import DEMO_FILE
+from ibex_context.memory.service.seed import DEMO_FILE
 from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
@@ -499,21 +499,21 @@ def test_relevance_floor_at_or_above_half_is_refused_at_startup(how: list[str], 
 
 
 def test_seed_cli(redis_url: str, tmp_path: Path) -> None:
-    r = _run("memory.store.seed", "--redis-url", redis_url)
+    r = _run("memory.service.seed", "--redis-url", redis_url)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["orgs"] == ["acme", "globex"] and out["memories"] >= 300 and out["directives"] >= 6
-    again = _run("memory.store.seed", "--redis-url", redis_url, "--flush-orgs")
+    again = _run("memory.service.seed", "--redis-url", redis_url, "--flush-orgs")
     assert again.returncode == 0 and json.loads(again.stdout)["memories"] == out["memories"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"org_id": "acme", "agent_id": "bot", "content": "ok", "category": "fact"}\n'
                    '{"org_id": "acme", "agent_id": "bot", "content": "x", "category": "fact", "confidence": NaN}\n')
-    r = _run("memory.store.seed", "--redis-url", redis_url, "--file", str(bad))
+    r = _run("memory.service.seed", "--redis-url", redis_url, "--file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:2" in r.stderr
     bad.write_text('{"org_id": "ac:me", "agent_id": "bot", "content": "x", "category": "fact"}\n')
-    r = _run("memory.store.seed", "--redis-url", redis_url, "--file", str(bad))
+    r = _run("memory.service.seed", "--redis-url", redis_url, "--file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr and "org_id" in r.stderr
-    assert _run("memory.store.seed").returncode == 2  # no Redis named anywhere
+    assert _run("memory.service.seed").returncode == 2  # no Redis named anywhere
 
 
 # ------------------------------------------------------------------------- async, both loops

@@ -1,4 +1,4 @@
-"""Per-request CPU bounds (``worker.cost``, ``pipeline.conversation.images``) through the real stack: a request's
+"""Per-request CPU bounds (``worker.cost``, ``pipeline.counting.images``) through the real stack: a request's
 maps and arrays are counted while it is unpacked and one over ``IBEX_MAX_REQUEST_ITEMS`` is refused
 INVALID_REQUEST naming the field and the limit, before anything else is done with it; a base64 image
 a raw-protocol caller sends is read once, on receipt, whatever its bytes hold.

@@ -22,8 +22,8 @@ from redis.asyncio import Redis
 from ibex_context.memory.embedders.embed import load_embedder
 from ibex_context.memory.embedders.minilm import MiniLMEmbedder
 from ibex_context.memory.embedders.token_states import ROW_BYTES, decode
-from ibex_context.memory.service.models import MemoryRecord
-from ibex_context.memory.store.seed import seed_records
+from ibex_context.memory.service.seed import seed_records
+from ibex_context.memory.store.records import MemoryRecord
 from ibex_context.memory.store.writes import memory_charge
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.stores import storage

@@ -260,7 +260,7 @@ def test_up_with_curve_auth_becomes_ready_and_status_answers(tmp_path: Path) -> 
 async def test_the_demo_seeds_only_what_is_missing(redis_url: str) -> None:
     from redis.asyncio import Redis
 
-    from ibex_context.memory.store.seed import read_jsonl
+    from ibex_context.memory.service.seed import read_jsonl
 
     records = [raw for _, raw in read_jsonl(DEMO_DATA)]
     first = next(r for r in records if r.get("kind") != "directive")
@@ -268,7 +268,7 @@ async def test_the_demo_seeds_only_what_is_missing(redis_url: str) -> None:
     client = Redis.from_url(redis_url)
     try:
         await set_directive(client, "acme", "support-bot", "Mine, not the demo's.")
-        from ibex_context.memory.store.seed import seed_records
+        from ibex_context.memory.service.seed import seed_records
 
         await seed_records(client, [mine])
         memories, directives, kept = await demo.seed_missing(redis_url)

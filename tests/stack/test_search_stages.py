@@ -17,7 +17,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from ibex_context.memory.store.seed import seed_records
+from ibex_context.memory.service.seed import seed_records
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.stores.keys import memory_key
 from tests.fixtures_services import MemoryServiceHandle

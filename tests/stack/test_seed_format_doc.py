@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from ibex_context.memory.store.seed import SeedDirective, SeedMemory
+from ibex_context.memory.service.seed import SeedDirective, SeedMemory
 
 pytestmark = pytest.mark.timeout(120)
 

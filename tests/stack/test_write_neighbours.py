@@ -1,4 +1,4 @@
-"""Large memory writes of one org leave another org's assemblies whole (``memory.service.quotas``): an org's
+"""Large memory writes of one org leave another org's assemblies whole (``memory.store.quotas``): an org's
 writes are embedded one at a time (``IBEX_MEMORY_MAX_WRITES_PER_ORG``) and at most
 ``IBEX_MEMORY_MAX_WRITE_EMBEDS`` of all orgs at once, so four writers of the largest memories queue
 behind each other and the searches of globex's assemblies do not queue behind them. Real broker,

@@ -1,4 +1,4 @@
-"""Write quotas (``memory.service.quotas``): agents and storage (Redis bytes) per org, and a store near its maxmemory,
+"""Write quotas (``memory.store.quotas``): agents and storage (Redis bytes) per org, and a store near its maxmemory,
 refuse writes with a typed error while reads go on and other orgs are untouched. Real memory
 service, real Redis."""
 

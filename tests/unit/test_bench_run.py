@@ -23,6 +23,13 @@ from bench.stats import COMPONENTS, HIGHEST_US, Histograms
 
 pytestmark = pytest.mark.timeout(60)
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _font_cache() -> None:
+    """matplotlib builds its font cache on first use by running ``fc-list``: a fresh machine's first
+    run does that here, before the unit tests' no-process guard (a function fixture) is on."""
+    import matplotlib.font_manager  # noqa: F401
+
 PCT_KEYS = {"count", "p50", "p90", "p99", "p99_9", "max", "mean"}
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ibex_context.memory.service.config import DEV_SECRET
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.counting import chat_count as cc
-from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse

@@ -211,8 +211,8 @@ def test_property_no_orphans_latest_turn_kept_exact_count_within_window(
 def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: str) -> None:
     """The block's count from cached line counts equals a fresh BPE pass over the block, for any
     memory text (``pipeline.rendering.openai.memory_block_tokens``: the pre-tokenizers split between lines)."""
+    from ibex_context.pipeline import format as fmt
     from ibex_context.pipeline.counting.count import LineCache
-    from ibex_context.pipeline.rendering import format as fmt
     from ibex_context.pipeline.rendering.openai import memory_block_tokens
     from ibex_context.pipeline.types import ScoredMemory
 
@@ -229,8 +229,8 @@ def test_memory_block_count_is_the_exact_bpe_count(contents: list[str], family: 
 def test_scored_block_count_is_the_block_count(contents: list[str], family: str) -> None:
     """Memories priced by the scorer (``MemoryCost`` with the same counter and line cache) give the
     block's exact count from their own ``tokens`` (what the render stage uses)."""
+    from ibex_context.pipeline import format as fmt
     from ibex_context.pipeline.counting.count import LineCache, MemoryCost
-    from ibex_context.pipeline.rendering import format as fmt
     from ibex_context.pipeline.rendering.openai import memory_block_tokens, scored_block_tokens
     from ibex_context.pipeline.selection.score import score_candidates
 

@@ -21,8 +21,8 @@ from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.conversation import context_edit
 from ibex_context.pipeline.conversation.parse import parse_conversation
-from ibex_context.pipeline.conversation.turns import count_turns
 from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.rendering.turns import count_turns
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.shared.wire.codec import encode
 from ibex_context.shared.wire.errors import ContextOverflow

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ibex_context.memory.embedders.embed import content_terms
-from ibex_context.memory.store.seed import parse_records
+from ibex_context.memory.service.seed import parse_records
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibex_context.ops.explain import explain
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.config.settings import Settings
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse, Message

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.counting import count
 from ibex_context.pipeline.counting.tokens import TokenCounter
-from ibex_context.pipeline.rendering import format as fmt
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit, ScoredMemory
 from ibex_context.shared.wire.models import AssembleRequest, Message

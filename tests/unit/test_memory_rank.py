@@ -281,7 +281,7 @@ def test_unknown_or_missing_embedders_fail_clearly() -> None:
 def test_per_record_memoises_by_identity_and_skips_large_records() -> None:
     from datetime import UTC, datetime
 
-    from ibex_context.memory.service.models import MemoryRecord
+    from ibex_context.memory.store.records import MemoryRecord
     from ibex_context.memory.store.writes import per_record
 
     calls: list[str] = []

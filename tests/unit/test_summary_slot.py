@@ -21,8 +21,8 @@ from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.conversation.parse import parse_conversation
 from ibex_context.pipeline.conversation.summary import check_covers
-from ibex_context.pipeline.conversation.turns import to_turns
 from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.rendering.turns import to_turns
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.errors import ContextOverflow, InvalidRequest

@@ -1,4 +1,4 @@
-"""The chat wire form (client/wire.py, pipeline/conversation/images.py, pipeline/conversation/layout.py), offline.
+"""The chat wire form (client/wire.py, pipeline/counting/images.py, pipeline/conversation/layout.py), offline.
 
 Images travel as stubs (size from the header, digest), replies as a layout over the caller's own
 conversation. What the pipeline makes of the stubbed request is what it makes of the original
@@ -20,9 +20,9 @@ from pydantic import ValidationError
 from ibex_context.client.wire import outgoing
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
-from ibex_context.pipeline.conversation.images import MIN_STUBBED, stub_for, stub_size
 from ibex_context.pipeline.conversation.layout import for_wire, materialize, restore
 from ibex_context.pipeline.counting.chat_count import image_size
+from ibex_context.pipeline.counting.images import MIN_STUBBED, stub_for, stub_size
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.config.settings import WIRE_BYTES_PER_TOKEN, Settings

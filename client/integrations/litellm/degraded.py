@@ -14,7 +14,7 @@ policy of the caller's mapping (``litellm.config``) decides:
 * ``pass``: the degraded assembly goes out as it is (with the config's ``fallback_directive``).
 
 The copies are taken from assemblies whose directive branch succeeded ("" for an agent that has
-none), as the directive's section shows it (``pipeline.rendering.format.directive_section``: the stored text
+none), as the directive's section shows it (``pipeline.format.directive_section``: the stored text
 with controls made visible, which is the stored text for any ordinary directive), kept in this
 process's memory, bounded in entries and characters, and not used past
 ``directive_copies.max_age_s``. They are never read from Redis: the hook holds one CURVE key per

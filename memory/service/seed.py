@@ -2,7 +2,7 @@
 
     ibex-context seed [--file F.jsonl] [--redis-url URL] [--flush-orgs] [--embedder minilm|static|hash]
 
-(``python -m ibex_context.memory.store.seed`` is the same tool.) The Redis URL comes from ``--redis-url``, else
+(``python -m ibex_context.memory.service.seed`` is the same tool.) The Redis URL comes from ``--redis-url``, else
 ``IBEX_REDIS_URL``, else the one ``make up`` recorded in ``.run/`` (README "Quickstart").
 
 Without ``--file`` the bundled demo dataset (``memory/data/demo.jsonl``) is loaded. One JSON
@@ -47,9 +47,10 @@ from ..embedded_redis.server import default_redis_url
 from ..embedders.embed import EMBEDDERS, Embedder, Vectors, load_embedder
 from ..embedders.token_states import Embedded
 from ..search.index import QueryEngineMissing, ensure_index
-from ..service.config import MemoryConfig
-from ..service.models import MemoryRecord, StrictModel, WriteMemory
-from .writes import NewMemory, write_memories
+from ..store.records import MemoryRecord, StrictModel
+from ..store.writes import NewMemory, write_memories
+from .config import MemoryConfig
+from .models import WriteMemory
 
 DEMO_FILE = Path(__file__).resolve().parents[1] / "data" / "demo.jsonl"
 
@@ -200,7 +201,7 @@ async def _main(path: Path, url: str, *, flush: bool, embedder: str | None) -> S
         await client.aclose()
 
 
-def build_parser(prog: str = "python -m ibex_context.memory.store.seed") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m ibex_context.memory.service.seed") -> argparse.ArgumentParser:
     ap = CliParser(prog=prog, description="Load memories and directives from JSONL into Redis "
                                           "(every line is validated before anything is written).",
                    epilog="The file's format, every field with its type and an example: "
@@ -220,7 +221,7 @@ def _fail(prog: str, message: str, code: int) -> int:
     return code
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m ibex_context.memory.store.seed") -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m ibex_context.memory.service.seed") -> int:
     """Seed one file; ``prog`` is how the tool names itself (``ibex-context seed`` via the CLI)."""
     args = build_parser(prog).parse_args(argv)
     try:

@@ -12,26 +12,17 @@ memory-service call (docs/architecture.md "Processes and data flow").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ...shared.wire.models import AssembleRequest
 from ..budget.catalog import ModelSpec
+from ..conversation.fit import Counted
+from ..conversation.parse import parse_conversation, to_wire, wire_system, wire_tools
+from ..conversation.summary import request_slot
 from ..counting.tokens import TokenCounter
-from ..rendering.anthropic import AnthropicRenderer
-from ..rendering.openai import OpenAIRenderer
-from ..rendering.render import Renderer
-from ..rendering.text import TextRenderer
 from ..types import Turns
-from .parse import parse_conversation, to_wire, wire_system, wire_tools
-from .summary import request_slot
-
-
-@dataclass(frozen=True, slots=True)
-class Counted:
-    """A request's conversation with the renderer that emits it, which holds its counts."""
-
-    turns: Turns
-    renderer: Renderer
+from .anthropic import AnthropicRenderer
+from .openai import OpenAIRenderer
+from .render import Renderer
+from .text import TextRenderer
 
 
 def to_turns(req: AssembleRequest) -> Turns:
@@ -53,7 +44,7 @@ def renderer_for(turns: Turns, spec: ModelSpec, counter: TokenCounter) -> Render
     return TextRenderer.create(turns, counter)
 
 
-def count_turns(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter) -> Counted:
+def count_turns(req: AssembleRequest, spec: ModelSpec, counter: TokenCounter) -> Counted[Renderer]:
     """Parse and count: everything of an assembly that needs the request alone, the request's
     summary's ``covers`` checked against its conversation (``InvalidRequest`` naming ``summary.covers``)."""
     turns = to_turns(req)

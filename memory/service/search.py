@@ -26,30 +26,31 @@ from starlette.responses import JSONResponse, Response
 
 from ...shared.stores.keys import memory_ids_key, memory_key_prefix, states_field, vector_field
 from ..embedders.embed import Vectors
-from ..service.deadline import check
-from ..service.models import MemoryRecord, SearchBody
-from ..service.state import MemoryService
-from ..store import writes as store
-from .cutoff import cosine_reason, cut
-from .fulltext import FullText, Scope
-from .fusion import Fused, boosted, fuse
-from .index import (
+from ..search.cutoff import cosine_reason, cut
+from ..search.fulltext import FullText, Scope
+from ..search.fusion import Fused, boosted, fuse
+from ..search.index import (
     knn_query,
     missing_index,
     parse_reply,
     query_terms,
     search_args,
 )
-from .rank import (
+from ..search.rank import (
     check_relevance_floor,
     cosine_scores,
     hot_relevance,
     rank_arrays,
     record_features,
 )
-from .rerank import rerank, stays, widened
-from .subjects import names, question_words, subject_of
-from .terms import SAMPLE_SIZE
+from ..search.rerank import rerank, stays, widened
+from ..search.subjects import names, question_words, subject_of
+from ..search.terms import SAMPLE_SIZE
+from ..store import writes as store
+from ..store.records import MemoryRecord
+from .deadline import check
+from .models import SearchBody
+from .state import MemoryService
 
 AGENT_SIZES_KEPT = 65_536  # agents whose memory count a service process remembers (_agent_size)
 _query_terms = lru_cache(maxsize=4096)(query_terms)  # repeated questions are parsed once

@@ -49,9 +49,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...shared.config.settings import Settings
-from ...shared.wire.models import Message, Section, SectionName
-from ..types import MemoryHit, ScoredMemory
+from ..shared.config.settings import Settings
+from ..shared.wire.models import Message, Section, SectionName
+from .types import MemoryHit, ScoredMemory
 
 NONCE_BYTES = 16
 SECTION_JOIN = "\n\n"
