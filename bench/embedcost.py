@@ -46,7 +46,10 @@ from ibex_context.memory.embedders.minilm_openvino import openvino_available
 DATA = Path(__file__).resolve().parent / "data"
 DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
 VARIANTS = ("numpy", "fp32", "int8-block", "int8-dynamic", "int8-qk",
-            *(("openvino-bf16", "openvino-int8") if openvino_available() else ()))
+            *(("openvino-bf16", "openvino-int8", "openvino-f32", "openvino-f32-int8") if openvino_available() else ()))
+# OpenVINO variants: (weights, inference precision)
+OPENVINO = {"openvino-bf16": ("fp32", "bf16"), "openvino-int8": ("int8-groups", "bf16"),
+            "openvino-f32": ("fp32", "f32"), "openvino-f32-int8": ("int8-groups", "f32")}
 Embed = Callable[[list[str]], np.ndarray]
 
 
@@ -87,8 +90,8 @@ def embedders(names: list[str]) -> dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder
     for name in names:
         started = time.perf_counter()
         emb = (MiniLMEmbedder() if name == "numpy" else
-               MiniLMOnnxEmbedder(runtime="openvino", weights="fp32") if name == "openvino-bf16" else
-               MiniLMOnnxEmbedder(runtime="openvino", weights="int8-groups") if name == "openvino-int8" else
+               MiniLMOnnxEmbedder(runtime="openvino", weights=OPENVINO[name][0],  # type: ignore[arg-type]
+                                  precision=OPENVINO[name][1]) if name in OPENVINO else
                MiniLMOnnxEmbedder(weights=name))  # type: ignore[arg-type]
         emb.load()
         if name != "numpy":

@@ -110,8 +110,8 @@ def graph_file(z: zipfile.ZipFile, weights: Weights, cache_dir: Path | None = No
     return str(path), True
 
 
-def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
-                 cache_dir: Path | None = None, runtime: Runtime = "onnxruntime") -> tuple[Any, Any, bool]:
+def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32", cache_dir: Path | None = None,
+                 runtime: Runtime = "onnxruntime", precision: str | None = None) -> tuple[Any, Any, bool]:
     """``(session, tokenizer, built)`` over ``graph_file``'s graph; a damaged cached file is
     rebuilt. ``runtime="openvino"`` runs the same graph on OpenVINO in bfloat16
     (``memory.embedders.minilm_openvino``)."""
@@ -120,7 +120,7 @@ def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
         if runtime == "openvino":
             from .minilm_openvino import OpenVinoSession
 
-            return OpenVinoSession(model)
+            return OpenVinoSession(model, precision)
         import onnxruntime as ort
 
         return ort.InferenceSession(model, session_options(), providers=["CPUExecutionProvider"])
@@ -137,7 +137,8 @@ def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32",
     return session(model), tokenizer, built
 
 
-def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) -> tuple[Weights, dict[Weights, float]]:
+def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None,
+                   precision: str | None = None) -> tuple[Weights, dict[Weights, float]]:
     """The weights OpenVINO runs faster on this CPU, ``fp32`` or ``int8-groups``, and each one's
     median CPU ms for a question (``minilm_openvino.faster_graph``): which wins depends on the CPU
     and the OpenVINO release (docs/selection-quality.md)."""
@@ -146,7 +147,7 @@ def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None) 
     candidates: tuple[Weights, ...] = ("fp32", "int8-groups")
     with zipfile.ZipFile(zip_path or model_zip()) as z:
         graphs = {w: graph_file(z, w, cache_dir)[0] for w in candidates}
-    return faster_graph(graphs)
+    return faster_graph(graphs, precision)
 
 
 class OnnxMiniLM(MiniLM):
@@ -187,20 +188,21 @@ class MiniLMOnnxEmbedder(MiniLMEmbedder):
     compiled graph."""
 
     def __init__(self, *, weights: Weights | None = None, cache_dir: Path | None = None,
-                 runtime: Runtime = "onnxruntime") -> None:
+                 runtime: Runtime = "onnxruntime", precision: str | None = None) -> None:
         """``weights`` None: ``fp32`` on onnxruntime; on OpenVINO whichever of ``fp32`` and
         ``int8-groups`` measures faster here at load (``faster_weights``)."""
         super().__init__()
         self.weights: Weights | None = weights if weights is not None or runtime == "openvino" else "fp32"
         self._cache_dir = cache_dir
         self.runtime: Runtime = runtime
+        self.precision = precision  # OpenVINO's inference precision; None: bf16 where native, else f32
 
     def _make_model(self) -> OnnxMiniLM:
         """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
         started = time.perf_counter()
         if self.weights is None:
             try:
-                self.weights, times = faster_weights(cache_dir=self._cache_dir)
+                self.weights, times = faster_weights(cache_dir=self._cache_dir, precision=self.precision)
             except Exception as exc:  # a probe that fails costs the choice, not the service
                 log.warning("minilm: could not time the weights on openvino (%s); using fp32", exc)
                 self.weights = "fp32"
@@ -208,7 +210,7 @@ class MiniLMOnnxEmbedder(MiniLMEmbedder):
                 log.info("minilm: openvino weights %s, measured faster here (CPU ms per question: %s)", self.weights,
                          ", ".join(f"{w} {ms:.2f}" for w, ms in times.items()))
         session, tokenizer, built = load_session(weights=self.weights, cache_dir=self._cache_dir,
-                                                 runtime=self.runtime)
+                                                 runtime=self.runtime, precision=self.precision)
         precision = getattr(session, "precision", "fp32")  # OpenVINO's inference precision, bf16 where native
         log.info("minilm: %s graph (%s weights, %s inference) %s in %.2f s", self.runtime, self.weights, precision,
                  "built" if built else "loaded", time.perf_counter() - started)

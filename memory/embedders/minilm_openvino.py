@@ -32,7 +32,6 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-PRECISION = "bf16"
 # One query's lengths (tokens) run on fixed-shape models. A pass costs ~1.1 ms plus ~0.1 ms a token
 # (bf16, one thread), so a question (median 12 tokens) padded to 16 paid a third more than its
 # own length; each bucket is one more compiled model with its own copy of the weights (~50 MB
@@ -60,6 +59,11 @@ def bf16_native() -> bool:
     return "BF16" in caps
 
 
+def native_precision() -> str:
+    """``bf16`` where this CPU computes bfloat16 natively, else ``f32``."""
+    return "bf16" if bf16_native() else "f32"
+
+
 def _config(precision: str) -> dict[str, Any]:
     return {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
             "INFERENCE_PRECISION_HINT": precision}
@@ -75,8 +79,10 @@ class OpenVinoSession:
     and longer texts run on the dynamic model.
     """
 
-    def __init__(self, model: str | bytes, precision: str = PRECISION) -> None:
+    def __init__(self, model: str | bytes, precision: str | None = None) -> None:
         import openvino as ov
+
+        precision = precision or native_precision()
 
         core = ov.Core()
         graph = _read(core, model)
@@ -116,7 +122,7 @@ PROBE_PASSES = 24  # per graph, taking turns, after 4 to warm up: ~0.1 s in all
 Name = TypeVar("Name", bound=str)
 
 
-def faster_graph(graphs: Mapping[Name, str | bytes]) -> tuple[Name, dict[Name, float]]:
+def faster_graph(graphs: Mapping[Name, str | bytes], precision: str | None = None) -> tuple[Name, dict[Name, float]]:
     """The name of the graph that answers one question with the least CPU here, and each one's
     median CPU ms: each compiled for ``PROBE_TOKENS`` tokens as ``OpenVinoSession`` compiles a
     question's shape, timed in turns on this thread (the pass runs on the caller's thread).
@@ -127,11 +133,12 @@ def faster_graph(graphs: Mapping[Name, str | bytes]) -> tuple[Name, dict[Name, f
     import openvino as ov
 
     core = ov.Core()
+    config = _config(precision or native_precision())
     requests = {}
     for name, model in graphs.items():
         graph = _read(core, model)
         graph.reshape({"input_ids": [1, PROBE_TOKENS], "attention_mask": [1, PROBE_TOKENS]})
-        requests[name] = core.compile_model(graph, "CPU", _config(PRECISION)).create_infer_request()
+        requests[name] = core.compile_model(graph, "CPU", config).create_infer_request()
     ids = np.array([[101, *range(2000, 2000 + PROBE_TOKENS - 2), 102]], dtype=np.int64)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     samples: dict[Name, list[float]] = {name: [] for name in requests}
