@@ -16,8 +16,9 @@ rounds in rotated order, so drift on a shared machine hits all alike; the tables
 and the range. Nothing is asserted.
 
 Variants: ``numpy`` (``memory.embedders.minilm``), ``openvino`` (the default on this CPU: bfloat16
-where native, else f32; weights ``auto``, timed at start) and ``openvino-f32`` (f32 inference
-whatever the CPU, as on a host without native bfloat16).
+where native, else f32; weights ``auto``, both forms timed at start), ``openvino-fp32``
+(``IBEX_MEMORY_MINILM_WEIGHTS=fp32``: one graph, no timing) and ``openvino-f32`` (f32 inference
+whatever the CPU, as on a host without native bfloat16; weights ``auto``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ if variant == "numpy":
     from ibex_context.memory.embedders.minilm import MiniLMEmbedder
     emb = MiniLMEmbedder()
 else:
-    from ibex_context.memory.embedders.minilm_onnx import MiniLMOnnxEmbedder
+    from ibex_context.memory.embedders.minilm_openvino import MiniLMOpenVinoEmbedder
     emb = MAKERS[variant]()
 emb.load()
 t1 = time.perf_counter()
@@ -60,9 +61,9 @@ print(json.dumps({"load": t1 - t0, "ready": t2 - t0, "rss": kib("VmRSS"), "hwm":
 """
 
 _MAKE = {
-    "onnxruntime": 'MiniLMOnnxEmbedder(runtime="onnxruntime")',
-    "openvino": 'MiniLMOnnxEmbedder(runtime="openvino")',
-    "openvino-f32": 'MiniLMOnnxEmbedder(runtime="openvino", precision="f32")',
+    "openvino": "MiniLMOpenVinoEmbedder()",
+    "openvino-fp32": 'MiniLMOpenVinoEmbedder(weights="fp32")',
+    "openvino-f32": 'MiniLMOpenVinoEmbedder(precision="f32")',
 }
 VARIANTS = ("numpy", *_MAKE)
 CHILD = _CHILD.replace("MAKERS", "{" + ", ".join(f"{k!r}: lambda: {v}" for k, v in _MAKE.items()) + "}")
