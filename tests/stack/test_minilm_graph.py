@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,13 +135,16 @@ def test_one_thread_and_a_cached_graph(cache: Path, graph_emb: MiniLMOpenVinoEmb
         assert int(compiled.get_property("NUM_STREAMS")) == 1
         assert str(compiled.get_property("PERFORMANCE_HINT")) == "LATENCY"
     assert [p.suffix for p in cache.iterdir()] == [".onnx"]
-    before = _threads()
     session, _, built = load_session(cache_dir=cache)
     assert not built
     feed = {"input_ids": np.array([[101, 7592, 102]] * 4), "attention_mask": np.ones((4, 3), dtype=np.int64)}
-    for _ in range(3):
+    session.run(["embedding"], feed)  # this thread's infer request
+    before, thread0, process0 = _threads(), time.thread_time(), time.process_time()
+    for _ in range(20):
         session.run(["embedding"], feed)
-    assert _threads() == before
+    assert _threads() == before  # a pass starts no thread
+    # ...and runs on the calling one: its CPU is the process's
+    assert time.thread_time() - thread0 >= 0.8 * (time.process_time() - process0)
 
 
 @pytest.fixture
