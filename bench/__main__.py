@@ -30,6 +30,7 @@ SUITES: dict[str, str] = {
     "memclient": "what one memory-service call costs the worker, per HTTP client",
     "retrieval": "selection quality on the labelled questions (--suite conversations: long chats)",
     "embedcost": "what a query embedding costs per embedder variant (CPU, wall, cosine to numpy)",
+    "embedstart": "what starting minilm costs per runtime, cold and cached graph (wall, resident memory)",
     "late_interaction": "a MaxSim rerank of the search's top 50 on the conversation set: quality, bytes, CPU",
     "calibration": "budget over-charge before and after usage-report calibration",
     "cache": "how much of each turn's prompt a provider's prefix cache can reuse",
