@@ -30,6 +30,7 @@ SUITES: dict[str, str] = {
     "memclient": "what one memory-service call costs the worker, per HTTP client",
     "retrieval": "selection quality on the labelled questions (--suite conversations: long chats)",
     "embedcost": "what a query embedding costs per embedder variant (CPU, wall, cosine to numpy)",
+    "embedstart": "what starting minilm costs per runtime, cold and cached graph (wall, resident memory)",
     "late_interaction": "a MaxSim rerank of the search's top 50 on the conversation set: quality, bytes, CPU",
     "evidence_stages": "at which search stage each conversation question's evidence is lost, and tokens packed",
     "calibration": "budget over-charge before and after usage-report calibration",

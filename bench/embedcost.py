@@ -1,4 +1,4 @@
-"""``python -m bench.embedcost [--rounds N] [--batch N] [--variants numpy,fp32,...]``: what a new
+"""``python -m bench.embedcost [--rounds N] [--batch N] [--variants numpy,openvino-bf16,...]``: what a new
 query's embedding costs with each minilm pass, and how close its vector is to the numpy reference.
 
 The questions are the benchmark's own (``bench/data/conversation_questions.jsonl`` and
@@ -7,20 +7,18 @@ variant and round, one query at a time (``embed_query``, as the memory service e
 it has not seen), or ``--batch N`` at a time (``embed_queries``, as it embeds concurrent ones;
 the figures are then per query). The variants take turns on every question, in rotated order,
 so drift on a shared machine hits all alike. CPU is the process's (``bench.lib.cpu.cpu_seconds``:
-every pass runs one thread of its own, onnxruntime and BLAS on the calling one, an OpenVINO
-runtime thread of its own included); wall is ``time.perf_counter_ns``.
+every pass runs one thread of its own, BLAS and OpenVINO on the calling one); wall is ``time.perf_counter_ns``.
 
 The demo memories (``memory/data/demo.jsonl``, 354) are then embedded once per variant as the
 service embeds memories (``embed``: length-sorted batches of 32, up to 256 tokens), for their
 cosine and their CPU per memory (one pass, not interleaved: indicative only).
 
-Variants: ``numpy`` (``memory.embedders.minilm``, the reference), the onnxruntime graph
-(``memory.embedders.minilm_onnx``) as ``fp32``, ``int8-block``, ``int8-dynamic`` and ``int8-qk``, and the
-fp32 graph on OpenVINO in bfloat16 as ``openvino-bf16`` and the ``int8-groups`` graph there as
-``openvino-int8`` (``memory.embedders.minilm_openvino``; the latter is the default where the CPU computes
-bfloat16 natively; both listed when openvino is installed). Cosine is against
-the numpy vector of the same text. Graphs are built (or loaded) from the default cache before
-timing. Nothing is asserted.
+Variants: ``numpy`` (``memory.embedders.minilm``, the reference), and the graph on OpenVINO
+(``memory.embedders.minilm_openvino``; listed when openvino is installed) per weights and inference
+precision: ``openvino-bf16`` (fp32 weights) and ``openvino-int8`` (``int8-groups``) computing in
+bfloat16, as where the CPU has it natively, and ``openvino-f32`` and ``openvino-f32-int8`` computing
+in f32, as where it has not. Cosine is against the numpy vector of the same text. Graphs are built
+(or loaded) from the default cache before timing. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -40,13 +38,16 @@ from bench.lib.cpu import cpu_seconds
 from bench.lib.percentiles import median, percentile
 from bench.lib.tables import table
 from ibex_context.memory.embedders.minilm import MAX_QUERY_TOKENS, MiniLMEmbedder, load_tokenizer, model_zip
-from ibex_context.memory.embedders.minilm_onnx import MiniLMOnnxEmbedder
-from ibex_context.memory.embedders.minilm_openvino import openvino_available
+from ibex_context.memory.embedders.minilm_graph import Weights
+from ibex_context.memory.embedders.minilm_openvino import MiniLMOpenVinoEmbedder, openvino_available
 
 DATA = Path(__file__).resolve().parent / "data"
 DEMO = Path(__file__).resolve().parent.parent / "memory" / "data" / "demo.jsonl"
-VARIANTS = ("numpy", "fp32", "int8-block", "int8-dynamic", "int8-qk",
-            *(("openvino-bf16", "openvino-int8") if openvino_available() else ()))
+# OpenVINO variants: (weights, inference precision)
+OPENVINO: dict[str, tuple[Weights, str]] = {
+    "openvino-bf16": ("fp32", "bf16"), "openvino-int8": ("int8-groups", "bf16"),
+    "openvino-f32": ("fp32", "f32"), "openvino-f32-int8": ("int8-groups", "f32")}
+VARIANTS = ("numpy", *(OPENVINO if openvino_available() else ()))
 Embed = Callable[[list[str]], np.ndarray]
 
 
@@ -66,7 +67,7 @@ def memories() -> list[str]:
     return [r.get("content") or r["text"] for r in rows]
 
 
-def memory_pass(embs: dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder]) -> dict[str, tuple[float, float]]:
+def memory_pass(embs: dict[str, MiniLMEmbedder]) -> dict[str, tuple[float, float]]:
     """Per variant: CPU ms per memory and worst cosine against numpy, demo memories in batches."""
     texts, out, vecs = memories(), {}, {}
     for name, emb in embs.items():
@@ -77,19 +78,17 @@ def memory_pass(embs: dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder]) -> dict[st
     return out
 
 
-def _embed(emb: MiniLMEmbedder | MiniLMOnnxEmbedder) -> Embed:
+def _embed(emb: MiniLMEmbedder) -> Embed:
     """One query alone through ``embed_query``, several through ``embed_queries``."""
     return lambda texts: emb.embed_query(texts[0])[None] if len(texts) == 1 else emb.embed_queries(texts)
 
 
-def embedders(names: list[str]) -> dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder]:
-    out: dict[str, MiniLMEmbedder | MiniLMOnnxEmbedder] = {}
+def embedders(names: list[str]) -> dict[str, MiniLMEmbedder]:
+    out: dict[str, MiniLMEmbedder] = {}
     for name in names:
         started = time.perf_counter()
         emb = (MiniLMEmbedder() if name == "numpy" else
-               MiniLMOnnxEmbedder(runtime="openvino", weights="fp32") if name == "openvino-bf16" else
-               MiniLMOnnxEmbedder(runtime="openvino", weights="int8-groups") if name == "openvino-int8" else
-               MiniLMOnnxEmbedder(weights=name))  # type: ignore[arg-type]
+               MiniLMOpenVinoEmbedder(weights=OPENVINO[name][0], precision=OPENVINO[name][1]))
         emb.load()
         if name != "numpy":
             print(f"{name}: graph ready in {time.perf_counter() - started:.2f} s")

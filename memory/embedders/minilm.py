@@ -236,7 +236,7 @@ class MiniLMEmbedder:
                 self._model = self._make_model()
 
     def _make_model(self) -> MiniLM:
-        """The network ``load`` keeps: the numpy pass here (``memory.embedders.minilm_onnx`` compiles it)."""
+        """The network ``load`` keeps: the numpy pass here (``memory.embedders.minilm_openvino`` compiles it)."""
         return MiniLM.from_wheel()
 
     @property

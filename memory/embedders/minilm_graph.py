@@ -1,61 +1,42 @@
-"""all-MiniLM-L6-v2 written as an ONNX graph: the network the compiled runtimes run.
+"""all-MiniLM-L6-v2 written as an ONNX graph, and its cached file: the network OpenVINO compiles
+(``memory.embedders.minilm_openvino``).
 
 The graph is written with ``onnx.helper`` from the same ``model.safetensors`` the numpy pass
-(``memory.embedders.minilm``, the reference) reads: no torch, no exported model file. It is the reference's
-arithmetic in standard operators (opset 17), which onnxruntime optimises and runs on one thread
-with its prepacked GEMMs; nearly all of the time is those matrix products. (onnxruntime's fused
-``com.microsoft`` kernels, MultiHeadAttention, SkipLayerNormalization and BiasGelu, were 3-7 %
-slower than this form on the dev machine, so they are not used.)
+(``memory.embedders.minilm``, the reference) reads: no torch, no exported model file. It is the
+reference's arithmetic in standard operators (opset 17); nearly all of its time is the matrix
+products. The built file is cached (``default_cache_dir``): building it takes a few seconds,
+offline, and later starts only read it.
 
-Three int8 forms can be built for comparison (``python -m bench.embedcost``); none is the
-default. ``int8-dynamic`` (DynamicQuantizeMatMul: weights per output column, activations per
-tensor) is the fastest and misses the 0.999 bound (worst cosine 0.986); ``int8-block``
-(MatMulNBits, blocks of 16) meets it (0.9995) but saves only a fifth on one short query and costs
-more in batches and on memories; ``int8-qk`` (DynamicQuantizeMatMul on the query and key
-projections only, the two the vectors are least sensitive to) meets it (0.9994) and saves 9-11 %
-on one short query (p50 4.81 ms against 5.29, p90 5.38 against 6.00) but costs more on memories.
-
-What bounds the saving, measured on one short query (12 tokens, one thread, AVX-512 VNNI/AMX):
-only DynamicQuantizeMatMul is much cheaper than fp32 (a 384x1536 product: 85 µs against 284);
-MatMulNBits is 134-191 µs with int8 activations (``accuracy_level`` 4; 4- or 8-bit, blocks of
-32-128) and 260-1020 µs with fp32 ones, and an fp16 MatMul (Cast around it) costs as much as fp32.
-Its per-tensor activation scale is what costs the cosine: channel 99 of every LayerNorm output
-reaches ~28 where the median channel stays under 2, and a few FFN channels (e.g. 856 in layer 0)
-reach ~24 with weight rows as large. Weights alone quantised per column give 0.9992 worst; the FFN
-matrices (``in``, ``out``) alone with per-tensor activations 0.995 and 0.992, ``value`` 0.9975,
-``query``, ``key`` and attention ``output`` 0.9998 each. Computing the outlier input channels
-(calibration maximum > 3) in fp32 and SmoothQuant-style per-channel scaling (alpha 0.5-0.7) bring
-one FFN matrix in one layer to ~0.9999 and ``value`` to only 0.9987, but the errors add up: query,
-key and attention output together already reach 0.9990 on the demo memories, and the best split
-found within the bound (query and key with outliers split, FFN input of layers 2 and 5, output
-of layers 3 and 5) saves 15 % (p50 4.31 ms against 5.06, interleaved in one process) while
-all-int8 is at 1.79 ms. So onnxruntime's default stays fp32.
-
-For OpenVINO (``memory.embedders.minilm_openvino``) there is ``int8-groups``: each weight matrix stored
-as int8 in groups of ``INT8_GROUP`` rows of one output column, one scale per group, written in
+Two weight forms (``IBEX_MEMORY_MINILM_WEIGHTS``): ``fp32``, and ``int8-groups``, each weight matrix
+stored as int8 in groups of ``INT8_GROUP`` rows of one output column with one scale per group, in
 standard operators (Cast, Mul, Reshape before the MatMul). OpenVINO keeps such a constant
 compressed in its matrix product and, by default, quantises the activations per group of 32 on
-the fly. The cosine stays above the bound (worst 0.9993 on the questions and memories, where
-per-column scales gave 0.9990). Whether that beats the bfloat16 pass over fp32 weights depends on
-the CPU and the OpenVINO release (measured 12 % faster on one host, 30 % slower on another), so by
-default the service times both at start and keeps the faster (``minilm_onnx.faster_weights``). onnxruntime
-would decompress on every call, so it keeps fp32.
+the fly. The cosine stays above the 0.999 bound (worst 0.9993 on the questions and memories,
+where per-column scales gave 0.9990). Whether that beats the bfloat16 pass over fp32 weights
+depends on the CPU and the OpenVINO release, so by default the service times both at start and
+keeps the faster (``minilm_openvino.faster_weights``; docs/selection-quality.md).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
+import zipfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from .minilm import HEADS, HIDDEN, LAYERS, Array
 
+log = logging.getLogger(__name__)
+
 GRAPH_VERSION = 3  # part of the cached file's name: bump it whenever the graph below changes
 OPSET = 17  # LayerNormalization is a standard op from 17
 _EPS = 1e-12  # BERT's LayerNorm epsilon, as memory.embedders.minilm
-Weights = Literal["fp32", "int8-block", "int8-dynamic", "int8-qk", "int8-groups"]
-_INT8_BLOCK = 16  # MatMulNBits block: 32 gave a worst cosine of 0.9990, 16 gives 0.9995
+Weights = Literal["fp32", "int8-groups"]
 INT8_GROUP = 32  # int8-groups: rows of one column sharing a scale (128 gave a worst cosine of 0.9993)
 
 
@@ -72,36 +53,15 @@ class _Graph:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
         return name
 
-    def op(self, op_type: str, inputs: Sequence[str], out: str, domain: str = "", **attrs: Any) -> str:
+    def op(self, op_type: str, inputs: Sequence[str], out: str, **attrs: Any) -> str:
         from onnx import helper
 
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=domain, **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
 
-def quantize_blocks(w_kn: Array, block: int) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], Array]:
-    """``W[K, N]`` as 8-bit MatMulNBits wants it: ``B[N, K/block, block]`` (uint8 around the default
-    zero point 128) and one scale per block, ``scales[N * K/block]``."""
-    k, n = w_kn.shape
-    blocks = w_kn.T.reshape(n, k // block, block)
-    scales = np.maximum(np.abs(blocks).max(-1), 1e-30) / 127
-    q = (np.clip(np.rint(blocks / scales[..., None]), -127, 127) + 128).astype(np.uint8)
-    return q, scales.reshape(-1).astype(np.float32)
-
-
 def _dense(g: _Graph, weights: Weights, name: str, x: str, w_kn: Array) -> str:
-    """``x @ w_kn``, with the weights stored as ``weights`` says (``int8-qk``: the query and key
-    projections as ``int8-dynamic``, the rest fp32)."""
-    if weights == "int8-dynamic" or (weights == "int8-qk" and name.endswith(("_query_mm", "_key_mm"))):
-        scale = (np.maximum(np.abs(w_kn).max(0), 1e-30) / 127).astype(np.float32)
-        q = np.clip(np.rint(w_kn / scale), -127, 127).astype(np.int8)
-        return g.op("DynamicQuantizeMatMul", [x, g.const(name + "_q", q), g.const(name + "_s", scale)], name,
-                    domain="com.microsoft")
-    if weights == "int8-block":
-        q8, scales = quantize_blocks(w_kn, _INT8_BLOCK)
-        return g.op("MatMulNBits", [x, g.const(name + "_q", q8), g.const(name + "_s", scales)], name,
-                    domain="com.microsoft", K=w_kn.shape[0], N=w_kn.shape[1], bits=8, block_size=_INT8_BLOCK,
-                    accuracy_level=4)  # int8 activations, quantised per block
+    """``x @ w_kn``, with the weights stored as ``weights`` says."""
     if weights == "int8-groups":
         return g.op("MatMul", [x, _grouped_int8(g, name, w_kn)], name)
     return g.op("MatMul", [x, g.const(name + "_w", w_kn)], name)
@@ -223,5 +183,55 @@ def build_model(w: dict[str, Array], weights: Weights = "fp32") -> Any:
     outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", HIDDEN]),
                helper.make_tensor_value_info("states", TensorProto.FLOAT, ["batch", "seq", HIDDEN])]
     graph = helper.make_graph(g.nodes, "all-MiniLM-L6-v2", inputs, outputs, initializer=g.inits)
-    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid("", OPSET)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8, producer_name="ibex-context")
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/ibex-context``, else ``~/.cache/ibex-context``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ibex-context"
+
+
+def _cache_name(info: zipfile.ZipInfo, weights: Weights) -> str:
+    # The zip's CRC and size of model.safetensors identify the weights without reading them.
+    return f"minilm-l6-v2-{info.CRC:08x}-{info.file_size}-g{GRAPH_VERSION}-{weights}.onnx"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Two processes starting together (seed and service) may both build; each replaces whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _built(z: zipfile.ZipFile, weights: Weights) -> bytes:
+    """The serialised graph (the weights and the proto are freed on return: peak ~0.5 GB)."""
+    from safetensors.numpy import load
+
+    raw = load(z.read("model.safetensors"))
+    return bytes(build_model({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()},
+                             weights).SerializeToString())
+
+
+def graph_file(z: zipfile.ZipFile, weights: Weights, cache_dir: Path | None = None, *,
+               rebuild: bool = False) -> tuple[str | bytes, bool]:
+    """``(model, built)``: the cached graph's path if there is one (and not ``rebuild``), else the
+    graph built from ``z``'s weights and cached; its bytes when the cache is unwritable (that only
+    costs the build at every start)."""
+    path = (cache_dir or default_cache_dir()) / _cache_name(z.getinfo("model.safetensors"), weights)
+    if path.is_file() and not rebuild:
+        return str(path), False
+    blob = _built(z, weights)
+    try:
+        _write_atomically(path, blob)
+    except OSError as exc:
+        log.warning("minilm: cannot cache the graph in %s (%s); built in memory", path.parent, exc)
+        return blob, True
+    return str(path), True

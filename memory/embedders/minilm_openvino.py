@@ -1,14 +1,17 @@
-"""The minilm graph on OpenVINO in bfloat16, where the CPU computes bfloat16 natively.
+"""all-MiniLM-L6-v2 on OpenVINO: the ``minilm`` embedder's compiled pass (the numpy pass in
+``memory.embedders.minilm`` is the reference it is held to).
 
-The graph is ``memory.embedders.minilm_onnx``'s own (the same cached ``.onnx`` file, built from the same
-weights); only the runtime differs. On a CPU with native bfloat16 (AVX-512 BF16 or AMX: OpenVINO
-reports ``BF16`` among its CPU capabilities) the matrix products read half the weight bytes and
-run on the bfloat16 units, accumulating in fp32, so the vectors stay the reference's (worst
-cosine 0.99997 on the shipped texts; tests/stack/test_minilm_openvino.py holds it to 0.999) and one
-new question costs ~40 % less CPU than onnxruntime's fp32 pass, a batch of memories ~75 % less
-(docs/selection-quality.md, ``python -m bench.embedcost``). Elsewhere OpenVINO would run fp32
-and lose to onnxruntime, so ``IBEX_MEMORY_MINILM_RUNTIME=auto`` picks it only where bfloat16 is
-native.
+The graph is ``memory.embedders.minilm_graph``'s (a cached ``.onnx`` file built from the same
+weights). On a CPU with native bfloat16 (AVX-512 BF16 or AMX: OpenVINO reports ``BF16`` among its
+CPU capabilities) it runs in bfloat16: the matrix products read half the weight bytes and run on
+the bfloat16 units, accumulating in fp32, so the vectors stay the reference's (worst cosine
+0.99997 on the shipped texts; tests/stack/test_minilm_openvino.py holds them to 0.999). Elsewhere
+it runs in f32. ``python -m bench.embedcost`` and ``python -m bench.embedstart`` measure both
+against the reference (docs/selection-quality.md).
+
+Tokenizer, truncation (``MAX_TOKENS``, ``MAX_QUERY_TOKENS``) and length-sorted batching are the
+numpy pass's own (``OpenVinoMiniLM`` inherits them), and the embedder keeps its name, dimension
+and cutoff: vectors from either pass are interchangeable.
 
 One thread, one stream, latency hint: the memory service embeds in a worker thread next to its
 event loop, on a box it shares with the workers. An infer request is not thread-safe, so each
@@ -24,15 +27,19 @@ import statistics
 import tempfile
 import threading
 import time
+import zipfile
 from collections.abc import Mapping, Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
+from .minilm import HIDDEN, Array, MiniLM, MiniLMEmbedder, load_tokenizer, model_zip, token_states
+from .minilm_graph import Weights, graph_file
+
 log = logging.getLogger(__name__)
 
-PRECISION = "bf16"
 # One query's lengths (tokens) run on fixed-shape models. A pass costs ~1.1 ms plus ~0.1 ms a token
 # (bf16, one thread), so a question (median 12 tokens) padded to 16 paid a third more than its
 # own length; each bucket is one more compiled model with its own copy of the weights (~50 MB
@@ -41,14 +48,14 @@ BUCKETS = (12, 16, 24, 32)
 
 
 def openvino_available() -> bool:
-    """True when the openvino package is installed."""
-    return importlib.util.find_spec("openvino") is not None
+    """True when openvino (to run the graph) and onnx (to build it) are installed."""
+    return all(importlib.util.find_spec(m) is not None for m in ("openvino", "onnx"))
 
 
 @cache
 def bf16_native() -> bool:
     """True when OpenVINO is installed and this CPU computes bfloat16 natively."""
-    if not openvino_available():
+    if importlib.util.find_spec("openvino") is None:
         return False
     import openvino as ov
 
@@ -60,14 +67,19 @@ def bf16_native() -> bool:
     return "BF16" in caps
 
 
+def native_precision() -> str:
+    """``bf16`` where this CPU computes bfloat16 natively, else ``f32``."""
+    return "bf16" if bf16_native() else "f32"
+
+
 def _config(precision: str) -> dict[str, Any]:
     return {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
             "INFERENCE_PRECISION_HINT": precision}
 
 
 class OpenVinoSession:
-    """What ``memory.embedders.minilm_onnx.OnnxMiniLM`` asks of an onnxruntime session (``run``), over an
-    OpenVINO model compiled from the graph's ``.onnx`` file (a path, or the serialised bytes).
+    """The graph's ``.onnx`` file (a path, or the serialised bytes) compiled by OpenVINO, run by name
+    (``run``) for ``OpenVinoMiniLM``; ``precision`` None: ``native_precision()``.
 
     One query of up to ``BUCKETS[-1]`` tokens runs on a model compiled for a fixed shape, its ids
     right-padded to the next bucket (the attention mask keeps padding out, as in a batch): with
@@ -75,8 +87,10 @@ class OpenVinoSession:
     and longer texts run on the dynamic model.
     """
 
-    def __init__(self, model: str | bytes, precision: str = PRECISION) -> None:
+    def __init__(self, model: str | bytes, precision: str | None = None) -> None:
         import openvino as ov
+
+        precision = precision or native_precision()
 
         core = ov.Core()
         graph = _read(core, model)
@@ -116,7 +130,7 @@ PROBE_PASSES = 24  # per graph, taking turns, after 4 to warm up: ~0.1 s in all
 Name = TypeVar("Name", bound=str)
 
 
-def faster_graph(graphs: Mapping[Name, str | bytes]) -> tuple[Name, dict[Name, float]]:
+def faster_graph(graphs: Mapping[Name, str | bytes], precision: str | None = None) -> tuple[Name, dict[Name, float]]:
     """The name of the graph that answers one question with the least CPU here, and each one's
     median CPU ms: each compiled for ``PROBE_TOKENS`` tokens as ``OpenVinoSession`` compiles a
     question's shape, timed in turns on this thread (the pass runs on the caller's thread).
@@ -127,11 +141,12 @@ def faster_graph(graphs: Mapping[Name, str | bytes]) -> tuple[Name, dict[Name, f
     import openvino as ov
 
     core = ov.Core()
+    config = _config(precision or native_precision())
     requests = {}
     for name, model in graphs.items():
         graph = _read(core, model)
         graph.reshape({"input_ids": [1, PROBE_TOKENS], "attention_mask": [1, PROBE_TOKENS]})
-        requests[name] = core.compile_model(graph, "CPU", _config(PRECISION)).create_infer_request()
+        requests[name] = core.compile_model(graph, "CPU", config).create_infer_request()
     ids = np.array([[101, *range(2000, 2000 + PROBE_TOKENS - 2), 102]], dtype=np.int64)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     samples: dict[Name, list[float]] = {name: [] for name in requests}
@@ -157,3 +172,106 @@ def _read(core: Any, model: str | bytes) -> Any:
         return core.read_model(path)
     finally:
         os.unlink(path)
+
+
+def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32", cache_dir: Path | None = None,
+                 precision: str | None = None) -> tuple[OpenVinoSession, Any, bool]:
+    """``(session, tokenizer, built)`` over ``graph_file``'s graph; a damaged cached file is rebuilt."""
+
+    def session(model: str | bytes) -> OpenVinoSession:
+        return OpenVinoSession(model, precision)
+
+    with zipfile.ZipFile(zip_path or model_zip()) as z:
+        tokenizer = load_tokenizer(z.read("tokenizer.json").decode("utf-8"))
+        model, built = graph_file(z, weights, cache_dir)
+        if not built:
+            try:
+                return session(model), tokenizer, False
+            except Exception as exc:  # a damaged cache file is rebuilt, not fatal
+                log.warning("minilm: rebuilding the cached graph %s: %s", model, exc)
+            model, built = graph_file(z, weights, cache_dir, rebuild=True)
+    return session(model), tokenizer, built
+
+
+def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None,
+                   precision: str | None = None) -> tuple[Weights, dict[Weights, float]]:
+    """The weights OpenVINO runs faster on this CPU, ``fp32`` or ``int8-groups``, and each one's
+    median CPU ms for a question (``faster_graph``): which wins depends on the CPU and the OpenVINO
+    release (docs/selection-quality.md)."""
+    candidates: tuple[Weights, ...] = ("fp32", "int8-groups")
+    with zipfile.ZipFile(zip_path or model_zip()) as z:
+        graphs = {w: graph_file(z, w, cache_dir)[0] for w in candidates}
+    return faster_graph(graphs, precision)
+
+
+class OpenVinoMiniLM(MiniLM):
+    """``MiniLM`` with the forward pass on OpenVINO; tokenising, truncation and batching are the
+    reference's own (inherited), only ``encode_ids`` differs."""
+
+    def __init__(self, session: Any, tokenizer: Any) -> None:
+        # The numpy weights are not kept: the session holds its own copy.
+        self.tokenizer = tokenizer
+        self.session = session
+
+    def encode_ids(self, ids: Sequence[Sequence[int]]) -> Array:
+        """Mean-pooled, L2-normalised embeddings of token id sequences ([CLS] ... [SEP] included)."""
+        return self._run(ids, states=False)[0]
+
+    def encode_ids_states(self, ids: Sequence[Sequence[int]]) -> tuple[Array, list[Array]]:
+        """``encode_ids`` and the graph's ``states`` output of the same pass ([CLS], [SEP] left out)."""
+        return self._run(ids, states=True)
+
+    def _run(self, ids: Sequence[Sequence[int]], *, states: bool) -> tuple[Array, list[Array]]:
+        n, length = len(ids), max((len(s) for s in ids), default=0)
+        if n == 0 or length == 0:
+            return np.zeros((n, HIDDEN), dtype=np.float32), [np.zeros((0, HIDDEN), dtype=np.float32)] * n
+        tokens = np.zeros((n, length), dtype=np.int64)
+        mask = np.zeros((n, length), dtype=np.int64)
+        for i, s in enumerate(ids):
+            tokens[i, : len(s)] = s
+            mask[i, : len(s)] = 1
+        out = self.session.run(["embedding", "states"] if states else ["embedding"],
+                               {"input_ids": tokens, "attention_mask": mask})
+        pooled = np.asarray(out[0], dtype=np.float32)
+        return pooled, token_states(np.asarray(out[1], dtype=np.float32), ids) if states else []
+
+
+class MiniLMOpenVinoEmbedder(MiniLMEmbedder):
+    """``IBEX_MEMORY_EMBEDDER=minilm`` when openvino and onnx are installed (``memory.embedders.embed``):
+    the numpy embedder's vectors, name, cutoff and loading (BLAS held to one thread too), from the
+    compiled graph."""
+
+    runtime: str = "openvino"
+
+    def __init__(self, *, weights: Weights | None = None, cache_dir: Path | None = None,
+                 precision: str | None = None) -> None:
+        """``weights`` None: whichever of ``fp32`` and ``int8-groups`` measures faster here at load
+        (``faster_weights``); ``precision`` None: bfloat16 where the CPU computes it natively, else f32."""
+        super().__init__()
+        self.weights: Weights | None = weights
+        self._cache_dir = cache_dir
+        self.precision = precision
+
+    def _make_model(self) -> OpenVinoMiniLM:
+        """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
+        started = time.perf_counter()
+        if self.weights is None:
+            try:
+                self.weights, times = faster_weights(cache_dir=self._cache_dir, precision=self.precision)
+            except Exception as exc:  # a probe that fails costs the choice, not the service
+                log.warning("minilm: could not time the weights on openvino (%s); using fp32", exc)
+                self.weights = "fp32"
+            else:
+                log.info("minilm: openvino weights %s, measured faster here (CPU ms per question: %s)", self.weights,
+                         ", ".join(f"{w} {ms:.2f}" for w, ms in times.items()))
+        session, tokenizer, built = load_session(weights=self.weights, cache_dir=self._cache_dir,
+                                                 precision=self.precision)
+        log.info("minilm: openvino graph (%s weights, %s inference) %s in %.2f s", self.weights, session.precision,
+                 "built" if built else "loaded", time.perf_counter() - started)
+        return OpenVinoMiniLM(session, tokenizer)
+
+    @property
+    def model(self) -> OpenVinoMiniLM:
+        model = super().model
+        assert isinstance(model, OpenVinoMiniLM)
+        return model

@@ -4,8 +4,9 @@
 URL, ``/v1/embeddings`` appended) as ``{"model": IBEX_MEMORY_EMBED_MODEL, "input": [...]}``, so
 embedding can run on machines of its own: text-embeddings-inference, vLLM, Ollama, a LiteLLM proxy
 and OpenAI itself all serve this route. The vectors are checked (count, dimension, finite) and
-L2-normalised here; a failure is a typed 503 naming the endpoint's problem, never a memory stored
-without a vector or a search answered from nothing.
+L2-normalised here; a failure is an ``EmbeddingFailed`` naming the endpoint's problem (the memory
+service answers it with 503), never a memory stored without a vector or a search answered from
+nothing.
 
 The dimension is learnt at start from one probe call (or set with ``IBEX_MEMORY_EMBED_DIM``, which
 the probe must then match), and is part of the embedder's name, so vectors of another model or
@@ -22,7 +23,7 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 
-from ..service.http import ApiError
+from .errors import EmbeddingFailed
 
 Vectors = NDArray[np.float32]  # memory.embedders.embed's rows; that module loads this one, so not imported from it
 
@@ -68,7 +69,7 @@ class RemoteEmbedder:
         got = self._request(["dimension probe"])
         dim = int(got.shape[1])
         if self._dim is not None and dim != self._dim:
-            raise ApiError(503, f"embedding endpoint {self._endpoint}: vectors have {dim} dimensions, "
+            raise EmbeddingFailed(f"embedding endpoint {self._endpoint}: vectors have {dim} dimensions, "
                                 f"IBEX_MEMORY_EMBED_DIM is {self._dim}")
         self._dim = dim
 
@@ -89,15 +90,15 @@ class RemoteEmbedder:
         try:
             r = self._http.post(self._endpoint, json={"model": self._model, "input": list(texts)})
         except httpx.HTTPError as exc:
-            raise ApiError(503, f"{where} unreachable: {type(exc).__name__}: {exc}"[:300]) from exc
+            raise EmbeddingFailed(f"{where} unreachable: {type(exc).__name__}: {exc}"[:300]) from exc
         if r.status_code != 200:
-            raise ApiError(503, f"{where} answered HTTP {r.status_code}: {r.text[:200]}")
+            raise EmbeddingFailed(f"{where} answered HTTP {r.status_code}: {r.text[:200]}")
         try:
             rows = _rows(r.json(), len(texts))
         except (ValueError, TypeError, KeyError) as exc:
-            raise ApiError(503, f"{where} sent a malformed answer: {exc}"[:300]) from exc
+            raise EmbeddingFailed(f"{where} sent a malformed answer: {exc}"[:300]) from exc
         if self._dim is not None and rows.shape[1] != self._dim:
-            raise ApiError(503, f"{where} sent {rows.shape[1]}-dimensional vectors, expected {self._dim}")
+            raise EmbeddingFailed(f"{where} sent {rows.shape[1]}-dimensional vectors, expected {self._dim}")
         return rows
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from ..search.rank import DEFAULT_MIN_SIMILARITY
 from .minilm import load_tokenizer
+from .similarity import DEFAULT_MIN_SIMILARITY
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "static-minilm"
 Array = NDArray[np.float32]

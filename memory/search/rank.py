@@ -56,7 +56,6 @@ HALF_LIFE_DAYS: Mapping[str, float] = MappingProxyType(
 CATEGORIES = frozenset(HALF_LIFE_DAYS)
 DEFAULT_HALF_LIFE_DAYS = 30.0
 
-DEFAULT_MIN_SIMILARITY = 0.70
 DEFAULT_RELEVANCE_FLOOR = 0.15
 # The spec's bound: a floor at or above 0.5 would drop memories that match most of the question's
 # words but not its meaning (memory.search.fusion: their relevance is TEXT_WEIGHT x text, from 0.4 up).

@@ -56,6 +56,7 @@ from starlette.types import Receive, Scope, Send
 from ...shared.stores import storage
 from ...shared.wire.errors import StorageQuotaExceeded
 from ..embedders.embed import Embedder, load_embedder
+from ..embedders.errors import EmbeddingFailed
 from ..store import quotas, reads
 from ..store import writes as store
 from ..store.records import MemoryRecord
@@ -88,6 +89,22 @@ __all__ = ["ApiError", "MemoryService", "OrgLimiter", "create_app", "parse_json_
 
 Handler = Callable[[Request], Awaitable[Response]]
 
+def _failure(name: str, exc: Exception) -> Response:
+    """The answer to a handler's failure that is not an ``ApiError``."""
+    if isinstance(exc, EmbeddingFailed):  # a remote embeddings endpoint's failure, named
+        return error_response(503, str(exc))
+    if isinstance(exc, ClientDisconnect):  # the caller gave up (its deadline) before sending the whole body
+        return error_response(499, "client closed the request before its body arrived")
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError):
+        log.warning("redis unavailable: %s", exc)
+        return error_response(503, "memory store unavailable")
+    if isinstance(exc, RedisError):
+        log.error("redis error: %s", exc)
+        return error_response(503, "memory store error")
+    log.error("unhandled error in %s", name, exc_info=exc)
+    return error_response(500, "internal error")
+
+
 def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Callable[[MemoryService], Handler]:
     """Wrap a handler: map errors to JSON responses and log one line with its timing."""
 
@@ -102,17 +119,8 @@ def _endpoint(fn: Callable[[MemoryService, Request], Awaitable[Response]]) -> Ca
                 if isinstance(exc, DeadlinePassed):  # counted; under overload too many to log at INFO
                     svc.deadline_dropped += 1
                     quiet = True
-            except ClientDisconnect:  # the caller gave up (its deadline) before sending the whole body
-                response = error_response(499, "client closed the request before its body arrived")
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                log.warning("redis unavailable: %s", exc)
-                response = error_response(503, "memory store unavailable")
-            except RedisError as exc:
-                log.error("redis error: %s", exc)
-                response = error_response(503, "memory store error")
-            except Exception:
-                log.exception("unhandled error in %s", fn.__name__)
-                response = error_response(500, "internal error")
+            except Exception as exc:
+                response = _failure(fn.__name__, exc)
             # One line per call that went wrong; the 200s only at DEBUG (formatting and writing a
             # line for every read is CPU spent on every assembly).
             level = logging.DEBUG if response.status_code < 400 or quiet else logging.INFO
@@ -296,8 +304,8 @@ def create_app(
     clock: Callable[[], float] = time.time,
 ) -> MemoryApp:
     """Build the ASGI app. ``clock`` (epoch seconds) is only used for recency and defaults."""
-    svc = MemoryService(config, embedder or load_embedder(config.embedder, config), enable_faults=enable_faults,
-                        clock=clock)
+    embedder = embedder or load_embedder(config.embedder, config.embedder_config())
+    svc = MemoryService(config, embedder, enable_faults=enable_faults, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -20,6 +20,7 @@ from pydantic_settings import SettingsConfigDict
 
 from ...shared.config.org_weights import OrgWeights, parse_org_weights
 from ...shared.config.settings import DEV_MEMORY_SECRET, RETIRED_ENV, MemoryServiceSettings, shown
+from ..embedders.config import EmbedderConfig
 from ..search.cutoff import BELOW_CUTOFF_SHOWN
 from ..search.fusion import SUBJECT_BOOST, TEXT_WEIGHT, FusionRule
 from ..search.rank import DEFAULT_RELEVANCE_FLOOR, check_relevance_floor
@@ -175,6 +176,14 @@ class MemoryConfig(MemoryServiceSettings):
             if name in os.environ:
                 raise ValueError(f"{name} is no longer read: use {instead}")
         return self
+
+    def embedder_config(self) -> EmbedderConfig:
+        """The embedder's part of these settings (``memory.embedders.embed.load_embedder``)."""
+        return EmbedderConfig(
+            minilm_runtime=self.minilm_runtime, minilm_weights=self.minilm_weights, embed_url=self.embed_url,
+            embed_model=self.embed_model, embed_api_key=self.embed_api_key, embed_dim=self.embed_dim,
+            embed_min_similarity=self.embed_min_similarity, embed_timeout_s=self.embed_timeout_ms / 1000.0,
+            max_query_chars=self.max_query_chars)
 
     @property
     def uses_dev_secret(self) -> bool:

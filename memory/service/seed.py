@@ -172,7 +172,10 @@ async def seed_records(
     pairs = [r if isinstance(r, tuple) else (f"record {i + 1}", r) for i, r in enumerate(records)]
     memories, directives = parse_records(pairs, now=now or datetime.now(UTC))
     orgs = tuple(sorted({m.org_id for m in memories} | {d.org_id for d in directives}))
-    emb = embedder or load_embedder(MemoryConfig().embedder)  # IBEX_MEMORY_EMBEDDER, as the service
+    if embedder is None:
+        cfg = MemoryConfig()  # IBEX_MEMORY_EMBEDDER and its settings, as the service reads them
+        embedder = load_embedder(cfg.embedder, cfg.embedder_config())
+    emb = embedder
 
     with_states = getattr(emb, "embed_with_states", None)
     embed_many = with_states if callable(with_states) else emb.embed  # token states from the same pass
@@ -195,7 +198,7 @@ async def seed_records(
 async def _main(path: Path, url: str, *, flush: bool, embedder: str | None) -> SeedStats:
     client = async_client(url, socket_timeout=10, socket_connect_timeout=5)
     try:
-        emb = load_embedder(embedder) if embedder else None
+        emb = load_embedder(embedder, MemoryConfig().embedder_config()) if embedder else None
         return await seed_records(client, read_jsonl(path), embedder=emb, flush=flush)
     finally:
         await client.aclose()

@@ -32,10 +32,10 @@ from ...shared.config.settings import env_name
 from ...shared.security.netloc import is_loopback_host
 from ..embedded_redis.server import EmbeddedRedis, RedisStartError, resolve_redis_url
 from ..embedders.embed import EMBEDDERS, Embedder, EmbedderUnavailable, load_embedder
+from ..embedders.errors import EmbeddingFailed
 from .app import create_app
 from .config import MemoryConfig
 from .faults import TrackingH11Protocol, TrackingHttpToolsProtocol
-from .http import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +90,12 @@ def _embedder(config: MemoryConfig) -> Embedder | None:
     """The configured embedder, or None after one line on stderr; a remote endpoint must answer
     (and say its dimension) before the service serves."""
     try:
-        embedder = load_embedder(config.embedder, config)
+        embedder = load_embedder(config.embedder, config.embedder_config())
         probe = getattr(embedder, "load", None) if config.embedder == "openai" else None
         if callable(probe):
             probe()
-    except EmbedderUnavailable as exc:
+    except (EmbedderUnavailable, EmbeddingFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return None
-    except ApiError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
         return None
     return embedder
 

@@ -306,16 +306,17 @@ class MemoryServiceSettings(RedisSettings):
         "minilm", validation_alias="IBEX_MEMORY_EMBEDDER",
         description="minilm, static, hash, or openai (an OpenAI-compatible /v1/embeddings endpoint: "
                     "`IBEX_MEMORY_EMBED_URL`, `IBEX_MEMORY_EMBED_MODEL`); docs/selection-quality.md.")
-    minilm_runtime: Literal["auto", "onnxruntime", "openvino", "numpy"] = Field(
+    minilm_runtime: Literal["auto", "openvino", "numpy"] = Field(
         "auto", validation_alias="IBEX_MEMORY_MINILM_RUNTIME",
-        description="What runs minilm's forward pass (same vectors from each): auto is openvino in bfloat16 where "
-                    "the CPU computes bfloat16 natively, else onnxruntime, else numpy; docs/selection-quality.md.")
+        description="What runs minilm's forward pass (same vectors from each): openvino (in bfloat16 where the CPU "
+                    "computes bfloat16 natively, else f32) or numpy (the reference pass); auto is openvino where "
+                    "it is installed, else numpy. Any other value is refused at start; "
+                    "docs/selection-quality.md.")
     minilm_weights: Literal["auto", "fp32", "int8-groups"] = Field(
         "auto", validation_alias="IBEX_MEMORY_MINILM_WEIGHTS",
-        description="How the compiled graph stores minilm's weights: fp32, or int8-groups (int8 in groups of "
-                    "32, decompressed in the matrix product; cosine >= 0.999 against fp32; made for openvino). auto: "
-                    "on openvino whichever of the two is measured faster on this CPU at start, fp32 on "
-                    "onnxruntime; docs/selection-quality.md.")
+        description="How openvino's graph stores minilm's weights: fp32, or int8-groups (int8 in groups of "
+                    "32, decompressed in the matrix product; cosine >= 0.999 against fp32). auto: whichever of "
+                    "the two is measured faster on this CPU at start; docs/selection-quality.md.")
 
 
 class StackSettings(IbexSettings):

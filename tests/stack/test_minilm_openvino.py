@@ -1,12 +1,15 @@
-"""minilm on OpenVINO in bfloat16 (memory.embedders.minilm_openvino) gives the numpy reference's vectors
-(memory.embedders.minilm) for the shipped texts, one query at a time and in padded batches, from any
-thread; ``IBEX_MEMORY_MINILM_RUNTIME`` picks the runtime, ``auto`` OpenVINO only where bfloat16 is
-native, and ``IBEX_MEMORY_MINILM_WEIGHTS=auto`` there the weights measured faster at load."""
+"""minilm on OpenVINO (memory.embedders.minilm_openvino; bfloat16 where native) gives the numpy reference's
+vectors (memory.embedders.minilm) for the shipped texts, one query at a time and in padded batches, from
+any thread; ``IBEX_MEMORY_MINILM_RUNTIME`` picks the runtime (``auto``: OpenVINO, in bfloat16 where
+native, else f32; nothing but auto, openvino and numpy starts), and ``IBEX_MEMORY_MINILM_WEIGHTS=auto``
+the weights measured faster at load."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 import threading
 import zipfile
 from pathlib import Path
@@ -16,16 +19,17 @@ import pytest
 
 from ibex_context.memory.embedders.embed import load_embedder
 from ibex_context.memory.embedders.minilm import MiniLMEmbedder, model_zip
-from ibex_context.memory.embedders.minilm_onnx import (
-    MiniLMOnnxEmbedder,
-    Weights,
-    _cache_name,
+from ibex_context.memory.embedders.minilm_graph import Weights, _cache_name
+from ibex_context.memory.embedders.minilm_openvino import (
+    BUCKETS,
+    MiniLMOpenVinoEmbedder,
+    OpenVinoSession,
+    bf16_native,
     faster_weights,
     load_session,
 )
-from ibex_context.memory.embedders.minilm_openvino import BUCKETS, OpenVinoSession, bf16_native
 from ibex_context.memory.service.config import MemoryConfig
-from tests.stack.test_minilm_onnx import BOUND, _conversation_sample, _cosines, _demo_texts, _eval_questions
+from tests.stack.test_minilm_graph import BOUND, _conversation_sample, _cosines, _demo_texts, _eval_questions
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +38,14 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ov_emb(cache: Path) -> MiniLMOnnxEmbedder:
-    emb = MiniLMOnnxEmbedder(cache_dir=cache, runtime="openvino")
+def ov_emb(cache: Path) -> MiniLMOpenVinoEmbedder:
+    emb = MiniLMOpenVinoEmbedder(cache_dir=cache)
     emb.load()
     return emb
 
 
 @pytest.mark.timeout(300)
-def test_the_shipped_texts_get_the_reference_vectors(ov_emb: MiniLMOnnxEmbedder, numpy_emb: MiniLMEmbedder) -> None:
+def test_the_shipped_texts_get_the_reference_vectors(ov_emb: MiniLMOpenVinoEmbedder, numpy_emb: MiniLMEmbedder) -> None:
     texts = _eval_questions() + _demo_texts()[::3] + _conversation_sample()[::3]
     cos = _cosines(ov_emb.embed(texts), numpy_emb.embed(texts))
     assert cos.min() >= BOUND, texts[int(cos.argmin())]
@@ -56,7 +60,7 @@ def test_the_shipped_texts_get_the_reference_vectors(ov_emb: MiniLMOnnxEmbedder,
         assert float(np.median(cos)) < 0.999999
 
 
-def test_each_thread_gets_its_own_request(ov_emb: MiniLMOnnxEmbedder) -> None:
+def test_each_thread_gets_its_own_request(ov_emb: MiniLMOpenVinoEmbedder) -> None:
     texts = [f"Where is invoice number {i} for the month of October?" for i in range(40)]
     want = np.stack([ov_emb.embed_query(t) for t in texts])  # the same models, one thread
     got: dict[int, np.ndarray] = {}
@@ -74,11 +78,11 @@ def test_each_thread_gets_its_own_request(ov_emb: MiniLMOnnxEmbedder) -> None:
         assert _cosines(vecs, want).min() >= 0.99999
 
 
-def test_an_unwritable_cache_is_compiled_from_memory(tmp_path: Path, ov_emb: MiniLMOnnxEmbedder) -> None:
+def test_an_unwritable_cache_is_compiled_from_memory(tmp_path: Path, ov_emb: MiniLMOpenVinoEmbedder) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert ov_emb.weights is not None  # the graph the embedder chose at load
-    session, _, built = load_session(cache_dir=blocker / "cache", runtime="openvino", weights=ov_emb.weights)
+    session, _, built = load_session(cache_dir=blocker / "cache", weights=ov_emb.weights)
     assert built and isinstance(session, OpenVinoSession) and not (blocker / "cache").exists()
     probe = "When are Acme Backup invoices sent out?"
     ids = ov_emb.model.tokenizer.encode(probe).ids
@@ -87,27 +91,34 @@ def test_an_unwritable_cache_is_compiled_from_memory(tmp_path: Path, ov_emb: Min
     assert float(np.dot(vec[0], ov_emb.embed_query(probe))) >= 0.99999
 
 
-@pytest.mark.parametrize("runtime", ["openvino", "onnxruntime", "numpy"])
+@pytest.mark.parametrize("runtime", ["openvino", "numpy"])
 def test_the_runtime_setting_is_obeyed(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", runtime)
-    emb = load_embedder("minilm")
+    emb = load_embedder("minilm", MemoryConfig().embedder_config())
     assert emb.name == MiniLMEmbedder().name
     if runtime == "numpy":
         assert type(emb) is MiniLMEmbedder
     else:
-        assert isinstance(emb, MiniLMOnnxEmbedder) and emb.runtime == runtime
+        assert isinstance(emb, MiniLMOpenVinoEmbedder) and emb.runtime == runtime
 
 
-def test_auto_takes_openvino_only_where_bfloat16_is_native() -> None:
-    emb = load_embedder("minilm", MemoryConfig())
-    assert isinstance(emb, MiniLMOnnxEmbedder)
-    assert emb.runtime == ("openvino" if bf16_native() else "onnxruntime")
+def test_auto_takes_openvino_in_bfloat16_only_where_it_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IBEX_MEMORY_MINILM_WEIGHTS", "fp32")  # one graph: no timing at load
+    emb = load_embedder("minilm", MemoryConfig().embedder_config())
+    assert isinstance(emb, MiniLMOpenVinoEmbedder) and emb.runtime == "openvino"
+    assert emb.model.session.precision == ("bf16" if bf16_native() else "f32")
 
 
-def test_an_unknown_runtime_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", "tensorrt")
+@pytest.mark.parametrize("runtime", ["tensorrt", "onnxruntime"])
+def test_an_unknown_runtime_is_refused_by_name(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", runtime)
     with pytest.raises(ValueError, match="IBEX_MEMORY_MINILM_RUNTIME"):
         MemoryConfig()
+    out = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.server", "--port", "0"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        "error: IBEX_MEMORY_MINILM_RUNTIME: Input should be 'auto', 'openvino' or 'numpy'"], out.stderr
 
 
 @pytest.mark.parametrize(("weights", "bound"), [("fp32", 0.99999), ("int8-groups", 0.9995)])
@@ -117,7 +128,7 @@ def test_a_query_on_a_fixed_shape_model_gets_the_dynamic_models_vector(weights: 
     the dynamic model gives it unpadded. With fp32 weights (held as bfloat16) the two agree to
     1e-5; with int8 weights up to the weights' rounding, which the two shapes' kernels do in their
     own order (activations quantised per group of 32 on the fly)."""
-    session, _, _ = load_session(cache_dir=cache, runtime="openvino", weights=weights)
+    session, _, _ = load_session(cache_dir=cache, weights=weights)
     assert isinstance(session, OpenVinoSession) and sorted(session.static) == list(BUCKETS)
     dynamic = session.compiled.create_infer_request()
     for n in sorted({2, 3, *(b + d for b in BUCKETS for d in (-1, 0, 1)), 64}):
@@ -135,15 +146,14 @@ def test_auto_weights_are_the_faster_of_the_two_timed_at_load(cache: Path, caplo
     best, times = faster_weights(cache_dir=cache)
     assert sorted(times) == ["fp32", "int8-groups"] and all(0 < ms < 1000 for ms in times.values())
     assert times[best] == min(times.values())
-    with caplog.at_level(logging.INFO, logger="ibex_context.memory.embedders.minilm_onnx"):
-        emb = MiniLMOnnxEmbedder(cache_dir=cache, runtime="openvino")
+    with caplog.at_level(logging.INFO, logger="ibex_context.memory.embedders.minilm_openvino"):
+        emb = MiniLMOpenVinoEmbedder(cache_dir=cache)
         assert emb.weights is None  # chosen at load, not at construction
         emb.load()
     assert emb.weights in ("fp32", "int8-groups")
     line = next(r.getMessage() for r in caplog.records if "measured faster here" in r.getMessage())
     assert f"weights {emb.weights}," in line and "fp32 " in line and "int8-groups " in line
-    assert MiniLMOnnxEmbedder(runtime="onnxruntime").weights == "fp32"
-    assert MiniLMOnnxEmbedder(runtime="openvino", weights="int8-groups").weights == "int8-groups"
+    assert MiniLMOpenVinoEmbedder(weights="int8-groups").weights == "int8-groups"
 
 
 def test_a_weights_probe_that_fails_keeps_fp32_and_serves(cache: Path, tmp_path: Path,
@@ -154,10 +164,10 @@ def test_a_weights_probe_that_fails_keeps_fp32_and_serves(cache: Path, tmp_path:
         info = z.getinfo("model.safetensors")
     shutil.copy(cache / _cache_name(info, "fp32"), tmp_path / _cache_name(info, "fp32"))
     (tmp_path / _cache_name(info, "int8-groups")).write_bytes(b"not a graph")
-    with caplog.at_level(logging.WARNING, logger="ibex_context.memory.embedders.minilm_onnx"):
-        emb = MiniLMOnnxEmbedder(cache_dir=tmp_path, runtime="openvino")
+    with caplog.at_level(logging.WARNING, logger="ibex_context.memory.embedders.minilm_openvino"):
+        emb = MiniLMOpenVinoEmbedder(cache_dir=tmp_path)
         vec = emb.embed_query("When are Acme Backup invoices sent out?")
     assert emb.weights == "fp32"
     assert any("could not time the weights" in r.getMessage() for r in caplog.records)
-    ref = MiniLMOnnxEmbedder(cache_dir=cache, runtime="openvino", weights="fp32")
+    ref = MiniLMOpenVinoEmbedder(cache_dir=cache, weights="fp32")
     assert float(np.dot(vec, ref.embed_query("When are Acme Backup invoices sent out?"))) >= 0.99999

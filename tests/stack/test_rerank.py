@@ -240,8 +240,8 @@ def test_explain_shows_the_rerank_score(stack: LocalStack) -> None:
 
 
 def test_every_runtime_gives_the_references_token_states() -> None:
-    """The compiled graph's ``states`` output (OpenVINO or onnxruntime, whichever minilm runs on
-    here) is the numpy pass's, from the same pass as the vector, for memories and questions."""
+    """The compiled graph's ``states`` output (on OpenVINO, as minilm runs here) is the numpy
+    pass's, from the same pass as the vector, for memories and questions."""
     texts = [t["content"] for t in TURNS]
     fast, ref = load_embedder("minilm"), MiniLMEmbedder()
     got, want = fast.embed_with_states(texts), ref.embed_with_states(texts)  # type: ignore[attr-defined]

@@ -278,6 +278,25 @@ def test_unknown_or_missing_embedders_fail_clearly() -> None:
         assert "pip install" in str(exc)
 
 
+@pytest.mark.parametrize("runtime", ["onnxruntime", "tensorrt"])
+def test_a_minilm_runtime_not_offered_is_refused_in_one_line(runtime: str, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Only auto, openvino and numpy run minilm: any other IBEX_MEMORY_MINILM_RUNTIME is refused at
+    start, in one line naming the setting and the values it takes, before any model is loaded."""
+    from ibex_context.memory.embedders.config import EmbedderConfig
+    from ibex_context.memory.service import server
+
+    with pytest.raises(EmbedderUnavailable) as refused:
+        load_embedder("minilm", EmbedderConfig(minilm_runtime=runtime))
+    assert str(refused.value) == (f"IBEX_MEMORY_MINILM_RUNTIME={runtime}: not a minilm runtime; "
+                                  "use one of auto, openvino, numpy")
+    monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", runtime)
+    assert server._config() is None  # the service's start: exit status 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: IBEX_MEMORY_MINILM_RUNTIME: ")
+    assert all(f"'{v}'" in line for v in ("auto", "openvino", "numpy")) and "onnxruntime" not in line
+
+
 def test_per_record_memoises_by_identity_and_skips_large_records() -> None:
     from datetime import UTC, datetime
 
