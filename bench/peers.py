@@ -5,7 +5,8 @@ Three systems share one embedded Redis and one memory service seeded with the de
 
 * ``ibex``: this stack (broker + 2 pinned workers, ``ibex_context.ops.local.LocalStack``), driven
   through the real ``AsyncClient`` (its adaptive throttle as configured, ``IBEX_CLIENT_THROTTLE_K``;
-  a ``--baseline`` checkout's client has it off: that is the "before");
+  a ``--baseline`` checkout's client has it off, the "before" of a change to the client, unless
+  ``--baseline-client same``: then both arms' clients are alike and only the servers differ);
 * ``grpc``: 2 grpc.aio processes on one SO_REUSEPORT port (``bench.peer_servers``), driven by a
   grpc.aio client over 8 channels;
 * ``http``: 2 uvicorn/Starlette processes (uvloop + httptools) on one SO_REUSEPORT port, driven by
@@ -106,6 +107,7 @@ class PeerPlan:
     seed: int = 18
     systems: tuple[str, ...] = SYSTEMS
     baseline: str | None = None  # a checkout of this project to run as "ibex-base" beside the others
+    baseline_client: str = "off"  # the baseline's client throttle: "off" (the before) or "same" as ibex's
     new_questions: bool = False  # every send a question never asked before (bench.questions): the embedding is paid
     floor: bool = True  # add FLOOR to the transport phase: the card's two hops with nothing in Python but the answer
 
@@ -264,8 +266,11 @@ class Targets:
             elif system == "ibex-base":
                 assert self.servers.base is not None
                 assert self.plan.baseline is not None
-                # The baseline is "before": its client has no adaptive throttle either.
-                legacy = AsyncClient(self.servers.base.frontend, settings=ClientSettings(client_throttle_k=0))
+                # The baseline is "before": its client has no adaptive throttle either, unless the
+                # run compares servers only ("same": the client ibex is driven with).
+                settings = ClientSettings() if self.plan.baseline_client == "same" else ClientSettings(
+                    client_throttle_k=0)
+                legacy = AsyncClient(self.servers.base.frontend, settings=settings)
                 await legacy.wait_connected(10.0)
                 await legacy.prepare_fallback()
                 self.clients.append(legacy)
@@ -454,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path,
                     help="another checkout of this project (e.g. a git worktree of main), run as 'ibex-base' in "
                          "the same interleaved rounds: before/after under the same machine state")
+    ap.add_argument("--baseline-client", choices=("off", "same"), default="off",
+                    help="the baseline's client: 'off' (adaptive throttle off, the before of a client change) or "
+                         "'same' as ibex's (only the servers differ)")
     ap.add_argument("--new-questions", action="store_true",
                     help="full mode: every request a question never sent before, so the memory service embeds each one")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -478,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--baseline {args.baseline} speaks protocol {tag!r}, this client {P.TAG!r}: "
                      "compare against a checkout of the same protocol generation")
         plan.baseline = str(args.baseline.resolve())
+        plan.baseline_client = args.baseline_client
         plan.systems = (*plan.systems, "ibex-base")
     args.out.mkdir(parents=True, exist_ok=True)
     results = run(plan, args.out)
