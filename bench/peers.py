@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.lib.checkout import checkout_of, pythonpath
 from bench.lib.cpu import tree_cpu_seconds
 from bench.lib.stack import (
     FULL_WORKER,
@@ -71,6 +70,7 @@ from bench.lib.stack import (
     seed_demo,
     set_workers,
     settle,
+    start_baseline,
 )
 from bench.loadgen import OK, RunResult, Sample, merge_runs, open_loop
 from bench.peer_report import markdown
@@ -171,18 +171,6 @@ class Servers:
 _cpu = tree_cpu_seconds
 
 
-class BaselineStack(LocalStack):
-    """The baseline checkout's broker and workers. A checkout without ``bench/lib/transport.py``
-    has the transport mode in its worker (``--mode transport``)."""
-
-    def start_worker(self, i: int) -> subprocess.Popen[bytes]:
-        root = checkout_of(self.extra_env["PYTHONPATH"])
-        if (root / "bench" / "lib" / "transport.py").exists():
-            return super().start_worker(i)
-        mode = "transport" if self.worker_module == TRANSPORT_WORKER else "full"
-        return self._spawn(f"worker-{i}", ["-m", FULL_WORKER, "--cpu", str(i), "--worker-id", f"w{i}", "--mode", mode])
-
-
 @contextlib.contextmanager
 def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -196,14 +184,7 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
             floor = _start_floor(log_dir)
         seed_demo(str(stack.redis_url))
         if plan.baseline is not None:
-            base = BaselineStack(workers=2, log_dir=log_dir / "base", redis_url=stack.redis_url, secret=stack.secret,
-                                 env={"PYTHONPATH": pythonpath(plan.baseline)})
-            base.worker_module = TRANSPORT_WORKER
-            (log_dir / "base").mkdir(exist_ok=True)
-            base.memory_port = stack.memory_port  # one memory service for every system
-            base.start_broker(0)
-            base.workers = [base.start_worker(i) for i in range(2)]
-            base.wait_workers(2)
+            base = start_baseline(stack, plan.baseline, log_dir / "base", workers=2, worker_module=TRANSPORT_WORKER)
         for kind in plan.systems:
             if kind.startswith("ibex"):
                 continue
