@@ -61,7 +61,7 @@ def arm_rows(res: dict[str, Any]) -> list[list[str]]:
                      "-" if r["p99_delta_ms"] is None else f"{r['p99_delta_ms']:+.1f}",
                      "-" if b["p99_delta_ms"] is None else f"{b['p99_delta_ms']:+.1f}",
                      f"{r['on']['classes']['refused']} / {b['on']['classes']['refused']}",
-                     f"{_served(r['attacker'])} | {_served(b['attacker'])}"])
+                     f"{_served(r['attacker'])} vs {_served(b['attacker'])}"])
     return rows
 
 
@@ -103,7 +103,8 @@ def _baseline(res: dict[str, Any]) -> list[str]:
             *table(SUMMARY_COLUMNS, summary_rows(res, "baseline_rows")), "",
             "## Both arms, attack on", "",
             *table(["attack (globex)", "victim undegraded on time: ibex", "base", "Δ p99 ibex, ms", "Δ p99 base, ms",
-                    "victim refused ibex / base", "attacker served /s ibex | base"], arm_rows(res)), ""]
+                    "victim refused ibex / base", "attacker served (/ undegraded) /s: ibex vs base"],
+                   arm_rows(res)), ""]
 
 
 def markdown(res: dict[str, Any]) -> str:
