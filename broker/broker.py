@@ -203,6 +203,7 @@ class Broker:
         a hold (it may let its org's queued requests go)."""
         wake = min(self.table.next_hb_ns, self.timers[0][0] if self.timers else now + 100_000_000)
         if self.queue and self.holds:
+            self.holds.expire(now)  # an end already past must not wake the loop again at once
             wake = min(wake, self.holds.next_end_ns() or wake)
         return wake
 
