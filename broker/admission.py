@@ -209,6 +209,11 @@ class Holds:
     def held(self, org: str) -> int:
         return self.by_org.get(org, 0)
 
+    def first_end_ns(self, org: str) -> int:
+        """When the first of ``org``'s holds ends (it holds one): O(holds), read only when the org
+        is held back on a request's receipt."""
+        return min(end for end, _, o in self.ends if o == org)
+
     def next_end_ns(self) -> int | None:
         return self.ends[0][0] if self.ends else None
 

@@ -277,6 +277,12 @@ class Broker:
         not fit its deadline, or that queue is standing and the wait is over the target. Another
         org's backlog does not count. Refused now, the caller falls back now."""
         queued = self.queue.queued(org)
+        held = 0
+        if self.holds:
+            self.holds.expire(time.monotonic_ns())
+            held = self.holds.held(org)
+            if held and (refusal := self._shed_held(org, held, queued, remaining_ns)) is not None:
+                return refusal
         if not queued:
             self._drained(org, time.monotonic_ns())  # a standing queue never empties, and only a standing queue sheds
             return None
@@ -287,10 +293,7 @@ class Broker:
         live = self.table.live()
         slots = sum(w.slots for w in live)
         share = self.queue.share(org)
-        free = sum(max(0, w.free) for w in live)
-        if self.holds:
-            self.holds.expire(time.monotonic_ns())
-            free = max(0, free - self.holds.held(org))  # its own held slots are not free for it
+        free = max(0, sum(max(0, w.free) for w in live) - held)  # its own held slots are not free for it
         wait = expected_wait_ns(queued, slots, free, self.service.mean_ns, share)
         if not shed(wait_ns=wait, service_ns=self.service.mean_ns, remaining_ns=remaining_ns,
                     target_ns=self.admission_queue_ns, standing=True):
@@ -299,6 +302,27 @@ class Broker:
             f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
             f"share of {slots * share:.1f} of {slots} slot(s), and {self.service.mean_ns / 1e6:.1f} ms of service; "
             f"retry with backoff or another broker")
+
+    def _shed_held(self, org: str, held: int, queued: int, remaining_ns: int) -> tuple[str, IbexError] | None:
+        """OVERLOADED on receipt when ``org``'s own held slots take every free slot and the first of
+        them to end, and then a service time, would not fit the request's deadline: it is known now
+        that it cannot be answered in full, queue standing or not (a closed-loop caller sends its
+        next request only when the last is answered, so its queue never stands)."""
+        if not self.service.trusted or not self.admission_queue_ns:
+            return None
+        live = self.table.live()
+        if held < sum(max(0, w.free) for w in live):
+            return None
+        now = time.monotonic_ns()
+        service = self.service.mean_ns
+        wait = max(self.holds.first_end_ns(org) - now,
+                   expected_wait_ns(queued, sum(w.slots for w in live), 0, service, self.queue.share(org)))
+        if wait + service < remaining_ns:
+            return None
+        return "shed_held", Overloaded(
+            f"shed on receipt: org {org!r} holds {held} slot(s) after replies degraded at once (the memory service "
+            f"refusing its calls), the next free in {wait / 1e6:.1f} ms, and {service / 1e6:.1f} ms of service would "
+            f"end after the deadline; retry with backoff or another broker")
 
     def _gates_full(self, org: str) -> tuple[str, IbexError] | None:
         """OVERLOADED on receipt while every worker's memory gate is full (``worker.memgate``, told in

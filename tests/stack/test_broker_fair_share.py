@@ -293,6 +293,11 @@ def test_a_flooding_orgs_held_slots_never_block_another_org() -> None:
         snap = r.status()
         assert org_row(snap, "light")["held"] == 0 and org_row(snap, "light")["shed"] == 0
         assert org_row(snap, "flood")["held"] == 12
+        # A request of the flood that its held slots leave no time for is refused on receipt, not
+        # left to wait out its deadline (a closed-loop caller's queue never stands).
+        (rid,) = flood.send(deadline_s=HOLD_S / 4)
+        assert flood.wait_for([rid])[rid] == ["OVERLOADED"]
+        assert r.status()["stats"]["shed_held"] == 1
         r.until("the flood dispatched again once its holds ended", lambda s: w.orgs.count("flood") > 12)
 
 

@@ -160,7 +160,7 @@ def test_held_slots_block_only_their_own_org_and_end_on_time() -> None:
         h.hold("globex", end * MS)
     h.hold("acme", 25 * MS)
     assert len(h) == 4 and h.held("globex") == 3 and h.held("acme") == 1 and h.held("initech") == 0
-    assert h.next_end_ns() == 10 * MS
+    assert h.next_end_ns() == 10 * MS and h.first_end_ns("globex") == 10 * MS and h.first_end_ns("acme") == 25 * MS
     assert h.blocked(4) == set()  # 3 held of 4 free: globex may still use one
     assert h.blocked(3) == {"globex"}  # its own holds take every free slot: not the others'
     assert h.blocked(1) == {"globex", "acme"}
