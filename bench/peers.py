@@ -5,7 +5,8 @@ Three systems share one embedded Redis and one memory service seeded with the de
 
 * ``ibex``: this stack (broker + 2 pinned workers, ``ibex_context.ops.local.LocalStack``), driven
   through the real ``AsyncClient`` (its adaptive throttle as configured, ``IBEX_CLIENT_THROTTLE_K``;
-  a ``--baseline`` checkout's client has it off: that is the "before");
+  a ``--baseline`` checkout's client has it off, the "before" of a change to the client, unless
+  ``--baseline-client same``: then both arms' clients are alike and only the servers differ);
 * ``grpc``: 2 grpc.aio processes on one SO_REUSEPORT port (``bench.peer_servers``), driven by a
   grpc.aio client over 8 channels;
 * ``http``: 2 uvicorn/Starlette processes (uvloop + httptools) on one SO_REUSEPORT port, driven by
@@ -57,7 +58,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.lib.checkout import checkout_of, pythonpath
 from bench.lib.cpu import tree_cpu_seconds
 from bench.lib.stack import (
     FULL_WORKER,
@@ -70,6 +70,7 @@ from bench.lib.stack import (
     seed_demo,
     set_workers,
     settle,
+    start_baseline,
 )
 from bench.loadgen import OK, RunResult, Sample, merge_runs, open_loop
 from bench.peer_report import markdown
@@ -106,6 +107,7 @@ class PeerPlan:
     seed: int = 18
     systems: tuple[str, ...] = SYSTEMS
     baseline: str | None = None  # a checkout of this project to run as "ibex-base" beside the others
+    baseline_client: str = "off"  # the baseline's client throttle: "off" (the before) or "same" as ibex's
     new_questions: bool = False  # every send a question never asked before (bench.questions): the embedding is paid
     floor: bool = True  # add FLOOR to the transport phase: the card's two hops with nothing in Python but the answer
 
@@ -169,18 +171,6 @@ class Servers:
 _cpu = tree_cpu_seconds
 
 
-class BaselineStack(LocalStack):
-    """The baseline checkout's broker and workers. A checkout without ``bench/lib/transport.py``
-    has the transport mode in its worker (``--mode transport``)."""
-
-    def start_worker(self, i: int) -> subprocess.Popen[bytes]:
-        root = checkout_of(self.extra_env["PYTHONPATH"])
-        if (root / "bench" / "lib" / "transport.py").exists():
-            return super().start_worker(i)
-        mode = "transport" if self.worker_module == TRANSPORT_WORKER else "full"
-        return self._spawn(f"worker-{i}", ["-m", FULL_WORKER, "--cpu", str(i), "--worker-id", f"w{i}", "--mode", mode])
-
-
 @contextlib.contextmanager
 def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -194,14 +184,7 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
             floor = _start_floor(log_dir)
         seed_demo(str(stack.redis_url))
         if plan.baseline is not None:
-            base = BaselineStack(workers=2, log_dir=log_dir / "base", redis_url=stack.redis_url, secret=stack.secret,
-                                 env={"PYTHONPATH": pythonpath(plan.baseline)})
-            base.worker_module = TRANSPORT_WORKER
-            (log_dir / "base").mkdir(exist_ok=True)
-            base.memory_port = stack.memory_port  # one memory service for every system
-            base.start_broker(0)
-            base.workers = [base.start_worker(i) for i in range(2)]
-            base.wait_workers(2)
+            base = start_baseline(stack, plan.baseline, log_dir / "base", workers=2, worker_module=TRANSPORT_WORKER)
         for kind in plan.systems:
             if kind.startswith("ibex"):
                 continue
@@ -264,8 +247,11 @@ class Targets:
             elif system == "ibex-base":
                 assert self.servers.base is not None
                 assert self.plan.baseline is not None
-                # The baseline is "before": its client has no adaptive throttle either.
-                legacy = AsyncClient(self.servers.base.frontend, settings=ClientSettings(client_throttle_k=0))
+                # The baseline is "before": its client has no adaptive throttle either, unless the
+                # run compares servers only ("same": the client ibex is driven with).
+                settings = ClientSettings() if self.plan.baseline_client == "same" else ClientSettings(
+                    client_throttle_k=0)
+                legacy = AsyncClient(self.servers.base.frontend, settings=settings)
                 await legacy.wait_connected(10.0)
                 await legacy.prepare_fallback()
                 self.clients.append(legacy)
@@ -454,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path,
                     help="another checkout of this project (e.g. a git worktree of main), run as 'ibex-base' in "
                          "the same interleaved rounds: before/after under the same machine state")
+    ap.add_argument("--baseline-client", choices=("off", "same"), default="off",
+                    help="the baseline's client: 'off' (adaptive throttle off, the before of a client change) or "
+                         "'same' as ibex's (only the servers differ)")
     ap.add_argument("--new-questions", action="store_true",
                     help="full mode: every request a question never sent before, so the memory service embeds each one")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -478,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--baseline {args.baseline} speaks protocol {tag!r}, this client {P.TAG!r}: "
                      "compare against a checkout of the same protocol generation")
         plan.baseline = str(args.baseline.resolve())
+        plan.baseline_client = args.baseline_client
         plan.systems = (*plan.systems, "ibex-base")
     args.out.mkdir(parents=True, exist_ok=True)
     results = run(plan, args.out)

@@ -39,9 +39,9 @@ def _cpu(a: dict[str, Any]) -> str:
     return f"{sum(cpu) / len(cpu):.2f} s ({_pct(a.get('generator_cpu_share'))})"
 
 
-def summary_rows(res: dict[str, Any]) -> list[list[str]]:
+def summary_rows(res: dict[str, Any], key: str = "rows") -> list[list[str]]:
     rows = []
-    for r in res["rows"]:
+    for r in res[key]:
         off, on, a = r["off"], r["on"], r["attacker"]
         n = on["scheduled"]
         rows.append([
@@ -50,6 +50,18 @@ def summary_rows(res: dict[str, Any]) -> list[list[str]]:
             "-" if r["p99_delta_ms"] is None else f"{r['p99_delta_ms']:+.1f}",
             f"{on['classes']['refused']} / {n}", f"{on['classes']['late']} / {n}",
             _attack_rate(a), _served(a), _cpu(a)])
+    return rows
+
+
+def arm_rows(res: dict[str, Any]) -> list[list[str]]:
+    """This stack against the ``--baseline`` arm, row by row (attack-on windows)."""
+    rows = []
+    for r, b in zip(res["rows"], res["baseline_rows"], strict=True):
+        rows.append([r["title"], _pct(r["on"]["undegraded_share"]), _pct(b["on"]["undegraded_share"]),
+                     "-" if r["p99_delta_ms"] is None else f"{r['p99_delta_ms']:+.1f}",
+                     "-" if b["p99_delta_ms"] is None else f"{b['p99_delta_ms']:+.1f}",
+                     f"{r['on']['classes']['refused']} / {b['on']['classes']['refused']}",
+                     f"{_served(r['attacker'])} vs {_served(b['attacker'])}"])
     return rows
 
 
@@ -78,6 +90,23 @@ def attacker_rows(res: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+SUMMARY_COLUMNS = ["attack (globex)", "victim undegraded on time: off → on", "victim p50 / p99 on, ms",
+                   "p99 off, ms", "Δ p99, ms", "refused on", "late on", "attacker offered → sent /s",
+                   "attacker served (/ undegraded) /s", "attacker gen CPU per window"]
+
+
+def _baseline(res: dict[str, Any]) -> list[str]:
+    """The ``--baseline`` arm's table and the two arms side by side (nothing without one)."""
+    if "baseline_rows" not in res:
+        return []
+    return [f"## Baseline arm `base` ({res['meta']['plan'].get('baseline')}), in the same rounds", "",
+            *table(SUMMARY_COLUMNS, summary_rows(res, "baseline_rows")), "",
+            "## Both arms, attack on", "",
+            *table(["attack (globex)", "victim undegraded on time: ibex", "base", "Δ p99 ibex, ms", "Δ p99 base, ms",
+                    "victim refused ibex / base", "attacker served (/ undegraded) /s: ibex vs base"],
+                   arm_rows(res)), ""]
+
+
 def markdown(res: dict[str, Any]) -> str:
     meta, plan = res["meta"], res["meta"]["plan"]
     ramp = res.get("ramp")
@@ -99,9 +128,8 @@ def markdown(res: dict[str, Any]) -> str:
         "Victim latency is over every request sent (refusals and deadline misses included); *late* is "
         "DEADLINE_EXCEEDED or a reply after the deadline. Attacker *served*: on-time replies / undegraded ones "
         "(assemblies), 201 writes, or reports the broker forwarded (usage, summaries), a second of attack.", "",
-        *table(["attack (globex)", "victim undegraded on time: off → on", "victim p50 / p99 on, ms",
-                "p99 off, ms", "Δ p99, ms", "refused on", "late on", "attacker offered → sent /s",
-                "attacker served (/ undegraded) /s", "attacker gen CPU per window"], summary_rows(res)), "",
+        *table(SUMMARY_COLUMNS, summary_rows(res)), "",
+        *_baseline(res),
         "## Victim outcomes per row (each request in one class)", "",
         *table(["row", "attack", "sent", *CLASSES, "on time", "victim gen CPU s/window", "settle s",
                 "degraded reasons"], detail_rows(res)), "",

@@ -41,6 +41,12 @@ seconds per window are in the table (``gen CPU``), beside the victim generator's
 see how much of the 2 cores the load itself took. On a shared box the low priority means the
 attacker may fall behind its offered rate: the achieved send rate is printed next to it.
 
+``--baseline CHECKOUT``: that checkout's broker and workers run beside this stack's, on the same
+Redis and memory service with the same keys, as the arm ``base``; every row then has four windows
+a round (this stack's off and on, the baseline's off and on, the arms' order rotating each round),
+and the report has one table per arm. The victim and the attacker drive both arms with this
+checkout's client, so only the serving differs.
+
 Outputs: the Markdown table on stdout; with ``--json`` also ``tenants.json`` and ``tenants.md``
 in ``--out`` (``bench/out``). Nothing is asserted.
 """
@@ -62,7 +68,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.percentiles import percentile
-from bench.lib.stack import OUT, REPO, child_env, git_commit, new_stack, runner, seed_demo, settle
+from bench.lib.stack import (
+    OUT,
+    REPO,
+    child_env,
+    git_commit,
+    new_stack,
+    runner,
+    seed_demo,
+    settle,
+    start_baseline,
+)
 from bench.loadgen import NOT_SENT, OK, ClientTarget, RunResult, merge_runs, open_loop
 from bench.tenant_attack import READY, AttackConfig, org_templates
 from bench.tenant_report import markdown
@@ -72,6 +88,7 @@ from ibex_context.ops.local import LocalStack
 from ibex_context.shared.security import auth
 
 VICTIM, ATTACKER, OPS_ORG = "acme", "globex", "ibex-ops"
+ARM, BASE = "ibex", "base"  # this checkout's stack, and the --baseline checkout's beside it
 RAMP = [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 100.0, 125.0, 150.0, 200.0]
 QUICK: dict[str, Any] = {"ramp_rates": [20.0, 40.0], "ramp_s": 1.0, "window_s": 1.5, "lead_s": 0.3, "rounds": 1,
                          "attack_rate_cap": 400.0, "tiny_rate": 100.0, "usage_rate": 600.0, "summary_rate": 100.0,
@@ -104,6 +121,7 @@ class TenantPlan:
     workers: int = 2
     seed: int = 23
     rows: tuple[str, ...] | None = None  # a subset of row keys; None: every row
+    baseline: str | None = None  # a checkout run beside as the arm "base" (module doc)
 
 
 @dataclass(frozen=True)
@@ -157,19 +175,26 @@ def curve(keys: dict[str, Path], name: str) -> Any:
 
 
 @contextlib.contextmanager
-def curve_stack(plan: TenantPlan, log_dir: Path) -> Iterator[tuple[LocalStack, dict[str, Path]]]:
+def curve_stack(plan: TenantPlan, log_dir: Path) -> Iterator[tuple[dict[str, LocalStack], dict[str, Path]]]:
+    """The stack per arm (``ARM``, and ``BASE`` with ``--baseline``: its broker and workers on the
+    first one's Redis and memory service, with the same keys) and the keys."""
     log_dir.mkdir(parents=True, exist_ok=True)
     keys = make_keys(log_dir / "keys")
     d = keys["dir"]
     env = {"IBEX_AUTH_KEYS_FILE": str(keys["keys"]), "IBEX_BROKER_KEY_FILE": str(d / "broker.key"),
            "IBEX_BROKER_PUBLIC_KEY": str(d / "broker.pub"), "IBEX_WORKER_KEY_FILE": str(d / "worker.key")}
     stack = new_stack(workers=plan.workers, log_dir=log_dir, env=env, status_socket=curve(keys, "ops"))
+    stacks = {ARM: stack}
     try:
         stack.start()
         seed_demo(str(stack.redis_url))
-        yield stack, keys
+        if plan.baseline is not None:
+            stacks[BASE] = start_baseline(stack, plan.baseline, log_dir / "base", workers=plan.workers, env=env,
+                                          status_socket=curve(keys, "ops"))
+        yield stacks, keys
     finally:
-        stack.stop()
+        for st in reversed(stacks.values()):
+            st.stop()
 
 
 # ----------------------------------------------------------------------------------- the attacker
@@ -193,11 +218,14 @@ class AttackerProc:
 
 
 @contextlib.asynccontextmanager
-async def attacker(stack: LocalStack, keys: dict[str, Path], log_dir: Path, seed: int) -> AsyncIterator[AttackerProc]:
-    cfg = AttackConfig(frontend=stack.frontend, key_file=str(keys["dir"] / "attacker.key"),
+async def attacker(stack: LocalStack, keys: dict[str, Path], log_dir: Path, seed: int,
+                   name: str = "attacker", frontend: str | None = None) -> AsyncIterator[AttackerProc]:
+    """The attacker process, run with ``stack``'s environment (this checkout's client) against
+    ``frontend`` (default: ``stack``'s)."""
+    cfg = AttackConfig(frontend=frontend or stack.frontend, key_file=str(keys["dir"] / "attacker.key"),
                        broker_public=str(keys["dir"] / "broker.pub"), memory_url=stack.memory_url,
                        memory_secret=stack.secret, org=ATTACKER, seed=seed)
-    log = await asyncio.to_thread(open, log_dir / "attacker.log", "ab")
+    log = await asyncio.to_thread(open, log_dir / f"{name}.log", "ab")
     with log:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.tenant_attack", json.dumps(asdict(cfg)), cwd=REPO, env=child_env(stack.env()),
@@ -244,34 +272,47 @@ def _counters(status: dict[str, Any] | None) -> collections.Counter[str]:
 
 
 @dataclass
-class Bench:
-    plan: TenantPlan
+class Arm:
+    """One stack under test: its victim client and its attacker process."""
+
     stack: LocalStack
     victim: ClientTarget
     attack: AttackerProc
+
+
+@dataclass
+class Bench:
+    plan: TenantPlan
+    arms: dict[str, Arm]
     windows: int = 0
 
-    async def victim_run(self, rate: float, duration_s: float, label: str) -> RunResult:
+    @property
+    def stack(self) -> LocalStack:
+        return self.arms[ARM].stack
+
+    async def victim_run(self, rate: float, duration_s: float, label: str, arm: str = ARM) -> RunResult:
         self.windows += 1
-        return await open_loop(self.victim, rate=rate, duration_s=duration_s, deadline_ms=self.plan.deadline_ms,
-                               label=label, seed=self.plan.seed * 10_000 + self.windows)
+        return await open_loop(self.arms[arm].victim, rate=rate, duration_s=duration_s,
+                               deadline_ms=self.plan.deadline_ms, label=label,
+                               seed=self.plan.seed * 10_000 + self.windows)
 
     async def settle(self) -> float:
         return await settle(backend_pids(self.stack), self.plan.settle_max_s)
 
-    async def window(self, row: Row, on: bool, rate: float) -> dict[str, Any]:
-        """One victim window at ``rate``, with ``row``'s attack running around it when ``on``."""
-        plan = self.plan
-        before = _counters(await asyncio.to_thread(self.stack.status, 1.0))
+    async def window(self, row: Row, on: bool, rate: float, arm: str = ARM) -> dict[str, Any]:
+        """One victim window at ``rate`` on ``arm``, with ``row``'s attack on the same arm running
+        around it when ``on``."""
+        plan, a = self.plan, self.arms[arm]
+        before = _counters(await asyncio.to_thread(a.stack.status, 1.0))
         attack: asyncio.Task[dict[str, Any]] | None = None
         if on:
             cmd = {**row.cmd, "duration_s": plan.lead_s + plan.window_s + plan.tail_s}
-            attack = asyncio.create_task(self.attack.run(cmd))
+            attack = asyncio.create_task(a.attack.run(cmd))
             await asyncio.sleep(plan.lead_s)
-        run = await self.victim_run(rate, plan.window_s, f"{row.key} {'on' if on else 'off'}")
+        run = await self.victim_run(rate, plan.window_s, f"{arm} {row.key} {'on' if on else 'off'}", arm)
         result = await attack if attack is not None else None
         settle_s = await self.settle()
-        after = _counters(await asyncio.to_thread(self.stack.status, 1.0))
+        after = _counters(await asyncio.to_thread(a.stack.status, 1.0))
         delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         return {"run": run, "attack": result, "settle_s": settle_s, "counters": delta}
 
@@ -396,38 +437,47 @@ async def measure_capacity(b: Bench) -> tuple[float, list[dict[str, Any]], bool]
     return (best if best is not None else peak_rate), points, best is not None
 
 
-async def measure(plan: TenantPlan, stack: LocalStack, keys: dict[str, Path], log_dir: Path) -> dict[str, Any]:
-    client = AsyncClient(stack.frontend, configure_socket=curve(keys, "victim"))
-    await client.wait_connected(10.0)
+async def measure(plan: TenantPlan, stacks: dict[str, LocalStack], keys: dict[str, Path],
+                  log_dir: Path) -> dict[str, Any]:
     templates = Requests(org_templates(VICTIM, plan.seed), new_questions=True)
-    victim = ClientTarget(client, templates, tag="victim")
     out: dict[str, Any] = {}
-    try:
-        async with attacker(stack, keys, log_dir, plan.seed) as attack:
-            out["attacker_nice"] = os.getpriority(os.PRIO_PROCESS, attack.pid)
-            b = Bench(plan, stack, victim, attack)
+    async with contextlib.AsyncExitStack() as ctx:
+        arms: dict[str, Arm] = {}
+        for name, st in stacks.items():
+            client = AsyncClient(st.frontend, configure_socket=curve(keys, "victim"))
+            ctx.push_async_callback(client.aclose)
+            await client.wait_connected(10.0)
+            attack = await ctx.enter_async_context(attacker(
+                stacks[ARM], keys, log_dir, plan.seed, "attacker" if name == ARM else f"attacker-{name}",
+                frontend=st.frontend))
+            arms[name] = Arm(st, ClientTarget(client, templates, tag=f"victim-{name}"), attack)
+        out["attacker_nice"] = os.getpriority(os.PRIO_PROCESS, arms[ARM].attack.pid)
+        b = Bench(plan, arms)
+        for name, arm in arms.items():
             for k in range(10):  # warm-up: the workers' and the memory service's first calls
-                await victim(50_000_000 + k, 2.0)
-            if plan.capacity is None:
-                capacity, ramp, found = await measure_capacity(b)
-                out["ramp"] = {"points": ramp, "found": found}
-            else:
-                capacity = plan.capacity
-            rate = max(plan.victim_floor_rps, plan.victim_share * capacity)
-            out.update(capacity_rps=capacity, victim_rps=round(rate, 2))
-            rows = rows_of(plan, capacity)
-            windows: dict[str, dict[str, list[dict[str, Any]]]] = {r.key: {"off": [], "on": []} for r in rows}
-            for rnd in range(plan.rounds):
-                shift = rnd % len(rows)
-                for row in rows[shift:] + rows[:shift]:
+                await arm.victim(50_000_000 + 100 * len(name) + k, 2.0)
+        if plan.capacity is None:
+            capacity, ramp, found = await measure_capacity(b)
+            out["ramp"] = {"points": ramp, "found": found}
+        else:
+            capacity = plan.capacity
+        rate = max(plan.victim_floor_rps, plan.victim_share * capacity)
+        out.update(capacity_rps=capacity, victim_rps=round(rate, 2))
+        rows = rows_of(plan, capacity)
+        windows = {name: {r.key: {"off": [], "on": []} for r in rows} for name in arms}
+        names = list(arms)
+        for rnd in range(plan.rounds):
+            shift = rnd % len(rows)
+            for row in rows[shift:] + rows[:shift]:
+                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     for on in ((False, True) if rnd % 2 == 0 else (True, False)):
-                        w = await b.window(row, on, rate)
-                        windows[row.key]["on" if on else "off"].append(w)
-                        print(f"  round {rnd + 1}/{plan.rounds} {row.key} {'on ' if on else 'off'}: "
+                        w = await b.window(row, on, rate, name)
+                        windows[name][row.key]["on" if on else "off"].append(w)
+                        print(f"  round {rnd + 1}/{plan.rounds} {name} {row.key} {'on ' if on else 'off'}: "
                               f"{classify(w['run'])}", file=sys.stderr, flush=True)
-            out["rows"] = [summarize_row(r, windows[r.key]) for r in rows]
-    finally:
-        await client.aclose()
+        out["rows"] = [summarize_row(r, windows[ARM][r.key]) for r in rows]
+        if BASE in arms:
+            out["baseline_rows"] = [summarize_row(r, windows[BASE][r.key]) for r in rows]
     return out
 
 
@@ -437,8 +487,8 @@ def run(plan: TenantPlan, out_dir: Path) -> dict[str, Any]:
                                         "loadavg_start": os.getloadavg()[0]}}
     t0 = time.monotonic()
     log_dir = out_dir / "tenant-logs"
-    with curve_stack(plan, log_dir) as (stack, keys), runner() as loop:
-        results.update(loop.run(measure(plan, stack, keys, log_dir)))
+    with curve_stack(plan, log_dir) as (stacks, keys), runner() as loop:
+        results.update(loop.run(measure(plan, stacks, keys, log_dir)))
     results["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
     results["meta"]["loadavg_end"] = os.getloadavg()[0]  # other work on the machine (1 min average)
     return results
@@ -455,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attack-rate-cap", type=float, help="the assembly flood's highest offered rate, req/s")
     ap.add_argument("--tiny-rate", type=float, help="tiny memory writes a second")
     ap.add_argument("--rows", help="comma-separated row keys (assemble-2x-1000ms, writes-large, usage, ...)")
+    ap.add_argument("--baseline", type=Path,
+                    help="another checkout of this project (e.g. a git worktree of main), its broker and workers run "
+                         "beside as the arm 'base' in the same rounds (module doc)")
     ap.add_argument("--json", action="store_true", help="also write tenants.json and tenants.md in --out")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -466,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.window_s = args.window
     if args.rows:
         plan.rows = tuple(args.rows.split(","))
+    if args.baseline:
+        plan.baseline = str(args.baseline.resolve())
     args.out.mkdir(parents=True, exist_ok=True)
     results = run(plan, args.out)
     md = markdown(results)

@@ -21,10 +21,20 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   finish; a burst that drains is left alone) and either
   (a) that wait plus a service time would not fit in its remaining deadline, or (b) the wait is
   over the target and over a quarter of its remaining time (a request with seconds to spare may wait).
+* ``Holds`` (``IBEX_ADMISSION_HOLD``): a degraded reply that comes back before one service time
+  has passed since its dispatch (the memory service refused the call, or a branch was skipped for
+  lack of time) keeps its slot held for its org until then. Freed at once, the slot would take the
+  same org's next request straight away, which the same swamped memory service would refuse again:
+  the org's dispatch rate would follow how fast refusals are made, not what the bottleneck can
+  serve. Held, each slot takes an org at most one request per service time, so an org sending
+  more than that sees its own queue stand and is refused OVERLOADED on receipt. A held slot
+  blocks only its own org: for every other org it is free (work-conserving), and holds never let
+  more requests into a worker than its limit.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 MIN_LIMIT = 2.0  # a worker keeps two in flight: one on the CPU while one waits on I/O
@@ -70,7 +80,9 @@ class Limiter:
 
 
 class ServiceTime:
-    """Dispatch-to-reply time across workers, as an exponentially weighted mean (ns)."""
+    """Dispatch-to-reply time across workers, as an exponentially weighted mean (ns), of the
+    replies that held their slot for their whole time: full answers, and degraded ones that took a
+    service time or more (cut at a branch's limit: ``counts_in_service``)."""
 
     def __init__(self) -> None:
         self.mean_ns = 0.0
@@ -144,3 +156,68 @@ def shed(*, wait_ns: float, service_ns: float, remaining_ns: int, target_ns: flo
     if not standing:
         return False
     return wait_ns + service_ns >= remaining_ns or wait_ns > max(target_ns, remaining_ns / 4)
+
+
+def counts_in_service(*, took_ns: int, service_ns: float, overloaded: bool) -> bool:
+    """Whether a reply that took ``took_ns`` from dispatch times the service. A full answer always;
+    a degraded one (``overloaded``) when it took at least the service time so far: it was cut at a
+    branch's limit and held its slot that long, and leaving it out made the estimate too short for
+    the work being admitted. A degraded reply faster than that (a refusal, a branch skipped for lack
+    of time) says nothing of how long the answers being admitted take; with ``Holds`` its slot is
+    held for a service time anyway."""
+    return not overloaded or took_ns >= service_ns
+
+
+def hold_until_ns(*, dispatched_ns: int, now_ns: int, service_ns: float, overloaded: bool) -> int | None:
+    """When the slot of a reply back at ``now_ns`` is free again for its org: one service time
+    after its dispatch for a degraded reply back sooner (module doc), None for any other reply."""
+    if not overloaded or service_ns <= 0:
+        return None
+    end = dispatched_ns + int(service_ns)
+    return end if end > now_ns else None
+
+
+class Holds:
+    """Slots held for their org after fast degraded replies (module doc): per org, how many it
+    holds now. Pure bookkeeping: the caller passes the clock. ``expire`` drops the holds that
+    ended; a heap of end times keeps it O(log holds) per hold, and nothing is kept per org that
+    holds none (an org is named by callers)."""
+
+    def __init__(self) -> None:
+        self.by_org: dict[str, int] = {}
+        self.ends: list[tuple[int, int, str]] = []  # (end_ns, seq, org), soonest first
+        self.seq = 0
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def hold(self, org: str, until_ns: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.ends, (until_ns, self.seq, org))
+        self.by_org[org] = self.by_org.get(org, 0) + 1
+
+    def expire(self, now_ns: int) -> None:
+        ends = self.ends
+        while ends and ends[0][0] <= now_ns:
+            org = heapq.heappop(ends)[2]
+            n = self.by_org[org] - 1
+            if n:
+                self.by_org[org] = n
+            else:
+                del self.by_org[org]
+
+    def held(self, org: str) -> int:
+        return self.by_org.get(org, 0)
+
+    def first_end_ns(self, org: str) -> int:
+        """When the first of ``org``'s holds ends (it holds one): O(holds), read only when the org
+        is held back on a request's receipt."""
+        return min(end for end, _, o in self.ends if o == org)
+
+    def next_end_ns(self) -> int | None:
+        return self.ends[0][0] if self.ends else None
+
+    def blocked(self, free: int) -> set[str]:
+        """The orgs whose own held slots take every one of the ``free`` slots: none of their
+        requests may be dispatched now; every other org may use all ``free``."""
+        return {org for org, n in self.by_org.items() if n >= free}

@@ -18,6 +18,9 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
   full (a flag in its replies' feedback), an org holding at least an equal share of the requests
   in flight is refused on receipt too, with no hop to a worker. ``IBEX_ADMISSION_LIFO``: an org
   whose queue stands is served newest first (docs/architecture.md "Admission control").
+  ``IBEX_ADMISSION_HOLD``: a slot whose degraded reply came back before a service time had passed
+  stays held for its org until then (``broker.admission.Holds``), so an org is dispatched no faster
+  than the memory service behind the workers answers; a held slot is free for every other org.
 * The broker routes and authorizes on the request's header frame and never reads the payload; a
   large payload is forwarded as the frame it arrived in, uncopied (docs/architecture.md "Processes and data flow").
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
@@ -61,7 +64,16 @@ from ..shared.wire.errors import (
 from ..shared.wire.loopsock import readable, recv_forwarding
 from ..shared.wire.models import ErrorReply
 from ..shared.wire.protocol import Envelope, parse_header
-from .admission import STALE_FACTOR, ServiceTime, StandingQueue, expected_wait_ns, shed
+from .admission import (
+    STALE_FACTOR,
+    Holds,
+    ServiceTime,
+    StandingQueue,
+    counts_in_service,
+    expected_wait_ns,
+    hold_until_ns,
+    shed,
+)
 from .fairqueue import FairQueue
 from .org_counts import TopCounts, org_snapshot
 from .state import BURST, MIN_RETRY_NS, Authorizer, Key, Pending, Wire, WorkerState, checked
@@ -119,6 +131,7 @@ class Broker:
         self.service = ServiceTime()  # dispatch-to-reply time, for the queue-wait estimate
         self.admission_queue_ns = settings.admission_queue_ms * 1e6
         self.standing: dict[str, StandingQueue] = {}  # per org with requests queued: CoDel's standing-queue test
+        self.holds = Holds()  # slots held for their org after fast degraded replies (IBEX_ADMISSION_HOLD)
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
 
@@ -162,8 +175,7 @@ class Broker:
 
     def poll_once(self) -> None:
         now = time.monotonic_ns()
-        wake = min(self.table.next_hb_ns, self.timers[0][0] if self.timers else now + 100_000_000)
-        timeout_ms = max(0, (wake - now + 999_999) // 1_000_000)
+        timeout_ms = max(0, (self._wake_ns(now) - now + 999_999) // 1_000_000)
         ready = {sock for sock, _ in zmq.zmq_poll(self.poll_items, min(timeout_ms, 100))}
         if self.back in ready:
             self._drain_backend(BURST, polled=True)
@@ -185,6 +197,15 @@ class Broker:
                 self._worker_dead(w, why)
         if self.queue:
             self._dispatch()
+
+    def _wake_ns(self, now: int) -> int:
+        """When the loop must run even if no message comes: the next heartbeat, deadline, or end of
+        a hold (it may let its org's queued requests go)."""
+        wake = min(self.table.next_hb_ns, self.timers[0][0] if self.timers else now + 100_000_000)
+        if self.queue and self.holds:
+            self.holds.expire(now)  # an end already past must not wake the loop again at once
+            wake = min(wake, self.holds.next_end_ns() or wake)
+        return wake
 
     # ------------------------------------------------------------------------------ frontend
 
@@ -256,6 +277,12 @@ class Broker:
         not fit its deadline, or that queue is standing and the wait is over the target. Another
         org's backlog does not count. Refused now, the caller falls back now."""
         queued = self.queue.queued(org)
+        held = 0
+        if self.holds:
+            self.holds.expire(time.monotonic_ns())
+            held = self.holds.held(org)
+            if held and (refusal := self._shed_held(org, held, queued, remaining_ns)) is not None:
+                return refusal
         if not queued:
             self._drained(org, time.monotonic_ns())  # a standing queue never empties, and only a standing queue sheds
             return None
@@ -266,7 +293,8 @@ class Broker:
         live = self.table.live()
         slots = sum(w.slots for w in live)
         share = self.queue.share(org)
-        wait = expected_wait_ns(queued, slots, sum(max(0, w.free) for w in live), self.service.mean_ns, share)
+        free = max(0, sum(max(0, w.free) for w in live) - held)  # its own held slots are not free for it
+        wait = expected_wait_ns(queued, slots, free, self.service.mean_ns, share)
         if not shed(wait_ns=wait, service_ns=self.service.mean_ns, remaining_ns=remaining_ns,
                     target_ns=self.admission_queue_ns, standing=True):
             return None
@@ -274,6 +302,27 @@ class Broker:
             f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
             f"share of {slots * share:.1f} of {slots} slot(s), and {self.service.mean_ns / 1e6:.1f} ms of service; "
             f"retry with backoff or another broker")
+
+    def _shed_held(self, org: str, held: int, queued: int, remaining_ns: int) -> tuple[str, IbexError] | None:
+        """OVERLOADED on receipt when ``org``'s own held slots take every free slot and the first of
+        them to end, and then a service time, would not fit the request's deadline: it is known now
+        that it cannot be answered in full, queue standing or not (a closed-loop caller sends its
+        next request only when the last is answered, so its queue never stands)."""
+        if not self.service.trusted or not self.admission_queue_ns:
+            return None
+        live = self.table.live()
+        if held < sum(max(0, w.free) for w in live):
+            return None
+        now = time.monotonic_ns()
+        service = self.service.mean_ns
+        wait = max(self.holds.first_end_ns(org) - now,
+                   expected_wait_ns(queued, sum(w.slots for w in live), 0, service, self.queue.share(org)))
+        if wait + service < remaining_ns:
+            return None
+        return "shed_held", Overloaded(
+            f"shed on receipt: org {org!r} holds {held} slot(s) after replies degraded at once (the memory service "
+            f"refusing its calls), the next free in {wait / 1e6:.1f} ms, and {service / 1e6:.1f} ms of service would "
+            f"end after the deadline; retry with backoff or another broker")
 
     def _gates_full(self, org: str) -> tuple[str, IbexError] | None:
         """OVERLOADED on receipt while every worker's memory gate is full (``worker.memgate``, told in
@@ -333,7 +382,7 @@ class Broker:
             w = self.table.pick()
             if w is None:
                 return
-            nxt = self.queue.pop(lifo)
+            nxt = self.queue.pop(lifo, self._held_back())
             if nxt is None:
                 return
             org, key = nxt
@@ -358,6 +407,14 @@ class Broker:
             self.stats["dispatched"] += 1
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
+
+    def _held_back(self) -> set[str]:
+        """The orgs whose own held slots (``broker.admission.Holds``) take every free slot now:
+        none of their requests is dispatched until a hold ends; every other org may use them all."""
+        if not self.holds:
+            return set()
+        self.holds.expire(time.monotonic_ns())
+        return self.holds.blocked(sum(max(0, w.free) for w in self.table.live()))
 
     def _waited(self, org: str, waited_ns: int, now_ns: int) -> None:
         """A request of ``org`` leaves the queue after ``waited_ns``: the org's standing-queue test
@@ -464,12 +521,22 @@ class Broker:
 
     def _learn(self, w: WorkerState, p: Pending, feedback: P.Feedback | None) -> None:
         """Admission control's inputs from one reply: its service time, and the worker's signals.
-        Only a reply its worker served in full times the service: one degraded for lack of room
-        (refused at the memory gate in a millisecond, or cut at a branch's limit) would make the
-        queue look faster or slower than the answers it is meant to admit."""
+        A reply served in full times the service, and so does a degraded one that held its slot a
+        service time or more (cut at a branch's limit); a degraded one back sooner (refused at the
+        memory gate or by the memory service, or a branch skipped for lack of time) would make the
+        queue look faster than the answers it is meant to admit: with ``IBEX_ADMISSION_HOLD`` its
+        slot stays held for its org until a service time has passed since its dispatch."""
         now = time.monotonic_ns()
-        if feedback is None or not feedback.overloaded:
-            self.service.observe(now - p.dispatched_ns)
+        overloaded = feedback is not None and feedback.overloaded
+        took = now - p.dispatched_ns
+        if counts_in_service(took_ns=took, service_ns=self.service.mean_ns, overloaded=overloaded):
+            self.service.observe(took)
+        if self.settings.admission_hold and self.service.trusted:
+            until = hold_until_ns(dispatched_ns=p.dispatched_ns, now_ns=now, service_ns=self.service.mean_ns,
+                                  overloaded=overloaded)
+            if until is not None:
+                self.holds.hold(p.org, until)
+                self.stats["held_slots_given"] += 1
         if feedback is not None:
             w.gate_full = feedback.gate_full
         if w.limiter is not None and feedback is not None:
@@ -568,14 +635,17 @@ class Broker:
         (``broker.org_counts``), so a caller naming many orgs cannot grow it. ``orgs=False`` leaves
         the per-org part out: it walks the pending requests, and the metrics thread reads the
         snapshot while the broker's thread changes them."""
+        if orgs:  # the metrics thread (orgs=False) only reads: the broker's thread expires holds
+            self.holds.expire(time.monotonic_ns())
         snap: dict[str, object] = {
             "pid": os.getpid(),
             "queue_depth": len(self.queue),
             "pending": len(self.pending),
+            "slots_held": len(self.holds),
             "workers": self.table.snapshot(),
             "stats": dict(self.stats),
         }
         if orgs:
             inflight = (p.org for p in self.pending.values() if p.worker is not None and not p.answered)
-            snap |= org_snapshot(self.queue.queued_by_org(), inflight, self.org_shed)
+            snap |= org_snapshot(self.queue.queued_by_org(), inflight, self.org_shed, self.holds.by_org.items())
         return snap

@@ -146,36 +146,45 @@ class FairQueue(Generic[T]):
             self._is_dead(q, item)
         return None  # unreachable while the counts hold: a live org has a live item
 
-    def pop(self, newest_first: Container[str] = ()) -> tuple[str, T] | None:
+    def pop(self, newest_first: Container[str] = (), skip: Container[str] = ()) -> tuple[str, T] | None:
         """The next (org, item) in fair order, or None when nothing waits. The org whose turn it is
         gives its oldest item, or its newest when it is in ``newest_first`` (adaptive LIFO: the
-        broker's orgs with a standing queue)."""
+        broker's orgs with a standing queue). Orgs in ``skip`` give nothing now and keep their
+        place in the order (the broker's orgs whose held slots take every free one)."""
         order = self.order
-        while order:
-            tag, _, org = order[0]
-            q = self.orgs[org]
-            if org in newest_first:
-                item = self._newest_live(q)
-            else:
-                item = self._next_live(q) if q.dead else (q.items.popleft() if q.items else None)
-            if item is None:  # nothing live left: out of the order until it has work again
-                heapq.heappop(order)
-                q.in_order = False
-                self._forget_if_idle(org, q)
-                continue
-            self.vtime = tag
-            q.finish = tag + 1.0 / q.weight
-            self._lost(q)
-            if q.items:
-                q.tag = q.finish
-                self.seq += 1
-                heapq.heapreplace(order, (q.tag, self.seq, org))
-            else:
-                heapq.heappop(order)
-                q.in_order = False
-                self._forget_if_idle(org, q)
-            return org, item
-        return None
+        aside: list[tuple[float, int, str]] = []
+        try:
+            while order:
+                tag, _, org = order[0]
+                if org in skip:
+                    aside.append(heapq.heappop(order))
+                    continue
+                q = self.orgs[org]
+                if org in newest_first:
+                    item = self._newest_live(q)
+                else:
+                    item = self._next_live(q) if q.dead else (q.items.popleft() if q.items else None)
+                if item is None:  # nothing live left: out of the order until it has work again
+                    heapq.heappop(order)
+                    q.in_order = False
+                    self._forget_if_idle(org, q)
+                    continue
+                self.vtime = tag
+                q.finish = tag + 1.0 / q.weight
+                self._lost(q)
+                if q.items:
+                    q.tag = q.finish
+                    self.seq += 1
+                    heapq.heapreplace(order, (q.tag, self.seq, org))
+                else:
+                    heapq.heappop(order)
+                    q.in_order = False
+                    self._forget_if_idle(org, q)
+                return org, item
+            return None
+        finally:
+            for entry in aside:
+                heapq.heappush(order, entry)
 
     def remove(self, org: str, item: T) -> None:
         """``item`` (waiting in ``org``'s FIFO) no longer waits: O(1), its entry is skipped later."""

@@ -32,23 +32,33 @@ class TopCounts:
         return self.counts.get(org, 0)
 
 
+FIELDS = ("queued", "inflight", "shed", "held")
+
+
 def org_snapshot(queued: Iterable[tuple[str, int]], inflight: Iterable[str], shed: TopCounts,
-                 shown: int = ORGS_SHOWN) -> dict[str, object]:
-    """``orgs``: queued, in flight and shed for the ``shown`` orgs with most queued and in flight
-    (then most shed); ``orgs_other``: the same summed over every other org."""
+                 held: Iterable[tuple[str, int]] = (), shown: int = ORGS_SHOWN) -> dict[str, object]:
+    """``orgs``: queued, in flight, shed and held (slots held for it after fast degraded replies,
+    ``broker.admission.Holds``) for the ``shown`` orgs with most queued, in flight and held (then
+    most shed); ``orgs_other``: the same summed over every other org."""
     rows: dict[str, dict[str, int]] = {}
+
+    def row(org: str) -> dict[str, int]:
+        return rows.get(org) or rows.setdefault(org, dict.fromkeys(FIELDS, 0))
+
     for org, n in queued:
-        rows[org] = {"queued": n, "inflight": 0, "shed": 0}
+        row(org)["queued"] = n
     for org in inflight:
-        row = rows.get(org) or rows.setdefault(org, {"queued": 0, "inflight": 0, "shed": 0})
-        row["inflight"] += 1
+        row(org)["inflight"] += 1
+    for org, n in held:
+        row(org)["held"] = n
     for org, n in shed.counts.items():
-        rows.setdefault(org, {"queued": 0, "inflight": 0, "shed": 0})["shed"] = n
-    top = heapq.nlargest(shown, rows, key=lambda o: (rows[o]["queued"] + rows[o]["inflight"], rows[o]["shed"]))
-    other = {"orgs": len(rows) - len(top), "queued": 0, "inflight": 0, "shed": 0}
+        row(org)["shed"] = n
+    top = heapq.nlargest(shown, rows, key=lambda o: (rows[o]["queued"] + rows[o]["inflight"] + rows[o]["held"],
+                                                     rows[o]["shed"]))
+    other = {"orgs": len(rows) - len(top), **dict.fromkeys(FIELDS, 0)}
     named = set(top)
-    for org, row in rows.items():
+    for org, r in rows.items():
         if org not in named:
-            for k in ("queued", "inflight", "shed"):
-                other[k] += row[k]
+            for k in FIELDS:
+                other[k] += r[k]
     return {"orgs": {org: rows[org] for org in top}, "orgs_other": other}

@@ -16,9 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import zmq
+
+from bench.lib.checkout import checkout_of, pythonpath
 from bench.lib.cpu import tree_cpu_seconds
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
@@ -90,6 +94,39 @@ def new_stack(*, workers: int, log_dir: Path, env: dict[str, str] | None = None,
     if worker_module is not None:
         stack.worker_module = worker_module
     return stack
+
+
+class BaselineStack(LocalStack):
+    """Another checkout's broker and workers (``--baseline``). A checkout without
+    ``bench/lib/transport.py`` has the transport mode in its worker (``--mode transport``)."""
+
+    def start_worker(self, i: int) -> subprocess.Popen[bytes]:
+        root = checkout_of(self.extra_env["PYTHONPATH"])
+        if (root / "bench" / "lib" / "transport.py").exists():
+            return super().start_worker(i)
+        mode = "transport" if self.worker_module == TRANSPORT_WORKER else "full"
+        return self._spawn(f"worker-{i}", ["-m", FULL_WORKER, "--cpu", str(i), "--worker-id", f"w{i}", "--mode", mode])
+
+
+def start_baseline(stack: LocalStack, checkout: str | Path, log_dir: Path, *, workers: int,
+                   worker_module: str = FULL_WORKER, env: dict[str, str] | None = None,
+                   status_socket: Callable[[zmq.Socket[Any]], None] | None = None) -> BaselineStack:
+    """``checkout``'s broker and ``workers`` workers, started beside ``stack`` on its Redis and its
+    memory service (one backend for both, so a before/after compares the serving only); stop it
+    with ``.stop()`` before ``stack``. ``env``: more for its children (the CURVE key files)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    base = BaselineStack(workers=workers, log_dir=log_dir, redis_url=stack.redis_url, secret=stack.secret,
+                         env={**(env or {}), "PYTHONPATH": pythonpath(checkout)}, status_socket=status_socket)
+    base.worker_module = worker_module
+    base.memory_port = stack.memory_port
+    try:
+        base.start_broker(0)
+        base.workers = [base.start_worker(i) for i in range(workers)]
+        base.wait_workers(workers)
+    except BaseException:
+        base.stop()
+        raise
+    return base
 
 
 def set_workers(stack: LocalStack, n: int, timeout_s: float = 30.0) -> None:

@@ -236,6 +236,11 @@ class BrokerSettings(_LinkSettings):
         False, description="An org whose queue stands has its newest request dispatched first, and its oldest ones "
                            "that can no longer be answered in full refused OVERLOADED (adaptive LIFO; "
                            "docs/architecture.md \"Admission control\").")
+    admission_hold: bool = Field(
+        True, description="A degraded reply back before one service time has passed since its dispatch (the memory "
+                          "service refused it, or a branch was skipped for lack of time) keeps its slot held for "
+                          "its org until then, so an org is dispatched no faster than the memory service answers; "
+                          "a held slot is free for every other org (docs/architecture.md \"Admission control\").")
     adaptive_limit: bool = Field(
         True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
                           "worker holds exactly its credit.")

@@ -72,3 +72,20 @@ def test_attacker_counts_nest_and_its_cpu_is_reported(quick: tuple[dict[str, Any
             assert sum(a["outcomes"].values()) == a["sent"] + a["outcomes"].get("NOT_SENT", 0)
         elif r["attack_cmd"]["kind"] == "writes":
             assert sum(a["outcomes"].values()) == a["sent"]
+
+
+def test_a_baseline_arm_runs_in_the_same_rounds(tmp_path: Path) -> None:
+    """``--baseline``: the other checkout's broker and workers (here this very checkout's, run
+    through the baseline's import view) are measured in the same rounds, as a second table."""
+    done = subprocess.run([sys.executable, "-m", "bench.tenants", "--quick", "--window", "1.0", "--capacity", "20",
+                           "--rows", "assemble-2x-100ms", "--baseline", str(REPO), "--json", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=380, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    res = json.loads((tmp_path / "tenants.json").read_text())
+    assert [r["key"] for r in res["rows"]] == [r["key"] for r in res["baseline_rows"]] == ["assemble-2x-100ms"]
+    for r in (*res["rows"], *res["baseline_rows"]):
+        for state in ("off", "on"):
+            assert sum(r[state]["classes"].values()) == r[state]["scheduled"] > 0
+        assert not r["attacker"]["errors"] and r["attacker"]["sent"] > 0
+    assert "## Baseline arm `base`" in done.stdout and "## Both arms, attack on" in done.stdout
+    assert " base " in done.stderr  # the windows of the base arm ran

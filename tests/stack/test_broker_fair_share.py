@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
 import os
 import threading
 import time
@@ -33,13 +34,16 @@ LONG_S = 60.0  # a deadline no test reaches
 
 class OrgWorker(threading.Thread):
     """READY with ``capacity``; answers each request REPLY after ``delay_s``, or holds every one
-    while ``hold`` is set; ``orgs`` is the org of each request in the order it was dispatched."""
+    while ``hold`` is set; ``orgs`` is the org of each request in the order it was dispatched. The
+    requests of an org in ``degraded`` are answered at once with the overload flag set in the
+    feedback (a fast degraded reply: the memory service refused its calls)."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, capacity: int, delay_s: float = 0.0,
                  name: str = "w0") -> None:
         super().__init__(daemon=True)
         self.ctx, self.backend, self.capacity, self.delay_s, self.name = ctx, backend, capacity, delay_s, name
         self.orgs: list[str] = []
+        self.degraded: set[str] = set()
         self.hold = threading.Event()
         self.stop = threading.Event()
 
@@ -49,12 +53,12 @@ class OrgWorker(threading.Thread):
         s.connect(self.backend)
         info = P.Info(self.capacity, self.name, os.getpid())
         s.send_multipart(P.ready_frames(info))
-        due: collections.deque[tuple[float, list[bytes]]] = collections.deque()
+        due: list[tuple[float, int, list[bytes]]] = []  # (when, sequence, reply): a heap
         last_hb = time.monotonic()
         while not self.stop.is_set():
             now = time.monotonic()
             while due and not self.hold.is_set() and due[0][0] <= now:
-                s.send_multipart(due.popleft()[1])
+                s.send_multipart(heapq.heappop(due)[2])
             if now - last_hb > 0.05:
                 s.send_multipart(P.heartbeat_frames(info))
                 last_hb = now
@@ -65,8 +69,9 @@ class OrgWorker(threading.Thread):
                 env = P.parse_header(msg.header)
                 assert isinstance(env, Envelope)
                 self.orgs.append(env.org_id)
-                reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"ok", P.Feedback(False, 0))
-                due.append((time.monotonic() + self.delay_s, reply))
+                degraded = env.org_id in self.degraded
+                reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"ok", P.Feedback(degraded, 0))
+                heapq.heappush(due, (time.monotonic() + (0.0 if degraded else self.delay_s), len(self.orgs), reply))
         s.close(linger=0)
 
 
@@ -172,7 +177,7 @@ def rig(**settings: Any) -> Iterator[Rig]:
 
 
 def org_row(snap: dict[str, Any], org: str) -> dict[str, int]:
-    return snap["orgs"].get(org, {"queued": 0, "inflight": 0, "shed": 0})
+    return snap["orgs"].get(org, {"queued": 0, "inflight": 0, "shed": 0, "held": 0})
 
 
 # ---------------------------------------------------------------------------------------- tests
@@ -207,7 +212,7 @@ def test_an_org_alone_uses_every_slot() -> None:
         w1.hold.set()
         solo = r.caller("solo")
         rids = solo.send(20)
-        busy = {"queued": 14, "inflight": 6, "shed": 0}
+        busy = {"queued": 14, "inflight": 6, "shed": 0, "held": 0}
         r.until("every slot busy, the rest queued", lambda s: org_row(s, "solo") == busy)
         w0.hold.clear()
         w1.hold.clear()
@@ -262,3 +267,49 @@ def test_requests_expiring_in_the_queue_are_answered_once_and_leave_it() -> None
         assert "slow" not in snap["orgs"] and org_row(snap, "other")["queued"] == 3
         r.worker(capacity=2)
         assert all(v == ["REPLY"] for v in other.wait_for(keep).values())
+
+
+HOLD_S = 2.0  # the service time the rig's broker learns: how long a fast degraded reply's slot is held
+
+
+def test_a_flooding_orgs_held_slots_never_block_another_org() -> None:
+    """The flood's replies come back degraded at once (its memory calls refused); the broker, having
+    learned a service time of ``HOLD_S`` from full answers, holds each of the flood's slots for its
+    org until a service time after its dispatch: the flood gets no more requests dispatched than
+    it holds slots, and another org's requests go to those very slots at once (work-conserving).
+    The worker holds exactly its credit (no adaptive limit), so the flood holds all of it."""
+    with rig(queue_max=5000, adaptive_limit=False) as r:
+        w = r.worker(capacity=12, delay_s=HOLD_S)
+        warm = r.caller("warm")
+        assert all(v == ["REPLY"] for v in warm.wait_for(warm.send(24)).values())  # the service time learned
+        w.delay_s, w.degraded = 0.0, {"flood"}
+        flood, light = r.caller("flood"), r.caller("light")
+        flood.send(200)
+        snap = r.until("the flood holds every slot", lambda s: org_row(s, "flood")["held"] == 12)
+        assert snap["slots_held"] == 12 and snap["stats"]["held_slots_given"] >= 12
+        assert org_row(snap, "flood")["queued"] > 0 and org_row(snap, "flood")["inflight"] == 0
+        rids = light.send(12)  # as many as the flood holds slots: every one of them is free for it
+        assert all(v == ["REPLY"] for v in light.wait_for(rids, timeout_s=HOLD_S / 2).values())
+        assert w.orgs.count("flood") == 12 and w.orgs.count("light") == 12  # the flood still held, the light served
+        snap = r.status()
+        assert org_row(snap, "light")["held"] == 0 and org_row(snap, "light")["shed"] == 0
+        assert org_row(snap, "flood")["held"] == 12
+        # A request of the flood that its held slots leave no time for is refused on receipt, not
+        # left to wait out its deadline (a closed-loop caller's queue never stands).
+        shed_before = r.status()["stats"].get("shed_held", 0)
+        (rid,) = flood.send(deadline_s=HOLD_S / 4)
+        assert flood.wait_for([rid])[rid] == ["OVERLOADED"]
+        assert r.status()["stats"]["shed_held"] == shed_before + 1
+        r.until("the flood dispatched again once its holds ended", lambda s: w.orgs.count("flood") > 12)
+
+
+def test_without_the_hold_a_fast_degraded_reply_frees_its_slot_at_once() -> None:
+    with rig(queue_max=5000, admission_hold=False) as r:
+        w = r.worker(capacity=12, delay_s=HOLD_S)
+        warm = r.caller("warm")
+        assert all(v == ["REPLY"] for v in warm.wait_for(warm.send(24)).values())
+        w.delay_s, w.degraded = 0.0, {"flood"}
+        flood = r.caller("flood")
+        assert all(v == ["REPLY"] for v in flood.wait_for(flood.send(200), timeout_s=HOLD_S * 5).values())
+        snap = r.status()
+        assert snap["slots_held"] == 0 and "held_slots_given" not in snap["stats"] and w.orgs.count("flood") == 200

@@ -9,6 +9,8 @@ tests/stack/test_admission.py.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ibex_context.broker.admission import (
     BACKOFF,
@@ -16,13 +18,17 @@ from ibex_context.broker.admission import (
     MIN_LIMIT,
     STANDING_NS,
     STOOD_NS,
+    Holds,
     Limiter,
     ServiceTime,
     StandingQueue,
+    counts_in_service,
     expected_wait_ns,
+    hold_until_ns,
     shed,
 )
 from ibex_context.shared.wire import protocol as P
+from tests.properties import examples
 
 MS = 1_000_000
 
@@ -120,3 +126,67 @@ def test_feedback_carries_the_memory_gate_flag_beside_the_overload_flag() -> Non
             fb = P.Feedback(overloaded, 7, gate_full)
             assert P.Feedback.unpack(fb.pack()) == fb
     assert len(P.Feedback(True, 7, True).pack()) == len(P.Feedback(True, 7).pack())  # one layout for both
+
+
+# ------------------------------------------------------------------- held slots (IBEX_ADMISSION_HOLD)
+
+
+def test_the_service_time_counts_full_answers_and_cut_calls_not_fast_refusals() -> None:
+    service = 20 * MS
+    assert counts_in_service(took_ns=1 * MS, service_ns=service, overloaded=False)  # a full answer, however fast
+    assert counts_in_service(took_ns=60 * MS, service_ns=service, overloaded=False)
+    assert counts_in_service(took_ns=60 * MS, service_ns=service, overloaded=True)  # cut at a branch's limit
+    assert counts_in_service(took_ns=service, service_ns=service, overloaded=True)
+    assert not counts_in_service(took_ns=1 * MS, service_ns=service, overloaded=True)  # a refusal
+    st_ = ServiceTime()
+    for took, overloaded in [(20 * MS, False)] * 20 + [(1 * MS, True)] * 50 + [(80 * MS, True)] * 20:
+        if counts_in_service(took_ns=took, service_ns=st_.mean_ns, overloaded=overloaded):
+            st_.observe(took)
+    assert st_.samples == 40 and 50 * MS < st_.mean_ns < 80 * MS  # the cut calls raised it; the refusals did not
+
+
+def test_a_fast_degraded_reply_holds_its_slot_until_a_service_time_after_its_dispatch() -> None:
+    assert hold_until_ns(dispatched_ns=100 * MS, now_ns=101 * MS, service_ns=20 * MS, overloaded=True) == 120 * MS
+    assert hold_until_ns(dispatched_ns=100 * MS, now_ns=120 * MS, service_ns=20 * MS, overloaded=True) is None
+    assert hold_until_ns(dispatched_ns=100 * MS, now_ns=150 * MS, service_ns=20 * MS, overloaded=True) is None
+    assert hold_until_ns(dispatched_ns=100 * MS, now_ns=101 * MS, service_ns=20 * MS, overloaded=False) is None
+    assert hold_until_ns(dispatched_ns=100 * MS, now_ns=101 * MS, service_ns=0.0, overloaded=True) is None
+
+
+def test_held_slots_block_only_their_own_org_and_end_on_time() -> None:
+    h = Holds()
+    assert not h and h.blocked(0) == set() and h.next_end_ns() is None
+    for end in (30, 10, 20):
+        h.hold("globex", end * MS)
+    h.hold("acme", 25 * MS)
+    assert len(h) == 4 and h.held("globex") == 3 and h.held("acme") == 1 and h.held("initech") == 0
+    assert h.next_end_ns() == 10 * MS and h.first_end_ns("globex") == 10 * MS and h.first_end_ns("acme") == 25 * MS
+    assert h.blocked(4) == set()  # 3 held of 4 free: globex may still use one
+    assert h.blocked(3) == {"globex"}  # its own holds take every free slot: not the others'
+    assert h.blocked(1) == {"globex", "acme"}
+    h.expire(10 * MS - 1)
+    assert h.held("globex") == 3
+    h.expire(25 * MS)
+    assert h.held("globex") == 1 and h.held("acme") == 0 and "acme" not in h.by_org and len(h) == 1
+    h.expire(30 * MS)
+    assert not h and h.by_org == {} and h.blocked(0) == set()
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["hold", "expire"]), st.sampled_from(["a", "b", "c"]),
+                          st.integers(0, 50)), max_size=200), st.integers(0, 6))
+def test_held_counts_agree_with_the_holds_not_yet_ended(ops: list[tuple[str, str, int]], free: int) -> None:
+    h = Holds()
+    model: list[tuple[int, str]] = []
+    now = 0
+    for op, org, t in ops:
+        if op == "hold":
+            h.hold(org, now + t)
+            model.append((now + t, org))
+        else:
+            now += t
+            h.expire(now)
+            model = [(end, o) for end, o in model if end > now]
+            held = {o: sum(1 for _, x in model if x == o) for o in "abc"}
+            assert {o: h.held(o) for o in "abc"} == held and len(h) == len(model)
+            assert h.blocked(free) == {o for o, n in held.items() if n and n >= free}

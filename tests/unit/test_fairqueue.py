@@ -102,6 +102,19 @@ def test_push_out_takes_the_newest_of_the_org_most_over_its_share() -> None:
     assert len(q) == 10
 
 
+def test_a_skipped_org_gives_nothing_and_keeps_its_place() -> None:
+    q: FairQueue[str] = FairQueue()
+    for i in range(3):
+        q.push("globex", f"g{i}")
+        q.push("acme", f"a{i}")
+    assert q.pop() == ("globex", "g0")
+    assert q.pop(skip={"globex"}) == ("acme", "a0")
+    assert q.pop(skip={"globex"}) == ("acme", "a1")
+    assert q.pop(skip={"globex", "acme"}) is None  # everyone skipped: nothing, and nothing lost
+    assert len(q) == 3 and q.queued("globex") == 2
+    assert drain(q) == [("globex", "g1"), ("acme", "a2"), ("globex", "g2")]
+
+
 def test_bookkeeping_stays_bounded_when_many_orgs_come_and_go() -> None:
     q: FairQueue[str] = FairQueue()
     for i in range(20 * IDLE_CAP):
@@ -131,11 +144,14 @@ def test_per_org_counts_are_bounded() -> None:
     other = snap["orgs_other"]
     assert isinstance(other, dict) and other["orgs"] == 50 + 1 + len(shed.counts) - 5
     assert other["inflight"] == 3
+    snap = org_snapshot([("acme", 1)], [], TopCounts(), [("globex", 4), ("acme", 2)], shown=5)
+    assert snap["orgs"] == {"globex": {"queued": 0, "inflight": 0, "shed": 0, "held": 4},
+                            "acme": {"queued": 1, "inflight": 0, "shed": 0, "held": 2}}
 
 
 # ------------------------------------------------------------------------------- property test
 
-OPS = st.lists(st.tuples(st.sampled_from(["push", "push_front", "pop", "remove", "push_out"]),
+OPS = st.lists(st.tuples(st.sampled_from(["push", "push_front", "pop", "pop_skip", "remove", "push_out"]),
                          st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 30)), max_size=300)
 
 
@@ -157,6 +173,13 @@ def test_the_queue_agrees_with_a_model_of_per_org_lists(ops: list[tuple[str, str
                 assert got is None
             else:
                 assert got is not None and model[got[0]][0] == got[1]  # FIFO within the org
+                model[got[0]].pop(0)
+        elif op == "pop_skip":  # ``org``'s held slots take every free one: the next of another org
+            got = q.pop(skip={org})
+            if not any(v for o, v in model.items() if o != org):
+                assert got is None
+            else:
+                assert got is not None and got[0] != org and model[got[0]][0] == got[1]
                 model[got[0]].pop(0)
         elif op == "remove" and model[org]:
             item = model[org].pop(arg % len(model[org]))
