@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from ...shared.wire.models import ChatFormat, SectionName
 from .. import format as fmt
 from ..conversation.context_edit import Clearing
+from ..conversation.fit import TargetCosts
 from ..conversation.history import HistoryFit
 from ..counting.count import CountedSection
 from ..counting.tokens import TokenCounter
@@ -60,41 +61,13 @@ class Emitted:
     chat: ChatOut | None = None
 
 
-class Renderer(Protocol):
+class Renderer(TargetCosts, Protocol):
     """One target's rules. Built per request from its ``Turns`` (before retrieval: it needs the
-    request alone); ``costs`` are the conversation's messages one by one, ``fixed`` what the
-    target sends whatever history is kept (tool definitions, reply priming, a caller's system),
-    ``tools`` the part of ``fixed`` that is tool definitions."""
-
-    @property
-    def costs(self) -> tuple[int, ...]: ...
-
-    @property
-    def fixed(self) -> int: ...
-
-    @property
-    def tools(self) -> int: ...
+    request alone); what the fit stage reads of it is ``TargetCosts``."""
 
     @property
     def thinking(self) -> tuple[tuple[int, bool], ...]:
         """Per message, its thinking tokens and whether they count zero (Anthropic; else empty)."""
-        ...
-
-    def recount(self, i: int, message: Message) -> int:
-        """Tokens of conversation message ``i`` as context editing changed it, by this target's rules."""
-        ...
-
-    def directive_tokens(self, directive: str | None, directive_text: CountedSection) -> int:
-        """The directive as this target sends it (``directive_text``: its flat section, counted once)."""
-        ...
-
-    def frame_tokens(self, directive_text: CountedSection) -> int:
-        """What this target adds around the memories block beyond its flat text (its own message
-        or block; the joins between the flat sections)."""
-        ...
-
-    def summary_tokens(self, summary: str) -> int:
-        """What the framed compaction summary adds as this target places it (at most)."""
         ...
 
     def render(self, fit: HistoryFit, directive: str | None, directive_text: CountedSection, block: Block, *,
