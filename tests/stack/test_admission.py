@@ -159,11 +159,14 @@ async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late(lifo: boo
             results = await asyncio.gather(*tasks)
     outcomes = collections.Counter(o for o, _ in results)
     assert outcomes["OVERLOADED"] > 0 and outcomes["ok"] > 0, outcomes
-    # A request shed with little time left may reach its caller just after the caller's own clock
-    # ended it (DEADLINE_EXCEEDED there): never more refusals seen than the broker sent.
+    # A request shed, or answered, with little time left may reach its caller just after the caller's
+    # own clock ended it (DEADLINE_EXCEEDED there): never fewer refusals or answers seen than the
+    # broker sent, and what the broker sent beyond them is at most what the caller timed out.
     shed_by_broker = broker.stats["shed_overloaded"] + broker.stats["shed_stale"]
-    assert outcomes["OVERLOADED"] <= shed_by_broker <= outcomes["OVERLOADED"] + outcomes["DEADLINE_EXCEEDED"]
-    assert sum(outcomes.values()) == 240 and broker.stats["replies"] == 30 + outcomes["ok"]
+    replied = broker.stats["replies"] - 30
+    assert shed_by_broker >= outcomes["OVERLOADED"] and replied >= outcomes["ok"]
+    assert (shed_by_broker - outcomes["OVERLOADED"]) + (replied - outcomes["ok"]) <= outcomes["DEADLINE_EXCEEDED"]
+    assert sum(outcomes.values()) == 240
     assert all(t <= deadline_s + 0.05 for _, t in results), max(t for _, t in results)
 
 
