@@ -152,11 +152,15 @@ async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late(lifo: boo
                 except IbexError as exc:
                     return exc.code.value, time.monotonic() - t0
 
+            lags: list[float] = []
+            lag = asyncio.create_task(_loop_lag(lags))
             tasks = []
             for i in range(240):  # 600/s for 0.4 s against ~200/s of service
                 tasks.append(asyncio.create_task(one(i)))
                 await asyncio.sleep(1 / 600)
             results = await asyncio.gather(*tasks)
+            lag.cancel()
+            worst_lag = max(lags, default=0.0)
     outcomes = collections.Counter(o for o, _ in results)
     assert outcomes["OVERLOADED"] > 0 and outcomes["ok"] > 0, outcomes
     # A request shed, or answered, with little time left may reach its caller just after the caller's
@@ -167,7 +171,17 @@ async def test_a_standing_queue_is_shed_on_receipt_and_nothing_is_late(lifo: boo
     assert shed_by_broker >= outcomes["OVERLOADED"] and replied >= outcomes["ok"]
     assert (shed_by_broker - outcomes["OVERLOADED"]) + (replied - outcomes["ok"]) <= outcomes["DEADLINE_EXCEEDED"]
     assert sum(outcomes.values()) == 240
-    assert all(t <= deadline_s + 0.05 for _, t in results), max(t for _, t in results)
+    # measured by this process's own clock: its loop's stalls (240 tasks, a loaded machine) are not the
+    # service's lateness, so the slack grows by the longest stall the loop showed during the burst
+    assert all(t <= deadline_s + 0.05 + worst_lag for _, t in results), (max(t for _, t in results), worst_lag)
+
+
+async def _loop_lag(lags: list[float], period_s: float = 0.005) -> None:
+    """Record in ``lags`` how late this event loop wakes a sleeper (its own stalls), until cancelled."""
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(period_s)
+        lags.append(time.monotonic() - t0 - period_s)
 
 
 async def _outcome(call: Awaitable[object]) -> str:
