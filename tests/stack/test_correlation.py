@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import msgpack
 import pytest
 import zmq
@@ -48,7 +49,8 @@ STAGGER_S = 0.002
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = start_stack(tmp_path_factory.mktemp("correlation-stack"), seed=False, workers=2, env=STACK_ENV)
+    s = start_stack(tmp_path_factory.mktemp("correlation-stack"), seed=False, workers=2, env=STACK_ENV,
+                    enable_faults=True)
     try:
         asyncio.run(_warm(s))
         yield s
@@ -204,7 +206,15 @@ async def test_a_request_without_a_correlation_frame_is_matched_by_its_request_i
     """A raw client's request without a correlation frame is answered under its request_id; a second
     one with the same id while the first is in flight is refused (its replies could not be told
     apart), and the refusal names the field."""
-    got = await _exchange(stack, [_frames("alice", 1, None), _frames("bob", 1, None)], 2)
+    # a slow memory service keeps the first in flight when the second arrives (on an idle machine
+    # the first was answered before the second came in, and both were served)
+    async with httpx.AsyncClient(base_url=stack.memory_url, timeout=5) as http:
+        slow = await http.put("/_faults", json={"endpoint": "all", "latency_ms": 300})
+        assert slow.status_code == 200
+        try:
+            got = await _exchange(stack, [_frames("alice", 1, None), _frames("bob", 1, None)], 2)
+        finally:
+            assert (await http.delete("/_faults")).status_code == 200
     assert [f[2] for f in got] == [SHARED_ID.encode()] * 2
     bodies = [(f[1], msgpack.unpackb(f[3])) for f in got]
     refused = [b for cmd, b in bodies if cmd == P.ERROR]
