@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
+from ibex_context.memory.embedders.config import EmbedderConfig
 from ibex_context.memory.embedders.embed import load_embedder
 from ibex_context.memory.embedders.minilm import MiniLMEmbedder
 from ibex_context.memory.embedders.token_states import ROW_BYTES, decode
@@ -36,6 +37,9 @@ pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDER = MiniLMEmbedder().name  # the name every minilm runtime stores under
+# The services' weights: ``auto`` picks whichever form measures faster at load, so two embedders
+# loaded here could give the same text two slightly different vectors.
+FP32 = EmbedderConfig(minilm_weights="fp32")
 
 
 def _turn(mid: str, content: str, day: str) -> dict[str, Any]:
@@ -90,7 +94,7 @@ def seeded(services: dict[str, MemoryServiceHandle], redis_of: str) -> dict[str,
 async def _seed(url: str) -> None:
     redis = async_client(url)
     try:
-        await seed_records(redis, TURNS, embedder=load_embedder("minilm"))
+        await seed_records(redis, TURNS, embedder=load_embedder("minilm", FP32))
     finally:
         await redis.aclose()
 
@@ -156,7 +160,7 @@ class _NoStates:
     """minilm as an embedder without token states: memories written as before states were kept."""
 
     def __init__(self) -> None:
-        self.inner = load_embedder("minilm")
+        self.inner = load_embedder("minilm", FP32)
         self.name, self.dim, self.blocking = self.inner.name, self.inner.dim, self.inner.blocking
         self.min_similarity = self.inner.min_similarity
 
