@@ -39,7 +39,7 @@ from tests.stack.test_litellm_proxy import _keys, curve_hook, curve_stack
 
 pytestmark = pytest.mark.timeout(400)
 
-TURNS = 300
+TURNS = 100  # a summary is due about every 23 turns from the 45th: three of them
 MODELS = {"small": "gpt-4", "summarizer": "gpt-4o-mini"}
 KEYS = {"sk-acme": {"metadata": {"ibex_org": "acme", "ibex_agent": "long-bot"}},
         "sk-acme-flaky": {"metadata": {"ibex_org": "acme", "ibex_agent": "flaky-bot"}}}
@@ -47,7 +47,8 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Loo
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
 FACT = re.compile(r"FACT-\d+")
 BLOCK = re.compile(r'<summary nonce="[0-9a-f]+">\n(.*?)\n</summary nonce=', re.DOTALL)
-FILLER = "The customer described the situation at some length, with dates, amounts and the names of people."
+FILLER = ("The customer described the situation at some length, with dates, amounts and the names of people. "
+          "They asked for the whole history of the account, every letter sent and every call made, twice.")
 
 
 @dataclass
@@ -91,7 +92,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 
 
 def _user(n: int, tag: str) -> dict[str, Any]:
-    return {"role": "user", "content": f"[{tag}] Turn {n}: please note FACT-{n}. {FILLER}"}
+    return {"role": "user", "content": f"[{tag}] Turn {n}: please note FACT-{n}. {FILLER} {FILLER}"}
 
 
 def _tool_exchange(n: int) -> list[dict[str, Any]]:
@@ -190,7 +191,7 @@ def test_a_long_session_is_compacted_without_gaps_and_remembered(rig: Rig) -> No
 
 def test_a_failing_or_hanging_summary_model_changes_nothing_on_the_call_path(rig: Rig) -> None:
     sdk = rig.sdk("sk-acme-flaky")
-    big = FILLER * 12
+    big = FILLER * 6
     for mode in ("fail", "hang"):
         rig.upstream.summary_mode(mode)
         try:
