@@ -24,10 +24,11 @@ from ibex_context.client.integrations.litellm.auth import KEYS_ENV, key_hash
 from ibex_context.ops.procs import die_with_parent, read_port_file, stop_processes, wait_for
 from ibex_context.ops.stack import free_port
 
+from .litellm_fork import fork_litellm
+
 MASTER_KEY = "sk-ibex-test-master"
 HOOK = "ibex_context.client.integrations.litellm.proxy_handler"
 OFFLINE_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
-_RUN_LITELLM = "import sys; from litellm import run_server; sys.argv[0] = 'litellm'; sys.exit(run_server())"
 STATS_ENV = "BENCH_HOOK_STATS"  # where a proxy's SIGUSR1 handler writes the hook's summary counters
 _DUMP_STATS = (  # the hook LiteLLM built from its callbacks (built once: the module caches it)
     "import json, os, signal\n"
@@ -71,7 +72,7 @@ class Upstream:
                                          env=_child_env({}), stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=die_with_parent)
         try:
-            self.port = int(read_port_file(port_file, self.proc, 30.0, self.log)[0])
+            self.port = int(read_port_file(port_file, self.proc, 90.0, self.log)[0])
         except BaseException:
             self.stop()
             raise
@@ -117,8 +118,9 @@ def proxy_config(upstream: Upstream, models: Mapping[str, str], *, hook: bool,
 
 
 class LiteLLMProxy:
-    """``litellm --config`` as a child process on loopback; ``url`` once it answers its liveness probe.
-    With ``stats_file``, ``hook_stats`` reads its hook's summary counters."""
+    """``litellm --config`` on loopback, forked from a process that imported LiteLLM already
+    (``bench.litellm_fork``); ``url`` once it answers its liveness probe. With ``stats_file``,
+    ``hook_stats`` reads its hook's summary counters."""
 
     def __init__(self, workdir: Path, config: Mapping[str, Any], keys: Mapping[str, Any], *,
                  env: Mapping[str, str] | None = None, timeout_s: float = 90.0,
@@ -133,12 +135,10 @@ class LiteLLMProxy:
         extra = {"LITELLM_MASTER_KEY": MASTER_KEY, KEYS_ENV: str(workdir / "keys.json"), **(env or {})}
         if stats_file is not None:
             extra[STATS_ENV] = str(stats_file)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", (_DUMP_STATS if stats_file is not None else "") + _RUN_LITELLM,
-                 "--config", str(workdir / "config.yaml"), "--host", "127.0.0.1", "--port", str(self.port)],
-                cwd=workdir, env=_child_env(extra),
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.proc = fork_litellm(["--config", str(workdir / "config.yaml"), "--host", "127.0.0.1",
+                                  "--port", str(self.port)], env=_child_env(extra),
+                                 parent_env=_child_env({"LITELLM_MASTER_KEY": MASTER_KEY}), cwd=workdir,
+                                 log=self.log, prelude=_DUMP_STATS if stats_file is not None else "")
         try:
             wait_for("LiteLLM proxy", self._live, timeout_s, self.log)
         except BaseException:
@@ -167,7 +167,7 @@ class LiteLLMProxy:
         return got
 
     def stop(self) -> None:
-        stop_processes([self.proc])
+        self.proc.stop()
 
 
 @contextlib.contextmanager
