@@ -26,6 +26,8 @@ from ibex_context.shared.stores.keys import agent_tag
 from tests.fixtures_cluster import started_cluster
 from tests.fixtures_services import MemoryServiceHandle, running_memory_service
 
+pytestmark = pytest.mark.timeout(300)  # a whole slot move under searches: ~1 min idle, several on a busy box
+
 ORG, PER_AGENT = "acme", 12
 EMB = load_embedder("hash")  # the test memory services' embedder (tests/conftest.py)
 # Agents chosen so some live in the slots add-shard moves (the top quarter of each primary's
