@@ -357,7 +357,7 @@ async def test_one_orgs_usage_flood_leaves_another_orgs_assemblies_whole_and_on_
     assert all(isinstance(f, tuple) for f in floods), floods
 
     sent = sum(n for n, _ in floods)
-    assert sent > 20 * limits.usage_rate_per_org * flood_s, f"not a flood: {sent} reports in {flood_s:.1f} s"
+    assert sent > 10 * limits.usage_rate_per_org * flood_s, f"not a flood: {sent} reports in {flood_s:.1f} s"
     assert assembled_s < flood_s
 
     def counters() -> dict[str, int]:
