@@ -30,12 +30,31 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   more than that sees its own queue stand and is refused OVERLOADED on receipt. A held slot
   blocks only its own org: for every other org it is free (work-conserving), and holds never let
   more requests into a worker than its limit.
+* ``DispatchRate`` and ``MemoryCost`` (``IBEX_ADMISSION_RATE``): admission at the throughput of
+  the whole path. The bottleneck of an assembly that asks a new question is the memory service's
+  embedding, shared by every worker: it serves so many questions a second, whatever the number in
+  flight, so a limit on concurrency (one request per slot per service time) admits more than it
+  can embed once replies come back faster than the embeddings would. The broker therefore paces
+  dispatch with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate):
+  a degraded reply to a request that asked the memory service and was dispatched after the last
+  cut (so it saw the rate as it is now) cuts the rate by ``RATE_BACKOFF``; every clean reply of
+  that kind while the rate was binding raises it, by ``RATE_GROWTH`` of the rate per second's
+  worth of such replies (recovery takes the same time at 20/s as at 200/s); a quiet
+  ``RATE_RECOVER_NS`` (no overload signal, nothing held back by the rate) lifts it. Unlimited until
+  the first overload signal, which starts it at ``RATE_BACKOFF`` of the rate measured in the last
+  ``RATE_WINDOW_NS``. A request costs its org's share of replies that asked the memory service
+  (``MemoryCost``, learned from a feedback flag): an org whose assemblies embed nothing takes no
+  tokens, so it is not held to a rate learned for the memory service. The fair queue decides whose
+  request takes the next token (an org alone takes them all), and the expected wait of an arrival
+  counts the rate: its org's queue at the org's share of it (``rate_wait_ns``).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 MIN_LIMIT = 2.0  # a worker keeps two in flight: one on the CPU while one waits on I/O
 BACKOFF = 0.75  # multiplicative decrease on an overload signal
@@ -45,6 +64,15 @@ MIN_SAMPLES = 20  # replies before the queue estimate is trusted (until then onl
 STANDING_NS = 50_000_000  # queue waits over the target for this long: a standing queue, not a burst
 STOOD_NS = 1_000_000_000  # a queue that stood this recently is still judged standing when it refills
 STALE_FACTOR = 1  # targets a request in a standing queue needs left, beyond a service time, to stay
+RATE_BACKOFF = 0.8  # the dispatch rate's multiplicative decrease on an overload signal
+RATE_GROWTH = 0.2  # while binding with clean replies the rate grows by this part of itself a second
+RATE_FLOOR = 5.0  # requests a second the dispatch rate is never cut below
+RATE_RECOVER_NS = 1_000_000_000  # no overload signal and nothing held back for this long: unlimited again
+RATE_WINDOW_NS = 1_000_000_000  # the dispatch rate measured over this, for the first cut
+RATE_BURST_NS = 20_000_000  # the bucket holds this much of the rate (at least one token)
+RATE_BINDING_NS = 100_000_000  # a request held back by the rate this recently: the rate is binding
+COST_EWMA = 0.5  # weight of one reply in an org's memory cost
+COST_ORGS = 4096  # orgs whose cost is remembered; past it the table is cleared (unknown orgs cost 1)
 
 
 @dataclass(slots=True)
@@ -221,3 +249,126 @@ class Holds:
         """The orgs whose own held slots take every one of the ``free`` slots: none of their
         requests may be dispatched now; every other org may use all ``free``."""
         return {org for org, n in self.by_org.items() if n >= free}
+
+
+@dataclass(slots=True)
+class DispatchRate:
+    """The adaptive dispatch rate (module doc), as a token bucket. Pure bookkeeping: every method
+    takes the clock. ``rate`` is requests (tokens) a second, ``math.inf`` while unlimited."""
+
+    rate: float = math.inf
+    tokens: float = 0.0
+    refilled_ns: int = 0
+    last_cut_ns: int = -(1 << 62)  # replies to requests dispatched before this say nothing of the rate now
+    last_overload_ns: int = -(1 << 62)
+    last_binding_ns: int = -(1 << 62)  # the last time a request was held back for lack of tokens
+    cuts: int = 0
+    lifted: int = 0
+    window: collections.deque[tuple[int, float]] = field(default_factory=collections.deque)  # (ns, cost) dispatched
+    window_cost: float = 0.0
+
+    @property
+    def limited(self) -> bool:
+        return self.rate != math.inf
+
+    def burst(self) -> float:
+        return max(1.0, self.rate * RATE_BURST_NS / 1e9)
+
+    def refill(self, now_ns: int) -> None:
+        """Tokens accrued since the last refill; past a quiet ``RATE_RECOVER_NS`` the rate is lifted."""
+        if not self.limited:
+            return
+        if (now_ns - self.last_overload_ns >= RATE_RECOVER_NS and now_ns - self.last_binding_ns >= RATE_RECOVER_NS
+                and now_ns - self.last_cut_ns >= RATE_RECOVER_NS):
+            self.rate = math.inf
+            self.lifted += 1
+            return
+        if now_ns > self.refilled_ns:
+            self.tokens = min(self.burst(), self.tokens + (now_ns - self.refilled_ns) * self.rate / 1e9)
+            self.refilled_ns = now_ns
+
+    def allows(self, cost: float) -> bool:
+        """Whether a request costing ``cost`` may go now (after ``refill``)."""
+        return cost <= 0 or not self.limited or self.tokens >= cost
+
+    def held_back(self, now_ns: int) -> None:
+        """A request was kept in the queue for lack of tokens: the rate binds."""
+        self.last_binding_ns = now_ns
+
+    def binding(self, now_ns: int) -> bool:
+        return self.limited and now_ns - self.last_binding_ns < RATE_BINDING_NS
+
+    def take(self, cost: float, now_ns: int) -> None:
+        """A request costing ``cost`` was dispatched."""
+        if cost <= 0:
+            return
+        if self.limited:
+            self.tokens -= cost
+        w = self.window
+        w.append((now_ns, cost))
+        self.window_cost += cost
+        while w and now_ns - w[0][0] > RATE_WINDOW_NS:
+            self.window_cost -= w.popleft()[1]
+
+    def measured(self, now_ns: int) -> float:
+        """Cost dispatched a second over the last ``RATE_WINDOW_NS`` (or since the first dispatch in it)."""
+        w = self.window
+        while w and now_ns - w[0][0] > RATE_WINDOW_NS:
+            self.window_cost -= w.popleft()[1]
+        if not w:
+            return 0.0
+        span = max(now_ns - w[0][0], RATE_BURST_NS)
+        return max(0.0, self.window_cost) * 1e9 / span
+
+    def next_token_ns(self, cost: float, now_ns: int) -> int:
+        """When a request costing ``cost`` may go (``now_ns`` if it may now)."""
+        if self.allows(cost):
+            return now_ns
+        return now_ns + math.ceil((cost - self.tokens) * 1e9 / self.rate)
+
+    def wait_ns(self, ahead_cost: float, share: float, now_ns: int) -> float:
+        """How long until a request with ``ahead_cost`` of its own org's work ahead of it and
+        itself included has its tokens, its org taking ``share`` of them (0 unlimited)."""
+        if not self.limited:
+            return 0.0
+        if share <= 0:
+            return math.inf
+        return max(0.0, (ahead_cost - self.tokens) * 1e9 / (self.rate * share))
+
+    def on_reply(self, *, dispatched_ns: int, now_ns: int, overloaded: bool, asked_memory: bool) -> None:
+        """Learn from a reply (module doc). Only replies of requests that asked the memory service
+        count: the rate is the memory service's."""
+        if not asked_memory:
+            return
+        if overloaded:
+            self.last_overload_ns = now_ns
+            if dispatched_ns < self.last_cut_ns:
+                return  # sent at the rate before the last cut: already answered for
+            base = self.rate if self.limited else self.measured(now_ns)
+            if not self.limited:
+                self.tokens, self.refilled_ns = 0.0, now_ns
+            self.rate = max(RATE_FLOOR, base * RATE_BACKOFF)
+            self.tokens = min(self.tokens, self.burst())
+            self.last_cut_ns = now_ns
+            self.cuts += 1
+        elif self.binding(now_ns):
+            self.rate += RATE_GROWTH
+
+
+class MemoryCost:
+    """Per org, the share of its replies whose assembly asked the memory service (feedback flag),
+    as an exponentially weighted mean: what one of its requests costs in dispatch tokens. An org
+    not seen yet costs 1. Bounded: past ``COST_ORGS`` orgs the table starts again."""
+
+    def __init__(self) -> None:
+        self.by_org: dict[str, float] = {}
+
+    def cost(self, org: str) -> float:
+        return self.by_org.get(org, 1.0)
+
+    def observe(self, org: str, asked_memory: bool) -> None:
+        c = self.by_org.get(org)
+        x = 1.0 if asked_memory else 0.0
+        if c is None and len(self.by_org) >= COST_ORGS:
+            self.by_org.clear()
+        self.by_org[org] = x if c is None else c + COST_EWMA * (x - c)
