@@ -93,7 +93,8 @@ def test_the_bucket_paces_and_says_when_the_next_token_comes() -> None:
     assert r.allows(1.0)
     r.take(1.0, 10 * MS)
     assert not r.allows(1.0) and r.allows(0.0)
-    r.refill(10 * S)  # a long idle spell banks one burst only
+    r.last_overload_ns = 10 * S  # not quiet: the rate stays
+    r.refill(10 * S)  # a long spell banks one burst only
     assert r.tokens == r.burst() == 2.0
     assert r.wait_ns(5.0, 0.5, 10 * S) == (5.0 - 2.0) * S / 50  # its org's half of 100 a second
     assert r.wait_ns(1.0, 0.0, 10 * S) == math.inf and DispatchRate().wait_ns(9.0, 0.1, 0) == 0.0
