@@ -35,18 +35,24 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   embedding, shared by every worker: it serves so many questions a second, whatever the number in
   flight, so a limit on concurrency (one request per slot per service time) admits more than it
   can embed once replies come back faster than the embeddings would. The broker therefore paces
-  dispatch with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate):
+  dispatch with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate,
+  with BIC-TCP's binary search back to the last rate that overloaded):
   a degraded reply to a request that asked the memory service and was dispatched after the last
-  cut (so it saw the rate as it is now) cuts the rate by ``RATE_BACKOFF``; every clean reply of
-  that kind while the rate was binding raises it, by ``RATE_GROWTH`` of the rate per second's
-  worth of such replies (recovery takes the same time at 20/s as at 200/s); a quiet
-  ``RATE_RECOVER_NS`` (no overload signal, nothing held back by the rate) lifts it. Unlimited until
-  the first overload signal, which starts it at ``RATE_BACKOFF`` of the rate measured in the last
-  ``RATE_WINDOW_NS``. A request costs its org's share of replies that asked the memory service
-  (``MemoryCost``, learned from a feedback flag): an org whose assemblies embed nothing takes no
-  tokens, so it is not held to a rate learned for the memory service. The fair queue decides whose
-  request takes the next token (an org alone takes them all), and the expected wait of an arrival
-  counts the rate: its org's queue at the org's share of it (``rate_wait_ns``).
+  change (so it saw the rate as it is now) cuts the rate by ``RATE_BACKOFF``, down to
+  ``RATE_FLOOR``, and the rate it was cut from is remembered as the ``peak`` (unless no clean reply
+  came since the cut before: one overload met again). A clean reply of that kind while the rate
+  binds raises it: halfway to the peak, at most once per round trip, while it is below
+  ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
+  ``RATE_GROWTH`` of the rate per second's worth of such replies, probing above the peak (the
+  same time at 20/s as at 200/s). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
+  back by the rate) lifts it. Unlimited until the first overload signal, which starts it at
+  ``RATE_BACKOFF`` of the rate measured in the last ``RATE_WINDOW_NS``. A request costs its org's
+  share of replies that asked the memory service (``MemoryCost``, learned from a feedback flag):
+  an org whose assemblies embed nothing takes no tokens, so it is not held to a rate learned for
+  the memory service. The fair queue decides whose request takes the next token (an org alone
+  takes them all), and the expected wait of an arrival counts the rate: its org's queue at the
+  org's share of it (``DispatchRate.wait_ns``). A request that cannot have its tokens before its
+  deadline (with a service time after, once one is measured) is refused OVERLOADED on receipt.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ STOOD_NS = 1_000_000_000  # a queue that stood this recently is still judged sta
 STALE_FACTOR = 1  # targets a request in a standing queue needs left, beyond a service time, to stay
 RATE_BACKOFF = 0.8  # the dispatch rate's multiplicative decrease on an overload signal
 RATE_GROWTH = 0.2  # while binding with clean replies the rate grows by this part of itself a second
-RATE_FLOOR = 5.0  # requests a second the dispatch rate is never cut below
+RATE_FLOOR = 1.0  # requests a second the dispatch rate is never cut below
+RATE_NEAR = 0.95  # below this part of the peak a clean round trip halves the distance to it
 RATE_RECOVER_NS = 1_000_000_000  # no overload signal and nothing held back for this long: unlimited again
 RATE_WINDOW_NS = 1_000_000_000  # the dispatch rate measured over this, for the first cut
 RATE_BURST_NS = 20_000_000  # the bucket holds this much of the rate (at least one token)
@@ -259,7 +266,10 @@ class DispatchRate:
     rate: float = math.inf
     tokens: float = 0.0
     refilled_ns: int = 0
-    last_cut_ns: int = -(1 << 62)  # replies to requests dispatched before this say nothing of the rate now
+    last_cut_ns: int = -(1 << 62)
+    changed_ns: int = -(1 << 62)  # replies to requests dispatched before this say nothing of the rate now
+    peak: float = 0.0  # the rate last cut from: where the binary search climbs back to
+    clean_since_cut: bool = False
     last_overload_ns: int = -(1 << 62)
     last_binding_ns: int = -(1 << 62)  # the last time a request was held back for lack of tokens
     cuts: int = 0
@@ -342,16 +352,27 @@ class DispatchRate:
             return
         if overloaded:
             self.last_overload_ns = now_ns
-            if dispatched_ns < self.last_cut_ns:
-                return  # sent at the rate before the last cut: already answered for
+            if dispatched_ns < self.changed_ns:
+                return  # sent at the rate before the last change: already answered for
             base = self.rate if self.limited else self.measured(now_ns)
             if not self.limited:
-                self.tokens, self.refilled_ns = 0.0, now_ns
+                self.tokens, self.refilled_ns, self.peak = 0.0, now_ns, base
+            elif self.clean_since_cut:
+                self.peak = base
             self.rate = max(RATE_FLOOR, base * RATE_BACKOFF)
             self.tokens = min(self.tokens, self.burst())
-            self.last_cut_ns = now_ns
+            self.last_cut_ns = self.changed_ns = now_ns
+            self.clean_since_cut = False
             self.cuts += 1
-        elif self.binding(now_ns):
+            return
+        self.clean_since_cut = True
+        if not self.binding(now_ns):
+            return
+        if self.rate < RATE_NEAR * self.peak:
+            if dispatched_ns >= self.changed_ns:  # once per round trip
+                self.rate = (self.rate + self.peak) / 2
+                self.changed_ns = now_ns
+        else:
             self.rate += RATE_GROWTH
 
 

@@ -316,19 +316,20 @@ class Broker:
         if not queued:
             self._drained(org, now)  # a standing queue never empties, and only a standing queue sheds
             return None
-        if not self.admission_queue_ns or not self.service.trusted or not self.table:
+        if not self.admission_queue_ns or not self.table:
             return None
         share = self.queue.share(org)
         rate_wait = self._rate_wait(org, queued, share, now)
+        trusted = self.service.trusted
+        service = self.service.mean_ns if trusted else 0.0  # untrusted: the token wait alone is known
         standing = self.standing.get(org)
-        is_standing = standing is not None and standing.standing(now)
+        is_standing = trusted and standing is not None and standing.standing(now)
         if not is_standing and not rate_wait:
             return None
         live = self.table.live()
         slots = sum(w.slots for w in live)
         free = max(0, sum(max(0, w.free) for w in live) - held)  # its own held slots are not free for it
-        wait = max(rate_wait, expected_wait_ns(queued, slots, free, self.service.mean_ns, share))
-        service = self.service.mean_ns
+        wait = max(rate_wait, expected_wait_ns(queued, slots, free, service, share) if trusted else 0.0)
         if is_standing:
             if not shed(wait_ns=wait, service_ns=service, remaining_ns=remaining_ns,
                         target_ns=self.admission_queue_ns, standing=True):

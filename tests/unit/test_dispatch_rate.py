@@ -15,6 +15,7 @@ from ibex_context.broker.admission import (
     RATE_BINDING_NS,
     RATE_FLOOR,
     RATE_GROWTH,
+    RATE_NEAR,
     RATE_RECOVER_NS,
     DispatchRate,
     MemoryCost,
@@ -30,8 +31,7 @@ S = 1_000_000_000
 
 def limited(rate: float, now_ns: int = 0) -> DispatchRate:
     """A rate already cut to ``rate`` at ``now_ns``, its bucket empty."""
-    r = DispatchRate(rate=rate, refilled_ns=now_ns, last_cut_ns=now_ns, last_overload_ns=now_ns)
-    return r
+    return DispatchRate(rate=rate, refilled_ns=now_ns, last_cut_ns=now_ns, changed_ns=now_ns, last_overload_ns=now_ns)
 
 
 def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
@@ -46,7 +46,7 @@ def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
     assert not r.limited  # an assembly that did not ask the memory service says nothing of its pace
     r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=True, asked_memory=True)
     assert r.limited and r.cuts == 1
-    assert math.isclose(r.rate, 200 * RATE_BACKOFF, rel_tol=0.02)
+    assert math.isclose(r.rate, 200 * RATE_BACKOFF, rel_tol=0.02) and math.isclose(r.peak, 200, rel_tol=0.02)
 
 
 def test_one_cut_per_round_trip_and_never_below_the_floor() -> None:
@@ -60,7 +60,31 @@ def test_one_cut_per_round_trip_and_never_below_the_floor() -> None:
     for k in range(200):
         t = S + (40 + k) * MS
         r.on_reply(dispatched_ns=t, now_ns=t + 1, overloaded=True, asked_memory=True)
-    assert r.rate == RATE_FLOOR
+    assert r.rate == RATE_FLOOR and r.peak == 0.0  # one overload met again and again: no peak learned
+
+
+def test_after_a_fault_a_few_clean_round_trips_climb_back_to_the_peak() -> None:
+    r = limited(100.0, now_ns=S)
+    r.clean_since_cut = True
+    t = S
+    for _ in range(30):  # the memory service answers nothing: cut after cut, one per round trip
+        t += 10 * MS
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+    assert r.rate == RATE_FLOOR and r.peak == 100.0  # the rate it first fell from is remembered
+    trips = 0
+    while r.rate < RATE_NEAR * r.peak:
+        t += 10 * MS
+        r.held_back(t - MS)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
+        r.on_reply(dispatched_ns=t - 2 * MS, now_ns=t, overloaded=False, asked_memory=True)  # the same trip
+        trips += 1
+    assert trips <= 6  # halfway to the peak each clean round trip
+    before = r.rate
+    r.held_back(t)
+    r.on_reply(dispatched_ns=t, now_ns=t + MS, overloaded=False, asked_memory=True)
+    assert r.rate == before + RATE_GROWTH  # near the peak: probing above it, slowly
+    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, overloaded=True, asked_memory=True)
+    assert r.peak == before + RATE_GROWTH and r.rate == r.peak * RATE_BACKOFF  # a clean reply came since: a new peak
 
 
 def test_clean_replies_raise_the_rate_only_while_it_binds() -> None:
