@@ -45,7 +45,11 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
   ``RATE_GROWTH`` of the rate per second's worth of such replies, probing above the peak (the
   same time at 20/s as at 200/s). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
-  back by the rate) lifts it. Unlimited until the first overload signal, which starts it at
+  back by the rate) lifts it, and so does a ``RATE_RECOVER_NS`` with no clean reply at all: a
+  memory service that answers nothing in time (slowed, failing) has no pace to learn, and its
+  calls are answered degraded at once by the workers' memory gates, as before (a slow memory
+  service degrades, never fails); an overload signal then cuts nothing until a clean reply
+  shows the service serving again. Unlimited until the first overload signal, which starts it at
   ``RATE_BACKOFF`` of the rate measured in the last ``RATE_WINDOW_NS``. A request costs its org's
   share of replies that asked the memory service (``MemoryCost``, learned from a feedback flag):
   an org whose assemblies embed nothing takes no tokens, so it is not held to a rate learned for
@@ -269,6 +273,7 @@ class DispatchRate:
     last_cut_ns: int = -(1 << 62)
     changed_ns: int = -(1 << 62)  # replies to requests dispatched before this say nothing of the rate now
     peak: float = 0.0  # the rate last cut from: where the binary search climbs back to
+    last_clean_ns: int = -(1 << 62)  # the last clean reply of a request that asked the memory service
     clean_since_cut: bool = False
     last_overload_ns: int = -(1 << 62)
     last_binding_ns: int = -(1 << 62)  # the last time a request was held back for lack of tokens
@@ -288,8 +293,8 @@ class DispatchRate:
         """Tokens accrued since the last refill; past a quiet ``RATE_RECOVER_NS`` the rate is lifted."""
         if not self.limited:
             return
-        if (now_ns - self.last_overload_ns >= RATE_RECOVER_NS and now_ns - self.last_binding_ns >= RATE_RECOVER_NS
-                and now_ns - self.last_cut_ns >= RATE_RECOVER_NS):
+        quiet = now_ns - self.last_overload_ns >= RATE_RECOVER_NS and now_ns - self.last_binding_ns >= RATE_RECOVER_NS
+        if (quiet or now_ns - self.last_clean_ns >= RATE_RECOVER_NS) and now_ns - self.last_cut_ns >= RATE_RECOVER_NS:
             self.rate = math.inf
             self.lifted += 1
             return
@@ -351,21 +356,10 @@ class DispatchRate:
         if not asked_memory:
             return
         if overloaded:
-            self.last_overload_ns = now_ns
-            if dispatched_ns < self.changed_ns:
-                return  # sent at the rate before the last change: already answered for
-            base = self.rate if self.limited else self.measured(now_ns)
-            if not self.limited:
-                self.tokens, self.refilled_ns, self.peak = 0.0, now_ns, base
-            elif self.clean_since_cut:
-                self.peak = base
-            self.rate = max(RATE_FLOOR, base * RATE_BACKOFF)
-            self.tokens = min(self.tokens, self.burst())
-            self.last_cut_ns = self.changed_ns = now_ns
-            self.clean_since_cut = False
-            self.cuts += 1
+            self._overloaded(dispatched_ns, now_ns)
             return
         self.clean_since_cut = True
+        self.last_clean_ns = now_ns
         if not self.binding(now_ns):
             return
         if self.rate < RATE_NEAR * self.peak:
@@ -374,6 +368,26 @@ class DispatchRate:
                 self.changed_ns = now_ns
         else:
             self.rate += RATE_GROWTH
+
+    def _overloaded(self, dispatched_ns: int, now_ns: int) -> None:
+        self.last_overload_ns = now_ns
+        if now_ns - self.last_clean_ns >= RATE_RECOVER_NS:
+            if self.limited:  # nothing answered in full for a while: a fault, not a pace (module doc)
+                self.rate = math.inf
+                self.lifted += 1
+            return
+        if dispatched_ns < self.changed_ns:
+            return  # sent at the rate before the last change: already answered for
+        base = self.rate if self.limited else self.measured(now_ns)
+        if not self.limited:
+            self.tokens, self.refilled_ns, self.peak = 0.0, now_ns, base
+        elif self.clean_since_cut:
+            self.peak = base
+        self.rate = max(RATE_FLOOR, base * RATE_BACKOFF)
+        self.tokens = min(self.tokens, self.burst())
+        self.last_cut_ns = self.changed_ns = now_ns
+        self.clean_since_cut = False
+        self.cuts += 1
 
 
 class MemoryCost:

@@ -31,7 +31,8 @@ S = 1_000_000_000
 
 def limited(rate: float, now_ns: int = 0) -> DispatchRate:
     """A rate already cut to ``rate`` at ``now_ns``, its bucket empty."""
-    return DispatchRate(rate=rate, refilled_ns=now_ns, last_cut_ns=now_ns, changed_ns=now_ns, last_overload_ns=now_ns)
+    return DispatchRate(rate=rate, refilled_ns=now_ns, last_cut_ns=now_ns, changed_ns=now_ns, last_overload_ns=now_ns,
+                        last_clean_ns=now_ns)
 
 
 def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
@@ -40,6 +41,8 @@ def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
         assert r.allows(1.0)
         r.take(1.0, k * 5 * MS)
     assert not r.limited
+    r.on_reply(dispatched_ns=0, now_ns=MS, overloaded=True, asked_memory=True)
+    assert not r.limited  # never answered in full yet: nothing to say it has a pace
     r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=False, asked_memory=True)
     assert not r.limited  # a clean reply teaches nothing while unlimited
     r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=True, asked_memory=False)
@@ -87,6 +90,22 @@ def test_after_a_fault_a_few_clean_round_trips_climb_back_to_the_peak() -> None:
     assert r.peak == before + RATE_GROWTH and r.rate == r.peak * RATE_BACKOFF  # a clean reply came since: a new peak
 
 
+def test_a_memory_service_that_answers_nothing_in_time_has_no_pace_to_learn() -> None:
+    r = limited(80.0, now_ns=S)
+    t = S + RATE_RECOVER_NS
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+    assert not r.limited and r.lifted == 1  # no clean reply for a second: a fault, degraded at the gates
+    r.on_reply(dispatched_ns=t, now_ns=t + MS, overloaded=True, asked_memory=True)
+    assert not r.limited  # and no cut until a clean reply shows it serving again
+    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=t, now_ns=t + 3 * MS, overloaded=True, asked_memory=True)
+    assert r.limited
+    r.held_back(t + 3 * MS)
+    r.last_overload_ns = t + 3 * MS + RATE_RECOVER_NS
+    r.refill(t + 3 * MS + RATE_RECOVER_NS)  # binding and overloaded, but nothing clean for a second
+    assert not r.limited
+
+
 def test_clean_replies_raise_the_rate_only_while_it_binds() -> None:
     r = limited(50.0)
     r.on_reply(dispatched_ns=MS, now_ns=2 * MS, overloaded=False, asked_memory=True)
@@ -103,6 +122,7 @@ def test_clean_replies_raise_the_rate_only_while_it_binds() -> None:
 def test_a_quiet_spell_lifts_the_rate() -> None:
     r = limited(20.0, now_ns=S)
     r.held_back(S + 500 * MS)
+    r.last_clean_ns = S + 500 * MS
     r.refill(S + RATE_RECOVER_NS + 100 * MS)
     assert r.limited  # held back half a second ago: still binding
     r.refill(S + 500 * MS + RATE_RECOVER_NS)
@@ -117,7 +137,7 @@ def test_the_bucket_paces_and_says_when_the_next_token_comes() -> None:
     assert r.allows(1.0)
     r.take(1.0, 10 * MS)
     assert not r.allows(1.0) and r.allows(0.0)
-    r.last_overload_ns = 10 * S  # not quiet: the rate stays
+    r.last_overload_ns = r.last_clean_ns = 10 * S  # not quiet, still answered: the rate stays
     r.refill(10 * S)  # a long spell banks one burst only
     assert r.tokens == r.burst() == 2.0
     assert r.wait_ns(5.0, 0.5, 10 * S) == (5.0 - 2.0) * S / 50  # its org's half of 100 a second
@@ -135,8 +155,8 @@ def test_dispatched_cost_never_outruns_the_rate(rate: float, attempts: list[tupl
     taken = 0.0
     for gap, cost in attempts:
         now += gap
-        r.held_back(now)  # keep it binding: no lift mid-run
-        r.last_overload_ns = now
+        r.held_back(now)  # keep it binding and learning: no lift mid-run
+        r.last_overload_ns = r.last_clean_ns = now
         r.refill(now)
         if r.allows(cost):
             r.take(cost, now)
@@ -174,7 +194,7 @@ def drain(q: FairQueue[int], r: DispatchRate, cost: MemoryCost, until_ns: int, s
     """The orgs of what goes, polling the bucket every ``step_ns`` as the broker's loop would."""
     sent: list[str] = []
     for now in range(0, until_ns, step_ns):
-        r.last_overload_ns = now  # keep the rate as it is for the test
+        r.last_overload_ns = r.last_clean_ns = now  # keep the rate as it is for the test
         r.refill(now)
         while True:
             nxt = q.pop((), _Unpaced(set(), r, cost))
