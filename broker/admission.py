@@ -38,8 +38,11 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   dispatch with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate,
   with BIC-TCP's binary search back to the last rate that overloaded):
   a degraded reply to a request that asked the memory service and was dispatched after the last
-  change (so it saw the rate as it is now) cuts the rate by ``RATE_BACKOFF``, down to
-  ``RATE_FLOOR``, and the rate it was cut from is remembered as the ``peak`` (unless no clean reply
+  change (so it saw the rate as it is now) cuts the rate by ``RATE_BACKOFF``, never below the
+  rate of clean replies of that kind over the last ``RATE_WINDOW_NS`` (what the memory service
+  has just shown it serves: a degraded reply on a loaded machine, where the service's time moves
+  with other processes' load, does not ratchet the rate below it) nor ``RATE_FLOOR``, and the
+  rate it was cut from is remembered as the ``peak`` (unless no clean reply
   came since the cut before: one overload met again). A clean reply of that kind while the rate
   binds raises it: halfway to the peak, at most once per round trip, while it is below
   ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
@@ -281,6 +284,7 @@ class DispatchRate:
     lifted: int = 0
     window: collections.deque[tuple[int, float]] = field(default_factory=collections.deque)  # (ns, cost) dispatched
     window_cost: float = 0.0
+    cleans: collections.deque[int] = field(default_factory=collections.deque)  # clean replies' times, last window
 
     @property
     def limited(self) -> bool:
@@ -335,6 +339,14 @@ class DispatchRate:
         span = max(now_ns - w[0][0], RATE_BURST_NS)
         return max(0.0, self.window_cost) * 1e9 / span
 
+    def clean_rate(self, now_ns: int) -> float:
+        """Clean replies (of requests that asked the memory service) a second over the last
+        ``RATE_WINDOW_NS``: a lower bound on what the memory service serves now."""
+        c = self.cleans
+        while c and now_ns - c[0] > RATE_WINDOW_NS:
+            c.popleft()
+        return len(c) * 1e9 / RATE_WINDOW_NS
+
     def next_token_ns(self, cost: float, now_ns: int) -> int:
         """When a request costing ``cost`` may go (``now_ns`` if it may now)."""
         if self.allows(cost):
@@ -343,7 +355,8 @@ class DispatchRate:
 
     def wait_ns(self, ahead_cost: float, share: float, now_ns: int) -> float:
         """How long until a request with ``ahead_cost`` of its own org's work ahead of it and
-        itself included has its tokens, its org taking ``share`` of them (0 unlimited)."""
+        itself included has its tokens, its org taking ``share`` of them (0 unlimited; ``share``
+        1 for a request first in the fair order)."""
         if not self.limited:
             return 0.0
         if share <= 0:
@@ -360,6 +373,8 @@ class DispatchRate:
             return
         self.clean_since_cut = True
         self.last_clean_ns = now_ns
+        self.cleans.append(now_ns)
+        self.clean_rate(now_ns)  # drops the times past the window
         if not self.binding(now_ns):
             return
         if self.rate < RATE_NEAR * self.peak:
@@ -383,7 +398,7 @@ class DispatchRate:
             self.tokens, self.refilled_ns, self.peak = 0.0, now_ns, base
         elif self.clean_since_cut:
             self.peak = base
-        self.rate = max(RATE_FLOOR, base * RATE_BACKOFF)
+        self.rate = max(RATE_FLOOR, base * RATE_BACKOFF, min(base, self.clean_rate(now_ns)))
         self.tokens = min(self.tokens, self.burst())
         self.last_cut_ns = self.changed_ns = now_ns
         self.clean_since_cut = False

@@ -314,12 +314,17 @@ class Broker:
                 return refusal
         now = time.monotonic_ns()
         if not queued:
-            self._drained(org, now)  # a standing queue never empties, and only a standing queue sheds
-            return None
+            self._drained(org, now)  # a standing queue never empties, and only the rate sheds the first
         if not self.admission_queue_ns or not self.table:
             return None
-        share = self.queue.share(org)
+        return self._shed_wait(org, queued, held, remaining_ns, now)
+
+    def _shed_wait(self, org: str, queued: int, held: int, remaining_ns: int, now: int) -> tuple[str, IbexError] | None:
+        """``_shed`` for a request of ``org`` behind ``queued`` of its own, ``held`` slots held for it."""
+        share = self.queue.share(org) if queued else 1.0  # first of its org: it goes at the next token
         rate_wait = self._rate_wait(org, queued, share, now)
+        if not queued and (not rate_wait or rate_wait + self.service.mean_ns < remaining_ns):
+            return None
         trusted = self.service.trusted
         service = self.service.mean_ns if trusted else 0.0  # untrusted: the token wait alone is known
         standing = self.standing.get(org)

@@ -235,3 +235,19 @@ def test_an_org_whose_assemblies_embed_nothing_is_not_held_to_the_rate() -> None
         q.push("cached", i)
     sent = drain(q, limited(50.0), cost, S // 10)  # a tenth of a second at 50 a second
     assert sent.count("cached") == 100 and sent.count("flood") <= 6
+
+
+def test_a_cut_never_goes_below_the_rate_of_clean_replies_just_seen() -> None:
+    """On a loaded machine a degraded reply can come while the memory service still serves every
+    other request: the rate is not cut below what it has just been seen to serve."""
+    r = limited(30.0, now_ns=S)
+    t = S
+    for k in range(25):  # 25 clean replies over the last second
+        t += 40 * MS
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
+    assert math.isclose(r.clean_rate(t), 25.0)
+    for _ in range(10):
+        t += 20 * MS
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+    assert 20.0 <= r.rate <= 30.0 * RATE_BACKOFF and r.cuts >= 2
+    assert len(r.cleans) <= 25  # the window's times only
