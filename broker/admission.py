@@ -48,8 +48,9 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
   ``RATE_GROWTH`` of the rate per second's worth of such replies, probing above the peak (the
   same time at 20/s as at 200/s). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
-  back by the rate) lifts it, and so does a ``RATE_RECOVER_NS`` with no clean reply at all: a
-  memory service that answers nothing in time (slowed, failing) has no pace to learn, and its
+  back by the rate) lifts it, and so do degraded replies for a whole ``RATE_RECOVER_NS`` with no
+  clean one among them: a memory service that answers nothing in time (slowed, failing) has no
+  pace to learn, and its
   calls are answered degraded at once by the workers' memory gates, as before (a slow memory
   service degrades, never fails); an overload signal then cuts nothing until a clean reply
   shows the service serving again. Unlimited until the first overload signal, which starts it at
@@ -277,6 +278,7 @@ class DispatchRate:
     changed_ns: int = -(1 << 62)  # replies to requests dispatched before this say nothing of the rate now
     peak: float = 0.0  # the rate last cut from: where the binary search climbs back to
     last_clean_ns: int = -(1 << 62)  # the last clean reply of a request that asked the memory service
+    dirty_since_ns: int | None = None  # the first degraded reply since the last clean one
     clean_since_cut: bool = False
     last_overload_ns: int = -(1 << 62)
     last_binding_ns: int = -(1 << 62)  # the last time a request was held back for lack of tokens
@@ -373,6 +375,7 @@ class DispatchRate:
             return
         self.clean_since_cut = True
         self.last_clean_ns = now_ns
+        self.dirty_since_ns = None
         self.cleans.append(now_ns)
         self.clean_rate(now_ns)  # drops the times past the window
         if not self.binding(now_ns):
@@ -386,7 +389,9 @@ class DispatchRate:
 
     def _overloaded(self, dispatched_ns: int, now_ns: int) -> None:
         self.last_overload_ns = now_ns
-        if now_ns - self.last_clean_ns >= RATE_RECOVER_NS:
+        if self.dirty_since_ns is None:
+            self.dirty_since_ns = now_ns
+        if now_ns - self.dirty_since_ns >= RATE_RECOVER_NS:
             if self.limited:  # nothing answered in full for a while: a fault, not a pace (module doc)
                 self.rate = math.inf
                 self.lifted += 1

@@ -41,8 +41,6 @@ def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
         assert r.allows(1.0)
         r.take(1.0, k * 5 * MS)
     assert not r.limited
-    r.on_reply(dispatched_ns=0, now_ns=MS, overloaded=True, asked_memory=True)
-    assert not r.limited  # never answered in full yet: nothing to say it has a pace
     r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=False, asked_memory=True)
     assert not r.limited  # a clean reply teaches nothing while unlimited
     r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=True, asked_memory=False)
@@ -92,9 +90,12 @@ def test_after_a_fault_a_few_clean_round_trips_climb_back_to_the_peak() -> None:
 
 def test_a_memory_service_that_answers_nothing_in_time_has_no_pace_to_learn() -> None:
     r = limited(80.0, now_ns=S)
-    t = S + RATE_RECOVER_NS
+    t = S + 10 * RATE_RECOVER_NS  # the first degraded reply after a quiet spell: an overload, cut
     r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
-    assert not r.limited and r.lifted == 1  # no clean reply for a second: a fault, degraded at the gates
+    assert r.limited and r.cuts == 1
+    t += RATE_RECOVER_NS
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+    assert not r.limited and r.lifted == 1  # degraded replies only, for a second: a fault, degraded at the gates
     r.on_reply(dispatched_ns=t, now_ns=t + MS, overloaded=True, asked_memory=True)
     assert not r.limited  # and no cut until a clean reply shows it serving again
     r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, overloaded=False, asked_memory=True)
@@ -242,7 +243,7 @@ def test_a_cut_never_goes_below_the_rate_of_clean_replies_just_seen() -> None:
     other request: the rate is not cut below what it has just been seen to serve."""
     r = limited(30.0, now_ns=S)
     t = S
-    for k in range(25):  # 25 clean replies over the last second
+    for _ in range(25):  # 25 clean replies over the last second
         t += 40 * MS
         r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
     assert math.isclose(r.clean_rate(t), 25.0)
