@@ -47,7 +47,9 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   binds raises it: halfway to the peak, at most once per round trip, while it is below
   ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
   ``RATE_GROWTH`` of the rate per second's worth of such replies, probing above the peak (the
-  same time at 20/s as at 200/s). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
+  same time at 20/s as at 200/s), or, with no overload signal for ``RATE_RECOVER_NS``, by
+  ``RATE_PROBE`` once per round trip (TCP's slow start: a rate set low while the load was light
+  finds the capacity in a few round trips, not minutes). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
   back by the rate) lifts it, and so do degraded replies for a whole ``RATE_RECOVER_NS`` with no
   clean one among them: a memory service that answers nothing in time (slowed, failing) has no
   pace to learn, and its
@@ -82,6 +84,7 @@ RATE_BACKOFF = 0.8  # the dispatch rate's multiplicative decrease on an overload
 RATE_GROWTH = 0.2  # while binding with clean replies the rate grows by this part of itself a second
 RATE_FLOOR = 1.0  # requests a second the dispatch rate is never cut below
 RATE_NEAR = 0.95  # below this part of the peak a clean round trip halves the distance to it
+RATE_PROBE = 1.25  # with no overload signal for RATE_RECOVER_NS, a clean round trip multiplies the rate by this
 RATE_RECOVER_NS = 1_000_000_000  # no overload signal and nothing held back for this long: unlimited again
 RATE_WINDOW_NS = 1_000_000_000  # the dispatch rate measured over this, for the first cut
 RATE_BURST_NS = 20_000_000  # the bucket holds this much of the rate (at least one token)
@@ -380,11 +383,12 @@ class DispatchRate:
         self.clean_rate(now_ns)  # drops the times past the window
         if not self.binding(now_ns):
             return
-        if self.rate < RATE_NEAR * self.peak:
-            if dispatched_ns >= self.changed_ns:  # once per round trip
-                self.rate = (self.rate + self.peak) / 2
-                self.changed_ns = now_ns
-        else:
+        if dispatched_ns >= self.changed_ns and (self.rate < RATE_NEAR * self.peak
+                                                 or now_ns - self.last_overload_ns >= RATE_RECOVER_NS):
+            # once per round trip: halfway back to the peak, or, quiet, a probe well above it
+            self.rate = (self.rate + self.peak) / 2 if self.rate < RATE_NEAR * self.peak else self.rate * RATE_PROBE
+            self.changed_ns = now_ns
+        elif self.rate >= RATE_NEAR * self.peak:
             self.rate += RATE_GROWTH
 
     def _overloaded(self, dispatched_ns: int, now_ns: int) -> None:
@@ -413,13 +417,15 @@ class DispatchRate:
 class MemoryCost:
     """Per org, the share of its replies whose assembly asked the memory service (feedback flag),
     as an exponentially weighted mean: what one of its requests costs in dispatch tokens. An org
-    not seen yet costs 1. Bounded: past ``COST_ORGS`` orgs the table starts again."""
+    not seen yet costs nothing until its first reply says otherwise: were it charged a whole token,
+    an org whose assemblies never embed could be refused on receipt before any reply taught the
+    broker so, and never learn it. Bounded: past ``COST_ORGS`` orgs the table starts again."""
 
     def __init__(self) -> None:
         self.by_org: dict[str, float] = {}
 
     def cost(self, org: str) -> float:
-        return self.by_org.get(org, 1.0)
+        return self.by_org.get(org, 0.0)
 
     def observe(self, org: str, asked_memory: bool) -> None:
         c = self.by_org.get(org)

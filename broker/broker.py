@@ -722,6 +722,7 @@ class Broker:
         snapshot while the broker's thread changes them."""
         if orgs:  # the metrics thread (orgs=False) only reads: the broker's thread expires holds
             self.holds.expire(time.monotonic_ns())
+            self.rate.refill(time.monotonic_ns())  # a rate a quiet spell has lifted shows as lifted
         snap: dict[str, object] = {
             "pid": os.getpid(),
             "queue_depth": len(self.queue),

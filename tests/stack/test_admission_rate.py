@@ -46,8 +46,11 @@ class MemoryService:
         self.lock = threading.Lock()
         self.tokens = 2.0
         self.at = time.monotonic()
+        self.failing = False  # a fault: it answers nothing in time
 
     def take(self) -> bool:
+        if self.failing:
+            return False
         with self.lock:
             now = time.monotonic()
             self.tokens = min(2.0, self.tokens + (now - self.at) * CAPACITY)
@@ -99,8 +102,8 @@ class EmbeddingWorker(threading.Thread):
         s.close(linger=0)
 
 
-def add_workers(r: Rig, n: int) -> list[EmbeddingWorker]:
-    memory = MemoryService()
+def add_workers(r: Rig, n: int, memory: MemoryService | None = None) -> list[EmbeddingWorker]:
+    memory = memory or MemoryService()
     ws = [EmbeddingWorker(r.ctx, r.broker.backend_endpoint, memory, f"e{i}") for i in range(n)]
     for w in ws:
         w.start()
@@ -155,3 +158,30 @@ def test_a_flood_is_paced_at_the_rate_the_memory_service_keeps(paced: bool) -> N
         # dispatched finds the memory service busy.
         assert degraded_share > 0.6, served
         assert "rate_cuts" not in snap["stats"] and all(x is None for x in rates)
+
+
+def test_a_memory_service_that_answers_nothing_is_left_to_degrade_not_paced() -> None:
+    """A fault, not an overload: once every reply has come back degraded for a second, the rate
+    lifts and requests go to the workers again, to be answered degraded at once (their memory
+    gates), rather than paced and refused on receipt as if the service had a pace to keep."""
+    memory = MemoryService()
+    with rig(queue_max=5000) as r:
+        add_workers(r, 2, memory)
+        caller = r.caller("acme")
+        for _ in range(6):
+            assert all(v == ["REPLY"] for v in caller.wait_for(caller.send(4, deadline_s=5.0)).values())
+            time.sleep(0.2)
+        memory.failing = True
+        refused = 0
+        end = time.monotonic() + 60
+        while True:  # a steady trickle, 10 a second, until the broker gives up pacing
+            assert time.monotonic() < end, r.status()
+            (rid,) = caller.send(deadline_s=1.0)
+            refused += caller.wait_for([rid])[rid] == ["OVERLOADED"]
+            snap = r.status()
+            if snap["stats"].get("rate_cuts") and snap["dispatch_rate"] is None:
+                break
+            time.sleep(0.1)
+        got = caller.wait_for(caller.send(20, deadline_s=1.0))
+    print(f"\n  refused while paced: {refused}; then {collections.Counter(v[0] for v in got.values())}")
+    assert all(v == ["REPLY"] for v in got.values()), got  # a burst, dispatched and answered degraded

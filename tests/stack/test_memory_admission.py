@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(300)
 
 # The broker's own adaptive limit and dispatch rate off (each worker holds its whole credit, and
 # is dispatched as fast as its slots free), so what refuses the flood is the workers' memory gate
-# alone (the rate: tests/stack/test_admission_rate.py). Branch limits far above a normal search, so a loaded
+# alone (the rate, and how it gives way to the gates when the memory service answers nothing in
+# time: tests/stack/test_admission_rate.py). Branch limits far above a normal search, so a loaded
 # 2-core box does not degrade the victim by itself; the injected latency is far above them, so
 # every memory call of the slowed phase times out.
 ENV = {"IBEX_ADAPTIVE_LIMIT": "false", "IBEX_ADMISSION_RATE": "false", "IBEX_HEARTBEAT_INTERVAL_MS": "200",

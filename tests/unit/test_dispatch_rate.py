@@ -16,6 +16,7 @@ from ibex_context.broker.admission import (
     RATE_FLOOR,
     RATE_GROWTH,
     RATE_NEAR,
+    RATE_PROBE,
     RATE_RECOVER_NS,
     DispatchRate,
     MemoryCost,
@@ -169,10 +170,13 @@ def test_dispatched_cost_never_outruns_the_rate(rate: float, attempts: list[tupl
 
 def test_an_orgs_cost_is_the_share_of_its_replies_that_asked_the_memory_service() -> None:
     c = MemoryCost()
-    assert c.cost("new") == 1.0  # not seen yet: as dear as a new question
+    assert c.cost("new") == 0.0  # not seen yet: free until a reply says otherwise
     for _ in range(12):
         c.observe("cached", False)
-    assert c.cost("cached") < 0.001
+    assert c.cost("cached") == 0.0
+    c.observe("flood", True)
+    c.observe("flood", True)
+    assert c.cost("flood") == 1.0  # its first reply teaches it
     for k in range(200):
         c.observe("mixed", k % 2 == 0)
     assert 0.3 < c.cost("mixed") < 0.7
@@ -211,6 +215,8 @@ def drain(q: FairQueue[int], r: DispatchRate, cost: MemoryCost, until_ns: int, s
 def test_backlogged_orgs_take_the_rate_by_weight_and_an_org_alone_takes_it_all(
         weights: tuple[float, float], rate: float) -> None:
     cost = MemoryCost()
+    for org in "ab":
+        cost.observe(org, True)  # every assembly of both embeds its question
     q: FairQueue[int] = FairQueue({"a": weights[0], "b": weights[1]})
     for i in range(2000):
         q.push("a", i)
@@ -227,6 +233,7 @@ def test_backlogged_orgs_take_the_rate_by_weight_and_an_org_alone_takes_it_all(
 
 def test_an_org_whose_assemblies_embed_nothing_is_not_held_to_the_rate() -> None:
     cost = MemoryCost()
+    cost.observe("flood", True)
     for _ in range(20):
         cost.observe("cached", False)
     q: FairQueue[int] = FairQueue()
@@ -252,3 +259,18 @@ def test_a_cut_never_goes_below_the_rate_of_clean_replies_just_seen() -> None:
         r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
     assert 20.0 <= r.rate <= 30.0 * RATE_BACKOFF and r.cuts >= 2
     assert len(r.cleans) <= 25  # the window's times only
+
+
+def test_a_rate_set_low_while_the_load_was_light_probes_up_by_round_trips_once_quiet() -> None:
+    r = limited(5.0, now_ns=S)
+    t = S + RATE_RECOVER_NS  # no overload signal for a second
+    r.held_back(t)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
+    assert r.rate == 5.0 * RATE_PROBE
+    r.on_reply(dispatched_ns=t - MS, now_ns=t + MS, overloaded=False, asked_memory=True)
+    assert r.rate == 5.0 * RATE_PROBE + RATE_GROWTH  # the same round trip: the additive step only
+    for _ in range(20):
+        t += 20 * MS
+        r.held_back(t)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
+    assert r.rate > 100.0  # twenty round trips: a capacity of 100/s found in under half a second
