@@ -37,11 +37,14 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   can embed once replies come back faster than the embeddings would. The broker therefore paces
   dispatch with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate,
   with BIC-TCP's binary search back to the last rate that overloaded):
-  a degraded reply to a request that asked the memory service and was dispatched after the last
-  change (so it saw the rate as it is now) cuts the rate by ``RATE_BACKOFF``, never below the
-  rate of clean replies of that kind over the last ``RATE_WINDOW_NS`` (what the memory service
-  has just shown it serves: a degraded reply on a loaded machine, where the service's time moves
-  with other processes' load, does not ratchet the rate below it) nor ``RATE_FLOOR``, and the
+  a reply whose memory call was refused for lack of capacity (the memory service's 503 or 504,
+  or a worker's memory gate full: the bottleneck's own word that too much was admitted; a call
+  that merely timed out says it was slow, which on a loaded machine it is at any load) to a
+  request that asked the memory service and was dispatched after the last change (so it saw the
+  rate as it is now) cuts the rate by ``RATE_BACKOFF``, never below the rate of clean replies of
+  that kind over the last ``RATE_WINDOW_NS`` (what the memory service has just shown it serves: a
+  degraded reply on a loaded machine, where the service's time moves with other processes' load,
+  does not ratchet the rate below it) nor ``RATE_FLOOR``, and the
   rate it was cut from is remembered as the ``peak`` (unless no clean reply
   came since the cut before: one overload met again). A clean reply of that kind while the rate
   binds raises it: halfway to the peak, at most once per round trip, while it is below
@@ -368,13 +371,19 @@ class DispatchRate:
             return math.inf
         return max(0.0, (ahead_cost - self.tokens) * 1e9 / (self.rate * share))
 
-    def on_reply(self, *, dispatched_ns: int, now_ns: int, overloaded: bool, asked_memory: bool) -> None:
+    def on_reply(self, *, dispatched_ns: int, now_ns: int, refused: bool, asked_memory: bool,
+                 clean: bool | None = None) -> None:
         """Learn from a reply (module doc). Only replies of requests that asked the memory service
-        count: the rate is the memory service's."""
+        count: the rate is the memory service's. ``refused``: a memory call was refused for lack of
+        capacity (the overload signal); ``clean``: the reply is whole (default: not refused). A
+        reply neither (a call that timed out: slow, which a loaded machine is at any rate) teaches
+        nothing."""
         if not asked_memory:
             return
-        if overloaded:
+        if refused:
             self._overloaded(dispatched_ns, now_ns)
+            return
+        if clean is False:
             return
         self.clean_since_cut = True
         self.last_clean_ns = now_ns

@@ -620,8 +620,8 @@ class Broker:
             self.cost.observe(p.org, feedback.memory)
             if self.settings.admission_rate:
                 cuts = self.rate.cuts
-                self.rate.on_reply(dispatched_ns=p.dispatched_ns, now_ns=now, overloaded=overloaded,
-                                   asked_memory=feedback.memory)
+                self.rate.on_reply(dispatched_ns=p.dispatched_ns, now_ns=now, refused=feedback.refused,
+                                   clean=not overloaded, asked_memory=feedback.memory)
                 if self.rate.cuts != cuts:
                     self.stats["rate_cuts"] += 1
         if w.limiter is not None and feedback is not None:

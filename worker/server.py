@@ -35,7 +35,7 @@ from ..shared.wire.protocol import Envelope, header_mismatch, parse_header
 from .assemble import Assembler
 from .cost import decode, stub_images
 from .fair import FairTurns
-from .memgate import MemoryGate, calls_memory, memory_outcome
+from .memgate import MemoryGate, calls_memory, memory_outcome, memory_refused
 from .summaries import Summaries
 
 log = logging.getLogger(__name__)
@@ -358,7 +358,8 @@ class WorkerServer:
             # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
             outcome = memory_outcome(resp.branches)
             overloaded = outcome[0] or any(b.status == "timeout" for b in resp.branches.values())
-            feedback = P.Feedback(overloaded, timings["worker_wait"], self._gate_full(gated), asks)
+            feedback = P.Feedback(overloaded, timings["worker_wait"], self._gate_full(gated), asks,
+                                  asks and memory_refused(resp.branches))
             link.send(P.worker_reply_frames(P.REPLY, client, rid, body, feedback))
             self.stats["replied"] += 1
             if resp.degraded:

@@ -63,7 +63,8 @@ class MemoryService:
 
 class EmbeddingWorker(threading.Thread):
     """READY with ``SLOTS``; every request asks the memory service (feedback's memory flag): a
-    whole answer after ``SERVICE_S`` when it has room, else a degraded one at once."""
+    whole answer after ``SERVICE_S`` when it has room, else a degraded one at once, its memory
+    call refused for lack of capacity (the refused flag, as for the memory service's 503)."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, memory: MemoryService, name: str) -> None:
         super().__init__(daemon=True)
@@ -97,7 +98,7 @@ class EmbeddingWorker(threading.Thread):
             whole = self.memory.take()
             self.outcomes["whole" if whole else "degraded"] += 1
             reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"whole" if whole else b"degraded",
-                                          P.Feedback(not whole, 0, False, True))
+                                          P.Feedback(not whole, 0, False, True, not whole))
             due.append((time.monotonic() + (SERVICE_S if whole else 0.0), reply))
         s.close(linger=0)
 

@@ -42,26 +42,26 @@ def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
         assert r.allows(1.0)
         r.take(1.0, k * 5 * MS)
     assert not r.limited
-    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=False, asked_memory=True)
     assert not r.limited  # a clean reply teaches nothing while unlimited
-    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=True, asked_memory=False)
+    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=True, asked_memory=False)
     assert not r.limited  # an assembly that did not ask the memory service says nothing of its pace
-    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=True, asked_memory=True)
     assert r.limited and r.cuts == 1
     assert math.isclose(r.rate, 200 * RATE_BACKOFF, rel_tol=0.02) and math.isclose(r.peak, 200, rel_tol=0.02)
 
 
 def test_one_cut_per_round_trip_and_never_below_the_floor() -> None:
     r = limited(100.0, now_ns=S)
-    r.on_reply(dispatched_ns=S - 10 * MS, now_ns=S + 5 * MS, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=S - 10 * MS, now_ns=S + 5 * MS, refused=True, asked_memory=True)
     assert r.rate == 100.0  # dispatched before the cut: sent at the old rate, already answered for
-    r.on_reply(dispatched_ns=S + 1 * MS, now_ns=S + 30 * MS, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=S + 1 * MS, now_ns=S + 30 * MS, refused=True, asked_memory=True)
     assert r.rate == 100.0 * RATE_BACKOFF and r.cuts == 1
-    r.on_reply(dispatched_ns=S + 2 * MS, now_ns=S + 31 * MS, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=S + 2 * MS, now_ns=S + 31 * MS, refused=True, asked_memory=True)
     assert r.rate == 100.0 * RATE_BACKOFF  # the same burst counts once
     for k in range(200):
         t = S + (40 + k) * MS
-        r.on_reply(dispatched_ns=t, now_ns=t + 1, overloaded=True, asked_memory=True)
+        r.on_reply(dispatched_ns=t, now_ns=t + 1, refused=True, asked_memory=True)
     assert r.rate == RATE_FLOOR and r.peak == 0.0  # one overload met again and again: no peak learned
 
 
@@ -71,36 +71,36 @@ def test_after_a_fault_a_few_clean_round_trips_climb_back_to_the_peak() -> None:
     t = S
     for _ in range(30):  # the memory service answers nothing: cut after cut, one per round trip
         t += 10 * MS
-        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert r.rate == RATE_FLOOR and r.peak == 100.0  # the rate it first fell from is remembered
     trips = 0
     while r.rate < RATE_NEAR * r.peak:
         t += 10 * MS
         r.held_back(t - MS)
-        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
-        r.on_reply(dispatched_ns=t - 2 * MS, now_ns=t, overloaded=False, asked_memory=True)  # the same trip
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
+        r.on_reply(dispatched_ns=t - 2 * MS, now_ns=t, refused=False, asked_memory=True)  # the same trip
         trips += 1
     assert trips <= 6  # halfway to the peak each clean round trip
     before = r.rate
     r.held_back(t)
-    r.on_reply(dispatched_ns=t, now_ns=t + MS, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=False, asked_memory=True)
     assert r.rate == before + RATE_GROWTH  # near the peak: probing above it, slowly
-    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, refused=True, asked_memory=True)
     assert r.peak == before + RATE_GROWTH and r.rate == r.peak * RATE_BACKOFF  # a clean reply came since: a new peak
 
 
 def test_a_memory_service_that_answers_nothing_in_time_has_no_pace_to_learn() -> None:
     r = limited(80.0, now_ns=S)
     t = S + 10 * RATE_RECOVER_NS  # the first degraded reply after a quiet spell: an overload, cut
-    r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert r.limited and r.cuts == 1
     t += RATE_RECOVER_NS
-    r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert not r.limited and r.lifted == 1  # degraded replies only, for a second: a fault, degraded at the gates
-    r.on_reply(dispatched_ns=t, now_ns=t + MS, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=True, asked_memory=True)
     assert not r.limited  # and no cut until a clean reply shows it serving again
-    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, overloaded=False, asked_memory=True)
-    r.on_reply(dispatched_ns=t, now_ns=t + 3 * MS, overloaded=True, asked_memory=True)
+    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, refused=False, asked_memory=True)
+    r.on_reply(dispatched_ns=t, now_ns=t + 3 * MS, refused=True, asked_memory=True)
     assert r.limited
     r.held_back(t + 3 * MS)
     r.last_overload_ns = t + 3 * MS + RATE_RECOVER_NS
@@ -110,14 +110,14 @@ def test_a_memory_service_that_answers_nothing_in_time_has_no_pace_to_learn() ->
 
 def test_clean_replies_raise_the_rate_only_while_it_binds() -> None:
     r = limited(50.0)
-    r.on_reply(dispatched_ns=MS, now_ns=2 * MS, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=MS, now_ns=2 * MS, refused=False, asked_memory=True)
     assert r.rate == 50.0  # nothing was held back: the rate was not what limited dispatch
     r.held_back(3 * MS)
-    r.on_reply(dispatched_ns=3 * MS, now_ns=4 * MS, overloaded=False, asked_memory=False)
+    r.on_reply(dispatched_ns=3 * MS, now_ns=4 * MS, refused=False, asked_memory=False)
     assert r.rate == 50.0  # not an assembly the rate paces
-    r.on_reply(dispatched_ns=3 * MS, now_ns=4 * MS, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=3 * MS, now_ns=4 * MS, refused=False, asked_memory=True)
     assert r.rate == 50.0 + RATE_GROWTH
-    r.on_reply(dispatched_ns=3 * MS, now_ns=3 * MS + RATE_BINDING_NS, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=3 * MS, now_ns=3 * MS + RATE_BINDING_NS, refused=False, asked_memory=True)
     assert r.rate == 50.0 + RATE_GROWTH  # held back too long ago
 
 
@@ -187,9 +187,10 @@ def test_an_orgs_cost_is_the_share_of_its_replies_that_asked_the_memory_service(
 
 def test_feedback_carries_whether_the_assembly_asked_the_memory_service() -> None:
     for memory in (False, True):
-        fb = P.Feedback(True, 7, False, memory)
-        assert P.Feedback.unpack(fb.pack()) == fb
-    assert len(P.Feedback(True, 7, True, True).pack()) == len(P.Feedback(True, 7).pack())
+        for refused in (False, True):
+            fb = P.Feedback(True, 7, False, memory, refused)
+            assert P.Feedback.unpack(fb.pack()) == fb
+    assert len(P.Feedback(True, 7, True, True, True).pack()) == len(P.Feedback(True, 7).pack())
 
 
 # ------------------------------------------------------------------- the fair queue hands out tokens
@@ -252,11 +253,11 @@ def test_a_cut_never_goes_below_the_rate_of_clean_replies_just_seen() -> None:
     t = S
     for _ in range(25):  # 25 clean replies over the last second
         t += 40 * MS
-        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
     assert math.isclose(r.clean_rate(t), 25.0)
     for _ in range(10):
         t += 20 * MS
-        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=True, asked_memory=True)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert 20.0 <= r.rate <= 30.0 * RATE_BACKOFF and r.cuts >= 2
     assert len(r.cleans) <= 25  # the window's times only
 
@@ -265,12 +266,21 @@ def test_a_rate_set_low_while_the_load_was_light_probes_up_by_round_trips_once_q
     r = limited(5.0, now_ns=S)
     t = S + RATE_RECOVER_NS  # no overload signal for a second
     r.held_back(t)
-    r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
     assert r.rate == 5.0 * RATE_PROBE
-    r.on_reply(dispatched_ns=t - MS, now_ns=t + MS, overloaded=False, asked_memory=True)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t + MS, refused=False, asked_memory=True)
     assert r.rate == 5.0 * RATE_PROBE + RATE_GROWTH  # the same round trip: the additive step only
     for _ in range(20):
         t += 20 * MS
         r.held_back(t)
-        r.on_reply(dispatched_ns=t - MS, now_ns=t, overloaded=False, asked_memory=True)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
     assert r.rate > 100.0  # twenty round trips: a capacity of 100/s found in under half a second
+
+
+def test_a_call_that_timed_out_teaches_the_rate_nothing() -> None:
+    """Slow is not full: on a loaded machine calls time out at any load, and a cut for each would
+    hold the rate below what the memory service serves."""
+    r = limited(40.0, now_ns=S)
+    r.held_back(S + MS)
+    r.on_reply(dispatched_ns=S + MS, now_ns=S + 2 * MS, refused=False, clean=False, asked_memory=True)
+    assert r.rate == 40.0 and r.cuts == 0 and r.last_clean_ns == S
