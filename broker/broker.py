@@ -302,9 +302,10 @@ class Broker:
 
     def _shed(self, org: str, remaining_ns: int) -> tuple[str, IbexError] | None:
         """OVERLOADED on receipt when the request could not be answered in full (broker/admission.py):
-        its wait behind its own org's queue at its org's share of the slots and a service time would
-        not fit its deadline, or that queue is standing and the wait is over the target. Another
-        org's backlog does not count. Refused now, the caller falls back now."""
+        its wait behind its own org's queue at its org's share of the slots, or of the dispatch rate
+        while that is limited, and a service time would not fit its deadline, or that queue is
+        standing and the wait is over the target. Another org's backlog does not count. Refused
+        now, the caller falls back now."""
         queued = self.queue.queued(org)
         held = 0
         if self.holds:
