@@ -324,10 +324,10 @@ class Broker:
         """``_shed`` for a request of ``org`` behind ``queued`` of its own, ``held`` slots held for it."""
         share = self.queue.share(org) if queued else 1.0  # first of its org: it goes at the next token
         rate_wait = self._rate_wait(org, queued, share, now)
-        if not queued and (not rate_wait or rate_wait + self.service.mean_ns < remaining_ns):
-            return None
         trusted = self.service.trusted
         service = self.service.mean_ns if trusted else 0.0  # untrusted: the token wait alone is known
+        if not queued and (not rate_wait or rate_wait + service < remaining_ns):
+            return None
         standing = self.standing.get(org)
         is_standing = trusted and standing is not None and standing.standing(now)
         if not is_standing and not rate_wait:
