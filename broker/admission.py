@@ -30,42 +30,41 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   more than that sees its own queue stand and is refused OVERLOADED on receipt. A held slot
   blocks only its own org: for every other org it is free (work-conserving), and holds never let
   more requests into a worker than its limit.
-* ``DispatchRate`` and ``MemoryCost`` (``IBEX_ADMISSION_RATE``): admission at the throughput of
-  the whole path. The bottleneck of an assembly that asks a new question is the memory service's
+* ``DispatchRate`` and ``MemoryCost`` (``IBEX_ADMISSION_RATE``): admission at the throughput of the
+  whole path. The bottleneck of an assembly that asks a new question is the memory service's
   embedding, shared by every worker: it serves so many questions a second, whatever the number in
-  flight, so a limit on concurrency (one request per slot per service time) admits more than it
-  can embed once replies come back faster than the embeddings would. The broker therefore paces
-  dispatch with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate,
-  with BIC-TCP's binary search back to the last rate that overloaded):
-  a reply whose memory call was refused for lack of capacity (the memory service's 503 or 504,
-  or a worker's memory gate full: the bottleneck's own word that too much was admitted; a call
-  that merely timed out says it was slow, which on a loaded machine it is at any load) to a
-  request that asked the memory service and was dispatched after the last change (so it saw the
-  rate as it is now) cuts the rate by ``RATE_BACKOFF``, never below the rate of clean replies of
-  that kind over the last ``RATE_WINDOW_NS`` (what the memory service has just shown it serves: a
-  degraded reply on a loaded machine, where the service's time moves with other processes' load,
-  does not ratchet the rate below it) nor ``RATE_FLOOR``, and the
-  rate it was cut from is remembered as the ``peak`` (unless no clean reply
-  came since the cut before: one overload met again). A clean reply of that kind while the rate
-  binds raises it: halfway to the peak, at most once per round trip, while it is below
-  ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
-  ``RATE_GROWTH`` of the rate per second's worth of such replies, probing above the peak (the
-  same time at 20/s as at 200/s), or, with no overload signal for ``RATE_RECOVER_NS``, by
-  ``RATE_PROBE`` once per round trip (TCP's slow start: a rate set low while the load was light
-  finds the capacity in a few round trips, not minutes). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
-  back by the rate) lifts it, and so do degraded replies for a whole ``RATE_RECOVER_NS`` with no
-  clean one among them: a memory service that answers nothing in time (slowed, failing) has no
-  pace to learn, and its
-  calls are answered degraded at once by the workers' memory gates, as before (a slow memory
-  service degrades, never fails); an overload signal then cuts nothing until a clean reply
-  shows the service serving again. Unlimited until the first overload signal, which starts it at
-  ``RATE_BACKOFF`` of the rate measured in the last ``RATE_WINDOW_NS``. A request costs its org's
-  share of replies that asked the memory service (``MemoryCost``, learned from a feedback flag):
-  an org whose assemblies embed nothing takes no tokens, so it is not held to a rate learned for
-  the memory service. The fair queue decides whose request takes the next token (an org alone
-  takes them all), and the expected wait of an arrival counts the rate: its org's queue at the
-  org's share of it (``DispatchRate.wait_ns``). A request that cannot have its tokens before its
-  deadline (with a service time after, once one is measured) is refused OVERLOADED on receipt.
+  flight, so a limit on concurrency (one request per slot per service time) admits more than it can
+  embed once replies come back faster than the embeddings would. The broker therefore paces dispatch
+  with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate, with
+  BIC-TCP's binary search back to the last rate that overloaded): a reply whose memory call was
+  refused for lack of capacity (the memory service's 503 or 504, or a worker's memory gate full: the
+  bottleneck's own word that too much was admitted; a call that merely timed out says it was slow,
+  which on a loaded machine it is at any load) to a request that asked the memory service and was
+  dispatched after the last change (so it saw the rate as it is now) cuts the rate by
+  ``RATE_BACKOFF``, never below the rate of clean replies of that kind over the last
+  ``RATE_WINDOW_NS`` (what the memory service has just shown it serves: a degraded reply on a loaded
+  machine, where the service's time moves with other processes' load, does not ratchet the rate
+  below it) nor ``RATE_FLOOR``, and the rate it was cut from is remembered as the ``peak`` (unless
+  no clean reply came since the cut before: one overload met again). A clean reply of that kind
+  while the rate binds raises it: halfway to the peak, at most once per round trip, while it is
+  below ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
+  ``RATE_GROWTH`` of the rate per second's worth of such replies, probing above the peak (the same
+  time at 20/s as at 200/s), or, with no overload signal for ``RATE_RECOVER_NS``, by ``RATE_PROBE``
+  once per round trip (TCP's slow start: a rate set low while the load was light finds the capacity
+  in a few round trips, not minutes). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
+  back by the rate) lifts it, and so do refusals for a whole ``RATE_RECOVER_NS`` with no clean reply
+  among them: a memory service that refuses every call (failing) has no pace to learn (and a slowed
+  one, whose calls time out, never cuts the rate), so its calls are answered degraded at once by the
+  workers' memory gates, as before (a slow memory service degrades, never fails); an overload signal
+  then cuts nothing until a clean reply shows the service serving again. Unlimited until the first
+  overload signal, which starts it at ``RATE_BACKOFF`` of the rate measured in the last
+  ``RATE_WINDOW_NS``. A request costs its org's share of replies that asked the memory service
+  (``MemoryCost``, learned from a feedback flag): an org whose assemblies embed nothing takes no
+  tokens, so it is not held to a rate learned for the memory service. The fair queue decides whose
+  request takes the next token (an org alone takes them all), and the expected wait of an arrival
+  counts the rate: its org's queue at the org's share of it (``DispatchRate.wait_ns``). A request
+  that cannot have its tokens before its deadline (with a service time after, once one is measured)
+  is refused OVERLOADED on receipt.
 """
 
 from __future__ import annotations
