@@ -30,12 +30,49 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   more than that sees its own queue stand and is refused OVERLOADED on receipt. A held slot
   blocks only its own org: for every other org it is free (work-conserving), and holds never let
   more requests into a worker than its limit.
+* ``DispatchRate`` and ``MemoryCost`` (``IBEX_ADMISSION_RATE``): admission at the throughput of the
+  whole path. The bottleneck of an assembly that asks a new question is the memory service's
+  embedding, shared by every worker: it serves so many questions a second, whatever the number in
+  flight, so a limit on concurrency (one request per slot per service time) admits more than it can
+  embed once replies come back faster than the embeddings would. The broker therefore paces dispatch
+  with a token bucket whose rate it learns from the replies' feedback (AIMD on a rate, with
+  BIC-TCP's binary search back to the last rate that overloaded): a reply whose memory call was
+  refused for lack of capacity (the memory service's 503 or 504, or a worker's memory gate full: the
+  bottleneck's own word that too much was admitted; a call that merely timed out says it was slow,
+  which on a loaded machine it is at any load) to a request that asked the memory service and was
+  dispatched after the last change (so it saw the rate as it is now) cuts the rate by
+  ``RATE_BACKOFF``, never below the rate of clean replies of that kind over the last
+  ``RATE_WINDOW_NS`` (what the memory service has just shown it serves: a degraded reply on a loaded
+  machine, where the service's time moves with other processes' load, does not ratchet the rate
+  below it) nor ``RATE_FLOOR``, and the rate it was cut from is remembered as the ``peak`` (unless
+  no clean reply came since the cut before: one overload met again). A clean reply of that kind
+  while the rate binds raises it: halfway to the peak, at most once per round trip, while it is
+  below ``RATE_NEAR`` of it (so after a fault the rate is back in a few round trips); past that by
+  ``RATE_GROWTH`` of the rate per second's worth of such replies, probing above the peak (the same
+  time at 20/s as at 200/s), or, with no overload signal for ``RATE_RECOVER_NS``, by ``RATE_PROBE``
+  once per round trip (TCP's slow start: a rate set low while the load was light finds the capacity
+  in a few round trips, not minutes). A quiet ``RATE_RECOVER_NS`` (no overload signal, nothing held
+  back by the rate) lifts it, and so do refusals for a whole ``RATE_RECOVER_NS`` with no clean reply
+  among them: a memory service that refuses every call (failing) has no pace to learn (and a slowed
+  one, whose calls time out, never cuts the rate), so its calls are answered degraded at once by the
+  workers' memory gates, as before (a slow memory service degrades, never fails); an overload signal
+  then cuts nothing until a clean reply shows the service serving again. Unlimited until the first
+  overload signal, which starts it at ``RATE_BACKOFF`` of the rate measured in the last
+  ``RATE_WINDOW_NS``. A request costs its org's share of replies that asked the memory service
+  (``MemoryCost``, learned from a feedback flag): an org whose assemblies embed nothing takes no
+  tokens, so it is not held to a rate learned for the memory service. The fair queue decides whose
+  request takes the next token (an org alone takes them all), and the expected wait of an arrival
+  counts the rate: its org's queue at the org's share of it (``DispatchRate.wait_ns``). A request
+  that cannot have its tokens before its deadline (with a service time after, once one is measured)
+  is refused OVERLOADED on receipt.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 MIN_LIMIT = 2.0  # a worker keeps two in flight: one on the CPU while one waits on I/O
 BACKOFF = 0.75  # multiplicative decrease on an overload signal
@@ -45,6 +82,17 @@ MIN_SAMPLES = 20  # replies before the queue estimate is trusted (until then onl
 STANDING_NS = 50_000_000  # queue waits over the target for this long: a standing queue, not a burst
 STOOD_NS = 1_000_000_000  # a queue that stood this recently is still judged standing when it refills
 STALE_FACTOR = 1  # targets a request in a standing queue needs left, beyond a service time, to stay
+RATE_BACKOFF = 0.8  # the dispatch rate's multiplicative decrease on an overload signal
+RATE_GROWTH = 0.2  # while binding with clean replies the rate grows by this part of itself a second
+RATE_FLOOR = 1.0  # requests a second the dispatch rate is never cut below
+RATE_NEAR = 0.95  # below this part of the peak a clean round trip halves the distance to it
+RATE_PROBE = 1.25  # with no overload signal for RATE_RECOVER_NS, a clean round trip multiplies the rate by this
+RATE_RECOVER_NS = 1_000_000_000  # no overload signal and nothing held back for this long: unlimited again
+RATE_WINDOW_NS = 1_000_000_000  # the dispatch rate measured over this, for the first cut
+RATE_BURST_NS = 20_000_000  # the bucket holds this much of the rate (at least one token)
+RATE_BINDING_NS = 100_000_000  # a request held back by the rate this recently: the rate is binding
+COST_EWMA = 0.5  # weight of one reply in an org's memory cost
+COST_ORGS = 4096  # orgs whose cost is remembered; past it the table is cleared (unknown orgs cost 1)
 
 
 @dataclass(slots=True)
@@ -221,3 +269,175 @@ class Holds:
         """The orgs whose own held slots take every one of the ``free`` slots: none of their
         requests may be dispatched now; every other org may use all ``free``."""
         return {org for org, n in self.by_org.items() if n >= free}
+
+
+@dataclass(slots=True)
+class DispatchRate:
+    """The adaptive dispatch rate (module doc), as a token bucket. Pure bookkeeping: every method
+    takes the clock. ``rate`` is requests (tokens) a second, ``math.inf`` while unlimited."""
+
+    rate: float = math.inf
+    tokens: float = 0.0
+    refilled_ns: int = 0
+    last_cut_ns: int = -(1 << 62)
+    changed_ns: int = -(1 << 62)  # replies to requests dispatched before this say nothing of the rate now
+    peak: float = 0.0  # the rate last cut from: where the binary search climbs back to
+    last_clean_ns: int = -(1 << 62)  # the last clean reply of a request that asked the memory service
+    dirty_since_ns: int | None = None  # the first degraded reply since the last clean one
+    clean_since_cut: bool = False
+    last_overload_ns: int = -(1 << 62)
+    last_binding_ns: int = -(1 << 62)  # the last time a request was held back for lack of tokens
+    cuts: int = 0
+    lifted: int = 0
+    window: collections.deque[tuple[int, float]] = field(default_factory=collections.deque)  # (ns, cost) dispatched
+    window_cost: float = 0.0
+    cleans: collections.deque[int] = field(default_factory=collections.deque)  # clean replies' times, last window
+
+    @property
+    def limited(self) -> bool:
+        return self.rate != math.inf
+
+    def burst(self) -> float:
+        return max(1.0, self.rate * RATE_BURST_NS / 1e9)
+
+    def refill(self, now_ns: int) -> None:
+        """Tokens accrued since the last refill; past a quiet ``RATE_RECOVER_NS`` the rate is lifted."""
+        if not self.limited:
+            return
+        quiet = now_ns - self.last_overload_ns >= RATE_RECOVER_NS and now_ns - self.last_binding_ns >= RATE_RECOVER_NS
+        if (quiet or now_ns - self.last_clean_ns >= RATE_RECOVER_NS) and now_ns - self.last_cut_ns >= RATE_RECOVER_NS:
+            self.rate = math.inf
+            self.lifted += 1
+            return
+        if now_ns > self.refilled_ns:
+            self.tokens = min(self.burst(), self.tokens + (now_ns - self.refilled_ns) * self.rate / 1e9)
+            self.refilled_ns = now_ns
+
+    def allows(self, cost: float) -> bool:
+        """Whether a request costing ``cost`` may go now (after ``refill``)."""
+        return cost <= 0 or not self.limited or self.tokens >= cost
+
+    def held_back(self, now_ns: int) -> None:
+        """A request was kept in the queue for lack of tokens: the rate binds."""
+        self.last_binding_ns = now_ns
+
+    def binding(self, now_ns: int) -> bool:
+        return self.limited and now_ns - self.last_binding_ns < RATE_BINDING_NS
+
+    def take(self, cost: float, now_ns: int) -> None:
+        """A request costing ``cost`` was dispatched."""
+        if cost <= 0:
+            return
+        if self.limited:
+            self.tokens -= cost
+        w = self.window
+        w.append((now_ns, cost))
+        self.window_cost += cost
+        while w and now_ns - w[0][0] > RATE_WINDOW_NS:
+            self.window_cost -= w.popleft()[1]
+
+    def measured(self, now_ns: int) -> float:
+        """Cost dispatched a second over the last ``RATE_WINDOW_NS`` (or since the first dispatch in it)."""
+        w = self.window
+        while w and now_ns - w[0][0] > RATE_WINDOW_NS:
+            self.window_cost -= w.popleft()[1]
+        if not w:
+            return 0.0
+        span = max(now_ns - w[0][0], RATE_BURST_NS)
+        return max(0.0, self.window_cost) * 1e9 / span
+
+    def clean_rate(self, now_ns: int) -> float:
+        """Clean replies (of requests that asked the memory service) a second over the last
+        ``RATE_WINDOW_NS``: a lower bound on what the memory service serves now."""
+        c = self.cleans
+        while c and now_ns - c[0] > RATE_WINDOW_NS:
+            c.popleft()
+        return len(c) * 1e9 / RATE_WINDOW_NS
+
+    def next_token_ns(self, cost: float, now_ns: int) -> int:
+        """When a request costing ``cost`` may go (``now_ns`` if it may now)."""
+        if self.allows(cost):
+            return now_ns
+        return now_ns + math.ceil((cost - self.tokens) * 1e9 / self.rate)
+
+    def wait_ns(self, ahead_cost: float, share: float, now_ns: int) -> float:
+        """How long until a request with ``ahead_cost`` of its own org's work ahead of it and
+        itself included has its tokens, its org taking ``share`` of them (0 unlimited; ``share``
+        1 for a request first in the fair order)."""
+        if not self.limited:
+            return 0.0
+        if share <= 0:
+            return math.inf
+        return max(0.0, (ahead_cost - self.tokens) * 1e9 / (self.rate * share))
+
+    def on_reply(self, *, dispatched_ns: int, now_ns: int, refused: bool, asked_memory: bool,
+                 clean: bool | None = None) -> None:
+        """Learn from a reply (module doc). Only replies of requests that asked the memory service
+        count: the rate is the memory service's. ``refused``: a memory call was refused for lack of
+        capacity (the overload signal); ``clean``: the reply is whole (default: not refused). A
+        reply neither (a call that timed out: slow, which a loaded machine is at any rate) teaches
+        nothing."""
+        if not asked_memory:
+            return
+        if refused:
+            self._overloaded(dispatched_ns, now_ns)
+            return
+        if clean is False:
+            return
+        self.clean_since_cut = True
+        self.last_clean_ns = now_ns
+        self.dirty_since_ns = None
+        self.cleans.append(now_ns)
+        self.clean_rate(now_ns)  # drops the times past the window
+        if not self.binding(now_ns):
+            return
+        if dispatched_ns >= self.changed_ns and (self.rate < RATE_NEAR * self.peak
+                                                 or now_ns - self.last_overload_ns >= RATE_RECOVER_NS):
+            # once per round trip: halfway back to the peak, or, quiet, a probe well above it
+            self.rate = (self.rate + self.peak) / 2 if self.rate < RATE_NEAR * self.peak else self.rate * RATE_PROBE
+            self.changed_ns = now_ns
+        elif self.rate >= RATE_NEAR * self.peak:
+            self.rate += RATE_GROWTH
+
+    def _overloaded(self, dispatched_ns: int, now_ns: int) -> None:
+        self.last_overload_ns = now_ns
+        if self.dirty_since_ns is None:
+            self.dirty_since_ns = now_ns
+        if now_ns - self.dirty_since_ns >= RATE_RECOVER_NS:
+            if self.limited:  # nothing answered in full for a while: a fault, not a pace (module doc)
+                self.rate = math.inf
+                self.lifted += 1
+            return
+        if dispatched_ns < self.changed_ns:
+            return  # sent at the rate before the last change: already answered for
+        base = self.rate if self.limited else self.measured(now_ns)
+        if not self.limited:
+            self.tokens, self.refilled_ns, self.peak = 0.0, now_ns, base
+        elif self.clean_since_cut:
+            self.peak = base
+        self.rate = max(RATE_FLOOR, base * RATE_BACKOFF, min(base, self.clean_rate(now_ns)))
+        self.tokens = min(self.tokens, self.burst())
+        self.last_cut_ns = self.changed_ns = now_ns
+        self.clean_since_cut = False
+        self.cuts += 1
+
+
+class MemoryCost:
+    """Per org, the share of its replies whose assembly asked the memory service (feedback flag),
+    as an exponentially weighted mean: what one of its requests costs in dispatch tokens. An org
+    not seen yet costs nothing until its first reply says otherwise: were it charged a whole token,
+    an org whose assemblies never embed could be refused on receipt before any reply taught the
+    broker so, and never learn it. Bounded: past ``COST_ORGS`` orgs the table starts again."""
+
+    def __init__(self) -> None:
+        self.by_org: dict[str, float] = {}
+
+    def cost(self, org: str) -> float:
+        return self.by_org.get(org, 0.0)
+
+    def observe(self, org: str, asked_memory: bool) -> None:
+        c = self.by_org.get(org)
+        x = 1.0 if asked_memory else 0.0
+        if c is None and len(self.by_org) >= COST_ORGS:
+            self.by_org.clear()
+        self.by_org[org] = x if c is None else c + COST_EWMA * (x - c)

@@ -21,6 +21,10 @@ Design (zguide load-balancing broker + Paranoid Pirate, with gRPC-style deadline
   ``IBEX_ADMISSION_HOLD``: a slot whose degraded reply came back before a service time had passed
   stays held for its org until then (``broker.admission.Holds``), so an org is dispatched no faster
   than the memory service behind the workers answers; a held slot is free for every other org.
+  ``IBEX_ADMISSION_RATE``: requests whose assemblies embed a question at the memory service are
+  dispatched no faster than a rate learned from the replies (``broker.admission.DispatchRate``),
+  each org taking its share of it in fair order; a request its org's share of that rate cannot
+  reach in time is refused OVERLOADED on receipt.
 * The broker routes and authorizes on the request's header frame and never reads the payload; a
   large payload is forwarded as the frame it arrived in, uncopied (docs/architecture.md "Processes and data flow").
 * Deadlines: the wire carries absolute Unix-epoch ns; they are converted once, on receipt, to local
@@ -46,7 +50,7 @@ import heapq
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -66,7 +70,9 @@ from ..shared.wire.models import ErrorReply
 from ..shared.wire.protocol import Envelope, parse_header
 from .admission import (
     STALE_FACTOR,
+    DispatchRate,
     Holds,
+    MemoryCost,
     ServiceTime,
     StandingQueue,
     counts_in_service,
@@ -96,6 +102,25 @@ def _request_payload(frames: list[object]) -> int | None:
 def _reply_payload(frames: list[object]) -> int | None:
     """Where a worker's reply payload is: [worker, IBX2, REPLY | ERROR, client, request_id, payload(, feedback)]."""
     return 5 if len(frames) in (6, 7) and frames[2] in (P.REPLY, P.ERROR) else None
+
+
+class _Unpaced:
+    """The orgs the fair queue must skip now (``FairQueue.pop``): those ``held`` back by their own
+    held slots, and, under a limited dispatch rate, those whose request costs more tokens than
+    the bucket holds (``paced`` records that one was). O(1) per org asked."""
+
+    __slots__ = ("cost", "held", "paced", "rate")
+
+    def __init__(self, held: Container[str], rate: DispatchRate, cost: MemoryCost) -> None:
+        self.held, self.rate, self.cost, self.paced = held, rate, cost, False
+
+    def __contains__(self, org: object) -> bool:
+        if org in self.held:
+            return True
+        if isinstance(org, str) and not self.rate.allows(self.cost.cost(org)):
+            self.paced = True
+            return True
+        return False
 
 
 class Broker:
@@ -132,6 +157,8 @@ class Broker:
         self.admission_queue_ns = settings.admission_queue_ms * 1e6
         self.standing: dict[str, StandingQueue] = {}  # per org with requests queued: CoDel's standing-queue test
         self.holds = Holds()  # slots held for their org after fast degraded replies (IBEX_ADMISSION_HOLD)
+        self.rate = DispatchRate()  # the memory service's pace, learned from the replies (IBEX_ADMISSION_RATE)
+        self.cost = MemoryCost()  # per org, the tokens one of its requests takes
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
 
@@ -205,6 +232,8 @@ class Broker:
         if self.queue and self.holds:
             self.holds.expire(now)  # an end already past must not wake the loop again at once
             wake = min(wake, self.holds.next_end_ns() or wake)
+        if self.queue and self.rate.limited and self.rate.binding(now):
+            wake = min(wake, self.rate.next_token_ns(1.0, now))
         return wake
 
     # ------------------------------------------------------------------------------ frontend
@@ -273,9 +302,10 @@ class Broker:
 
     def _shed(self, org: str, remaining_ns: int) -> tuple[str, IbexError] | None:
         """OVERLOADED on receipt when the request could not be answered in full (broker/admission.py):
-        its wait behind its own org's queue at its org's share of the slots and a service time would
-        not fit its deadline, or that queue is standing and the wait is over the target. Another
-        org's backlog does not count. Refused now, the caller falls back now."""
+        its wait behind its own org's queue at its org's share of the slots, or of the dispatch rate
+        while that is limited, and a service time would not fit its deadline, or that queue is
+        standing and the wait is over the target. Another org's backlog does not count. Refused
+        now, the caller falls back now."""
         queued = self.queue.queued(org)
         held = 0
         if self.holds:
@@ -283,25 +313,56 @@ class Broker:
             held = self.holds.held(org)
             if held and (refusal := self._shed_held(org, held, queued, remaining_ns)) is not None:
                 return refusal
+        now = time.monotonic_ns()
         if not queued:
-            self._drained(org, time.monotonic_ns())  # a standing queue never empties, and only a standing queue sheds
+            self._drained(org, now)  # a standing queue never empties, and only the rate sheds the first
+        if not self.admission_queue_ns or not self.table:
+            return None
+        return self._shed_wait(org, queued, held, remaining_ns, now)
+
+    def _shed_wait(self, org: str, queued: int, held: int, remaining_ns: int, now: int) -> tuple[str, IbexError] | None:
+        """``_shed`` for a request of ``org`` behind ``queued`` of its own, ``held`` slots held for it."""
+        share = self.queue.share(org) if queued else 1.0  # first of its org: it goes at the next token
+        rate_wait = self._rate_wait(org, queued, share, now)
+        trusted = self.service.trusted
+        service = self.service.mean_ns if trusted else 0.0  # untrusted: the token wait alone is known
+        if not queued and (not rate_wait or rate_wait + service < remaining_ns):
             return None
         standing = self.standing.get(org)
-        if (not self.admission_queue_ns or not self.service.trusted or not self.table
-                or standing is None or not standing.standing(time.monotonic_ns())):
+        is_standing = trusted and standing is not None and standing.standing(now)
+        if not is_standing and not rate_wait:
             return None
         live = self.table.live()
         slots = sum(w.slots for w in live)
-        share = self.queue.share(org)
         free = max(0, sum(max(0, w.free) for w in live) - held)  # its own held slots are not free for it
-        wait = expected_wait_ns(queued, slots, free, self.service.mean_ns, share)
-        if not shed(wait_ns=wait, service_ns=self.service.mean_ns, remaining_ns=remaining_ns,
-                    target_ns=self.admission_queue_ns, standing=True):
+        wait = max(rate_wait, expected_wait_ns(queued, slots, free, service, share) if trusted else 0.0)
+        if is_standing:
+            if not shed(wait_ns=wait, service_ns=service, remaining_ns=remaining_ns,
+                        target_ns=self.admission_queue_ns, standing=True):
+                return None
+        elif rate_wait + service < remaining_ns:  # the rate binds: its turn is known, standing or not
             return None
+        if rate_wait >= wait:
+            return "shed_rate", Overloaded(
+                f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
+                f"share of the memory service's pace ({self.rate.rate * share:.1f} of {self.rate.rate:.1f} per s), "
+                f"and {service / 1e6:.1f} ms of service; retry with backoff or another broker")
         return "shed_overloaded", Overloaded(
             f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
-            f"share of {slots * share:.1f} of {slots} slot(s), and {self.service.mean_ns / 1e6:.1f} ms of service; "
+            f"share of {slots * share:.1f} of {slots} slot(s), and {service / 1e6:.1f} ms of service; "
             f"retry with backoff or another broker")
+
+    def _rate_wait(self, org: str, queued: int, share: float, now_ns: int) -> float:
+        """How long a request of ``org`` arriving behind ``queued`` of its own waits for its tokens
+        at its org's ``share`` of the dispatch rate (``broker.admission.DispatchRate``); 0 while
+        the rate is off, lifted, or the org's requests take no tokens."""
+        if not self.settings.admission_rate or not self.rate.limited:
+            return 0.0
+        self.rate.refill(now_ns)
+        cost = self.cost.cost(org)
+        if cost <= 0 or not self.rate.limited:
+            return 0.0
+        return self.rate.wait_ns((queued + 1) * cost, share, now_ns)
 
     def _shed_held(self, org: str, held: int, queued: int, remaining_ns: int) -> tuple[str, IbexError] | None:
         """OVERLOADED on receipt when ``org``'s own held slots take every free slot and the first of
@@ -378,11 +439,12 @@ class Broker:
             now = time.monotonic_ns()
             self._drop_stale(now)
             lifo = {org for org, sq in self.standing.items() if sq.standing(now)}
+        rate = self.rate if self.settings.admission_rate else None
         while self.queue:
             w = self.table.pick()
             if w is None:
                 return
-            nxt = self.queue.pop(lifo, self._held_back())
+            nxt = self._next(lifo, rate)
             if nxt is None:
                 return
             org, key = nxt
@@ -405,8 +467,25 @@ class Broker:
             p.worker, p.dispatched_ns = w.ident, now
             self.table.dispatched(w, key)
             self.stats["dispatched"] += 1
+            if rate is not None:
+                rate.take(self.cost.cost(org), now)
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
+
+    def _next(self, lifo: set[str], rate: DispatchRate | None) -> tuple[str, Key] | None:
+        """The next (org, request) in fair order that may go now: not of an org whose held slots
+        take every free slot, nor, under a limited dispatch rate, one whose request costs more
+        tokens than the bucket holds (the rate then binds)."""
+        held = self._held_back()
+        if rate is not None:
+            rate.refill(time.monotonic_ns())
+        if rate is None or not rate.limited:
+            return self.queue.pop(lifo, held)
+        skip = _Unpaced(held, rate, self.cost)
+        nxt = self.queue.pop(lifo, skip)
+        if nxt is None and skip.paced:
+            rate.held_back(time.monotonic_ns())
+        return nxt
 
     def _held_back(self) -> set[str]:
         """The orgs whose own held slots (``broker.admission.Holds``) take every free slot now:
@@ -539,6 +618,13 @@ class Broker:
                 self.stats["held_slots_given"] += 1
         if feedback is not None:
             w.gate_full = feedback.gate_full
+            self.cost.observe(p.org, feedback.memory)
+            if self.settings.admission_rate:
+                cuts = self.rate.cuts
+                self.rate.on_reply(dispatched_ns=p.dispatched_ns, now_ns=now, refused=feedback.refused,
+                                   clean=not overloaded, asked_memory=feedback.memory)
+                if self.rate.cuts != cuts:
+                    self.stats["rate_cuts"] += 1
         if w.limiter is not None and feedback is not None:
             w.limiter.on_reply(inflight=len(w.inflight), overloaded=feedback.overloaded,
                                loop_lag_us=feedback.loop_lag_us, now_ns=now, service_ns=self.service.mean_ns)
@@ -637,11 +723,13 @@ class Broker:
         snapshot while the broker's thread changes them."""
         if orgs:  # the metrics thread (orgs=False) only reads: the broker's thread expires holds
             self.holds.expire(time.monotonic_ns())
+            self.rate.refill(time.monotonic_ns())  # a rate a quiet spell has lifted shows as lifted
         snap: dict[str, object] = {
             "pid": os.getpid(),
             "queue_depth": len(self.queue),
             "pending": len(self.pending),
             "slots_held": len(self.holds),
+            "dispatch_rate": round(self.rate.rate, 1) if self.rate.limited else None,
             "workers": self.table.snapshot(),
             "stats": dict(self.stats),
         }

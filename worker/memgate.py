@@ -113,6 +113,13 @@ AT_CAPACITY = "MemoryAtCapacity"  # the error class of a memory branch not calle
 OVERLOAD_CLASSES = ("HTTP 503", "HTTP 504", AT_CAPACITY)
 
 
+def memory_refused(branches: Mapping[BranchName, BranchOutcome]) -> bool:
+    """Whether a memory call was refused for lack of capacity (the service's 503 / 504, or the
+    gate full): the bottleneck's own word that too much was admitted, which the broker's dispatch
+    rate learns from. A call that timed out says it was slow, which a loaded machine says too."""
+    return any(o.error_class in OVERLOAD_CLASSES for name, o in branches.items() if name in ("hot", "cold"))
+
+
 def memory_outcome(branches: Mapping[BranchName, BranchOutcome]) -> tuple[bool, bool]:
     """(overloaded, succeeded) of a reply's memory calls: one timed out or was refused for lack
     of time; every one that ran answered."""

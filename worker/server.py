@@ -35,7 +35,7 @@ from ..shared.wire.protocol import Envelope, header_mismatch, parse_header
 from .assemble import Assembler
 from .cost import decode, stub_images
 from .fair import FairTurns
-from .memgate import MemoryGate, calls_memory, memory_outcome
+from .memgate import MemoryGate, calls_memory, memory_outcome, memory_refused
 from .summaries import Summaries
 
 log = logging.getLogger(__name__)
@@ -332,8 +332,11 @@ class WorkerServer:
                      transit_ns: int, timings: dict[str, int], *, memory: bool = True,
                      gated: bool = False) -> tuple[bool, bool]:
         """Assemble and reply; (overloaded, succeeded) of its memory calls (``worker.memgate``).
-        ``gated``: it holds a slot of the memory gate, given back once the reply is sent."""
+        ``gated``: it holds a slot of the memory gate, given back once the reply is sent. The
+        feedback tells the broker's dispatch rate whether the assembly embeds its question at the
+        memory service (or would have, but for the gate)."""
         client, rid = msg.client, msg.request_id
+        asks = calls_memory(req, self.settings)
         outcome = (False, False)
         try:
             resp = await self.assembler.assemble(req, deadline_mono_ns=deadline_ns, timings_us=timings,
@@ -355,7 +358,8 @@ class WorkerServer:
             # lack of time) means the downstream could not keep up; worker_wait, that our loop could not.
             outcome = memory_outcome(resp.branches)
             overloaded = outcome[0] or any(b.status == "timeout" for b in resp.branches.values())
-            feedback = P.Feedback(overloaded, timings["worker_wait"], self._gate_full(gated))
+            feedback = P.Feedback(overloaded, timings["worker_wait"], self._gate_full(gated), asks,
+                                  asks and memory_refused(resp.branches))
             link.send(P.worker_reply_frames(P.REPLY, client, rid, body, feedback))
             self.stats["replied"] += 1
             if resp.degraded:
@@ -371,7 +375,7 @@ class WorkerServer:
                 self.metrics.outcome.labels(exc.code.value).inc()
             log.warning("request failed", extra={"request_id": req.request_id, "code": exc.code.value,
                                                  "error": exc.message})
-            late = P.Feedback(True, timings["worker_wait"]) if isinstance(exc, DeadlineExceeded) else None
+            late = P.Feedback(True, timings["worker_wait"], memory=asks) if isinstance(exc, DeadlineExceeded) else None
             outcome = (late is not None, False)
             self._reply_error(link, client, rid, exc, late, req.request_id)
         except Exception as exc:

@@ -241,6 +241,12 @@ class BrokerSettings(_LinkSettings):
                           "service refused it, or a branch was skipped for lack of time) keeps its slot held for "
                           "its org until then, so an org is dispatched no faster than the memory service answers; "
                           "a held slot is free for every other org (docs/architecture.md \"Admission control\").")
+    admission_rate: bool = Field(
+        True, description="Requests whose assemblies embed a question at the memory service are dispatched no "
+                          "faster than an adaptive rate learned from the replies (cut when they come back degraded, "
+                          "raised while clean, lifted after a quiet second), each org taking its weight's share of "
+                          "it; a request that could not get its turn in time is refused OVERLOADED on receipt "
+                          "(docs/architecture.md \"Admission control\").")
     adaptive_limit: bool = Field(
         True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
                           "worker holds exactly its credit.")

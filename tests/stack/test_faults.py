@@ -33,12 +33,14 @@ from ibex_context.shared.wire.models import AssembleResponse
 from ibex_context.shared.wire.protocol import Envelope, pack_header
 from tests.helpers import start_stack
 
-# Memory admission off: these tests hold a burst in flight behind a slowed memory service, which the
-# memory gate (worker.memgate) would answer at once beyond a limit that earlier faults here lower;
-# the gate under a slowed memory service is tested in tests/stack/test_memory_admission.py.
+# Memory admission and the broker's dispatch rate off: these tests hold a burst in flight behind a
+# slowed memory service, which the memory gate (worker.memgate) would answer at once beyond a limit
+# that earlier faults here lower, and which a rate the broker learned from the fault before would
+# pace (the burst's tail refused on receipt). The gate under a slowed memory service is tested in
+# tests/stack/test_memory_admission.py, the rate in tests/stack/test_admission_rate.py.
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16", "IBEX_DIRECTIVE_TIMEOUT_MS": "300",
        "IBEX_HOT_TIMEOUT_MS": "600", "IBEX_COLD_TIMEOUT_MS": "600", "IBEX_CONTEXT_TIMEOUT": "800",
-       "IBEX_CONTEXT_DEADLINE_MS": "800", "IBEX_MEMORY_ADMISSION": "false"}
+       "IBEX_CONTEXT_DEADLINE_MS": "800", "IBEX_MEMORY_ADMISSION": "false", "IBEX_ADMISSION_RATE": "false"}
 RESPONSE_SLACK_S = 0.005  # between the client's last clock check and the return
 ERROR_SLACK_S = 0.25  # a loaded CI box can stall this process's event loop
 

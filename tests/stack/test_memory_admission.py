@@ -26,11 +26,14 @@ from tests.helpers import eventually, start_stack
 
 pytestmark = pytest.mark.timeout(300)
 
-# The broker's own adaptive limit off (each worker holds its whole credit), so what refuses the
-# flood is the workers' memory gate alone. Branch limits far above a normal search, so a loaded
+# The broker's own adaptive limit and dispatch rate off (each worker holds its whole credit, and
+# is dispatched as fast as its slots free), so what refuses the flood is the workers' memory gate
+# alone (the rate, and how it gives way to the gates when the memory service answers nothing in
+# time: tests/stack/test_admission_rate.py). Branch limits far above a normal search, so a loaded
 # 2-core box does not degrade the victim by itself; the injected latency is far above them, so
 # every memory call of the slowed phase times out.
-ENV = {"IBEX_ADAPTIVE_LIMIT": "false", "IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "800",
+ENV = {"IBEX_ADAPTIVE_LIMIT": "false", "IBEX_ADMISSION_RATE": "false", "IBEX_HEARTBEAT_INTERVAL_MS": "200",
+       "IBEX_DIRECTIVE_TIMEOUT_MS": "800",
        "IBEX_HOT_TIMEOUT_MS": "800", "IBEX_COLD_TIMEOUT_MS": "800", "IBEX_CONTEXT_TIMEOUT": "1500",
        "IBEX_RETRIEVAL_TIMEOUT_MS": "1500",
        "IBEX_CONTEXT_DEADLINE_MS": "1500", "IBEX_POST_RETRIEVAL_RESERVE_MS": "15", "IBEX_MAX_REPLY_RESERVE_MS": "30"}

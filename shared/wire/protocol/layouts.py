@@ -128,22 +128,30 @@ class Stamp(NamedTuple):
 _FEEDBACK = struct.Struct("<BI")
 OVERLOADED_FLAG = 1
 GATE_FULL_FLAG = 2
+MEMORY_FLAG = 4
+REFUSED_FLAG = 8
 
 
 class Feedback(NamedTuple):
     """The optional last frame of a worker's reply, for the broker's adaptive limit
     (``broker.admission``): a retrieval branch timed out or was skipped (the downstream could not
     keep up), the request's wait for the worker's event loop in µs (the worker's CPU could not
-    keep up), and whether the worker's memory gate (``worker.memgate``) was full as the reply left,
-    so the broker refuses what the gate would (``broker.broker``). Layout: flags u8, loop lag µs u32;
-    a broker that does not know a flag ignores it."""
+    keep up), whether the worker's memory gate (``worker.memgate``) was full as the reply left,
+    so the broker refuses what the gate would (``broker.broker``), whether the assembly asked
+    the memory service to embed its question (called it, or would have but for its gate): what the
+    broker's dispatch rate paces (``broker.admission.MemoryCost``), and whether a memory call was
+    refused for lack of capacity (``worker.memgate.memory_refused``): what that rate learns from.
+    Layout: flags u8, loop lag µs u32; a broker that does not know a flag ignores it."""
 
     overloaded: bool
     loop_lag_us: int
     gate_full: bool = False
+    memory: bool = False
+    refused: bool = False
 
     def pack(self) -> bytes:
-        flags = (OVERLOADED_FLAG if self.overloaded else 0) | (GATE_FULL_FLAG if self.gate_full else 0)
+        flags = ((OVERLOADED_FLAG if self.overloaded else 0) | (GATE_FULL_FLAG if self.gate_full else 0)
+                 | (MEMORY_FLAG if self.memory else 0) | (REFUSED_FLAG if self.refused else 0))
         return _FEEDBACK.pack(flags, min(max(0, self.loop_lag_us), 2**32 - 1))
 
     @classmethod
@@ -151,4 +159,5 @@ class Feedback(NamedTuple):
         if len(data) != _FEEDBACK.size:
             raise ValueError(f"feedback frame of {len(data)} bytes, expected {_FEEDBACK.size}")
         flags, lag = _FEEDBACK.unpack(data)
-        return cls(bool(flags & OVERLOADED_FLAG), lag, bool(flags & GATE_FULL_FLAG))
+        return cls(bool(flags & OVERLOADED_FLAG), lag, bool(flags & GATE_FULL_FLAG), bool(flags & MEMORY_FLAG),
+                   bool(flags & REFUSED_FLAG))

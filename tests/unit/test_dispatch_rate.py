@@ -1,0 +1,286 @@
+"""The broker's dispatch rate (``broker.admission.DispatchRate``, ``MemoryCost``; docs/architecture.md
+"Admission control"): the rules alone, on a clock the test passes in, and the fair queue handing
+out the rate's tokens (``broker.broker._Unpaced``). No process, no socket."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ibex_context.broker.admission import (
+    COST_ORGS,
+    RATE_BACKOFF,
+    RATE_BINDING_NS,
+    RATE_FLOOR,
+    RATE_GROWTH,
+    RATE_NEAR,
+    RATE_PROBE,
+    RATE_RECOVER_NS,
+    DispatchRate,
+    MemoryCost,
+)
+from ibex_context.broker.broker import _Unpaced
+from ibex_context.broker.fairqueue import FairQueue
+from ibex_context.shared.wire import protocol as P
+from tests.properties import examples
+
+MS = 1_000_000
+S = 1_000_000_000
+
+
+def limited(rate: float, now_ns: int = 0) -> DispatchRate:
+    """A rate already cut to ``rate`` at ``now_ns``, its bucket empty."""
+    return DispatchRate(rate=rate, refilled_ns=now_ns, last_cut_ns=now_ns, changed_ns=now_ns, last_overload_ns=now_ns,
+                        last_clean_ns=now_ns)
+
+
+def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
+    r = DispatchRate()
+    for k in range(100):  # 100 requests over the last half second: 200 a second
+        assert r.allows(1.0)
+        r.take(1.0, k * 5 * MS)
+    assert not r.limited
+    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=False, asked_memory=True)
+    assert not r.limited  # a clean reply teaches nothing while unlimited
+    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=True, asked_memory=False)
+    assert not r.limited  # an assembly that did not ask the memory service says nothing of its pace
+    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=True, asked_memory=True)
+    assert r.limited and r.cuts == 1
+    assert math.isclose(r.rate, 200 * RATE_BACKOFF, rel_tol=0.02) and math.isclose(r.peak, 200, rel_tol=0.02)
+
+
+def test_one_cut_per_round_trip_and_never_below_the_floor() -> None:
+    r = limited(100.0, now_ns=S)
+    r.on_reply(dispatched_ns=S - 10 * MS, now_ns=S + 5 * MS, refused=True, asked_memory=True)
+    assert r.rate == 100.0  # dispatched before the cut: sent at the old rate, already answered for
+    r.on_reply(dispatched_ns=S + 1 * MS, now_ns=S + 30 * MS, refused=True, asked_memory=True)
+    assert r.rate == 100.0 * RATE_BACKOFF and r.cuts == 1
+    r.on_reply(dispatched_ns=S + 2 * MS, now_ns=S + 31 * MS, refused=True, asked_memory=True)
+    assert r.rate == 100.0 * RATE_BACKOFF  # the same burst counts once
+    for k in range(200):
+        t = S + (40 + k) * MS
+        r.on_reply(dispatched_ns=t, now_ns=t + 1, refused=True, asked_memory=True)
+    assert r.rate == RATE_FLOOR and r.peak == 0.0  # one overload met again and again: no peak learned
+
+
+def test_after_a_fault_a_few_clean_round_trips_climb_back_to_the_peak() -> None:
+    r = limited(100.0, now_ns=S)
+    r.clean_since_cut = True
+    t = S
+    for _ in range(30):  # the memory service answers nothing: cut after cut, one per round trip
+        t += 10 * MS
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
+    assert r.rate == RATE_FLOOR and r.peak == 100.0  # the rate it first fell from is remembered
+    trips = 0
+    while r.rate < RATE_NEAR * r.peak:
+        t += 10 * MS
+        r.held_back(t - MS)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
+        r.on_reply(dispatched_ns=t - 2 * MS, now_ns=t, refused=False, asked_memory=True)  # the same trip
+        trips += 1
+    assert trips <= 6  # halfway to the peak each clean round trip
+    before = r.rate
+    r.held_back(t)
+    r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=False, asked_memory=True)
+    assert r.rate == before + RATE_GROWTH  # near the peak: probing above it, slowly
+    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, refused=True, asked_memory=True)
+    assert r.peak == before + RATE_GROWTH and r.rate == r.peak * RATE_BACKOFF  # a clean reply came since: a new peak
+
+
+def test_a_memory_service_that_answers_nothing_in_time_has_no_pace_to_learn() -> None:
+    r = limited(80.0, now_ns=S)
+    t = S + 10 * RATE_RECOVER_NS  # the first degraded reply after a quiet spell: an overload, cut
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
+    assert r.limited and r.cuts == 1
+    t += RATE_RECOVER_NS
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
+    assert not r.limited and r.lifted == 1  # degraded replies only, for a second: a fault, degraded at the gates
+    r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=True, asked_memory=True)
+    assert not r.limited  # and no cut until a clean reply shows it serving again
+    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, refused=False, asked_memory=True)
+    r.on_reply(dispatched_ns=t, now_ns=t + 3 * MS, refused=True, asked_memory=True)
+    assert r.limited
+    r.held_back(t + 3 * MS)
+    r.last_overload_ns = t + 3 * MS + RATE_RECOVER_NS
+    r.refill(t + 3 * MS + RATE_RECOVER_NS)  # binding and overloaded, but nothing clean for a second
+    assert not r.limited
+
+
+def test_clean_replies_raise_the_rate_only_while_it_binds() -> None:
+    r = limited(50.0)
+    r.on_reply(dispatched_ns=MS, now_ns=2 * MS, refused=False, asked_memory=True)
+    assert r.rate == 50.0  # nothing was held back: the rate was not what limited dispatch
+    r.held_back(3 * MS)
+    r.on_reply(dispatched_ns=3 * MS, now_ns=4 * MS, refused=False, asked_memory=False)
+    assert r.rate == 50.0  # not an assembly the rate paces
+    r.on_reply(dispatched_ns=3 * MS, now_ns=4 * MS, refused=False, asked_memory=True)
+    assert r.rate == 50.0 + RATE_GROWTH
+    r.on_reply(dispatched_ns=3 * MS, now_ns=3 * MS + RATE_BINDING_NS, refused=False, asked_memory=True)
+    assert r.rate == 50.0 + RATE_GROWTH  # held back too long ago
+
+
+def test_a_quiet_spell_lifts_the_rate() -> None:
+    r = limited(20.0, now_ns=S)
+    r.held_back(S + 500 * MS)
+    r.last_clean_ns = S + 500 * MS
+    r.refill(S + RATE_RECOVER_NS + 100 * MS)
+    assert r.limited  # held back half a second ago: still binding
+    r.refill(S + 500 * MS + RATE_RECOVER_NS)
+    assert not r.limited and r.lifted == 1 and r.allows(1.0)
+
+
+def test_the_bucket_paces_and_says_when_the_next_token_comes() -> None:
+    r = limited(100.0)
+    assert not r.allows(1.0) and r.allows(0.0)
+    assert r.next_token_ns(1.0, 0) == 10 * MS
+    r.refill(10 * MS)
+    assert r.allows(1.0)
+    r.take(1.0, 10 * MS)
+    assert not r.allows(1.0) and r.allows(0.0)
+    r.last_overload_ns = r.last_clean_ns = 10 * S  # not quiet, still answered: the rate stays
+    r.refill(10 * S)  # a long spell banks one burst only
+    assert r.tokens == r.burst() == 2.0
+    assert r.wait_ns(5.0, 0.5, 10 * S) == (5.0 - 2.0) * S / 50  # its org's half of 100 a second
+    assert r.wait_ns(1.0, 0.0, 10 * S) == math.inf and DispatchRate().wait_ns(9.0, 0.1, 0) == 0.0
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.floats(RATE_FLOOR, 2000.0), st.lists(st.tuples(st.integers(0, 20 * MS), st.sampled_from([0.0, 0.3, 1.0])),
+                                                 min_size=1, max_size=300))
+def test_dispatched_cost_never_outruns_the_rate(rate: float, attempts: list[tuple[int, float]]) -> None:
+    """However the requests arrive, what the bucket lets go in any run of time is at most the rate
+    times that time plus one burst (every request it holds back is told when it may go)."""
+    r = limited(rate)
+    now = 0
+    taken = 0.0
+    for gap, cost in attempts:
+        now += gap
+        r.held_back(now)  # keep it binding and learning: no lift mid-run
+        r.last_overload_ns = r.last_clean_ns = now
+        r.refill(now)
+        if r.allows(cost):
+            r.take(cost, now)
+            taken += cost
+        else:
+            assert r.next_token_ns(cost, now) > now
+    assert taken <= rate * now / S + r.burst() + 1e-6
+
+
+def test_an_orgs_cost_is_the_share_of_its_replies_that_asked_the_memory_service() -> None:
+    c = MemoryCost()
+    assert c.cost("new") == 0.0  # not seen yet: free until a reply says otherwise
+    for _ in range(12):
+        c.observe("cached", False)
+    assert c.cost("cached") == 0.0
+    c.observe("flood", True)
+    c.observe("flood", True)
+    assert c.cost("flood") == 1.0  # its first reply teaches it
+    for k in range(200):
+        c.observe("mixed", k % 2 == 0)
+    assert 0.3 < c.cost("mixed") < 0.7
+    for k in range(COST_ORGS + 10):
+        c.observe(f"o{k}", False)
+    assert len(c.by_org) <= COST_ORGS  # a caller naming many orgs cannot grow it
+
+
+def test_feedback_carries_whether_the_assembly_asked_the_memory_service() -> None:
+    for memory in (False, True):
+        for refused in (False, True):
+            fb = P.Feedback(True, 7, False, memory, refused)
+            assert P.Feedback.unpack(fb.pack()) == fb
+    assert len(P.Feedback(True, 7, True, True, True).pack()) == len(P.Feedback(True, 7).pack())
+
+
+# ------------------------------------------------------------------- the fair queue hands out tokens
+
+
+def drain(q: FairQueue[int], r: DispatchRate, cost: MemoryCost, until_ns: int, step_ns: int = MS) -> list[str]:
+    """The orgs of what goes, polling the bucket every ``step_ns`` as the broker's loop would."""
+    sent: list[str] = []
+    for now in range(0, until_ns, step_ns):
+        r.last_overload_ns = r.last_clean_ns = now  # keep the rate as it is for the test
+        r.refill(now)
+        while True:
+            nxt = q.pop((), _Unpaced(set(), r, cost))
+            if nxt is None:
+                break
+            sent.append(nxt[0])
+            r.take(cost.cost(nxt[0]), now)
+    return sent
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(st.sampled_from([(1.0, 1.0), (3.0, 1.0), (1.0, 2.0)]), st.floats(20.0, 400.0))
+def test_backlogged_orgs_take_the_rate_by_weight_and_an_org_alone_takes_it_all(
+        weights: tuple[float, float], rate: float) -> None:
+    cost = MemoryCost()
+    for org in "ab":
+        cost.observe(org, True)  # every assembly of both embeds its question
+    q: FairQueue[int] = FairQueue({"a": weights[0], "b": weights[1]})
+    for i in range(2000):
+        q.push("a", i)
+        q.push("b", i)
+    sent = drain(q, limited(rate), cost, S)
+    assert abs(len(sent) - rate) <= 3  # one second at the rate
+    share = weights[0] / sum(weights)
+    assert abs(sent.count("a") - share * len(sent)) <= 2
+    alone: FairQueue[int] = FairQueue()
+    for i in range(2000):
+        alone.push("a", i)
+    assert abs(len(drain(alone, limited(rate), cost, S)) - rate) <= 3  # work-conserving
+
+
+def test_an_org_whose_assemblies_embed_nothing_is_not_held_to_the_rate() -> None:
+    cost = MemoryCost()
+    cost.observe("flood", True)
+    for _ in range(20):
+        cost.observe("cached", False)
+    q: FairQueue[int] = FairQueue()
+    for i in range(500):
+        q.push("flood", i)
+    for i in range(100):
+        q.push("cached", i)
+    sent = drain(q, limited(50.0), cost, S // 10)  # a tenth of a second at 50 a second
+    assert sent.count("cached") == 100 and sent.count("flood") <= 6
+
+
+def test_a_cut_never_goes_below_the_rate_of_clean_replies_just_seen() -> None:
+    """On a loaded machine a degraded reply can come while the memory service still serves every
+    other request: the rate is not cut below what it has just been seen to serve."""
+    r = limited(30.0, now_ns=S)
+    t = S
+    for _ in range(25):  # 25 clean replies over the last second
+        t += 40 * MS
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
+    assert math.isclose(r.clean_rate(t), 25.0)
+    for _ in range(10):
+        t += 20 * MS
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
+    assert 20.0 <= r.rate <= 30.0 * RATE_BACKOFF and r.cuts >= 2
+    assert len(r.cleans) <= 25  # the window's times only
+
+
+def test_a_rate_set_low_while_the_load_was_light_probes_up_by_round_trips_once_quiet() -> None:
+    r = limited(5.0, now_ns=S)
+    t = S + RATE_RECOVER_NS  # no overload signal for a second
+    r.held_back(t)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
+    assert r.rate == 5.0 * RATE_PROBE
+    r.on_reply(dispatched_ns=t - MS, now_ns=t + MS, refused=False, asked_memory=True)
+    assert r.rate == 5.0 * RATE_PROBE + RATE_GROWTH  # the same round trip: the additive step only
+    for _ in range(20):
+        t += 20 * MS
+        r.held_back(t)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
+    assert r.rate > 100.0  # twenty round trips: a capacity of 100/s found in under half a second
+
+
+def test_a_call_that_timed_out_teaches_the_rate_nothing() -> None:
+    """Slow is not full: on a loaded machine calls time out at any load, and a cut for each would
+    hold the rate below what the memory service serves."""
+    r = limited(40.0, now_ns=S)
+    r.held_back(S + MS)
+    r.on_reply(dispatched_ns=S + MS, now_ns=S + 2 * MS, refused=False, clean=False, asked_memory=True)
+    assert r.rate == 40.0 and r.cuts == 0 and r.last_clean_ns == S
