@@ -60,10 +60,6 @@ class Fused:
     rerank: float | None = None  # its MaxSim with the question, when reranked (``memory.search.rerank``)
 
 
-def _unit(x: float) -> float:
-    return min(max(x, 0.0), 1.0) if math.isfinite(x) else 0.0
-
-
 def idf(df: int, n_docs: int) -> float:
     """Okapi BM25's inverse document frequency (never negative)."""
     df = min(max(df, 0), max(n_docs, 0))
@@ -104,13 +100,14 @@ def fuse(text: Mapping[str, float], cosine: Mapping[str, float], *, min_similari
     vector and scores 0 on that side).
     """
     kept: dict[str, tuple[float, float]] = {}
+    isfinite = math.isfinite
     for mid in text.keys() | cosine.keys():
-        raw = text.get(mid, 0.0)
-        matched = math.isfinite(raw) and raw > 0.0
-        score = _unit(raw) if matched else 0.0
-        vec = _unit(cosine.get(mid, 0.0))
-        if matched or vec >= min_similarity:
-            kept[mid] = (score, vec)
+        raw, c = text.get(mid, 0.0), cosine.get(mid, 0.0)
+        vec = (0.0 if c < 0.0 else 1.0 if c > 1.0 else c) if isfinite(c) else 0.0  # clipped to [0, 1]
+        if isfinite(raw) and raw > 0.0:
+            kept[mid] = (raw if raw < 1.0 else 1.0, vec)
+        elif vec >= min_similarity:
+            kept[mid] = (0.0, vec)
     if rule == "rrf":
         return _rrf(kept, text_weight)
     if rule == "zscore":

@@ -54,8 +54,8 @@ def _stored_rows(top: Sequence[str], states: Mapping[str, object]) -> tuple[list
     """The memories of ``top`` with usable token states, all their rows in one matrix, and each
     one's row count; ``None`` when fewer than two have any. Decoded in one conversion; one at a
     time only when that meets a damaged scale."""
-    counts = {m: rows_of(states.get(m)) for m in top}
-    rated = [m for m in top if counts[m] > 0]
+    counts = {m: n for m in top if (n := rows_of(states.get(m)))}
+    rated = list(counts)
     if len(rated) < 2:
         return None
     rows = decode_many([cast(bytes, states[m]) for m in rated], [counts[m] for m in rated])
