@@ -28,10 +28,10 @@ from numpy.typing import NDArray
 from ..embedders.token_states import DIMS, Array, decode, decode_many, rows_of
 from .fusion import Fused
 
-RERANK_WEIGHT = 0.7  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
+RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
 RERANK_DEPTH = 200  # candidates reranked
 RERANK_DEPTH_MAX = 1000  # the largest IBEX_MEMORY_RERANK_DEPTH accepted
-RERANK_MIN_CANDIDATES = 100  # candidates the rerank compares at least (``widened``)
+RERANK_MIN_CANDIDATES = 0  # candidates the rerank compares at least (``widened``); 0: only those kept
 
 
 def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
