@@ -103,9 +103,15 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
     under the line (``memory.search.cutoff``; then ``stages.below``) are sent beside the answer."""
     order, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
                                            now_s=svc.clock(), relevance_floor=0.0, limit=len(recs))
-    at = {i: (s, r) for i, s, r in zip(order, scores, recencies, strict=True)}
     shown = 0 if stages is None else stages.shown
     kept, under = cut(order, relevance, floor=check_relevance_floor(floor), limit=limit, shown=shown)
+    need = {*kept, *(i for i, _ in under)}  # cut takes them from the front of the order
+    at: dict[int, tuple[float, float]] = {}
+    for i, s, r in zip(order, scores, recencies, strict=True):
+        if i in need:
+            at[i] = (s, r)
+            if len(at) == len(need):
+                break
     found: list[tuple[MemoryRecord, float]] = []
     extras: list[dict[str, Any]] = []
     for i in kept:
@@ -199,10 +205,13 @@ async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, q
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
     fused, under = _fused(svc, text, records, text_of, cosine, cutoff)
     joined = widened(fused, under, min(cfg.rerank_min_candidates, cfg.rerank_depth)) if query_states is not None else {}
-    reranked = rerank({**fused, **joined}, query_states, states, weight=cfg.rerank_weight, depth=cfg.rerank_depth,
-                      floor=cfg.relevance_floor)
-    joined = {m: reranked[m] for m in joined}
-    fused = stays(reranked, joined, cutoff)
+    reranked = rerank({**fused, **joined} if joined else fused, query_states, states, weight=cfg.rerank_weight,
+                      depth=cfg.rerank_depth, floor=cfg.relevance_floor)
+    if joined:
+        joined = {m: reranked[m] for m in joined}
+        fused = stays(reranked, joined, cutoff)
+    else:
+        fused = reranked
     below = _below(records, under, fused, joined, cutoff, cfg.below_cutoff)
     if not fused and not below:
         return JSONResponse({"memories": []})
