@@ -40,9 +40,14 @@ def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
     then each doc's best per query token with ``maximum.reduceat``."""
     if not counts or query.shape[0] == 0:
         return [0.0] * len(counts)
+    return _maxsims(query, rows, counts).tolist()
+
+
+def _maxsims(query: Array, rows: Array, counts: Sequence[int]) -> NDArray[np.float32]:
+    """``maxsim`` as an array (``counts`` and the query not empty)."""
     starts = np.cumsum([0, *counts[:-1]])
-    best = np.maximum.reduceat(query @ rows.T, starts, axis=1)
-    return [float(x) for x in best.mean(axis=0)]
+    best: NDArray[np.float32] = np.maximum.reduceat(query @ rows.T, starts, axis=1).mean(axis=0)
+    return best
 
 
 def _z(values: NDArray[np.float64]) -> NDArray[np.float64] | None:
@@ -82,20 +87,20 @@ def rerank(fused: Mapping[str, Fused], query_states: Array | None, states: Mappi
     if got is None:
         return out
     rated, rows, counts = got
-    sims = maxsim(query_states, rows, counts)
+    sim_array = _maxsims(query_states, rows, counts)
+    sims = np.clip(sim_array, 0.0, 1.0).tolist()  # the stage score shown
     rel = np.array([fused[m].relevance for m in top], dtype=np.float64)
-    z_rel, z_sim = _z(rel), _z(np.asarray(sims, dtype=np.float64))
+    z_rel, z_sim = _z(rel), _z(sim_array.astype(np.float64))
     if z_rel is None or z_sim is None:  # nothing to standardise: the order stays, the scores are shown
         mixed = [fused[m].relevance for m in rated]
     else:
-        at = {m: i for i, m in enumerate(top)}
-        z_mix = (1.0 - weight) * z_rel[[at[m] for m in rated]] + weight * z_sim
-        mixed = np.clip(rel.mean() + rel.std() * z_mix, 0.0, 1.0).tolist()
+        if len(rated) < len(top):  # rated keeps top's order
+            at = {m: i for i, m in enumerate(top)}
+            z_rel = z_rel[[at[m] for m in rated]]
+        mixed = np.clip(rel.mean() + rel.std() * ((1.0 - weight) * z_rel + weight * z_sim), 0.0, 1.0).tolist()
     for m, sim, r in zip(rated, sims, mixed, strict=True):
         f = fused[m]
-        if f.relevance >= floor:
-            r = max(r, floor)
-        out[m] = Fused(r, f.text, f.vector, f.boost, min(max(sim, 0.0), 1.0))
+        out[m] = Fused(max(r, floor) if f.relevance >= floor else r, f.text, f.vector, f.boost, sim)
     return out
 
 
