@@ -79,15 +79,18 @@ def text_scores(per_word: Sequence[Mapping[str, float]], dfs: Sequence[int], n_d
     out: dict[str, float] = {}
     if total <= 0.0:
         return out
+    inf = math.inf
     for i, (w, scores) in enumerate(zip(weights, per_word, strict=True)):
-        best = max((s for s in scores.values() if math.isfinite(s) and s > 0.0), default=0.0)
+        best = max((s for s in scores.values() if 0.0 < s < inf), default=0.0)  # finite and positive
         if bests is not None and math.isfinite(bests[i]) and bests[i] > 0.0:
             best = bests[i]
         if best <= 0.0:
             continue
+        get = out.get
         for mid, s in scores.items():
-            if math.isfinite(s) and s > 0.0:
-                out[mid] = out.get(mid, 0.0) + w * min(s / best, 1.0) / total
+            if 0.0 < s < inf:
+                share = s / best
+                out[mid] = get(mid, 0.0) + w * (1.0 if share > 1.0 else share) / total
     return {m: min(v, 1.0) for m, v in out.items() if v > 0.0}
 
 
