@@ -40,7 +40,8 @@ def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
     then each doc's best per query token with ``maximum.reduceat``."""
     if not counts or query.shape[0] == 0:
         return [0.0] * len(counts)
-    return _maxsims(query, rows, counts).tolist()
+    sims: list[float] = _maxsims(query, rows, counts).tolist()
+    return sims
 
 
 def _maxsims(query: Array, rows: Array, counts: Sequence[int]) -> NDArray[np.float32]:
