@@ -15,7 +15,7 @@ from typing import Any
 
 from ...shared.stores.keys import memory_key_prefix, vector_field
 from .fusion import text_scores
-from .index import index_name, parse_reply, search_args, total_results, word_query
+from .index import index_name, scored_ids, search_args, total_results, word_query
 from .terms import TermStats, TermTable, estimate_df, split_terms
 
 Command = tuple[Any, ...]
@@ -100,7 +100,7 @@ class FullText:
         return bool(self._rescan or self._common)
 
     def _hits(self, reply: Any) -> dict[str, float]:
-        return {f.memory_id: f.score for f in parse_reply(reply, self._prefix, self._vfield, vector_query=False)}
+        return scored_ids(reply, self._prefix)
 
     def _read_scans(self, words: Sequence[str], replies: Sequence[Any]) -> None:
         large = self._size > self._scan_max

@@ -60,10 +60,6 @@ class Fused:
     rerank: float | None = None  # its MaxSim with the question, when reranked (``memory.search.rerank``)
 
 
-def _unit(x: float) -> float:
-    return min(max(x, 0.0), 1.0) if math.isfinite(x) else 0.0
-
-
 def idf(df: int, n_docs: int) -> float:
     """Okapi BM25's inverse document frequency (never negative)."""
     df = min(max(df, 0), max(n_docs, 0))
@@ -83,15 +79,18 @@ def text_scores(per_word: Sequence[Mapping[str, float]], dfs: Sequence[int], n_d
     out: dict[str, float] = {}
     if total <= 0.0:
         return out
+    inf = math.inf
     for i, (w, scores) in enumerate(zip(weights, per_word, strict=True)):
-        best = max((s for s in scores.values() if math.isfinite(s) and s > 0.0), default=0.0)
+        best = max((s for s in scores.values() if 0.0 < s < inf), default=0.0)  # finite and positive
         if bests is not None and math.isfinite(bests[i]) and bests[i] > 0.0:
             best = bests[i]
         if best <= 0.0:
             continue
+        get = out.get
         for mid, s in scores.items():
-            if math.isfinite(s) and s > 0.0:
-                out[mid] = out.get(mid, 0.0) + w * min(s / best, 1.0) / total
+            if 0.0 < s < inf:
+                share = s / best
+                out[mid] = get(mid, 0.0) + w * (1.0 if share > 1.0 else share) / total
     return {m: min(v, 1.0) for m, v in out.items() if v > 0.0}
 
 
@@ -104,13 +103,14 @@ def fuse(text: Mapping[str, float], cosine: Mapping[str, float], *, min_similari
     vector and scores 0 on that side).
     """
     kept: dict[str, tuple[float, float]] = {}
+    isfinite = math.isfinite
     for mid in text.keys() | cosine.keys():
-        raw = text.get(mid, 0.0)
-        matched = math.isfinite(raw) and raw > 0.0
-        score = _unit(raw) if matched else 0.0
-        vec = _unit(cosine.get(mid, 0.0))
-        if matched or vec >= min_similarity:
-            kept[mid] = (score, vec)
+        raw, c = text.get(mid, 0.0), cosine.get(mid, 0.0)
+        vec = (0.0 if c < 0.0 else 1.0 if c > 1.0 else c) if isfinite(c) else 0.0  # clipped to [0, 1]
+        if isfinite(raw) and raw > 0.0:
+            kept[mid] = (raw if raw < 1.0 else 1.0, vec)
+        elif vec >= min_similarity:
+            kept[mid] = (0.0, vec)
     if rule == "rrf":
         return _rrf(kept, text_weight)
     if rule == "zscore":

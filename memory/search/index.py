@@ -119,6 +119,12 @@ def query_terms(text: str) -> list[str]:
     return list(seen)
 
 
+def tenant_query(org_id: str, agent_id: str) -> str:
+    """Every memory of one org's agent (with ``INKEYS``: the named ones among them)."""
+    n = tenant_number(org_id, agent_id)
+    return f"@tenant:[{n} {n}]"
+
+
 def word_query(org_id: str, agent_id: str, word: str) -> str:
     """Full-text query for one word in ``content``, inside the tenant filter."""
     n = tenant_number(org_id, agent_id)
@@ -278,6 +284,68 @@ def parse_reply(reply: Any, prefix: str, vfield: str, *, vector_query: bool, sfi
                          rec if isinstance(rec, bytes) else None, vec if isinstance(vec, bytes) else None,
                          states if isinstance(states, bytes) else None))
     return out
+
+
+def scored_ids(reply: Any, prefix: str) -> dict[str, float]:
+    """memory id -> the engine's score for each hit of a ``NOCONTENT`` reply whose key has
+    ``prefix`` (a full-text word query): ``parse_reply``'s answer without a ``Found`` per hit."""
+    if not isinstance(reply, Mapping):
+        return {f.memory_id: f.score for f in parse_reply(reply, prefix, "", vector_query=False)}
+    bprefix = prefix.encode()
+    n, isfinite = len(bprefix), math.isfinite
+    out: dict[str, float] = {}
+    for h in reply.get(b"results", ()):
+        key = h[b"id"]
+        if key.startswith(bprefix):
+            score = float(h.get(b"score", 0.0) or 0.0)
+            out[key[n:].decode()] = score if isfinite(score) else 0.0
+    return out
+
+
+Nearest = tuple[dict[str, float], dict[str, bytes | None], dict[str, bytes | None]]
+
+
+def fields_of(reply: Any, prefix: str, fields: Sequence[str]) -> dict[str, list[bytes | None]]:
+    """memory id -> the values of ``fields`` (``None`` where absent) for each hit of a reply that
+    returned them, whose key has ``prefix``."""
+    bprefix, bfields = prefix.encode(), [f.encode() for f in fields]
+    n = len(bprefix)
+    out: dict[str, list[bytes | None]] = {}
+    for key, _, got in _rows(reply):
+        if key.startswith(bprefix):
+            out[key[n:].decode()] = [v if isinstance(v := got.get(f), bytes) else None for f in bfields]
+    return out
+
+
+def nearest(reply: Any, prefix: str, sfield: str = "") -> Nearest:
+    """A KNN reply (``vd`` and ``rec``, with an ``sfield`` its token states too) as memory id ->
+    cosine, -> record bytes and -> token states, for the hits whose key has ``prefix``; the same
+    as ``parse_reply(..., vector_query=True)`` read into three maps in one pass."""
+    cosine: dict[str, float] = {}
+    recs: dict[str, bytes | None] = {}
+    states: dict[str, bytes | None] = {}
+    if not isinstance(reply, Mapping):
+        for f in parse_reply(reply, prefix, "", vector_query=True, sfield=sfield):
+            cosine[f.memory_id], recs[f.memory_id], states[f.memory_id] = f.score, f.record, f.states
+        return cosine, recs, states
+    bprefix, bsfield = prefix.encode(), sfield.encode()
+    n, isfinite = len(bprefix), math.isfinite
+    for h in reply.get(b"results", ()):
+        key = h[b"id"]
+        if not key.startswith(bprefix):
+            continue
+        fields = h.get(b"extra_attributes") or {}
+        mid, raw = key[n:].decode(), fields.get(b"vd")
+        try:
+            score = 1.0 - float(raw) if raw is not None else 0.0  # COSINE distance is 1 - cosine
+        except ValueError:
+            score = 0.0
+        cosine[mid] = score if isfinite(score) else 0.0
+        rec = fields.get(b"rec")
+        recs[mid] = rec if isinstance(rec, bytes) else None
+        st = fields.get(bsfield) if bsfield else None
+        states[mid] = st if isinstance(st, bytes) else None
+    return cosine, recs, states
 
 
 def _rows(reply: Any) -> list[tuple[bytes, float, dict[bytes, Any]]]:

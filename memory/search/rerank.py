@@ -28,10 +28,10 @@ from numpy.typing import NDArray
 from ..embedders.token_states import DIMS, Array, decode, decode_many, rows_of
 from .fusion import Fused
 
-RERANK_WEIGHT = 0.7  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
+RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
 RERANK_DEPTH = 200  # candidates reranked
 RERANK_DEPTH_MAX = 1000  # the largest IBEX_MEMORY_RERANK_DEPTH accepted
-RERANK_MIN_CANDIDATES = 100  # candidates the rerank compares at least (``widened``)
+RERANK_MIN_CANDIDATES = 0  # candidates the rerank compares at least (``widened``); 0: only those kept
 
 
 def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
@@ -40,9 +40,15 @@ def maxsim(query: Array, rows: Array, counts: Sequence[int]) -> list[float]:
     then each doc's best per query token with ``maximum.reduceat``."""
     if not counts or query.shape[0] == 0:
         return [0.0] * len(counts)
+    sims: list[float] = _maxsims(query, rows, counts).tolist()
+    return sims
+
+
+def _maxsims(query: Array, rows: Array, counts: Sequence[int]) -> NDArray[np.float32]:
+    """``maxsim`` as an array (``counts`` and the query not empty)."""
     starts = np.cumsum([0, *counts[:-1]])
-    best = np.maximum.reduceat(query @ rows.T, starts, axis=1)
-    return [float(x) for x in best.mean(axis=0)]
+    best: NDArray[np.float32] = np.maximum.reduceat(query @ rows.T, starts, axis=1).mean(axis=0)
+    return best
 
 
 def _z(values: NDArray[np.float64]) -> NDArray[np.float64] | None:
@@ -54,8 +60,8 @@ def _stored_rows(top: Sequence[str], states: Mapping[str, object]) -> tuple[list
     """The memories of ``top`` with usable token states, all their rows in one matrix, and each
     one's row count; ``None`` when fewer than two have any. Decoded in one conversion; one at a
     time only when that meets a damaged scale."""
-    counts = {m: rows_of(states.get(m)) for m in top}
-    rated = [m for m in top if counts[m] > 0]
+    counts = {m: n for m in top if (n := rows_of(states.get(m)))}
+    rated = list(counts)
     if len(rated) < 2:
         return None
     rows = decode_many([cast(bytes, states[m]) for m in rated], [counts[m] for m in rated])
@@ -82,20 +88,20 @@ def rerank(fused: Mapping[str, Fused], query_states: Array | None, states: Mappi
     if got is None:
         return out
     rated, rows, counts = got
-    sims = maxsim(query_states, rows, counts)
+    sim_array = _maxsims(query_states, rows, counts)
+    sims = np.clip(sim_array, 0.0, 1.0).tolist()  # the stage score shown
     rel = np.array([fused[m].relevance for m in top], dtype=np.float64)
-    z_rel, z_sim = _z(rel), _z(np.asarray(sims, dtype=np.float64))
+    z_rel, z_sim = _z(rel), _z(sim_array.astype(np.float64))
     if z_rel is None or z_sim is None:  # nothing to standardise: the order stays, the scores are shown
         mixed = [fused[m].relevance for m in rated]
     else:
-        at = {m: i for i, m in enumerate(top)}
-        z_mix = (1.0 - weight) * z_rel[[at[m] for m in rated]] + weight * z_sim
-        mixed = np.clip(rel.mean() + rel.std() * z_mix, 0.0, 1.0).tolist()
+        if len(rated) < len(top):  # rated keeps top's order
+            at = {m: i for i, m in enumerate(top)}
+            z_rel = z_rel[[at[m] for m in rated]]
+        mixed = np.clip(rel.mean() + rel.std() * ((1.0 - weight) * z_rel + weight * z_sim), 0.0, 1.0).tolist()
     for m, sim, r in zip(rated, sims, mixed, strict=True):
         f = fused[m]
-        if f.relevance >= floor:
-            r = max(r, floor)
-        out[m] = Fused(r, f.text, f.vector, f.boost, min(max(sim, 0.0), 1.0))
+        out[m] = Fused(max(r, floor) if f.relevance >= floor else r, f.text, f.vector, f.boost, sim)
     return out
 
 

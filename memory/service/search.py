@@ -30,11 +30,13 @@ from ..search.cutoff import cosine_reason, cut
 from ..search.fulltext import FullText, Scope
 from ..search.fusion import Fused, boosted, fuse
 from ..search.index import (
+    fields_of,
     knn_query,
     missing_index,
-    parse_reply,
+    nearest,
     query_terms,
     search_args,
+    tenant_query,
 )
 from ..search.rank import (
     check_relevance_floor,
@@ -101,9 +103,15 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
     under the line (``memory.search.cutoff``; then ``stages.below``) are sent beside the answer."""
     order, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
                                            now_s=svc.clock(), relevance_floor=0.0, limit=len(recs))
-    at = {i: (s, r) for i, s, r in zip(order, scores, recencies, strict=True)}
     shown = 0 if stages is None else stages.shown
     kept, under = cut(order, relevance, floor=check_relevance_floor(floor), limit=limit, shown=shown)
+    need = {*kept, *(i for i, _ in under)}  # cut takes them from the front of the order
+    at: dict[int, tuple[float, float]] = {}
+    for i, s, r in zip(order, scores, recencies, strict=True):
+        if i in need:
+            at[i] = (s, r)
+            if len(at) == len(need):
+                break
     found: list[tuple[MemoryRecord, float]] = []
     extras: list[dict[str, Any]] = []
     for i in kept:
@@ -197,10 +205,13 @@ async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, q
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
     fused, under = _fused(svc, text, records, text_of, cosine, cutoff)
     joined = widened(fused, under, min(cfg.rerank_min_candidates, cfg.rerank_depth)) if query_states is not None else {}
-    reranked = rerank({**fused, **joined}, query_states, states, weight=cfg.rerank_weight, depth=cfg.rerank_depth,
-                      floor=cfg.relevance_floor)
-    joined = {m: reranked[m] for m in joined}
-    fused = stays(reranked, joined, cutoff)
+    reranked = rerank({**fused, **joined} if joined else fused, query_states, states, weight=cfg.rerank_weight,
+                      depth=cfg.rerank_depth, floor=cfg.relevance_floor)
+    if joined:
+        joined = {m: reranked[m] for m in joined}
+        fused = stays(reranked, joined, cutoff)
+    else:
+        fused = reranked
     below = _below(records, under, fused, joined, cutoff, cfg.below_cutoff)
     if not fused and not below:
         return JSONResponse({"memories": []})
@@ -235,13 +246,11 @@ async def _candidates(svc: MemoryService, org: str, agent: str, terms: Sequence[
     replies = await _engine(svc, org, agent, commands)
     _remember_size(svc, org, agent, int(replies[-1]))
     text.read_first(replies[:-2], int(replies[-1]))
-    vector_hits = parse_reply(replies[-2], prefix, vfield, vector_query=True, sfield=sfield)
-    cosine = {f.memory_id: f.score for f in vector_hits}
+    cosine, raws, states = nearest(replies[-2], prefix, sfield)
     if text.needs_second:
         pool = text.scores(k).keys() | cosine.keys()
         text.read_second(await _engine(svc, org, agent, text.second(pool)), pool)
-    return (text.scores(k), cosine, {f.memory_id: f.record for f in vector_hits},
-            {f.memory_id: f.states for f in vector_hits})
+    return text.scores(k), cosine, raws, states
 
 
 async def _sample(svc: MemoryService, org: str, agent: str, now: float) -> tuple[str, ...]:
@@ -296,21 +305,24 @@ async def _hydrate(svc: MemoryService, org: str, agent: str, found: Candidates, 
 async def _read_missing(svc: MemoryService, org: str, agent: str, found: Candidates, sfield: str
                         ) -> dict[str, bytes | None]:
     """Read the full-text-only candidates' records (into ``found``'s records), token states (into
-    its states, with an ``sfield``) and vectors (returned), in one round trip."""
+    its states, with an ``sfield``) and vectors (returned): one query naming their keys, one round
+    trip and one reply (a memory deleted since reads as absent)."""
     text_of, _, raws, states = found
     prefix, vfield = memory_key_prefix(org, agent), vector_field(svc.embedder.name)
     missing = [m for m in text_of if m not in raws]
     vectors: dict[str, bytes | None] = {}
     if not missing:
         return vectors
-    fields = ["rec", vfield, sfield] if sfield else ["rec", vfield]
-    async with svc.redis.pipeline(transaction=False) as pipe:
-        for m in missing:
-            pipe.hmget(f"{prefix}{m}", fields)
-        for m, got in zip(missing, await pipe.execute(), strict=True):
-            raws[m], vectors[m] = got[0], got[1]
-            if sfield:
-                states[m] = got[2]
+    fields = ("rec", vfield, sfield) if sfield else ("rec", vfield)
+    query = search_args(tenant_query(org, agent), limit=len(missing), returns=fields, scored=False,
+                        in_keys=[f"{prefix}{m}" for m in missing])
+    got = fields_of((await _engine(svc, org, agent, [("FT.SEARCH", svc.index_name(org, agent), *query)]))[0],
+                    prefix, fields)
+    for m in missing:
+        row = got.get(m) or [None, None, None]
+        raws[m], vectors[m] = row[0], row[1]
+        if sfield:
+            states[m] = row[2]
     return vectors
 
 

@@ -76,12 +76,15 @@ def redis_of(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def services(redis_of: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, MemoryServiceHandle]]:
-    """Two minilm memory services on the same store: the rerank at its default weight, and off."""
+    """Three minilm memory services on the same store: the rerank at its defaults, off, and with at
+    least 100 candidates compared (the most similar under the cosine cutoff join it)."""
     with memory_service_with(redis_of, tmp_path_factory.mktemp("on"), IBEX_MEMORY_EMBEDDER="minilm",
                             IBEX_MEMORY_MINILM_WEIGHTS="fp32") as on, \
             memory_service_with(redis_of, tmp_path_factory.mktemp("off"), IBEX_MEMORY_EMBEDDER="minilm",
-                                IBEX_MEMORY_MINILM_WEIGHTS="fp32", IBEX_MEMORY_RERANK_WEIGHT="0") as off:
-        yield {"on": on, "off": off}
+                                IBEX_MEMORY_MINILM_WEIGHTS="fp32", IBEX_MEMORY_RERANK_WEIGHT="0") as off, \
+            memory_service_with(redis_of, tmp_path_factory.mktemp("joined"), IBEX_MEMORY_EMBEDDER="minilm",
+                                IBEX_MEMORY_MINILM_WEIGHTS="fp32", IBEX_MEMORY_RERANK_MIN_CANDIDATES="100") as joined:
+        yield {"on": on, "off": off, "joined": joined}
 
 
 @pytest.fixture
@@ -275,7 +278,7 @@ def test_candidates_under_the_cosine_cutoff_join_the_rerank(seeded: dict[str, Me
     it are reranked too, and one stays only if the rerank lifts it to the cutoff; without the rerank
     they are shown under the line by their cosine alone."""
     q = "What pet does Jonah have?"
-    on, off = _search_body(seeded["on"], q), _search_body(seeded["off"], q)
+    on, off = _search_body(seeded["joined"], q), _search_body(seeded["off"], q)
     joined_below = [b for b in on["below_cutoff"] if "reranked to" in b["reason"]]
     assert joined_below and all("rerank_score" in b and b["vector_score"] < 0.2 and b["text_score"] == 0.0
                                 for b in joined_below)
