@@ -221,7 +221,8 @@ def test_a_memory_without_usable_states_keeps_its_relevance(seeded: dict[str, Me
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     # Deadlines far past a loaded machine's: this test is about what explain shows, not about time.
     env = {"IBEX_MEMORY_EMBEDDER": "minilm", "IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "10000",
-           "IBEX_HOT_TIMEOUT_MS": "10000", "IBEX_COLD_TIMEOUT_MS": "10000", "IBEX_CONTEXT_DEADLINE_MS": "12000"}
+           "IBEX_HOT_TIMEOUT_MS": "10000", "IBEX_COLD_TIMEOUT_MS": "10000", "IBEX_CONTEXT_DEADLINE_MS": "12000",
+           "IBEX_RETRIEVAL_TIMEOUT_MS": "12000"}  # the retrieval wall is the lesser of the last two
     s = start_stack(tmp_path_factory.mktemp("stack"), workers=1, env=env, seed=False)
     try:
         asyncio.run(_seed(str(s.redis_url)))
