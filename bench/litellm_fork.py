@@ -81,7 +81,8 @@ for line in sys.stdin:
 
 
 class Forked:
-    """A proxy forked by the parent: what ``subprocess.Popen`` offers that the rig uses."""
+    """A proxy forked by the parent: what ``subprocess.Popen`` offers that the rig and
+    ``ops.procs.stop_processes`` use."""
 
     def __init__(self, parent: _Parent, pid: int) -> None:
         self.parent, self.pid = parent, pid
@@ -98,22 +99,17 @@ class Forked:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
-    def wait(self, timeout_s: float) -> int:
-        with self.parent.changed:
-            if not self.parent.changed.wait_for(lambda: self.returncode is not None or not self.parent.alive,
-                                                timeout_s):
-                raise subprocess.TimeoutExpired(f"litellm (pid {self.pid})", timeout_s)
-        return self.returncode if self.returncode is not None else -signal.SIGKILL
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGCONT and SIGTERM, then SIGKILL if it has not ended in ``timeout_s`` (as ``ops.procs.stop_processes``)."""
-        self.send_signal(signal.SIGCONT)
+    def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
-        try:
-            self.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.send_signal(signal.SIGKILL)
-            self.wait(5.0)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.parent.changed:
+            if not self.parent.changed.wait_for(lambda: self.returncode is not None or not self.parent.alive, timeout):
+                raise subprocess.TimeoutExpired(f"litellm (pid {self.pid})", timeout or 0.0)
+        return self.returncode if self.returncode is not None else -signal.SIGKILL
 
 
 class _Parent:

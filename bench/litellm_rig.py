@@ -167,7 +167,7 @@ class LiteLLMProxy:
         return got
 
     def stop(self) -> None:
-        self.proc.stop()
+        stop_processes([self.proc])
 
 
 @contextlib.contextmanager

@@ -11,9 +11,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import zmq
@@ -36,7 +36,22 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+class Process(Protocol):
+    """What ``stop_processes`` needs of a child: ``subprocess.Popen``'s own names."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def stop_processes(procs: Sequence[Process], timeout_s: float = 10.0) -> None:
     """SIGCONT (a stopped child cannot exit) + SIGTERM to all, then reap; SIGKILL the stragglers."""
     for p in procs:
         if p.poll() is None:
