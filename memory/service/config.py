@@ -150,6 +150,17 @@ class MemoryConfig(MemoryServiceSettings):
         2, ge=1,
         description="Writes of all orgs embedded at once, so searches never "
                     "queue behind writes for the CPU.")
+    write_nice: int = Field(
+        10, ge=0, le=19,
+        description="Nice value of the threads that embed memory writes (Linux; 0: the process's "
+                    "priority): on a busy CPU searches, which have a caller's deadline, run first, and "
+                    "writes take what is left.")
+    query_batch_ms: float = Field(
+        10.0, ge=0.0,
+        description="The longest a batch of new questions embedded together should take: the batcher "
+                    "takes as many as fit at the measured time per question (at least one, at most 8). "
+                    "A question that arrives while a batch runs waits for it, so this bounds what a busy "
+                    "service adds to each search; 0: batches of up to 8.")
 
     org_weights: OrgWeights = Field(
         None, json_schema_extra=shown("every org 1"),

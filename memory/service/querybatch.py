@@ -65,9 +65,11 @@ class QueryBatcher(Generic[R]):
     """Embeds queries with ``embed_many`` in a worker thread, batching the ones that queue up."""
 
     def __init__(self, embed_many: Callable[[Sequence[str]], Iterable[R]], max_batch: int = 8,
-                 weights: Mapping[str, float] | None = None) -> None:
+                 weights: Mapping[str, float] | None = None, batch_target_s: float | None = None) -> None:
+        """``batch_target_s``: the longest a batch should take (module doc); None: ``max_batch`` only."""
         self._embed_many = embed_many
         self._max_batch = max_batch
+        self._batch_target_s = batch_target_s
         self._weights = dict(weights or {})
         self._pending: list[_Waiting] = []  # a heap on (tag, seq)
         self._last_tag: dict[str, float] = {}  # orgs with queries waiting -> their latest tag
@@ -77,6 +79,7 @@ class QueryBatcher(Generic[R]):
         self._running_since: float | None = None  # monotonic start of the batch being embedded
         self.batch_s = 0.0  # measured time of one batch (0: nothing measured yet)
         self.after_s = 0.0  # measured time a call still needs once its vector is known (the search)
+        self.query_s = 0.0  # measured time of one query's share of a batch
         self.batches = 0
         self.queries = 0
         self.dropped = 0  # queries whose callers had all gone before their batch
@@ -85,12 +88,19 @@ class QueryBatcher(Generic[R]):
     def weight(self, org: str) -> float:
         return self._weights.get(org, 1.0)
 
+    def batch_cap(self) -> int:
+        """Queries the next batch may take: ``max_batch``, or fewer when ``batch_target_s`` holds
+        fewer at the measured time per query (never fewer than one)."""
+        if self._batch_target_s is None or self.query_s <= 0:
+            return self._max_batch
+        return max(1, min(self._max_batch, int(self._batch_target_s / self.query_s)))
+
     def expected_end(self, tag: float, now: float) -> float:
         """When a query tagged ``tag`` would be embedded: the running batch's rest, then one batch
-        per ``max_batch`` queries tagged before it, then its own."""
+        per ``batch_cap()`` queries tagged before it, then its own."""
         ahead = sum(1 for w in self._pending if w.tag < tag)
         rest = 0.0 if self._running_since is None else max(0.0, self._running_since + self.batch_s - now)
-        return now + rest + (ahead // self._max_batch + 1) * self.batch_s
+        return now + rest + (ahead // self.batch_cap() + 1) * self.batch_s
 
     def note_after(self, took_s: float) -> None:
         """A call's time after its vector (the engine's search and the answer), into ``after_s``."""
@@ -115,11 +125,12 @@ class QueryBatcher(Generic[R]):
         return await fut
 
     def _next_batch(self) -> list[_Waiting]:
-        """Up to ``max_batch`` waiting queries someone still waits for, lowest tags first; the
+        """Up to ``batch_cap()`` waiting queries someone still waits for, lowest tags first; the
         others are failed."""
         now = time.monotonic()
         batch: list[_Waiting] = []
-        while self._pending and len(batch) < self._max_batch:
+        cap = self.batch_cap()
+        while self._pending and len(batch) < cap:
             item = heapq.heappop(self._pending)
             self._vtime = max(self._vtime, item.tag)
             if self._last_tag.get(item.org) == item.tag:  # its org's last: the org has nothing queued
@@ -147,6 +158,8 @@ class QueryBatcher(Generic[R]):
             self._running_since = None
         took = time.monotonic() - started
         self.batch_s = took if self.batch_s == 0 else self.batch_s + EWMA * (took - self.batch_s)
+        per = took / len(batch)
+        self.query_s = per if self.query_s == 0 else self.query_s + EWMA * (per - self.query_s)
         for w, row in zip(batch, rows, strict=True):
             if not w.fut.done():
                 w.fut.set_result(row)

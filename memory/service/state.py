@@ -40,6 +40,7 @@ from .deadline import Horizon, check
 from .faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from .http import ApiError, error_response
 from .querybatch import QueryBatcher, WouldMissDeadline
+from .write_threads import WriteThreads
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class MemoryService:
         self.limiter = OrgLimiter(config.max_concurrent_per_org)
         self.write_limiter = OrgLimiter(config.max_writes_per_org)  # memory.store.quotas
         self.write_embeds = asyncio.Semaphore(config.max_write_embeds)
+        self.write_threads = WriteThreads(config.max_write_embeds, config.write_nice)  # below searches' priority
         self.store_pressure = storage.StorePressure()
         self.queries_truncated = 0
         self.embeds_offloaded = 0
@@ -107,7 +109,8 @@ class MemoryService:
         # the secret is fixed for the process's life).
         self._verified: dict[str, str] = {}
         # Embedders with a batched query pass (MiniLM) embed concurrent new questions together.
-        self._batcher = (QueryBatcher(self._query_rows(), weights=config.org_weight_map())
+        self._batcher = (QueryBatcher(self._query_rows(), weights=config.org_weight_map(),
+                                      batch_target_s=config.query_batch_ms / 1000.0 or None)
                          if embedder.blocking and callable(getattr(embedder, "embed_queries", None)) else None)
         # (org, query text) -> until when: a question whose embedding was refused for lack of time
         # (``WouldMissDeadline``) is refused to its assembly's other call too, not embedded for it alone.
@@ -199,12 +202,16 @@ class MemoryService:
 
     async def embed_memories(self, texts: Sequence[str]) -> Vectors | Embedded:
         """Memories' vectors for a write, with their token states from the same pass when the
-        embedder gives them (``memory.embedders.token_states``)."""
+        embedder gives them (``memory.embedders.token_states``); on the write threads, below the
+        searches' CPU priority (``memory.service.write_threads``)."""
         with_states = getattr(self.embedder, "embed_with_states", None)
         if not callable(with_states):
-            return await self.embed(texts)
+            if not self.embedder.blocking and sum(map(len, texts)) <= self.config.offload_chars:
+                return self.embedder.embed(texts)  # cheaper than a thread hop
+            self.embeds_offloaded += 1
+            return await self.write_threads.run(self.embedder.embed, texts)
         self.embeds_offloaded += 1
-        return split_embedded(await run_in_threadpool(with_states, texts))
+        return split_embedded(await self.write_threads.run(with_states, texts))
 
     async def state_bytes(self, text: str) -> int:
         """The token-state bytes a memory of ``text`` stores (0 for an embedder without them); a
@@ -213,7 +220,7 @@ class MemoryService:
         if not callable(count):
             return 0
         if len(text) > self.config.offload_chars:
-            return int(await run_in_threadpool(count, text))
+            return int(await self.write_threads.run(count, text))
         return int(count(text))
 
     def query_states(self, org: str, text: str) -> Vectors | None:

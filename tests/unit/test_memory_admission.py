@@ -112,6 +112,30 @@ async def test_the_time_a_call_needs_after_its_vector_counts_against_its_deadlin
     await asyncio.gather(first, fits)
 
 
+async def test_a_batch_takes_no_more_questions_than_fit_in_its_target_time() -> None:
+    """With a batch time target, a slow forward pass means batches of one; without, the queue
+    goes in one batch."""
+    for target, sizes in ((0.25, [1, 1, 1, 1, 1, 1]), (None, [1, 5])):
+        embed = Blocked()
+        batcher = QueryBatcher(embed, max_batch=8, batch_target_s=target)
+        first = await _running(batcher, embed)
+        batcher.query_s = 10.0  # as if measured: 10 s a question, so none fits with another in 0.25 s
+        queued = _queue(batcher, "a", 5)
+        await asyncio.sleep(0)
+        embed.release.set()
+        await asyncio.gather(first, *(fut for _, fut in queued))
+        assert [len(b) for b in embed.batches] == sizes
+        assert 0 < batcher.query_s < 10.0  # each batch's time per question was measured in
+
+
+def test_the_batch_cap_is_the_questions_that_fit_at_the_measured_pace() -> None:
+    batcher: QueryBatcher[np.ndarray] = QueryBatcher(Blocked(), max_batch=8, batch_target_s=0.025)
+    assert batcher.batch_cap() == 8  # nothing measured yet: the first question runs alone anyway
+    for per, cap in ((0.009, 2), (0.012, 2), (0.03, 1), (0.001, 8)):
+        batcher.query_s = per
+        assert batcher.batch_cap() == cap
+
+
 async def test_nothing_is_refused_before_a_batch_time_is_measured() -> None:
     embed = Blocked()
     batcher = QueryBatcher(embed, max_batch=2)
