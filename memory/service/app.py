@@ -159,7 +159,7 @@ async def hot(svc: MemoryService, request: Request) -> Response:
         dim=embedder.dim, health=svc.health)
     if query is None or not found:
         return svc.answer(found, f"{org}/{agent}")
-    async with svc.limiter.hold(org):
+    async with svc.read_slots.hold(org, deadline):
         return await rank_hot(svc, org, agent, found, vectors, query, deadline)
 
 
@@ -174,7 +174,7 @@ async def search(svc: MemoryService, request: Request) -> Response:
     body = validate_body(SearchBody, parse_json_object(await read_body(request, svc.config.max_body_bytes)))
     if body.limit == 0:
         return JSONResponse({"memories": []})
-    async with svc.limiter.hold(org):
+    async with svc.read_slots.hold(org, deadline):
         return await run_search(svc, org, body, deadline)
 
 
@@ -237,7 +237,7 @@ async def healthz(svc: MemoryService, request: Request) -> Response:
                             "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated,
                             "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed,
                             "deadline_dropped": svc.deadline_dropped,
-                            "embeds_refused": svc.embeds_refused,
+                            "embeds_refused": svc.embeds_refused, "searches_waited": svc.read_slots.waited,
                             "common_words_scored": svc.terms.scored}
     try:
         await svc.redis.ping()

@@ -124,6 +124,12 @@ class MemoryConfig(MemoryServiceSettings):
         description="Searches and writes of one org computed at "
                     "once; more wait their turn, other orgs do not wait behind them.",
     )
+    max_concurrent: int = Field(
+        3, ge=1,
+        description="Searches of all orgs computed at once (they share one event loop, so each in flight slows "
+                    "the others); a freed slot goes to the waiting org with the fewest in flight for its weight "
+                    "(`IBEX_MEMORY_ORG_WEIGHTS`), so an org under its share waits for one search at most.",
+    )
     max_answer_bytes: int = Field(
         4 << 20, ge=64 << 10,
         description="A hot or search answer ends before the hit that would take "

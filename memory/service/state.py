@@ -37,6 +37,7 @@ from ..store.resp import HiredisPackedConnection
 from ..store.writes import RecordHealth
 from .config import MemoryConfig
 from .deadline import Horizon, check
+from .fair_slots import FairSlots
 from .faults import MALFORMED_BODY, Faults, drop_connection, huge_body
 from .http import ApiError, error_response
 from .querybatch import QueryBatcher, WouldMissDeadline
@@ -90,7 +91,9 @@ class MemoryService:
         self.agent_sizes: dict[tuple[str, str], int] = {}  # (org, agent) -> memories, as last searched
         self.terms = TermTable()  # large agents' common words and memory samples (memory.search.terms)
         self.health = RecordHealth()
-        self.limiter = OrgLimiter(config.max_concurrent_per_org)
+        self.limiter = OrgLimiter(config.max_concurrent_per_org)  # writes of one org at once
+        # Searches (and ranked hot lists) at once, shared by orgs in fair order (memory.service.fair_slots).
+        self.read_slots = FairSlots(config.max_concurrent, config.max_concurrent_per_org, config.org_weight_map())
         self.write_limiter = OrgLimiter(config.max_writes_per_org)  # memory.store.quotas
         self.write_embeds = asyncio.Semaphore(config.max_write_embeds)
         self.write_threads = WriteThreads(config.max_write_embeds, config.write_nice)  # below searches' priority

@@ -59,7 +59,7 @@ def assert_healthy(http: httpx.Client) -> None:
 
 
 COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers_trimmed", "common_words_scored",
-            "deadline_dropped", "embeds_refused")
+            "deadline_dropped", "embeds_refused", "searches_waited")
 
 
 def test_healthz(http: httpx.Client) -> None:
