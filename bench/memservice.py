@@ -15,6 +15,12 @@ this checkout's server. ``--baseline-env K=V`` (repeatable) runs this checkout a
 baseline with those settings (its calls ask for ``IBEX_COLD_LIMIT`` hits when one is given);
 ``--data conversations`` seeds the long-conversation set (``bench.conversations``: 5 agents of
 400-500 turns, token states stored) and asks its questions instead of the demo's.
+
+``--flood R``: one more row, two orgs at once. Org ``acme`` asks new questions at ``--new-rate``
+while org ``globex`` floods new questions at ``R`` a second, both with the worker's retrieval wall
+as each call's deadline (``Ibex-Timeout-Ms``, ``IBEX_RETRIEVAL_TIMEOUT_MS``). Reported for
+acme (the row's latencies and CPU are its own calls'): the share of its assemblies answered in
+full (both calls 200 within the wall), and what globex was served a second.
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ class Run:
     rate: float = 0.0
     hot_ms: list[float] = field(default_factory=list)
     search_ms: list[float] = field(default_factory=list)
+    whole: int = 0  # assemblies with both calls 200 within the call deadline (every one without a deadline)
+    flood_whole_rate: float | None = None  # the flooding org's whole assemblies a second (``--flood``)
 
 
 class Caller:
@@ -93,23 +101,29 @@ class Caller:
     routes, parameters and body."""
 
     def __init__(self, url: str, new_questions: bool, run: Run, plan: list[tuple[str, str, str]] | None = None,
-                 cold_limit: int = 0) -> None:
+                 cold_limit: int = 0, *, org: str | None = None, deadline_ms: float | None = None) -> None:
+        """``org``: only that org's questions of the plan; ``deadline_ms``: each call's ``Ibex-Timeout-Ms``."""
         self.http = MemoryHTTP(url, max_body=8 << 20, max_idle=64)
         self.run = run
         self.settings = Settings()
         self.cold_limit = cold_limit or self.settings.cold_limit
-        self.plan = plan or [(org, agent, q) for (org, agent), qs in AGENTS.items() for q in qs]
-        self.auth = {org: f"Authorization: Bearer {mint_org_token(SECRET, org)}\r\n".encode()
-                     for org in {o for o, _, _ in self.plan}}
+        self.plan = [p for p in plan or [(o, agent, q) for (o, agent), qs in AGENTS.items() for q in qs]
+                     if org is None or p[0] == org]
+        timeout = b"" if deadline_ms is None else f"Ibex-Timeout-Ms: {deadline_ms:g}\r\n".encode()
+        self.auth = {o: f"Authorization: Bearer {mint_org_token(SECRET, o)}\r\n".encode() + timeout
+                     for o in {o for o, _, _ in self.plan}}
+        self.deadline_ms = deadline_ms
         self.new_questions = new_questions
 
-    async def _call(self, request: bytes, out: list[float]) -> None:
+    async def _call(self, request: bytes, out: list[float]) -> bool:
         t0 = time.perf_counter()
         async with asyncio.timeout(10):
             status, _ = await self.http.request(request)
         if status != 200:
             self.run.errors += 1
-        out.append((time.perf_counter() - t0) * 1e3)
+        took = (time.perf_counter() - t0) * 1e3
+        out.append(took)
+        return status == 200 and (self.deadline_ms is None or took <= self.deadline_ms)
 
     async def assembly(self) -> None:
         n = next(_COUNT)
@@ -119,32 +133,45 @@ class Caller:
         hot = {"agent_id": agent, "limit": str(self.settings.hot_limit), "query": query[:HOT_QUERY_CHARS]}
         body = orjson.dumps({"query": query, "agent_id": agent, "limit": self.cold_limit})
         try:
-            await asyncio.gather(
+            ok = await asyncio.gather(
                 self._call(self.http.request_bytes("GET", "/v1/memories/hot", self.auth[org], params=hot),
                            self.run.hot_ms),
                 self._call(self.http.request_bytes("POST", "/v1/memories/search", self.auth[org], body=body),
                            self.run.search_ms))
             self.run.assemblies += 1
+            self.run.whole += all(ok)
         except (MalformedResponse, ConnectionError, TimeoutError):
             self.run.errors += 1
 
 
+async def _open_loop(caller: Caller, rate: float, t0: float, duration_s: float) -> None:
+    tasks = []
+    for i in range(int(rate * duration_s)):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(caller.assembly()))
+    await asyncio.gather(*tasks)
+
+
 async def _drive(system: System, redis_pid: int, *, new: bool, rate: float | None, concurrency: int,
-                 duration_s: float, plan: list[tuple[str, str, str]] | None = None) -> Run:
-    """One run: open-loop at ``rate`` assemblies/s, or closed-loop with ``concurrency`` in flight."""
-    caller = Caller(system.url, new, Run(), plan, system.cold_limit)
+                 duration_s: float, plan: list[tuple[str, str, str]] | None = None, flood: float = 0.0) -> Run:
+    """One run: open-loop at ``rate`` assemblies/s, or closed-loop with ``concurrency`` in flight;
+    with ``flood``, acme's calls at ``rate`` beside globex's at ``flood`` (module doc)."""
+    deadline = Settings().retrieval_timeout_ms if flood else None
+    caller = Caller(system.url, new, Run(), plan, system.cold_limit, org="acme" if flood else None,
+                    deadline_ms=deadline)
     for _ in range(20):  # warm the pool and the service's caches (repeated questions)
         await caller.assembly()
     run = caller.run = Run()
     c0, r0, t0 = system.cpu(), cpu_seconds(redis_pid), time.perf_counter()
-    if rate is not None:
-        tasks = []
-        for i in range(int(rate * duration_s)):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(caller.assembly()))
-        await asyncio.gather(*tasks)
+    if rate is not None and flood:
+        flooder = Caller(system.url, new, Run(), plan, system.cold_limit, org="globex", deadline_ms=deadline)
+        await asyncio.gather(_open_loop(caller, rate, t0, duration_s), _open_loop(flooder, flood, t0, duration_s))
+        run.flood_whole_rate = flooder.run.whole / (time.perf_counter() - t0)
+        flooder.http.close()
+    elif rate is not None:
+        await _open_loop(caller, rate, t0, duration_s)
     else:
         end = t0 + duration_s
 
@@ -192,10 +219,14 @@ def _rows(results: dict[tuple[str, str], list[Run]]) -> list[list[Any]]:
         search = [v for r in runs for v in r.search_ms]
         svc = median([r.svc_cpu_us for r in runs])
         red = median([r.redis_cpu_us for r in runs])
+        whole = sum(r.whole for r in runs) / max(1, sum(r.assemblies for r in runs))
+        flood = [r.flood_whole_rate for r in runs if r.flood_whole_rate is not None]
         rows.append([system, load, f"{median([r.rate for r in runs]):.0f}", f"{svc:.0f}",
                      " ".join(f"{r.svc_cpu_us:.0f}" for r in runs), f"{red:.0f}", f"{svc + red:.0f}",
                      f"{_pct(hot, 50)} / {_pct(hot, 99)}", f"{_pct(search, 50)} / {_pct(search, 99)}",
-                     sum(r.errors for r in runs)])
+                     sum(r.errors for r in runs), f"{whole:.1%}",
+                     " ".join(f"{r.whole / max(1, r.assemblies):.0%}" for r in runs),
+                     f"{median(flood):.0f}" if flood else "-"])
     return rows
 
 
@@ -214,14 +245,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-env", action="append", default=[], metavar="K=V",
                     help="this checkout again as the baseline, with these settings (repeatable)")
     ap.add_argument("--data", choices=("demo", "conversations"), default="demo", help="memories and questions")
+    ap.add_argument("--flood", type=float, default=0.0,
+                    help="also a row of acme's new questions beside globex's flood at this rate (module doc)")
+    ap.add_argument("--only-flood", action="store_true", help="only the --flood row")
     args = ap.parse_args(argv)
     base_env = dict(kv.split("=", 1) for kv in args.baseline_env)
     plan = None
-    loads: list[tuple[str, bool, float | None]] = [(f"repeated, {args.rate:.0f}/s", False, args.rate),
-                                                   (f"new, {args.new_rate:.0f}/s", True, args.new_rate)]
+    loads: list[tuple[str, bool, float | None, float]] = [
+        (f"repeated, {args.rate:.0f}/s", False, args.rate, 0.0),
+        (f"new, {args.new_rate:.0f}/s", True, args.new_rate, 0.0)]
     if args.concurrency > 0:
-        loads += [(f"repeated, closed x{args.concurrency}", False, None),
-                  (f"new, closed x{args.concurrency}", True, None)]
+        loads += [(f"repeated, closed x{args.concurrency}", False, None, 0.0),
+                  (f"new, closed x{args.concurrency}", True, None, 0.0)]
+    if args.flood:
+        flood_row = (f"new, acme {args.new_rate:.0f}/s + globex flood {args.flood:.0f}/s", True, args.new_rate,
+                     args.flood)
+        loads = [flood_row] if args.only_flood else [*loads, flood_row]
     results: dict[tuple[str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="memservice-") as tmp:
         log_dir = Path(tmp)
@@ -238,11 +277,11 @@ def main(argv: list[str] | None = None) -> int:
                      if args.baseline or base_env else _nothing()) as base:
                 systems = [s for s in (base, ours) if s is not None]
                 for rnd in range(args.rounds):
-                    for label, new, rate in loads:
+                    for label, new, rate, flood in loads:
                         for system in systems if rnd % 2 == 0 else systems[::-1]:
                             run = uvloop.run(_drive(system, redis.pid, new=new, rate=rate,
                                                     concurrency=args.concurrency, duration_s=args.duration,
-                                                    plan=plan))
+                                                    plan=plan, flood=flood))
                             results.setdefault((system.name, label), []).append(run)
         finally:
             redis.close()
@@ -250,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} interleaved rounds x {args.duration:.0f} s; CPU is the median of rounds:\n")
     print("\n".join(table(["service", "load", "assemblies/s", "service CPU µs", "(each round)", "Redis CPU µs",
                            "sum µs",
-                           "hot p50 / p99 ms", "search p50 / p99 ms", "errors"],
+                           "hot p50 / p99 ms", "search p50 / p99 ms", "errors", "whole",
+                           "(each round)", "flood whole /s"],
                           sorted(_rows(results), key=lambda r: (r[1], r[0])))))
     return 0
 
