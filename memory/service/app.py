@@ -238,6 +238,7 @@ async def healthz(svc: MemoryService, request: Request) -> Response:
                             "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed,
                             "deadline_dropped": svc.deadline_dropped,
                             "embeds_refused": svc.embeds_refused, "searches_waited": svc.read_slots.waited,
+                            "searches_refused": svc.read_slots.refused,
                             "common_words_scored": svc.terms.scored}
     try:
         await svc.redis.ping()

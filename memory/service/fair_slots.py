@@ -8,8 +8,14 @@ deadline. So searches also hold one of ``IBEX_MEMORY_MAX_CONCURRENT`` slots for 
 freed slot goes to the waiting org with the fewest searches in for its weight
 (``IBEX_MEMORY_ORG_WEIGHTS``), the longest waiting first among equals. An org alone uses every
 slot (work-conserving); an org under its share waits for at most one search to end, whatever
-another org has queued. A call still waiting at its caller's deadline is answered 504
-(``DeadlinePassed``), as every stage that would start too late is.
+another org has queued.
+
+No call waits for a slot it cannot use: once hold times are measured, a call whose expected wait
+(its org's calls queued ahead of it at its org's share of the slots, or the first slot to free
+when none are) and a hold after it would end past its caller's deadline is refused at once with a
+503 (``AtCapacity``), the overload signal a caller's admission learns from, instead of a 504 when
+its deadline passes in the queue. An org over its share has the most queued, so its calls are the
+ones refused. A call still waiting at its deadline is answered 504 (``DeadlinePassed``).
 
 Pure bookkeeping on the event loop: no threads, no I/O.
 """
@@ -19,10 +25,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from .deadline import DeadlinePassed
+from .http import ApiError
+
+EWMA = 0.1  # weight of one hold in the measured hold time
+MIN_HOLDS = 20  # holds measured before a call is refused on its expected wait
+
+
+class AtCapacity(ApiError):
+    """The call's wait for a slot and its own hold would end after its caller's deadline (503)."""
+
+    def __init__(self, late_ms: float) -> None:
+        super().__init__(503, f"the memory service is at capacity: this org's searches queued ahead would end this "
+                              f"one {late_ms:.1f} ms after the caller's deadline (Ibex-Timeout-Ms)")
 
 
 class FairSlots:
@@ -38,6 +57,9 @@ class FairSlots:
         self._seq = itertools.count()
         self.waited = 0  # calls that found no slot for them and queued
         self.timed_out = 0  # calls whose deadline passed while they queued
+        self.refused = 0  # calls refused on arrival: their wait and hold would end past their deadline
+        self.hold_s = 0.0  # measured time a call holds its slot
+        self.holds = 0
 
     @property
     def busy(self) -> int:
@@ -81,17 +103,36 @@ class FairSlots:
             self._take(org)
             fut.set_result(None)
 
+    def expected_wait(self, org: str) -> float:
+        """Seconds until a call of ``org`` arriving now would have its slot (module doc): behind
+        its org's queue at the org's share of the slots, after the first slot to free (of
+        ``total`` held for ``hold_s`` each, about ``hold_s / (total + 1)`` on average)."""
+        ahead = len(self._waiting.get(org, ()))
+        active = set(self._held) | {o for o, q in self._waiting.items() if q} | {org}
+        share = self._weights.get(org, 1.0) / sum(self._weights.get(o, 1.0) for o in active)
+        slots = min(float(self.per_org), self.total * share)
+        return self.hold_s * (ahead / slots + 1.0 / (self.total + 1))
+
     @asynccontextmanager
     async def hold(self, org: str, deadline: float | None = None) -> AsyncIterator[None]:
         """One slot for ``org`` while inside; ``deadline`` (``time.monotonic``, the event loop's
-        clock) bounds the wait for it."""
+        clock) bounds the wait for it, and refuses it at once when it cannot be met."""
         if self._busy < self.total and self.held(org) < self.per_org and not self._waiting.get(org):
             self._take(org)
         else:
+            if deadline is not None and self.holds >= MIN_HOLDS:
+                late = time.monotonic() + self.expected_wait(org) + self.hold_s - deadline
+                if late > 0:
+                    self.refused += 1
+                    raise AtCapacity(late * 1000.0)
             await self._wait(org, deadline)
+        started = time.monotonic()
         try:
             yield
         finally:
+            took = time.monotonic() - started
+            self.holds += 1
+            self.hold_s = took if self.holds == 1 else self.hold_s + EWMA * (took - self.hold_s)
             self._release(org)
 
     async def _wait(self, org: str, deadline: float | None) -> None:

@@ -59,7 +59,8 @@ def assert_healthy(http: httpx.Client) -> None:
 
 
 COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers_trimmed", "common_words_scored",
-            "deadline_dropped", "embeds_refused", "searches_waited")
+            "deadline_dropped", "embeds_refused", "searches_waited",
+            "searches_refused")
 
 
 def test_healthz(http: httpx.Client) -> None:

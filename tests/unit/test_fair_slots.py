@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ibex_context.memory.service.deadline import DeadlinePassed
-from ibex_context.memory.service.fair_slots import FairSlots
+from ibex_context.memory.service.fair_slots import MIN_HOLDS, AtCapacity, FairSlots
 
 
 class Calls:
@@ -102,3 +102,40 @@ async def test_a_call_still_waiting_at_its_deadline_is_refused_and_leaks_no_slot
     assert calls.entered == ["a0", f"b{after}"] and slots.busy == 1
     await calls.release(after)
     assert slots.busy == 0 and slots.held("a") == slots.held("b") == 0
+
+
+async def test_a_call_that_could_not_end_by_its_deadline_is_refused_at_once_over_share_first() -> None:
+    """With hold times measured, a call whose wait behind its own org's queue and its own hold would
+    end past its deadline is refused at once (503); another org's call with nothing queued waits."""
+    slots = FairSlots(2, 4)
+    calls = Calls(slots)
+    holders = [calls.start("a"), calls.start("a")]
+    queued = [calls.start("a") for _ in range(2)]
+    await asyncio.sleep(0)
+    soon = time.monotonic() + 2.0
+    slots.hold_s, slots.holds = 1.0, MIN_HOLDS  # as if measured: a search holds its slot a second
+    with pytest.raises(AtCapacity) as refused:
+        async with slots.hold("a", soon):  # two of a's ahead on two slots, then its own: ~2.3 s
+            pytest.fail("refused on arrival")
+    assert refused.value.status == 503 and "at capacity" in refused.value.message and slots.refused == 1
+    victim = calls.start("b", soon)  # b: next at the first slot to free, then its own: ~1.3 s
+    await asyncio.sleep(0)
+    assert slots.refused == 1 and slots.waited == 3
+    await calls.release(holders[0])
+    assert calls.entered[-1] == f"b{victim}"
+    for i in (holders[1], victim, *queued):
+        await calls.release(i)
+    assert slots.busy == 0
+
+
+async def test_nothing_is_refused_on_arrival_before_hold_times_are_measured() -> None:
+    slots = FairSlots(1, 4)
+    calls = Calls(slots)
+    holder = calls.start("a")
+    await asyncio.sleep(0)
+    waiting = calls.start("a", time.monotonic() + 0.001)
+    await asyncio.sleep(0)
+    assert slots.refused == 0 and slots.waited == 1
+    await asyncio.gather(calls.tasks[waiting], return_exceptions=True)
+    assert slots.timed_out == 1
+    await calls.release(holder)
