@@ -229,11 +229,22 @@ class MiniLMEmbedder:
         wall instead of 13 ms (docs/selection-quality.md).
         """
         with self._lock:
-            if self._model is None:
-                from threadpoolctl import threadpool_limits
+            if self._model is not None:
+                return
+            from threadpoolctl import threadpool_limits
 
-                threadpool_limits(limits=1, user_api="blas")
-                self._model = self._make_model()
+            threadpool_limits(limits=1, user_api="blas")
+            self._model = self._make_model()
+        self._warm()
+
+    def _warm(self) -> None:
+        """A few questions through the network once, so a service's first callers do not pay for it:
+        the first pass of each compiled shape cost 2-5 times a later one (~70 ms against ~14 ms for
+        a short question on OpenVINO on the shared 2-core machine) and ran into their deadlines."""
+        texts = [" ".join(["warm"] * n) for n in (6, 12, 20, 28)]  # a question in each fixed-shape bucket
+        for text in texts:
+            self.embed_queries_states([text])
+        self.embed_queries_states(texts[:2])  # a batch
 
     def _make_model(self) -> MiniLM:
         """The network ``load`` keeps: the numpy pass here (``memory.embedders.minilm_openvino`` compiles it)."""
