@@ -47,6 +47,18 @@ class Reply:
     degraded_reasons: tuple[str, ...] = ()
 
 
+# Where an OVERLOADED refusal came from, by its message (broker/broker.py, client/client.py): first match wins.
+REFUSALS = (("memory service's pace", "refused: dispatch rate"), ("slot(s), and", "refused: queue wait"),
+            ("holds", "refused: held slots"), ("memory-service calls is full", "refused: memory gates full"),
+            ("pushed out", "refused: pushed out"), ("queue is full", "refused: queue full"),
+            ("standing queue", "refused: stale in standing queue"), ("adaptive throttle", "refused: client throttle"))
+
+
+def refusal_reason(message: str) -> str:
+    """A short name for an OVERLOADED refusal's cause (``REFUSALS``), kept in ``Reply.degraded_reasons``."""
+    return next((name for text, name in REFUSALS if text in message), "refused: other")
+
+
 # A target sends request ``i`` with ``timeout_s`` left and returns its Reply.
 Call = Callable[[int, float], Awaitable[Reply]]
 
@@ -277,5 +289,6 @@ class ClientTarget:
         try:
             resp = await self.client.assemble(req, timeout=timeout_s)
         except IbexError as exc:
-            return Reply(exc.code.value)
+            return Reply(exc.code.value, degraded_reasons=(refusal_reason(str(exc)),) if exc.code.value == "OVERLOADED"
+                         else ())
         return Reply(OK, dict(resp.timings_us), resp.degraded, resp.worker_id, tuple(resp.degraded_reasons))

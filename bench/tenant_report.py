@@ -132,7 +132,7 @@ def markdown(res: dict[str, Any]) -> str:
         *_baseline(res),
         "## Victim outcomes per row (each request in one class)", "",
         *table(["row", "attack", "sent", *CLASSES, "on time", "victim gen CPU s/window", "settle s",
-                "degraded reasons"], detail_rows(res)), "",
+                "degraded and refusal reasons"], detail_rows(res)), "",
         "## Attacker outcomes (attack-on windows, summed over rounds)", "",
         *table(["row", "windows", "attack s", "sent", "due but not sent (in-flight cap)", "served", "outcomes"],
                attacker_rows(res)), ""]

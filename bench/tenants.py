@@ -362,7 +362,7 @@ def _victim(ws: list[dict[str, Any]], label: str) -> dict[str, Any]:
             "on_time_share": round((c["undegraded_on_time"] + c["degraded_on_time"]) / n, 4) if n else None,
             "p50_ms": round(percentile(lat, 50), 2) if lat else None,
             "p99_ms": round(percentile(lat, 99), 2) if lat else None,
-            "degraded_reasons": dict(collections.Counter(r for s in run.samples if s.reply.outcome == OK
+            "degraded_reasons": dict(collections.Counter(r for s in run.samples if s.reply.outcome in (OK, "OVERLOADED")
                                                          for r in s.reply.degraded_reasons).most_common(6)),
             "generator_cpu_s": [round(w["run"].gen_cpu_s, 3) for w in ws],
             "settle_s": max((w["settle_s"] for w in ws), default=0.0), "counters": dict(counters)}
