@@ -1,7 +1,7 @@
 """``python -m bench.memservice``: what the reference memory service costs per assembly.
 
 Starts the embedded Redis, seeds the demo data and runs the memory service (and, with
-``--baseline DIR``, another checkout's memory service on the same Redis). Each assembly is what a
+``--baseline DIR``, repeatable, other checkouts' memory services on the same Redis). Each assembly is what a
 worker sends: ``GET /v1/memories/hot`` with the question and ``POST /v1/memories/search``, side by
 side, with the worker's own HTTP client (``worker.memhttp``) and the demo orgs' bearer tokens.
 Load is open-loop at a fixed rate (``--rate``) and closed-loop (``--concurrency`` assemblies in
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import secrets
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--embedder", default="minilm", help="IBEX_MEMORY_EMBEDDER of every service")
     ap.add_argument("--server-args", default="", help="extra arguments for this checkout's server")
     ap.add_argument("--redis-unix", action="store_true", help="Redis on a unix socket instead of loopback TCP")
-    ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run interleaved")
+    ap.add_argument("--baseline", type=Path, action="append", default=[],
+                    help="another checkout, run interleaved (repeatable: one service each)")
     ap.add_argument("--baseline-env", action="append", default=[], metavar="K=V",
                     help="this checkout again as the baseline, with these settings (repeatable)")
     ap.add_argument("--data", choices=("demo", "conversations"), default="demo", help="memories and questions")
@@ -232,11 +234,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 seed_demo(redis.url)
             assert redis.pid is not None
-            with _service("this", None, redis.url, log_dir, args.server_args.split(), args.embedder) as ours, \
-                    (_service("base", str(args.baseline.resolve()) if args.baseline else None, redis.url, log_dir,
-                              [], args.embedder, base_env)
-                     if args.baseline or base_env else _nothing()) as base:
-                systems = [s for s in (base, ours) if s is not None]
+            with contextlib.ExitStack() as stack:
+                systems = [stack.enter_context(_service(_base_name(b, len(args.baseline)), str(b.resolve()),
+                                                        redis.url, log_dir, [], args.embedder, base_env))
+                           for b in args.baseline]
+                if base_env and not args.baseline:
+                    systems.append(stack.enter_context(_service("base", None, redis.url, log_dir, [], args.embedder,
+                                                                base_env)))
+                systems.append(stack.enter_context(_service("this", None, redis.url, log_dir,
+                                                            args.server_args.split(), args.embedder)))
                 for rnd in range(args.rounds):
                     for label, new, rate in loads:
                         for system in systems if rnd % 2 == 0 else systems[::-1]:
@@ -279,9 +285,9 @@ def _seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
     return [(q.org_id, q.agent_id, q.question) for q in questions if q.category != "no-answer"]
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
+def _base_name(checkout: Path, baselines: int) -> str:
+    """A baseline service's name: ``base``, or with several, ``base-`` and its checkout's folder name."""
+    return "base" if baselines == 1 else f"base-{checkout.resolve().name}"
 
 
 if __name__ == "__main__":

@@ -139,11 +139,18 @@ def rank_arrays(
         recency = np.where(np.isfinite(age), 0.5 ** (np.maximum(age, 0.0) / half_life_s), 0.0)
         score = (weights.relevance * rel + weights.recency * recency + weights.usefulness * usefulness
                  + weights.confidence * confidence + weights.access * access)
-    kept = np.flatnonzero(ok).tolist()
-    scores, recencies = score.tolist(), recency.tolist()
-    kept.sort(key=lambda i: (-scores[i], memory_ids[i]))
-    kept = kept[:limit]
-    return kept, [scores[i] for i in kept], [recencies[i] for i in kept]
+    at = np.flatnonzero(ok)
+    at = at[order_of([memory_ids[i] for i in at.tolist()], score[at])[:limit]]
+    return at.tolist(), score[at].tolist(), recency[at].tolist()
+
+
+def order_of(ids: Sequence[str], scores: NDArray[np.float64]) -> NDArray[np.intp]:
+    """Positions of ``ids`` by ``scores``, best first, ties by memory id: what ``sorted`` by
+    ``(-score, id)`` gives, as one ``lexsort`` (no key tuple per candidate)."""
+    by_id = sorted(range(len(ids)), key=ids.__getitem__)
+    rank = np.empty(len(ids), dtype=np.intp)
+    rank[by_id] = np.arange(len(ids))
+    return np.lexsort((rank, -scores))
 
 
 def record_features(created_at_s: float, category: str, usefulness: float, confidence: float,
