@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from types import MappingProxyType
 
 import numpy as np
@@ -129,7 +130,7 @@ def rank_arrays(
     n = len(memory_ids)
     if n == 0 or limit <= 0:
         return [], [], []
-    f = np.asarray(features, dtype=np.float64).reshape(n, 5)
+    f = np.fromiter(chain.from_iterable(features), dtype=np.float64, count=5 * n).reshape(n, 5)
     rel = np.asarray(relevance, dtype=np.float64)
     created, half_life_s, usefulness, confidence, access = f.T
     with np.errstate(invalid="ignore", over="ignore"):
