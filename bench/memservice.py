@@ -15,6 +15,8 @@ this checkout's server. ``--baseline-env K=V`` (repeatable) runs this checkout a
 baseline with those settings (its calls ask for ``IBEX_COLD_LIMIT`` hits when one is given);
 ``--data conversations`` seeds the long-conversation set (``bench.conversations``: 5 agents of
 400-500 turns, token states stored) and asks its questions instead of the demo's.
+``--drop-null-subject`` lets a checkout whose records have no ``subject`` field read the store
+(docs/memory-search.md "What a search costs").
 """
 
 from __future__ import annotations
@@ -216,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-env", action="append", default=[], metavar="K=V",
                     help="this checkout again as the baseline, with these settings (repeatable)")
     ap.add_argument("--data", choices=("demo", "conversations"), default="demo", help="memories and questions")
+    ap.add_argument("--drop-null-subject", action="store_true",
+                    help="drop each seeded record's \"subject\": null, so a checkout whose record schema has no "
+                         "subject field reads the same store")
     args = ap.parse_args(argv)
     base_env = dict(kv.split("=", 1) for kv in args.baseline_env)
     plan = None
@@ -233,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                 plan = _seed_conversations(redis.url, args.embedder)
             else:
                 seed_demo(redis.url)
+            if args.drop_null_subject:
+                _drop_null_subject(redis.url)
             assert redis.pid is not None
             with contextlib.ExitStack() as stack:
                 systems = [stack.enter_context(_service(_base_name(b, len(args.baseline)), str(b.resolve()),
@@ -283,6 +290,25 @@ def _seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
 
     asyncio.run(seed())
     return [(q.org_id, q.agent_id, q.question) for q in questions if q.category != "no-answer"]
+
+
+def _drop_null_subject(url: str) -> None:
+    """Rewrite each memory record with ``"subject": null`` without the field (the record is otherwise
+    unchanged; the engine indexes the rewrite)."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match="mem:*", count=1000):
+            if client.type(key) != b"hash":
+                continue
+            raw = client.hget(key, "rec")
+            doc = orjson.loads(raw) if raw else {}
+            if "subject" in doc and doc["subject"] is None:
+                del doc["subject"]
+                client.hset(key, "rec", orjson.dumps(doc))
+    finally:
+        client.close()
 
 
 def _base_name(checkout: Path, baselines: int) -> str:
