@@ -1,7 +1,7 @@
 """``python -m bench.memservice``: what the reference memory service costs per assembly.
 
 Starts the embedded Redis, seeds the demo data and runs the memory service (and, with
-``--baseline DIR``, another checkout's memory service on the same Redis). Each assembly is what a
+``--baseline DIR``, repeatable, other checkouts' memory services on the same Redis). Each assembly is what a
 worker sends: ``GET /v1/memories/hot`` with the question and ``POST /v1/memories/search``, side by
 side, with the worker's own HTTP client (``worker.memhttp``) and the demo orgs' bearer tokens.
 Load is open-loop at a fixed rate (``--rate``) and closed-loop (``--concurrency`` assemblies in
@@ -15,6 +15,8 @@ this checkout's server. ``--baseline-env K=V`` (repeatable) runs this checkout a
 baseline with those settings (its calls ask for ``IBEX_COLD_LIMIT`` hits when one is given);
 ``--data conversations`` seeds the long-conversation set (``bench.conversations``: 5 agents of
 400-500 turns, token states stored) and asks its questions instead of the demo's.
+``--drop-null-subject`` lets a checkout whose records have no ``subject`` field read the store
+(docs/memory-search.md "What a search costs").
 
 ``--flood R``: one more row, two orgs at once. Org ``acme`` asks new questions at ``--new-rate``
 while org ``globex`` floods new questions at ``R`` a second, both with the worker's retrieval wall
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import secrets
@@ -241,13 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--embedder", default="minilm", help="IBEX_MEMORY_EMBEDDER of every service")
     ap.add_argument("--server-args", default="", help="extra arguments for this checkout's server")
     ap.add_argument("--redis-unix", action="store_true", help="Redis on a unix socket instead of loopback TCP")
-    ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run interleaved")
+    ap.add_argument("--baseline", type=Path, action="append", default=[],
+                    help="another checkout, run interleaved (repeatable: one service each)")
     ap.add_argument("--baseline-env", action="append", default=[], metavar="K=V",
                     help="this checkout again as the baseline, with these settings (repeatable)")
     ap.add_argument("--data", choices=("demo", "conversations"), default="demo", help="memories and questions")
     ap.add_argument("--flood", type=float, default=0.0,
                     help="also a row of acme's new questions beside globex's flood at this rate (module doc)")
     ap.add_argument("--only-flood", action="store_true", help="only the --flood row")
+    ap.add_argument("--drop-null-subject", action="store_true",
+                    help="drop each seeded record's \"subject\": null, so a checkout whose record schema has no "
+                         "subject field reads the same store")
     args = ap.parse_args(argv)
     base_env = dict(kv.split("=", 1) for kv in args.baseline_env)
     plan = None
@@ -270,12 +277,18 @@ def main(argv: list[str] | None = None) -> int:
                 plan = _seed_conversations(redis.url, args.embedder)
             else:
                 seed_demo(redis.url)
+            if args.drop_null_subject:
+                _drop_null_subject(redis.url)
             assert redis.pid is not None
-            with _service("this", None, redis.url, log_dir, args.server_args.split(), args.embedder) as ours, \
-                    (_service("base", str(args.baseline.resolve()) if args.baseline else None, redis.url, log_dir,
-                              [], args.embedder, base_env)
-                     if args.baseline or base_env else _nothing()) as base:
-                systems = [s for s in (base, ours) if s is not None]
+            with contextlib.ExitStack() as stack:
+                systems = [stack.enter_context(_service(_base_name(b, len(args.baseline)), str(b.resolve()),
+                                                        redis.url, log_dir, [], args.embedder, base_env))
+                           for b in args.baseline]
+                if base_env and not args.baseline:
+                    systems.append(stack.enter_context(_service("base", None, redis.url, log_dir, [], args.embedder,
+                                                                base_env)))
+                systems.append(stack.enter_context(_service("this", None, redis.url, log_dir,
+                                                            args.server_args.split(), args.embedder)))
                 for rnd in range(args.rounds):
                     for label, new, rate, flood in loads:
                         for system in systems if rnd % 2 == 0 else systems[::-1]:
@@ -319,9 +332,28 @@ def _seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
     return [(q.org_id, q.agent_id, q.question) for q in questions if q.category != "no-answer"]
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
+def _drop_null_subject(url: str) -> None:
+    """Rewrite each memory record with ``"subject": null`` without the field (the record is otherwise
+    unchanged; the engine indexes the rewrite)."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match="mem:*", count=1000):
+            if client.type(key) != b"hash":
+                continue
+            raw = client.hget(key, "rec")
+            doc = orjson.loads(raw) if raw else {}
+            if "subject" in doc and doc["subject"] is None:
+                del doc["subject"]
+                client.hset(key, "rec", orjson.dumps(doc))
+    finally:
+        client.close()
+
+
+def _base_name(checkout: Path, baselines: int) -> str:
+    """A baseline service's name: ``base``, or with several, ``base-`` and its checkout's folder name."""
+    return "base" if baselines == 1 else f"base-{checkout.resolve().name}"
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ Array = NDArray[np.float32]
 FORMAT = 1  # first byte of a stored value: bump it whenever the layout or the projection changes
 DIMS = 64  # dimensions a token state is projected to
 HEADER = bytes((FORMAT, DIMS))
+_HEADER_LEN = len(HEADER)
 ROW_BYTES = DIMS + 2  # int8 row and its float16 scale
 PROJECTION = Path(__file__).resolve().parents[1] / "data" / "token-states" / "projection.npz"
 
@@ -111,8 +112,8 @@ def rows_of(raw: object) -> int:
     without decoding)."""
     if not isinstance(raw, bytes):
         return 0
-    body = len(raw) - len(HEADER)
-    if body <= 0 or body % ROW_BYTES or raw[: len(HEADER)] != HEADER:
+    body = len(raw) - _HEADER_LEN
+    if body <= 0 or body % ROW_BYTES or not raw.startswith(HEADER):
         return 0
     return body // ROW_BYTES
 
@@ -121,9 +122,10 @@ def decode_many(raws: Sequence[bytes], counts: Sequence[int]) -> Array | None:
     """Several well-formed values (``rows_of`` gave their ``counts``) as one float32 matrix of all
     their rows, in order: one conversion for a search's candidates instead of one per memory.
     ``None`` if a scale is not finite."""
-    body = len(HEADER)
-    q = np.frombuffer(b"".join(r[body:body + n * DIMS] for r, n in zip(raws, counts, strict=True)), dtype=np.int8)
-    scale = np.frombuffer(b"".join(r[body + n * DIMS:] for r, n in zip(raws, counts, strict=True)),
+    body = _HEADER_LEN
+    ends = [body + n * DIMS for n in counts]
+    q = np.frombuffer(b"".join([r[body:end] for r, end in zip(raws, ends, strict=True)]), dtype=np.int8)
+    scale = np.frombuffer(b"".join([r[end:] for r, end in zip(raws, ends, strict=True)]),
                           dtype=np.float16).astype(np.float32)
     if not np.isfinite(scale.sum()):
         return None

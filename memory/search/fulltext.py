@@ -13,9 +13,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ...shared.stores.keys import memory_key_prefix, vector_field
 from .fusion import text_scores
 from .index import index_name, scored_ids, search_args, total_results, word_query
+from .rank import order_of
 from .terms import TermStats, TermTable, estimate_df, split_terms
 
 Command = tuple[Any, ...]
@@ -118,4 +121,5 @@ def best(text_of: dict[str, float], k: int) -> dict[str, float]:
     """The ``k`` best full-text candidates: the rest would never be ranked."""
     if len(text_of) <= k:
         return text_of
-    return dict(sorted(text_of.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
+    ids, scores = list(text_of), list(text_of.values())
+    return {ids[i]: scores[i] for i in order_of(ids, np.array(scores, dtype=np.float64))[:k].tolist()}

@@ -43,10 +43,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+from numpy.typing import NDArray
+
 TEXT_WEIGHT = 0.8  # measured on the conversation and demo sets: docs/memory-search.md
 SUBJECT_BOOST = 0.3  # measured on the conversation set: docs/memory-search.md
 RRF_K = 60  # reciprocal rank fusion's constant (Cormack, Clarke and Buettcher, 2009)
 FusionRule = Literal["lift", "convex", "rrf", "zscore"]
+Floats = NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,30 +98,70 @@ def text_scores(per_word: Sequence[Mapping[str, float]], dfs: Sequence[int], n_d
     return {m: min(v, 1.0) for m, v in out.items() if v > 0.0}
 
 
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A search's kept candidates as arrays aligned with ``ids``: each stage of the search reads and
+    writes them all at once instead of one ``Fused`` per candidate (``fused`` makes one)."""
+
+    ids: list[str]
+    relevance: Floats
+    text: Floats
+    vector: Floats
+    boost: Floats
+    rerank: Floats  # NaN where the candidate was not reranked
+
+    def fused(self, i: int) -> Fused:
+        """The ``i``-th candidate's scores as one ``Fused``."""
+        sim = float(self.rerank[i])
+        return Fused(float(self.relevance[i]), float(self.text[i]), float(self.vector[i]), float(self.boost[i]),
+                     None if math.isnan(sim) else sim)
+
+    def as_dict(self) -> dict[str, Fused]:
+        return {m: self.fused(i) for i, m in enumerate(self.ids)}
+
+    def with_relevance(self, relevance: Floats, rerank: Floats | None = None) -> Pool:
+        return Pool(self.ids, relevance, self.text, self.vector, self.boost, self.rerank if rerank is None else rerank)
+
+
+def fuse_pool(ids: Sequence[str], text: Floats, cosine: Floats, *, min_similarity: float,
+              text_weight: float = TEXT_WEIGHT, rule: FusionRule = "lift") -> tuple[Pool, NDArray[np.bool_]]:
+    """The candidates retrieval keeps, fused by ``rule`` (see the module), and which of ``ids`` they
+    are (a mask). ``text[i]``: the i-th candidate's text score (0: it matched no question word);
+    ``cosine[i]``: its cosine (0: it has no vector)."""
+    with np.errstate(invalid="ignore"):
+        vec = np.where(np.isfinite(cosine), np.clip(cosine, 0.0, 1.0), 0.0)  # clipped to [0, 1]
+        matched = np.isfinite(text) & (text > 0.0)
+        kept = matched | (vec >= min_similarity)
+    t = np.where(matched, np.minimum(text, 1.0), 0.0)[kept]
+    v = vec[kept]
+    at = np.flatnonzero(kept).tolist()
+    kept_ids = [ids[i] for i in at]
+    if rule == "rrf" or rule == "zscore":
+        pairs = {m: (a, b) for m, a, b in zip(kept_ids, t.tolist(), v.tolist(), strict=True)}
+        got = _rrf(pairs, text_weight) if rule == "rrf" else _zscore(pairs, text_weight)
+        rel = np.array([got[m].relevance for m in kept_ids], dtype=np.float64)
+    elif rule == "convex":
+        rel = (1.0 - text_weight) * v + text_weight * t
+    else:
+        rel = v + text_weight * t * (1.0 - v)
+    nothing = np.zeros(len(kept_ids))
+    return Pool(kept_ids, rel, t, v, nothing, np.full(len(kept_ids), np.nan)), kept
+
+
 def fuse(text: Mapping[str, float], cosine: Mapping[str, float], *, min_similarity: float,
          text_weight: float = TEXT_WEIGHT, rule: FusionRule = "lift") -> dict[str, Fused]:
-    """memory_id -> ``Fused`` for every candidate retrieval keeps, by ``rule`` (see the module).
+    """memory_id -> ``Fused`` for every candidate retrieval keeps, by ``rule`` (see the module):
+    ``fuse_pool`` over named candidates.
 
     ``text``: the candidates that matched a question word and their text scores (``text_scores``);
     ``cosine``: the cosine of every candidate of either side (a candidate missing here has no
     vector and scores 0 on that side).
     """
-    kept: dict[str, tuple[float, float]] = {}
-    isfinite = math.isfinite
-    for mid in text.keys() | cosine.keys():
-        raw, c = text.get(mid, 0.0), cosine.get(mid, 0.0)
-        vec = (0.0 if c < 0.0 else 1.0 if c > 1.0 else c) if isfinite(c) else 0.0  # clipped to [0, 1]
-        if isfinite(raw) and raw > 0.0:
-            kept[mid] = (raw if raw < 1.0 else 1.0, vec)
-        elif vec >= min_similarity:
-            kept[mid] = (0.0, vec)
-    if rule == "rrf":
-        return _rrf(kept, text_weight)
-    if rule == "zscore":
-        return _zscore(kept, text_weight)
-    if rule == "convex":
-        return {m: Fused((1.0 - text_weight) * v + text_weight * t, t, v) for m, (t, v) in kept.items()}
-    return {m: Fused(v + text_weight * t * (1.0 - v), t, v) for m, (t, v) in kept.items()}
+    ids = list(text.keys() | cosine.keys())
+    pool, _ = fuse_pool(ids, np.array([text.get(m, 0.0) for m in ids], dtype=np.float64),
+                        np.array([cosine.get(m, 0.0) for m in ids], dtype=np.float64),
+                        min_similarity=min_similarity, text_weight=text_weight, rule=rule)
+    return pool.as_dict()
 
 
 def _rrf(kept: Mapping[str, tuple[float, float]], text_weight: float) -> dict[str, Fused]:
@@ -155,6 +199,16 @@ def _zscore(kept: Mapping[str, tuple[float, float]], text_weight: float) -> dict
         t, v = kept[mid]
         out[mid] = Fused(1.0 / (1.0 + math.exp(-(text_weight * a + (1.0 - text_weight) * b))), t, v)
     return out
+
+
+def boost_pool(pool: Pool, about: NDArray[np.bool_], boost: float) -> Pool:
+    """``pool`` with every candidate ``about`` marks (a memory about a person the question names)
+    lifted by ``boost`` toward 1 (see the module); the others as they were."""
+    if boost <= 0.0 or not about.any():
+        return pool
+    rel = pool.relevance
+    return Pool(pool.ids, np.where(about, rel + boost * (1.0 - rel), rel), pool.text, pool.vector,
+                np.where(about, boost, pool.boost), pool.rerank)
 
 
 def boosted(fused: Mapping[str, Fused], about: Mapping[str, bool], boost: float) -> dict[str, Fused]:

@@ -330,11 +330,12 @@ def nearest(reply: Any, prefix: str, sfield: str = "") -> Nearest:
         return cosine, recs, states
     bprefix, bsfield = prefix.encode(), sfield.encode()
     n, isfinite = len(bprefix), math.isfinite
+    empty: dict[bytes, Any] = {}
     for h in reply.get(b"results", ()):
         key = h[b"id"]
         if not key.startswith(bprefix):
             continue
-        fields = h.get(b"extra_attributes") or {}
+        fields = h.get(b"extra_attributes") or empty
         mid, raw = key[n:].decode(), fields.get(b"vd")
         try:
             score = 1.0 - float(raw) if raw is not None else 0.0  # COSINE distance is 1 - cosine
@@ -342,9 +343,10 @@ def nearest(reply: Any, prefix: str, sfield: str = "") -> Nearest:
             score = 0.0
         cosine[mid] = score if isfinite(score) else 0.0
         rec = fields.get(b"rec")
-        recs[mid] = rec if isinstance(rec, bytes) else None
-        st = fields.get(bsfield) if bsfield else None
-        states[mid] = st if isinstance(st, bytes) else None
+        recs[mid] = rec if rec.__class__ is bytes else None
+        if bsfield:
+            st = fields.get(bsfield)
+            states[mid] = st if st.__class__ is bytes else None
     return cosine, recs, states
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from types import MappingProxyType
 
 import numpy as np
@@ -129,7 +130,7 @@ def rank_arrays(
     n = len(memory_ids)
     if n == 0 or limit <= 0:
         return [], [], []
-    f = np.asarray(features, dtype=np.float64).reshape(n, 5)
+    f = np.fromiter(chain.from_iterable(features), dtype=np.float64, count=5 * n).reshape(n, 5)
     rel = np.asarray(relevance, dtype=np.float64)
     created, half_life_s, usefulness, confidence, access = f.T
     with np.errstate(invalid="ignore", over="ignore"):
@@ -139,11 +140,18 @@ def rank_arrays(
         recency = np.where(np.isfinite(age), 0.5 ** (np.maximum(age, 0.0) / half_life_s), 0.0)
         score = (weights.relevance * rel + weights.recency * recency + weights.usefulness * usefulness
                  + weights.confidence * confidence + weights.access * access)
-    kept = np.flatnonzero(ok).tolist()
-    scores, recencies = score.tolist(), recency.tolist()
-    kept.sort(key=lambda i: (-scores[i], memory_ids[i]))
-    kept = kept[:limit]
-    return kept, [scores[i] for i in kept], [recencies[i] for i in kept]
+    at = np.flatnonzero(ok)
+    at = at[order_of([memory_ids[i] for i in at.tolist()], score[at])[:limit]]
+    return at.tolist(), score[at].tolist(), recency[at].tolist()
+
+
+def order_of(ids: Sequence[str], scores: NDArray[np.float64]) -> NDArray[np.intp]:
+    """Positions of ``ids`` by ``scores``, best first, ties by memory id: what ``sorted`` by
+    ``(-score, id)`` gives, as one ``lexsort`` (no key tuple per candidate)."""
+    by_id = sorted(range(len(ids)), key=ids.__getitem__)
+    rank = np.empty(len(ids), dtype=np.intp)
+    rank[by_id] = np.arange(len(ids))
+    return np.lexsort((rank, -scores))
 
 
 def record_features(created_at_s: float, category: str, usefulness: float, confidence: float,

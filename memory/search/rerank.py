@@ -26,7 +26,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..embedders.token_states import DIMS, Array, decode, decode_many, rows_of
-from .fusion import Fused
+from .fusion import Fused, Pool
+from .rank import order_of
 
 RERANK_WEIGHT = 0.6  # ``a`` above (docs/memory-search.md "Late-interaction rerank")
 RERANK_DEPTH = 200  # candidates reranked
@@ -56,53 +57,70 @@ def _z(values: NDArray[np.float64]) -> NDArray[np.float64] | None:
     return None if sd < 1e-9 else (values - values.mean()) / sd
 
 
-def _stored_rows(top: Sequence[str], states: Mapping[str, object]) -> tuple[list[str], Array, list[int]] | None:
-    """The memories of ``top`` with usable token states, all their rows in one matrix, and each
-    one's row count; ``None`` when fewer than two have any. Decoded in one conversion; one at a
-    time only when that meets a damaged scale."""
-    counts = {m: n for m in top if (n := rows_of(states.get(m)))}
-    rated = list(counts)
+def _stored_rows(top: Sequence[str], states: Mapping[str, object]) -> tuple[list[int], Array, list[int]] | None:
+    """The positions in ``top`` of the memories with usable token states, all their rows in one
+    matrix, and each one's row count; ``None`` when fewer than two have any. Decoded in one
+    conversion; one at a time only when that meets a damaged scale."""
+    got = [states.get(m) for m in top]
+    counts_all = [rows_of(raw) for raw in got]
+    rated = [i for i, n in enumerate(counts_all) if n]
     if len(rated) < 2:
         return None
-    rows = decode_many([cast(bytes, states[m]) for m in rated], [counts[m] for m in rated])
+    raws = [cast(bytes, got[i]) for i in rated]
+    counts = [counts_all[i] for i in rated]
+    rows = decode_many(raws, counts)
     if rows is None:
-        each = {m: decode(states[m]) for m in rated}
-        rated = [m for m in rated if each[m] is not None]
-        if len(rated) < 2:
+        each = [decode(raw) for raw in raws]
+        keep = [k for k, e in enumerate(each) if e is not None]
+        if len(keep) < 2:
             return None
-        rows = np.concatenate([cast(Array, each[m]) for m in rated])
-    return rated, rows, [counts[m] for m in rated]
+        rated, counts = [rated[k] for k in keep], [counts[k] for k in keep]
+        rows = np.concatenate([cast(Array, each[k]) for k in keep])
+    return rated, rows, counts
+
+
+def rerank_pool(pool: Pool, query_states: Array | None, states: Mapping[str, object], *,
+                weight: float, depth: int = RERANK_DEPTH, floor: float = 0.0) -> Pool:
+    """``pool`` with its ``depth`` best candidates' relevance mixed with their MaxSim (module
+    docstring); ``states`` maps a memory id to its stored token states (bytes, any may be missing
+    or damaged). Unchanged when ``weight`` is 0, the question has no states, or fewer than two of
+    the candidates have usable ones."""
+    if weight <= 0.0 or query_states is None or query_states.shape[0] == 0 or query_states.shape[1] != DIMS:
+        return pool
+    top = order_of(pool.ids, pool.relevance)[:depth]
+    ids = pool.ids
+    got = _stored_rows([ids[i] for i in top.tolist()], states)
+    if got is None:
+        return pool
+    rated, rows, counts = got
+    at = top[rated]  # the rated candidates' positions in the pool, in top's order
+    sim_array = _maxsims(query_states, rows, counts)
+    rel = pool.relevance[top]
+    z_rel, z_sim = _z(rel), _z(sim_array.astype(np.float64))
+    old = pool.relevance[at]
+    if z_rel is None or z_sim is None:  # nothing to standardise: the order stays, the scores are shown
+        mixed = old
+    else:
+        if len(rated) < len(top):
+            z_rel = z_rel[rated]
+        mixed = np.clip(rel.mean() + rel.std() * ((1.0 - weight) * z_rel + weight * z_sim), 0.0, 1.0)
+        mixed = np.where(old >= floor, np.maximum(mixed, floor), mixed)
+    relevance, sims = pool.relevance.copy(), pool.rerank.copy()
+    relevance[at] = mixed
+    sims[at] = np.clip(sim_array, 0.0, 1.0)  # the stage score shown
+    return pool.with_relevance(relevance, sims)
 
 
 def rerank(fused: Mapping[str, Fused], query_states: Array | None, states: Mapping[str, object], *,
            weight: float, depth: int = RERANK_DEPTH, floor: float = 0.0) -> dict[str, Fused]:
-    """``fused`` with its ``depth`` best candidates' relevance mixed with their MaxSim (module
-    docstring); ``states`` maps a memory id to its stored token states (bytes, any may be missing
-    or damaged). Unchanged when ``weight`` is 0, the question has no states, or fewer than two of
-    the candidates have usable ones."""
-    out = dict(fused)
-    if weight <= 0.0 or query_states is None or query_states.shape[0] == 0 or query_states.shape[1] != DIMS:
-        return out
-    top = sorted(fused, key=lambda m: (-fused[m].relevance, m))[:depth]
-    got = _stored_rows(top, states)
-    if got is None:
-        return out
-    rated, rows, counts = got
-    sim_array = _maxsims(query_states, rows, counts)
-    sims = np.clip(sim_array, 0.0, 1.0).tolist()  # the stage score shown
-    rel = np.array([fused[m].relevance for m in top], dtype=np.float64)
-    z_rel, z_sim = _z(rel), _z(sim_array.astype(np.float64))
-    if z_rel is None or z_sim is None:  # nothing to standardise: the order stays, the scores are shown
-        mixed = [fused[m].relevance for m in rated]
-    else:
-        if len(rated) < len(top):  # rated keeps top's order
-            at = {m: i for i, m in enumerate(top)}
-            z_rel = z_rel[[at[m] for m in rated]]
-        mixed = np.clip(rel.mean() + rel.std() * ((1.0 - weight) * z_rel + weight * z_sim), 0.0, 1.0).tolist()
-    for m, sim, r in zip(rated, sims, mixed, strict=True):
-        f = fused[m]
-        out[m] = Fused(max(r, floor) if f.relevance >= floor else r, f.text, f.vector, f.boost, sim)
-    return out
+    """``rerank_pool`` over named candidates: ``fused`` with its ``depth`` best candidates'
+    relevance mixed with their MaxSim, each reranked one carrying its MaxSim."""
+    ids = list(fused)
+    fs = [fused[m] for m in ids]
+    pool = Pool(ids, np.array([f.relevance for f in fs]), np.array([f.text for f in fs]),
+                np.array([f.vector for f in fs]), np.array([f.boost for f in fs]),
+                np.array([np.nan if f.rerank is None else f.rerank for f in fs], dtype=np.float64))
+    return rerank_pool(pool, query_states, states, weight=weight, depth=depth, floor=floor).as_dict()
 
 
 def widened(kept: Mapping[str, Fused], under: Sequence[tuple[float, str]], want: int) -> dict[str, Fused]:
@@ -119,3 +137,29 @@ def stays(reranked: Mapping[str, Fused], joined: Mapping[str, Fused], cutoff: fl
     whose reranked relevance is still under it: a memory that holds no question word is kept when
     its relevance reaches the cutoff, by its cosine or by the rerank."""
     return {m: f for m, f in reranked.items() if m not in joined or f.relevance >= cutoff}
+
+
+def joined_pool(pool: Pool, under: Sequence[tuple[float, str]], want: int) -> Pool:
+    """``widened`` over a ``Pool``: ``pool`` and, when it holds fewer than ``want``, the most similar
+    of ``under`` ((cosine, memory id), most similar first) until ``want``, each at its cosine;
+    ``stays_pool`` decides after the rerank which of them are kept."""
+    room = max(want - len(pool.ids), 0)
+    if not room or not under:
+        return pool
+    c = np.clip(np.array([c for c, _ in under[:room]], dtype=np.float64), 0.0, 1.0)
+    n = len(c)
+    return Pool(pool.ids + [m for _, m in under[:room]], np.concatenate([pool.relevance, c]),
+                np.concatenate([pool.text, np.zeros(n)]), np.concatenate([pool.vector, c]),
+                np.concatenate([pool.boost, np.zeros(n)]), np.concatenate([pool.rerank, np.full(n, np.nan)]))
+
+
+def stays_pool(pool: Pool, kept: int, cutoff: float) -> Pool:
+    """``stays`` over a ``Pool``: ``pool`` without the candidates past its first ``kept`` (those that
+    joined from under the cosine cutoff: ``joined_pool``) whose reranked relevance is still under it."""
+    keep = np.ones(len(pool.ids), dtype=np.bool_)
+    keep[kept:] = pool.relevance[kept:] >= cutoff
+    if keep.all():
+        return pool
+    at = np.flatnonzero(keep)
+    return Pool([pool.ids[i] for i in at.tolist()], pool.relevance[at], pool.text[at], pool.vector[at],
+                pool.boost[at], pool.rerank[at])

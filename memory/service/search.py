@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from ...shared.stores.keys import memory_ids_key, memory_key_prefix, states_fiel
 from ..embedders.embed import Vectors
 from ..search.cutoff import cosine_reason, cut
 from ..search.fulltext import FullText, Scope
-from ..search.fusion import Fused, boosted, fuse
+from ..search.fusion import Floats, Fused, Pool, boost_pool, fuse_pool
 from ..search.index import (
     fields_of,
     knn_query,
@@ -42,11 +43,12 @@ from ..search.rank import (
     check_relevance_floor,
     cosine_scores,
     hot_relevance,
+    order_of,
     rank_arrays,
     record_features,
 )
-from ..search.rerank import rerank, stays, widened
-from ..search.subjects import names, question_words, subject_of
+from ..search.rerank import joined_pool, rerank_pool, stays_pool
+from ..search.subjects import first_name, question_words, subject_of
 from ..search.terms import SAMPLE_SIZE
 from ..store import writes as store
 from ..store.records import MemoryRecord
@@ -67,8 +69,10 @@ def _features(rec: MemoryRecord) -> tuple[tuple[float, float, float, float, floa
 
 
 @store.per_record
-def _subject(rec: MemoryRecord) -> str | None:
-    return subject_of(rec.subject, rec.content)
+def _first_name(rec: MemoryRecord) -> str | None:
+    """The first name of the person the memory is about (``memory.search.subjects``), folded."""
+    subject = subject_of(rec.subject, rec.content)
+    return first_name(subject) if subject else None
 
 
 BELOW_CONTENT_CHARS = 200  # a below-cutoff candidate's content is shown up to this many characters
@@ -79,7 +83,7 @@ Below = tuple[MemoryRecord, str, Fused]  # a candidate under the cosine cutoff, 
 class Stages:
     """A search's per-candidate stage scores, and what it shows under its line (``memory.search.cutoff``)."""
 
-    fused: Sequence[Fused]  # aligned with the ranked records
+    pool: Pool  # aligned with the ranked records
     below: Sequence[Below]  # the vector candidates under the cosine cutoff, most similar first
     shown: int  # how many candidates under the line are sent
 
@@ -93,7 +97,7 @@ def _stages(f: Fused) -> dict[str, float]:
     return out
 
 
-def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float], *,
+def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], relevance: Sequence[float] | Floats, *,
             salience: Sequence[float] | None, floor: float, limit: int,
             stages: Stages | None = None) -> Response:
     """Rank ``recs`` by the composite (``rank.rank_arrays``) and answer with each hit's relevance,
@@ -101,10 +105,11 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
     their ``similarity``; a search hit's similarity is its relevance, and it also carries the
     stage scores its relevance came from (``stages``), and the first ``stages.shown`` candidates
     under the line (``memory.search.cutoff``; then ``stages.below``) are sent beside the answer."""
-    order, scores, recencies = rank_arrays([r.memory_id for r in recs], relevance, [_features(r)[0] for r in recs],
+    rel: list[float] = relevance.tolist() if isinstance(relevance, np.ndarray) else list(relevance)
+    order, scores, recencies = rank_arrays([r.memory_id for r in recs], rel, [_features(r)[0] for r in recs],
                                            now_s=svc.clock(), relevance_floor=0.0, limit=len(recs))
     shown = 0 if stages is None else stages.shown
-    kept, under = cut(order, relevance, floor=check_relevance_floor(floor), limit=limit, shown=shown)
+    kept, under = cut(order, rel, floor=check_relevance_floor(floor), limit=limit, shown=shown)
     need = {*kept, *(i for i, _ in under)}  # cut takes them from the front of the order
     at: dict[int, tuple[float, float]] = {}
     for i, s, r in zip(order, scores, recencies, strict=True):
@@ -115,17 +120,17 @@ def _ranked(svc: MemoryService, where: str, recs: Sequence[MemoryRecord], releva
     found: list[tuple[MemoryRecord, float]] = []
     extras: list[dict[str, Any]] = []
     for i in kept:
-        rec, rel, (score, recency) = recs[i], round(relevance[i], 6), at[i]
-        doc: dict[str, Any] = {"relevance": rel, "composite": round(score, 6), "components": {
-            "relevance": rel, "recency": round(recency, 6), "usefulness": rec.usefulness,
+        rec, shown_rel, (score, recency) = recs[i], round(rel[i], 6), at[i]
+        doc: dict[str, Any] = {"relevance": shown_rel, "composite": round(score, 6), "components": {
+            "relevance": shown_rel, "recency": round(recency, 6), "usefulness": rec.usefulness,
             "confidence": rec.confidence, "access": _features(rec)[1]}}
         if salience is not None:
             doc["salience"] = salience[i]
         if stages is not None:
-            doc.update(_stages(stages.fused[i]))
-        found.append((rec, relevance[i] if salience is None else salience[i]))
+            doc.update(_stages(stages.pool.fused(i)))
+        found.append((rec, rel[i] if salience is None else salience[i]))
         extras.append(doc)
-    rows = [_below_row(recs[i], why, None if stages is None else stages.fused[i], relevance[i], at[i][0])
+    rows = [_below_row(recs[i], why, None if stages is None else stages.pool.fused(i), rel[i], at[i][0])
             for i, why in under]
     if stages is not None:
         rows += [_below_row(rec, why, f, None, None) for rec, why, f in stages.below[: max(shown - len(rows), 0)]]
@@ -143,23 +148,38 @@ def _below_row(rec: MemoryRecord, why: str, f: Fused | None, relevance: float | 
     return row
 
 
+Under = list[tuple[float, str]]  # vector candidates under the cosine cutoff: (cosine, memory id), most similar first
+
+
 def _fused(svc: MemoryService, question: str, records: dict[str, MemoryRecord], text_of: dict[str, float],
-           cosine: dict[str, float], cutoff: float) -> tuple[dict[str, Fused], list[tuple[float, str]]]:
+           cosine: dict[str, float], cutoff: float, want: int) -> tuple[Pool, Under]:
     """The candidates retrieval keeps, fused (``memory.search.fusion``) and lifted when about a person the
-    question names (``memory.search.subjects``); and the vector candidates under the cosine cutoff, most
-    similar first, as (cosine, memory id): some may join the rerank (``rerank.widened``), the others are
+    question names (``memory.search.subjects``); and the ``want`` most similar vector candidates under the
+    cosine cutoff, as (cosine, memory id): some may join the rerank (``rerank.joined_pool``), the others are
     shown under the line when the search has fewer than its line's worth (``_below``)."""
     cfg = svc.config
-    text = {m: s for m, s in text_of.items() if m in records}
-    cos = {m: c for m, c in cosine.items() if m in records}
-    kept = fuse(text, cos, min_similarity=cutoff, text_weight=cfg.text_weight, rule=cfg.fusion)
-    words = _question_words(question)
-    kept = boosted(kept, {m: names(words, _subject(records[m])) for m in kept}, cfg.subject_boost)
-    return kept, sorted(((c, m) for m, c in cos.items() if m not in kept), key=lambda cm: (-cm[0], cm[1]))
+    ids = [m for m in records if m in cosine or m in text_of]
+    n = len(ids)
+    has_cos = np.fromiter(map(cosine.__contains__, ids), dtype=np.bool_, count=n)
+    cos = np.fromiter(map(cosine.get, ids, repeat(0.0, n)), dtype=np.float64, count=n)
+    txt = np.fromiter(map(text_of.get, ids, repeat(0.0, n)), dtype=np.float64, count=n)
+    pool, kept = fuse_pool(ids, txt, cos, min_similarity=cutoff, text_weight=cfg.text_weight, rule=cfg.fusion)
+    if cfg.subject_boost > 0.0:
+        words = _question_words(question)
+        about = np.fromiter(map(words.__contains__, map(_first_name, map(records.__getitem__, pool.ids))),
+                            dtype=np.bool_, count=len(pool.ids))
+        pool = boost_pool(pool, about, cfg.subject_boost)
+    out = np.flatnonzero(has_cos & ~kept)
+    if want <= 0 or not len(out):
+        return pool, []
+    out_ids = [ids[i] for i in out.tolist()]
+    out_cos = cos[out]
+    order = order_of(out_ids, out_cos)[:want].tolist()
+    return pool, [(float(out_cos[i]), out_ids[i]) for i in order]
 
 
-def _below(records: dict[str, MemoryRecord], under: Sequence[tuple[float, str]], fused: dict[str, Fused],
-           joined: dict[str, Fused], cutoff: float, shown: int) -> list[Below]:
+def _below(records: dict[str, MemoryRecord], under: Under, fused: set[str], joined: dict[str, Fused],
+           cutoff: float, shown: int) -> list[Below]:
     """The vector candidates under the cosine cutoff that were not kept, most similar first, with why
     (and, for one the rerank scored, its MaxSim and the relevance it left it at)."""
     out: list[Below] = []
@@ -203,22 +223,21 @@ async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, q
     text_of, cosine, raws, states = await _candidates(svc, org, agent, _query_terms(text), query_vec, sfield)
     records = await _hydrate(svc, org, agent, (text_of, cosine, raws, states), query_vec, sfield)
     cutoff = svc.embedder.min_similarity if body.min_similarity is None else body.min_similarity
-    fused, under = _fused(svc, text, records, text_of, cosine, cutoff)
-    joined = widened(fused, under, min(cfg.rerank_min_candidates, cfg.rerank_depth)) if query_states is not None else {}
-    reranked = rerank({**fused, **joined} if joined else fused, query_states, states, weight=cfg.rerank_weight,
-                      depth=cfg.rerank_depth, floor=cfg.relevance_floor)
+    want = min(cfg.rerank_min_candidates, cfg.rerank_depth) if query_states is not None else 0
+    pool, under = _fused(svc, text, records, text_of, cosine, cutoff, want + cfg.below_cutoff)
+    kept = len(pool.ids)
+    pool = rerank_pool(joined_pool(pool, under, want), query_states, states, weight=cfg.rerank_weight,
+                       depth=cfg.rerank_depth, floor=cfg.relevance_floor)
+    joined = {pool.ids[i]: pool.fused(i) for i in range(kept, len(pool.ids))}
     if joined:
-        joined = {m: reranked[m] for m in joined}
-        fused = stays(reranked, joined, cutoff)
-    else:
-        fused = reranked
-    below = _below(records, under, fused, joined, cutoff, cfg.below_cutoff)
-    if not fused and not below:
+        pool = stays_pool(pool, kept, cutoff)
+    below = _below(records, under, set(pool.ids), joined, cutoff, cfg.below_cutoff) if under else []
+    if not pool.ids and not below:
         return JSONResponse({"memories": []})
-    recs = [records[m] for m in fused]
-    return _ranked(svc, f"{org}/{agent}", recs, [fused[r.memory_id].relevance for r in recs], salience=None,
+    recs = [records[m] for m in pool.ids]
+    return _ranked(svc, f"{org}/{agent}", recs, pool.relevance, salience=None,
                    floor=svc.config.relevance_floor, limit=body.limit,
-                   stages=Stages([fused[r.memory_id] for r in recs], below, svc.config.below_cutoff))
+                   stages=Stages(pool, below, svc.config.below_cutoff))
 
 
 Candidates = tuple[dict[str, float], dict[str, float], dict[str, bytes | None], dict[str, bytes | None]]
@@ -282,18 +301,14 @@ async def _hydrate(svc: MemoryService, org: str, agent: str, found: Candidates, 
     with an ``sfield``, token states) in one more round trip and get their cosine added to the
     cosines (embedded now if they have none)."""
     _, cosine, raws, _ = found
-    prefix = memory_key_prefix(org, agent)
     vectors = await _read_missing(svc, org, agent, found, sfield)
-    records: dict[str, MemoryRecord] = {}
-    for mid, raw in raws.items():
-        rec = store.parse_record(raw, f"{prefix}{mid}", svc.health, memory_id=mid)
-        if rec is not None:
-            records[mid] = rec
+    records = store.parse_records(raws, memory_key_prefix(org, agent), svc.health)
     unvectored: list[MemoryRecord] = []
+    size = svc.embedder.dim * 4
     for mid, vec in vectors.items():
         if mid not in records:
             continue
-        if isinstance(vec, bytes) and len(vec) == svc.embedder.dim * 4:
+        if isinstance(vec, bytes) and len(vec) == size:
             cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ query_vec)
         else:
             unvectored.append(records[mid])

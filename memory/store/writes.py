@@ -24,7 +24,7 @@ version with looser rules) is left out of every answer, logged and counted in ``
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
@@ -276,6 +276,28 @@ def parse_record(raw: bytes | str | None, where: str, health: RecordHealth | Non
             health.skip(where, f"record says memory_id {rec.memory_id!r}")
         return None
     return rec
+
+
+def parse_records(raws: Mapping[str, bytes | None], prefix: str, health: RecordHealth | None = None
+                  ) -> dict[str, MemoryRecord]:
+    """memory id -> its record for each of ``raws`` (the bytes at ``prefix`` + id) that validates and
+    carries that id: ``parse_record`` over a search's candidates, its key named only for a skip."""
+    out: dict[str, MemoryRecord] = {}
+    for mid, raw in raws.items():
+        if raw is None:
+            continue
+        try:
+            rec = _validated(raw)
+        except ValidationError:
+            got = parse_record(raw, f"{prefix}{mid}", health, memory_id=mid)  # logs and counts the skip
+            if got is not None:
+                out[mid] = got
+            continue
+        if rec.memory_id == mid:
+            out[mid] = rec
+        elif health is not None:
+            health.skip(f"{prefix}{mid}", f"record says memory_id {rec.memory_id!r}")
+    return out
 
 
 async def store_vectors(redis: Redis, org_id: str, agent_id: str, vectors: dict[str, Vectors],
