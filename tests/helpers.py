@@ -1,12 +1,15 @@
-"""Helpers shared by the tests: a whole stack as child processes, frames no product code sends,
-and the scalar reference of the memory service's ranking."""
+"""Helpers shared by the tests: a whole stack as child processes, scripted workers on real ZeroMQ,
+frames no product code sends, and the scalar reference of the memory service's ranking."""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
+import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import zmq
 
 from ibex_context.memory.search.rank import (
     DEFAULT_RELEVANCE_FLOOR,
@@ -51,6 +55,56 @@ async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.
         if time.monotonic() > end:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+class ScriptedWorker(threading.Thread):
+    """A worker that is a DEALER socket on the broker's backend, scripted by the test: READY with
+    ``capacity``, a heartbeat every ``heartbeat_s``, and each dispatched request answered as
+    ``answer`` says (after a delay, with a body and feedback), in the order the replies fall due.
+    While ``hold`` is set, due replies wait; ``sent`` counts the replies sent. A subclass writes
+    ``answer``; the broker sees a worker speaking the real protocol over real sockets."""
+
+    heartbeat_s = 0.05
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, name: str, capacity: int) -> None:
+        super().__init__(daemon=True)
+        self.ctx, self.backend, self.name, self.capacity = ctx, backend, name, capacity
+        self.hold = threading.Event()
+        self.stop = threading.Event()
+        self.sent = 0
+
+    def answer(self, msg: P.Dispatch) -> tuple[float, bytes, P.Feedback]:
+        """The reply to ``msg``: after how many seconds, its body and its feedback."""
+        raise NotImplementedError
+
+    def run(self) -> None:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.backend)
+        info = P.Info(self.capacity, self.name, os.getpid())
+        s.send_multipart(P.ready_frames(info))
+        due: list[tuple[float, int, list[bytes]]] = []  # (when, sequence, reply frames): a heap
+        received = 0
+        last_hb = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                while due and not self.hold.is_set() and due[0][0] <= now:
+                    s.send_multipart(heapq.heappop(due)[2])
+                    self.sent += 1
+                if now - last_hb > self.heartbeat_s:
+                    s.send_multipart(P.heartbeat_frames(info))
+                    last_hb = now
+                if not s.poll(1):
+                    continue
+                msg = P.parse_broker_message(s.recv_multipart())
+                if isinstance(msg, P.Dispatch):
+                    delay_s, body, feedback = self.answer(msg)
+                    received += 1
+                    reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, body, feedback)
+                    heapq.heappush(due, (time.monotonic() + delay_s, received, reply))
+        finally:
+            s.close(linger=0)
 
 
 # ------------------------------------------------------------- the ranking's scalar reference
