@@ -109,6 +109,51 @@ def _real_texts() -> list[str]:
     return [*texts, readme, *readme.split("\n\n")]
 
 
+SURROGATES = ["lone \ud800 surrogate", "\ud83d\ude00 a pair written as two", "a\udfffb\ud800", ""]
+
+
+@pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
+def test_exact_counts_are_the_bpe_openai_packages_own(encoding: str) -> None:
+    """The OpenAI encodings count on bpe-openai's native tokenizer without the package's Python
+    tables (``tokens.OpenAiBpe``): every count is the package's own ``encode_ordinary``, lone
+    surrogates included (replaced as the package replaces them)."""
+    import bpe_openai
+
+    ref, exact = bpe_openai.get_encoding(encoding), ExactCounter(encoding.removesuffix("_base"), encoding)
+    for text in [*_real_texts(), *SURROGATES]:
+        assert exact.count(text) == len(ref.encode_ordinary(text)), text[:80]
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.text(max_size=300), st.sampled_from(["o200k_base", "cl100k_base"]))
+def test_exact_counts_are_the_bpe_openai_packages_own_on_any_text(text: str, encoding: str) -> None:
+    import bpe_openai
+
+    exact = ExactCounter(encoding.removesuffix("_base"), encoding)
+    assert exact.count(text) == len(bpe_openai.get_encoding(encoding).encode_ordinary(text))
+
+
+@pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
+def test_over_the_per_call_token_limit_a_text_is_split_or_charged_its_bytes(encoding: str) -> None:
+    """Under the per-call character limit but over bpe-openai's 200,000 tokens (which the package
+    refuses): split where every pre-tokenizer splits, the count stays exact (quicktok's, which has
+    no limit); with nowhere to split, the text is charged its UTF-8 bytes."""
+    import bpe_openai
+    import quicktok
+
+    from ibex_context.pipeline.counting.tokens import MAX_CHARS_PER_CALL, MAX_TOKENS_PER_CALL
+
+    exact = ExactCounter(encoding.removesuffix("_base"), encoding)
+    splittable, solid = "a. " * 130_000, "1 " * 200_000
+    for text in (splittable, solid):
+        assert len(text) < MAX_CHARS_PER_CALL
+        with pytest.raises(bpe_openai.TokenLimitError):
+            bpe_openai.get_encoding(encoding).encode_ordinary(text)
+    whole = len(quicktok.get_encoding(encoding).encode_ordinary(splittable))
+    assert exact.count(splittable) == whole > MAX_TOKENS_PER_CALL
+    assert exact.count(solid) == len(solid.encode("utf-8"))
+
+
 @pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
 def test_quicktok_matches_bpe_openai_token_for_token_on_real_text(encoding: str) -> None:
     """quicktok-v1 is trusted for llama3/qwen3 only because its OpenAI encoders agree exactly with
