@@ -4,11 +4,10 @@ frames no product code sends, and the scalar reference of the memory service's r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import math
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,8 +27,26 @@ from ibex_context.memory.search.rank import (
     check_relevance_floor,
     half_life_days,
 )
+from ibex_context.memory.service.seed import SeedStats, read_jsonl, seed_records
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.wire import protocol as P
+
+
+def seed_demo(redis_url: str) -> SeedStats:
+    """Write the demo data into ``redis_url`` as ``ibex-context seed`` does (its ``seed_records``,
+    the embedder ``IBEX_MEMORY_EMBEDDER`` names), in this process: a seeding subprocess per stack
+    cost ~1 s of CPU. On a thread of its own, so it works from sync and async tests."""
+
+    async def run() -> SeedStats:
+        client = async_client(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            return await seed_records(client, read_jsonl(DEMO_DATA))
+        finally:
+            await client.aclose()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, run()).result(timeout=120)
 
 
 def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
@@ -38,10 +55,7 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
     try:
         stack.start()
         if seed:
-            seeded = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.seed", "--file", str(DEMO_DATA),
-                                     "--redis-url", str(stack.redis_url)],
-                                    capture_output=True, text=True, timeout=120, check=False)
-            assert seeded.returncode == 0, seeded.stderr
+            seed_demo(str(stack.redis_url))
     except BaseException as exc:
         stack.stop()
         pytest.fail(f"stack did not start: {exc}", pytrace=False)
