@@ -38,7 +38,7 @@ from redis.asyncio import Redis
 from bench.conversations import QUALITY_DEADLINES, ConvQuestion, judge, load_set
 from bench.lib.stack import started_stack
 from ibex_context.memory.embedders.embed import load_embedder
-from ibex_context.memory.embedders.minilm import HIDDEN, LAYERS, MiniLM, MiniLMEmbedder, _layer_norm
+from ibex_context.memory.embedders.minilm import HIDDEN, LAYERS, MiniLM, MiniLMEmbedder, _layer_norm, right_padded
 from ibex_context.memory.service.seed import seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
 
@@ -80,10 +80,8 @@ def token_states(model: MiniLM, texts: Sequence[str]) -> list[Array]:
     for start in range(0, len(order), 32):
         chunk = order[start:start + 32]
         ids = [list(encs[i].ids) for i in chunk]
-        n, length = len(ids), max(len(s) for s in ids)
-        tokens, mask = np.zeros((n, length), dtype=np.int64), np.zeros((n, length), dtype=np.float32)
-        for j, s in enumerate(ids):
-            tokens[j, :len(s)], mask[j, :len(s)] = s, 1.0
+        tokens, mask = right_padded(ids, np.float32)
+        length = tokens.shape[1]
         x = (w["embeddings.word_embeddings.weight"][tokens] + w["embeddings.position_embeddings.weight"][:length]
              + w["embeddings.token_type_embeddings.weight"][0])
         x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])

@@ -53,6 +53,11 @@ COPY_MAX_AGE_S = 86_400.0
 # build (~0.5-1 ms) and a turn of the GIL with the loading thread end by the deadline, not after
 # it (the first call right after start: 49.7 ms median, 50.8 ms at most, at a 50 ms timeout).
 BUILD_RESERVE_S = 0.003
+# How long the loading thread waits after the first-call state is ready before it builds the
+# vocabularies: bpe-openai's native build holds the GIL (~40 ms for o200k, ~20 ms for cl100k), so
+# started at once it would land inside the calls right after start and push them past their
+# deadlines. Later calls see at most one such hold (tests/stack/test_client_library.py bounds it).
+VOCABULARY_DELAY_S = 0.25
 
 
 def load_fallback(settings: PipelineSettings) -> Catalog | Exception:
@@ -90,6 +95,7 @@ def load_fallback_in_background(loop: asyncio.AbstractEventLoop, settings: Pipel
     def work() -> None:
         if first is not None:
             first()
+        time.sleep(VOCABULARY_DELAY_S)
         result = load_fallback(settings)
         try:
             loop.call_soon_threadsafe(deliver, result)

@@ -1,12 +1,14 @@
-"""Helpers shared by the tests: a whole stack as child processes, frames no product code sends,
-and the scalar reference of the memory service's ranking."""
+"""Helpers shared by the tests: a whole stack as child processes, scripted workers on real ZeroMQ,
+frames no product code sends, and the scalar reference of the memory service's ranking."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import heapq
 import math
-import subprocess
-import sys
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import zmq
 
 from ibex_context.memory.search.rank import (
     DEFAULT_RELEVANCE_FLOOR,
@@ -24,8 +27,26 @@ from ibex_context.memory.search.rank import (
     check_relevance_floor,
     half_life_days,
 )
+from ibex_context.memory.service.seed import SeedStats, read_jsonl, seed_records
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
+from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.wire import protocol as P
+
+
+def seed_demo(redis_url: str) -> SeedStats:
+    """Write the demo data into ``redis_url`` as ``ibex-context seed`` does (its ``seed_records``,
+    the embedder ``IBEX_MEMORY_EMBEDDER`` names), in this process: a seeding subprocess per stack
+    cost ~1 s of CPU. On a thread of its own, so it works from sync and async tests."""
+
+    async def run() -> SeedStats:
+        client = async_client(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            return await seed_records(client, read_jsonl(DEMO_DATA))
+        finally:
+            await client.aclose()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, run()).result(timeout=120)
 
 
 def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
@@ -34,10 +55,7 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
     try:
         stack.start()
         if seed:
-            seeded = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.seed", "--file", str(DEMO_DATA),
-                                     "--redis-url", str(stack.redis_url)],
-                                    capture_output=True, text=True, timeout=120, check=False)
-            assert seeded.returncode == 0, seeded.stderr
+            seed_demo(str(stack.redis_url))
     except BaseException as exc:
         stack.stop()
         pytest.fail(f"stack did not start: {exc}", pytrace=False)
@@ -51,6 +69,56 @@ async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.
         if time.monotonic() > end:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+class ScriptedWorker(threading.Thread):
+    """A worker that is a DEALER socket on the broker's backend, scripted by the test: READY with
+    ``capacity``, a heartbeat every ``heartbeat_s``, and each dispatched request answered as
+    ``answer`` says (after a delay, with a body and feedback), in the order the replies fall due.
+    While ``hold`` is set, due replies wait; ``sent`` counts the replies sent. A subclass writes
+    ``answer``; the broker sees a worker speaking the real protocol over real sockets."""
+
+    heartbeat_s = 0.05
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, name: str, capacity: int) -> None:
+        super().__init__(daemon=True)
+        self.ctx, self.backend, self.name, self.capacity = ctx, backend, name, capacity
+        self.hold = threading.Event()
+        self.stop = threading.Event()
+        self.sent = 0
+
+    def answer(self, msg: P.Dispatch) -> tuple[float, bytes, P.Feedback]:
+        """The reply to ``msg``: after how many seconds, its body and its feedback."""
+        raise NotImplementedError
+
+    def run(self) -> None:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.backend)
+        info = P.Info(self.capacity, self.name, os.getpid())
+        s.send_multipart(P.ready_frames(info))
+        due: list[tuple[float, int, list[bytes]]] = []  # (when, sequence, reply frames): a heap
+        received = 0
+        last_hb = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                while due and not self.hold.is_set() and due[0][0] <= now:
+                    s.send_multipart(heapq.heappop(due)[2])
+                    self.sent += 1
+                if now - last_hb > self.heartbeat_s:
+                    s.send_multipart(P.heartbeat_frames(info))
+                    last_hb = now
+                if not s.poll(1):
+                    continue
+                msg = P.parse_broker_message(s.recv_multipart())
+                if isinstance(msg, P.Dispatch):
+                    delay_s, body, feedback = self.answer(msg)
+                    received += 1
+                    reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, body, feedback)
+                    heapq.heappush(due, (time.monotonic() + delay_s, received, reply))
+        finally:
+            s.close(linger=0)
 
 
 # ------------------------------------------------------------- the ranking's scalar reference

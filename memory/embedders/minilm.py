@@ -78,6 +78,24 @@ def _layer_norm(x: Array, w: Array, b: Array) -> Array:
     return np.asarray((x - mu) / np.sqrt(var + _EPS) * w + b, dtype=np.float32)
 
 
+def right_padded(ids: Sequence[Sequence[int]], mask_dtype: type[np.generic]) -> tuple[NDArray[np.int64], NDArray[Any]]:
+    """Token ids as one ``[batch, longest]`` int64 array, right-padded with 0, and its attention
+    mask (1 on a token, 0 on padding) in ``mask_dtype``: one batch for every runtime's forward pass,
+    the mask keeping the padding out of attention and pooling. ``ids`` must hold a token."""
+    length = max(len(s) for s in ids)
+    tokens = np.zeros((len(ids), length), dtype=np.int64)
+    mask = np.zeros((len(ids), length), dtype=mask_dtype)
+    for i, s in enumerate(ids):
+        tokens[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return tokens, mask
+
+
+def no_tokens(n: int) -> tuple[Array, list[Array]]:
+    """What a pass over ``n`` empty sequences gives: zero embeddings and no token states."""
+    return np.zeros((n, HIDDEN), dtype=np.float32), [np.zeros((0, HIDDEN), dtype=np.float32)] * n
+
+
 def token_states(hidden: Array, ids: Sequence[Sequence[int]]) -> list[Array]:
     """Each sequence's rows of ``hidden`` (``[batch, seq, HIDDEN]``, right-padded) without its
     [CLS] and [SEP]: what a late-interaction rerank compares (``memory.embedders.token_states``)."""
@@ -113,14 +131,11 @@ class MiniLM:
     def encode_ids_states(self, ids: Sequence[Sequence[int]]) -> tuple[Array, list[Array]]:
         """``encode_ids`` and, from the same pass, each sequence's last-layer token states
         (``[tokens, HIDDEN]``, [CLS] and [SEP] left out: ``token_states``)."""
-        n, length = len(ids), max((len(s) for s in ids), default=0)
-        if n == 0 or length == 0:
-            return np.zeros((n, HIDDEN), dtype=np.float32), [np.zeros((0, HIDDEN), dtype=np.float32)] * n
-        tokens = np.zeros((n, length), dtype=np.int64)
-        mask = np.zeros((n, length), dtype=np.float32)
-        for i, s in enumerate(ids):
-            tokens[i, : len(s)] = s
-            mask[i, : len(s)] = 1.0
+        if not any(len(s) for s in ids):
+            return no_tokens(len(ids))
+        tokens, padded = right_padded(ids, np.float32)
+        mask: Array = padded
+        length = tokens.shape[1]
         w = self.w
         x = (w["embeddings.word_embeddings.weight"][tokens] + w["embeddings.position_embeddings.weight"][:length]
              + w["embeddings.token_type_embeddings.weight"][0])

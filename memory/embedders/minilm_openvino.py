@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .minilm import HIDDEN, Array, MiniLM, MiniLMEmbedder, load_tokenizer, model_zip, token_states
+from .minilm import Array, MiniLM, MiniLMEmbedder, load_tokenizer, model_zip, no_tokens, right_padded, token_states
 from .minilm_graph import Weights, graph_file
 
 log = logging.getLogger(__name__)
@@ -222,14 +222,9 @@ class OpenVinoMiniLM(MiniLM):
         return self._run(ids, states=True)
 
     def _run(self, ids: Sequence[Sequence[int]], *, states: bool) -> tuple[Array, list[Array]]:
-        n, length = len(ids), max((len(s) for s in ids), default=0)
-        if n == 0 or length == 0:
-            return np.zeros((n, HIDDEN), dtype=np.float32), [np.zeros((0, HIDDEN), dtype=np.float32)] * n
-        tokens = np.zeros((n, length), dtype=np.int64)
-        mask = np.zeros((n, length), dtype=np.int64)
-        for i, s in enumerate(ids):
-            tokens[i, : len(s)] = s
-            mask[i, : len(s)] = 1
+        if not any(len(s) for s in ids):
+            return no_tokens(len(ids))
+        tokens, mask = right_padded(ids, np.int64)
         out = self.session.run(["embedding", "states"] if states else ["embedding"],
                                {"input_ids": tokens, "attention_mask": mask})
         pooled = np.asarray(out[0], dtype=np.float32)

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
 import itertools
 import math
 import re
+import sys
 import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from ...shared.wire.errors import TokenizerMismatch
@@ -65,9 +70,54 @@ _ENCODINGS: dict[str, Any] = {}
 # encodings stay on bpe-openai.
 QUICKTOK_ENCODINGS = frozenset({"llama3", "qwen3"})
 
+MAX_CHARS_PER_CALL = 500_000  # bpe_openai refuses 1,000,000 characters in one call
+MAX_TOKENS_PER_CALL = 200_000  # ... and more than 200,000 tokens (its chunk limit)
+_BPE_BINDINGS = "bpe_openai._bindings"
+
+
+def _bpe_openai_bindings() -> Any:
+    """bpe-openai's native module, loaded without running the ``bpe_openai`` package's
+    ``__init__`` where it can be: that parses every vocabulary the package ships (o200k, cl100k,
+    voyage3) into Python tables, ~0.8 s of CPU in each process, which counting never reads (the
+    native tokenizer builds its own in ~50 ms)."""
+    loaded = sys.modules.get(_BPE_BINDINGS)
+    if loaded is not None:
+        return loaded
+    package = importlib.util.find_spec("bpe_openai")
+    folders = package.submodule_search_locations if package is not None else None
+    for folder in folders or []:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = Path(folder, f"_bindings{suffix}")
+            spec = importlib.util.spec_from_file_location(_BPE_BINDINGS, path)
+            if not path.is_file() or spec is None or spec.loader is None:
+                continue
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[_BPE_BINDINGS] = module  # the package, when imported, uses this one
+            spec.loader.exec_module(module)
+            return module
+    return importlib.import_module(_BPE_BINDINGS)  # another layout: through the package
+
+
+class OpenAiBpe:
+    """An OpenAI encoding on bpe-openai's native tokenizer, encoding as the package's
+    ``Encoding.encode_ordinary`` does: lone surrogates replaced first (a UTF-16 round trip), and no
+    more than ``max_tokens`` tokens in one call (``ExactCounter`` splits longer texts)."""
+
+    max_tokens = MAX_TOKENS_PER_CALL
+
+    def __init__(self, name: str) -> None:
+        self._native = _bpe_openai_bindings().tokenizer_for_encoding(name)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return list(self._native.encode(text)) if text else []
+
 
 def _encoding(name: str) -> Any:
-    """Load an offline BPE encoding once per process (vocabularies ship inside the wheel)."""
+    """Load an offline BPE encoding once per process (vocabularies ship inside the wheels)."""
     enc = _ENCODINGS.get(name)
     if enc is None:
         if name in QUICKTOK_ENCODINGS:
@@ -75,20 +125,8 @@ def _encoding(name: str) -> Any:
 
             enc = _ENCODINGS[name] = quicktok.get_encoding(name)
         else:
-            import bpe_openai
-
-            enc = _ENCODINGS[name] = bpe_openai.get_encoding(name)
+            enc = _ENCODINGS[name] = OpenAiBpe(name)
     return enc
-
-
-MAX_CHARS_PER_CALL = 500_000  # bpe_openai refuses 1,000,000 characters in one call
-
-
-def bpe_limit_error() -> type[Exception]:
-    """bpe_openai's error for an input over its per-call token limit."""
-    import bpe_openai
-
-    return bpe_openai.TokenLimitError  # type: ignore[no-any-return]
 
 
 class ExactCounter:
@@ -100,14 +138,13 @@ class ExactCounter:
         self.family = family
         self.encoding_name = encoding
         self._enc = _encoding(encoding)
+        self._max_tokens: int | None = getattr(self._enc, "max_tokens", None)
 
     def count(self, text: str) -> int:
         if len(text) >= MAX_CHARS_PER_CALL:
             return self._count_long(text)
         try:
-            return len(self._enc.encode_ordinary(text))
-        except bpe_limit_error():
-            return self._count_long(text)
+            n = len(self._enc.encode_ordinary(text))
         except (UnicodeEncodeError, ValueError, TypeError):
             # Lone surrogates cannot be encoded (quicktok refuses them with a TypeError); count them
             # as the replacement they will become. Any other refusal is re-raised.
@@ -115,6 +152,9 @@ class ExactCounter:
             if clean == text:
                 raise
             return self.count(clean)
+        if self._max_tokens is not None and n > self._max_tokens:
+            return self._count_long(text)
+        return n
 
     def _count_long(self, text: str) -> int:
         r"""The encoder refuses one call over 200,000 tokens or 1,000,000 characters (a 1M-token

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Awaitable, Iterator
@@ -26,60 +25,39 @@ from ibex_context.shared.config.settings import BrokerSettings, ClientSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.codec import encode
 from ibex_context.shared.wire.errors import IbexError, Overloaded
+from tests.helpers import ScriptedWorker
 
 # ----------------------------------------------------------- the real broker, scripted workers
 
 
-class ScriptedWorker(threading.Thread):
-    """A DEALER worker: READY with ``capacity``, answers each request after ``delay_s`` with a
-    minimal valid reply and the feedback ``overloaded()`` says; counts what it served."""
+class FeedbackWorker(ScriptedWorker):
+    """READY with ``capacity``, answers each request after ``delay_s`` with a minimal valid reply
+    and the feedback ``overloaded`` and ``gate_full`` say when it arrives; ``sent`` counts what it
+    served."""
+
+    heartbeat_s = 0.1
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, name: str, capacity: int,
                  delay_s: float = 0.0) -> None:
-        super().__init__(daemon=True)
-        self.ctx, self.backend, self.name, self.capacity, self.delay_s = ctx, backend, name, capacity, delay_s
+        super().__init__(ctx, backend, name, capacity)
+        self.delay_s = delay_s
         self.overloaded = False
         self.gate_full = False  # what its replies say of its memory gate
-        self.served = 0
-        self.stop = threading.Event()
         self.body = encode(transport_response("-", {}).model_copy(update={"worker_id": name}))
 
-    def run(self) -> None:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.backend)
-        info = P.Info(self.capacity, self.name, os.getpid())
-        s.send_multipart(P.ready_frames(info))
-        due: list[tuple[float, list[bytes]]] = []
-        last_hb = time.monotonic()
-        while not self.stop.is_set():
-            now = time.monotonic()
-            for at, frames in [d for d in due if d[0] <= now]:
-                due.remove((at, frames))
-                s.send_multipart(frames)
-                self.served += 1
-            if now - last_hb > 0.1:
-                s.send_multipart(P.heartbeat_frames(info))
-                last_hb = now
-            if not s.poll(1):
-                continue
-            msg = P.parse_broker_message(s.recv_multipart())
-            if isinstance(msg, P.Dispatch):
-                reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, self.body,
-                                              P.Feedback(self.overloaded, 0, self.gate_full))
-                due.append((time.monotonic() + self.delay_s, reply))
-        s.close(linger=0)
+    def answer(self, msg: P.Dispatch) -> tuple[float, bytes, P.Feedback]:
+        return self.delay_s, self.body, P.Feedback(self.overloaded, 0, self.gate_full)
 
 
 @contextlib.contextmanager
 def broker_with(workers: list[tuple[str, int, float]],
-                **settings: object) -> Iterator[tuple[Broker, list[ScriptedWorker]]]:
+                **settings: object) -> Iterator[tuple[Broker, list[FeedbackWorker]]]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     broker = Broker(settings=BrokerSettings(heartbeat_interval_ms=100, **settings),  # type: ignore[arg-type]
                     frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", ctx=ctx)
     thread = threading.Thread(target=broker.serve_forever, daemon=True)
     thread.start()
-    scripted = [ScriptedWorker(ctx, broker.backend_endpoint, n, cap, delay) for n, cap, delay in workers]
+    scripted = [FeedbackWorker(ctx, broker.backend_endpoint, n, cap, delay) for n, cap, delay in workers]
     for w in scripted:
         w.start()
     try:
@@ -192,7 +170,7 @@ async def _outcome(call: Awaitable[object]) -> str:
         return f"OVERLOADED: {exc.message}"
 
 
-async def _gates_full(w0: ScriptedWorker, c: AsyncClient) -> asyncio.Task[str]:
+async def _gates_full(w0: FeedbackWorker, c: AsyncClient) -> asyncio.Task[str]:
     """The worker's replies say its memory gate is full: one acme request's reply tells the broker
     so while a second one is still in flight (returned, to be awaited)."""
     w0.gate_full = True
@@ -216,7 +194,7 @@ async def test_full_memory_gates_refuse_an_org_at_its_share_on_receipt() -> None
             assert await held == "ok"
     assert refused.startswith("OVERLOADED") and "limit on memory-service calls is full" in refused, refused
     assert other == "ok"
-    assert broker.stats["shed_gates_full"] == 1 and broker.stats["replies"] == 3 and w0.served == 3
+    assert broker.stats["shed_gates_full"] == 1 and broker.stats["replies"] == 3 and w0.sent == 3
     assert not broker.pending and not broker.queue
 
 
@@ -237,4 +215,4 @@ async def test_the_client_throttles_an_org_the_service_refuses() -> None:
     assert all(o.startswith("OVERLOADED") for o in outcomes), outcomes
     local = sum("adaptive throttle" in o for o in outcomes)
     assert local == throttled > 0 and local + broker.stats["shed_gates_full"] >= 60, (local, broker.stats)
-    assert degraded.degraded and w0.served == 2
+    assert degraded.degraded and w0.sent == 2

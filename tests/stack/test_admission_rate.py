@@ -17,7 +17,6 @@ dispatches more slowly, which only lowers the pressure on the simulated service)
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from typing import Any
@@ -27,6 +26,7 @@ import zmq
 
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.protocol import Envelope
+from tests.helpers import ScriptedWorker
 from tests.stack.test_broker_fair_share import Caller, Rig, rig
 
 pytestmark = pytest.mark.timeout(180)
@@ -61,46 +61,23 @@ class MemoryService:
             return True
 
 
-class EmbeddingWorker(threading.Thread):
+class EmbeddingWorker(ScriptedWorker):
     """READY with ``SLOTS``; every request asks the memory service (feedback's memory flag): a
     whole answer after ``SERVICE_S`` when it has room, else a degraded one at once, its memory
     call refused for lack of capacity (the refused flag, as for the memory service's 503)."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, memory: MemoryService, name: str) -> None:
-        super().__init__(daemon=True)
-        self.ctx, self.backend, self.memory, self.name = ctx, backend, memory, name
+        super().__init__(ctx, backend, name, SLOTS)
+        self.memory = memory
         self.outcomes: collections.Counter[str] = collections.Counter()
-        self.stop = threading.Event()
 
-    def run(self) -> None:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.backend)
-        info = P.Info(SLOTS, self.name, os.getpid())
-        s.send_multipart(P.ready_frames(info))
-        due: list[tuple[float, list[bytes]]] = []
-        last_hb = time.monotonic()
-        while not self.stop.is_set():
-            now = time.monotonic()
-            for d in [d for d in due if d[0] <= now]:
-                due.remove(d)
-                s.send_multipart(d[1])
-            if now - last_hb > 0.05:
-                s.send_multipart(P.heartbeat_frames(info))
-                last_hb = now
-            if not s.poll(1):
-                continue
-            msg = P.parse_broker_message(s.recv_multipart())
-            if not isinstance(msg, P.Dispatch):
-                continue
-            env = P.parse_header(msg.header)
-            assert isinstance(env, Envelope)
-            whole = self.memory.take()
-            self.outcomes["whole" if whole else "degraded"] += 1
-            reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"whole" if whole else b"degraded",
-                                          P.Feedback(not whole, 0, False, True, not whole))
-            due.append((time.monotonic() + (SERVICE_S if whole else 0.0), reply))
-        s.close(linger=0)
+    def answer(self, msg: P.Dispatch) -> tuple[float, bytes, P.Feedback]:
+        env = P.parse_header(msg.header)
+        assert isinstance(env, Envelope)
+        whole = self.memory.take()
+        self.outcomes["whole" if whole else "degraded"] += 1
+        return (SERVICE_S if whole else 0.0, b"whole" if whole else b"degraded",
+                P.Feedback(not whole, 0, False, True, not whole))
 
 
 def add_workers(r: Rig, n: int, memory: MemoryService | None = None) -> list[EmbeddingWorker]:
@@ -108,7 +85,7 @@ def add_workers(r: Rig, n: int, memory: MemoryService | None = None) -> list[Emb
     ws = [EmbeddingWorker(r.ctx, r.broker.backend_endpoint, memory, f"e{i}") for i in range(n)]
     for w in ws:
         w.start()
-        r.workers.append(w)  # type: ignore[arg-type]  (stopped and joined like the rig's own)
+        r.workers.append(w)  # stopped and joined like the rig's own
     r.until("the workers registered", lambda s: len(s["workers"]) == n)
     return ws
 

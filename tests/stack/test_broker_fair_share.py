@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import heapq
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,13 +24,14 @@ from ibex_context.broker.broker import Broker
 from ibex_context.shared.config.settings import BrokerSettings
 from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.protocol import Envelope, pack_header
+from tests.helpers import ScriptedWorker
 
 pytestmark = pytest.mark.timeout(120)
 
 LONG_S = 60.0  # a deadline no test reaches
 
 
-class OrgWorker(threading.Thread):
+class OrgWorker(ScriptedWorker):
     """READY with ``capacity``; answers each request REPLY after ``delay_s``, or holds every one
     while ``hold`` is set; ``orgs`` is the org of each request in the order it was dispatched. The
     requests of an org in ``degraded`` are answered at once with the overload flag set in the
@@ -40,39 +39,17 @@ class OrgWorker(threading.Thread):
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: str, capacity: int, delay_s: float = 0.0,
                  name: str = "w0") -> None:
-        super().__init__(daemon=True)
-        self.ctx, self.backend, self.capacity, self.delay_s, self.name = ctx, backend, capacity, delay_s, name
+        super().__init__(ctx, backend, name, capacity)
+        self.delay_s = delay_s
         self.orgs: list[str] = []
         self.degraded: set[str] = set()
-        self.hold = threading.Event()
-        self.stop = threading.Event()
 
-    def run(self) -> None:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.backend)
-        info = P.Info(self.capacity, self.name, os.getpid())
-        s.send_multipart(P.ready_frames(info))
-        due: list[tuple[float, int, list[bytes]]] = []  # (when, sequence, reply): a heap
-        last_hb = time.monotonic()
-        while not self.stop.is_set():
-            now = time.monotonic()
-            while due and not self.hold.is_set() and due[0][0] <= now:
-                s.send_multipart(heapq.heappop(due)[2])
-            if now - last_hb > 0.05:
-                s.send_multipart(P.heartbeat_frames(info))
-                last_hb = now
-            if not s.poll(1):
-                continue
-            msg = P.parse_broker_message(s.recv_multipart())
-            if isinstance(msg, P.Dispatch):
-                env = P.parse_header(msg.header)
-                assert isinstance(env, Envelope)
-                self.orgs.append(env.org_id)
-                degraded = env.org_id in self.degraded
-                reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"ok", P.Feedback(degraded, 0))
-                heapq.heappush(due, (time.monotonic() + (0.0 if degraded else self.delay_s), len(self.orgs), reply))
-        s.close(linger=0)
+    def answer(self, msg: P.Dispatch) -> tuple[float, bytes, P.Feedback]:
+        env = P.parse_header(msg.header)
+        assert isinstance(env, Envelope)
+        self.orgs.append(env.org_id)
+        degraded = env.org_id in self.degraded
+        return 0.0 if degraded else self.delay_s, b"ok", P.Feedback(degraded, 0)
 
 
 class Caller:
@@ -123,7 +100,7 @@ class Rig:
         self.broker = Broker(settings=BrokerSettings(heartbeat_interval_ms=200, **settings),
                              frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", ctx=self.ctx)
         self.thread = threading.Thread(target=self.broker.serve_forever, daemon=True)
-        self.workers: list[OrgWorker] = []
+        self.workers: list[ScriptedWorker] = []
         self.callers: list[Caller] = []
         self.status_sock = self.ctx.socket(zmq.DEALER)
         self.status_sock.setsockopt(zmq.LINGER, 0)

@@ -56,10 +56,13 @@ def _limit(resp: AssembleResponse) -> int:
 
 # --------------------------------------------------------------------------- generated agents
 
+WORD = st.sampled_from(["line", "test", "def"])  # one strategy for every word: built and checked once
+
+
 def _bulk(draw: Any) -> str:
     """A tool output of 0.2 to 4 KB (the 2-50 KB of the bench, scaled to an 8K window)."""
     n = draw(st.integers(30, 600))
-    return " ".join(f"{draw(st.sampled_from(['line', 'test', 'def']))}{i}" for i in range(n))
+    return " ".join(f"{draw(WORD)}{i}" for i in range(n))
 
 
 @st.composite

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +17,15 @@ from ibex_context.shared.wire.errors import TokenizerMismatch
 from tests.properties import examples
 
 CORPUS = json.loads((Path(__file__).resolve().parents[1] / "data" / "token_corpus.json").read_text("utf-8"))
+
+
+@functools.cache
+def reference(encoding: str) -> Any:
+    """bpe-openai's own ``Encoding`` (the package's Python path), built once: each
+    ``bpe_openai.get_encoding`` call copies and re-indexes the whole vocabulary (~45 ms)."""
+    import bpe_openai
+
+    return bpe_openai.get_encoding(encoding)
 
 
 @pytest.mark.parametrize(("family", "encoding"), [("o200k", "o200k_base"), ("cl100k", "cl100k_base")])
@@ -109,14 +120,56 @@ def _real_texts() -> list[str]:
     return [*texts, readme, *readme.split("\n\n")]
 
 
+SURROGATES = ["lone \ud800 surrogate", "\ud83d\ude00 a pair written as two", "a\udfffb\ud800", ""]
+
+
+@pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
+def test_exact_counts_are_the_bpe_openai_packages_own(encoding: str) -> None:
+    """The OpenAI encodings count on bpe-openai's native tokenizer without the package's Python
+    tables (``tokens.OpenAiBpe``): every count is the package's own ``encode_ordinary``, lone
+    surrogates included (replaced as the package replaces them)."""
+
+    ref, exact = reference(encoding), ExactCounter(encoding.removesuffix("_base"), encoding)
+    for text in [*_real_texts(), *SURROGATES]:
+        assert exact.count(text) == len(ref.encode_ordinary(text)), text[:80]
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.text(max_size=300), st.sampled_from(["o200k_base", "cl100k_base"]))
+def test_exact_counts_are_the_bpe_openai_packages_own_on_any_text(text: str, encoding: str) -> None:
+
+    exact = ExactCounter(encoding.removesuffix("_base"), encoding)
+    assert exact.count(text) == len(reference(encoding).encode_ordinary(text))
+
+
+@pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
+def test_over_the_per_call_token_limit_a_text_is_split_or_charged_its_bytes(encoding: str) -> None:
+    """Under the per-call character limit but over bpe-openai's 200,000 tokens (which the package
+    refuses): split where every pre-tokenizer splits, the count stays exact (quicktok's, which has
+    no limit); with nowhere to split, the text is charged its UTF-8 bytes."""
+    import bpe_openai
+    import quicktok
+
+    from ibex_context.pipeline.counting.tokens import MAX_CHARS_PER_CALL, MAX_TOKENS_PER_CALL
+
+    exact = ExactCounter(encoding.removesuffix("_base"), encoding)
+    splittable, solid = "a. " * 130_000, "1 " * 200_000
+    for text in (splittable, solid):
+        assert len(text) < MAX_CHARS_PER_CALL
+        with pytest.raises(bpe_openai.TokenLimitError):
+            reference(encoding).encode_ordinary(text)
+    whole = len(quicktok.get_encoding(encoding).encode_ordinary(splittable))
+    assert exact.count(splittable) == whole > MAX_TOKENS_PER_CALL
+    assert exact.count(solid) == len(solid.encode("utf-8"))
+
+
 @pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
 def test_quicktok_matches_bpe_openai_token_for_token_on_real_text(encoding: str) -> None:
     """quicktok-v1 is trusted for llama3/qwen3 only because its OpenAI encoders agree exactly with
     bpe-openai (docs/assembly.md "Calibrated token counts")."""
-    import bpe_openai
     import quicktok
 
-    qt, ref = quicktok.get_encoding(encoding), bpe_openai.get_encoding(encoding)
+    qt, ref = quicktok.get_encoding(encoding), reference(encoding)
     for text in _real_texts():
         assert list(qt.encode_ordinary(text)) == list(ref.encode_ordinary(text)), text[:80]
 
@@ -129,11 +182,10 @@ def test_quicktok_matches_bpe_openai_on_any_text(text: str, encoding: str) -> No
     unassigned are assigned in later Unicode versions, and the two libraries' regex tables disagree
     on some of them (``"\U000323b0/A"``: one token for "/A" against two), a difference of a token
     per such character that the counts' safety buffer absorbs."""
-    import bpe_openai
     import quicktok
 
     assert list(quicktok.get_encoding(encoding).encode_ordinary(text)) == \
-        list(bpe_openai.get_encoding(encoding).encode_ordinary(text))
+        list(reference(encoding).encode_ordinary(text))
 
 
 def test_llama3_and_qwen_vocabularies_are_the_published_ones() -> None:
