@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 
 from .deadline import DeadlinePassed
 from .http import ApiError
+from .querybatch import smoothed
 
 EWMA = 0.1  # weight of one hold in the measured hold time
 MIN_HOLDS = 20  # holds measured before a call is refused on its expected wait
@@ -132,7 +133,7 @@ class FairSlots:
         finally:
             took = time.monotonic() - started
             self.holds += 1
-            self.hold_s = took if self.holds == 1 else self.hold_s + EWMA * (took - self.hold_s)
+            self.hold_s = smoothed(self.hold_s, took, EWMA) if self.holds > 1 else took
             self._release(org)
 
     async def _wait(self, org: str, deadline: float | None) -> None:

@@ -43,6 +43,12 @@ R = TypeVar("R")  # what the batch function gives per query (a vector, or a vect
 EWMA = 0.2  # weight of one batch in the measured batch time
 
 
+def smoothed(mean: float, sample: float, weight: float = EWMA) -> float:
+    """``mean`` moved ``weight`` of the way to ``sample`` (an exponentially weighted mean); the
+    first sample (``mean`` 0: nothing measured yet) is taken whole."""
+    return sample if mean == 0 else mean + weight * (sample - mean)
+
+
 class WouldMissDeadline(ApiError):
     """The query's embedding would end after its caller's deadline: refused at once (503)."""
 
@@ -104,7 +110,7 @@ class QueryBatcher(Generic[R]):
 
     def note_after(self, took_s: float) -> None:
         """A call's time after its vector (the engine's search and the answer), into ``after_s``."""
-        self.after_s = took_s if self.after_s == 0 else self.after_s + EWMA * (took_s - self.after_s)
+        self.after_s = smoothed(self.after_s, took_s)
 
     async def embed(self, text: str, horizon: Horizon | None = None, org: str = "") -> R:
         """``text``'s vector; ``DeadlinePassed`` if ``horizon`` passes before its batch starts,
@@ -157,9 +163,8 @@ class QueryBatcher(Generic[R]):
         finally:
             self._running_since = None
         took = time.monotonic() - started
-        self.batch_s = took if self.batch_s == 0 else self.batch_s + EWMA * (took - self.batch_s)
-        per = took / len(batch)
-        self.query_s = per if self.query_s == 0 else self.query_s + EWMA * (per - self.query_s)
+        self.batch_s = smoothed(self.batch_s, took)
+        self.query_s = smoothed(self.query_s, took / len(batch))
         for w, row in zip(batch, rows, strict=True):
             if not w.fut.done():
                 w.fut.set_result(row)
