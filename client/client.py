@@ -115,7 +115,8 @@ class AsyncClient:
         self._closed = False
         self._fallback: Fallback | None = None
         self._directives = DirectiveCopies(entries=COPY_ENTRIES if directive_copies else 0)  # for the fallback
-        self._throttle = Throttle(settings.client_throttle_k, settings.client_throttle_window_s)
+        self._throttle = Throttle(settings.client_throttle_k, settings.client_throttle_window_s,
+                                  min_rps=settings.client_throttle_min_rps)
 
     async def __aenter__(self) -> AsyncClient:
         await self.start()

@@ -12,8 +12,12 @@ locally with probability
 at once, typed OVERLOADED (``assemble_or_degrade`` answers it with its degraded fallback, the
 reason recorded). With ``k`` = 2 the service still sees about twice what it accepts, so the
 client learns at once when it accepts more again; an org the service serves is never refused
-(requests <= k * accepts). Kept per org, never per client: one org's flood through a shared
-proxy does not throttle another org's calls. Deadlines play no part (a longer one buys nothing).
+(requests <= k * accepts). Nor is an org that sends fewer than ``min_rps`` requests a second over
+the window (Envoy's admission control has the same floor, ``rps_threshold``): its refusals cost
+the service next to nothing, and at a few requests a second the formula, which counts its own
+refusals as requests, takes many windows to let such an org back in after one burst of refusals.
+Kept per org, never per client: one org's flood through a shared proxy does not throttle another
+org's calls. Deadlines play no part (a longer one buys nothing).
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ class _Window:
 class Throttle:
     """Per-org request and accept counts over a sliding window (module doc). ``k`` <= 0: off."""
 
-    def __init__(self, k: float, window_s: float, rand: Callable[[], float] = random.random) -> None:
+    def __init__(self, k: float, window_s: float, rand: Callable[[], float] = random.random,
+                 min_rps: float = 0.0) -> None:
         if window_s <= 0:
             raise ValueError("the throttle's window must be positive")
         self.k = k
+        self.min_requests = min_rps * window_s  # fewer requests than this in the window: never refused
         self.slice_s = window_s / BUCKETS
         self.rand = rand
         self.orgs: dict[str, _Window] = {}
@@ -63,6 +69,8 @@ class Throttle:
         if w is None or self.k <= 0:
             return 0.0
         requests, accepts = w.totals(self._slot(now_s))
+        if requests < self.min_requests:
+            return 0.0
         return max(0.0, (requests - self.k * accepts) / (requests + 1))
 
     def admit(self, org: str, now_s: float) -> bool:

@@ -295,6 +295,9 @@ class ClientSettings(CommonSettings, PipelineSettings, _LegacyTimeout):
                                "0 = off.")
     client_throttle_window_s: float = Field(
         2.0, gt=0, le=600, description="The window client-side throttling counts requests and accepts over.")
+    client_throttle_min_rps: float = Field(
+        10.0, ge=0, description="Client-side throttling never refuses an org that sent fewer requests a second "
+                                "than this over the window (its refusals cost the service next to nothing).")
     client_key_file: str | None = Field(None, description="The caller's CURVE keypair file.")
     litellm_config: str | None = Field(
         None, description="The LiteLLM proxy hook's YAML or JSON config; required when the hook is loaded.")

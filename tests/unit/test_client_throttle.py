@@ -62,3 +62,15 @@ def test_orgs_tracked_are_bounded() -> None:
         t.answered(f"org{i}", 0.0, accepted=True)
     t.answered("late", 5.0, accepted=True)  # the others' windows are empty by now: pruned
     assert len(t.orgs) <= 11
+
+
+def test_an_org_sending_a_trickle_is_never_refused_and_one_over_it_is() -> None:
+    """Below ``min_rps`` over the window the formula does not apply: after a burst of refusals an
+    org sending 5 a second is not shut out for many windows by its own local refusals."""
+    t = Throttle(2.0, 2.0, rand=lambda: 0.0, min_rps=10.0)
+    for i in range(10):  # 5 a second, every one refused OVERLOADED
+        t.answered("trickle", i * 0.2, accepted=False)
+    assert t.admit("trickle", 2.0) and t.reject_probability("trickle", 2.0) == 0.0
+    for i in range(40):  # 20 a second, every one refused
+        t.answered("flood", i * 0.05, accepted=False)
+    assert not t.admit("flood", 2.0)
