@@ -291,8 +291,7 @@ class DispatchRate:
     last_binding_ns: int = -(1 << 62)  # the last time a request was held back for lack of tokens
     cuts: int = 0
     lifted: int = 0
-    window: collections.deque[tuple[int, float]] = field(default_factory=collections.deque)  # (ns, cost) dispatched
-    window_cost: float = 0.0
+    window: collections.deque[tuple[int, float]] = field(default_factory=collections.deque)  # dispatched unlimited
     cleans: collections.deque[int] = field(default_factory=collections.deque)  # clean replies' times, last window
     reserves: Reserves = field(default_factory=Reserves)  # each org's share of the rate (broker.reserves)
 
@@ -335,27 +334,29 @@ class DispatchRate:
 
     def take(self, cost: float, now_ns: int, org: str | None = None, weight: float = 1.0) -> None:
         """A request costing ``cost`` was dispatched (of ``org``: from its reserve if that holds it)."""
-        if cost <= 0:
-            return
-        if self.limited:
-            if org is not None:
-                self.reserves.take(org, weight, self.rate, cost, now_ns)
-            self.tokens -= cost
         w = self.window
-        w.append((now_ns, cost))
-        self.window_cost += cost
-        while w and now_ns - w[0][0] > RATE_WINDOW_NS:
-            self.window_cost -= w.popleft()[1]
+        if not self.limited:  # counted for the first cut, whatever its cost (module doc)
+            w.append((now_ns, 1.0))
+            while w and now_ns - w[0][0] > RATE_WINDOW_NS:
+                w.popleft()
+        if cost <= 0 or not self.limited:
+            return
+        if org is not None:
+            self.reserves.take(org, weight, self.rate, cost, now_ns)
+        self.tokens -= cost
 
     def measured(self, now_ns: int) -> float:
-        """Cost dispatched a second over the last ``RATE_WINDOW_NS`` (or since the first dispatch in it)."""
+        """Requests dispatched a second while unlimited, over the last ``RATE_WINDOW_NS`` (or since
+        the first dispatch in it): where the first cut starts. Every request counts, whatever its
+        org's cost: at start-up no org's cost is known yet (an org costs nothing until its first
+        reply), and a rate started from the cost-weighted measure began near zero and took
+        seconds to climb back. A measure too high is cut again once per round trip."""
         w = self.window
         while w and now_ns - w[0][0] > RATE_WINDOW_NS:
-            self.window_cost -= w.popleft()[1]
+            w.popleft()
         if not w:
             return 0.0
-        span = max(now_ns - w[0][0], RATE_BURST_NS)
-        return max(0.0, self.window_cost) * 1e9 / span
+        return len(w) * 1e9 / max(now_ns - w[0][0], RATE_BURST_NS)
 
     def clean_rate(self, now_ns: int) -> float:
         """Clean replies (of requests that asked the memory service) a second over the last

@@ -11,11 +11,12 @@ the orgs that dispatched in the last ``ACTIVE_NS``, it included) and holds ``RES
 (at least one token). A request goes at once on its org's reserve; with the reserve empty it may
 still borrow from the shared bucket (work-conserving: an org alone, or one whose neighbours are
 idle, uses the whole rate). Every dispatch also draws on the shared bucket, which reserves take
-into debt (down to ``-debt_cap``, one ``RESERVE_NS`` of the rate as it is now: a cut forgives
-what a higher rate allowed): the borrowers then wait. The reserves fill at the rate in all (the
-shares of the active orgs add up to one), so what goes in all stays at the rate plus the
-reserves' and the bucket's bursts. An org under its share therefore never waits for the rate; an
-org over it gets its share plus what the others leave.
+into debt (forgiven past ``-debt_cap``, ``DEBT_NS`` of the rate as it is now, so a cut does not
+leave the borrowers a debt of the old rate to repay): the borrowers wait while reserves are used.
+The reserves of the active orgs fill at the rate in all (their shares add up to one), and one
+that is always drawn (a flooding org's) never holds more than a token, so what the reserves let
+through is smooth but for an idle org's own bursts, at most its reserve. An org under its share
+therefore never waits for the rate; an org over it gets its share plus what the others leave.
 
 Pure bookkeeping: the caller passes the clock and the rate. An org never seen starts with a full
 reserve, as one idle for a while does (what all reserves can add to the rate is bounded by the
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RESERVE_NS = 500_000_000  # an org's reserve holds this much of its share of the rate (at least one token)
+RESERVE_NS = 250_000_000  # an org's reserve holds this much of its share of the rate (at least one token)
+DEBT_NS = 100_000_000  # the shared bucket's debt to reserves is forgiven past this much of the rate
 ACTIVE_NS = 1_000_000_000  # orgs that dispatched this recently divide the rate among them
 RECOUNT_NS = 10_000_000  # the active orgs' weights are summed at most this often (a scan over orgs)
 RESERVE_ORGS = 4096  # entries kept before those with a full reserve are dropped
@@ -42,8 +44,8 @@ class Reserve:
 
 
 def debt_cap(rate: float) -> float:
-    """How far below zero reserves take the shared bucket: one ``RESERVE_NS`` of the rate."""
-    return max(1.0, rate * RESERVE_NS / 1e9)
+    """How far below zero reserves take the shared bucket at most: ``DEBT_NS`` of the rate."""
+    return max(1.0, rate * DEBT_NS / 1e9)
 
 
 class Reserves:
