@@ -10,12 +10,11 @@ code, or ``no reply``. The first second is left out (the broker learns the servi
 
 ``--memory-rps R`` puts a memory service of fixed throughput behind the worker, as the real one
 is for assemblies that ask a new question: each request asks it (the reply's feedback says so)
-and it embeds R a second, one at a time in order of arrival; a call that would not be done
-within a retrieval wall is refused at once and the reply is degraded (``degraded``, feedback:
-refused for lack of capacity), which is what the broker's dispatch rate learns from. The
-machine's CPU load then plays no part in who is served: the run shows the broker's admission
-alone. The emulated service serves calls first come, first served (the real one serves orgs
-by fair share), so here a victim's call can be refused behind the flood's.
+and it embeds R a second, one at a time, orgs in turn (``MemoryService``); a call that would not
+be done within a retrieval wall is refused at once and the reply is degraded (``degraded``,
+feedback: refused for lack of capacity), which is what the broker's dispatch rate learns from.
+The machine's CPU load then plays no part in who is served: the run shows the broker's admission
+alone.
 
 ``--tree PATH`` runs the broker of another checkout (e.g. ``git archive <commit> | tar -x -C
 PATH``) with the same clients and worker, to compare two versions on one machine in one sitting.
@@ -32,6 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import zmq
@@ -48,26 +48,68 @@ RATE_EVERY_S = 0.5  # the broker's dispatch rate is read this often
 
 
 class MemoryService:
-    """A memory service that embeds one call at a time in ``1 / rps`` seconds, its calls queued in
-    order of arrival, and refuses a call at once when it would not be done within ``WALL_S`` (as
-    the real one's search slots refuse a call that would end past its deadline); 0: none (no call
-    is made, and the feedback says so)."""
+    """A memory service that embeds one call at a time in ``1 / rps`` seconds and serves orgs by
+    fair share, as the real one's search slots do: orgs with calls waiting take turns (round
+    robin), and an org that had none waiting goes next (its first call is not queued behind a
+    flood's, as the real service gives a freed slot to the org with the fewest in). A call that would not be done within
+    ``WALL_S`` (its place in that order counted) is refused at once, as the real service refuses a
+    call that would end past its deadline. ``rps`` 0: none (no call is made; the feedback says so).
+    Pure bookkeeping on the clock the caller passes."""
 
     WALL_S = 0.045  # a worker's retrieval wall at a 100 ms deadline
 
     def __init__(self, rps: float) -> None:
         self.rps = rps
-        self.free_at = 0.0
+        self.busy_until = 0.0
+        self.waiting: dict[str, collections.deque[Any]] = {}  # org -> its calls' tokens, oldest first
+        self.turns: collections.deque[str] = collections.deque()  # orgs with calls waiting, next first
+        self.current: Any = None  # the call being embedded, done at busy_until
 
-    def call(self, now: float) -> float | None:
-        """How long a call made now takes (None: refused for lack of capacity)."""
+    def ahead(self, org: str) -> int:
+        """Calls that would be served before a new one of ``org``: its own waiting ones, and as
+        many of each other waiting org's (round robin; none for an org with none waiting)."""
+        mine = len(self.waiting.get(org, ()))
+        return mine + sum(min(len(q), mine) for o, q in self.waiting.items() if o != org)
+
+    def call(self, org: str, token: Any, now: float) -> bool:
+        """Queue a call (``token`` comes back from ``done`` when it is served); False: refused."""
         if self.rps <= 0:
-            return 0.0
-        done = max(now, self.free_at) + 1.0 / self.rps
-        if done - now > self.WALL_S:
-            return None
-        self.free_at = done
-        return done - now
+            return True
+        start = max(now, self.busy_until)  # when the call being embedded now is done
+        if start + (self.ahead(org) + 1) / self.rps - now > self.WALL_S:
+            return False
+        if org not in self.waiting:
+            self.waiting[org] = collections.deque()
+            self.turns.appendleft(org)
+        self.waiting[org].append(token)
+        if self.current is None:
+            self._start(max(now, self.busy_until))
+        return True
+
+    def _start(self, at: float) -> None:
+        """The next call in turn starts at ``at``."""
+        org = self.turns.popleft()
+        q = self.waiting[org]
+        self.current = q.popleft()
+        self.busy_until = at + 1.0 / self.rps
+        if q:
+            self.turns.append(org)
+        else:
+            del self.waiting[org]
+
+    def done(self, now: float) -> list[tuple[float, Any]]:
+        """(finished at, token) of the calls served by ``now``, in order."""
+        out: list[tuple[float, Any]] = []
+        while self.current is not None and self.busy_until <= now:
+            out.append((self.busy_until, self.current))
+            self.current = None
+            if self.turns:
+                self._start(self.busy_until)
+        return out
+
+    def next_s(self) -> float | None:
+        """When the call being embedded is done (monotonic s), or None when idle."""
+        return self.busy_until if self.current is not None else None
 
 
 def worker(ctx: zmq.Context[zmq.Socket[bytes]], backend: str, capacity: int, service_s: float,
@@ -84,24 +126,33 @@ def worker(ctx: zmq.Context[zmq.Socket[bytes]], backend: str, capacity: int, ser
     last_hb = time.monotonic()
     while not stop.is_set():
         now = time.monotonic()
+        for _, (d, msg) in memory.done(now):  # served: the reply goes a service time after its dispatch
+            seq += 1
+            reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"ok", P.Feedback(False, 0, False, True))
+            heapq.heappush(due, (max(now, d + service_s), seq, reply))
         while due and due[0][0] <= now:
             s.send_multipart(heapq.heappop(due)[2])
         if now - last_hb > 0.2:
             s.send_multipart(P.heartbeat_frames(info))
             last_hb = now
-        wait_ms = max(0, int((due[0][0] - now) * 1000)) if due else 50
-        if not s.poll(min(wait_ms, 50)):
+        wake = min(x for x in (due[0][0] if due else now + 0.05, memory.next_s() or now + 0.05))
+        if not s.poll(min(50, max(0, int((wake - now) * 1000)))):
             continue
         msg = P.parse_broker_message(s.recv_multipart())
-        if isinstance(msg, P.Dispatch):
-            now = time.monotonic()
-            took = memory.call(now)
-            served = took is not None
-            feedback = P.Feedback(not served, 0, False, asks, not served)
-            reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"ok" if served else b"degraded",
-                                          feedback)
-            seq += 1
-            heapq.heappush(due, (now + (max(service_s, took) if took is not None else 0.001), seq, reply))
+        if not isinstance(msg, P.Dispatch):
+            continue
+        now = time.monotonic()
+        env = P.parse_header(msg.header)
+        org = env.org_id if isinstance(env, Envelope) else "?"
+        if not asks:
+            reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"ok", P.Feedback(False, 0))
+        elif memory.call(org, (now, msg), now):
+            continue  # answered when the memory service has served it
+        else:  # refused for lack of capacity: a degraded reply at once
+            reply = P.worker_reply_frames(P.REPLY, msg.client, msg.request_id, b"degraded",
+                                          P.Feedback(True, 0, False, True, True))
+        seq += 1
+        heapq.heappush(due, (now + (service_s if not asks else 0.001), seq, reply))
     s.close(linger=0)
 
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RESERVE_NS = 250_000_000  # an org's reserve holds this much of its share of the rate (at least one token)
+RESERVE_NS = 50_000_000  # an org's reserve holds this much of its share of the rate
+RESERVE_MIN = 2.0  # and at least this many tokens (a request and the next that comes before a refill)
 DEBT_NS = 100_000_000  # the shared bucket's debt to reserves is forgiven past this much of the rate
 ACTIVE_NS = 1_000_000_000  # orgs that dispatched this recently divide the rate among them
 RECOUNT_NS = 10_000_000  # the active orgs' weights are summed at most this often (a scan over orgs)
@@ -73,7 +74,7 @@ class Reserves:
     def tokens(self, org: str, weight: float, rate: float, now_ns: int) -> float:
         """What ``org``'s reserve holds now (``rate``: the shared bucket's, requests a second)."""
         share = self.share(org, weight, now_ns)
-        cap = max(1.0, rate * share * RESERVE_NS / 1e9)
+        cap = max(RESERVE_MIN, rate * share * RESERVE_NS / 1e9)
         r = self.by_org.get(org)
         if r is None:
             return cap  # as an org idle for a while: a new org is no worse off than a known one

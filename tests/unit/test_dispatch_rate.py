@@ -313,9 +313,9 @@ def test_a_cut_rate_does_not_keep_the_debt_a_higher_rate_allowed() -> None:
     sixfold. The debt is bounded by the rate as it is now, so a borrower waits at most one reserve's
     time behind it (not seconds for the old debt), and an org with its reserve full goes at once."""
     r = limited(200.0)
-    now = 0
-    while r.reserves.tokens("flood", 1.0, r.rate, now) >= 1.0:
-        r.take(1.0, now, "flood", 1.0)
+    for now in range(0, 100 * MS, MS):  # 100 ms of a flood on its reserve, the shared bucket not refilled
+        while r.reserves.tokens("flood", 1.0, r.rate, now) >= 1.0:
+            r.take(1.0, now, "flood", 1.0)
     assert r.tokens < -debt_cap(200.0)
     for _ in range(8):
         now += 10 * MS  # eight cuts in 80 ms: the debt cannot be repaid meanwhile
