@@ -128,7 +128,7 @@ class MemoryConfig(MemoryServiceSettings):
                     "once; more wait their turn, other orgs do not wait behind them.",
     )
     max_concurrent: int = Field(
-        3, ge=1,
+        2, ge=1,
         description="Searches of all orgs computed at once (they share one event loop, so each in flight slows "
                     "the others); a freed slot goes to the waiting org with the fewest in flight for its weight "
                     "(`IBEX_MEMORY_ORG_WEIGHTS`), so an org under its share waits for one search at most.",
