@@ -70,7 +70,7 @@ def _up_parser(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = CliParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _explain_parser(sub)
     assemble_parser(sub)
     _up_parser(sub)
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", action="store_true", default=True, help="leave the stack running (default)")
     d.add_argument("--stop", dest="keep", action="store_false", help="stop the stack afterwards")
     k = sub.add_parser("keys", help="CURVE keys: generate keypairs, register them in the keys file")
-    ksub = k.add_subparsers(dest="keys_cmd", required=True)
+    ksub = k.add_subparsers(dest="keys_cmd", required=True, metavar="{generate,register}")
     g = ksub.add_parser("generate", help="write NAME.key (secret, 0600) and NAME.pub")
     g.add_argument("--dir", required=True)
     g.add_argument("--name", required=True)
