@@ -67,9 +67,10 @@ pytest: install
 ## test: install and run every check: ruff, mypy --strict, the whole pytest suite (unit, stack, meta)
 test: lint typecheck pytest
 
-## unit: the fast loop: tests/unit only (no servers, no sockets), a tenth of each property test's examples
+## unit: the fast loop: tests/unit only (no servers, no sockets), a tenth of each property test's examples;
+## compiled and assertion-rewritten modules are cached even where PYTHONDONTWRITEBYTECODE is set
 unit: install
-	IBEX_TEST_EXAMPLES=0.1 $(VENV)/bin/pytest tests/unit -q
+	PYTHONDONTWRITEBYTECODE= IBEX_TEST_EXAMPLES=0.1 $(VENV)/bin/pytest tests/unit -q
 
 bench: install
 	$(PY) -m bench.packer_bench

@@ -75,7 +75,8 @@ WORDS = sorted({w for t in NATURAL for w in t.split()})
 # ---------------------------------------------------------------------------------- hand cases
 
 _rng = random.Random(2026)
-DOTTED = ".".join(_rng.choice([w for w in WORDS if w.isalpha() and 4 <= len(w) <= 6]) for _ in range(3000))
+_SHORT_WORDS = [w for w in WORDS if w.isalpha() and 4 <= len(w) <= 6]
+DOTTED = ".".join(_rng.choice(_SHORT_WORDS) for _ in range(3000))
 HAND_CASES = {
     "space-tab": " \t" * 5000,
     "crlf": "\r\n" * 5000,
