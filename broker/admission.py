@@ -315,7 +315,7 @@ class DispatchRate:
             self.tokens = min(self.burst(), self.tokens + (now_ns - self.refilled_ns) * self.rate / 1e9)
             self.refilled_ns = now_ns
         # reserves' debt is bounded by the rate as it is now (a cut forgives what a higher rate
-        # allowed): borrowers wait at most one RESERVE_NS behind the reserves
+        # allowed): borrowers wait at most DEBT_NS (broker.reserves) behind the reserves
         self.tokens = max(self.tokens, -debt_cap(self.rate))
 
     def allows(self, cost: float, org: str | None = None, weight: float = 1.0, now_ns: int = 0) -> bool:

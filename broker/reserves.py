@@ -8,20 +8,21 @@ cut low by the flood, is refused on receipt. Its share is owed to it whatever th
 
 So every org has a reserve that fills at its share of the rate (its weight over the weights of
 the orgs that dispatched in the last ``ACTIVE_NS``, it included) and holds ``RESERVE_NS`` of it
-(at least one token). A request goes at once on its org's reserve; with the reserve empty it may
-still borrow from the shared bucket (work-conserving: an org alone, or one whose neighbours are
-idle, uses the whole rate). Every dispatch also draws on the shared bucket, which reserves take
-into debt (forgiven past ``-debt_cap``, ``DEBT_NS`` of the rate as it is now, so a cut does not
-leave the borrowers a debt of the old rate to repay): the borrowers wait while reserves are used.
+(at least ``RESERVE_MIN`` tokens: a request and the next that comes before a refill; more would be
+bursts the memory service's short queue refuses, and a refusal cuts the rate for all). A request
+goes at once on its org's reserve; with the reserve empty it may still borrow from the shared
+bucket (work-conserving: an org alone, or one whose neighbours are idle, uses the whole rate).
+Every dispatch also draws on the shared bucket, which reserves take into debt (forgiven past
+``-debt_cap``, ``DEBT_NS`` of the rate as it is now, so a cut does not leave the borrowers a debt
+of the old rate to repay): the borrowers wait while reserves are used.
 The reserves of the active orgs fill at the rate in all (their shares add up to one), and one
 that is always drawn (a flooding org's) never holds more than a token, so what the reserves let
 through is smooth but for an idle org's own bursts, at most its reserve. An org under its share
 therefore never waits for the rate; an org over it gets its share plus what the others leave.
 
 Pure bookkeeping: the caller passes the clock and the rate. An org never seen starts with a full
-reserve, as one idle for a while does (what all reserves can add to the rate is bounded by the
-debt cap either way). Past ``RESERVE_ORGS`` entries the table drops the orgs idle for
-``ACTIVE_NS`` (a caller naming many orgs cannot grow it).
+reserve, as one idle for a while does. Past ``RESERVE_ORGS`` entries the table drops the orgs
+idle for ``ACTIVE_NS`` (a caller naming many orgs cannot grow it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ RESERVE_MIN = 2.0  # and at least this many tokens (a request and the next that 
 DEBT_NS = 100_000_000  # the shared bucket's debt to reserves is forgiven past this much of the rate
 ACTIVE_NS = 1_000_000_000  # orgs that dispatched this recently divide the rate among them
 RECOUNT_NS = 10_000_000  # the active orgs' weights are summed at most this often (a scan over orgs)
-RESERVE_ORGS = 4096  # entries kept before those with a full reserve are dropped
+RESERVE_ORGS = 4096  # entries kept before those of orgs idle for ACTIVE_NS are dropped
 
 
 @dataclass(slots=True)
