@@ -16,6 +16,10 @@ Kinds:
 
 * ``assemble``: new-question assemblies (``bench.workload.Requests``) of the attacker org at
   ``rate``/s with ``deadline_ms`` each (``bench.loadgen.open_loop``, Poisson arrivals);
+* ``heavy``: assemblies whose conversations hold ``chars`` characters of earlier turns, their
+  questions the demo's repeated ones (the memory service's query cache answers them, so they
+  take no dispatch-rate tokens: the workers' CPU is what they press on), at ``rate``/s with
+  ``deadline_ms`` each;
 * ``writes``: ``POST /v1/memories`` of ``chars`` characters each with the org's token, either at
   ``rate``/s (at most ``max_inflight`` in flight; a send beyond it is counted, not made) or, with
   ``concurrency``, that many writers back to back. ``memory_id`` cycles over ``ids`` ids per
@@ -45,7 +49,7 @@ from ibex_context.client.client import AsyncClient
 from ibex_context.shared.config.settings import ClientSettings
 from ibex_context.shared.security import auth
 from ibex_context.shared.security.tenancy import mint_org_token
-from ibex_context.shared.wire.models import AssembleResponse
+from ibex_context.shared.wire.models import AssembleResponse, Message
 from ibex_context.worker.memhttp import MemoryHTTP
 
 READY = "attacker ready"
@@ -117,6 +121,9 @@ class Attacker:
         cpu0, wall0 = cpu_seconds(), time.monotonic()
         if kind == "assemble":
             out = await self.assemble(float(cmd["rate"]), float(cmd["duration_s"]), float(cmd["deadline_ms"]))
+        elif kind == "heavy":
+            out = await self.assemble(float(cmd["rate"]), float(cmd["duration_s"]), float(cmd["deadline_ms"]),
+                                      target=self.heavy_target(int(cmd["chars"])))
         elif kind == "writes":
             out = await self.writes(cmd)
         elif kind in ("usage", "summaries"):
@@ -126,8 +133,18 @@ class Attacker:
         out.update(kind=kind, cpu_s=round(cpu_seconds() - cpu0, 4), wall_s=round(time.monotonic() - wall0, 3))
         return out
 
-    async def assemble(self, rate: float, duration_s: float, deadline_ms: float) -> dict[str, Any]:
-        run = await open_loop(self.target, rate=rate, duration_s=duration_s, deadline_ms=deadline_ms,
+    def heavy_target(self, chars: int) -> ClientTarget:
+        """The org's demo requests, each with ``chars`` characters of earlier turns before its own."""
+        turns = max(1, chars // 4000)
+        history = [Message(role="user" if k % 2 == 0 else "assistant", content=filler(chars // turns, salt=k))
+                   for k in range(turns)]
+        heavy = [t.model_copy(update={"recent_messages": [*history, *t.recent_messages]})
+                 for t in org_templates(self.cfg.org, self.cfg.seed)]
+        return ClientTarget(self.client, Requests(heavy), tag=f"heavy-{self.cfg.org}")
+
+    async def assemble(self, rate: float, duration_s: float, deadline_ms: float,
+                       target: ClientTarget | None = None) -> dict[str, Any]:
+        run = await open_loop(target or self.target, rate=rate, duration_s=duration_s, deadline_ms=deadline_ms,
                               seed=self.cfg.seed * 1000 + self.windows, label="attack")
         outcomes = collections.Counter(s.reply.outcome for s in run.samples)
         limit = int(deadline_ms * 1e6)

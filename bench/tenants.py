@@ -21,7 +21,10 @@ seeded for both orgs. The victim is ``acme``, the attacker ``globex``.
    * memory writes with globex's token: large (60,000 characters, 16 writers back to back) and
      tiny (300 characters, open loop at ``--tiny-rate``);
    * usage reports (``AsyncClient.report_usage``) and compaction summaries
-     (``AsyncClient.report_summary``, ``as_memory``) at capped rates.
+     (``AsyncClient.report_summary``, ``as_memory``) at capped rates;
+   * heavy assemblies: conversations of ``heavy_chars`` (400,000) characters at ``heavy_rate``
+     (40/s), repeated questions, 1 s deadline: what presses on the workers' CPU, not on the memory
+     service.
 
    The attack starts ``lead_s`` before the victim's window and ends after it. After every window
    the run waits until the memory service and Redis are idle (``bench.lib.stack.settle``), so no
@@ -92,7 +95,7 @@ ARM, BASE = "ibex", "base"  # this checkout's stack, and the --baseline checkout
 RAMP = [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 100.0, 125.0, 150.0, 200.0]
 QUICK: dict[str, Any] = {"ramp_rates": [20.0, 40.0], "ramp_s": 1.0, "window_s": 1.5, "lead_s": 0.3, "rounds": 1,
                          "attack_rate_cap": 400.0, "tiny_rate": 100.0, "usage_rate": 600.0, "summary_rate": 100.0,
-                         "settle_max_s": 5.0, "victim_floor_rps": 8.0}
+                         "settle_max_s": 5.0, "victim_floor_rps": 8.0, "heavy_rate": 10.0, "heavy_chars": 100_000}
 
 
 @dataclass
@@ -117,6 +120,8 @@ class TenantPlan:
     usage_rate: float = 3000.0
     summary_rate: float = 400.0
     summary_chars: int = 4000
+    heavy_chars: int = 400_000  # earlier turns of each heavy assembly
+    heavy_rate: float = 40.0
     settle_max_s: float = 30.0
     workers: int = 2
     seed: int = 23
@@ -147,6 +152,9 @@ def rows_of(plan: TenantPlan, capacity: float) -> list[Row]:
         Row("usage", f"usage reports at {plan.usage_rate:g}/s", {"kind": "usage", "rate": plan.usage_rate}),
         Row("summaries", f"summaries ({plan.summary_chars} chars, as memory) at {plan.summary_rate:g}/s",
             {"kind": "summaries", "rate": plan.summary_rate, "summary_chars": plan.summary_chars}),
+        Row("assemble-heavy", f"assemblies of {plan.heavy_chars:,}-char conversations at {plan.heavy_rate:g}/s, "
+                              "1000 ms deadline",
+            {"kind": "heavy", "rate": plan.heavy_rate, "chars": plan.heavy_chars, "deadline_ms": 1000.0}),
     ]
     return [r for r in rows if plan.rows is None or r.key in plan.rows]
 
@@ -390,7 +398,7 @@ def _attacker(row: Row, ws: list[dict[str, Any]], counters: dict[str, Any]) -> d
         served: int | None = int(counters.get(SERVED_COUNTER[row.cmd["kind"]], 0))
     else:
         served = sum(r["served"] for r in results)
-    undegraded = sum(r["undegraded"] for r in results) if row.cmd["kind"] == "assemble" else None
+    undegraded = sum(r["undegraded"] for r in results) if row.cmd["kind"] in ("assemble", "heavy") else None
     cpu = [r["cpu_s"] for r in results]
     return {"windows": len(results), "seconds": round(seconds, 2), "offered_rps": row.cmd.get("rate"),
             "concurrency": row.cmd.get("concurrency"), "sent": sent, "skipped_inflight_cap": skipped,

@@ -34,8 +34,8 @@ def test_every_row_is_measured_and_printed(quick: tuple[dict[str, Any], str]) ->
     res, printed = quick
     expected = rows_of(TenantPlan(), res["capacity_rps"])
     assert [r["key"] for r in res["rows"]] == [r.key for r in expected]
-    assert {r.cmd["kind"] for r in expected} == {"assemble", "writes", "usage", "summaries"}
-    assert len(expected) == 10
+    assert {r.cmd["kind"] for r in expected} == {"assemble", "writes", "usage", "summaries", "heavy"}
+    assert len(expected) == 11
     for r in res["rows"]:
         assert f"| {r['title']} |" in printed
     assert res["attacker_nice"] == 19
@@ -67,7 +67,7 @@ def test_attacker_counts_nest_and_its_cpu_is_reported(quick: tuple[dict[str, Any
         assert a["windows"] == rounds and a["seconds"] > 0 and a["sent"] > 0, r["key"]
         assert len(a["generator_cpu_s"]) == rounds and all(c > 0 for c in a["generator_cpu_s"])
         assert a["served"] is not None and 0 <= a["served"] <= a["sent"], (r["key"], a)
-        if r["attack_cmd"]["kind"] == "assemble":
+        if r["attack_cmd"]["kind"] in ("assemble", "heavy"):
             assert 0 <= a["undegraded"] <= a["served"]
             assert sum(a["outcomes"].values()) == a["sent"] + a["outcomes"].get("NOT_SENT", 0)
         elif r["attack_cmd"]["kind"] == "writes":
