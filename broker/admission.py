@@ -58,8 +58,10 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   workers' memory gates, as before (a slow memory service degrades, never fails); an overload signal
   then cuts nothing until a clean reply shows the service serving again. Unlimited until the first
   overload signal, which starts it at ``RATE_BACKOFF`` of the rate measured in the last
-  ``RATE_WINDOW_NS``. A request costs its org's share of replies that asked the memory service
-  (``MemoryCost``, learned from a feedback flag): an org whose assemblies embed nothing takes no
+  ``RATE_WINDOW_NS``, once at least ``RATE_MIN_DISPATCHED`` requests went in it (a refusal of a
+  trickle, as at a cold start, would set a rate of a few a second that light load hardly raises).
+  A request costs its org's share of replies that asked the memory service (``MemoryCost``,
+  learned from a feedback flag): an org whose assemblies embed nothing takes no
   tokens, so it is not held to a rate learned for the memory service. The fair queue decides whose
   request takes the next token (an org alone takes them all), and the expected wait of an arrival
   counts the rate: its org's queue at the org's share of it (``DispatchRate.wait_ns``). A request
@@ -91,6 +93,7 @@ RATE_NEAR = 0.95  # below this part of the peak a clean round trip halves the di
 RATE_PROBE = 1.25  # with no overload signal for RATE_RECOVER_NS, a clean round trip multiplies the rate by this
 RATE_RECOVER_NS = 1_000_000_000  # no overload signal and nothing held back for this long: unlimited again
 RATE_WINDOW_NS = 1_000_000_000  # the dispatch rate measured over this, for the first cut
+RATE_MIN_DISPATCHED = 20  # requests dispatched in that window before a refusal starts limiting
 RATE_BURST_NS = 20_000_000  # the bucket holds this much of the rate (at least one token)
 RATE_BINDING_NS = 100_000_000  # a request held back by the rate this recently: the rate is binding
 COST_EWMA = 0.5  # weight of one reply in an org's memory cost
@@ -427,6 +430,8 @@ class DispatchRate:
             return  # sent at the rate before the last change: already answered for
         base = self.rate if self.limited else self.measured(now_ns)
         if not self.limited:
+            if len(self.window) < RATE_MIN_DISPATCHED:
+                return  # a trickle refused: a cold start or a blip, not the pace of a service pressed
             self.tokens, self.refilled_ns, self.peak = 0.0, now_ns, base
         elif self.clean_since_cut:
             self.peak = base

@@ -17,6 +17,7 @@ from ibex_context.broker.admission import (
     RATE_BINDING_NS,
     RATE_FLOOR,
     RATE_GROWTH,
+    RATE_MIN_DISPATCHED,
     RATE_NEAR,
     RATE_PROBE,
     RATE_RECOVER_NS,
@@ -71,6 +72,20 @@ def test_the_first_cut_counts_requests_whose_cost_is_not_known_yet() -> None:
     assert r.limited and r.rate >= 0.5 * 1000 * RATE_BACKOFF  # about a thousand a second, cut once
 
 
+def test_a_refused_trickle_does_not_start_limiting() -> None:
+    """A refusal while fewer than ``RATE_MIN_DISPATCHED`` requests went in the last second (a cold
+    start's first calls, a light org alone) sets no rate: one set there would be a few a second."""
+    r = DispatchRate()
+    for k in range(RATE_MIN_DISPATCHED - 1):
+        r.take(1.0, k * 50 * MS)
+    now = (RATE_MIN_DISPATCHED - 1) * 50 * MS
+    r.on_reply(dispatched_ns=now - 50 * MS, now_ns=now, refused=True, asked_memory=True)
+    assert not r.limited
+    r.take(1.0, now)
+    r.on_reply(dispatched_ns=now, now_ns=now + MS, refused=True, asked_memory=True)
+    assert r.limited and r.cuts == 1
+
+
 def test_one_cut_per_round_trip_and_never_below_the_floor() -> None:
     r = limited(100.0, now_ns=S)
     r.on_reply(dispatched_ns=S - 10 * MS, now_ns=S + 5 * MS, refused=True, asked_memory=True)
@@ -119,6 +134,8 @@ def test_a_memory_service_that_answers_nothing_in_time_has_no_pace_to_learn() ->
     assert not r.limited and r.lifted == 1  # degraded replies only, for a second: a fault, degraded at the gates
     r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=True, asked_memory=True)
     assert not r.limited  # and no cut until a clean reply shows it serving again
+    for k in range(RATE_MIN_DISPATCHED):  # (and a flood still coming: no trickle)
+        r.take(1.0, t + k)
     r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, refused=False, asked_memory=True)
     r.on_reply(dispatched_ns=t, now_ns=t + 3 * MS, refused=True, asked_memory=True)
     assert r.limited
