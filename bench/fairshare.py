@@ -37,6 +37,7 @@ import msgpack
 import zmq
 
 from bench.lib.checkout import pythonpath
+from bench.lib.percentiles import percentile
 from bench.lib.stack import REPO
 from bench.lib.tables import table
 from ibex_context.ops.stack import free_port, stop_processes
@@ -45,6 +46,7 @@ from ibex_context.shared.wire.protocol import Envelope, pack_header
 
 WARMUP_S = 1.0
 RATE_EVERY_S = 0.5  # the broker's dispatch rate is read this often
+NOT_WHOLE = " p99 not whole"  # result key: an org's p99 time to the answer of what was not served whole
 
 
 class MemoryService:
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
         s.connect(fe)
     sent: dict[str, tuple[str, float, float]] = {}  # request id -> (org, sent at, deadline at), monotonic s
     outcome: dict[str, str] = {}
+    took: dict[str, float] = {}  # request id -> seconds from its scheduled send to its answer
     ops = ctx.socket(zmq.DEALER)
     ops.setsockopt(zmq.LINGER, 0)
     ops.connect(fe)
@@ -212,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
                     reply = P.parse_reply(s.recv_multipart())
                     if not isinstance(reply, P.Reply) or reply.correlation_id not in sent:
                         continue
+                    took[reply.correlation_id] = time.monotonic() - sent[reply.correlation_id][1]
                     if reply.is_error:
                         outcome[reply.correlation_id] = str(msgpack.unpackb(reply.payload).get("code", "?"))
                     elif time.monotonic() > sent[reply.correlation_id][2]:
@@ -219,9 +223,15 @@ def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
                     else:
                         outcome[reply.correlation_id] = "ok" if reply.payload == b"ok" else "degraded"
         result = {org: collections.Counter[str]() for org in orgs}
+        not_ok: dict[str, list[float]] = {org: [] for org in orgs}
         for rid, (org, at, _) in sent.items():
             if at >= t0 + WARMUP_S:
                 result[org][outcome.get(rid, "no reply")] += 1
+                if outcome.get(rid, "ok") != "ok" and rid in took:
+                    not_ok[org].append(took[rid])
+        for org, times in not_ok.items():  # how long what was not served whole took to be answered
+            if times:
+                result[org + NOT_WHOLE] = collections.Counter({f"{percentile(times, 99) * 1e3:.1f}": 1})
         socks["victim"].send_multipart(P.status_request_frames())
         if socks["victim"].poll(5000):
             status = P.parse_reply(socks["victim"].recv_multipart())
@@ -259,13 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     broker = result.pop("broker (whole run)", collections.Counter())
     rates = next(iter(result.pop("dispatch rate", collections.Counter({"": 1}))))
+    p99: dict[str, str] = {}
+    for key in [k for k in result if k.endswith(NOT_WHOLE)]:
+        p99[key[:-len(NOT_WHOLE)]] = next(iter(result.pop(key)))
     kinds = sorted({k for c in result.values() for k in c} - {"ok"})
     rows = [[org, str(sum(c.values())), f"{100 * c['ok'] / max(1, sum(c.values())):.1f} %",
-             *(str(c[k]) for k in kinds)] for org, c in result.items()]
+             *(str(c[k]) for k in kinds), p99.get(org, "-")] for org, c in result.items()]
     served = args.capacity / args.service_ms * 1e3
     memory = f", its memory service {args.memory_rps:g}/s" if args.memory_rps > 0 else ""
     print(f"broker from {args.tree}; worker serves {served:.0f}/s{memory}; after the first {WARMUP_S:.0f} s:\n")
-    print("\n".join(table(["org", "sent", "ok on time", *kinds], rows)))
+    print("\n".join(table(["org", "sent", "ok on time", *kinds, "not whole: p99 ms to the answer"], rows)))
     print("\nbroker counters, whole run: " + (", ".join(f"{k} {v}" for k, v in sorted(broker.items())) or "none"))
     print(f"dispatch rate every {RATE_EVERY_S:g} s (- unlimited): {rates or 'not read'}")
     return 0
