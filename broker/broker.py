@@ -352,7 +352,6 @@ class Broker:
         elif rate_wait + service < remaining_ns:  # the rate binds: its turn is known, standing or not
             return None
         if rate_wait >= wait:
-            self.rate.held_back(now)  # the rate binds: the clean replies that come may raise it
             return "shed_rate", Overloaded(
                 f"shed on receipt: about {wait / 1e6:.1f} ms behind {queued} queued request(s) of org {org!r} at its "
                 f"share of the memory service's pace ({self.rate.rate * share:.1f} of {self.rate.rate:.1f} per s), "
