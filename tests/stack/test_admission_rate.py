@@ -163,3 +163,37 @@ def test_a_memory_service_that_answers_nothing_is_left_to_degrade_not_paced() ->
         got = caller.wait_for(caller.send(20, deadline_s=1.0))
     print(f"\n  refused while paced: {refused}; then {collections.Counter(v[0] for v in got.values())}")
     assert all(v == ["REPLY"] for v in got.values()), got  # a burst, dispatched and answered degraded
+
+
+def test_an_org_under_its_share_is_not_refused_for_a_floods_pace() -> None:
+    """Per-org reserves (``broker.reserves``): beside a flood that keeps the shared bucket empty, a
+    light org sending at a quarter of the memory service's pace with a deadline of two service
+    times goes on its own reserve. Without reserves it waited for the flood's next token (up to
+    1/rate, as long as a service time here) and most of its requests were refused on receipt."""
+    with rig(queue_max=5000) as r:
+        add_workers(r, 2)
+        flood_caller, victim = r.caller("flood"), r.caller("acme")
+        for _ in range(6):  # the service time learned, and both orgs' costs
+            got = {**flood_caller.wait_for(flood_caller.send(4, deadline_s=5.0)),
+                   **victim.wait_for(victim.send(1, deadline_s=5.0))}
+            assert all(v == ["REPLY"] for v in got.values()), got
+            time.sleep(0.2)
+        flood_rids: list[str] = []
+        victim_rids: list[str] = []
+        start = time.monotonic()
+        for i in range(FLOOD):
+            flood_rids += flood_caller.send(deadline_s=DEADLINE_S)
+            if i % 24 == 12 and time.monotonic() - start > 0.5:  # 10 a second once the rate is learned
+                victim_rids += victim.send(deadline_s=2 * SERVICE_S)
+            flood_caller.drain()
+            victim.drain()
+            lag = start + (i + 1) * FLOOD_S / FLOOD - time.monotonic()
+            if lag > 0:
+                time.sleep(lag)
+        got = victim.wait_for(victim_rids)
+        flood_caller.wait_for(flood_rids)
+        snap = r.status()
+    outcomes = collections.Counter(v[0] for v in got.values())
+    print(f"\n  victim {dict(outcomes)}, stats {({k: v for k, v in snap['stats'].items() if k.startswith('shed')})}")
+    assert snap["stats"].get("shed_rate", 0) > FLOOD / 3  # the flood was paced
+    assert outcomes["OVERLOADED"] <= len(victim_rids) // 10, outcomes
