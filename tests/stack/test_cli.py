@@ -311,12 +311,14 @@ def test_directive_and_seed_errors_are_one_line(redis_url: str, tmp_path: Path) 
 
 @pytest.fixture
 def stack_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """A private copy of supervisord.conf (so .run/ is under tmp_path), free ports, one worker."""
+    """A private copy of supervisord.conf (so .run/ is under tmp_path), free ports, one worker, the
+    suite's embedder (tests/conftest.py)."""
+    embedder = os.environ.get("IBEX_MEMORY_EMBEDDER", "hash")
     for key in list(os.environ):
         if key.startswith("IBEX_"):
             monkeypatch.delenv(key)
     front, back = free_port(), free_port()
-    for key, value in {"IBEX_WORKERS": "1", "IBEX_REDIS_PORT": str(free_port()),
+    for key, value in {"IBEX_WORKERS": "1", "IBEX_MEMORY_EMBEDDER": embedder, "IBEX_REDIS_PORT": str(free_port()),
                        "IBEX_MEMORY_PORT": str(free_port()), "IBEX_METRICS_PORT": "0",
                        "IBEX_BROKER_FRONTEND": f"tcp://127.0.0.1:{front}",
                        "IBEX_BROKER_BACKEND": f"tcp://127.0.0.1:{back}",
