@@ -68,33 +68,40 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
 
 
 def cli_in_process(*args: str, env: Mapping[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m ibex_context.ops.cli ARGS`` run by its ``main()`` in this process, with ``env`` as
-    the whole environment and stdin, stdout and stderr captured: what the command prints and the
-    status it exits with, as ``subprocess.run`` returns them, without the ~0.6 s a process spends
-    starting and importing. For what a command says; whether a real process exits with that status
-    and no traceback is checked by the tests that run one."""
+    """``python -m ibex_context.ops.cli ARGS`` run by its ``main()`` in this process (``main_in_process``)."""
     import ibex_context.ops.cli as cli
 
+    return main_in_process(cli.main, *args, env=env, stdin=stdin)
+
+
+def main_in_process(main: Callable[[list[str]], Any], *args: str, env: Mapping[str, str],
+                    stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """A command's ``main(ARGS)`` in this process, with ``env`` as the whole environment and stdin,
+    stdout and stderr captured: what the command prints and the status it exits with, as
+    ``subprocess.run`` returns them, without the ~0.5 s a process spends starting and importing.
+    For what a command says; whether a real process exits with that status and no traceback is
+    checked by the tests that run one."""
     out, err = io.StringIO(), io.StringIO()
     saved = dict(os.environ)
     old_stdin = sys.stdin
     os.environ.clear()
     os.environ.update(env)
-    sys.stdin = io.StringIO(stdin or "")
+    sys.stdin = io.TextIOWrapper(io.BytesIO((stdin or "").encode()), encoding="utf-8")
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code: Any = cli.main(list(args))
+                code: Any = main(list(args))
             except SystemExit as exc:  # argparse: -h and usage errors
                 code = exc.code
             if code is not None and not isinstance(code, int):  # sys.exit("message"), as Python exits
                 print(code, file=sys.stderr)
                 code = 1
     finally:
+        sys.stdin.close()
         sys.stdin = old_stdin
         os.environ.clear()
         os.environ.update(saved)
-    return subprocess.CompletedProcess(["ibex-context", *args], code or 0, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(list(args), code or 0, out.getvalue(), err.getvalue())
 
 
 async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.0) -> None:
