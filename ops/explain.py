@@ -163,8 +163,8 @@ def summary_line(resp: AssembleResponse) -> str:
 def run(args: Any, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Exit 2 with one line for a bad file or option (the caller's to fix); 1 for a pipeline fault.
     ``out`` and ``err`` default to the ``sys.stdout`` and ``sys.stderr`` of the call, not of the import."""
-    out = out or sys.stdout
-    err = err or sys.stderr
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
 
     def fail(message: str, code: int) -> int:
         err.write(f"ibex-context explain: {' '.join(message.split())}\n")
