@@ -160,8 +160,12 @@ def summary_line(resp: AssembleResponse) -> str:
             f"not sent: {resp.history_dropped_upto}")
 
 
-def run(args: Any, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Exit 2 with one line for a bad file or option (the caller's to fix); 1 for a pipeline fault."""
+def run(args: Any, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Exit 2 with one line for a bad file or option (the caller's to fix); 1 for a pipeline fault.
+    ``out`` and ``err`` default to the ``sys.stdout`` and ``sys.stderr`` of the call, not of the import."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+
     def fail(message: str, code: int) -> int:
         err.write(f"ibex-context explain: {' '.join(message.split())}\n")
         return code

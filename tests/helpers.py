@@ -1,16 +1,21 @@
-"""Helpers shared by the tests: a whole stack as child processes, scripted workers on real ZeroMQ,
-frames no product code sends, and the scalar reference of the memory service's ranking."""
+"""Helpers shared by the tests: a whole stack as child processes, the CLI run in the test process,
+scripted workers on real ZeroMQ, frames no product code sends, and the scalar reference of the
+memory service's ranking."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import heapq
+import io
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +65,43 @@ def start_stack(log_dir: Path, *, seed: bool = True, **kw: Any) -> LocalStack:
         stack.stop()
         pytest.fail(f"stack did not start: {exc}", pytrace=False)
     return stack
+
+
+def cli_in_process(*args: str, env: Mapping[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m ibex_context.ops.cli ARGS`` run by its ``main()`` in this process (``main_in_process``)."""
+    import ibex_context.ops.cli as cli
+
+    return main_in_process(cli.main, *args, env=env, stdin=stdin)
+
+
+def main_in_process(main: Callable[[list[str]], Any], *args: str, env: Mapping[str, str],
+                    stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """A command's ``main(ARGS)`` in this process, with ``env`` as the whole environment and stdin,
+    stdout and stderr captured: what the command prints and the status it exits with, as
+    ``subprocess.run`` returns them, without the ~0.5 s a process spends starting and importing.
+    For what a command says; whether a real process exits with that status and no traceback is
+    checked by the tests that run one."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    old_stdin = sys.stdin
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdin = io.TextIOWrapper(io.BytesIO((stdin or "").encode()), encoding="utf-8")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code: Any = main(list(args))
+            except SystemExit as exc:  # argparse: -h and usage errors
+                code = exc.code
+            if code is not None and not isinstance(code, int):  # sys.exit("message"), as Python exits
+                print(code, file=sys.stderr)
+                code = 1
+    finally:
+        sys.stdin.close()
+        sys.stdin = old_stdin
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(list(args), code or 0, out.getvalue(), err.getvalue())
 
 
 async def eventually(what: str, check: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -53,11 +53,14 @@ def node_args(exe: str, *, port: int, workdir: str, node_timeout_ms: int = NODE_
     ]
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (10000 above it, so at most 55535) is free too."""
+def cluster_port(taken: Iterable[int] = ()) -> int:
+    """A free port whose cluster bus port (10000 above it, so at most 55535) is free too, neither
+    of them in ``taken`` nor the bus of one in it: the kernel hands a port just released out again,
+    so two nodes started one after the other can be given the same one."""
+    busy = {p for t in taken for p in (t, t + 10000)}
     for _ in range(200):
         port = free_port()
-        if port > 55535:
+        if port > 55535 or port in busy or port + 10000 in busy:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -135,7 +138,8 @@ class EmbeddedCluster:
         try:
             for i in range(self.primaries * (1 + self.replicas)):
                 self.nodes.append(self._spawn(exe, i))
-            self._wait_all(_answers_ping, "answer PING")
+            for i in range(len(self.nodes)):
+                self._answering(exe, i)
             self._form()
         except BaseException as exc:
             tails = "\n".join(f"--- node {n.port} ---\n{n.log_tail()}" for n in self.nodes)
@@ -145,11 +149,25 @@ class EmbeddedCluster:
             raise
         return self
 
-    def _spawn(self, exe: str, i: int, *, search: bool = True) -> ClusterNode:
+    def _answering(self, exe: str, i: int, attempts: int = 3) -> None:
+        """Wait for node ``i`` to answer PING; one whose free port another process took before it
+        bound it is started again on another port (free ports are only free a moment ago)."""
+        for attempt in range(attempts):
+            node = self.nodes[i]
+            try:
+                self._wait_one(node, _answers_ping, "answer PING")
+                return
+            except RedisStartError:
+                if self.base_port is not None or node.running or attempt == attempts - 1 \
+                        or "Address already in use" not in node.log_tail():
+                    raise
+            self.nodes[i] = self._spawn(exe, i, again=attempt + 1)
+
+    def _spawn(self, exe: str, i: int, *, search: bool = True, again: int = 0) -> ClusterNode:
         assert self._root is not None
-        workdir = os.path.join(self._root, f"node{i}")
+        workdir = os.path.join(self._root, f"node{i}" + (f"-{again}" if again else ""))
         os.makedirs(workdir)
-        port = cluster_port() if self.base_port is None else self.base_port + i
+        port = cluster_port(n.port for n in self.nodes) if self.base_port is None else self.base_port + i
         node = ClusterNode(port=port, workdir=workdir)
         args = node_args(exe, port=node.port, workdir=workdir, node_timeout_ms=self.node_timeout_ms)
         if not search:

@@ -25,7 +25,7 @@ import ibex_context.ops.cli as cli
 import ibex_context.ops.stack as stack
 from ibex_context.ops.launch import up
 from ibex_context.ops.stack import LocalStack, free_port
-from tests.helpers import start_stack
+from tests.helpers import cli_in_process, start_stack
 
 # Branch timeouts far above the spec's so a loaded 2-core box does not turn "success" into "timeout".
 ENV_FAST = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "1000", "IBEX_HOT_TIMEOUT_MS": "2000",
@@ -37,15 +37,23 @@ BAD_BYTE = os.fsdecode(b"\xff")  # what Python makes of an argv byte that is not
 
 
 def _env(**extra: str) -> dict[str, str]:
+    """No IBEX_* setting but the suite's embedder (tests/conftest.py), and ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-    env.update(extra)
+    env.update(IBEX_MEMORY_EMBEDDER=os.environ.get("IBEX_MEMORY_EMBEDDER", "hash"), **extra)
     return env
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The command as a process of its own: its exit status, its output, no traceback."""
     return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", *args], capture_output=True, text=True,
                           errors="backslashreplace", env=env if env is not None else _env(), input=stdin,
                           timeout=60, check=False)
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The command's ``main()`` in this process (tests.helpers.cli_in_process): what it says and
+    returns; the tests that use ``_cli`` hold a real process to the same."""
+    return cli_in_process(*args, env=env if env is not None else _env())
 
 
 def assert_one_line(out: subprocess.CompletedProcess[str], code: int, prefix: str, *needles: str) -> None:
@@ -85,7 +93,7 @@ ASSEMBLE = ("assemble", "--org", "acme", "--agent", "bot", "--query", "q")
 )
 def test_assemble_mistakes_are_one_line_and_exit_2(extra: list[str], needle: str) -> None:
     dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: a mistake must be found before sending
-    out = _cli(*ASSEMBLE, "--timeout-ms", "300", *extra, env=_env(IBEX_BROKER_ENDPOINTS=dead))
+    out = _run(*ASSEMBLE, "--timeout-ms", "300", *extra, env=_env(IBEX_BROKER_ENDPOINTS=dead))
     assert_one_line(out, 2, "ibex-context assemble: ", needle)
 
 
@@ -222,7 +230,7 @@ def test_request_file_mistakes_are_one_line(tmp_path: Path, content: str | None,
     path = tmp_path / "req.json"
     if content is not None:
         path.write_text(content)
-    out = _cli("assemble", "--request", str(path), "--endpoint", "tcp://127.0.0.1:1")
+    out = _run("assemble", "--request", str(path), "--endpoint", "tcp://127.0.0.1:1")
     assert_one_line(out, 2, "ibex-context assemble: --request", needle)
 
 
@@ -245,7 +253,7 @@ def test_without_a_request_file_org_agent_and_query_are_required() -> None:
     ],
 )
 def test_help_is_plain_text_and_names_the_command(args: list[str], usage: str) -> None:
-    out = _cli(*args, "-h")
+    out = _run(*args, "-h")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(usage), out.stdout[:200]
     assert "``" not in out.stdout and "python -m" not in out.stdout
@@ -259,7 +267,7 @@ def test_every_assemble_option_has_help_and_its_default() -> None:
             continue
         assert action.help, action.option_strings
         assert action.required or "default" in action.help, action.option_strings
-    assert "default: 200" in _cli("assemble", "-h").stdout.replace("\n", " ").replace("  ", " ")
+    assert "default: 200" in _run("assemble", "-h").stdout.replace("\n", " ").replace("  ", " ")
     assert cli.DEFAULT_TIMEOUT_MS == 200.0
 
 
@@ -279,28 +287,28 @@ def test_status_with_the_stack_down(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_directive_and_seed_errors_are_one_line(redis_url: str, tmp_path: Path) -> None:
-    out = _cli("directive", "show", "--org", "ac" + BAD_BYTE, "--agent", "bot", "--redis-url", redis_url)
+    out = _run("directive", "show", "--org", "ac" + BAD_BYTE, "--agent", "bot", "--redis-url", redis_url)
     assert_one_line(out, 2, "ibex-context directive show: ", "--org: not valid UTF-8")
-    out = _cli("directive", "set", "--org", "acme", "--agent", "bot", "--text", "", "--redis-url", redis_url)
+    out = _run("directive", "set", "--org", "acme", "--agent", "bot", "--text", "", "--redis-url", redis_url)
     assert_one_line(out, 2, "ibex-context directive set: ", "--text", "empty", "delete")
-    out = _cli("directive", "show", "--org", "acme", "--agent", "bot", "--redis-url", "http://nope")
+    out = _run("directive", "show", "--org", "acme", "--agent", "bot", "--redis-url", "http://nope")
     assert_one_line(out, 2, "ibex-context directive show: ", "http://nope")
-    out = _cli("directive", "frobnicate")
+    out = _run("directive", "frobnicate")
     assert_one_line(out, 2, "ibex-context directive: ", "frobnicate")
     blank = tmp_path / "blank.jsonl"
     blank.write_text('{"kind": "directive", "org_id": "acme", "agent_id": "bot", "text": "  "}\n')
-    out = _cli("seed", "--file", str(blank), "--redis-url", redis_url)
+    out = _run("seed", "--file", str(blank), "--redis-url", redis_url)
     assert_one_line(out, 2, "ibex-context seed: ", "blank.jsonl:1", "empty")
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b'{"org_id": "acme", "agent_id": "bot", "content": "\xff"}\n')
-    out = _cli("seed", "--file", str(binary), "--redis-url", redis_url)
+    out = _run("seed", "--file", str(binary), "--redis-url", redis_url)
     assert_one_line(out, 2, "ibex-context seed: ", "binary.jsonl", "UTF-8")
-    out = _cli("seed", "--file", str(tmp_path / "absent.jsonl"), "--redis-url", redis_url)
+    out = _run("seed", "--file", str(tmp_path / "absent.jsonl"), "--redis-url", redis_url)
     assert_one_line(out, 2, "ibex-context seed: ", "absent.jsonl")
-    out = _cli("seed", "--redis-url", "redis://127.0.0.1:1/0", "--file", str(blank.with_name("ok.jsonl")))
+    out = _run("seed", "--redis-url", "redis://127.0.0.1:1/0", "--file", str(blank.with_name("ok.jsonl")))
     assert out.returncode == 2  # the missing file is found before any connection
     for unreachable in ("redis://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1/0"):  # one server, a cluster
-        out = _cli("seed", "--redis-url", unreachable)
+        out = _run("seed", "--redis-url", unreachable)
         assert_one_line(out, 1, "ibex-context seed: ", "127.0.0.1:1")
     with redis.Redis.from_url(redis_url) as r:
         assert r.dbsize() == 0  # nothing was written by any of them
@@ -311,12 +319,14 @@ def test_directive_and_seed_errors_are_one_line(redis_url: str, tmp_path: Path) 
 
 @pytest.fixture
 def stack_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """A private copy of supervisord.conf (so .run/ is under tmp_path), free ports, one worker."""
+    """A private copy of supervisord.conf (so .run/ is under tmp_path), free ports, one worker, the
+    suite's embedder (tests/conftest.py)."""
+    embedder = os.environ.get("IBEX_MEMORY_EMBEDDER", "hash")
     for key in list(os.environ):
         if key.startswith("IBEX_"):
             monkeypatch.delenv(key)
     front, back = free_port(), free_port()
-    for key, value in {"IBEX_WORKERS": "1", "IBEX_REDIS_PORT": str(free_port()),
+    for key, value in {"IBEX_WORKERS": "1", "IBEX_MEMORY_EMBEDDER": embedder, "IBEX_REDIS_PORT": str(free_port()),
                        "IBEX_MEMORY_PORT": str(free_port()), "IBEX_METRICS_PORT": "0",
                        "IBEX_BROKER_FRONTEND": f"tcp://127.0.0.1:{front}",
                        "IBEX_BROKER_BACKEND": f"tcp://127.0.0.1:{back}",
@@ -377,12 +387,12 @@ def test_explain_mistakes_are_one_line(tmp_path: Path) -> None:
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
     for path, needle in [(binary, "not valid UTF-8"), (deep, "nested too deeply"), (tmp_path, "Is a directory")]:
-        out = _cli("explain", "--request", str(path), "--candidates", cands)
+        out = _run("explain", "--request", str(path), "--candidates", cands)
         assert_one_line(out, 2, "ibex-context explain: ", str(path), needle)
     req = str(EXAMPLES / "request.json")
-    out = _cli("explain", "--request", req, "--candidates", cands, "--nonce", "not-hex")
+    out = _run("explain", "--request", req, "--candidates", cands, "--nonce", "not-hex")
     assert_one_line(out, 2, "ibex-context explain: --nonce: ", "hex")
-    out = _cli("explain", "--request", req, "--candidates", cands, "--nonce", "ab" + BAD_BYTE)
+    out = _run("explain", "--request", req, "--candidates", cands, "--nonce", "ab" + BAD_BYTE)
     assert_one_line(out, 2, "ibex-context explain: ", "--nonce: not valid UTF-8")
-    out = _cli("explain", "--request", req, "--candidates", cands, "--format", "yaml")
+    out = _run("explain", "--request", req, "--candidates", cands, "--format", "yaml")
     assert_one_line(out, 2, "ibex-context explain: ", "--format")

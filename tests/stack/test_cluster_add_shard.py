@@ -25,6 +25,7 @@ from ibex_context.shared.stores.connect import async_client, key_slot, sync_clie
 from ibex_context.shared.stores.keys import agent_tag
 from tests.fixtures_cluster import started_cluster
 from tests.fixtures_services import MemoryServiceHandle, running_memory_service
+from tests.helpers import cli_in_process
 
 pytestmark = pytest.mark.timeout(300)  # a whole slot move under searches: ~1 min idle, several on a busy box
 
@@ -43,6 +44,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
     return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "cluster", *args], capture_output=True,
                           text=True, env=env, timeout=120, check=False)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """``ibex-context cluster ARGS`` through the CLI's ``main()`` in this process (what it says and
+    returns; ``_cli`` runs the real process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    return cli_in_process("cluster", *args, env=env)
 
 
 def _addr(node: ClusterNode) -> str:
@@ -195,16 +203,16 @@ def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) ->
     primary, replica = cluster.primary_nodes[0], cluster.nodes[cluster.primaries]
     _one_line(_cli("move-slots", "--url", "redis+cluster://127.0.0.1:1/0", "--to", "127.0.0.1:2", "--slots", "1"),
               1, "does not answer")
-    _one_line(_cli("move-slots", "--url", redis_url, "--to", "127.0.0.1:2", "--slots", "1"), 2, "without cluster mode")
-    _one_line(_cli("move-slots", "--url", url, "--to", "127.0.0.1:2", "--slots", "1"), 2, "not a node of the cluster")
-    _one_line(_cli("move-slots", "--url", url, "--to", _addr(primary), "--slots", "16384"), 2, "0-16383")
-    _one_line(_cli("move-slots", "--url", url, "--to", _addr(primary), "--slots", "9-3"), 2, "0-16383")
-    _one_line(_cli("move-slots", "--url", url, "--to", _addr(primary), "--slots", "x"), 2, "not a slot range")
-    _one_line(_cli("move-slots", "--url", url, "--to", _addr(replica), "--slots", "1"), 2, "is a replica")
-    _one_line(_cli("move-slots", "--url", url, "--to", _addr(primary), "--from", _addr(cluster.primary_nodes[1]),
+    _one_line(_run("move-slots", "--url", redis_url, "--to", "127.0.0.1:2", "--slots", "1"), 2, "without cluster mode")
+    _one_line(_run("move-slots", "--url", url, "--to", "127.0.0.1:2", "--slots", "1"), 2, "not a node of the cluster")
+    _one_line(_run("move-slots", "--url", url, "--to", _addr(primary), "--slots", "16384"), 2, "0-16383")
+    _one_line(_run("move-slots", "--url", url, "--to", _addr(primary), "--slots", "9-3"), 2, "0-16383")
+    _one_line(_run("move-slots", "--url", url, "--to", _addr(primary), "--slots", "x"), 2, "not a slot range")
+    _one_line(_run("move-slots", "--url", url, "--to", _addr(replica), "--slots", "1"), 2, "is a replica")
+    _one_line(_run("move-slots", "--url", url, "--to", _addr(primary), "--from", _addr(cluster.primary_nodes[1]),
                    "--slots", "11000"), 2, "not by --from")  # served by the third primary
     _one_line(_cli("add-shard", "--url", url, "--node", "nohost"), 2, "not HOST:PORT")
-    _one_line(_cli("add-shard", "--url", url, "--node", "127.0.0.1:1"), 1, "127.0.0.1:1 does not answer")
+    _one_line(_run("add-shard", "--url", url, "--node", "127.0.0.1:1"), 1, "127.0.0.1:1 does not answer")
     full = cluster.spare_node()
     with full.client() as c:  # a node of another (one-node) cluster, holding a key
         c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
@@ -214,9 +222,9 @@ def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) ->
                 break
             except redis.exceptions.ClusterDownError:
                 time.sleep(0.05)
-    _one_line(_cli("add-shard", "--url", url, "--node", _addr(full)), 2, "is not empty")
+    _one_line(_run("add-shard", "--url", url, "--node", _addr(full)), 2, "is not empty")
     bare = cluster.spare_node(search=False)
-    _one_line(_cli("add-shard", "--url", url, "--node", _addr(bare)), 2, "no query engine")
+    _one_line(_run("add-shard", "--url", url, "--node", _addr(bare)), 2, "no query engine")
     for node in (full, bare):
         cluster.kill(node)
     p0, p1, p2 = cluster.primary_nodes
@@ -225,7 +233,7 @@ def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) ->
         b.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", a.execute_command("CLUSTER", "MYID"))
         a.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", b.execute_command("CLUSTER", "MYID"))
         try:
-            _one_line(_cli("move-slots", "--url", url, "--to", _addr(p2), "--slots", str(slot)), 2,
+            _one_line(_run("move-slots", "--url", url, "--to", _addr(p2), "--slots", str(slot)), 2,
                       "slot 100 is", "CLUSTER SETSLOT 100 STABLE")
         finally:
             for c in (a, b):

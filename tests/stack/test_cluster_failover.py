@@ -20,7 +20,7 @@ from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import memory_key
 from tests.fixtures_cluster import started_cluster
-from tests.helpers import start_stack
+from tests.helpers import eventually, start_stack
 
 ORGS = ("acme", "globex")
 AGENT = "bot"
@@ -102,7 +102,9 @@ async def test_a_primary_killed_under_load_loses_no_acknowledged_write(cluster: 
     stop = asyncio.Event()
     loads = [asyncio.create_task(_load(stack, org, seen[org], stop)) for org in ORGS]
     try:
-        await asyncio.sleep(2.0)
+        # the load is under way: every org has written and assembled before the kill
+        await eventually("writes and assemblies of every org", lambda: all(s.acked and s.assemblies
+                                                                           for s in seen.values()), 60.0)
         victim = cluster.node_for_key(memory_key("acme", AGENT, "m-1"))
         t_kill = time.monotonic()
         cluster.kill(victim)

@@ -4,6 +4,11 @@ shard, and untagged org keys of a single server moved to their tagged names once
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
+
+import ibex_context.memory.embedded_redis.cluster as cluster_mod
 from ibex_context.memory.embedded_redis.cluster import SLOTS, EmbeddedCluster
 from ibex_context.memory.search.index import index_name
 from ibex_context.shared.stores import keys
@@ -23,6 +28,16 @@ def test_cluster_covers_every_slot_with_a_replica_per_primary(redis_cluster: Emb
             owned += int(hi) - int(lo) + 1
     assert "cluster_state:ok" in info and "cluster_known_nodes:6" in info
     assert owned == SLOTS
+
+
+def test_a_node_port_is_never_one_of_the_clusters_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel hands a port just released out again: nodes started one after another, none yet
+    # bound, were given the same one (and the second exited with "Address already in use").
+    taken = cluster_mod.cluster_port()
+    fresh = cluster_mod.cluster_port([taken])
+    offered: Iterator[int] = iter([taken, taken + 10000, taken - 10000, fresh])
+    monkeypatch.setattr(cluster_mod, "free_port", lambda: next(offered))
+    assert cluster_mod.cluster_port([taken]) == fresh
 
 
 def test_an_orgs_own_keys_share_one_slot_and_an_agents_memory_keys_another() -> None:

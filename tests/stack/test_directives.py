@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from ibex_context.memory.store import directive_cli
 from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.directives import (
     DirectiveEnvelope,
@@ -23,6 +24,7 @@ from ibex_context.shared.stores.directives import (
     set_directive,
 )
 from ibex_context.shared.stores.keys import directive_key
+from tests.helpers import main_in_process
 
 
 @pytest.fixture
@@ -142,6 +144,15 @@ async def test_empty_directive_is_refused_and_nothing_is_written(aredis: Redis, 
 
 
 def _cli(*args: str, url: str | None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m ibex_context.memory.store.directive_cli ARGS`` through its ``main()`` in this
+    process (tests.helpers.main_in_process); the first test below runs it as a real process."""
+    env = {k: v for k, v in os.environ.items() if k != "IBEX_REDIS_URL"}
+    if url:
+        env["IBEX_REDIS_URL"] = url
+    return main_in_process(directive_cli.main, *args, env=env, stdin=stdin)
+
+
+def _process(*args: str, url: str | None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "IBEX_REDIS_URL"}
     if url:
         env["IBEX_REDIS_URL"] = url
@@ -152,19 +163,19 @@ def _cli(*args: str, url: str | None, stdin: str | None = None) -> subprocess.Co
 
 
 def test_cli_set_show_delete(redis_url: str, tmp_path: object) -> None:
-    r = _cli("set", "--org", "acme", "--agent", "bot", "--text", "Be kind.", url=redis_url)
+    r = _process("set", "--org", "acme", "--agent", "bot", "--text", "Be kind.", url=redis_url)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["version"] == 1
-    r = _cli("set", "--org", "acme", "--agent", "bot", "--file", "-", url=redis_url, stdin="From stdin ✓\n")
+    r = _process("set", "--org", "acme", "--agent", "bot", "--file", "-", url=redis_url, stdin="From stdin ✓\n")
     assert r.returncode == 0, r.stderr
-    r = _cli("show", "--org", "acme", "--agent", "bot", url=redis_url)
+    r = _process("show", "--org", "acme", "--agent", "bot", url=redis_url)
     assert r.returncode == 0 and json.loads(r.stdout)["text"] == "From stdin ✓\n"
     assert json.loads(r.stdout)["version"] == 2
-    r = _cli("delete", "--org", "acme", "--agent", "bot", url=None)  # no URL at all
+    r = _process("delete", "--org", "acme", "--agent", "bot", url=None)  # no URL at all
     assert r.returncode == 2 and "IBEX_REDIS_URL" in r.stderr
-    r = _cli("delete", "--org", "acme", "--agent", "bot", "--redis-url", redis_url, url=None)
+    r = _process("delete", "--org", "acme", "--agent", "bot", "--redis-url", redis_url, url=None)
     assert r.returncode == 0 and json.loads(r.stdout) == {"deleted": True}
-    r = _cli("show", "--org", "acme", "--agent", "bot", url=redis_url)
+    r = _process("show", "--org", "acme", "--agent", "bot", url=redis_url)
     assert r.returncode == 1 and "no directive" in r.stderr
 
 

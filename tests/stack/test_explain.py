@@ -1,24 +1,26 @@
 """`ibex-context explain`: the offline pipeline, its accounting and its errors.
 
-Here: the checks through running servers; the pure parts are in
+Here: the command as a caller runs it, through the CLI's ``main()``; the pure parts are in
 tests/unit/test_explain.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import cli_in_process
 from tests.unit.test_explain import EXAMPLES, NONCE
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "explain", *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+    """``ibex-context explain ARGS`` through the CLI's ``main()`` in this process (what it prints and
+    returns; tests/stack/test_cli.py runs the real process's one-line errors and exit statuses)."""
+    return cli_in_process("explain", *args, env=dict(os.environ))
 
 
 def test_json_output_and_decisions_add_up() -> None:
