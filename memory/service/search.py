@@ -358,8 +358,8 @@ def _remember_size(svc: MemoryService, org: str, agent: str, size: int) -> None:
 
 
 async def _run(svc: MemoryService, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """The commands on one pipeline: one round trip."""
-    async with svc.redis.pipeline(transaction=False) as pipe:
+    """The commands on one pipeline of the search's client (RESP2: ``MemoryService.search_redis``): one round trip."""
+    async with svc.search_redis.pipeline(transaction=False) as pipe:
         for args in commands:
             pipe.execute_command(*args)
         return list(await pipe.execute())
