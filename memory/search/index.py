@@ -45,7 +45,7 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,27 +330,43 @@ def nearest(reply: Any, prefix: str, sfield: str = "") -> Nearest:
     states: dict[str, bytes | None] = {}
     bprefix, bsfield = prefix.encode(), sfield.encode()
     n, isfinite = len(bprefix), math.isfinite
-    rows: Iterable[tuple[bytes, Mapping[bytes, Any]]]
-    if isinstance(reply, Mapping):
-        empty: dict[bytes, Any] = {}
-        rows = ((h[b"id"], h.get(b"extra_attributes") or empty) for h in reply.get(b"results", ()))
-    else:
-        rows = ((key, fields) for key, _, fields in _rows(reply))
-    for key, fields in rows:
+    for key, raw, rec, st in _nearest_rows(reply, bsfield):
         if not key.startswith(bprefix):
             continue
-        mid, raw = key[n:].decode(), fields.get(b"vd")
+        mid = key[n:].decode()
         try:
             score = 1.0 - float(raw) if raw is not None else 0.0  # COSINE distance is 1 - cosine
         except ValueError:
             score = 0.0
         cosine[mid] = score if isfinite(score) else 0.0
-        rec = fields.get(b"rec")
         recs[mid] = rec if rec.__class__ is bytes else None
         if bsfield:
-            st = fields.get(bsfield)
             states[mid] = st if st.__class__ is bytes else None
     return cosine, recs, states
+
+
+def _nearest_rows(reply: Any, bsfield: bytes) -> Iterator[tuple[bytes, Any, Any, Any]]:
+    """(key, ``vd``, ``rec``, token states) per row of a KNN reply; a RESP2 row holding the fields
+    in the order asked (all of them, as the engine returns them) is read by position, not mapped."""
+    if isinstance(reply, Mapping):
+        empty: dict[bytes, Any] = {}
+        for h in reply.get(b"results", ()):
+            fields = h.get(b"extra_attributes") or empty
+            yield h[b"id"], fields.get(b"vd"), fields.get(b"rec"), fields.get(bsfield) if bsfield else None
+        return
+    if not (isinstance(reply, list) and len(reply) % 2 and all(f.__class__ is list for f in reply[2::2])):
+        for key, _, fields in _rows(reply):
+            yield key, fields.get(b"vd"), fields.get(b"rec"), fields.get(bsfield) if bsfield else None
+        return
+    width = 6 if bsfield else 4
+    it = iter(reply)
+    next(it, None)  # the total
+    for key, flat in zip(it, it, strict=False):
+        if len(flat) == width and flat[0] == b"vd" and flat[2] == b"rec" and (not bsfield or flat[4] == bsfield):
+            yield key, flat[1], flat[3], flat[5] if bsfield else None
+        else:
+            fields = dict(zip(flat[::2], flat[1::2], strict=False))
+            yield key, fields.get(b"vd"), fields.get(b"rec"), fields.get(bsfield) if bsfield else None
 
 
 def _rows(reply: Any) -> list[tuple[bytes, float, dict[bytes, Any]]]:
