@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,12 @@ def _child(redis_url: str, questions: Path, new_questions: bool) -> None:
         from ibex_context.memory.app import create_app  # type: ignore[no-redef]
         from ibex_context.memory.config import MemoryConfig  # type: ignore[no-redef]
     from ibex_context.shared.security.tenancy import mint_org_token
+
+    # this checkout's CPU clock (bench.lib.cpu), by its path: a baseline's bench may have another
+    spec = importlib.util.spec_from_file_location("paired_cpu_clock", CHILD.parent / "lib" / "cpu.py")
+    assert spec is not None and spec.loader is not None
+    clock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(clock)
 
     plan = [json.loads(line) for line in questions.read_text("utf-8").splitlines()]
     caches = [f for f in (getattr(search_module, n, None) for n in ("_query_terms", "_question_words"))
@@ -97,9 +103,10 @@ def _child(redis_url: str, questions: Path, new_questions: bool) -> None:
                     q = {**q, "q": q["q"] + " the" * sent[i]}
                 for cache in caches:
                     cache.cache_clear()  # the question's words are parsed anew, as a new question's are
-                started = time.process_time_ns()
+                started = clock.cpu_seconds()
                 body = await assembly(q)
-                print(time.process_time_ns() - started, hashlib.sha1(body).hexdigest()[:12], flush=True)
+                took_ns = round((clock.cpu_seconds() - started) * 1e9)
+                print(took_ns, hashlib.sha1(body).hexdigest()[:12], flush=True)
 
     uvloop.run(run())
 
@@ -107,16 +114,17 @@ def _child(redis_url: str, questions: Path, new_questions: bool) -> None:
 def _seed(redis_url: str, questions: Path) -> int:
     """The conversation set in Redis (token states computed once), its answerable questions written
     to ``questions`` as JSON lines; returns how many."""
-    from bench.memservice import _drop_null_subject, _seed_conversations
+    from bench.memservice import drop_null_subject, seed_conversations
 
-    plan = _seed_conversations(redis_url, "minilm")
-    _drop_null_subject(redis_url)
+    plan = seed_conversations(redis_url, "minilm")
+    drop_null_subject(redis_url)
     questions.write_text("".join(json.dumps({"org": o, "agent": a, "q": q}) + "\n" for o, a, q in plan), "utf-8")
     return len(plan)
 
 
 def main(argv: list[str] | None = None) -> int:
     from bench.lib.checkout import pythonpath
+    from bench.lib.percentiles import median
     from bench.lib.tables import table
     from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 
@@ -164,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[list[Any]] = []
     for name, _ in procs:
         least = [min(c) / 1e6 for c in cpu[name]]
-        middle = [statistics.median(c) / 1e6 for c in cpu[name]]
+        middle = [median(c) / 1e6 for c in cpu[name]]
         diff = [a - min(b) / 1e6 for a, b in zip(least, cpu[first], strict=True)]
         rows.append([name, f"{statistics.fmean(least):.3f}", f"{statistics.fmean(middle):.3f}",
-                     f"{statistics.fmean(diff):+.3f} / {statistics.median(diff):+.3f}",
+                     f"{statistics.fmean(diff):+.3f} / {median(diff):+.3f}",
                      f"{sum(a == b for a, b in zip(digest[name], digest[first], strict=True))} / {n}"])
     kind = "a new question each" if args.new_questions else "questions embedded before timing"
     print(f"Memory service CPU ms per assembly (hot with the question + search), {kind}, {n} questions x "
