@@ -174,7 +174,7 @@ class MemoryService:
             retry=Retry(NoBackoff(), 1), protocol=3, **packed,
         )
         # A search's FT.SEARCH replies (hundreds of rows) come in RESP2: hiredis reads a RESP3 row
-        # (a map of maps) about seven times slower than RESP2's flat arrays (docs/memory-search.md
+        # (a map of maps) five to seven times slower than RESP2's flat arrays (docs/memory-search.md
         # "What a search costs"), and the rows read the same either way (``memory.search.index``).
         self._search_redis = async_client(
             self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
