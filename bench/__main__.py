@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "packer_bench": "the packer against a greedy, a sketch and a MILP optimum: latency and quality",
     "pack": "the packer over cases from a JSON file (--cases C.json --out R.json)",
     "memservice": "what the reference memory service costs per assembly (CPU, Redis CPU, wall)",
+    "paired_cpu": "the memory service's CPU per assembly, checkouts taking turns question by question in-process",
     "memstore": "the memory store at scale: search latency and CPU with a write before every search",
     "index_layout": "memory of an index per org against one per agent, and one org spread over a 3+3 cluster",
     "memclient": "what one memory-service call costs the worker, per HTTP client",

@@ -274,11 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         redis = EmbeddedRedis(unix_socket=args.redis_unix).start()
         try:
             if args.data == "conversations":
-                plan = _seed_conversations(redis.url, args.embedder)
+                plan = seed_conversations(redis.url, args.embedder)
             else:
                 seed_demo(redis.url)
             if args.drop_null_subject:
-                _drop_null_subject(redis.url)
+                drop_null_subject(redis.url)
             assert redis.pid is not None
             with contextlib.ExitStack() as stack:
                 systems = [stack.enter_context(_service(_base_name(b, len(args.baseline)), str(b.resolve()),
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
+def seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
     """The conversation set's turns in Redis (vectors and token states computed once), and its
     answerable questions as (org, agent, question)."""
     from bench.conversations import PrecomputedEmbedder, embed_turns, load_set
@@ -332,7 +332,7 @@ def _seed_conversations(url: str, embedder: str) -> list[tuple[str, str, str]]:
     return [(q.org_id, q.agent_id, q.question) for q in questions if q.category != "no-answer"]
 
 
-def _drop_null_subject(url: str) -> None:
+def drop_null_subject(url: str) -> None:
     """Rewrite each memory record with ``"subject": null`` without the field (the record is otherwise
     unchanged; the engine indexes the rewrite)."""
     import redis as redis_py

@@ -45,7 +45,7 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,17 +287,21 @@ def parse_reply(reply: Any, prefix: str, vfield: str, *, vector_query: bool, sfi
 
 
 def scored_ids(reply: Any, prefix: str) -> dict[str, float]:
-    """memory id -> the engine's score for each hit of a ``NOCONTENT`` reply whose key has
-    ``prefix`` (a full-text word query): ``parse_reply``'s answer without a ``Found`` per hit."""
-    if not isinstance(reply, Mapping):
-        return {f.memory_id: f.score for f in parse_reply(reply, prefix, "", vector_query=False)}
+    """memory id -> the engine's score for each hit of a ``NOCONTENT WITHSCORES`` reply whose key
+    has ``prefix`` (a full-text word query): RESP3's map, or RESP2's ``[total, key, score, ...]``."""
     bprefix = prefix.encode()
     n, isfinite = len(bprefix), math.isfinite
+    pairs: Iterable[tuple[Any, Any]]
+    if isinstance(reply, Mapping):
+        pairs = ((h[b"id"], h.get(b"score", 0.0)) for h in reply.get(b"results", ()))
+    else:
+        it = iter(reply or ())
+        next(it, None)  # the total
+        pairs = zip(it, it, strict=False)
     out: dict[str, float] = {}
-    for h in reply.get(b"results", ()):
-        key = h[b"id"]
+    for key, raw in pairs:
         if key.startswith(bprefix):
-            score = float(h.get(b"score", 0.0) or 0.0)
+            score = float(raw or 0.0)
             out[key[n:].decode()] = score if isfinite(score) else 0.0
     return out
 
@@ -324,41 +328,60 @@ def nearest(reply: Any, prefix: str, sfield: str = "") -> Nearest:
     cosine: dict[str, float] = {}
     recs: dict[str, bytes | None] = {}
     states: dict[str, bytes | None] = {}
-    if not isinstance(reply, Mapping):
-        for f in parse_reply(reply, prefix, "", vector_query=True, sfield=sfield):
-            cosine[f.memory_id], recs[f.memory_id], states[f.memory_id] = f.score, f.record, f.states
-        return cosine, recs, states
     bprefix, bsfield = prefix.encode(), sfield.encode()
     n, isfinite = len(bprefix), math.isfinite
-    empty: dict[bytes, Any] = {}
-    for h in reply.get(b"results", ()):
-        key = h[b"id"]
+    for key, raw, rec, st in _nearest_rows(reply, bsfield):
         if not key.startswith(bprefix):
             continue
-        fields = h.get(b"extra_attributes") or empty
-        mid, raw = key[n:].decode(), fields.get(b"vd")
+        mid = key[n:].decode()
         try:
             score = 1.0 - float(raw) if raw is not None else 0.0  # COSINE distance is 1 - cosine
         except ValueError:
             score = 0.0
         cosine[mid] = score if isfinite(score) else 0.0
-        rec = fields.get(b"rec")
         recs[mid] = rec if rec.__class__ is bytes else None
         if bsfield:
-            st = fields.get(bsfield)
             states[mid] = st if st.__class__ is bytes else None
     return cosine, recs, states
 
 
+def _nearest_rows(reply: Any, bsfield: bytes) -> Iterator[tuple[bytes, Any, Any, Any]]:
+    """(key, ``vd``, ``rec``, token states) per row of a KNN reply; a RESP2 row holding the fields
+    in the order asked (all of them, as the engine returns them) is read by position, not mapped."""
+    if isinstance(reply, Mapping):
+        empty: dict[bytes, Any] = {}
+        for h in reply.get(b"results", ()):
+            fields = h.get(b"extra_attributes") or empty
+            yield h[b"id"], fields.get(b"vd"), fields.get(b"rec"), fields.get(bsfield) if bsfield else None
+        return
+    if not (isinstance(reply, list) and len(reply) % 2 and all(f.__class__ is list for f in reply[2::2])):
+        for key, _, fields in _rows(reply):
+            yield key, fields.get(b"vd"), fields.get(b"rec"), fields.get(bsfield) if bsfield else None
+        return
+    width = 6 if bsfield else 4
+    it = iter(reply)
+    next(it, None)  # the total
+    for key, flat in zip(it, it, strict=False):
+        if len(flat) == width and flat[0] == b"vd" and flat[2] == b"rec" and (not bsfield or flat[4] == bsfield):
+            yield key, flat[1], flat[3], flat[5] if bsfield else None
+        else:
+            fields = dict(zip(flat[::2], flat[1::2], strict=False))
+            yield key, fields.get(b"vd"), fields.get(b"rec"), fields.get(bsfield) if bsfield else None
+
+
 def _rows(reply: Any) -> list[tuple[bytes, float, dict[bytes, Any]]]:
-    """(key, score, fields) per hit of a WITHSCORES-or-not FT.SEARCH reply (bytes, not decoded)."""
-    if isinstance(reply, Mapping):  # RESP3, the service's protocol
+    """(key, score, fields) per hit of a WITHSCORES-or-not FT.SEARCH reply that returned fields
+    (bytes, not decoded)."""
+    if isinstance(reply, Mapping):  # RESP3
         return [(h[b"id"], float(h.get(b"score", 0.0) or 0.0), h.get(b"extra_attributes") or {})
                 for h in reply.get(b"results", ())]
-    # RESP2: [total, id, (score,) [field, value, ...], id, ...]; a score follows an id when the
-    # entry after it is not a list.
-    rows: list[tuple[bytes, float, dict[bytes, Any]]] = []
+    # RESP2 (the search's client): [total, id, (score,) [field, value, ...], id, ...]
     items = list(reply)[1:]
+    fields = items[1::2]
+    if len(fields) * 2 == len(items) and all(f.__class__ is list for f in fields):  # no scores: one pass
+        return [(key, 0.0, dict(zip(f[::2], f[1::2], strict=False))) for key, f in zip(items[::2], fields, strict=True)]
+    # a score follows an id when the entry after it is not a list.
+    rows: list[tuple[bytes, float, dict[bytes, Any]]] = []
     i = 0
     while i < len(items):
         key, score = items[i], 0.0

@@ -303,15 +303,13 @@ async def _hydrate(svc: MemoryService, org: str, agent: str, found: Candidates, 
     _, cosine, raws, _ = found
     vectors = await _read_missing(svc, org, agent, found, sfield)
     records = store.parse_records(raws, memory_key_prefix(org, agent), svc.health)
-    unvectored: list[MemoryRecord] = []
     size = svc.embedder.dim * 4
-    for mid, vec in vectors.items():
-        if mid not in records:
-            continue
-        if isinstance(vec, bytes) and len(vec) == size:
-            cosine[mid] = float(np.frombuffer(vec, dtype=np.float32) @ query_vec)
-        else:
-            unvectored.append(records[mid])
+    read = [(mid, vec) for mid, vec in vectors.items() if mid in records]
+    whole = [(mid, vec) for mid, vec in read if isinstance(vec, bytes) and len(vec) == size]
+    if whole:  # one product for all of them
+        matrix = np.frombuffer(b"".join([vec for _, vec in whole]), dtype=np.float32).reshape(len(whole), -1)
+        cosine.update(zip([mid for mid, _ in whole], (matrix @ query_vec).tolist(), strict=True))
+    unvectored = [records[mid] for mid, vec in read if not (isinstance(vec, bytes) and len(vec) == size)]
     if unvectored:
         await _backfill(svc, org, agent, unvectored, query_vec, cosine)
     return records
@@ -358,8 +356,8 @@ def _remember_size(svc: MemoryService, org: str, agent: str, size: int) -> None:
 
 
 async def _run(svc: MemoryService, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """The commands on one pipeline: one round trip."""
-    async with svc.redis.pipeline(transaction=False) as pipe:
+    """The commands on one pipeline of the search's client (RESP2: ``MemoryService.search_redis``): one round trip."""
+    async with svc.search_redis.pipeline(transaction=False) as pipe:
         for args in commands:
             pipe.execute_command(*args)
         return list(await pipe.execute())

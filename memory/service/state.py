@@ -86,6 +86,7 @@ class MemoryService:
         self.faults = Faults() if enable_faults else None
         self.clock = clock
         self._redis: Redis | None = None
+        self._search_redis: Redis | None = None
         self._scripts: Scripts | None = None
         self._indexed: set[str] = set()  # indexes this process has seen or made
         self.agent_sizes: dict[tuple[str, str], int] = {}  # (org, agent) -> memories, as last searched
@@ -145,6 +146,13 @@ class MemoryService:
         return self._redis
 
     @property
+    def search_redis(self) -> Redis:
+        """The search's engine queries' client (RESP2, see ``open``)."""
+        if self._search_redis is None:
+            raise ApiError(503, "memory store not connected")
+        return self._search_redis
+
+    @property
     def scripts(self) -> Scripts:
         """The one-round-trip reads (``memory.store.reads``) on this service's Redis client."""
         if self._scripts is None:
@@ -164,6 +172,13 @@ class MemoryService:
         self._redis = async_client(
             self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1), protocol=3, **packed,
+        )
+        # A search's FT.SEARCH replies (hundreds of rows) come in RESP2: hiredis reads a RESP3 row
+        # (a map of maps) five to seven times slower than RESP2's flat arrays (docs/memory-search.md
+        # "What a search costs"), and the rows read the same either way (``memory.search.index``).
+        self._search_redis = async_client(
+            self.config.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1), protocol=2, **packed,
         )
         self._scripts = Scripts(self._redis)
         self._indexed.clear()
@@ -191,6 +206,9 @@ class MemoryService:
             self._indexed.add(name)
 
     async def close(self) -> None:
+        if self._search_redis is not None:
+            await self._search_redis.aclose()
+            self._search_redis = None
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None
