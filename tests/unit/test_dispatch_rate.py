@@ -328,7 +328,8 @@ def test_an_org_under_its_share_never_waits_for_a_flooding_orgs_tokens(
     if not poisson:
         assert not any(waits)
     assert sent.total() <= rate * 2 + r.burst() + 2 * first_fill(rate) + 2
-    assert sent["flood"] >= rate * 2 - sent["victim"] - 3  # the rest goes to the flood
+    # the rest goes to the flood, but for the edges: tokens accrued and not yet whole at the end
+    assert sent["flood"] >= rate * 2 - sent["victim"] - 5
 
 
 def test_a_cut_rate_does_not_keep_the_debt_a_higher_rate_allowed() -> None:
