@@ -77,8 +77,6 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from .reserves import Reserves, debt_cap
-
 MIN_LIMIT = 2.0  # a worker keeps two in flight: one on the CPU while one waits on I/O
 BACKOFF = 0.75  # multiplicative decrease on an overload signal
 LOOP_LAG_US = 5_000  # a request that waited longer than this for the worker's loop: worker CPU saturated
@@ -297,7 +295,6 @@ class DispatchRate:
     lifted: int = 0
     window: collections.deque[tuple[int, float]] = field(default_factory=collections.deque)  # dispatched unlimited
     cleans: collections.deque[int] = field(default_factory=collections.deque)  # clean replies' times, last window
-    reserves: Reserves = field(default_factory=Reserves)  # each org's share of the rate (broker.reserves)
 
     @property
     def limited(self) -> bool:
@@ -318,16 +315,10 @@ class DispatchRate:
         if now_ns > self.refilled_ns:
             self.tokens = min(self.burst(), self.tokens + (now_ns - self.refilled_ns) * self.rate / 1e9)
             self.refilled_ns = now_ns
-        # reserves' debt is bounded by the rate as it is now (a cut forgives what a higher rate
-        # allowed): borrowers wait at most DEBT_NS (broker.reserves) behind the reserves
-        self.tokens = max(self.tokens, -debt_cap(self.rate))
 
-    def allows(self, cost: float, org: str | None = None, weight: float = 1.0, now_ns: int = 0) -> bool:
-        """Whether a request costing ``cost`` may go now (after ``refill``): on the shared bucket,
-        or on ``org``'s reserve (``broker.reserves``)."""
-        if cost <= 0 or not self.limited or self.tokens >= cost:
-            return True
-        return org is not None and self.reserves.tokens(org, weight, self.rate, now_ns) >= cost
+    def allows(self, cost: float) -> bool:
+        """Whether a request costing ``cost`` may go now (after ``refill``)."""
+        return cost <= 0 or not self.limited or self.tokens >= cost
 
     def held_back(self, now_ns: int) -> None:
         """A request was kept in the queue for lack of tokens: the rate binds."""
@@ -336,18 +327,15 @@ class DispatchRate:
     def binding(self, now_ns: int) -> bool:
         return self.limited and now_ns - self.last_binding_ns < RATE_BINDING_NS
 
-    def take(self, cost: float, now_ns: int, org: str | None = None, weight: float = 1.0) -> None:
-        """A request costing ``cost`` was dispatched (of ``org``: from its reserve if that holds it)."""
+    def take(self, cost: float, now_ns: int) -> None:
+        """A request costing ``cost`` was dispatched."""
         w = self.window
         if not self.limited:  # counted for the first cut, whatever its cost (module doc)
             w.append((now_ns, 1.0))
             while w and now_ns - w[0][0] > RATE_WINDOW_NS:
                 w.popleft()
-        if cost <= 0 or not self.limited:
-            return
-        if org is not None:
-            self.reserves.take(org, weight, self.rate, cost, now_ns)
-        self.tokens -= cost
+        elif cost > 0:
+            self.tokens -= cost
 
     def measured(self, now_ns: int) -> float:
         """Requests dispatched a second while unlimited, over the last ``RATE_WINDOW_NS`` (or since
@@ -376,18 +364,15 @@ class DispatchRate:
             return now_ns
         return now_ns + math.ceil((cost - self.tokens) * 1e9 / self.rate)
 
-    def wait_ns(self, ahead_cost: float, share: float, now_ns: int, org: str | None = None,
-                weight: float = 1.0) -> float:
+    def wait_ns(self, ahead_cost: float, share: float, now_ns: int) -> float:
         """How long until a request with ``ahead_cost`` of its own org's work ahead of it and
-        itself included has its tokens, its org taking ``share`` of the shared bucket's (0
-        unlimited; ``share`` 1 for a request first in the fair order), or, for ``org``, its
-        reserve holds them, whichever comes first."""
+        itself included has its tokens, its org taking ``share`` of them (0 unlimited; ``share``
+        1 for a request first in the fair order)."""
         if not self.limited:
             return 0.0
-        shared = math.inf if share <= 0 else max(0.0, (ahead_cost - self.tokens) * 1e9 / (self.rate * share))
-        if org is None:
-            return shared
-        return min(shared, self.reserves.fill_ns(org, weight, self.rate, ahead_cost, now_ns))
+        if share <= 0:
+            return math.inf
+        return max(0.0, (ahead_cost - self.tokens) * 1e9 / (self.rate * share))
 
     def on_reply(self, *, dispatched_ns: int, now_ns: int, refused: bool, asked_memory: bool,
                  clean: bool | None = None) -> None:
@@ -439,7 +424,7 @@ class DispatchRate:
         elif self.clean_since_cut:
             self.peak = base
         self.rate = max(RATE_FLOOR, base * RATE_BACKOFF, min(base, self.clean_rate(now_ns)))
-        self.tokens = max(min(self.tokens, self.burst()), -debt_cap(self.rate))  # refill's bound
+        self.tokens = min(self.tokens, self.burst())
         self.last_cut_ns = self.changed_ns = now_ns
         self.clean_since_cut = False
         self.cuts += 1

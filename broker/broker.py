@@ -109,18 +109,15 @@ class _Unpaced:
     held slots, and, under a limited dispatch rate, those whose request costs more tokens than
     the bucket holds (``paced`` records that one was). O(1) per org asked."""
 
-    __slots__ = ("cost", "held", "now_ns", "paced", "rate", "reserves", "weight")
+    __slots__ = ("cost", "held", "paced", "rate")
 
-    def __init__(self, held: Container[str], rate: DispatchRate, cost: MemoryCost,
-                 weight: Callable[[str], float], now_ns: int, reserves: bool = True) -> None:
+    def __init__(self, held: Container[str], rate: DispatchRate, cost: MemoryCost) -> None:
         self.held, self.rate, self.cost, self.paced = held, rate, cost, False
-        self.weight, self.now_ns, self.reserves = weight, now_ns, reserves
 
     def __contains__(self, org: object) -> bool:
         if org in self.held:
             return True
-        if isinstance(org, str) and not self.rate.allows(self.cost.cost(org), org if self.reserves else None,
-                                                         self.weight(org), self.now_ns):
+        if isinstance(org, str) and not self.rate.allows(self.cost.cost(org)):
             self.paced = True
             return True
         return False
@@ -236,21 +233,8 @@ class Broker:
             self.holds.expire(now)  # an end already past must not wake the loop again at once
             wake = min(wake, self.holds.next_end_ns() or wake)
         if self.queue and self.rate.limited and self.rate.binding(now):
-            wake = min(wake, self.rate.next_token_ns(1.0, now), self._next_reserve_ns(now))
+            wake = min(wake, self.rate.next_token_ns(1.0, now))
         return wake
-
-    def _reserve_of(self, org: str) -> tuple[str | None, float]:
-        """(org, weight) for the dispatch rate's reserves, or (None, 1.0) with them off."""
-        return (org, self.queue.weight(org)) if self.settings.admission_reserves else (None, 1.0)
-
-    def _next_reserve_ns(self, now: int) -> int:
-        """When the first queued org's reserve (``broker.reserves``) will hold its next request's
-        tokens, of those whose reserve does not now (a full one waits on a slot, not a token)."""
-        if not self.settings.admission_reserves:
-            return now + 1_000_000_000
-        fills = (self.rate.reserves.fill_ns(org, self.queue.weight(org), self.rate.rate, self.cost.cost(org), now)
-                 for org, _ in self.queue.queued_by_org())
-        return now + int(min((f for f in fills if f > 0), default=1e9))
 
     # ------------------------------------------------------------------------------ frontend
 
@@ -378,7 +362,7 @@ class Broker:
         cost = self.cost.cost(org)
         if cost <= 0 or not self.rate.limited:
             return 0.0
-        return self.rate.wait_ns((queued + 1) * cost, share, now_ns, *self._reserve_of(org))
+        return self.rate.wait_ns((queued + 1) * cost, share, now_ns)
 
     def _shed_held(self, org: str, held: int, queued: int, remaining_ns: int) -> tuple[str, IbexError] | None:
         """OVERLOADED on receipt when ``org``'s own held slots take every free slot and the first of
@@ -484,7 +468,7 @@ class Broker:
             self.table.dispatched(w, key)
             self.stats["dispatched"] += 1
             if rate is not None:
-                rate.take(self.cost.cost(org), now, *self._reserve_of(org))
+                rate.take(self.cost.cost(org), now)
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
 
@@ -497,11 +481,10 @@ class Broker:
             rate.refill(time.monotonic_ns())
         if rate is None or not rate.limited:
             return self.queue.pop(lifo, held)
-        now = time.monotonic_ns()
-        skip = _Unpaced(held, rate, self.cost, self.queue.weight, now, self.settings.admission_reserves)
+        skip = _Unpaced(held, rate, self.cost)
         nxt = self.queue.pop(lifo, skip)
         if nxt is None and skip.paced:
-            rate.held_back(now)
+            rate.held_back(time.monotonic_ns())
         return nxt
 
     def _held_back(self) -> set[str]:

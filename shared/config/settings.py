@@ -247,10 +247,6 @@ class BrokerSettings(_LinkSettings):
                           "raised while clean, lifted after a quiet second), each org taking its weight's share of "
                           "it; a request that could not get its turn in time is refused OVERLOADED on receipt "
                           "(docs/architecture.md \"Admission control\").")
-    admission_reserves: bool = Field(
-        True, description="Under the dispatch rate, each org has a reserve that fills at its share of it, so an org "
-                          "under its share goes at once however another org floods (broker/reserves.py); false: "
-                          "every request waits for the shared bucket's next token in fair order.")
     adaptive_limit: bool = Field(
         True, description="Per-worker adaptive concurrency limit with the worker's credit as its cap; false: every "
                           "worker holds exactly its credit.")
