@@ -293,7 +293,7 @@ class DispatchRate:
     last_binding_ns: int = -(1 << 62)  # the last time a request was held back for lack of tokens
     cuts: int = 0
     lifted: int = 0
-    window: collections.deque[tuple[int, float]] = field(default_factory=collections.deque)  # dispatched unlimited
+    window: collections.deque[int] = field(default_factory=collections.deque)  # dispatch times while unlimited
     cleans: collections.deque[int] = field(default_factory=collections.deque)  # clean replies' times, last window
 
     @property
@@ -331,8 +331,8 @@ class DispatchRate:
         """A request costing ``cost`` was dispatched."""
         w = self.window
         if not self.limited:  # counted for the first cut, whatever its cost (module doc)
-            w.append((now_ns, 1.0))
-            while w and now_ns - w[0][0] > RATE_WINDOW_NS:
+            w.append(now_ns)
+            while w and now_ns - w[0] > RATE_WINDOW_NS:
                 w.popleft()
         elif cost > 0:
             self.tokens -= cost
@@ -344,11 +344,11 @@ class DispatchRate:
         reply), and a rate started from the cost-weighted measure began near zero and took
         seconds to climb back. A measure too high is cut again once per round trip."""
         w = self.window
-        while w and now_ns - w[0][0] > RATE_WINDOW_NS:
+        while w and now_ns - w[0] > RATE_WINDOW_NS:
             w.popleft()
         if not w:
             return 0.0
-        return len(w) * 1e9 / max(now_ns - w[0][0], RATE_BURST_NS)
+        return len(w) * 1e9 / max(now_ns - w[0], RATE_BURST_NS)
 
     def clean_rate(self, now_ns: int) -> float:
         """Clean replies (of requests that asked the memory service) a second over the last
