@@ -40,8 +40,7 @@ Two parts, both pure bookkeeping on numbers the broker already sees:
   refused for lack of capacity (the memory service's 503 or 504, or a worker's memory gate full: the
   bottleneck's own word that too much was admitted; a call that merely timed out says it was slow,
   which on a loaded machine it is at any load) to a request that asked the memory service and was
-  dispatched after the last change (so it saw the rate as it is now), while requests wait for the
-  rate (it binds: a refusal while nothing waits is not the rate's doing), cuts the rate by
+  dispatched after the last change (so it saw the rate as it is now) cuts the rate by
   ``RATE_BACKOFF``, never below the rate of clean replies of that kind over the last
   ``RATE_WINDOW_NS`` (what the memory service has just shown it serves: a degraded reply on a loaded
   machine, where the service's time moves with other processes' load, does not ratchet the rate
@@ -414,8 +413,6 @@ class DispatchRate:
             return
         if dispatched_ns < self.changed_ns:
             return  # sent at the rate before the last change: already answered for
-        if self.limited and not self.binding(now_ns):
-            return  # nothing waits for the rate: its pace is not what presses the memory service
         base = self.rate if self.limited else self.measured(now_ns)
         if not self.limited:
             if len(self.window) < RATE_MIN_DISPATCHED:

@@ -266,19 +266,6 @@ def test_backlogged_orgs_take_the_rate_by_weight_and_an_org_alone_takes_it_all(
     assert abs(len(drain(alone, limited(rate), cost, S)) - rate) <= 3  # work-conserving
 
 
-def test_a_refusal_while_nothing_waits_for_the_rate_cuts_nothing() -> None:
-    """A limited rate that nothing is held back by is not what presses the memory service: a light
-    org alone on its reserve after a flood, whose calls a loaded machine refuses now and then,
-    would otherwise ratchet the rate down to its own clean replies and be refused for it."""
-    r = limited(30.0, now_ns=S)
-    t = S + RATE_BINDING_NS + MS
-    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=False, asked_memory=True)
-    r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=True, asked_memory=True)
-    assert r.rate == 30.0 and r.cuts == 0
-    overload(r, t + MS, t + 2 * MS)  # the same while requests wait for tokens: cut
-    assert r.rate < 30.0 and r.cuts == 1
-
-
 def test_an_org_whose_assemblies_embed_nothing_is_not_held_to_the_rate() -> None:
     cost = MemoryCost()
     cost.observe("flood", True)
