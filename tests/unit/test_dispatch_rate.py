@@ -37,12 +37,6 @@ def limited(rate: float, now_ns: int = 0) -> DispatchRate:
                         last_clean_ns=now_ns)
 
 
-def overload(r: DispatchRate, dispatched_ns: int, now_ns: int) -> None:
-    """A reply whose memory call was refused, while requests wait for the rate (it binds)."""
-    r.held_back(now_ns)
-    r.on_reply(dispatched_ns=dispatched_ns, now_ns=now_ns, refused=True, asked_memory=True)
-
-
 def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
     r = DispatchRate()
     for k in range(100):  # 100 requests over the last half second: 200 a second
@@ -53,7 +47,7 @@ def test_unlimited_until_an_overload_then_cut_from_the_rate_measured() -> None:
     assert not r.limited  # a clean reply teaches nothing while unlimited
     r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=True, asked_memory=False)
     assert not r.limited  # an assembly that did not ask the memory service says nothing of its pace
-    overload(r, 400 * MS, 500 * MS)
+    r.on_reply(dispatched_ns=400 * MS, now_ns=500 * MS, refused=True, asked_memory=True)
     assert r.limited and r.cuts == 1
     assert math.isclose(r.rate, 200 * RATE_BACKOFF, rel_tol=0.02) and math.isclose(r.peak, 200, rel_tol=0.02)
 
@@ -65,7 +59,7 @@ def test_the_first_cut_counts_requests_whose_cost_is_not_known_yet() -> None:
     r = DispatchRate()
     for k in range(40):  # 40 requests in the first 40 ms, their orgs' costs not known yet
         r.take(0.0, k * MS)
-    overload(r, 0, 40 * MS)
+    r.on_reply(dispatched_ns=0, now_ns=40 * MS, refused=True, asked_memory=True)
     assert r.limited and r.rate >= 0.5 * 1000 * RATE_BACKOFF  # about a thousand a second, cut once
 
 
@@ -76,24 +70,24 @@ def test_a_refused_trickle_does_not_start_limiting() -> None:
     for k in range(RATE_MIN_DISPATCHED - 1):
         r.take(1.0, k * 50 * MS)
     now = (RATE_MIN_DISPATCHED - 1) * 50 * MS
-    overload(r, now - 50 * MS, now)
+    r.on_reply(dispatched_ns=now - 50 * MS, now_ns=now, refused=True, asked_memory=True)
     assert not r.limited
     r.take(1.0, now)
-    overload(r, now, now + MS)
+    r.on_reply(dispatched_ns=now, now_ns=now + MS, refused=True, asked_memory=True)
     assert r.limited and r.cuts == 1
 
 
 def test_one_cut_per_round_trip_and_never_below_the_floor() -> None:
     r = limited(100.0, now_ns=S)
-    overload(r, S - 10 * MS, S + 5 * MS)
+    r.on_reply(dispatched_ns=S - 10 * MS, now_ns=S + 5 * MS, refused=True, asked_memory=True)
     assert r.rate == 100.0  # dispatched before the cut: sent at the old rate, already answered for
-    overload(r, S + 1 * MS, S + 30 * MS)
+    r.on_reply(dispatched_ns=S + 1 * MS, now_ns=S + 30 * MS, refused=True, asked_memory=True)
     assert r.rate == 100.0 * RATE_BACKOFF and r.cuts == 1
-    overload(r, S + 2 * MS, S + 31 * MS)
+    r.on_reply(dispatched_ns=S + 2 * MS, now_ns=S + 31 * MS, refused=True, asked_memory=True)
     assert r.rate == 100.0 * RATE_BACKOFF  # the same burst counts once
     for k in range(200):
         t = S + (40 + k) * MS
-        overload(r, t, t + 1)
+        r.on_reply(dispatched_ns=t, now_ns=t + 1, refused=True, asked_memory=True)
     assert r.rate == RATE_FLOOR and r.peak == 0.0  # one overload met again and again: no peak learned
 
 
@@ -103,7 +97,7 @@ def test_after_a_fault_a_few_clean_round_trips_climb_back_to_the_peak() -> None:
     t = S
     for _ in range(30):  # the memory service answers nothing: cut after cut, one per round trip
         t += 10 * MS
-        overload(r, t - MS, t)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert r.rate == RATE_FLOOR and r.peak == 100.0  # the rate it first fell from is remembered
     trips = 0
     while r.rate < RATE_NEAR * r.peak:
@@ -117,24 +111,24 @@ def test_after_a_fault_a_few_clean_round_trips_climb_back_to_the_peak() -> None:
     r.held_back(t)
     r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=False, asked_memory=True)
     assert r.rate == before + RATE_GROWTH  # near the peak: probing above it, slowly
-    overload(r, t, t + 2 * MS)
+    r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, refused=True, asked_memory=True)
     assert r.peak == before + RATE_GROWTH and r.rate == r.peak * RATE_BACKOFF  # a clean reply came since: a new peak
 
 
 def test_a_memory_service_that_answers_nothing_in_time_has_no_pace_to_learn() -> None:
     r = limited(80.0, now_ns=S)
     t = S + 10 * RATE_RECOVER_NS  # the first degraded reply after a quiet spell: an overload, cut
-    overload(r, t - MS, t)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert r.limited and r.cuts == 1
     t += RATE_RECOVER_NS
-    overload(r, t - MS, t)
+    r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert not r.limited and r.lifted == 1  # degraded replies only, for a second: a fault, degraded at the gates
-    overload(r, t, t + MS)
+    r.on_reply(dispatched_ns=t, now_ns=t + MS, refused=True, asked_memory=True)
     assert not r.limited  # and no cut until a clean reply shows it serving again
     for k in range(RATE_MIN_DISPATCHED):  # (and a flood still coming: no trickle)
         r.take(1.0, t + k)
     r.on_reply(dispatched_ns=t, now_ns=t + 2 * MS, refused=False, asked_memory=True)
-    overload(r, t, t + 3 * MS)
+    r.on_reply(dispatched_ns=t, now_ns=t + 3 * MS, refused=True, asked_memory=True)
     assert r.limited
     r.held_back(t + 3 * MS)
     r.last_overload_ns = t + 3 * MS + RATE_RECOVER_NS
@@ -291,7 +285,7 @@ def test_a_cut_never_goes_below_the_rate_of_clean_replies_just_seen() -> None:
     assert math.isclose(r.clean_rate(t), 25.0)
     for _ in range(10):
         t += 20 * MS
-        overload(r, t - MS, t)
+        r.on_reply(dispatched_ns=t - MS, now_ns=t, refused=True, asked_memory=True)
     assert 20.0 <= r.rate <= 30.0 * RATE_BACKOFF and r.cuts >= 2
     assert len(r.cleans) <= 25  # the window's times only
 
