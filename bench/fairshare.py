@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,6 @@ from ibex_context.shared.wire.protocol import Envelope, pack_header
 
 WARMUP_S = 1.0
 RATE_EVERY_S = 0.5  # the broker's dispatch rate is read this often
-NOT_WHOLE = " p99 not whole"  # result key: an org's p99 time to the answer of what was not served whole
 
 
 class MemoryService:
@@ -137,7 +137,7 @@ def worker(ctx: zmq.Context[zmq.Socket[bytes]], backend: str, capacity: int, ser
         if now - last_hb > 0.2:
             s.send_multipart(P.heartbeat_frames(info))
             last_hb = now
-        wake = min(x for x in (due[0][0] if due else now + 0.05, memory.next_s() or now + 0.05))
+        wake = min(due[0][0] if due else now + 0.05, memory.next_s() or now + 0.05)
         if not s.poll(min(50, max(0, int((wake - now) * 1000)))):
             continue
         msg = P.parse_broker_message(s.recv_multipart())
@@ -158,7 +158,19 @@ def worker(ctx: zmq.Context[zmq.Socket[bytes]], backend: str, capacity: int, ser
     s.close(linger=0)
 
 
-def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
+@dataclass
+class Run:
+    """What one run measured: per org, its outcomes and the p99 seconds to the answer of what was
+    not served whole (absent when everything was); the broker's counters over the whole run; the
+    dispatch rate read every ``RATE_EVERY_S`` (None: unlimited)."""
+
+    outcomes: dict[str, collections.Counter[str]]
+    not_whole_p99_s: dict[str, float] = field(default_factory=dict)
+    broker: collections.Counter[str] = field(default_factory=collections.Counter)
+    rates: list[float | None] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace) -> Run:
     fe, be = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
     env["PYTHONPATH"] = pythonpath(args.tree)  # that checkout's package, not the installed one
@@ -181,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
     ops = ctx.socket(zmq.DEALER)
     ops.setsockopt(zmq.LINGER, 0)
     ops.connect(fe)
-    rates: list[str] = []  # the broker's dispatch rate, every RATE_EVERY_S
+    rates: list[float | None] = []  # the broker's dispatch rate, every RATE_EVERY_S
     poller = zmq.Poller()
     for s in socks.values():
         poller.register(s, zmq.POLLIN)
@@ -208,8 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
                 if s is ops:
                     status = P.parse_reply(ops.recv_multipart())
                     if isinstance(status, P.StatusReply):
-                        rate = status.snapshot.get("dispatch_rate")
-                        rates.append("-" if rate is None else f"{rate:g}")
+                        rates.append(status.snapshot.get("dispatch_rate"))
                     continue
                 while s.poll(0):
                     reply = P.parse_reply(s.recv_multipart())
@@ -222,24 +233,23 @@ def run(args: argparse.Namespace) -> dict[str, collections.Counter[str]]:
                         outcome[reply.correlation_id] = "late"
                     else:
                         outcome[reply.correlation_id] = "ok" if reply.payload == b"ok" else "degraded"
-        result = {org: collections.Counter[str]() for org in orgs}
+        result = Run({org: collections.Counter[str]() for org in orgs}, rates=rates)
         not_ok: dict[str, list[float]] = {org: [] for org in orgs}
         for rid, (org, at, _) in sent.items():
             if at >= t0 + WARMUP_S:
-                result[org][outcome.get(rid, "no reply")] += 1
+                result.outcomes[org][outcome.get(rid, "no reply")] += 1
                 if outcome.get(rid, "ok") != "ok" and rid in took:
                     not_ok[org].append(took[rid])
         for org, times in not_ok.items():  # how long what was not served whole took to be answered
             if times:
-                result[org + NOT_WHOLE] = collections.Counter({f"{percentile(times, 99) * 1e3:.1f}": 1})
+                result.not_whole_p99_s[org] = percentile(times, 99)
         socks["victim"].send_multipart(P.status_request_frames())
         if socks["victim"].poll(5000):
             status = P.parse_reply(socks["victim"].recv_multipart())
             if isinstance(status, P.StatusReply):
                 stats = status.snapshot.get("stats", {})
-                result["broker (whole run)"] = collections.Counter(
+                result.broker = collections.Counter(
                     {k: v for k, v in stats.items() if k.startswith(("expired", "shed", "pushed", "rejected"))})
-        result["dispatch rate"] = collections.Counter({" ".join(rates): 1})
         return result
     finally:
         ops.close(linger=0)
@@ -267,14 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                          "default 0: none)")
     args = ap.parse_args(argv)
     result = run(args)
-    broker = result.pop("broker (whole run)", collections.Counter())
-    rates = next(iter(result.pop("dispatch rate", collections.Counter({"": 1}))))
-    p99: dict[str, str] = {}
-    for key in [k for k in result if k.endswith(NOT_WHOLE)]:
-        p99[key[:-len(NOT_WHOLE)]] = next(iter(result.pop(key)))
-    kinds = sorted({k for c in result.values() for k in c} - {"ok"})
+    broker = result.broker
+    rates = " ".join("-" if r is None else f"{r:g}" for r in result.rates)
+    p99 = {org: f"{s * 1e3:.1f}" for org, s in result.not_whole_p99_s.items()}
+    kinds = sorted({k for c in result.outcomes.values() for k in c} - {"ok"})
     rows = [[org, str(sum(c.values())), f"{100 * c['ok'] / max(1, sum(c.values())):.1f} %",
-             *(str(c[k]) for k in kinds), p99.get(org, "-")] for org, c in result.items()]
+             *(str(c[k]) for k in kinds), p99.get(org, "-")] for org, c in result.outcomes.items()]
     served = args.capacity / args.service_ms * 1e3
     memory = f", its memory service {args.memory_rps:g}/s" if args.memory_rps > 0 else ""
     print(f"broker from {args.tree}; worker serves {served:.0f}/s{memory}; after the first {WARMUP_S:.0f} s:\n")
