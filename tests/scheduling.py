@@ -40,7 +40,44 @@ GROUP_OF = {path: group for group, paths in SHARED_GROUPS.items() for path in pa
 # Seconds a file takes on the 2-core CI machine under ``make pytest`` (setup, calls and teardown),
 # for the files over ~5 s; a file not listed counts as DEFAULT_SECONDS. Only the order they give
 # matters: a stale figure makes the run slower, never different.
-SECONDS: dict[str, float] = {}
+SECONDS: dict[str, float] = {
+    "tests/stack/test_rerank.py": 92, "tests/stack/test_cluster_add_shard.py": 86,
+    "tests/stack/test_bench_tenants.py": 73, "tests/stack/test_bench_run.py": 64,
+    "tests/stack/test_minilm_openvino.py": 58, "tests/stack/test_cli.py": 55, "tests/stack/test_minilm_graph.py": 53,
+    "tests/stack/test_roles.py": 51, "tests/stack/test_cluster_memory_service.py": 50,
+    "tests/stack/test_add_workers_host.py": 42, "tests/meta/test_packaging.py": 33,
+    "tests/stack/test_summaries_e2e.py": 30, "tests/unit/test_chat_assembly.py": 26,
+    "tests/stack/test_cluster_failover.py": 25, "tests/stack/test_embedders.py": 25,
+    "tests/stack/test_litellm_degraded.py": 24, "tests/stack/test_memory_service.py": 23,
+    "tests/stack/test_faults.py": 23, "tests/stack/test_litellm_proxy.py": 22,
+    "tests/stack/test_litellm_routes.py": 22, "tests/unit/test_summary_plan.py": 21,
+    "tests/stack/test_cluster_summaries.py": 21, "tests/stack/test_secret_guard.py": 20,
+    "tests/stack/test_litellm_quickstart.py": 20, "tests/stack/test_summary_store.py": 18,
+    "tests/stack/test_litellm_sdks.py": 18, "tests/stack/test_usage_admission.py": 17,
+    "tests/unit/test_history.py": 17, "tests/stack/test_litellm_large.py": 17, "tests/stack/test_fuzz.py": 17,
+    "tests/stack/test_cluster_calibration.py": 17, "tests/stack/test_calibration.py": 16,
+    "tests/stack/test_main_job.py": 16, "tests/stack/test_admission_rate.py": 16, "tests/stack/test_limits.py": 16,
+    "tests/stack/test_memory_limits.py": 13, "tests/stack/test_storage_budgets.py": 13,
+    "tests/stack/test_tenant_isolation.py": 13, "tests/stack/test_cluster_retrieval.py": 13,
+    "tests/stack/test_broker_fair_share.py": 12, "tests/unit/test_context_editing_vs_drop.py": 12,
+    "tests/stack/test_litellm_hook.py": 12, "tests/stack/test_write_neighbours.py": 12,
+    "tests/stack/test_litellm_auth.py": 12, "tests/stack/test_client_library.py": 12,
+    "tests/meta/test_module_identity.py": 11, "tests/stack/test_calibration_poisoning.py": 10,
+    "tests/stack/test_memory_admission.py": 10, "tests/stack/test_remote_embedder.py": 10,
+    "tests/stack/test_search_stages.py": 10, "tests/stack/test_litellm_call_id.py": 10,
+    "tests/stack/test_admission_hold.py": 10, "tests/stack/test_correlation.py": 9,
+    "tests/unit/test_estimate_bound.py": 9, "tests/stack/test_auth.py": 9,
+    "tests/stack/test_cluster_summary_op.py": 9, "tests/stack/test_memory_failover.py": 8,
+    "tests/stack/test_directive_under_load.py": 8, "tests/unit/test_chat_models.py": 8,
+    "tests/stack/test_wire_proxy.py": 7, "tests/stack/test_endpoint_guard.py": 7,
+    "tests/stack/test_client_first_use.py": 7, "tests/stack/test_org_fairness.py": 7,
+    "tests/stack/test_admission.py": 7, "tests/stack/test_access_log.py": 7,
+    "tests/stack/test_assemble_output.py": 6, "tests/stack/test_wire_stack.py": 6,
+    "tests/stack/test_cache_marks.py": 6, "tests/stack/test_cluster_directives.py": 6,
+    "tests/stack/test_seed_format_doc.py": 6, "tests/unit/test_bench_run.py": 6,
+    "tests/unit/test_summary_slot.py": 5, "tests/stack/test_write_quotas.py": 5, "tests/stack/test_one_pass.py": 5,
+    "tests/stack/test_cluster_slot_move.py": 5, "tests/stack/test_summary_op.py": 5, "tests/unit/test_format.py": 5,
+}
 DEFAULT_SECONDS = 1.0
 
 
