@@ -87,12 +87,16 @@ class LineCache:
     Escaping a long memory costs far more than hashing it, and the same memories come back for
     the same agent request after request. The key is the full text, so a hit can only ever return
     the rendering of that very memory: nothing crosses tenants. Each entry also keeps the line's
-    token count per tokenizer family.
+    token count per tokenizer family. The derived nonces of the last ``max_nonces`` memories
+    blocks are kept too, by their HMAC key and exact lines (the same memory set, the same block:
+    hashing its lines again would cost more than the rest of the block's rendering).
     """
 
-    def __init__(self, max_entries: int = 8192) -> None:
+    def __init__(self, max_entries: int = 8192, max_nonces: int = 1024) -> None:
         self.max_entries = max_entries
+        self.max_nonces = max_nonces
         self._entries: OrderedDict[tuple[str, str, str | None, str], tuple[str, dict[str, int]]] = OrderedDict()
+        self._nonces: OrderedDict[tuple[bytes, tuple[str, ...]], str] = OrderedDict()
 
     def _entry(self, h: MemoryHit) -> tuple[str, dict[str, int]]:
         key = (h.memory_id, h.category, h.date, h.content)
@@ -106,7 +110,22 @@ class LineCache:
         return entry
 
     def line(self, h: MemoryHit) -> str:
-        return self._entry(h)[0]
+        """The memory's line. A line already cached keeps its place in the LRU: the pipeline asks
+        for the lines of memories it priced (``cost``) moments before, in the same request."""
+        entry = self._entries.get((h.memory_id, h.category, h.date, h.content))
+        return entry[0] if entry is not None else self._entry(h)[0]
+
+    def nonce(self, key: bytes, lines: Sequence[str]) -> str:
+        """``format.derive_nonce(key, lines)``, kept for the blocks seen last."""
+        cache_key = (key, tuple(lines))
+        nonce = self._nonces.get(cache_key)
+        if nonce is None:
+            nonce = self._nonces[cache_key] = fmt.derive_nonce(key, lines)
+            if len(self._nonces) > self.max_nonces:
+                self._nonces.popitem(last=False)
+        else:
+            self._nonces.move_to_end(cache_key)
+        return nonce
 
     def cost(self, h: MemoryHit, counter: TokenCounter) -> int:
         """The line's token count for this counter's family, counted once per family (a calibrated
@@ -134,7 +153,8 @@ class MemoryCost:
     lines: LineCache | None = None
 
     def __call__(self, hit: MemoryHit) -> int:
-        return memory_cost(self.counter, hit, self.lines)
+        lines = self.lines  # memory_cost, one call fewer: the scorer asks once per candidate
+        return lines.cost(hit, self.counter) if lines is not None else self.counter.count(fmt.memory_line(hit))
 
 
 def memory_overhead(counter: TokenCounter, nonce: str) -> int:
