@@ -48,7 +48,7 @@ from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
 STAGES = tuple(s for s in WORKER_STAGES if s != "retrieval")
 
 
-def _request_data(model: str) -> dict[str, Any]:
+def request_data(model: str) -> dict[str, Any]:
     """The simple-form request, without its deadline."""
     return {
         "request_id": "inproc", "org_id": "acme", "agent_id": "support-bot", "model": model,
@@ -59,11 +59,11 @@ def _request_data(model: str) -> dict[str, Any]:
     }
 
 
-def _request(model: str) -> AssembleRequest:
-    return AssembleRequest.model_validate({**_request_data(model), "deadline_ns": time.time_ns() + 3_600_000_000_000})
+def simple_request(model: str) -> AssembleRequest:
+    return AssembleRequest.model_validate({**request_data(model), "deadline_ns": time.time_ns() + 3_600_000_000_000})
 
 
-def _chat_request(model: str) -> AssembleRequest:
+def chat_request(model: str) -> AssembleRequest:
     """A 20-message tool-using OpenAI conversation (docs/assembly.md "Chat-native assembly"): a system
     message, four rounds of a question, an assistant tool call, its result and an answer, then the
     current turn: a question, a tool call and its result (the agent loop mid-turn)."""
@@ -116,7 +116,7 @@ def run(*, iterations: int = 300, cold_iterations: int = 60, warmup: int = 20, m
     settings = Settings()
     directive, hot, cold = candidate_hits(n_hot, n_cold, seed=seed)
     retrieval = offline_result(directive=directive, hot=hot, cold=cold, hot_cap=n_hot, cold_cap=n_cold)
-    req = _request(model)
+    req = simple_request(model)
     n_candidates = len({h.memory_id for h in (*retrieval.hot, *retrieval.cold)})  # distinct memories
     out: dict[str, Any] = {"model": model, "n_candidates": n_candidates, "n_hot": n_hot,
                            "n_cold": n_cold, "candidate_chars": sum(len(h.content) for h in (*hot, *cold))}
@@ -135,7 +135,7 @@ def run(*, iterations: int = 300, cold_iterations: int = 60, warmup: int = 20, m
                                       if d.decision in ("packed", "excluded_budget"))
         out["token_budget"] = resp.budget.usable
 
-    hs, _ = _measure(warm_cat, policy, _chat_request(model), retrieval, iterations, warmup)
+    hs, _ = _measure(warm_cat, policy, chat_request(model), retrieval, iterations, warmup)
     out["chat_warm"] = {"iterations": iterations, **hs.summary(("wall", *STAGES))}
 
     cold_cat = Catalog.load(settings.catalog_path, cache_entries=0)
@@ -154,7 +154,7 @@ CHILD_STAGES = ("budget", "scoring", "packing", "formatting")
 def workload(*, model: str = "gpt-4o", n_hot: int = 20, n_cold: int = 50, seed: int = 70) -> dict[str, Any]:
     """The warm measurement's request and hits as plain data, for any checkout's models."""
     directive, hot, cold = candidate_hits(n_hot, n_cold, seed=seed)
-    return {"request": _request_data(model), "directive": directive,
+    return {"request": request_data(model), "directive": directive,
             "hot": [{f: getattr(h, f) for f in HIT_FIELDS} for h in hot],
             "cold": [{f: getattr(h, f) for f in HIT_FIELDS} for h in cold]}
 

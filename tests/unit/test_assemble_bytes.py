@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from bench.inproc import _chat_request, _request, _request_data
+from bench.inproc import chat_request, request_data, simple_request
 from bench.workload import candidate_hits
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
@@ -113,7 +113,7 @@ def _anthropic_request() -> AssembleRequest:
 
 
 def _simple(model: str, **options: Any) -> AssembleRequest:
-    return AssembleRequest.model_validate({**_request_data(model), "options": options, "deadline_ns": DEADLINE_NS})
+    return AssembleRequest.model_validate({**request_data(model), "options": options, "deadline_ns": DEADLINE_NS})
 
 
 def _tight() -> AssembleRequest:
@@ -148,8 +148,8 @@ def _trimmed() -> AssembleRequest:
 
 
 WORKLOADS: dict[str, tuple[Callable[[], AssembleRequest], Callable[[], RetrievalResult]]] = {
-    "bench-warm": (lambda: _request("gpt-4o"), _bench),
-    "bench-chat": (lambda: _chat_request("gpt-4o"), _bench),
+    "bench-warm": (lambda: simple_request("gpt-4o"), _bench),
+    "bench-chat": (lambda: chat_request("gpt-4o"), _bench),
     "bench-llama": (lambda: _simple("llama-3.1-8b-instruct", max_memories=30, nonce="random"), _bench),
     "tight": (_tight, _bench),
     "trimmed-openai": (_trimmed, _bench),
