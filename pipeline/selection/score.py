@@ -176,24 +176,7 @@ def score_candidates(
         raise ValueError(floor_problem)
     named = _name_hits(hits)
     use = rule == "composite"
-    w = weights or DEFAULT_WEIGHTS
-    w_sim, w_conf = INTERIM_WEIGHTS
-    problems: list[str | None] = []
-    scores: list[float | None] = []
-    kinds: list[str] = []
-    for hit in named.hits:
-        s, c = hit.similarity, hit.confidence
-        if (not use or hit.components is None) and type(s) is float and type(c) is float \
-                and 0.0 <= s <= 1.0 and 0.0 <= c <= 1.0:  # the common case, as _copy_problem and interim_score
-            problems.append(None)
-            scores.append(min(1.0, w_sim * s + w_conf * c))
-            kinds.append("interim")
-            continue
-        problem = _copy_problem(hit, use)
-        score, kind = (None, "interim") if problem else _score(hit, use, w)
-        problems.append(problem)
-        scores.append(score)
-        kinds.append(kind)
+    problems, scores, kinds = _rate(named.hits, use, weights or DEFAULT_WEIGHTS)
     ids = [h.memory_id for h in named.hits]
     keep, duplicates = ([True] * len(ids), []) if len(set(ids)) == len(ids) \
         else _choose_copies(named.hits, named.at, scores, kinds)
@@ -208,6 +191,28 @@ def score_candidates(
         else:
             rejected.append(out)
     return scored, rejected
+
+
+def _rate(hits: Sequence[MemoryHit], use: bool, w: Weights5) -> tuple[list[str | None], list[float | None], list[str]]:
+    """Each copy's problem, score and score kind (``use``: components count when a hit carries them)."""
+    w_sim, w_conf = INTERIM_WEIGHTS
+    problems: list[str | None] = []
+    scores: list[float | None] = []
+    kinds: list[str] = []
+    for hit in hits:
+        s, c = hit.similarity, hit.confidence
+        if (not use or hit.components is None) and type(s) is float and type(c) is float \
+                and 0.0 <= s <= 1.0 and 0.0 <= c <= 1.0:  # the common case, as _copy_problem and interim_score
+            problems.append(None)
+            scores.append(min(1.0, w_sim * s + w_conf * c))
+            kinds.append("interim")
+            continue
+        problem = _copy_problem(hit, use)
+        score, kind = (None, "interim") if problem else _score(hit, use, w)
+        problems.append(problem)
+        scores.append(score)
+        kinds.append(kind)
+    return problems, scores, kinds
 
 
 @dataclass(frozen=True, slots=True)
