@@ -30,10 +30,12 @@ def decisions(
     what happened to the scored copy, so an id never gets two contradictory answers.
     """
     rows = [_rejected(r) for r in rejected]
+    # the guards answer the usual interim hit without a search's scores before any call
     rows += [{"memory_id": m.hit.memory_id, "source": m.hit.source, "decision": "packed",
               "reason": f"packed: {m.tokens} tokens, {m.kind} score {m.composite_score:.4f}",
-              "tokens": m.tokens, "score": m.composite_score, "components": components_of(m),
-              "retrieval": retrieval_scores(m)} for m in kept]
+              "tokens": m.tokens, "score": m.composite_score,
+              "components": components_of(m) if m.kind == "composite" else None,
+              "retrieval": retrieval_scores(m) if m.hit.text_score is not None else None} for m in kept]
     if excluded:
         packing = _Packing(sum(m.tokens for m in kept), math.fsum(m.composite_score for m in kept),
                            sorted(m.composite_score for m in kept), usable)
