@@ -14,6 +14,7 @@ import sys
 # ``bench.tenant_attack``).
 SUITES: dict[str, str] = {
     "run": "the stack under open-loop load: inproc, transport, floor, full sweeps, chaos (--quick: < 60 s)",
+    "inproc": "the warm in-process pipeline of this checkout and --baseline ones, taking turns round by round",
     "hops": "CPU per request of each transport hop (broker, transport-mode worker, zmq relay, echo)",
     "floor": "the bare pyzmq floor: relay and ping-pong, no application code",
     "fairshare": "one org's goodput at the broker while another floods it (--tree: another checkout's broker)",

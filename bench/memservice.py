@@ -22,13 +22,15 @@ baseline with those settings (its calls ask for ``IBEX_COLD_LIMIT`` hits when on
 while org ``globex`` floods new questions at ``R`` a second, both with the worker's retrieval wall
 as each call's deadline (``Ibex-Timeout-Ms``, ``IBEX_RETRIEVAL_TIMEOUT_MS``). Reported for
 acme (the row's latencies and CPU are its own calls'): the share of its assemblies answered in
-full (both calls 200 within the wall), and what globex was served a second.
+full (both calls 200 within the wall), what kept the rest from it (per call: its status, or
+``late``: a 200 after the wall), and what globex was served a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -96,6 +98,7 @@ class Run:
     hot_ms: list[float] = field(default_factory=list)
     search_ms: list[float] = field(default_factory=list)
     whole: int = 0  # assemblies with both calls 200 within the call deadline (every one without a deadline)
+    why: collections.Counter[str] = field(default_factory=collections.Counter)  # "hot 503", "search late"
     flood_whole_rate: float | None = None  # the flooding org's whole assemblies a second (``--flood``)
 
 
@@ -118,7 +121,7 @@ class Caller:
         self.deadline_ms = deadline_ms
         self.new_questions = new_questions
 
-    async def _call(self, request: bytes, out: list[float]) -> bool:
+    async def _call(self, name: str, request: bytes, out: list[float]) -> bool:
         t0 = time.perf_counter()
         async with asyncio.timeout(10):
             status, _ = await self.http.request(request)
@@ -126,7 +129,10 @@ class Caller:
             self.run.errors += 1
         took = (time.perf_counter() - t0) * 1e3
         out.append(took)
-        return status == 200 and (self.deadline_ms is None or took <= self.deadline_ms)
+        late = self.deadline_ms is not None and took > self.deadline_ms
+        if status != 200 or late:
+            self.run.why[f"{name} {status}" if status != 200 else f"{name} late"] += 1
+        return status == 200 and not late
 
     async def assembly(self) -> None:
         n = next(_COUNT)
@@ -137,9 +143,10 @@ class Caller:
         body = orjson.dumps({"query": query, "agent_id": agent, "limit": self.cold_limit})
         try:
             ok = await asyncio.gather(
-                self._call(self.http.request_bytes("GET", "/v1/memories/hot", self.auth[org], params=hot),
+                self._call("hot", self.http.request_bytes("GET", "/v1/memories/hot", self.auth[org], params=hot),
                            self.run.hot_ms),
-                self._call(self.http.request_bytes("POST", "/v1/memories/search", self.auth[org], body=body),
+                self._call("search", self.http.request_bytes("POST", "/v1/memories/search", self.auth[org],
+                                                             body=body),
                            self.run.search_ms))
             self.run.assemblies += 1
             self.run.whole += all(ok)
@@ -229,7 +236,9 @@ def _rows(results: dict[tuple[str, str], list[Run]]) -> list[list[Any]]:
                      f"{_pct(hot, 50)} / {_pct(hot, 99)}", f"{_pct(search, 50)} / {_pct(search, 99)}",
                      sum(r.errors for r in runs), f"{whole:.1%}",
                      " ".join(f"{r.whole / max(1, r.assemblies):.0%}" for r in runs),
-                     f"{median(flood):.0f}" if flood else "-"])
+                     f"{median(flood):.0f}" if flood else "-",
+                     ", ".join(f"{k} {n}" for k, n in sum((r.why for r in runs), collections.Counter()).most_common(4))
+                     or "-"])
     return rows
 
 
@@ -303,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(["service", "load", "assemblies/s", "service CPU µs", "(each round)", "Redis CPU µs",
                            "sum µs",
                            "hot p50 / p99 ms", "search p50 / p99 ms", "errors", "whole",
-                           "(each round)", "flood whole /s"],
+                           "(each round)", "flood whole /s", "calls not whole"],
                           sorted(_rows(results), key=lambda r: (r[1], r[0])))))
     return 0
 

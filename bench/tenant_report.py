@@ -77,6 +77,19 @@ def detail_rows(res: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+STAGE_COLUMNS = ("queue_wait", "worker_wait", "retrieval", "total", "outside")
+
+
+def stage_rows(res: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in res["rows"]:
+        for state in ("off", "on"):
+            stages = r[state].get("stages_ms", {})
+            rows.append([r["key"], state, *(" / ".join(f"{v:.1f}" for v in stages[c]) if c in stages else "-"
+                                             for c in STAGE_COLUMNS)])
+    return rows
+
+
 def attacker_rows(res: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in res["rows"]:
@@ -133,6 +146,8 @@ def markdown(res: dict[str, Any]) -> str:
         "## Victim outcomes per row (each request in one class)", "",
         *table(["row", "attack", "sent", *CLASSES, "on time", "victim gen CPU s/window", "settle s",
                 "degraded and refusal reasons"], detail_rows(res)), "",
+        "## Victim time by stage, p50 / p99 ms (replies with timings; *outside*: beyond the worker's total)", "",
+        *table(["row", "attack", *STAGE_COLUMNS], stage_rows(res)), "",
         "## Attacker outcomes (attack-on windows, summed over rounds)", "",
         *table(["row", "windows", "attack s", "sent", "due but not sent (in-flight cap)", "served", "outcomes"],
                attacker_rows(res)), ""]

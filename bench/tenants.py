@@ -356,6 +356,25 @@ def healthy(run: RunResult, deadline_ms: float) -> tuple[bool, dict[str, Any]]:
     return share >= 0.9 and p99 is not None and p99 < deadline_ms, point
 
 
+STAGES = ("queue_wait", "worker_wait", "retrieval", "total")  # of a reply's timings_us, in the order they run
+
+
+def _stages(samples: list[Any]) -> dict[str, list[float]]:
+    """p50 and p99 (ms) of each stage over the replies that carry timings, and of ``outside``:
+    what the request spent beyond the worker's ``total`` (client, sockets, the broker's hops)."""
+    out: dict[str, list[float]] = {}
+    timed = [s for s in samples if s.reply.timings_us]
+    for stage in (*STAGES, "outside"):
+        if stage == "outside":
+            values = [s.latency_ns / 1e6 - s.reply.timings_us["total"] / 1e3 for s in timed
+                      if "total" in s.reply.timings_us]
+        else:
+            values = [s.reply.timings_us[stage] / 1e3 for s in timed if stage in s.reply.timings_us]
+        if values:
+            out[stage] = [round(percentile(values, 50), 2), round(percentile(values, 99), 2)]
+    return out
+
+
 def _victim(ws: list[dict[str, Any]], label: str) -> dict[str, Any]:
     """The victim's side of one row's off (or on) windows, merged over the rounds."""
     run = merge_runs([w["run"] for w in ws], label)
@@ -372,6 +391,7 @@ def _victim(ws: list[dict[str, Any]], label: str) -> dict[str, Any]:
             "p99_ms": round(percentile(lat, 99), 2) if lat else None,
             "degraded_reasons": dict(collections.Counter(r for s in run.samples if s.reply.outcome in (OK, "OVERLOADED")
                                                          for r in s.reply.degraded_reasons).most_common(6)),
+            "stages_ms": _stages(run.samples),
             "generator_cpu_s": [round(w["run"].gen_cpu_s, 3) for w in ws],
             "settle_s": max((w["settle_s"] for w in ws), default=0.0), "counters": dict(counters)}
 

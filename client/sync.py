@@ -15,6 +15,9 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+import zmq
+
+from ..shared.config.settings import ClientSettings
 from ..shared.wire.models import AssembleRequest, AssembleResponse
 from .client import AsyncClient
 from .requests import ClientClosed
@@ -31,8 +34,14 @@ class SyncClient:
     call raises ``ClientClosed``; calls in flight at ``close()`` end with it too.
     """
 
-    def __init__(self, endpoints: Sequence[str] | str | None = None, **kwargs: Any) -> None:
-        self._client: AsyncClient = AsyncClient(endpoints, **kwargs)
+    def __init__(self, endpoints: Sequence[str] | str | None = None, *, settings: ClientSettings | None = None,
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 configure_socket: Callable[[zmq.Socket[bytes]], None] | None = None,
+                 default_timeout: float | None = None, directive_copies: bool = True) -> None:
+        """The ``AsyncClient``'s arguments, named here so a wrong one names this class."""
+        self._client: AsyncClient = AsyncClient(endpoints, settings=settings, ctx=ctx,
+                                                configure_socket=configure_socket, default_timeout=default_timeout,
+                                                directive_copies=directive_copies)
         self._lock = threading.Lock()  # orders submissions against close()
         self._closed = False
         self._loop = asyncio.new_event_loop()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 from ..shared.wire.editing import MessageEdit
 from ..shared.wire.models import (
@@ -45,6 +46,8 @@ from .types import Rejection, RetrievalResult, ScoredMemory
 __all__ = ["STAGES", "Clock", "Engine", "Policy", "assemble", "scoring_stage"]
 
 STAGES = ("retrieval", "budget", "scoring", "packing", "formatting")
+_TOKENS = attrgetter("tokens")
+_SCORE = attrgetter("composite_score")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +185,8 @@ def response(
             path=result.path, evaluated=result.evaluated,
             excluded_for_budget=result.excluded_for_budget + len(dropped),
             budget_reached=result.budget_reached or bool(dropped),
-            total_tokens=sum(m.tokens for m in kept),
-            total_score=sum(m.composite_score for m in kept), token_budget=budget.usable,
+            total_tokens=sum(map(_TOKENS, kept)),
+            total_score=sum(map(_SCORE, kept)), token_budget=budget.usable,
         ),
         "degraded": bool(reasons),
         "degraded_reasons": reasons,

@@ -29,17 +29,22 @@ def decisions(
     branch cap) under an id that also has a scored copy is reported as a ``duplicate`` that names
     what happened to the scored copy, so an id never gets two contradictory answers.
     """
-    packing = _Packing(sum(m.tokens for m in kept), math.fsum(m.composite_score for m in kept),
-                       sorted(m.composite_score for m in kept), usable)
     rows = [_rejected(r) for r in rejected]
-    rows += [{"memory_id": m.memory_id, "source": m.hit.source, "decision": "packed",
+    # the guards answer the usual interim hit without a search's scores before any call
+    rows += [{"memory_id": m.hit.memory_id, "source": m.hit.source, "decision": "packed",
               "reason": f"packed: {m.tokens} tokens, {m.kind} score {m.composite_score:.4f}",
-              "tokens": m.tokens, "score": m.composite_score, "components": components_of(m),
-              "retrieval": retrieval_scores(m)} for m in kept]
-    rows += [_excluded(m, _budget_reason(m, packing)) for m in excluded]
+              "tokens": m.tokens, "score": m.composite_score,
+              "components": components_of(m) if m.kind == "composite" else None,
+              "retrieval": retrieval_scores(m) if m.hit.text_score is not None else None} for m in kept]
+    if excluded:
+        packing = _Packing(sum(m.tokens for m in kept), math.fsum(m.composite_score for m in kept),
+                           sorted(m.composite_score for m in kept), usable)
+        rows += [_excluded(m, _budget_reason(m, packing)) for m in excluded]
     rows += [_excluded(m, (f"packed, then dropped: the rendered memories section counted more tokens than "
                            f"its per-memory estimate, and at score {m.composite_score:.4f} this was the "
                            f"lowest-scored memory")) for m in dropped]
+    if not retrieval.rejections:
+        return rows
     answered = {d["memory_id"]: d for d in rows if d["decision"] != "duplicate"}
     early: list[DecisionFields] = []
     for r in retrieval.rejections:

@@ -251,10 +251,15 @@ def memory_frame(nonce: str) -> tuple[str, str]:
 def memory_section(memories: Sequence[ScoredMemory], nonce: str,
                    render: Callable[[MemoryHit], str] = memory_line) -> str:
     """The memories block; ``render`` may be a cache's lookup of ``memory_line`` (``LineCache.line``)."""
-    if not memories:
+    return memory_section_of([render(m.hit) for m in memories], nonce)
+
+
+def memory_section_of(lines: Sequence[str], nonce: str) -> str:
+    """The memories block of already rendered memory lines (``memory_line``); empty without any."""
+    if not lines:
         return ""
     head, tail = memory_frame(nonce)
-    return head + "".join(render(m.hit) for m in memories) + tail
+    return head + "".join(lines) + tail
 
 
 def summary_block(text: str, nonce: str) -> str:

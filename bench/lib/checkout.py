@@ -6,7 +6,9 @@ at a path Python searches first falls through to it (a baseline would then run t
 every before/after would compare a build with itself). So a baseline is imported through a view:
 a folder whose ``ibex_context`` is the other checkout's package, laid out the way that checkout's
 ``pyproject.toml`` lays it out (the checkout itself as the package, folders mapped by
-``package-dir``, or an ``ibex_context/`` folder of its own).
+``package-dir``, or an ``ibex_context/`` folder of its own). A checkout whose packages are
+top-level folders (``shared``, ``worker``: no ``ibex_context`` at all) gets a view with only the
+start-up file; the checkout itself, next on the path, serves its packages.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def _view(root: Path, dirs: dict[str, str]) -> Path:
     view.mkdir(parents=True)
     (view / "sitecustomize.py").write_text(SITECUSTOMIZE, "utf-8")
     top = root / dirs.get(PACKAGE, PACKAGE)
+    if not top.is_dir():  # top-level packages: the checkout on the path serves them
+        return view
     if top.resolve() == root:  # the checkout is the package
         (view / PACKAGE).symlink_to(root, target_is_directory=True)
         return view

@@ -159,8 +159,10 @@ async def hot(svc: MemoryService, request: Request) -> Response:
         dim=embedder.dim, health=svc.health)
     if query is None or not found:
         return svc.answer(found, f"{org}/{agent}")
-    async with svc.read_slots.hold(org, deadline):
-        return await rank_hot(svc, org, agent, found, vectors, query, deadline)
+    # No search slot (memory.service.fair_slots): ranking the hot list is a cosine over at most
+    # HOT_LIMIT_MAX stored vectors, and the question's embedding is the query batcher's, shared
+    # with the same assembly's search.
+    return await rank_hot(svc, org, agent, found, vectors, query, deadline)
 
 
 @_endpoint

@@ -130,8 +130,9 @@ class MemoryConfig(MemoryServiceSettings):
     max_concurrent: int = Field(
         2, ge=1,
         description="Searches of all orgs computed at once (they share one event loop, so each in flight slows "
-                    "the others); a freed slot goes to the waiting org with the fewest in flight for its weight "
-                    "(`IBEX_MEMORY_ORG_WEIGHTS`), so an org under its share waits for one search at most.",
+                    "the others; the hot list ranked for a question takes no slot); a freed slot goes to the "
+                    "waiting org with the fewest in flight for its weight (`IBEX_MEMORY_ORG_WEIGHTS`), so an org "
+                    "under its share waits for one search at most.",
     )
     max_answer_bytes: int = Field(
         4 << 20, ge=64 << 10,

@@ -10,6 +10,12 @@ freed slot goes to the waiting org with the fewest searches in for its weight
 slot (work-conserving); an org under its share waits for at most one search to end, whatever
 another org has queued.
 
+Only searches hold slots. The hot list ranked for a question holds none: its own work is a
+cosine over at most ``HOT_LIMIT_MAX`` stored vectors, and its question's embedding is the query
+batcher's (``memory.service.querybatch``, fair by org and refused when late), computed once for
+it and the same assembly's search. Were it to take a slot too, an assembly would need both slots
+while a flood holds one, and the victim's hot call would be refused for the wait.
+
 No call waits for a slot it cannot use: once hold times are measured, a call whose expected wait
 (its org's calls queued ahead of it at its org's share of the slots, or the first slot to free
 when none are) and a hold after it would end past its caller's deadline is refused at once with a

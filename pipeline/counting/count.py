@@ -87,12 +87,20 @@ class LineCache:
     Escaping a long memory costs far more than hashing it, and the same memories come back for
     the same agent request after request. The key is the full text, so a hit can only ever return
     the rendering of that very memory: nothing crosses tenants. Each entry also keeps the line's
-    token count per tokenizer family.
+    token count per tokenizer family. The derived nonces of the memories blocks seen last are kept
+    too, by their HMAC key and exact lines (the same memory set, the same block: hashing its lines
+    again would cost more than the rest of the block's rendering): at most ``max_nonces`` blocks
+    holding ``max_nonce_chars`` characters of lines between them, since a block's lines stay
+    referenced after the line LRU has let them go.
     """
 
-    def __init__(self, max_entries: int = 8192) -> None:
+    def __init__(self, max_entries: int = 8192, max_nonces: int = 1024, max_nonce_chars: int = 16_000_000) -> None:
         self.max_entries = max_entries
+        self.max_nonces = max_nonces
+        self.max_nonce_chars = max_nonce_chars
         self._entries: OrderedDict[tuple[str, str, str | None, str], tuple[str, dict[str, int]]] = OrderedDict()
+        self._nonces: OrderedDict[tuple[bytes, tuple[str, ...]], tuple[str, int]] = OrderedDict()  # nonce, chars
+        self._nonce_chars = 0
 
     def _entry(self, h: MemoryHit) -> tuple[str, dict[str, int]]:
         key = (h.memory_id, h.category, h.date, h.content)
@@ -106,7 +114,26 @@ class LineCache:
         return entry
 
     def line(self, h: MemoryHit) -> str:
-        return self._entry(h)[0]
+        """The memory's line. A line already cached keeps its place in the LRU: the pipeline asks
+        for the lines of memories it priced (``cost``) moments before, in the same request."""
+        entry = self._entries.get((h.memory_id, h.category, h.date, h.content))
+        return entry[0] if entry is not None else self._entry(h)[0]
+
+    def nonce(self, key: bytes, lines: Sequence[str]) -> str:
+        """``format.derive_nonce(key, lines)``, kept for the blocks seen last."""
+        cache_key = (key, tuple(lines))
+        kept = self._nonces.get(cache_key)
+        if kept is not None:
+            self._nonces.move_to_end(cache_key)
+            return kept[0]
+        nonce = fmt.derive_nonce(key, lines)
+        chars = sum(map(len, lines))
+        if chars <= self.max_nonce_chars:
+            self._nonces[cache_key] = (nonce, chars)
+            self._nonce_chars += chars
+            while len(self._nonces) > self.max_nonces or self._nonce_chars > self.max_nonce_chars:
+                self._nonce_chars -= self._nonces.popitem(last=False)[1][1]
+        return nonce
 
     def cost(self, h: MemoryHit, counter: TokenCounter) -> int:
         """The line's token count for this counter's family, counted once per family (a calibrated
@@ -134,7 +161,8 @@ class MemoryCost:
     lines: LineCache | None = None
 
     def __call__(self, hit: MemoryHit) -> int:
-        return memory_cost(self.counter, hit, self.lines)
+        lines = self.lines  # memory_cost, one call fewer: the scorer asks once per candidate
+        return lines.cost(hit, self.counter) if lines is not None else self.counter.count(fmt.memory_line(hit))
 
 
 def memory_overhead(counter: TokenCounter, nonce: str) -> int:

@@ -44,30 +44,33 @@ class Output:
     total: int
 
 
-def block_nonce(result: PackResult, lines: LineCache | None, nonce: Nonce) -> str:
-    """The memories block's nonce, chosen before the block is rendered.
+def block_nonce(rendered: list[str], lines: LineCache | None, nonce: Nonce) -> str:
+    """The memories block's nonce, chosen before the block is rendered (``rendered``: the packed
+    memories' lines).
 
     Derived from the packed memories' lines (``fmt.derive_nonce``): the same memories give the
     same block bytes turn after turn (docs/assembly.md "Prompt caching"). The given value stands when the
     caller fixed it, the request asks for ``"random"``, or nothing was packed. The budget's frame
     overhead is a bound over every nonce value, so it holds for the derived one.
     """
-    if not nonce.derive or not result.packed:
+    if not nonce.derive or not rendered:
         return nonce.value
-    render = lines.line if lines is not None else fmt.memory_line
     key = nonce.key if nonce.key is not None else fmt.process_nonce_key()
-    return fmt.derive_nonce(key, [render(m.hit) for m in result.packed])
+    return lines.nonce(key, rendered) if lines is not None else fmt.derive_nonce(key, rendered)
 
 
-def memory_block(result: PackResult, counter: TokenCounter, nonce: str, overhead: int, lines: LineCache | None, *,
+def memory_block(result: PackResult, counter: TokenCounter, nonce: Nonce, overhead: int, lines: LineCache | None, *,
                  verify: bool) -> Block:
     """The block by the exact re-count (``verify``) or by the additive bound the budget used."""
+    render = lines.line if lines is not None else fmt.memory_line
+    rendered = [render(m.hit) for m in result.packed]
+    value = block_nonce(rendered, lines, nonce)
     if verify:
-        fitted = fit_memory_section(counter, result.packed, nonce, result.total_tokens + overhead)
-        return Block(fitted.text, fitted.tokens, nonce, fitted.kept, fitted.dropped)
+        fitted = fit_memory_section(counter, result.packed, value, result.total_tokens + overhead)
+        return Block(fitted.text, fitted.tokens, value, fitted.kept, fitted.dropped)
     kept = list(result.packed)
-    text = fmt.memory_section(kept, nonce, lines.line if lines is not None else fmt.memory_line)
-    return Block(text, memory_tokens_bound(counter, result.total_tokens, overhead) if kept else 0, nonce, kept, [])
+    text = fmt.memory_section_of(rendered, value)
+    return Block(text, memory_tokens_bound(counter, result.total_tokens, overhead) if kept else 0, value, kept, [])
 
 
 def emit_stage(plan: Plan[Renderer], scored: list[ScoredMemory], result: PackResult, counter: TokenCounter, *,
@@ -78,8 +81,7 @@ def emit_stage(plan: Plan[Renderer], scored: list[ScoredMemory], result: PackRes
     limit = plan.budget.context_window - plan.budget.response_reserve
 
     def once(result: PackResult) -> Output:
-        block = memory_block(result, counter, block_nonce(result, lines, nonce), plan.memory_overhead, lines,
-                             verify=verify)
+        block = memory_block(result, counter, nonce, plan.memory_overhead, lines, verify=verify)
         out = renderer.render(plan.fit, plan.directive, plan.directive_text, block, breakpoints=breakpoints,
                               summary=plan.summary.block if plan.summary is not None else None,
                               clearing=plan.clearing)

@@ -36,7 +36,7 @@ from ..types import MemoryHit, Rejection, RetrievalResult
 HIT_FIELDS: Final = ("memory_id", "content", "category", "similarity", "confidence", "rank")
 MAX_CONTENT_CHARS: Final = 64_000  # the memory service's limit on a stored memory
 MAX_CATEGORY_CHARS: Final = 64
-_MEMORY_ID: Final = re.compile(IDENT_CHARS)
+MEMORY_ID: Final = re.compile(IDENT_CHARS)  # fullmatch: a valid memory_id
 _FIELD_SET: Final = frozenset(HIT_FIELDS)
 _COMPONENT_SET: Final = frozenset(COMPONENTS)
 
@@ -53,7 +53,7 @@ def memory_id_problem(memory_id: object) -> str | None:
     """
     if not isinstance(memory_id, str):
         return f"memory_id must be a string, got {type(memory_id).__name__}"
-    if _MEMORY_ID.fullmatch(memory_id) is None:
+    if MEMORY_ID.fullmatch(memory_id) is None:
         return f"memory_id {memory_id[:80]!r} must be 1-64 characters of [A-Za-z0-9_.-]"
     return None
 
@@ -143,7 +143,7 @@ def plain_hit(raw: object, source: Source) -> MemoryHit | None:
     sim, conf = get("similarity"), get("confidence")
     if not (type(mid) is str and type(content) is str and type(cat) is str and type(rank) is int
             and rank >= 0 and len(content) <= MAX_CONTENT_CHARS and len(cat) <= MAX_CATEGORY_CHARS
-            and _plain_number(sim) and _plain_number(conf) and _MEMORY_ID.fullmatch(mid) is not None):
+            and _plain_number(sim) and _plain_number(conf) and MEMORY_ID.fullmatch(mid) is not None):
         return None
     comps = get("components")
     if comps is not None:

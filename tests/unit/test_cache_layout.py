@@ -17,6 +17,7 @@ from ibex_context.pipeline import format as fmt
 from ibex_context.pipeline.assemble import Engine, Policy, assemble
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.counting import chat_count as cc
+from ibex_context.pipeline.counting.count import LineCache
 from ibex_context.pipeline.selection.hits import offline_result
 from ibex_context.pipeline.types import MemoryHit
 from ibex_context.shared.wire.models import AssembleRequest, AssembleResponse
@@ -91,6 +92,21 @@ def test_derive_nonce_is_keyed() -> None:
     assert fmt.derive_nonce(key, lines) != fmt.derive_nonce(fmt.nonce_key(None, "another-memory-secret"), lines)
     assert fmt.nonce_key(None, DEV_SECRET) == fmt.nonce_key(None, DEV_SECRET)  # per process: stable
     fmt.check_nonce(fmt.derive_nonce(key, lines))
+
+
+def test_the_line_cache_keeps_derived_nonces_within_its_bounds() -> None:
+    lines = [fmt.memory_line(h) for h in HITS]
+    key, other = b"k" * 32, b"o" * 32
+    cache = LineCache(max_nonces=2, max_nonce_chars=2 * sum(map(len, lines)))
+    for _ in range(2):  # computed, then kept: the same nonce either way, per key and per exact lines
+        assert cache.nonce(key, lines) == fmt.derive_nonce(key, lines)
+        assert cache.nonce(other, lines) == fmt.derive_nonce(other, lines)
+        assert cache.nonce(key, lines[:-1]) == fmt.derive_nonce(key, lines[:-1])
+    assert len(cache._nonces) == 2  # at most max_nonces blocks
+    cache.nonce(key, [*lines, *lines])  # the whole character bound: the others make room
+    assert len(cache._nonces) == 1 and cache._nonce_chars == 2 * sum(map(len, lines))
+    assert cache.nonce(key, [*lines, *lines, "x"]) == fmt.derive_nonce(key, [*lines, *lines, "x"])  # not kept
+    assert cache._nonce_chars == 2 * sum(map(len, lines))
 
 
 def test_a_memory_closing_the_block_with_a_guessed_nonce_cannot_end_it() -> None:

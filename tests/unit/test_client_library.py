@@ -33,6 +33,15 @@ def test_malformed_endpoint_is_refused_in_the_constructor(endpoint: Any) -> None
     assert threading.active_count() == threads  # the SyncClient refused before starting its thread
 
 
+def test_a_wrong_keyword_names_the_class_the_caller_built() -> None:
+    threads = threading.active_count()
+    for make in (AsyncClient, SyncClient):
+        wrong = rf"^{make.__name__}\.__init__\(\) got an unexpected keyword argument 'timeout'"
+        with pytest.raises(TypeError, match=wrong):
+            make("tcp://127.0.0.1:5555", timeout=1.0)  # type: ignore[call-arg]
+    assert threading.active_count() == threads
+
+
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://broker-1.internal:5555",
                                       "ipc:///tmp/ibex.sock", "inproc://ibex", "tcp://10.0.0.1:1, tcp://10.0.0.2:2",
                                       ("tcp://10.0.0.1:1", "tcp://10.0.0.2:2")])
