@@ -74,6 +74,7 @@ def reap(*_):
 def child(req):
     """Become ``python -m MODULE ARGS``: this never returns, the interpreter exits as that command would."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     if req["session"]:
         os.setsid()
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -97,10 +98,14 @@ signal.signal(signal.SIGCHLD, reap)
 say({"ready": os.getpid()})
 for line in sys.stdin:
     req = json.loads(line)
+    # SIGCHLD is held until the fork is announced: a child's exit is always told after its fork, so
+    # the reader can forget an earlier process's exit under the same (reused) pid when it reads the fork.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     pid = os.fork()
     if pid == 0:
         child(req)
     say({"forked": pid})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
 '''
 
 
@@ -108,12 +113,12 @@ class Forked:
     """A process forked by the parent: what ``subprocess.Popen`` offers that ``LocalStack``, the
     fixtures and ``ops.procs.stop_processes`` use."""
 
-    def __init__(self, parent: ForkServer, pid: int, args: Sequence[str]) -> None:
-        self.parent, self.pid, self.args = parent, pid, list(args)
+    def __init__(self, parent: ForkServer, pid: int, serial: int, args: Sequence[str]) -> None:
+        self.parent, self.pid, self.serial, self.args = parent, pid, serial, list(args)
 
     @property
     def returncode(self) -> int | None:
-        return self.parent.exits.get(self.pid)
+        return self.parent.children.exits.get(self.serial)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -136,6 +141,32 @@ class Forked:
         return self.returncode if self.returncode is not None else -signal.SIGKILL
 
 
+class Children:
+    """The fork server's children as its events tell them. A child is known by its fork's serial
+    number, not its pid: pids are reused (``pid_max`` wraps within a suite), so an earlier process's
+    exit must never be read as a later one's. The parent tells a child's exit after its fork
+    (it holds SIGCHLD until the fork is told), so the pid of an exit names the last fork under it."""
+
+    def __init__(self) -> None:
+        self.serials = 0
+        self.running: dict[int, int] = {}  # pid -> serial of the child forked under it and not yet reaped
+        self.exits: dict[int, int] = {}  # serial -> exit status
+        self.forked: queue.Queue[tuple[int, int]] = queue.Queue()  # (pid, serial) per fork, in order
+        self.changed = threading.Condition()
+
+    def on_event(self, event: Mapping[str, int]) -> None:
+        with self.changed:
+            if "forked" in event:
+                pid, self.serials = int(event["forked"]), self.serials + 1
+                self.running[pid] = self.serials
+                self.forked.put((pid, self.serials))
+            else:
+                serial = self.running.pop(int(event["exit"]), None)
+                if serial is not None:
+                    self.exits[serial] = int(event["status"])
+                self.changed.notify_all()
+
+
 class ForkServer:
     """The process that imported the stack's modules, and a thread reading its events."""
 
@@ -145,9 +176,8 @@ class ForkServer:
         self._cwd = tempfile.mkdtemp(prefix="ibex-forkserver-")  # nothing of the checkout on its path
         self.proc = subprocess.Popen([sys.executable, "-c", _PARENT, *preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, cwd=self._cwd, env=env, preexec_fn=die_with_parent)
-        self.exits: dict[int, int] = {}
-        self.forked: queue.Queue[int] = queue.Queue()
-        self.changed = threading.Condition()
+        self.children = Children()
+        self.changed = self.children.changed
         self.lock = threading.Lock()  # one fork request answered at a time
         self.alive = True
         stdout = self.proc.stdout
@@ -161,16 +191,11 @@ class ForkServer:
     def _read(self, stdout: IO[bytes]) -> None:
         for line in stdout:
             event = json.loads(line)
-            if "forked" in event:
-                self.forked.put(int(event["forked"]))
-            else:
-                with self.changed:
-                    self.exits[int(event["exit"])] = int(event["status"])
-                    self.changed.notify_all()
+            self.children.on_event(event)
         with self.changed:
             self.alive = False
             self.changed.notify_all()
-        self.forked.put(0)  # a fork request waiting for an answer gets none
+        self.children.forked.put((0, 0))  # a fork request waiting for an answer gets none
 
     def run_module(self, module: str, args: Sequence[str], *, env: Mapping[str, str], cwd: Path, log: Path,
                    new_session: bool = True) -> Forked:
@@ -185,10 +210,10 @@ class ForkServer:
                 raise RuntimeError("the fork server has ended")
             stdin.write((json.dumps(request) + "\n").encode())
             stdin.flush()
-            pid = self.forked.get(timeout=60)
+            pid, serial = self.children.forked.get(timeout=60)
         if pid == 0:
             raise RuntimeError("the fork server ended before it forked")
-        return Forked(self, pid, ["-m", module, *args])
+        return Forked(self, pid, serial, ["-m", module, *args])
 
 
 _server: ForkServer | None = None
