@@ -60,13 +60,14 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 ## pytest: every test on two processes, each with its own Redis and memory service; a file's tests
-## stay on one process (they share module fixtures); the 25 slowest steps are listed at the end.
+## stay on one process (they share module fixtures), files sharing an expensive fixture share one, and
+## the longest go first (tests/scheduling.py); the 25 slowest steps are listed at the end.
 ## The modules are compiled first: where PYTHONDONTWRITEBYTECODE is set, no process writes its
 ## bytecode, and each of the hundreds the tests start (services, workers, CLIs) would compile every
 ## module it imports again (~0.1 s of CPU each); a stale file is never used (Python checks the source).
 pytest: install
 	$(PY) -m compileall -q -j 0 __init__.py broker client memory ops pipeline shared worker bench >/dev/null
-	$(VENV)/bin/pytest -n 2 --dist loadfile --durations=25
+	$(VENV)/bin/pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 ## test: install and run every check: ruff, mypy --strict, the whole pytest suite (unit, stack, meta)
 test: lint typecheck pytest

@@ -177,7 +177,11 @@ class LocalStack:
         self.start_broker(i)
 
     def stop(self) -> None:
-        stop_processes([p for p in [*self.workers, *self.brokers, self.memory] if p is not None])
+        """Workers first, then the brokers and the memory service. A draining worker waits for its
+        brokers to answer its DISCONNECT (``WorkerServer.drain``): a broker stopped at the same time
+        cannot, and the worker would wait out a whole liveness period (3 s by default) for nothing."""
+        stop_processes([p for p in self.workers if p is not None])
+        stop_processes([p for p in [*self.brokers, self.memory] if p is not None])
         if self.embedded is not None:
             self.embedded.close()
 

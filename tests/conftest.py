@@ -45,7 +45,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 # Real backing services (redis-server, the reference memory service) as session fixtures.
-pytest_plugins = ["tests.fixtures_services", "tests.fixtures_cluster"]
+pytest_plugins = ["tests.fixtures_services", "tests.fixtures_cluster", "tests.scheduling"]
 
 
 @pytest.fixture(scope="session")

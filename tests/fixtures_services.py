@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -33,11 +32,13 @@ from ibex_context.memory.embedded_redis.server import EmbeddedRedis, RedisStartE
 from ibex_context.memory.service.seed import SeedStats, seed_records
 from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.connect import async_client, sync_client
+from tests.forkserver import Forked, fork_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_SECRET = "test-secret-for-ibex-memory"
 SERVICE_START_TIMEOUT_S = 90.0  # a bound on a wait for readiness, not a speed claim: CI boxes are shared
 STOP_TIMEOUT_S = 10.0
+SERVICE_MODULE = "ibex_context.memory.service.server"
 
 
 def flush_redis(url: str) -> None:
@@ -58,7 +59,7 @@ class ServiceStartError(RuntimeError):
 
 
 class MemoryServiceHandle:
-    """A `python -m ibex_context.memory.service.server` subprocess on 127.0.0.1 with faults enabled.
+    """A `python -m ibex_context.memory.service.server` process on 127.0.0.1 with faults enabled.
 
     ``url``/``port`` stay the same across ``stop()``/``start()``/``kill()``/``restart()`` so
     clients configured once keep working. Faults and seeding go through the real service/Redis.
@@ -74,7 +75,7 @@ class MemoryServiceHandle:
         # The hashing embedder unless the test says otherwise (tests/conftest.py says why).
         self._extra_env = {"IBEX_MEMORY_EMBEDDER": os.environ.get("IBEX_MEMORY_EMBEDDER", "hash"), **(extra_env or {})}
         self._port: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: Forked | None = None
 
     # ------------------------------------------------------------------------------ addresses
 
@@ -114,16 +115,16 @@ class MemoryServiceHandle:
         self._port_file.unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
         env.update({"IBEX_MEMORY_SECRET": self.secret, "PYTHONUNBUFFERED": "1", **self._extra_env})
-        cmd = [sys.executable, "-m", "ibex_context.memory.service.server", "--host", "127.0.0.1",
-               "--port", str(self._port or 0),
-               "--port-file", str(self._port_file), "--redis-url", self.redis_url]
+        args = ["--host", "127.0.0.1", "--port", str(self._port or 0), "--port-file", str(self._port_file),
+                "--redis-url", self.redis_url]
         if self.enable_faults:
-            cmd.append("--enable-faults")
+            args.append("--enable-faults")
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== start {' '.join(cmd)}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                          stdout=log, stderr=subprocess.STDOUT)
+            log.write(f"\n=== start python -m {SERVICE_MODULE} {' '.join(args)}\n".encode())
+        # Forked from the fork server (tests/forkserver.py): `python -m SERVICE_MODULE ARGS` as the
+        # interpreter runs it, without starting and importing a new one each time.
+        self._proc = fork_server().run_module(SERVICE_MODULE, args, env=env, cwd=REPO_ROOT, log=self.log_path,
+                                              new_session=False)
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
         while self._port is None or not self._port_file.exists():
             self._check_alive(deadline)
