@@ -1,9 +1,9 @@
-"""The fork server's bookkeeping of its children (``tests.forkserver.Children``): a reused pid
+"""A fork parent's bookkeeping of its children (``bench.lib.forkparent.Children``): a reused pid
 never carries an earlier child's exit to a later one."""
 
 from __future__ import annotations
 
-from tests.forkserver import Children
+from bench.lib.forkparent import Children
 
 
 def test_a_reused_pid_is_a_new_child_still_running() -> None:
@@ -24,3 +24,9 @@ def test_an_exit_of_a_pid_never_forked_is_ignored() -> None:
     kids = Children()
     kids.on_event({"exit": 7, "status": 1})
     assert kids.exits == {} and kids.running == {}
+
+
+def test_a_parent_that_ends_answers_a_waiting_fork_request_with_none() -> None:
+    kids = Children()
+    kids.ended()
+    assert not kids.alive and kids.forked.get_nowait() == (0, 0)
