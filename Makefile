@@ -67,7 +67,7 @@ typecheck: install
 ## module it imports again (~0.1 s of CPU each); a stale file is never used (Python checks the source).
 pytest: install
 	$(PY) -m compileall -q -j 0 __init__.py broker client memory ops pipeline shared worker bench >/dev/null
-	$(VENV)/bin/pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
+	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 ## test: install and run every check: ruff, mypy --strict, the whole pytest suite (unit, stack, meta)
 test: lint typecheck pytest

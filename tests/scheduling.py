@@ -1,22 +1,27 @@
-"""How ``make pytest`` spreads the suite over its two xdist workers (``-n 2 --dist loadgroup``).
+"""How ``make pytest`` spreads the suite over its two xdist workers (``-n 2 --dist loadfile``).
 
 A file's tests stay on one worker: they share module fixtures (a stack, a cluster). Each file is
-an xdist group of its own, but files that share an expensive session fixture or helper process
-share one group, so one worker builds it instead of both:
+a group of its own, but files that share an expensive session fixture or helper process share
+one group, so one worker builds it instead of both:
 
     litellm   the LiteLLM fork parent (``bench.litellm_fork``: ~9 s of CPU importing LiteLLM)
     cluster   ``redis_cluster`` and ``cluster_memory`` (six redis-servers and a memory service)
     minilm    ``numpy_emb`` (minilm's numpy reference pass)
 
-xdist hands groups out in the order collected, one at a time as a worker runs short of work, so
-groups are ordered longest first (``SECONDS``): the short unit files fill the end of the run
-instead of one long stack file running alone while the other worker idles. Tests inside a file
-keep their order; without ``--dist loadgroup`` (one process, ``make unit``) only the order changes.
+The groups are xdist's work units through ``GroupScheduling``, the scheduler this plugin gives
+xdist for ``--dist loadfile`` (xdist's own ``loadgroup`` reads groups from a suffix it writes into
+node ids, which pytest 9 no longer takes: every test became a unit of its own, and a module's
+fixtures were built on both workers; pytest-xdist issue 1386). xdist hands units out in the order
+collected, one at a time as a worker runs short of work, so groups are ordered longest first
+(``SECONDS``; ``--no-loadscope-reorder`` keeps that order): the short unit files fill the end of
+the run instead of one long stack file running alone while the other worker idles. Tests inside a
+file keep their order; on one process (``make unit``) only the order changes.
 """
 
 from __future__ import annotations
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 # Files sharing a group with others (paths from the repository root); every other file is its own.
 SHARED_GROUPS = {
@@ -97,5 +102,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         weight[group] = weight.get(group, 0.0) + SECONDS.get(path, DEFAULT_SECONDS)
     collected = {group: i for i, group in enumerate(dict.fromkeys(group_of(_path(item)) for item in items))}
     items.sort(key=lambda item: (-weight[group_of(_path(item))], collected[group_of(_path(item))]))
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(_path(item))))
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with a test's group (``group_of`` its file) as its scope."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(nodeid.split("::", 1)[0])
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return GroupScheduling(config, log)  # type: ignore[arg-type]
