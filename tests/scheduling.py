@@ -11,11 +11,12 @@ one group, so one worker builds it instead of both:
 The groups are xdist's work units through ``GroupScheduling``, the scheduler this plugin gives
 xdist for ``--dist loadfile`` (xdist's own ``loadgroup`` reads groups from a suffix it writes into
 node ids, which pytest 9 no longer takes: every test became a unit of its own, and a module's
-fixtures were built on both workers; pytest-xdist issue 1386). xdist hands units out in the order
-collected, one at a time as a worker runs short of work, so groups are ordered longest first
-(``SECONDS``; ``--no-loadscope-reorder`` keeps that order): the short unit files fill the end of
-the run instead of one long stack file running alone while the other worker idles. Tests inside a
-file keep their order; on one process (``make unit``) only the order changes.
+fixtures were built on both workers: https://github.com/pytest-dev/pytest-xdist/issues/1386).
+xdist hands units out in the order collected, one at a time as a worker runs short of work, so
+groups are ordered longest first (``SECONDS``; ``--no-loadscope-reorder`` keeps that order): the
+short unit files fill the end of the run instead of one long stack file running alone while the
+other worker idles. Tests inside a file keep their order; on one process (``make unit``) only the
+order changes.
 """
 
 from __future__ import annotations
