@@ -265,3 +265,47 @@ def on_every_node(client: Any, *command: Any) -> None:
         client.execute_command(*command, target_nodes="all")
     else:
         client.execute_command(*command)
+
+
+class ClientClock:
+    """The client library's view of the clock, per task: the last ``time.monotonic()`` each asyncio
+    task read inside ``ibex_context.client.client`` (``client_clock``). The client re-checks the
+    clock when a reply comes and hands back no response after the deadline; its last read of an
+    ``assemble`` call is that check or the throttle's bookkeeping right after it, with no await in
+    between. A test that reads its own clock after the call also counts the time this process was
+    not scheduled, which on a loaded machine is any length; the client's last read is not."""
+
+    def __init__(self) -> None:
+        self.last: dict[asyncio.Task[Any], float] = {}
+
+    def monotonic(self) -> float:
+        now = time.monotonic()
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop
+            task = None
+        if task is not None:
+            self.last[task] = now
+        return now
+
+    def last_read(self) -> float:
+        """The current task's last read inside the client."""
+        task = asyncio.current_task()
+        assert task is not None
+        return self.last[task]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def client_clock() -> Iterable[ClientClock]:
+    """``ClientClock`` in place of the client module's ``time`` while the block runs."""
+    from ibex_context.client import client as module
+
+    clock, saved = ClientClock(), module.time
+    module.time = clock  # type: ignore[assignment]
+    try:
+        yield clock
+    finally:
+        module.time = saved
