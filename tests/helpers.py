@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,7 +299,7 @@ class ClientClock:
 
 
 @contextlib.contextmanager
-def client_clock() -> Iterable[ClientClock]:
+def client_clock() -> Iterator[ClientClock]:
     """``ClientClock`` in place of the client module's ``time`` while the block runs."""
     from ibex_context.client import client as module
 

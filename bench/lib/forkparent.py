@@ -5,12 +5,12 @@ parent's serving loop, its children's bookkeeping and a ``subprocess.Popen``-lik
 The parent is a ``python -c`` script of the caller's: its imports, then ``SERVE`` and a call
 ``serve(child)``, where ``child(request)`` turns the forked process into the wanted one and never
 returns (``become(request)`` sets up what every child needs: its log, directory, environment, and
-SIGTERM when the parent dies). The parent reads one JSON request per line on stdin and answers on stdout with one line
-per event: ``{"ready": pid}`` once, ``{"forked": pid}`` after each fork, ``{"exit": pid, "status":
-code}`` when a child ends (it reaps them). It holds SIGCHLD from each fork until the fork is told,
-so a child's exit always comes after its fork in the stream. A child is known by its fork's serial
-number, not its pid: pids are reused (``pid_max`` wraps within a test suite), and an earlier
-child's exit must never be read as a later one's.
+SIGTERM when the parent dies). The parent reads one JSON request per line on stdin and answers on
+stdout with one line per event: ``{"ready": pid}`` once, ``{"forked": pid}`` after each fork,
+``{"exit": pid, "status": code}`` when a child ends (it reaps them). It holds SIGCHLD from each
+fork until the fork is told, so a child's exit always comes after its fork in the stream. A child
+is known by its fork's serial number, not its pid: pids are reused (``pid_max`` wraps within a
+test suite), and an earlier child's exit must never be read as a later one's.
 """
 
 from __future__ import annotations
