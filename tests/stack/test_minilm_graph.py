@@ -61,7 +61,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1)
 
 
-@pytest.mark.timeout(300)  # the numpy reference embeds the 354 demo texts in ~15 s of CPU
+@pytest.mark.timeout(300)  # the numpy reference embeds the 354 demo texts in ~10 s of CPU
 @pytest.mark.parametrize("texts", [_demo_texts, _eval_questions, _conversation_sample],
                          ids=["demo", "retrieval_eval", "conversations"])
 def test_every_shipped_text_gets_the_reference_vector(texts: Any, graph_emb: MiniLMOpenVinoEmbedder,
