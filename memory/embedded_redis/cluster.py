@@ -115,6 +115,7 @@ class EmbeddedCluster:
     replicas: int = 1
     node_timeout_ms: int = NODE_TIMEOUT_MS
     base_port: int | None = None  # nodes on base_port, base_port + 1, ...; None: free ports
+    root_dir: str | None = None  # where the nodes' directories go; None: the system's temp dir
     nodes: list[ClusterNode] = field(default_factory=list)
     _root: str | None = None
 
@@ -133,7 +134,7 @@ class EmbeddedCluster:
         if self.nodes:
             return self
         exe = redis_executable()
-        self._root = tempfile.mkdtemp(prefix="ibex-cluster-")
+        self._root = tempfile.mkdtemp(prefix="ibex-cluster-", dir=self.root_dir)
         atexit.register(self.stop)
         try:
             for i in range(self.primaries * (1 + self.replicas)):
