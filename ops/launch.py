@@ -177,8 +177,10 @@ class Launch:
         if note:
             print(note)
         # Every host running workers keeps the nonce lease, a one-machine stack too: a workers host
-        # added beside it is then checked against the secret its workers use.
-        names = ["nonce-lease", "worker:*"]
+        # added beside it is then checked against the secret its workers use. The workers first:
+        # supervisorctl waits each program's startsecs in turn, and a worker's own start-up (tokenizer
+        # tables, pools) then runs during the lease keeper's second rather than after it.
+        names = ["worker:*", "nonce-lease"]
         out = S._supervisor("supervisorctl", self.conf, "start", *names, env=self.env)
         if "ERROR" in out.stdout or "ERROR" in out.stderr:
             raise RuntimeError(f"supervisorctl start {' '.join(names)}: {' '.join(out.stdout.split())}")
