@@ -23,6 +23,7 @@ from ibex_context.memory.embedded_redis.server import free_port
 from ibex_context.ops import nonce
 from ibex_context.ops.procs import broker_status
 from ibex_context.ops.stack import DEMO_DATA
+from tests.helpers import cli_in_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -156,8 +157,9 @@ def test_a_refused_host_leaves_no_fingerprint_and_the_next_attempt_starts(stacks
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
         assert "refuses tokens minted with this host's IBEX_MEMORY_SECRET" in refused.stderr
         assert r.get(nonce.FINGERPRINT_KEY) == held  # the refused host took no lease
-        other_nonce = _cli("up", "--role", "workers", "--name", "third", env={**base, "IBEX_NONCE_SECRET": "y" * 64},
-                           cwd=stacks.tmp)
+        # the same refusal path as above, whose real process exits 2 with one line: main() here
+        other_nonce = cli_in_process("up", "--role", "workers", "--name", "third",
+                                     env={**base, "IBEX_NONCE_SECRET": "y" * 64})
         assert other_nonce.returncode == 2 and "IBEX_NONCE_SECRET differs" in other_nonce.stderr, other_nonce.stderr
         assert r.get(nonce.FINGERPRINT_KEY) == held
     assert not (run_dir / "supervisord.pid").exists()

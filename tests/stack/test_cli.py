@@ -100,9 +100,9 @@ def test_assemble_mistakes_are_one_line_and_exit_2(extra: list[str], needle: str
 def test_usage_errors_are_one_line() -> None:
     out = _cli("assemble", "--org", "acme")
     assert_one_line(out, 2, "ibex-context assemble: ", "--agent", "--query")
-    out = _cli(*ASSEMBLE, "--bogus")
+    out = _run(*ASSEMBLE, "--bogus")  # the same parser's errors: a real process's exit is held above
     assert_one_line(out, 2, "ibex-context: ", "unrecognized arguments: --bogus")
-    out = _cli("frobnicate")
+    out = _run("frobnicate")
     assert_one_line(out, 2, "ibex-context: ", "frobnicate")
 
 
@@ -110,9 +110,9 @@ def test_malformed_setting_is_one_line() -> None:
     # a client command reads the client's settings only: a worker's malformed one is not its concern
     out = _cli(*ASSEMBLE, env=_env(IBEX_CLIENT_TIMEOUT_MS="soon", IBEX_WORKERS="many"))
     assert_one_line(out, 2, "ibex-context assemble: ", "IBEX_CLIENT_TIMEOUT_MS")
-    out = _cli("status", env=_env(IBEX_WORKERS="many"))
+    out = _run("status", env=_env(IBEX_WORKERS="many"))  # a real process's exit is held by the first
     assert_one_line(out, 2, "ibex-context status: ", "IBEX_WORKERS")
-    out = _cli(*ASSEMBLE, env=_env(IBEX_CLIENT_KEY_FILE="/nonexistent/me.key", IBEX_BROKER_PUBLIC_KEY="x"))
+    out = _run(*ASSEMBLE, env=_env(IBEX_CLIENT_KEY_FILE="/nonexistent/me.key", IBEX_BROKER_PUBLIC_KEY="x"))
     assert_one_line(out, 2, "ibex-context assemble: ", "/nonexistent/me.key")
 
 
@@ -155,8 +155,8 @@ def test_unknown_agent_gets_a_hint(live: LocalStack) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stderr == ("ibex-context assemble: hint: no directive and no memories for this org/agent: "
                           "check --org/--agent or seed data (ibex-context seed)\n")
-    # --json keeps stdout parseable: the hint goes to stderr
-    out = _cli(*ASSEMBLE[:3], "--agent", "nobody", "--query", "invoice", "--timeout-ms", "5000", "--json",
+    # --json keeps stdout parseable: the hint goes to stderr (main() here: the process is held above)
+    out = _run(*ASSEMBLE[:3], "--agent", "nobody", "--query", "invoice", "--timeout-ms", "5000", "--json",
                env=_live_env(live))
     assert out.returncode == 0 and json.loads(out.stdout)["packed"] == [] and "hint" in out.stderr
 
@@ -202,14 +202,14 @@ def test_a_chat_request_file_assembles_the_proxys_conversation(live: LocalStack,
     assert out.returncode == 0, out.stderr
     assert "prompt (openai): 4 messages" in out.stdout and "| system    Be brief." in out.stdout
     assert 'tool_calls=[{"id": "c1"' in out.stdout and "| tool      invoice #42: 120 EUR" in out.stdout
-    # an option overrides the file's field; --json is the whole response
-    out = _cli("assemble", "--request", str(path), "--agent", "nobody", "--json", "--timeout-ms", "5000",
+    # an option overrides the file's field; --json is the whole response (main() here: the process is held above)
+    out = _run("assemble", "--request", str(path), "--agent", "nobody", "--json", "--timeout-ms", "5000",
                env=_live_env(live))
     resp = json.loads(out.stdout)
     assert out.returncode == 0 and resp["branches"]["directive"]["count"] == 0 and resp["format"] == "openai"
     assert [m["role"] for m in resp["messages"]][-2:] == ["assistant", "tool"]
     example = Path(__file__).resolve().parents[2] / "examples" / "chat_request.json"  # the README's
-    out = _cli("assemble", "--request", str(example), "--timeout-ms", "5000", env=_live_env(live))
+    out = _run("assemble", "--request", str(example), "--timeout-ms", "5000", env=_live_env(live))
     assert out.returncode == 0 and "prompt (openai): 4 messages" in out.stdout, out.stderr
 
 
@@ -235,7 +235,7 @@ def test_request_file_mistakes_are_one_line(tmp_path: Path, content: str | None,
 
 
 def test_without_a_request_file_org_agent_and_query_are_required() -> None:
-    out = _cli("assemble", "--org", "acme")
+    out = _run("assemble", "--org", "acme")  # a real process: test_usage_errors_are_one_line
     assert_one_line(out, 2, "ibex-context assemble: ", "--agent, --query required")
 
 
