@@ -239,13 +239,13 @@ def started(checkouts: dict[str, Path], log_dir: Path, extra_env: dict[str, str]
     workers: list[Worker] = []
     try:
         stack.start()
-        seed_demo(str(stack.redis_url))
-        for name, path in checkouts.items():
+        for name, path in checkouts.items():  # they start up while the demo data is seeded (no request before)
             r = ctx.socket(zmq.ROUTER)
             r.setsockopt(zmq.LINGER, 0)
             port = r.bind_to_random_port("tcp://127.0.0.1")
             proc = _spawn_worker(stack, path, f"tcp://127.0.0.1:{port}", name, log_dir, extra_env)
             workers.append(Worker(name, proc, r))
+        seed_demo(str(stack.redis_url))
         for w in workers:
             _connect(w)
         yield stack, workers
