@@ -234,7 +234,7 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
 @contextlib.contextmanager
 def started(checkouts: dict[str, Path], log_dir: Path, extra_env: dict[str, str]) -> Iterator[
         tuple[LocalStack, list[Worker]]]:
-    stack = LocalStack(workers=0, log_dir=log_dir)
+    stack = LocalStack(workers=0, log_dir=log_dir, brokers=0)  # the ROUTER of each worker plays the broker
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     workers: list[Worker] = []
     try:
