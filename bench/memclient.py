@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/memclient-logs"), help="stack logs")
     args = ap.parse_args(argv)
-    with started_stack(workers=0, env={}, log_dir=args.out, seed=True) as stack:
+    with started_stack(workers=0, env={}, log_dir=args.out, seed=True, brokers=0) as stack:
         env = stack.env()
         token = mint_org_token(env["IBEX_MEMORY_SECRET"], "acme")
         result = uvloop.run(_measure(args.calls, args.rounds, env["IBEX_MEMORY_URL"], token))

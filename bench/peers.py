@@ -123,7 +123,7 @@ class PeerPlan:
 NEW_QUESTION_DEEP_OVERLOADS = (4.0, 8.0)
 NEW_QUESTION_RATES = [50.0, 100.0, 150.0, 200.0, 250.0, 300.0, 400.0, 500.0, 600.0]
 QUICK = {"transport_rate": 200.0, "transport_rounds": 1, "transport_s": 0.5, "rates": [40.0, 80.0],
-         "point_s": 0.6, "overload_s": 0.6, "pause_s": 0.2, "warmup": 5}
+         "point_s": 0.6, "overload_s": 0.6, "pause_s": 0.0, "warmup": 5}
 
 
 # ---------------------------------------------------------------------------------- the systems
@@ -179,12 +179,10 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
     base: LocalStack | None = None
     floor: tuple[str, list[subprocess.Popen[bytes]]] | None = None
     try:
-        stack.start()
-        if FLOOR in plan.transport_systems():
+        if FLOOR in plan.transport_systems():  # needs no stack: starts up while the stack does
             floor = _start_floor(log_dir)
-        seed_demo(str(stack.redis_url))
-        if plan.baseline is not None:
-            base = start_baseline(stack, plan.baseline, log_dir / "base", workers=2, worker_module=TRANSPORT_WORKER)
+        stack.start()
+        # The peers start up while the demo data is seeded: their warm-up needs Redis and the memory service, no data.
         for kind in plan.systems:
             if kind.startswith("ibex"):
                 continue
@@ -196,6 +194,9 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
                                                    f"{kind}-{i}"], cwd=REPO, env=stack.env(), stdout=log,
                                                   stderr=subprocess.STDOUT))
             peers[kind] = (port, procs)
+        seed_demo(str(stack.redis_url))
+        if plan.baseline is not None:
+            base = start_baseline(stack, plan.baseline, log_dir / "base", workers=2, worker_module=TRANSPORT_WORKER)
         for kind, (_, procs) in peers.items():
             for i, proc in enumerate(procs):
                 log = log_dir / f"{kind}-{i}.log"

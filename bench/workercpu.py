@@ -234,18 +234,18 @@ def pipeline_cpu(stack: LocalStack, tmpls: list[AssembleRequest], iterations: in
 @contextlib.contextmanager
 def started(checkouts: dict[str, Path], log_dir: Path, extra_env: dict[str, str]) -> Iterator[
         tuple[LocalStack, list[Worker]]]:
-    stack = LocalStack(workers=0, log_dir=log_dir)
+    stack = LocalStack(workers=0, log_dir=log_dir, brokers=0)  # the ROUTER of each worker plays the broker
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     workers: list[Worker] = []
     try:
         stack.start()
-        seed_demo(str(stack.redis_url))
-        for name, path in checkouts.items():
+        for name, path in checkouts.items():  # they start up while the demo data is seeded (no request before)
             r = ctx.socket(zmq.ROUTER)
             r.setsockopt(zmq.LINGER, 0)
             port = r.bind_to_random_port("tcp://127.0.0.1")
             proc = _spawn_worker(stack, path, f"tcp://127.0.0.1:{port}", name, log_dir, extra_env)
             workers.append(Worker(name, proc, r))
+        seed_demo(str(stack.redis_url))
         for w in workers:
             _connect(w)
         yield stack, workers

@@ -86,12 +86,15 @@ class LocalStack:
             "IBEX_REDIS_URL": self.redis_url or "",
             "IBEX_MEMORY_URL": self.memory_url,
             "IBEX_MEMORY_SECRET": self.secret,
-            "IBEX_BROKER_FRONTEND": self.frontend,
-            "IBEX_BROKER_BACKEND": self.backend,
-            "IBEX_BROKER_ENDPOINTS": ",".join(self.frontends),
-            "IBEX_BROKER_BACKENDS": ",".join(self.backends),
             "PYTHONUNBUFFERED": "1",
         })
+        if self.frontends:  # none with brokers=0: Redis and the memory service only
+            env.update({
+                "IBEX_BROKER_FRONTEND": self.frontend,
+                "IBEX_BROKER_BACKEND": self.backend,
+                "IBEX_BROKER_ENDPOINTS": ",".join(self.frontends),
+                "IBEX_BROKER_BACKENDS": ",".join(self.backends),
+            })
         env.update(self.extra_env)
         return env
 

@@ -124,8 +124,16 @@ def read_port_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float, 
     return path.read_text().split()
 
 
+_probe: httpx.Client | None = None
+
+
 def http_ok(url: str) -> bool:
+    """``url`` answers 200. One client for every probe: ``httpx.get`` builds one per call, loading
+    the CA bundle (~40 ms of CPU) each time; no keep-alive, so a restarted server is probed afresh."""
+    global _probe
+    if _probe is None:
+        _probe = httpx.Client(timeout=0.5, limits=httpx.Limits(max_keepalive_connections=0))
     try:
-        return httpx.get(url, timeout=0.5).status_code == 200
+        return _probe.get(url).status_code == 200
     except httpx.HTTPError:
         return False

@@ -71,13 +71,16 @@ def seed_demo(redis_url: str) -> None:
 
 @contextlib.contextmanager
 def started_stack(*, workers: int, env: dict[str, str], log_dir: Path, seed: bool,
-                  worker_module: str | None = None, redis_url: str | None = None) -> Iterator[LocalStack]:
+                  worker_module: str | None = None, redis_url: str | None = None,
+                  brokers: int = 1) -> Iterator[LocalStack]:
     """A started ``LocalStack`` (logs in a fresh ``log_dir``), seeded with the demo data when asked,
     stopped on exit. ``worker_module``: ``TRANSPORT_WORKER`` for transport-mode workers;
-    ``redis_url``: an existing Redis or cluster (default: an embedded server of its own)."""
+    ``redis_url``: an existing Redis or cluster (default: an embedded server of its own); ``brokers=0``
+    (and no workers): Redis and the memory service only."""
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
-    stack = new_stack(workers=workers, env=env, log_dir=log_dir, worker_module=worker_module, redis_url=redis_url)
+    stack = new_stack(workers=workers, env=env, log_dir=log_dir, worker_module=worker_module, redis_url=redis_url,
+                      brokers=brokers)
     try:
         stack.start()
         if seed:

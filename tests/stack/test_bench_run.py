@@ -17,11 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from bench import hops, memclient, report, workercpu
+import bench.lib.stack
+from bench import hops, memclient, peers, report, workercpu
 from bench.lib.stack import SETTLE_MAX_S, settle
 from bench.run import Plan, Progress, run_bench
+from tests.helpers import seed_demo
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _seed_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benches' stacks get the demo data by the seed tool's own ``seed_records`` in this process
+    (``tests.helpers.seed_demo``), not a subprocess's ~1 s of CPU: the seed CLI has tests of its own."""
+    for module in (bench.lib.stack, peers, workercpu):
+        monkeypatch.setattr(module, "seed_demo", seed_demo)
 
 
 def test_run_bench_inproc_and_floor_writes_outputs(tmp_path: Path) -> None:
@@ -78,8 +88,6 @@ def test_peers_serve_the_same_pipeline_and_report_every_row(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """bench.peers --quick on the real stack and the two real peers: every system answers, the
     full-mode ladder has replies with server CPU measured, the table has every system's column."""
-    from bench import peers
-
     assert peers.main(["--quick", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "peers.json").read_text())
     for system in ("ibex", "grpc", "http"):
