@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgpack
 import pytest
 import zmq
@@ -37,6 +38,18 @@ from ibex_context.ops.stack import DEMO_DATA, LocalStack
 from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.wire import protocol as P
 from tests.forkserver import fork_server
+
+_HTTP: httpx.Client | None = None
+
+
+def http() -> httpx.Client:
+    """One HTTP client for the tests' one-off calls. ``httpx.get``/``post`` build a client per call,
+    loading the CA bundle (~40 ms of CPU) each time; no keep-alive, so each call still opens its own
+    connection, as those did, and a restarted server is reached afresh."""
+    global _HTTP
+    if _HTTP is None:
+        _HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+    return _HTTP
 
 
 def seed_demo(redis_url: str) -> SeedStats:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgpack
 import pytest
 import zmq
@@ -31,7 +30,7 @@ from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.errors import IbexError
 from ibex_context.shared.wire.models import AssembleResponse
 from ibex_context.shared.wire.protocol import Envelope, pack_header
-from tests.helpers import client_clock, start_stack
+from tests.helpers import client_clock, http, start_stack
 
 # Memory admission and the broker's dispatch rate off: these tests hold a burst in flight behind a
 # slowed memory service, which the memory gate (worker.memgate) would answer at once beyond a limit
@@ -61,7 +60,7 @@ def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
 @pytest.fixture
 def stack(shared_stack: LocalStack) -> LocalStack:
     """The module's stack, healed: faults cleared, Redis up, both workers registered."""
-    assert httpx.delete(shared_stack.memory_url + "/_faults", timeout=5).status_code == 200
+    assert http().delete(shared_stack.memory_url + "/_faults", timeout=5).status_code == 200
     if shared_stack.embedded is not None and not shared_stack.embedded.running:
         shared_stack.embedded.start()
     shared_stack.wait_workers(2, 20)
@@ -69,7 +68,7 @@ def stack(shared_stack: LocalStack) -> LocalStack:
 
 
 def fault(stack: LocalStack, **spec: Any) -> None:
-    assert httpx.put(stack.memory_url + "/_faults", json=spec, timeout=5).status_code == 200
+    assert http().put(stack.memory_url + "/_faults", json=spec, timeout=5).status_code == 200
 
 
 Status = dict[str, Any]

@@ -20,6 +20,7 @@ import pytest
 
 from bench.litellm_rig import MASTER_KEY, LiteLLMProxy, Upstream, proxy_config
 from ibex_context.client.integrations.litellm.auth import KEYS_ENV, authenticate, key_hash, load_keys
+from tests.helpers import http
 from tests.unit.test_litellm_auth import _write
 
 pytestmark = pytest.mark.timeout(300)
@@ -72,8 +73,8 @@ def test_a_real_proxy_takes_the_files_keys_and_nothing_else(tmp_path: Path) -> N
                              {"sk-unused": {}}, env={KEYS_ENV: str(path)})
         try:
             body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
-            ok = httpx.post(f"{proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                            json=body, timeout=60)
+            ok = http().post(f"{proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                             json=body, timeout=60)
             assert ok.status_code == 200, ok.text
             upstream.clear()
             for headers in ({"authorization": "Bearer sk-unused"}, {"authorization": f"Bearer {MASTER_KEY}"}, {},

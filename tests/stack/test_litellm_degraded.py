@@ -22,6 +22,7 @@ import redis
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.stores.keys import directive_key
+from tests.helpers import http
 from tests.stack.test_litellm_proxy import TURN, _demo, _keys, _norm, curve_hook, curve_stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,8 +49,8 @@ class Rig:
 
     def chat(self, key: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
         self.upstream.clear()
-        return httpx.post(f"{self.proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                          json={"model": "gpt-4o", "messages": messages, **extra}, timeout=120)
+        return http().post(f"{self.proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                           json={"model": "gpt-4o", "messages": messages, **extra}, timeout=120)
 
     def sent(self) -> list[dict[str, Any]]:
         (got,) = self.upstream.received()

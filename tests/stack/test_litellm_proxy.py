@@ -27,7 +27,7 @@ from ibex_context.pipeline.budget.usable import response_reserve
 from ibex_context.pipeline.format import escape_body
 from ibex_context.shared.security import auth
 from ibex_context.shared.stores.keys import calibration_key
-from tests.helpers import start_stack
+from tests.helpers import http, start_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,8 +95,8 @@ class Rig:
 
     def chat(self, key: str, model: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
         self.upstream.clear()
-        return httpx.post(f"{self.proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                          json={"model": model, "messages": messages, **extra}, timeout=60)
+        return http().post(f"{self.proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                           json={"model": model, "messages": messages, **extra}, timeout=60)
 
     def received(self) -> dict[str, Any]:
         got = self.upstream.received()

@@ -24,7 +24,7 @@ import pytest
 
 from bench.litellm_rig import Upstream
 from ibex_context.ops.stack import DEMO_DATA, LocalStack, free_port
-from tests.helpers import start_stack
+from tests.helpers import http, start_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,8 +59,8 @@ class Proxy:
 
     def post(self, route: str, body: dict[str, Any]) -> httpx.Response:
         self.upstream.clear()
-        return httpx.post(f"{self.url}{route}", headers={"authorization": f"Bearer {self.key}"}, json=body,
-                          timeout=60)
+        return http().post(f"{self.url}{route}", headers={"authorization": f"Bearer {self.key}"}, json=body,
+                           timeout=60)
 
     def sent(self) -> str:
         got = self.upstream.received()
@@ -92,7 +92,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
         while True:
             assert proc.poll() is None, f"the quick start exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
             try:
-                if httpx.get(f"{url}/health/liveliness", timeout=1).status_code == 200:
+                if http().get(f"{url}/health/liveliness", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -24,6 +24,7 @@ import pytest
 from bench.litellm_rig import LiteLLMProxy, Upstream, hooked_proxy
 from ibex_context.client.integrations.litellm.responses import Chat, to_chat
 from ibex_context.ops.stack import LocalStack
+from tests.helpers import http
 from tests.stack.test_litellm_proxy import _accepted, _demo, _keys, curve_hook, curve_stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,8 +54,8 @@ class Rig:
 
     def post(self, key: str, route: str, body: dict[str, Any]) -> httpx.Response:
         self.upstream.clear()
-        return httpx.post(f"{self.proxy.url}{route}", headers={"authorization": f"Bearer {key}"}, json=body,
-                          timeout=60)
+        return http().post(f"{self.proxy.url}{route}", headers={"authorization": f"Bearer {key}"}, json=body,
+                           timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from ibex_context.shared.wire import protocol as P
 from ibex_context.shared.wire.errors import DeadlineExceeded, ErrorCode, IbexError, InvalidRequest, Overloaded
 from ibex_context.shared.wire.models import AssembleResponse
 from ibex_context.worker.memgate import AT_CAPACITY
-from tests.helpers import ClientClock, client_clock, raw_request_frames, start_stack
+from tests.helpers import ClientClock, client_clock, http, raw_request_frames, start_stack
 
 # Functional tests: branch timeouts far above the spec's 5/15/45 ms so a loaded CI box does not turn
 # every assertion into a timeout; the request's own deadline still bounds everything.
@@ -61,12 +61,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def set_fault(stack: LocalStack, **spec: Any) -> None:
-    r = httpx.put(stack.memory_url + "/_faults", json=spec, timeout=5)
+    r = http().put(stack.memory_url + "/_faults", json=spec, timeout=5)
     assert r.status_code == 200, r.text
 
 
 def clear_faults(stack: LocalStack) -> None:
-    assert httpx.delete(stack.memory_url + "/_faults", timeout=5).status_code == 200
+    assert http().delete(stack.memory_url + "/_faults", timeout=5).status_code == 200
 
 
 def _req(i: int, **over: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from ibex_context.memory.service.config import DEV_SECRET, MemoryConfig
 from ibex_context.ops.stack import free_port
 from ibex_context.shared.config.settings import Settings
 from tests.fixtures_services import REPO_ROOT, MemoryServiceHandle
+from tests.helpers import http
 
 PRIVATE_SECRET = "a-private-secret-for-this-test"
 START_TIMEOUT_S = 20.0
@@ -110,12 +111,12 @@ def test_memory_service_with_a_private_secret_listens_anywhere(redis_url: str, t
 
         def healthy() -> bool:
             try:
-                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+                return http().get(f"{url}/healthz", timeout=1).status_code == 200
             except httpx.TransportError:
                 return False
 
         _wait_for("memory service /healthz", healthy, proc, log)
-        assert httpx.put(f"{url}/_faults", json={"endpoint": "hot", "status": 500}, timeout=5).status_code == 404
+        assert http().put(f"{url}/_faults", json={"endpoint": "hot", "status": 500}, timeout=5).status_code == 404
     finally:
         _stop(proc)
 
