@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 from redis.asyncio import Redis
 
 from ibex_context.memory.embedders.config import EmbedderConfig
-from ibex_context.memory.embedders.embed import load_embedder
+from ibex_context.memory.embedders.embed import Embedder, load_embedder
 from ibex_context.memory.embedders.minilm import MiniLMEmbedder
 from ibex_context.memory.embedders.token_states import ROW_BYTES, decode
 from ibex_context.memory.service.seed import seed_records
@@ -40,6 +41,12 @@ EMBEDDER = MiniLMEmbedder().name  # the name every minilm runtime stores under
 # The services' weights: ``auto`` picks whichever form measures faster at load, so two embedders
 # loaded here could give the same text two slightly different vectors.
 FP32 = EmbedderConfig(minilm_weights="fp32")
+
+
+@cache
+def _fp32_embedder() -> Embedder:
+    """The seeding embedder, loaded once for the module: each load compiles the graph again (~1.6 s CPU)."""
+    return load_embedder("minilm", FP32)
 
 
 def _turn(mid: str, content: str, day: str) -> dict[str, Any]:
@@ -97,7 +104,7 @@ def seeded(services: dict[str, MemoryServiceHandle], redis_of: str) -> dict[str,
 async def _seed(url: str) -> None:
     redis = async_client(url)
     try:
-        await seed_records(redis, TURNS, embedder=load_embedder("minilm", FP32))
+        await seed_records(redis, TURNS, embedder=_fp32_embedder())
     finally:
         await redis.aclose()
 
@@ -137,7 +144,7 @@ def test_a_write_stores_token_states_and_charges_them(services: dict[str, Memory
     key = memory_key("acme", "chat", "w1")
     raw, rec, charged = _redis(redis_of, lambda r: r.hmget(key, [states_field(EMBEDDER), "rec", "q"]))
     states = decode(raw)
-    tokens = MiniLMEmbedder().model.token_count(body["content"])
+    tokens = _fp32_embedder().model.token_count(body["content"])  # type: ignore[attr-defined]
     assert states is not None and states.shape == (tokens, 64) and len(raw) == 2 + ROW_BYTES * tokens
     record = MemoryRecord.model_validate_json(rec)
     without = memory_charge("acme", "chat", record, hot=False, embedder_name=EMBEDDER, dim=384)
@@ -163,7 +170,7 @@ class _NoStates:
     """minilm as an embedder without token states: memories written as before states were kept."""
 
     def __init__(self) -> None:
-        self.inner = load_embedder("minilm", FP32)
+        self.inner = _fp32_embedder()
         self.name, self.dim, self.blocking = self.inner.name, self.inner.dim, self.inner.blocking
         self.min_similarity = self.inner.min_similarity
 
@@ -220,7 +227,9 @@ def test_a_memory_without_usable_states_keeps_its_relevance(seeded: dict[str, Me
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     # Deadlines far past a loaded machine's: this test is about what explain shows, not about time.
-    env = {"IBEX_MEMORY_EMBEDDER": "minilm", "IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_DIRECTIVE_TIMEOUT_MS": "10000",
+    # fp32 weights as the seeding embedder's (``auto`` would time both forms again at start).
+    env = {"IBEX_MEMORY_EMBEDDER": "minilm", "IBEX_MEMORY_MINILM_WEIGHTS": "fp32", "IBEX_HEARTBEAT_INTERVAL_MS": "200",
+           "IBEX_DIRECTIVE_TIMEOUT_MS": "10000",
            "IBEX_HOT_TIMEOUT_MS": "10000", "IBEX_COLD_TIMEOUT_MS": "10000", "IBEX_CONTEXT_DEADLINE_MS": "12000",
            "IBEX_RETRIEVAL_TIMEOUT_MS": "12000"}  # the retrieval wall is the lesser of the last two
     s = start_stack(tmp_path_factory.mktemp("stack"), workers=1, env=env, seed=False)
