@@ -18,9 +18,11 @@ import pytest
 from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.memory.search.index import tenant_number
 from ibex_context.memory.service.seed import DEMO_FILE
+from ibex_context.memory.service.seed import main as seed_main
 from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
+from tests.helpers import main_in_process
 
 HIT_FIELDS = {"memory_id", "content", "category", "similarity", "confidence", "rank", "created_at",
               "usefulness", "access_count"}
@@ -499,12 +501,21 @@ def test_relevance_floor_at_or_above_half_is_refused_at_startup(how: list[str], 
     assert "relevance floor" in r.stderr and "0.5" in r.stderr
 
 
+def _seed_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """The seed tool's ``main`` in this process (tests.helpers.main_in_process), in ``_run``'s environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
+    env["IBEX_MEMORY_EMBEDDER"] = os.environ.get("IBEX_MEMORY_EMBEDDER", "hash")
+    return main_in_process(seed_main, *args, env=env)
+
+
 def test_seed_cli(redis_url: str, tmp_path: Path) -> None:
+    """A real process seeds, and one refuses a bad line with status 2; the same tool's other runs
+    (re-seeding, another bad line, no Redis) go through its ``main`` in this process."""
     r = _run("memory.service.seed", "--redis-url", redis_url)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["orgs"] == ["acme", "globex"] and out["memories"] >= 300 and out["directives"] >= 6
-    again = _run("memory.service.seed", "--redis-url", redis_url, "--flush-orgs")
+    again = _seed_in_process("--redis-url", redis_url, "--flush-orgs")
     assert again.returncode == 0 and json.loads(again.stdout)["memories"] == out["memories"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"org_id": "acme", "agent_id": "bot", "content": "ok", "category": "fact"}\n'
@@ -512,9 +523,9 @@ def test_seed_cli(redis_url: str, tmp_path: Path) -> None:
     r = _run("memory.service.seed", "--redis-url", redis_url, "--file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:2" in r.stderr
     bad.write_text('{"org_id": "ac:me", "agent_id": "bot", "content": "x", "category": "fact"}\n')
-    r = _run("memory.service.seed", "--redis-url", redis_url, "--file", str(bad))
+    r = _seed_in_process("--redis-url", redis_url, "--file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr and "org_id" in r.stderr
-    assert _run("memory.service.seed").returncode == 2  # no Redis named anywhere
+    assert _seed_in_process().returncode == 2  # no Redis named anywhere
 
 
 # ------------------------------------------------------------------------- async, both loops
