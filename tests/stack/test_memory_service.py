@@ -19,6 +19,7 @@ from ibex_context.memory.embedded_redis.server import EmbeddedRedis
 from ibex_context.memory.search.index import tenant_number
 from ibex_context.memory.service.seed import DEMO_FILE
 from ibex_context.memory.service.seed import main as seed_main
+from ibex_context.memory.service.server import main as server_main
 from ibex_context.shared.stores.connect import sync_client
 from ibex_context.shared.stores.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
@@ -486,26 +487,31 @@ def test_faults_are_off_unless_enabled(redis_url: str) -> None:
 # -------------------------------------------------------------------------- startup and seed
 
 
-def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _env() -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
     base["IBEX_MEMORY_EMBEDDER"] = os.environ.get("IBEX_MEMORY_EMBEDDER", "hash")  # tests/conftest.py
+    return base
+
+
+def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", f"ibex_context.{module}", *args], capture_output=True, text=True,
-                          env={**base, **(env or {})}, timeout=60)
+                          env={**_env(), **(env or {})}, timeout=60)
 
 
 @pytest.mark.parametrize("how", [["--relevance-floor", "0.5"], ["--relevance-floor", "0.9"], []])
 def test_relevance_floor_at_or_above_half_is_refused_at_startup(how: list[str], redis_url: str) -> None:
-    env = {} if how else {"IBEX_MEMORY_RELEVANCE_FLOOR": "0.5"}
-    r = _run("memory.service.server", "--port", "0", "--redis-url", redis_url, *how, env=env)
+    args = ("--port", "0", "--redis-url", redis_url, *how)
+    if how:
+        r = _run("memory.service.server", *args)
+    else:  # the variable is refused before anything starts: the service's main in this process
+        r = main_in_process(server_main, *args, env={**_env(), "IBEX_MEMORY_RELEVANCE_FLOOR": "0.5"})
     assert r.returncode == 2, r.stderr
     assert "relevance floor" in r.stderr and "0.5" in r.stderr
 
 
 def _seed_in_process(*args: str) -> subprocess.CompletedProcess[str]:
     """The seed tool's ``main`` in this process (tests.helpers.main_in_process), in ``_run``'s environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-    env["IBEX_MEMORY_EMBEDDER"] = os.environ.get("IBEX_MEMORY_EMBEDDER", "hash")
-    return main_in_process(seed_main, *args, env=env)
+    return main_in_process(seed_main, *args, env=_env())
 
 
 def test_seed_cli(redis_url: str, tmp_path: Path) -> None:
