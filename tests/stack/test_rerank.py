@@ -7,6 +7,7 @@ search without the rerank."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -31,7 +32,8 @@ from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.stores import storage
 from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.keys import memory_key, states_field
-from tests.fixtures_services import MemoryServiceHandle, flush_redis, memory_service_with
+from tests.fixtures_services import MemoryServiceHandle, flush_redis
+from tests.forkserver import fork_server
 from tests.helpers import start_stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,14 +86,23 @@ def redis_of(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def services(redis_of: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, MemoryServiceHandle]]:
     """Three minilm memory services on the same store: the rerank at its defaults, off, and with at
-    least 100 candidates compared (the most similar under the cosine cutoff join it)."""
-    with memory_service_with(redis_of, tmp_path_factory.mktemp("on"), IBEX_MEMORY_EMBEDDER="minilm",
-                            IBEX_MEMORY_MINILM_WEIGHTS="fp32") as on, \
-            memory_service_with(redis_of, tmp_path_factory.mktemp("off"), IBEX_MEMORY_EMBEDDER="minilm",
-                                IBEX_MEMORY_MINILM_WEIGHTS="fp32", IBEX_MEMORY_RERANK_WEIGHT="0") as off, \
-            memory_service_with(redis_of, tmp_path_factory.mktemp("joined"), IBEX_MEMORY_EMBEDDER="minilm",
-                                IBEX_MEMORY_MINILM_WEIGHTS="fp32", IBEX_MEMORY_RERANK_MIN_CANDIDATES="100") as joined:
-        yield {"on": on, "off": off, "joined": joined}
+    least 100 candidates compared (the most similar under the cosine cutoff join it). They start side
+    by side: each spends seconds compiling its graph."""
+    settings = {"on": {}, "off": {"IBEX_MEMORY_RERANK_WEIGHT": "0"},
+                "joined": {"IBEX_MEMORY_RERANK_MIN_CANDIDATES": "100"}}
+    minilm = {"IBEX_MEMORY_EMBEDDER": "minilm", "IBEX_MEMORY_MINILM_WEIGHTS": "fp32"}
+    handles = {name: MemoryServiceHandle(redis_url=redis_of, workdir=tmp_path_factory.mktemp(name),
+                                         extra_env={**minilm, **env})
+               for name, env in settings.items()}
+    fork_server()  # started here, on the main thread, which it must not outlive
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(handles)) as pool:
+            for started in [pool.submit(h.start) for h in handles.values()]:
+                started.result()
+        yield handles
+    finally:
+        for h in handles.values():
+            h.stop()
 
 
 @pytest.fixture
