@@ -78,9 +78,9 @@ from bench.lib.stack import (
     git_commit,
     new_stack,
     runner,
-    seed_demo,
     settle,
     start_baseline,
+    start_seeded,
 )
 from bench.loadgen import NOT_SENT, OK, ClientTarget, RunResult, merge_runs, open_loop
 from bench.tenant_attack import READY, AttackConfig, org_templates
@@ -194,8 +194,7 @@ def curve_stack(plan: TenantPlan, log_dir: Path) -> Iterator[tuple[dict[str, Loc
     stack = new_stack(workers=plan.workers, log_dir=log_dir, env=env, status_socket=curve(keys, "ops"))
     stacks = {ARM: stack}
     try:
-        stack.start()
-        seed_demo(str(stack.redis_url))
+        start_seeded(stack)
         if plan.baseline is not None:
             stacks[BASE] = start_baseline(stack, plan.baseline, log_dir / "base", workers=plan.workers, env=env,
                                           status_socket=curve(keys, "ops"))
@@ -470,20 +469,25 @@ async def measure(plan: TenantPlan, stacks: dict[str, LocalStack], keys: dict[st
     templates = Requests(org_templates(VICTIM, plan.seed), new_questions=True)
     out: dict[str, Any] = {}
     async with contextlib.AsyncExitStack() as ctx:
-        arms: dict[str, Arm] = {}
-        for name, st in stacks.items():
-            client = AsyncClient(st.frontend, configure_socket=curve(keys, "victim"))
-            ctx.push_async_callback(client.aclose)
-            await client.wait_connected(10.0)
-            attack = await ctx.enter_async_context(attacker(
-                stacks[ARM], keys, log_dir, plan.seed, "attacker" if name == ARM else f"attacker-{name}",
-                frontend=st.frontend))
-            arms[name] = Arm(st, ClientTarget(client, templates, tag=f"victim-{name}"), attack)
+        # The attackers start (an interpreter each, then a connect and an assembly) while the
+        # victims connect and warm up; nothing is measured before both are done.
+        starting = {name: asyncio.create_task(ctx.enter_async_context(attacker(
+            stacks[ARM], keys, log_dir, plan.seed, "attacker" if name == ARM else f"attacker-{name}",
+            frontend=st.frontend))) for name, st in stacks.items()}
+        try:
+            victims: dict[str, ClientTarget] = {}
+            for name, st in stacks.items():
+                client = AsyncClient(st.frontend, configure_socket=curve(keys, "victim"))
+                ctx.push_async_callback(client.aclose)
+                await client.wait_connected(10.0)
+                victims[name] = ClientTarget(client, templates, tag=f"victim-{name}")
+                for k in range(10):  # warm-up: the workers' and the memory service's first calls
+                    await victims[name](50_000_000 + 100 * len(name) + k, 2.0)
+        finally:  # every attacker that started is in ctx before anything can leave this block
+            await asyncio.gather(*starting.values(), return_exceptions=True)
+        arms = {name: Arm(st, victims[name], starting[name].result()) for name, st in stacks.items()}
         out["attacker_nice"] = os.getpriority(os.PRIO_PROCESS, arms[ARM].attack.pid)
         b = Bench(plan, arms)
-        for name, arm in arms.items():
-            for k in range(10):  # warm-up: the workers' and the memory service's first calls
-                await arm.victim(50_000_000 + 100 * len(name) + k, 2.0)
         if plan.capacity is None:
             capacity, ramp, found = await measure_capacity(b)
             out["ramp"] = {"points": ramp, "found": found}

@@ -9,6 +9,7 @@ the working directory ``LocalStack`` gives it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -67,6 +68,45 @@ def seed_demo(redis_url: str) -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"seeding the demo data failed: {done.stderr[-2000:]}")
+
+
+def seed_demo_inproc(redis_url: str) -> None:
+    """``seed_demo`` in this process (the seed tool's own ``seed_records``, the embedder
+    ``IBEX_MEMORY_EMBEDDER`` names): no seeding interpreter to start. Runs its own event loop, so
+    call it on a thread of its own (``start_seeded``)."""
+    from ibex_context.memory.service.seed import read_jsonl, seed_records
+    from ibex_context.shared.stores.connect import async_client
+
+    async def run() -> None:
+        client = async_client(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            await seed_records(client, read_jsonl(DEMO_DATA))
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+def start_seeded(stack: LocalStack, timeout_s: float = 30.0) -> None:
+    """``stack.start()`` with the demo data seeded while its brokers and workers start (the seeding
+    needs Redis only; it begins once the memory service is up, as after a full start, and is done
+    before this returns)."""
+    if stack.redis_url is None:
+        from ibex_context.memory.embedded_redis.server import EmbeddedRedis
+
+        stack.embedded = EmbeddedRedis()
+        stack.embedded.start()
+        stack.redis_url = stack.embedded.url
+    stack.start_memory(timeout_s)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        seeding = pool.submit(seed_demo_inproc, str(stack.redis_url))
+        try:
+            for i in range(len(stack.brokers)):
+                stack.start_broker(i, timeout_s)
+            stack.workers.extend(stack.start_worker(i) for i in range(stack.n_workers))
+            stack.wait_workers(stack.n_workers, timeout_s)
+        finally:
+            seeding.result(timeout=120)
 
 
 @contextlib.contextmanager
