@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from bench.litellm_rig import MASTER_KEY, LiteLLMProxy, Upstream, proxy_config
+from ibex_context.client.integrations.litellm import auth as litellm_auth
 from ibex_context.client.integrations.litellm.auth import KEYS_ENV, authenticate, key_hash, load_keys, main
+from ibex_context.client.integrations.litellm.config import HookConfigError
 from tests.helpers import http, main_in_process
 from tests.unit.test_litellm_auth import _write
 
@@ -39,13 +41,13 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
         up.stop()
 
 
-def test_no_keys_file_no_auth() -> None:
-    code = ("import ibex_context.client.integrations.litellm.auth as a\n"
-            "try:\n    a.user_api_key_auth\nexcept Exception as e:\n    print(type(e).__name__ + ': ' + str(e))\n")
-    env = {k: v for k, v in os.environ.items() if k != KEYS_ENV}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
-                         check=False, cwd=REPO)
-    assert out.stdout.startswith(f"HookConfigError: {KEYS_ENV} is not set"), out
+def test_no_keys_file_no_auth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module as a fresh import leaves it (no ``user_api_key_auth`` built yet), without a keys file."""
+    monkeypatch.delenv(KEYS_ENV, raising=False)
+    monkeypatch.setattr(litellm_auth, "_auth", None)
+    with pytest.raises(HookConfigError) as exc:
+        litellm_auth.user_api_key_auth  # noqa: B018  (the module's __getattr__ builds it on first access)
+    assert f"{type(exc.value).__name__}: {exc.value}".startswith(f"HookConfigError: {KEYS_ENV} is not set")
 
 
 def test_the_cli_adds_a_hash_and_prints_the_key_once(tmp_path: Path) -> None:
