@@ -22,15 +22,24 @@ from pathlib import Path
 from .lib.forkparent import SERVE, Forked, ForkParent
 
 _PARENT = r'''
-import sys, traceback
+import importlib, sys, traceback
 import litellm, litellm.proxy.proxy_server
 from litellm import run_server
+try:  # the local upstream (bench.litellm_rig.Upstream), its vocabularies loaded: forked too when it imports
+    import bench.litellm_upstream
+    bench.litellm_upstream.warm()
+except ImportError:
+    pass
 ''' + SERVE + r'''
 
 def child(req):
     code = 1
     try:
         become(req)
+        if req.get("main"):  # another module's main(), as ``python -m MODULE ARGS`` would run it
+            sys.argv = [req["main"], *req["args"]]
+            code = importlib.import_module(req["main"]).main() or 0
+            return
         sys.argv = ["litellm", *req["args"]]
         exec(req["prelude"], {"__name__": "__litellm_child__"})
         code = run_server()
@@ -56,15 +65,26 @@ _parent: ForkParent | None = None
 _parent_lock = threading.Lock()
 
 
+def _the_parent(parent_env: Mapping[str, str]) -> ForkParent:
+    global _parent
+    with _parent_lock:
+        if _parent is None or not _parent.alive:
+            _parent = _start(parent_env)
+        return _parent
+
+
 def fork_litellm(args: Sequence[str], *, env: Mapping[str, str], parent_env: Mapping[str, str], cwd: Path,
                  log: Path, prelude: str = "") -> Forked:
     """``litellm *args`` as a fork of this process's LiteLLM parent (started with ``parent_env`` on
     first use, or again if it ended), with ``env``, in ``cwd``, its output appended to ``log``;
     ``prelude`` is Python run in the child before the server starts."""
-    global _parent
-    with _parent_lock:
-        if _parent is None or not _parent.alive:
-            _parent = _start(parent_env)
-        parent = _parent
     request = {"args": list(args), "env": dict(env), "cwd": str(cwd), "log": str(log), "prelude": prelude}
-    return parent.fork(request, ["litellm", *args])
+    return _the_parent(parent_env).fork(request, ["litellm", *args])
+
+
+def fork_main(module: str, args: Sequence[str], *, env: Mapping[str, str], parent_env: Mapping[str, str],
+              cwd: Path, log: Path) -> Forked:
+    """``python -m module *args`` as a fork of the LiteLLM parent (``fork_litellm``): ``module``'s
+    ``main()``, imported once by the parent when it can (bench.litellm_upstream)."""
+    request = {"main": module, "args": list(args), "env": dict(env), "cwd": str(cwd), "log": str(log)}
+    return _the_parent(parent_env).fork(request, [module, *args])
