@@ -30,6 +30,9 @@ try:  # the local upstream (bench.litellm_rig.Upstream), its vocabularies loaded
     bench.litellm_upstream.warm()
 except ImportError:
     pass
+import gc
+gc.collect()
+gc.freeze()  # what the imports made lives forever: the children's collections never walk it (nor copy its pages)
 ''' + SERVE + r'''
 
 def child(req):
