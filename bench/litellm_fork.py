@@ -5,7 +5,8 @@ the tests and benches start one proxy per module or arm. So the first proxy a pr
 starts a parent (``python -c _PARENT``) that imports ``litellm.proxy.proxy_server`` once; each
 proxy is then a ``fork`` of it with its own arguments, environment, working directory and log,
 running ``litellm.run_server`` as ``litellm --config ...`` would. The import starts no thread, so
-the fork copies a quiet interpreter.
+the fork copies a quiet interpreter. The local upstream (``bench.litellm_upstream``) is forked from
+it too (``fork_main``): the parent has imported it and loaded its vocabularies.
 
 The parent serves fork requests as ``bench.lib.forkparent`` describes. A child gets SIGTERM when
 the parent dies, and the parent when its own parent does (``ops.procs.die_with_parent``), so
