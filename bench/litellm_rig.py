@@ -24,7 +24,8 @@ from ibex_context.client.integrations.litellm.auth import KEYS_ENV, key_hash
 from ibex_context.ops.procs import die_with_parent, read_port_file, stop_processes, wait_for
 from ibex_context.ops.stack import free_port
 
-from .litellm_fork import fork_litellm
+from .lib.forkparent import Forked
+from .litellm_fork import fork_litellm, fork_main
 
 MASTER_KEY = "sk-ibex-test-master"
 HOOK = "ibex_context.client.integrations.litellm.proxy_handler"
@@ -58,19 +59,29 @@ def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-class Upstream:
-    """``python -m bench.litellm_upstream`` on a port it bound itself."""
+PARENT_ENV = _child_env({"LITELLM_MASTER_KEY": MASTER_KEY})  # the LiteLLM fork parent's, if this process starts it
 
-    def __init__(self, workdir: Path) -> None:
+
+class Upstream:
+    """``python -m bench.litellm_upstream`` on a port it bound itself: forked from the LiteLLM parent
+    (``bench.litellm_fork``, which imported it and loaded its vocabularies), or with ``forked=False``
+    a process of its own, where no proxy is forked (the parent's start costs more than it saves)."""
+
+    def __init__(self, workdir: Path, *, forked: bool = True) -> None:
         self.workdir = workdir
         self.log = workdir / "upstream.log"
         port_file = workdir / "upstream.port"
         port_file.unlink(missing_ok=True)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "bench.litellm_upstream", "--port-file",
-                                          str(port_file)], cwd=Path(__file__).resolve().parent.parent,
-                                         env=_child_env({}), stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=die_with_parent)
+        args, root = ["--port-file", str(port_file)], Path(__file__).resolve().parent.parent
+        self.proc: subprocess.Popen[bytes] | Forked
+        if forked:
+            self.proc = fork_main("bench.litellm_upstream", args, env=_child_env({}), parent_env=PARENT_ENV,
+                                  cwd=root, log=self.log)
+        else:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen([sys.executable, "-m", "bench.litellm_upstream", *args], cwd=root,
+                                             env=_child_env({}), stdout=log, stderr=subprocess.STDOUT,
+                                             preexec_fn=die_with_parent)
         try:
             self.port = int(read_port_file(port_file, self.proc, 90.0, self.log)[0])
         except BaseException:
@@ -142,7 +153,7 @@ class LiteLLMProxy:
             extra[STATS_ENV] = str(stats_file)
         self.proc = fork_litellm(["--config", str(workdir / "config.yaml"), "--host", "127.0.0.1",
                                   "--port", str(self.port)], env=_child_env(extra),
-                                 parent_env=_child_env({"LITELLM_MASTER_KEY": MASTER_KEY}), cwd=workdir,
+                                 parent_env=PARENT_ENV, cwd=workdir,
                                  log=self.log, prelude=_DUMP_STATS if stats_file is not None else "")
         try:
             with httpx.Client(timeout=1) as probe:  # one client for every probe (see Upstream._http)

@@ -256,14 +256,19 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+def warm() -> None:
+    """Load the vocabularies before the first request (in a fork parent: once for its children)."""
+    CATALOG.counter("o200k").count("warm")
+    CATALOG.counter("cl100k").count("warm")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port-file", required=True)
     args = ap.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    CATALOG.counter("o200k").count("warm")  # load the vocabularies before the first request
-    CATALOG.counter("cl100k").count("warm")
+    warm()
     write_port_file(args.port_file, server.server_address[1])  # whole or absent: the reader never sees it empty
     server.serve_forever()
 

@@ -288,14 +288,11 @@ def test_with_the_broker_stopped_the_call_proceeds_degraded(rig: Rig) -> None:
         rig.stack.start_broker()
 
 
-def test_a_bad_hook_config_stops_litellm_at_start(tmp_path: Path) -> None:
+def test_a_bad_hook_config_stops_litellm_at_start(tmp_path: Path, rig: Rig) -> None:
+    """The module's upstream stands in the config: the proxy exits before it could call it."""
     (tmp_path / "hook.yaml").write_text("orgs: {}\n")
-    upstream = Upstream(tmp_path)
-    try:
-        with pytest.raises(RuntimeError, match=r"LiteLLM exited with status 3") as exc:
-            LiteLLMProxy(tmp_path / "proxy", proxy_config(upstream, {"gpt-4o": "gpt-4o"}, hook=True), KEYS,
-                         env={"IBEX_LITELLM_CONFIG": str(tmp_path / "hook.yaml")})
-        assert "HookConfigError: " in str(exc.value) and "hook.yaml: orgs: Dictionary should have at least 1" in str(
-            exc.value)
-    finally:
-        upstream.stop()
+    with pytest.raises(RuntimeError, match=r"LiteLLM exited with status 3") as exc:
+        LiteLLMProxy(tmp_path / "proxy", proxy_config(rig.upstream, {"gpt-4o": "gpt-4o"}, hook=True), KEYS,
+                     env={"IBEX_LITELLM_CONFIG": str(tmp_path / "hook.yaml")})
+    assert "HookConfigError: " in str(exc.value) and "hook.yaml: orgs: Dictionary should have at least 1" in str(
+        exc.value)

@@ -74,7 +74,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     (work / "examples").symlink_to(ROOT / "examples")
     (work / ".venv").symlink_to(VENV)
     stack: LocalStack = start_stack(tmp_path_factory.mktemp("stack"), workers=1, env=ENV_FAST)
-    upstream = Upstream(tmp_path_factory.mktemp("upstream"))
+    upstream = Upstream(tmp_path_factory.mktemp("upstream"), forked=False)  # no LiteLLM fork parent here
     port = free_port()
     script = quick_start_block().replace("--port 4000", f"--port {port}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("IBEX_", "LITELLM_", "OPENAI_", "ANTHROPIC_"))}
