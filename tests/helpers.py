@@ -25,6 +25,7 @@ import msgpack
 import pytest
 import zmq
 
+from bench.lib.stack import seed_demo_inproc
 from ibex_context.memory.search.rank import (
     DEFAULT_RELEVANCE_FLOOR,
     WEIGHTS,
@@ -33,9 +34,8 @@ from ibex_context.memory.search.rank import (
     check_relevance_floor,
     half_life_days,
 )
-from ibex_context.memory.service.seed import SeedStats, read_jsonl, seed_records
-from ibex_context.ops.stack import DEMO_DATA, LocalStack
-from ibex_context.shared.stores.connect import async_client
+from ibex_context.memory.service.seed import SeedStats
+from ibex_context.ops.stack import LocalStack
 from ibex_context.shared.wire import protocol as P
 from tests.forkserver import fork_server
 
@@ -56,16 +56,8 @@ def seed_demo(redis_url: str) -> SeedStats:
     """Write the demo data into ``redis_url`` as ``ibex-context seed`` does (its ``seed_records``,
     the embedder ``IBEX_MEMORY_EMBEDDER`` names), in this process: a seeding subprocess per stack
     cost ~1 s of CPU. On a thread of its own, so it works from sync and async tests."""
-
-    async def run() -> SeedStats:
-        client = async_client(redis_url, socket_timeout=10, socket_connect_timeout=5)
-        try:
-            return await seed_records(client, read_jsonl(DEMO_DATA))
-        finally:
-            await client.aclose()
-
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, run()).result(timeout=120)
+        return pool.submit(seed_demo_inproc, redis_url).result(timeout=120)
 
 
 class ForkedStack(LocalStack):

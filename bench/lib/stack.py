@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -27,6 +27,9 @@ from bench.lib.checkout import checkout_of, pythonpath
 from bench.lib.cpu import tree_cpu_seconds
 from ibex_context.client.client import AsyncClient
 from ibex_context.ops.stack import DEMO_DATA, LocalStack
+
+if TYPE_CHECKING:
+    from ibex_context.memory.service.seed import SeedStats
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "out"
@@ -70,21 +73,21 @@ def seed_demo(redis_url: str) -> None:
         raise RuntimeError(f"seeding the demo data failed: {done.stderr[-2000:]}")
 
 
-def seed_demo_inproc(redis_url: str) -> None:
+def seed_demo_inproc(redis_url: str) -> SeedStats:
     """``seed_demo`` in this process (the seed tool's own ``seed_records``, the embedder
     ``IBEX_MEMORY_EMBEDDER`` names): no seeding interpreter to start. Runs its own event loop, so
-    call it on a thread of its own (``start_seeded``)."""
+    call it on a thread of its own (``start_seeded``, ``tests.helpers.seed_demo``)."""
     from ibex_context.memory.service.seed import read_jsonl, seed_records
     from ibex_context.shared.stores.connect import async_client
 
-    async def run() -> None:
+    async def run() -> SeedStats:
         client = async_client(redis_url, socket_timeout=10, socket_connect_timeout=5)
         try:
-            await seed_records(client, read_jsonl(DEMO_DATA))
+            return await seed_records(client, read_jsonl(DEMO_DATA))
         finally:
             await client.aclose()
 
-    asyncio.run(run())
+    return asyncio.run(run())
 
 
 def start_seeded(stack: LocalStack, timeout_s: float = 30.0) -> None:
