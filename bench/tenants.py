@@ -45,7 +45,8 @@ see how much of the 2 cores the load itself took. On a shared box the low priori
 attacker may fall behind its offered rate: the achieved send rate is printed next to it.
 
 ``--baseline CHECKOUT``: that checkout's broker and workers run beside this stack's, on the same
-Redis and memory service with the same keys, as the arm ``base``; every row then has four windows
+Redis and memory service with the same keys, as the arm ``base`` (with ``--baseline-memory``, on a
+memory service of that checkout's own, on the same Redis); every row then has four windows
 a round (this stack's off and on, the baseline's off and on, the arms' order rotating each round),
 and the report has one table per arm. The victim and the attacker drive both arms with this
 checkout's client, so only the serving differs.
@@ -127,6 +128,7 @@ class TenantPlan:
     seed: int = 23
     rows: tuple[str, ...] | None = None  # a subset of row keys; None: every row
     baseline: str | None = None  # a checkout run beside as the arm "base" (module doc)
+    baseline_memory: bool = False  # the baseline arm runs that checkout's memory service too (module doc)
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,7 @@ def curve_stack(plan: TenantPlan, log_dir: Path) -> Iterator[tuple[dict[str, Loc
         start_seeded(stack)
         if plan.baseline is not None:
             stacks[BASE] = start_baseline(stack, plan.baseline, log_dir / "base", workers=plan.workers, env=env,
-                                          status_socket=curve(keys, "ops"))
+                                          status_socket=curve(keys, "ops"), own_memory=plan.baseline_memory)
         yield stacks, keys
     finally:
         for st in reversed(stacks.values()):
@@ -304,7 +306,8 @@ class Bench:
                                seed=self.plan.seed * 10_000 + self.windows)
 
     async def settle(self) -> float:
-        return await settle(backend_pids(self.stack), self.plan.settle_max_s)
+        pids = {pid for arm in self.arms.values() for pid in backend_pids(arm.stack)}
+        return await settle(sorted(pids), self.plan.settle_max_s)
 
     async def window(self, row: Row, on: bool, rate: float, arm: str = ARM) -> dict[str, Any]:
         """One victim window at ``rate`` on ``arm``, with ``row``'s attack on the same arm running
@@ -540,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path,
                     help="another checkout of this project (e.g. a git worktree of main), its broker and workers run "
                          "beside as the arm 'base' in the same rounds (module doc)")
+    ap.add_argument("--baseline-memory", action="store_true",
+                    help="the baseline arm also runs that checkout's memory service, on the same Redis, so a change "
+                         "in the memory service is compared too")
     ap.add_argument("--json", action="store_true", help="also write tenants.json and tenants.md in --out")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -553,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.rows = tuple(args.rows.split(","))
     if args.baseline:
         plan.baseline = str(args.baseline.resolve())
+        plan.baseline_memory = args.baseline_memory
     args.out.mkdir(parents=True, exist_ok=True)
     results = run(plan, args.out)
     md = markdown(results)

@@ -96,6 +96,8 @@ RATE_BURST_NS = 20_000_000  # the bucket holds this much of the rate (at least o
 RATE_BINDING_NS = 100_000_000  # a request held back by the rate this recently: the rate is binding
 COST_EWMA = 0.5  # weight of one reply in an org's memory cost
 COST_ORGS = 4096  # orgs whose cost is remembered; past it the table is cleared (unknown orgs cost 1)
+LIGHT_SHARE = 0.5  # an org using under this part of its share of the dispatch rate goes without a token
+LIGHT_TAU_NS = 1_000_000_000  # an org's tokens taken are remembered with this time constant
 
 
 @dataclass(slots=True)
@@ -446,3 +448,36 @@ class MemoryCost:
         if c is None and len(self.by_org) >= COST_ORGS:
             self.by_org.clear()
         self.by_org[org] = x if c is None else c + COST_EWMA * (x - c)
+
+
+class LightOrgs:
+    """Per org, the dispatch tokens it took, decayed with ``LIGHT_TAU_NS``: an org using under
+    ``LIGHT_SHARE`` of its share of the dispatch rate is *light*, and its request goes without
+    waiting for a token (the bucket goes into debt, so the heavy org's next request waits that much
+    longer and the pace the memory service sees is unchanged). Under a flood the tokens refill at
+    the rate and the flood takes each as it comes, so a light org's request, first in fair order,
+    still waited up to a token's interval (tens of milliseconds at a few dozen a second) for what
+    is a tenth of its share. Bounded: past ``COST_ORGS`` orgs the table starts again."""
+
+    def __init__(self) -> None:
+        self.by_org: dict[str, tuple[float, int]] = {}  # org -> (decayed tokens, at)
+        self.lent = 0  # requests dispatched ahead of their token
+
+    def used(self, org: str, now_ns: int) -> float:
+        """Tokens ``org`` took over about the last ``LIGHT_TAU_NS``, a second's worth."""
+        got = self.by_org.get(org)
+        if got is None:
+            return 0.0
+        tokens, at = got
+        return tokens * math.exp(-(now_ns - at) / LIGHT_TAU_NS) * 1e9 / LIGHT_TAU_NS
+
+    def took(self, org: str, cost: float, now_ns: int) -> None:
+        if cost <= 0:
+            return
+        if org not in self.by_org and len(self.by_org) >= COST_ORGS:
+            self.by_org.clear()
+        self.by_org[org] = (self.used(org, now_ns) * LIGHT_TAU_NS / 1e9 + cost, now_ns)
+
+    def light(self, org: str, rate: float, share: float, now_ns: int) -> bool:
+        """Whether ``org``, due ``share`` of a dispatch ``rate`` (tokens a second), uses under ``LIGHT_SHARE`` of it."""
+        return self.used(org, now_ns) < LIGHT_SHARE * rate * share

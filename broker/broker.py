@@ -72,6 +72,7 @@ from .admission import (
     STALE_FACTOR,
     DispatchRate,
     Holds,
+    LightOrgs,
     MemoryCost,
     ServiceTime,
     StandingQueue,
@@ -109,15 +110,18 @@ class _Unpaced:
     held slots, and, under a limited dispatch rate, those whose request costs more tokens than
     the bucket holds (``paced`` records that one was). O(1) per org asked."""
 
-    __slots__ = ("cost", "held", "paced", "rate")
+    __slots__ = ("cost", "held", "light", "paced", "rate")
 
-    def __init__(self, held: Container[str], rate: DispatchRate, cost: MemoryCost) -> None:
-        self.held, self.rate, self.cost, self.paced = held, rate, cost, False
+    def __init__(self, held: Container[str], rate: DispatchRate, cost: MemoryCost,
+                 light: Callable[[str], bool] | None = None) -> None:
+        self.held, self.rate, self.cost, self.paced, self.light = held, rate, cost, False, light
 
     def __contains__(self, org: object) -> bool:
         if org in self.held:
             return True
         if isinstance(org, str) and not self.rate.allows(self.cost.cost(org)):
+            if self.light is not None and self.light(org):  # a light org goes ahead of its token
+                return False
             self.paced = True
             return True
         return False
@@ -159,6 +163,7 @@ class Broker:
         self.holds = Holds()  # slots held for their org after fast degraded replies (IBEX_ADMISSION_HOLD)
         self.rate = DispatchRate()  # the memory service's pace, learned from the replies (IBEX_ADMISSION_RATE)
         self.cost = MemoryCost()  # per org, the tokens one of its requests takes
+        self.light = LightOrgs()  # per org, the tokens it took lately: a light org goes without waiting for one
         self.running = True
         self.observe_queue_wait: Callable[[float], None] | None = None  # metrics hook (seconds)
 
@@ -362,6 +367,8 @@ class Broker:
         cost = self.cost.cost(org)
         if cost <= 0 or not self.rate.limited:
             return 0.0
+        if not queued and self.settings.admission_light and self._light(org):
+            return 0.0  # it goes at once, ahead of its token
         return self.rate.wait_ns((queued + 1) * cost, share, now_ns)
 
     def _shed_held(self, org: str, held: int, queued: int, remaining_ns: int) -> tuple[str, IbexError] | None:
@@ -468,7 +475,7 @@ class Broker:
             self.table.dispatched(w, key)
             self.stats["dispatched"] += 1
             if rate is not None:
-                rate.take(self.cost.cost(org), now)
+                self._took(rate, org, now)
             if self.observe_queue_wait is not None:
                 self.observe_queue_wait((now - p.enqueued_ns) / 1e9)
 
@@ -481,11 +488,23 @@ class Broker:
             rate.refill(time.monotonic_ns())
         if rate is None or not rate.limited:
             return self.queue.pop(lifo, held)
-        skip = _Unpaced(held, rate, self.cost)
+        skip = _Unpaced(held, rate, self.cost, self._light if self.settings.admission_light else None)
         nxt = self.queue.pop(lifo, skip)
         if nxt is None and skip.paced:
             rate.held_back(time.monotonic_ns())
         return nxt
+
+    def _took(self, rate: DispatchRate, org: str, now_ns: int) -> None:
+        """A request of ``org`` was dispatched: its tokens taken (ahead of them, for a light org)."""
+        cost = self.cost.cost(org)
+        if rate.limited and not rate.allows(cost):
+            self.stats["rate_lent"] += 1
+        rate.take(cost, now_ns)
+        self.light.took(org, cost, now_ns)
+
+    def _light(self, org: str) -> bool:
+        """Whether ``org`` uses under ``LIGHT_SHARE`` of its share of the dispatch rate (``admission.LightOrgs``)."""
+        return self.light.light(org, self.rate.rate, self.queue.share(org), time.monotonic_ns())
 
     def _held_back(self) -> set[str]:
         """The orgs whose own held slots (``broker.admission.Holds``) take every free slot now:

@@ -156,16 +156,21 @@ class BaselineStack(LocalStack):
 
 def start_baseline(stack: LocalStack, checkout: str | Path, log_dir: Path, *, workers: int,
                    worker_module: str = FULL_WORKER, env: dict[str, str] | None = None,
-                   status_socket: Callable[[zmq.Socket[Any]], None] | None = None) -> BaselineStack:
+                   status_socket: Callable[[zmq.Socket[Any]], None] | None = None,
+                   own_memory: bool = False) -> BaselineStack:
     """``checkout``'s broker and ``workers`` workers, started beside ``stack`` on its Redis and its
-    memory service (one backend for both, so a before/after compares the serving only); stop it
-    with ``.stop()`` before ``stack``. ``env``: more for its children (the CURVE key files)."""
+    memory service (one backend for both, so a before/after compares the serving only; with
+    ``own_memory``, on a memory service of the checkout's own, on the same Redis); stop it with
+    ``.stop()`` before ``stack``. ``env``: more for its children (the CURVE key files)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     base = BaselineStack(workers=workers, log_dir=log_dir, redis_url=stack.redis_url, secret=stack.secret,
                          env={**(env or {}), "PYTHONPATH": pythonpath(checkout)}, status_socket=status_socket)
     base.worker_module = worker_module
-    base.memory_port = stack.memory_port
     try:
+        if own_memory:
+            base.start_memory()
+        else:
+            base.memory_port = stack.memory_port
         base.start_broker(0)
         base.workers = [base.start_worker(i) for i in range(workers)]
         base.wait_workers(workers)

@@ -176,6 +176,10 @@ async def search(svc: MemoryService, request: Request) -> Response:
     body = validate_body(SearchBody, parse_json_object(await read_body(request, svc.config.max_body_bytes)))
     if body.limit == 0:
         return JSONResponse({"memories": []})
+    # The question's embedding has its own fair queue (memory.service.querybatch); a search slot is
+    # for the engine's search and the ranking, so it is taken once the vector is known: a slot held
+    # through another org's wait for its embedding would keep this org's search waiting too.
+    await svc.query_vector(org, body.query[:svc.config.max_query_chars], deadline)  # as search() embeds it
     async with svc.read_slots.hold(org, deadline):
         return await run_search(svc, org, body, deadline)
 
@@ -239,7 +243,8 @@ async def healthz(svc: MemoryService, request: Request) -> Response:
                             "records_skipped": svc.health.skipped, "queries_truncated": svc.queries_truncated,
                             "embeds_offloaded": svc.embeds_offloaded, "answers_trimmed": svc.answers_trimmed,
                             "deadline_dropped": svc.deadline_dropped,
-                            "embeds_refused": svc.embeds_refused, "searches_waited": svc.read_slots.waited,
+                            "embeds_refused": svc.embeds_refused, "queries_bulk": svc.queries_bulk,
+                            "searches_waited": svc.read_slots.waited,
                             "searches_refused": svc.read_slots.refused,
                             "common_words_scored": svc.terms.scored}
     try:

@@ -171,6 +171,12 @@ class MemoryConfig(MemoryServiceSettings):
                     "takes as many as fit at the measured time per question (at least one, at most 8). "
                     "A question that arrives while a batch runs waits for it, so this bounds what a busy "
                     "service adds to each search; 0: batches of up to 8.")
+    query_bulk_nice: int = Field(
+        10, ge=0, le=19,
+        description="Nice value of the thread that embeds the new questions of an org using more than its "
+                    "weighted share of the embedding while another org has questions in (Linux; 0: the "
+                    "process's priority): a lighter org's questions go on a thread of their own at the "
+                    "process's priority, never behind that org's batch, and run first when the CPU is short.")
 
     org_weights: OrgWeights = Field(
         None, json_schema_extra=shown("every org 1"),

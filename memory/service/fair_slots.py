@@ -10,6 +10,10 @@ freed slot goes to the waiting org with the fewest searches in for its weight
 slot (work-conserving); an org under its share waits for at most one search to end, whatever
 another org has queued.
 
+A slot is taken once the question's vector is known: the embedding has its own fair queue and
+lanes (``memory.service.querybatch``), and a slot held through a flooding org's wait for its
+embedding would keep every other org's search waiting behind that wait.
+
 Only searches hold slots. The hot list ranked for a question holds none: its own work is a
 cosine over at most ``HOT_LIMIT_MAX`` stored vectors, and its question's embedding is the query
 batcher's (``memory.service.querybatch``, fair by org and refused when late), computed once for

@@ -114,7 +114,8 @@ class MemoryService:
         self._verified: dict[str, str] = {}
         # Embedders with a batched query pass (MiniLM) embed concurrent new questions together.
         self._batcher = (QueryBatcher(self._query_rows(), weights=config.org_weight_map(),
-                                      batch_target_s=config.query_batch_ms / 1000.0 or None)
+                                      batch_target_s=config.query_batch_ms / 1000.0 or None,
+                                      bulk_nice=config.query_bulk_nice)
                          if embedder.blocking and callable(getattr(embedder, "embed_queries", None)) else None)
         # (org, query text) -> until when: a question whose embedding was refused for lack of time
         # (``WouldMissDeadline``) is refused to its assembly's other call too, not embedded for it alone.
@@ -133,6 +134,11 @@ class MemoryService:
         caller's time free after the embedding when it admits a new question."""
         if self._batcher is not None:
             self._batcher.note_after(took_s)
+
+    @property
+    def queries_bulk(self) -> int:
+        """New questions embedded on the bulk lane: their org was over its share while another had questions in."""
+        return self._batcher.bulk.queries if self._batcher is not None else 0
 
     @property
     def embeds_refused(self) -> int:

@@ -241,6 +241,11 @@ class BrokerSettings(_LinkSettings):
                           "service refused it, or a branch was skipped for lack of time) keeps its slot held for "
                           "its org until then, so an org is dispatched no faster than the memory service answers; "
                           "a held slot is free for every other org (docs/architecture.md \"Admission control\").")
+    admission_light: bool = Field(
+        True, description="Under a limited dispatch rate, a request of an org that took under half its share of the "
+                          "rate over the last second goes without waiting for a token (the heavier orgs' next "
+                          "requests wait that much longer, so the memory service's pace is unchanged): a light "
+                          "org is not kept waiting behind a flood's pace (docs/architecture.md \"Admission control\").")
     admission_rate: bool = Field(
         True, description="Requests whose assemblies embed a question at the memory service are dispatched no "
                           "faster than an adaptive rate learned from the replies (cut when they come back degraded, "

@@ -62,7 +62,7 @@ def assert_healthy(http: httpx.Client) -> None:
 
 
 COUNTERS = ("records_skipped", "queries_truncated", "embeds_offloaded", "answers_trimmed", "common_words_scored",
-            "deadline_dropped", "embeds_refused", "searches_waited",
+            "deadline_dropped", "embeds_refused", "queries_bulk", "searches_waited",
             "searches_refused")
 
 

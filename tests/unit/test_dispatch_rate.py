@@ -4,6 +4,7 @@ out the rate's tokens (``broker.broker._Unpaced``). No process, no socket."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from ibex_context.broker.admission import (
     COST_ORGS,
+    LIGHT_SHARE,
     RATE_BACKOFF,
     RATE_BINDING_NS,
     RATE_FLOOR,
@@ -20,6 +22,7 @@ from ibex_context.broker.admission import (
     RATE_PROBE,
     RATE_RECOVER_NS,
     DispatchRate,
+    LightOrgs,
     MemoryCost,
 )
 from ibex_context.broker.broker import _Unpaced
@@ -312,3 +315,44 @@ def test_a_call_that_timed_out_teaches_the_rate_nothing() -> None:
     r.held_back(S + MS)
     r.on_reply(dispatched_ns=S + MS, now_ns=S + 2 * MS, refused=False, clean=False, asked_memory=True)
     assert r.rate == 40.0 and r.cuts == 0 and r.last_clean_ns == S
+
+
+def is_light(light: LightOrgs, r: DispatchRate, q: FairQueue[int], now_ns: int, org: str) -> bool:
+    return light.light(org, r.rate, q.share(org), now_ns)  # as ``Broker._light``
+
+
+def test_a_light_org_goes_ahead_of_its_token_and_the_pace_stays_the_rate() -> None:
+    """Beside a flood that takes every token as it comes, an org sending a fifth of its share goes
+    in the same loop turn as it arrives (ahead of its token); the bucket's debt makes the flood's
+    next requests wait, so over two seconds what went is still the rate. Without it the light
+    org waits for a token."""
+    rate = 50.0
+    for lend in (True, False):
+        cost, light = MemoryCost(), LightOrgs()
+        for org in ("flood", "light"):
+            cost.observe(org, True)
+        q: FairQueue[int] = FairQueue()
+        for i in range(2000):
+            q.push("flood", i)
+        r, sent, waits, arrived = limited(rate), [], [], {}
+        for now in range(0, 2 * S, MS):
+            if now % (200 * MS) == 0:  # 5 a second: a fifth of its half of the rate
+                q.push("light", now)
+                arrived[now] = now
+            r.last_overload_ns = r.last_clean_ns = now
+            r.refill(now)
+            skip = _Unpaced(set(), r, cost, functools.partial(is_light, light, r, q, now) if lend else None)
+            while (nxt := q.pop((), skip)) is not None:
+                org, item = nxt
+                sent.append(org)
+                if org == "light":
+                    waits.append(now - arrived[item])
+                r.take(cost.cost(org), now)
+                light.took(org, cost.cost(org), now)
+        assert sent.count("light") == 10
+        if lend:
+            assert max(waits) == 0 and not light.light("flood", rate, 0.5, 2 * S)
+            assert abs(len(sent) - 2 * rate) <= 3  # the flood paid the light org's tokens back
+        else:
+            assert max(waits) >= 10 * MS  # a token's interval is 20 ms
+    assert light.used("light", 2 * S) < LIGHT_SHARE * rate * 0.5

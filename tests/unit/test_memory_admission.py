@@ -5,6 +5,8 @@ assemblies calling the memory service (worker.memgate)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -78,7 +80,7 @@ async def test_a_query_that_would_end_after_its_deadline_is_refused_at_once_over
     embed = Blocked()
     batcher = QueryBatcher(embed, max_batch=1)
     first = await _running(batcher, embed)
-    batcher.batch_s = 1.0  # as if measured: one batch a second
+    batcher.urgent.batch_s = 1.0  # as if measured: one batch a second
     flood = _queue(batcher, "a", 5)
     await asyncio.sleep(0)  # the flood's calls are queued
     soon = Horizon(time.monotonic() + 3.0)  # a's sixth would wait for five batches: refused
@@ -100,7 +102,7 @@ async def test_the_time_a_call_needs_after_its_vector_counts_against_its_deadlin
     embed = Blocked()
     batcher = QueryBatcher(embed, max_batch=1)
     first = await _running(batcher, embed)
-    batcher.batch_s = 1.0
+    batcher.urgent.batch_s = 1.0
     horizon = Horizon(time.monotonic() + 2.5)  # the running batch's rest, then its own: ends in time
     fits = asyncio.ensure_future(batcher.embed("fits", horizon, "a"))
     await asyncio.sleep(0)
@@ -119,20 +121,20 @@ async def test_a_batch_takes_no_more_questions_than_fit_in_its_target_time() -> 
         embed = Blocked()
         batcher = QueryBatcher(embed, max_batch=8, batch_target_s=target)
         first = await _running(batcher, embed)
-        batcher.query_s = 10.0  # as if measured: 10 s a question, so none fits with another in 0.25 s
-        queued = _queue(batcher, "a", 5)
+        batcher.urgent.query_s = 10.0  # as if measured: 10 s a question, so none fits with another in 0.25 s
+        queued = _queue(batcher, "c", 5)  # the running question's org: alone, on the one lane
         await asyncio.sleep(0)
         embed.release.set()
         await asyncio.gather(first, *(fut for _, fut in queued))
         assert [len(b) for b in embed.batches] == sizes
-        assert 0 < batcher.query_s < 10.0  # each batch's time per question was measured in
+        assert 0 < batcher.urgent.query_s < 10.0  # each batch's time per question was measured in
 
 
 def test_the_batch_cap_is_the_questions_that_fit_at_the_measured_pace() -> None:
     batcher: QueryBatcher[np.ndarray] = QueryBatcher(Blocked(), max_batch=8, batch_target_s=0.025)
     assert batcher.batch_cap() == 8  # nothing measured yet: the first question runs alone anyway
     for per, cap in ((0.009, 2), (0.012, 2), (0.03, 1), (0.001, 8)):
-        batcher.query_s = per
+        batcher.urgent.query_s = per
         assert batcher.batch_cap() == cap
 
 
@@ -143,7 +145,64 @@ async def test_nothing_is_refused_before_a_batch_time_is_measured() -> None:
     queued = _queue(batcher, "a", 5, Horizon(time.monotonic() + 60))
     embed.release.set()
     await asyncio.gather(first, *(fut for _, fut in queued))
-    assert batcher.refused == 0 and batcher.batch_s > 0
+    assert batcher.refused == 0 and batcher.urgent.batch_s > 0
+
+
+class PerLane:
+    """An ``embed_many`` that records each batch with its lane and the thread's nice value, and
+    holds the bulk lane's batches until ``release_bulk`` is set."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, list[str], int]] = []
+        self.release_bulk = threading.Event()
+        self.urgent_started = threading.Event()
+        self.urgent_release = threading.Event()
+
+    def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        lane = "bulk" if threading.current_thread().name.startswith("query-bulk") else "urgent"
+        self.batches.append((lane, list(texts), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        if lane == "bulk":
+            self.release_bulk.wait(10)
+        else:
+            self.urgent_started.set()
+            self.urgent_release.wait(10)
+        return np.ones((len(texts), 4), dtype=np.float32)
+
+
+async def test_an_org_over_its_share_yields_the_urgent_lane_to_a_light_org() -> None:
+    """While b has a question in, a's questions past its share of the embedding go on the bulk lane
+    (a thread at ``bulk_nice``); b's next question is embedded on the urgent lane while a's batch is
+    still held on the bulk one."""
+    embed = PerLane()
+    batcher = QueryBatcher(embed, max_batch=8, bulk_nice=7)
+    b0 = asyncio.ensure_future(batcher.embed("b0", None, "b"))
+    await asyncio.get_running_loop().run_in_executor(None, embed.urgent_started.wait, 10)
+    batcher.urgent.query_s = 0.3  # as if measured: a question takes 0.3 s of a lane
+    flood = _queue(batcher, "a", 5)  # a0 before a is active; a1 at 0.3 of a lane; a2.. over half
+    await asyncio.sleep(0)
+    assert [len(batcher.urgent.pending), len(batcher.bulk.pending) + batcher.bulk.queries] == [2, 3]
+    embed.urgent_release.set()
+    await b0
+    b1 = await batcher.embed("b1", None, "b")  # a's bulk batch is still held
+    assert b1.shape == (4,) and not any(f.done() for _, f in flood[2:])
+    embed.release_bulk.set()
+    await asyncio.gather(*(f for _, f in flood))
+    lanes = [(lane, texts) for lane, texts, _ in embed.batches]
+    assert lanes == [("urgent", ["b0"]), ("bulk", ["a2", "a3", "a4"]), ("urgent", ["a0", "a1"]), ("urgent", ["b1"])]
+    if sys.platform.startswith("linux"):
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert {lane: nice for lane, _, nice in embed.batches} == {"urgent": base, "bulk": max(7, base)}
+    assert batcher.bulk.queries == 3 and batcher.queries == 7
+
+
+async def test_an_org_alone_is_never_sent_to_the_bulk_lane() -> None:
+    embed = PerLane()
+    embed.urgent_release.set()
+    batcher = QueryBatcher(embed, max_batch=2)
+    batcher.urgent.query_s = 10.0  # as if measured: any queue is far over a share
+    queued = _queue(batcher, "a", 6)
+    await asyncio.gather(*(f for _, f in queued))
+    assert batcher.bulk.queries == 0 and {lane for lane, _, _ in embed.batches} == {"urgent"}
 
 
 # ---------------------------------------------------------------------------- worker.memgate
