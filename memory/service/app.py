@@ -79,7 +79,7 @@ from .models import (
     SearchBody,
     WriteMemory,
 )
-from .search import rank_hot
+from .search import has_memories, rank_hot
 from .search import search as run_search
 from .state import MemoryService, OrgLimiter
 
@@ -174,7 +174,7 @@ async def search(svc: MemoryService, request: Request) -> Response:
     deadline = deadline_of(request, received)
     query_params(request, ())
     body = validate_body(SearchBody, parse_json_object(await read_body(request, svc.config.max_body_bytes)))
-    if body.limit == 0:
+    if body.limit == 0 or not await has_memories(svc, org, body.agent_id):
         return JSONResponse({"memories": []})
     # The question's embedding has its own fair queue (memory.service.querybatch); a search slot is
     # for the engine's search and the ranking, so it is taken once the vector is known: a slot held

@@ -349,6 +349,20 @@ async def _agent_size(svc: MemoryService, org: str, agent: str) -> int:
     return size
 
 
+async def has_memories(svc: MemoryService, org: str, agent: str) -> bool:
+    """Whether a search of the agent may find memories: the service's writes counted some (a count
+    remembered as 0 is read again: a write may have come since), or its index exists (records
+    written by another tool are found through it). On a cluster, where each agent has its own index,
+    a search of an agent with neither is answered empty before its question is embedded and before
+    an index is made for it: a caller naming agent after agent costs a count, not an index each. On
+    one server the index is the org's, one per org, and a search may make it as a write would."""
+    if await _agent_size(svc, org, agent) or not svc.per_agent_indexes:
+        return True
+    size = int(await svc.redis.scard(memory_ids_key(org, agent)))
+    _remember_size(svc, org, agent, size)
+    return size > 0 or await svc.index_exists(org, agent)
+
+
 def _remember_size(svc: MemoryService, org: str, agent: str, size: int) -> None:
     if len(svc.agent_sizes) >= AGENT_SIZES_KEPT and (org, agent) not in svc.agent_sizes:
         svc.agent_sizes.clear()  # bounded: a cleared entry costs one SCARD

@@ -18,6 +18,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry  # the asyncio client's own (redis-py 8.2 warns on the sync one)
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,7 +29,7 @@ from ...shared.stores.connect import async_client
 from ...shared.stores.layout_migration import tag_org_keys
 from ..embedders.embed import Embedder, Vectors
 from ..embedders.token_states import Embedded, QueryEmbedding, split_embedded
-from ..search.index import check_engine, ensure_index, index_name, per_agent_indexes
+from ..search.index import check_engine, ensure_index, index_name, missing_index, per_agent_indexes
 from ..search.terms import TermTable
 from ..store import writes as store
 from ..store.reads import Scripts
@@ -210,6 +211,20 @@ class MemoryService:
         if again or name not in self._indexed:
             await ensure_index(self.redis, self.embedder.name, self.embedder.dim, org, agent)
             self._indexed.add(name)
+
+    async def index_exists(self, org: str, agent: str) -> bool:
+        """Whether the agent's index exists (known to this process, or the engine says so); makes none."""
+        name = self.index_name(org, agent)
+        if name in self._indexed:
+            return True
+        try:
+            await self.redis.execute_command("FT.INFO", name)  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if missing_index(exc):
+                return False
+            raise
+        self._indexed.add(name)
+        return True
 
     async def close(self) -> None:
         if self._search_redis is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -14,13 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from redis.exceptions import ResponseError
 
 from ibex_context.memory.embedded_redis.server import EmbeddedRedis
-from ibex_context.memory.search.index import tenant_number
+from ibex_context.memory.search.index import index_name, tenant_number
 from ibex_context.memory.service.seed import DEMO_FILE
 from ibex_context.memory.service.seed import main as seed_main
 from ibex_context.memory.service.server import main as server_main
-from ibex_context.shared.stores.connect import sync_client
+from ibex_context.shared.stores.connect import is_cluster, sync_client
 from ibex_context.shared.stores.keys import memory_key, vector_field
 from tests.fixtures_services import MemoryServiceHandle
 from tests.helpers import main_in_process
@@ -166,11 +168,36 @@ def test_unknown_agent_is_an_empty_list(http: httpx.Client, memory: MemoryServic
     assert ids(search(http, memory, "acme", {"query": "anything at all", "agent_id": "nobody"})) == []
 
 
+def test_searches_of_agents_with_no_memories_make_no_index_each(http: httpx.Client,
+                                                                memory: MemoryServiceHandle) -> None:
+    """Naming agent after agent costs the service a count, not an index each: on a cluster (an index
+    per agent) a search of an agent with no memories makes none; on one server at most the org's."""
+    org = f"idle-{secrets.token_hex(4)}"
+    name = http.get("/healthz").json()["embedder"]
+    with sync_client(memory.redis_url) as r:
+        per_agent = is_cluster(r)
+
+        def indexed(agent: str) -> bool:
+            try:
+                r.execute_command("FT.INFO", index_name(name, org, agent, per_agent=per_agent))
+            except ResponseError:
+                return False
+            return True
+
+        for i in range(5):
+            assert ids(search(http, memory, org, {"query": f"anything at all {i}", "agent_id": f"agent-{i}"})) == []
+        assert not any(indexed(f"agent-{i}") for i in range(5)) if per_agent else indexed("agent-0")
+        memory.seed([mem(org, "agent-0", "The idle org's first memory", memory_id="first")])
+        assert indexed("agent-0") and not (per_agent and indexed("agent-1"))  # a write makes the agent's
+    assert ids(search(http, memory, org, {"query": "the idle org's first memory", "agent_id": "agent-0"})) == ["first"]
+
+
 def test_records_without_vectors_are_backfilled(http: httpx.Client, memory: MemoryServiceHandle) -> None:
     record = {"memory_id": "raw-1", "content": "Shipping labels print from the warehouse portal",
               "category": "fact", "confidence": 0.9, "created_at": "2026-01-01T00:00:00Z"}
     hand_written = {"org": "acme", "agent": "bot", "tenant": tenant_number("acme", "bot"), "content": record["content"],
                     "created_at": 1767225600, "rec": json.dumps(record)}
+    memory.seed([mem("acme", "bot", "Zebra crossings", memory_id="anchor")])  # the agent's index exists
     with sync_client(memory.redis_url) as r:
         r.hset(memory_key("acme", "bot", "raw-1"), mapping=hand_written)  # no vector
         r.hset(memory_key("acme", "bot", "broken"), mapping={**hand_written, "rec": b"{not json"})
