@@ -25,7 +25,7 @@ from bench import floor, hops, memclient, peers, report, workercpu
 from bench.lib.stack import REPO, SETTLE_MAX_S, settle
 from bench.run import Plan, Progress, run_bench
 from ibex_context.ops.local import LocalStack
-from tests.forkserver import PRELOAD, Forked, ForkServer
+from tests.forkserver import PRELOAD, ForkServer
 from tests.helpers import seed_demo
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,8 +40,8 @@ def bench_forks() -> Iterator[ForkServer]:
     """A fork server (``tests.forkserver``) with the repo on its path and the benches' own servers
     imported: each bench process here (the stacks' memory service, brokers and workers, the transport
     worker, the peers, the floor's relay and answerers) is a fork of it running ``python -m`` as the
-    bench would start it, without the ~1 s of CPU an interpreter spends starting and importing. The
-    workers of a checkout (``bench.workercpu``) are still started from that checkout."""
+    bench would start it, without the ~1 s of CPU an interpreter spends starting and importing (and
+    a worker's loading its BPE vocabularies). Another checkout's processes are its own interpreters."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
         server = ForkServer((*PRELOAD, *BENCH_PRELOAD))
@@ -72,14 +72,18 @@ def _bench_processes(monkeypatch: pytest.MonkeyPatch, bench_forks: ForkServer) -
             return bench_forks.run_module(args[1], args[2:], env=self.env(), cwd=self.log_dir,
                                           log=self.log_dir / f"{name}.log")
 
+    real_spawn_module = bench.lib.stack.spawn_module
+
     def spawn_module(module: str, args: list[str], *, env: dict[str, str] | None = None,
-                     log: Path | None = None, cwd: Path = REPO) -> Forked:
+                     log: Path | None = None, cwd: Path = REPO, new_session: bool = False) -> Any:
+        if cwd != REPO:  # another checkout's code: its own interpreter
+            return real_spawn_module(module, args, env=env, log=log, cwd=cwd, new_session=new_session)
         return bench_forks.run_module(module, args, env=dict(os.environ) if env is None else env, cwd=cwd,
-                                      log=log or Path(os.devnull), new_session=False)
+                                      log=log or Path(os.devnull), new_session=new_session)
 
     for module in (bench.lib.stack, workercpu):
         monkeypatch.setattr(module, "LocalStack", BenchStack)
-    for module in (floor, hops, peers):
+    for module in (floor, hops, peers, workercpu):
         monkeypatch.setattr(module, "spawn_module", spawn_module)
 
 
