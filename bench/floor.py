@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from bench.lib.stack import spawn_module
 from bench.loadgen import OK, Reply, RunResult, open_loop
 from bench.stats import Histograms
 from ibex_context.ops.stack import free_port, stop_processes
@@ -109,8 +110,7 @@ def floor_processes() -> Iterator[FloorProcs]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for args in (["relay", front, back], ["echo", "--bind", direct, "--connect", back]):
-            procs.append(subprocess.Popen([sys.executable, "-m", "bench.floor", *args], cwd=REPO,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(spawn_module("bench.floor", args))
         fp = FloorProcs(front, direct, procs)
         _wait_echo(fp.relay_front)
         _wait_echo(fp.direct)

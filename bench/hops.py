@@ -30,7 +30,7 @@ import zmq
 
 from bench.lib.cpu import cpu_seconds
 from bench.lib.percentiles import median
-from bench.lib.stack import REPO
+from bench.lib.stack import spawn_module
 from bench.lib.tables import table
 from bench.workload import request_templates
 from ibex_context.ops.stack import free_port, stop_processes
@@ -92,9 +92,10 @@ def transport_worker(endpoint: str) -> None:
 
 
 def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    """``python -m MODULE ARGS`` (``args``), without this process's ``IBEX_`` settings."""
+    assert args[0] == "-m", args
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return spawn_module(args[1], list(args[2:]), env=env)
 
 
 def _pipelined(send: Callable[[int], None], recv: Callable[[], bool], n: int, window: int) -> float:

@@ -70,6 +70,7 @@ from bench.lib.stack import (
     seed_demo,
     set_workers,
     settle,
+    spawn_module,
     start_baseline,
 )
 from bench.loadgen import OK, RunResult, Sample, merge_runs, open_loop
@@ -187,12 +188,8 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
             if kind.startswith("ibex"):
                 continue
             port = free_port()
-            procs = []
-            for i in range(2):
-                with open(log_dir / f"{kind}-{i}.log", "ab") as log:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "bench.peer_servers", kind, str(port),
-                                                   f"{kind}-{i}"], cwd=REPO, env=stack.env(), stdout=log,
-                                                  stderr=subprocess.STDOUT))
+            procs = [spawn_module("bench.peer_servers", [kind, str(port), f"{kind}-{i}"], env=stack.env(),
+                                  log=log_dir / f"{kind}-{i}.log") for i in range(2)]
             peers[kind] = (port, procs)
         seed_demo(str(stack.redis_url))
         if plan.baseline is not None:
@@ -214,13 +211,8 @@ def started(plan: PeerPlan, log_dir: Path) -> Iterator[Servers]:
 def _start_floor(log_dir: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """``bench.floor``'s zmq.proxy relay with two answering processes behind it (``FLOOR``)."""
     front, back = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    procs = []
     roles = [("relay", ["relay", front, back]), ("answer-0", ["answer", back]), ("answer-1", ["answer", back])]
-    for name, args in roles:
-        with open(log_dir / f"floor-{name}.log", "ab") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "bench.floor", *args], cwd=REPO, stdout=log,
-                                          stderr=subprocess.STDOUT))
-    return front, procs
+    return front, [spawn_module("bench.floor", args, log=log_dir / f"floor-{name}.log") for name, args in roles]
 
 
 class Targets:

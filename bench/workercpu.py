@@ -44,7 +44,7 @@ import zmq
 from bench.lib.checkout import pythonpath
 from bench.lib.cpu import cpu_seconds, thread_cpu_seconds
 from bench.lib.percentiles import median
-from bench.lib.stack import seed_demo
+from bench.lib.stack import seed_demo, spawn_module
 from bench.lib.tables import table
 from bench.workload import request_templates
 from ibex_context.ops.local import LocalStack
@@ -73,12 +73,8 @@ def _spawn_worker(stack: LocalStack, checkout: Path, endpoint: str, name: str, l
     # The checkout's own package (bench.lib.checkout): not this venv's editable install of today's code.
     env.update({"IBEX_BROKER_BACKENDS": endpoint, "IBEX_BROKER_BACKEND": endpoint, "IBEX_PIN_CPUS": "false",
                 "PYTHONPATH": pythonpath(checkout), **extra_env})
-    log = open(log_dir / f"{name}.log", "ab")  # the child owns it
-    try:
-        return subprocess.Popen([sys.executable, "-m", "ibex_context.worker", "--worker-id", name], cwd=checkout,
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        log.close()
+    return spawn_module("ibex_context.worker", ["--worker-id", name], env=env, log=log_dir / f"{name}.log",
+                        cwd=checkout, new_session=True)
 
 
 def _connect(w: Worker, timeout_s: float = 60.0) -> None:

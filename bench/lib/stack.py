@@ -48,6 +48,21 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+def spawn_module(module: str, args: list[str], *, env: dict[str, str] | None = None, log: Path | None = None,
+                 cwd: Path = REPO, new_session: bool = False) -> subprocess.Popen[bytes]:
+    """``python -m module ARGS`` in ``cwd`` with ``env`` (default: this process's), its output
+    appended to ``log`` (default: discarded), in a session of its own if ``new_session``: how the
+    benches start their own Python servers, in one place (the tests fork this checkout's from a
+    preloaded parent instead, tests/stack/test_bench_run.py)."""
+    argv = [sys.executable, "-m", module, *args]
+    if log is None:
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=new_session)
+    with open(log, "ab") as out:  # the child has its own copy
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=new_session)
+
+
 def runner() -> asyncio.Runner:
     """An ``asyncio.Runner`` on uvloop, the loop the product's client runs on in production."""
     import uvloop

@@ -10,28 +10,81 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import bench.lib.stack
-from bench import hops, memclient, peers, report, workercpu
-from bench.lib.stack import SETTLE_MAX_S, settle
+from bench import floor, hops, memclient, peers, report, workercpu
+from bench.lib.stack import REPO, SETTLE_MAX_S, settle
 from bench.run import Plan, Progress, run_bench
+from ibex_context.ops.local import LocalStack
+from tests.forkserver import PRELOAD, ForkServer
 from tests.helpers import seed_demo
 
 pytestmark = pytest.mark.timeout(60)
 
+# What the benches here start besides the stack's own processes, imported once by their fork parent.
+BENCH_PRELOAD = ("bench.lib.transport", "bench.floor", "bench.hops", "bench.peer_servers", "grpc", "grpc.aio",
+                 "uvicorn", "starlette.applications", "starlette.requests", "starlette.responses", "starlette.routing")
+
+
+@pytest.fixture(scope="module")
+def bench_forks() -> Iterator[ForkServer]:
+    """A fork server (``tests.forkserver``) with the repo on its path and the benches' own servers
+    imported: each bench process here (the stacks' memory service, brokers and workers, the transport
+    worker, the peers, the floor's relay and answerers) is a fork of it running ``python -m`` as the
+    bench would start it, without the ~1 s of CPU an interpreter spends starting and importing (and
+    a worker's loading its BPE vocabularies). Another checkout's processes are its own interpreters."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+        server = ForkServer((*PRELOAD, *BENCH_PRELOAD))
+    try:
+        yield server
+    finally:
+        proc, kids = server.proc, server.children
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()  # the end of its requests: it exits
+        proc.wait(10)
+        with kids.changed:  # its reader has seen the end of its events...
+            kids.changed.wait_for(lambda: not kids.alive, 10)
+        proc.stdout.close()  # ...and reads no more
+
 
 @pytest.fixture(autouse=True)
-def _seed_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def _bench_processes(monkeypatch: pytest.MonkeyPatch, bench_forks: ForkServer) -> None:
     """The benches' stacks get the demo data by the seed tool's own ``seed_records`` in this process
-    (``tests.helpers.seed_demo``), not a subprocess's ~1 s of CPU: the seed CLI has tests of its own."""
+    (``tests.helpers.seed_demo``), not a subprocess's ~1 s of CPU: the seed CLI has tests of its own.
+    Their Python processes are forks of ``bench_forks``."""
     for module in (bench.lib.stack, peers, workercpu):
         monkeypatch.setattr(module, "seed_demo", seed_demo)
+
+    class BenchStack(LocalStack):
+        def _spawn(self, name: str, args: list[str]) -> Any:
+            if args[0] != "-m":
+                return super()._spawn(name, args)
+            return bench_forks.run_module(args[1], args[2:], env=self.env(), cwd=self.log_dir,
+                                          log=self.log_dir / f"{name}.log")
+
+    real_spawn_module = bench.lib.stack.spawn_module
+
+    def spawn_module(module: str, args: list[str], *, env: dict[str, str] | None = None,
+                     log: Path | None = None, cwd: Path = REPO, new_session: bool = False) -> Any:
+        if cwd != REPO:  # another checkout's code: its own interpreter
+            return real_spawn_module(module, args, env=env, log=log, cwd=cwd, new_session=new_session)
+        return bench_forks.run_module(module, args, env=dict(os.environ) if env is None else env, cwd=cwd,
+                                      log=log or Path(os.devnull), new_session=new_session)
+
+    for module in (bench.lib.stack, workercpu):
+        monkeypatch.setattr(module, "LocalStack", BenchStack)
+    for module in (floor, hops, peers, workercpu):
+        monkeypatch.setattr(module, "spawn_module", spawn_module)
 
 
 def test_run_bench_inproc_and_floor_writes_outputs(tmp_path: Path) -> None:

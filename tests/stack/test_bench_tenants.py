@@ -1,31 +1,57 @@
 """``python -m bench.tenants`` in its smallest configuration, end to end through the real stack
 (embedded Redis, the memory service, the broker and workers over ZeroMQ with CURVE keys per org),
 its attacker a real low-priority process. No timing assertions: that every row is there, every
-victim request is in exactly one class, shares are shares, and the attacker's counts nest."""
+victim request is in exactly one class, shares are shares, and the attacker's counts nest.
+
+The bench runs by its ``main()`` in this process, its stack's processes forked from the test fork
+server (``tests.helpers.ForkedStack``): the same modules run as ``python -m`` runs them, without
+an interpreter start and imports per process (~4 s of CPU a run). The attacker stays a real
+process of its own (it lowers its own priority), and so do the ``--baseline`` checkout's broker
+and workers (``bench.lib.stack.start_baseline``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import bench.lib.stack
+import bench.tenants
 from bench.tenant_report import CLASSES
 from bench.tenants import TenantPlan, rows_of
+from tests.helpers import ForkedStack, main_in_process
 
 pytestmark = pytest.mark.timeout(400)
 
 REPO = Path(__file__).resolve().parents[2]
+# Seconds per victim window. The victim's arrivals are seeded per window (``Bench.victim_run``) and its
+# rate here is the quick plan's floor, 8/s, whatever the ramp finds (10 % of 20 or 40/s is below it):
+# at 0.75 s every window of these runs schedules at least 2 requests (at 0.7 s one has a single one).
+WINDOW = "0.75"
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+def forked() -> Iterator[None]:
+    """The stacks ``bench.lib.stack.new_stack`` makes are ``ForkedStack``s (module doc)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench.lib.stack, "LocalStack", ForkedStack)
+        yield
+
+
+def tenants(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.tenants ARGS`` by its ``main()`` here (module doc): what it prints, its status."""
+    return main_in_process(bench.tenants.main, *args, env=dict(os.environ))
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory, forked: None) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("tenants")
-    done = subprocess.run([sys.executable, "-m", "bench.tenants", "--quick", "--window", "1.0", "--json",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=380, check=False)
+    done = tenants("--quick", "--window", WINDOW, "--json", "--out", str(out))
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((out / "tenants.json").read_text()), done.stdout
 
@@ -74,12 +100,11 @@ def test_attacker_counts_nest_and_its_cpu_is_reported(quick: tuple[dict[str, Any
             assert sum(a["outcomes"].values()) == a["sent"]
 
 
-def test_a_baseline_arm_runs_in_the_same_rounds(tmp_path: Path) -> None:
+def test_a_baseline_arm_runs_in_the_same_rounds(tmp_path: Path, forked: None) -> None:
     """``--baseline``: the other checkout's broker and workers (here this very checkout's, run
     through the baseline's import view) are measured in the same rounds, as a second table."""
-    done = subprocess.run([sys.executable, "-m", "bench.tenants", "--quick", "--window", "1.0", "--capacity", "20",
-                           "--rows", "assemble-2x-100ms", "--baseline", str(REPO), "--json", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=380, check=False)
+    done = tenants("--quick", "--window", WINDOW, "--capacity", "20", "--rows", "assemble-2x-100ms",
+                   "--baseline", str(REPO), "--json", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads((tmp_path / "tenants.json").read_text())
     assert [r["key"] for r in res["rows"]] == [r["key"] for r in res["baseline_rows"]] == ["assemble-2x-100ms"]
