@@ -185,7 +185,7 @@ class Launch:
                 S.start_group(rpc, "nonce-lease", self.timeout_s)
                 S.start_group(rpc, "worker", self.timeout_s)
         except S.RPC_ERRORS as exc:
-            raise RuntimeError(f"supervisorctl start nonce-lease worker:*: {exc}") from None
+            raise RuntimeError(f"supervisord did not start the nonce lease and the workers: {exc}") from None
         n, name, frontends = self.plan.workers, self.plan.name, self.frontends()
         log = self.logs / "worker-00.log"
         if frontends:
