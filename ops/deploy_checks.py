@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 import redis
 
 from ..shared.config.settings import Settings
@@ -63,7 +62,10 @@ def redis_ok(url: str) -> bool:
 
 
 def memory_secret_accepted(url: str, secret: str, timeout_s: float = 2.0) -> bool | None:
-    """Whether the memory service at ``url`` accepts a token minted with ``secret``; None if it does not answer."""
+    """Whether the memory service at ``url`` accepts a token minted with ``secret``; None if it does not answer.
+    httpx is imported here: ``status`` and ``down`` load this module but never call it."""
+    import httpx
+
     token = mint_org_token(secret, PROBE_ORG)
     try:
         r = httpx.get(f"{url.rstrip('/')}/v1/memories/hot", params={"agent_id": PROBE_AGENT, "limit": 1},

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ..memory.embedded_redis.server import RUN_DIR_ENV
 from ..shared.config.settings import Settings, usable_cpus
 from . import opskey
 from . import stack as S
@@ -178,10 +179,13 @@ class Launch:
             print(note)
         # Every host running workers keeps the nonce lease, a one-machine stack too: a workers host
         # added beside it is then checked against the secret its workers use.
-        names = ["nonce-lease", "worker:*"]
-        out = S._supervisor("supervisorctl", self.conf, "start", *names, env=self.env)
-        if "ERROR" in out.stdout or "ERROR" in out.stderr:
-            raise RuntimeError(f"supervisorctl start {' '.join(names)}: {' '.join(out.stdout.split())}")
+        # The lease keeper first, running (its startsecs passed) before any worker starts.
+        try:
+            with S.supervisor_rpc(Path(self.env[RUN_DIR_ENV])) as rpc:
+                S.start_group(rpc, "nonce-lease", self.timeout_s)
+                S.start_group(rpc, "worker", self.timeout_s)
+        except S.RPC_ERRORS as exc:
+            raise RuntimeError(f"supervisord did not start the nonce lease and the workers: {exc}") from None
         n, name, frontends = self.plan.workers, self.plan.name, self.frontends()
         log = self.logs / "worker-00.log"
         if frontends:

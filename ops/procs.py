@@ -13,12 +13,14 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import httpx
 import zmq
 
 from ..shared.wire import protocol as P
+
+if TYPE_CHECKING:
+    import httpx
 
 POLL_S = 0.05  # how often wait_for re-checks its condition
 
@@ -129,7 +131,11 @@ _probe: httpx.Client | None = None
 
 def http_ok(url: str) -> bool:
     """``url`` answers 200. One client for every probe: ``httpx.get`` builds one per call, loading
-    the CA bundle (~40 ms of CPU) each time; no keep-alive, so a restarted server is probed afresh."""
+    the CA bundle (~40 ms of CPU) each time; no keep-alive, so a restarted server is probed afresh.
+    httpx is imported here, at the first probe: ``down``, ``status`` and the admin commands never
+    probe, and its import costs ~0.2 s of CPU."""
+    import httpx
+
     global _probe
     if _probe is None:
         _probe = httpx.Client(timeout=0.5, limits=httpx.Limits(max_keepalive_connections=0))

@@ -14,14 +14,18 @@ installed ``ibex-context up`` works from any directory.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+import xmlrpc.client
+from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,11 @@ PACKAGED_CONF = Path(str(resources.files("ibex_context.ops").joinpath("superviso
 CONF = PACKAGED_CONF  # tests point this at a private copy (see run_dir_of)
 DEMO_DATA = Path(str(resources.files("ibex_context.memory").joinpath("data", "demo.jsonl")))
 HOST_FILE = "host.json"  # in the run dir: what this host runs, for `status` (mode 0600)
+SOCKET = "supervisor.sock"  # in the run dir: supervisord's control socket ([unix_http_server] in supervisord.conf)
+RPC_TIMEOUT_S = 60.0  # a request to supervisord, and a program group's start or stop
+RPC_POLL_S = 0.05  # how often a start or stop asks supervisord whether it is done
+SUPERVISOR_SUCCESS = 80  # supervisor.xmlrpc.Faults.SUCCESS: one program of a group started
+STOPPED_STATES = frozenset({"STOPPED", "EXITED", "FATAL", "UNKNOWN"})  # supervisor.states.STOPPED_STATES
 
 
 def _metrics_text(port: int) -> str:
@@ -103,11 +112,56 @@ def _supervisor(program: str, conf: Path, *args: str, env: dict[str, str]) -> su
                           cwd=env[RUN_DIR_ENV], capture_output=True, text=True, timeout=60, check=False)
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=RPC_TIMEOUT_S)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class _UnixTransport(xmlrpc.client.Transport):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.socket_path = path
+
+    def make_connection(self, host: Any) -> http.client.HTTPConnection:
+        """A connection per request (supervisord may close one after its answer), the last one
+        closed with the proxy."""
+        self.close()
+        conn = _UnixHTTPConnection(self.socket_path)
+        self._connection = (host, conn)
+        return conn
+
+
+@contextlib.contextmanager
+def supervisor_rpc(run_dir: Path) -> Iterator[Any]:
+    """supervisord's XML-RPC interface (what supervisorctl calls), from this process: no
+    supervisorctl process to start and import for each request."""
+    with xmlrpc.client.ServerProxy("http://localhost/RPC2", transport=_UnixTransport(str(run_dir / SOCKET))) as proxy:
+        yield proxy.supervisor
+
+
+RPC_ERRORS = (OSError, http.client.HTTPException, xmlrpc.client.Error)
+
+
 def programs(conf: Path) -> dict[str, str]:
-    """``supervisorctl status`` of the stack at ``conf``: program (``worker:worker-00``) -> state."""
-    run_dir = run_dir_of(conf)
-    out = _supervisor("supervisorctl", conf, "status", env={**os.environ, RUN_DIR_ENV: str(run_dir)})
-    return {parts[0]: parts[1] for parts in (line.split() for line in out.stdout.splitlines()) if len(parts) >= 2}
+    """What ``supervisorctl status`` of the stack at ``conf`` lists: program (``worker:worker-00``)
+    -> state; empty when supervisord does not answer."""
+    try:
+        with supervisor_rpc(run_dir_of(conf)) as rpc:
+            infos = rpc.getAllProcessInfo()
+    except RPC_ERRORS:
+        return {}
+    return {(i["name"] if i["group"] == i["name"] else f"{i['group']}:{i['name']}"): i["statename"] for i in infos}
 
 
 def running(conf: Path | None = None) -> bool:
@@ -162,6 +216,10 @@ def _start_supervisord(conf: Path, env: dict[str, str]) -> str | None:
     prom.mkdir(parents=True, exist_ok=True)
     started = _supervisor("supervisord", conf, env=env)
     if started.returncode == 0:
+        # Its main loop first sleeps in poll() for up to a second before it spawns anything: a
+        # request wakes it, so the programs start now.
+        with contextlib.suppress(*RPC_ERRORS), supervisor_rpc(run_dir) as rpc:
+            rpc.getState()
         return None
     return " ".join((started.stderr or started.stdout).split()) or f"exit status {started.returncode}"
 
@@ -193,6 +251,76 @@ def _record_redis_url(url: str, run_dir: Path) -> None:
     record_stack_redis_url(url, run_dir)
 
 
+def _group(rpc: Any, group: str) -> list[dict[str, Any]]:
+    return [info for info in rpc.getAllProcessInfo() if info["group"] == group]
+
+
+def _program_line(info: dict[str, Any]) -> str:
+    line = f"{info['group']}:{info['name']} {info['statename']}"
+    return f"{line} ({info['spawnerr']})" if info["spawnerr"] else line
+
+
+def start_group(rpc: Any, group: str, timeout_s: float = RPC_TIMEOUT_S) -> None:
+    """Start a program group and wait until each of its programs is RUNNING (up for its startsecs),
+    as ``supervisorctl start`` does; RuntimeError naming a program that could not start.
+
+    Asked, not waited on inside supervisord: its main loop sleeps up to a second in poll() between
+    events, so it would notice the startsecs passing (and answer) that much later; each request
+    here wakes it."""
+    failed = [f"{r['group']}:{r['name']}: {r['description']}" for r in rpc.startProcessGroup(group, False)
+              if r["status"] != SUPERVISOR_SUCCESS]
+    if failed:
+        raise RuntimeError(f"supervisord could not start {'; '.join(failed)}")
+    end = time.monotonic() + timeout_s
+    while True:
+        infos = _group(rpc, group)
+        down = [_program_line(i) for i in infos if i["statename"] not in ("STARTING", "RUNNING")]
+        if down:
+            raise RuntimeError(f"supervisord: {'; '.join(down)}")
+        if all(i["statename"] == "RUNNING" for i in infos):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"{group} was not running within {timeout_s:.0f}s")
+        time.sleep(RPC_POLL_S)
+
+
+def stop_group(rpc: Any, group: str, timeout_s: float = RPC_TIMEOUT_S) -> None:
+    """Stop a program group and wait until supervisord has reaped each of its programs (SIGKILL
+    after a program's stopwaitsecs is supervisord's own); polled for the reason ``start_group`` is."""
+    if all(i["statename"] in STOPPED_STATES for i in _group(rpc, group)):
+        return
+    rpc.stopProcessGroup(group, False)
+    end = time.monotonic() + timeout_s
+    while any(i["statename"] not in STOPPED_STATES for i in _group(rpc, group)):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{group} did not stop within {timeout_s:.0f}s")
+        time.sleep(RPC_POLL_S)
+
+
+def _stop_in_order(run_dir: Path) -> None:
+    """Stop the program groups one at a time, highest priority first, each reaped before the next
+    is asked: the order supervisord's own shutdown keeps (the workers drain while the broker still
+    answers them, then the nonce lease, the broker, the memory service, Redis), without the second
+    its main loop sleeps in poll() at each group."""
+    with supervisor_rpc(run_dir) as rpc:
+        groups = {(int(info["group_prio"]), str(info["group"])) for info in rpc.getAllConfigInfo()}
+        for _, group in sorted(groups, reverse=True):
+            stop_group(rpc, group)
+
+
+def _shutdown(conf: Path, run_dir: Path) -> str:
+    """Stop the programs in order and ask supervisord to exit; what it said. When it does not answer
+    over its socket here, ``supervisorctl shutdown`` (supervisord's own ordered stop) says why."""
+    try:
+        _stop_in_order(run_dir)
+        with supervisor_rpc(run_dir) as rpc:
+            rpc.shutdown()
+        return "Shut down"
+    except RPC_ERRORS:
+        out = _supervisor("supervisorctl", conf, "shutdown", env={**os.environ, RUN_DIR_ENV: str(run_dir)})
+        return out.stdout.strip()
+
+
 def down(*, conf: Path | None = None) -> int:
     """Stop the stack (Redis data in the run dir's redis/ stays); the admin CLIs stop defaulting to its Redis."""
     conf = conf or CONF
@@ -202,12 +330,12 @@ def down(*, conf: Path | None = None) -> int:
         (run_dir / HOST_FILE).unlink(missing_ok=True)
         print("ibex-context: the stack is not running")
         return 0
-    out = _supervisor("supervisorctl", conf, "shutdown", env={**os.environ, RUN_DIR_ENV: str(run_dir)})
+    said = _shutdown(conf, run_dir)
     end = time.monotonic() + 30
     while running(conf) and time.monotonic() < end:
-        time.sleep(0.1)
+        time.sleep(0.05)
     if running(conf):
-        print(f"ibex-context: shutdown requested: {out.stdout.strip()}")
+        print(f"ibex-context: shutdown requested: {said}")
         return 1
     record_stack_redis_url(None, run_dir)
     (run_dir / HOST_FILE).unlink(missing_ok=True)

@@ -30,10 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-import redis
+if TYPE_CHECKING:
+    from ...shared.config.settings import RedisSettings
 
-from ...shared.config.settings import RedisSettings, StackSettings
+# redis and the settings (pydantic) are imported where they are used: the supervisord program
+# (``main``) only execs redis-server, and three programs start on `up` at once.
 
 RUN_DIR: Path | None = None  # overrides default_run_dir() (tests point the CLIs at a private stack)
 RUN_DIR_ENV = "IBEX_RUN_DIR"  # StackSettings.run_dir: the `up` stack's state dir (README "Quickstart")
@@ -231,6 +234,8 @@ class EmbeddedRedis:
             time.sleep(_POLL_S)
 
     def _ping(self) -> bool:
+        import redis
+
         try:
             with redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
                 return bool(client.ping())
@@ -293,6 +298,8 @@ def resolve_redis_url(settings: RedisSettings | str | None = None) -> tuple[str,
     ``EmbeddedRedis`` the caller owns and must ``close()``, or ``None`` for a configured URL.
     """
     if settings is None:
+        from ...shared.config.settings import RedisSettings
+
         settings = RedisSettings()
     url = settings if isinstance(settings, str) else settings.redis_url
     if url:
@@ -309,6 +316,8 @@ def default_run_dir() -> Path:
     Read from the environment (``StackSettings.run_dir``) at each call because ``up`` and the admin
     CLIs share it.
     """
+    from ...shared.config.settings import StackSettings
+
     if RUN_DIR is not None:
         return RUN_DIR
     return Path(StackSettings().run_dir or ".run").absolute()
@@ -340,6 +349,8 @@ def default_redis_url(explicit: str | None, settings: RedisSettings | None = Non
     ``--redis-url`` wins, then ``IBEX_REDIS_URL``, then the running stack's URL in the run dir
     (README "Quickstart"): after ``make up`` the CLIs need no flag at all.
     """
+    from ...shared.config.settings import RedisSettings
+
     if explicit:
         return explicit, "--redis-url"
     configured = (settings or RedisSettings()).redis_url

@@ -6,6 +6,7 @@ one worker per run dir."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -58,6 +59,14 @@ def _cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=180, check=False)
 
 
+def _main(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The command's ``main()`` in this process (``cli_in_process``), in ``cwd``: ~0.7 s of CPU less
+    than a process importing the CLI, where the step's own process exit is not what a test holds
+    (the documented blocks and the commands whose answer a test holds stay real processes)."""
+    with contextlib.chdir(cwd):
+        return cli_in_process(*args, env=env)
+
+
 def _logs(run_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
                      for p in sorted((run_dir / "logs").glob("*")))
@@ -80,7 +89,7 @@ class Stacks:
 
     def down(self) -> None:
         for run_dir in reversed(self.run_dirs):
-            _cli("down", env={**self.env, "IBEX_RUN_DIR": str(run_dir)}, cwd=self.tmp)
+            _main("down", env={**self.env, "IBEX_RUN_DIR": str(run_dir)}, cwd=self.tmp)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +177,7 @@ def test_a_refused_host_leaves_no_fingerprint_and_the_next_attempt_starts(stacks
 def test_a_stack_on_the_development_memory_secret_is_one_line_with_the_fix(tmp_path: Path) -> None:
     s = Stacks(tmp_path)
     try:
-        up = _cli("up", env=s.env, cwd=tmp_path)
+        up = _main("up", env=s.env, cwd=tmp_path)
         assert up.returncode == 0, up.stdout + up.stderr + _logs(tmp_path / ".run")
         out = _cli("workers-env", env=s.env, cwd=tmp_path)
         assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out

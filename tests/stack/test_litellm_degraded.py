@@ -12,6 +12,7 @@ metadata) removes the directive under ``fallback_directive``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,10 @@ class Rig:
 
     def chat(self, key: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
         self.upstream.clear()
+        return self.post(key, messages, **extra)
+
+    def post(self, key: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
+        """One call, what the upstream received kept (``chat`` clears it first)."""
         return http().post(f"{self.proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
                            json={"model": "gpt-4o", "messages": messages, **extra}, timeout=120)
 
@@ -92,32 +97,36 @@ def test_with_the_broker_stopped_each_policy(rig: Rig) -> None:
     assert first.headers["x-ibex-context-directive"] == "service" and _directives(rig.sent(), directive) == 1
     rig.stack.stop_broker()
     try:
-        # fallback_directive: the directive all the same, whatever the caller sends
+        # The four calls at once: each waits out the hook's timeout for the stopped broker. What the
+        # upstream received is told apart by its messages; exactly the two sent calls arrive.
+        rig.upstream.clear()
         conversation = [OWN_SYSTEM, *LONG, *TURN[1:]]
-        resp = rig.chat("sk-fallback", conversation, metadata={"ibex_on_degraded": "pass"})
+        with ThreadPoolExecutor(4) as pool:
+            # fallback_directive: the directive all the same, whatever the caller sends
+            fallback = pool.submit(rig.post, "sk-fallback", conversation, metadata={"ibex_on_degraded": "pass"})
+            refuse = pool.submit(rig.post, "sk-refuse", TURN)  # refuse: 503 with the reason, nothing sent
+            pass_ = pool.submit(rig.post, "sk-pass", TURN)  # pass: the conversation as sent, no directive
+            # fallback_directive for an agent the hook has no copy of: refused rather than sent without it
+            none_ = pool.submit(rig.post, "sk-sales", TURN, metadata={"ibex_agent": "sales-eu"})  # never assembled
+        resp, refused, passed, none = fallback.result(), refuse.result(), pass_.result(), none_.result()
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-ibex-context"] == "degraded" and resp.headers["x-ibex-context-directive"] == "copy"
         assert "context service" in resp.headers["x-ibex-context-reason"]
         assert "directive: the hook's copy from an assembly" in resp.headers["x-ibex-context-reason"]
         assert int(resp.headers["x-ibex-context-directive-age-s"]) >= 0
-        sent = rig.sent()
-        assert sent[0] == OWN_SYSTEM and sent[1] == {"role": "system", "content": directive}
-        assert sent[2:] == _norm(conversation[1:]) and "<memories" not in str(sent)  # history only, whole
-        # refuse: 503 with the reason, nothing sent
-        refused = rig.chat("sk-refuse", TURN)
         assert refused.status_code == 503, refused.text
         assert "could not assemble this call (context service" in refused.text
         assert "on_degraded is refuse" in refused.text
-        assert rig.upstream.received() == []
-        # pass: the conversation as sent, no directive
-        passed = rig.chat("sk-pass", TURN)
         assert passed.status_code == 200, passed.text
         assert passed.headers["x-ibex-context"] == "degraded" and passed.headers["x-ibex-context-directive"] == "absent"
-        assert rig.sent() == _norm(TURN)
-        # fallback_directive for an agent the hook has no copy of: refused rather than sent without it
-        none = rig.chat("sk-sales", TURN, metadata={"ibex_agent": "sales-eu"})  # never assembled here
         assert none.status_code == 503, none.text
-        assert "holds no copy of agent 'sales-eu'" in none.text and rig.upstream.received() == []
+        assert "holds no copy of agent 'sales-eu'" in none.text
+        received = [got["body"]["messages"] for got in rig.upstream.received()]
+        assert len(received) == 2, [m[:2] for m in received]  # the fallback's and the pass's: none refused
+        (sent,) = [m for m in received if m[0] == OWN_SYSTEM]
+        assert sent[1] == {"role": "system", "content": directive}
+        assert sent[2:] == _norm(conversation[1:]) and "<memories" not in str(sent)  # history only, whole
+        assert [m for m in received if m[0] != OWN_SYSTEM] == [_norm(TURN)]
     finally:
         rig.stack.start_broker()
 
