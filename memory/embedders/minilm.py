@@ -36,6 +36,8 @@ MAX_QUERY_TOKENS = 64
 LAYERS, HEADS, HIDDEN = 6, 12, 384
 MINILM_MIN_SIMILARITY = 0.20  # this embedder's retrieval-time cosine cutoff (docs/memory-search.md)
 _EPS = 1e-12
+_CHUNK_BYTES = 512 << 10  # attention scores per group of sequences: about half a core's L2 cache
+_GELU_ROWS = 64  # token rows per GELU group (~400 KB a temporary)
 
 
 class ModelUnavailable(RuntimeError):
@@ -169,20 +171,30 @@ class MiniLM:
         qkv = (x @ self._qkv[i] + self._qkv_b[i]).reshape(n, length, 3 * HIDDEN)
         q, k, v = (qkv[..., j * HIDDEN:(j + 1) * HIDDEN].reshape(n, length, HEADS, -1).transpose(0, 2, 1, 3)
                    for j in range(3))
-        scores = q @ k.transpose(0, 1, 3, 2)  # softmax(q k^T / sqrt(d) + bias), in place
-        scores /= np.float32(np.sqrt(HIDDEN // HEADS))
-        scores += bias
-        scores -= scores.max(-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(-1, keepdims=True)
-        ctx = (scores @ v).transpose(0, 2, 1, 3).reshape(n * length, HIDDEN)
-        attn = ctx @ w[p + "attention.output.dense.weight"].T + w[p + "attention.output.dense.bias"]
+        # Attention and GELU are many passes over their arrays, each row's independent of the others'
+        # (the same bits in any grouping): run them a few sequences, a few rows at a time, so the
+        # passes read the cache, not memory (a batch of long texts has ~100 MB of scores a layer).
+        ctx = np.empty((n, HEADS, length, HIDDEN // HEADS), dtype=np.float32)
+        step = max(1, _CHUNK_BYTES // (HEADS * length * length * 4))
+        for s in range(0, n, step):
+            part = slice(s, s + step)
+            scores = q[part] @ k[part].transpose(0, 1, 3, 2)  # softmax(q k^T / sqrt(d) + bias), in place
+            scores /= np.float32(np.sqrt(HIDDEN // HEADS))
+            scores += bias[part]
+            scores -= scores.max(-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(-1, keepdims=True)
+            ctx[part] = scores @ v[part]
+        attn = ctx.transpose(0, 2, 1, 3).reshape(n * length, HIDDEN) @ w[p + "attention.output.dense.weight"].T \
+            + w[p + "attention.output.dense.bias"]
         x = _layer_norm(attn + x, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
         h = x @ w[p + "intermediate.dense.weight"].T + w[p + "intermediate.dense.bias"]
-        gelu = _erf(h / np.float32(np.sqrt(2.0)))  # GELU: (0.5 * h) * (1 + erf(h / sqrt 2)), in place
-        gelu += np.float32(1.0)
-        h *= np.float32(0.5)
-        h = np.multiply(h, gelu, out=gelu)
+        for s in range(0, n * length, _GELU_ROWS):  # GELU: (0.5 * h) * (1 + erf(h / sqrt 2)), in place
+            rows = h[s:s + _GELU_ROWS]
+            gelu = _erf(rows / np.float32(np.sqrt(2.0)))
+            gelu += np.float32(1.0)
+            rows *= np.float32(0.5)
+            np.multiply(rows, gelu, out=rows)
         out = np.asarray(h @ w[p + "output.dense.weight"].T + w[p + "output.dense.bias"], dtype=np.float32)
         x = _layer_norm(out + x, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
         return x.reshape(n, length, HIDDEN)

@@ -40,10 +40,25 @@ BIG = next(f"big{i}" for i in range(10_000) if 4200 <= key_slot("{" + f"{ORG}:bi
 BIG_N = 300
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _start_cli(*args: str) -> subprocess.Popen[str]:
+    """``ibex-context cluster ARGS`` as a real process, started (``_finished`` waits for it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_")}
-    return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "cluster", *args], capture_output=True,
-                          text=True, env=env, timeout=120, check=False)
+    return subprocess.Popen([sys.executable, "-m", "ibex_context.ops.cli", "cluster", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finished(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return _finished(_start_cli(*args))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -200,9 +215,26 @@ def _one_line(out: subprocess.CompletedProcess[str], code: int, *needles: str) -
 
 def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) -> None:
     url = cluster.url
+    # The real processes (one exit 1, one exit 2) touch no node of this cluster: they run while the
+    # cases below run in this process (the unreachable one spends seconds in its client's retries).
+    real = [_start_cli("move-slots", "--url", "redis+cluster://127.0.0.1:1/0", "--to", "127.0.0.1:2", "--slots", "1"),
+            _start_cli("add-shard", "--url", url, "--node", "nohost")]
+    try:
+        _careless_in_process(cluster, redis_url)
+    finally:
+        unreachable, no_host = (_finished(p) for p in real)
+    _one_line(unreachable, 1, "does not answer")
+    _one_line(no_host, 2, "not HOST:PORT")
+
+
+def _careless_in_process(cluster: EmbeddedCluster, redis_url: str) -> None:
+    url = cluster.url
     primary, replica = cluster.primary_nodes[0], cluster.nodes[cluster.primaries]
-    _one_line(_cli("move-slots", "--url", "redis+cluster://127.0.0.1:1/0", "--to", "127.0.0.1:2", "--slots", "1"),
-              1, "does not answer")
+    # Two nodes outside the cluster, one made a node of another (one-node) cluster: started first, as
+    # such a node takes writes only ~2 s after it starts, a wait the cases before it cover.
+    full, bare = cluster.spare_node(), cluster.spare_node(search=False)
+    with full.client() as c:
+        c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
     _one_line(_run("move-slots", "--url", redis_url, "--to", "127.0.0.1:2", "--slots", "1"), 2, "without cluster mode")
     _one_line(_run("move-slots", "--url", url, "--to", "127.0.0.1:2", "--slots", "1"), 2, "not a node of the cluster")
     _one_line(_run("move-slots", "--url", url, "--to", _addr(primary), "--slots", "16384"), 2, "0-16383")
@@ -211,11 +243,8 @@ def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) ->
     _one_line(_run("move-slots", "--url", url, "--to", _addr(replica), "--slots", "1"), 2, "is a replica")
     _one_line(_run("move-slots", "--url", url, "--to", _addr(primary), "--from", _addr(cluster.primary_nodes[1]),
                    "--slots", "11000"), 2, "not by --from")  # served by the third primary
-    _one_line(_cli("add-shard", "--url", url, "--node", "nohost"), 2, "not HOST:PORT")
     _one_line(_run("add-shard", "--url", url, "--node", "127.0.0.1:1"), 1, "127.0.0.1:1 does not answer")
-    full = cluster.spare_node()
-    with full.client() as c:  # a node of another (one-node) cluster, holding a key
-        c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+    with full.client() as c:  # holding a key
         for _ in range(100):
             try:
                 c.set("left-over", "1")
@@ -223,7 +252,6 @@ def test_careless_input_is_one_line(cluster: EmbeddedCluster, redis_url: str) ->
             except redis.exceptions.ClusterDownError:
                 time.sleep(0.05)
     _one_line(_run("add-shard", "--url", url, "--node", _addr(full)), 2, "is not empty")
-    bare = cluster.spare_node(search=False)
     _one_line(_run("add-shard", "--url", url, "--node", _addr(bare)), 2, "no query engine")
     for node in (full, bare):
         cluster.kill(node)
