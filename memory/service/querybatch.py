@@ -13,12 +13,14 @@ than its share queues behind its own work only.
 **Two lanes.** Fair order alone still leaves a light org's question behind the batch being
 embedded, and on a machine the flood keeps busy that batch and its own run slower for every other
 runnable thread. So while two or more orgs have questions in (or had in the last second or so),
-an org that has used more than its weighted share of one embedding thread over the last
-``USAGE_TAU_S`` (what it used, decayed, plus what it has queued) is embedded on the **bulk** lane,
-a thread of its own at nice ``bulk_nice``; the others on the **urgent** lane, at the process's
-priority. A light org's question then never waits for a flood's batch, and when the CPU is short
-the kernel runs it first (CFS weights: nice 10 weighs about a tenth of nice 0), as FQ-CoDel
-serves sparse flows first, but preemptively. An org alone is never on the bulk lane: with nobody
+an org using under ``LIGHT_SHARE`` of its weighted share of one embedding thread over the last
+``USAGE_TAU_S`` (what it used, decayed, plus what it has queued) is embedded on the **urgent**
+lane, at the process's priority, and the others on the **bulk** lane, a thread of its own at nice
+``bulk_nice``. (At the share itself, a flood served about what one thread embeds sits near the
+line and would cross it back and forth, taking the urgent lane half the time.) A light org's
+question then never waits for a flood's batch, and when the CPU is short the kernel runs it
+first (CFS weights: nice 10 weighs about a tenth of nice 0), as FQ-CoDel serves sparse flows
+first, but preemptively. An org alone is never on the bulk lane: with nobody
 to yield to, it has the urgent lane as before. Each lane keeps its own fair queue and measures
 its own batch time (the bulk lane's stretches when it yields).
 
@@ -55,6 +57,7 @@ R = TypeVar("R")  # what the batch function gives per query (a vector, or a vect
 EWMA = 0.2  # weight of one batch in the measured batch time
 USAGE_TAU_S = 1.0  # an org's embedding time is remembered with this time constant
 USAGE_SEEN_S = 1e-3  # an org whose decayed embedding time is under this (and with nothing in) is not active
+LIGHT_SHARE = 0.5  # an org using under this part of its share of one thread stays on the urgent lane
 
 
 def smoothed(mean: float, sample: float, weight: float = EWMA) -> float:
@@ -158,8 +161,8 @@ class QueryBatcher(Generic[R]):
         return max(1, min(self._max_batch, int(self._batch_target_s / lane.query_s)))
 
     def lane_for(self, org: str, now: float) -> Lane:
-        """The bulk lane for an org using more than its weighted share of one embedding thread
-        while another org is active; the urgent lane otherwise (module doc)."""
+        """The urgent lane for an org alone, or one using under ``LIGHT_SHARE`` of its weighted
+        share of one embedding thread; the bulk lane otherwise (module doc)."""
         active = {o: u for o, u in self._usage.items() if u.in_batcher or u.decayed(now) >= USAGE_SEEN_S}
         if org not in active or len(active) < 2:
             return self.urgent
@@ -167,7 +170,7 @@ class QueryBatcher(Generic[R]):
         per_query = self.urgent.query_s or self.bulk.query_s
         demand = (usage.decayed(now) + usage.in_batcher * per_query) / USAGE_TAU_S
         share = self.weight(org) / sum(self.weight(o) for o in active)
-        return self.bulk if demand > share else self.urgent
+        return self.urgent if demand < LIGHT_SHARE * share else self.bulk
 
     def expected_end(self, tag: float, now: float, lane: Lane | None = None) -> float:
         """When a query tagged ``tag`` would be embedded on ``lane``: its running batch's rest, then

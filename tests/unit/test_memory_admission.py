@@ -170,15 +170,15 @@ class PerLane:
 
 
 async def test_an_org_over_its_share_yields_the_urgent_lane_to_a_light_org() -> None:
-    """While b has a question in, a's questions past its share of the embedding go on the bulk lane
+    """While b has a question in, a's questions past half its share of the embedding go on the bulk lane
     (a thread at ``bulk_nice``); b's next question is embedded on the urgent lane while a's batch is
     still held on the bulk one."""
     embed = PerLane()
     batcher = QueryBatcher(embed, max_batch=8, bulk_nice=7)
     b0 = asyncio.ensure_future(batcher.embed("b0", None, "b"))
     await asyncio.get_running_loop().run_in_executor(None, embed.urgent_started.wait, 10)
-    batcher.urgent.query_s = 0.3  # as if measured: a question takes 0.3 s of a lane
-    flood = _queue(batcher, "a", 5)  # a0 before a is active; a1 at 0.3 of a lane; a2.. over half
+    batcher.urgent.query_s = 0.2  # as if measured: a question takes 0.2 s of a lane
+    flood = _queue(batcher, "a", 5)  # a0 before a is active; a1 at 0.2 of a lane; a2.. over half its half
     await asyncio.sleep(0)
     assert [len(batcher.urgent.pending), len(batcher.bulk.pending) + batcher.bulk.queries] == [2, 3]
     embed.urgent_release.set()
