@@ -243,8 +243,30 @@ class EmbeddedCluster:
                 return node
             except (RuntimeError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 if time.monotonic() >= deadline:
-                    raise RedisStartError(f"no primary took over {key!r}'s slot within {timeout_s:.0f}s") from None
+                    raise RedisStartError(f"no primary took over {key!r}'s slot within {timeout_s:.0f}s; "
+                                          f"{self.describe()}") from None
             time.sleep(_POLL_S)
+
+    def describe(self) -> str:
+        """Each running node's role, replication link and view of the cluster, in one line: what a
+        failover that did not happen leaves to go on (the nodes' files go with the cluster)."""
+        parts = []
+        for node in self.nodes:
+            if not node.running:
+                parts.append(f"{node.port}: down")
+                continue
+            try:
+                with node.client() as c:
+                    repl = c.info("replication")
+                    state = str(c.execute_command("CLUSTER", "INFO")).split("cluster_state:")[1].split()[0]
+                    flags = {f[1].split("@")[0].rsplit(":", 1)[-1]: f[2]
+                             for f in (line.split() for line in _nodes_text(node).splitlines()) if len(f) > 2}
+            except (redis.exceptions.RedisError, IndexError) as exc:
+                parts.append(f"{node.port}: {type(exc).__name__}")
+                continue
+            link = f" link {repl.get('master_link_status')}" if repl.get("role") == "slave" else ""
+            parts.append(f"{node.port}: {repl.get('role')}{link}, cluster {state}, sees {flags}")
+        return "; ".join(parts)
 
     def spare_node(self, *, search: bool = True) -> ClusterNode:
         """Start one more node, empty and outside the cluster (a new shard for ``ibex-context
