@@ -461,7 +461,6 @@ class LightOrgs:
 
     def __init__(self) -> None:
         self.by_org: dict[str, tuple[float, int]] = {}  # org -> (decayed tokens, at)
-        self.lent = 0  # requests dispatched ahead of their token
 
     def used(self, org: str, now_ns: int) -> float:
         """Tokens ``org`` took over about the last ``LIGHT_TAU_NS``, a second's worth."""
@@ -479,5 +478,7 @@ class LightOrgs:
         self.by_org[org] = (self.used(org, now_ns) * LIGHT_TAU_NS / 1e9 + cost, now_ns)
 
     def light(self, org: str, rate: float, share: float, now_ns: int) -> bool:
-        """Whether ``org``, due ``share`` of a dispatch ``rate`` (tokens a second), uses under ``LIGHT_SHARE`` of it."""
-        return self.used(org, now_ns) < LIGHT_SHARE * rate * share
+        """Whether ``org``, due ``share`` of a dispatch ``rate`` (tokens a second), uses under
+        ``LIGHT_SHARE`` of it while another org has work queued (``share`` under 1): alone, it
+        takes the tokens as they come and nobody's pace is lent to it."""
+        return share < 1.0 and self.used(org, now_ns) < LIGHT_SHARE * rate * share

@@ -242,8 +242,9 @@ class BrokerSettings(_LinkSettings):
                           "its org until then, so an org is dispatched no faster than the memory service answers; "
                           "a held slot is free for every other org (docs/architecture.md \"Admission control\").")
     admission_light: bool = Field(
-        True, description="Under a limited dispatch rate, a request of an org that took under half its share of the "
-                          "rate over the last second goes without waiting for a token (the heavier orgs' next "
+        True, description="Under a limited dispatch rate, while another org has requests queued, a request of an org "
+                          "that took under half its share of the rate over the last second goes without waiting for "
+                          "a token (the heavier orgs' next "
                           "requests wait that much longer, so the memory service's pace is unchanged): a light "
                           "org is not kept waiting behind a flood's pace (docs/architecture.md \"Admission control\").")
     admission_rate: bool = Field(

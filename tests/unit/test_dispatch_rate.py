@@ -356,3 +356,4 @@ def test_a_light_org_goes_ahead_of_its_token_and_the_pace_stays_the_rate() -> No
         else:
             assert max(waits) >= 10 * MS  # a token's interval is 20 ms
     assert light.used("light", 2 * S) < LIGHT_SHARE * rate * 0.5
+    assert not light.light("light", rate, 1.0, 2 * S)  # alone: no other org's pace to lend it
