@@ -138,7 +138,7 @@ class MemoryService:
 
     @property
     def queries_bulk(self) -> int:
-        """New questions embedded on the bulk lane: their org was over its share while another had questions in."""
+        """New questions embedded on the bulk lane: their org used half its share or more while another had some in."""
         return self._batcher.bulk.queries if self._batcher is not None else 0
 
     @property
