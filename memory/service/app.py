@@ -176,12 +176,7 @@ async def search(svc: MemoryService, request: Request) -> Response:
     body = validate_body(SearchBody, parse_json_object(await read_body(request, svc.config.max_body_bytes)))
     if body.limit == 0 or not await has_memories(svc, org, body.agent_id):
         return JSONResponse({"memories": []})
-    # The question's embedding has its own fair queue (memory.service.querybatch); a search slot is
-    # for the engine's search and the ranking, so it is taken once the vector is known: a slot held
-    # through another org's wait for its embedding would keep this org's search waiting too.
-    await svc.query_vector(org, body.query[:svc.config.max_query_chars], deadline)  # as search() embeds it
-    async with svc.read_slots.hold(org, deadline):
-        return await run_search(svc, org, body, deadline)
+    return await run_search(svc, org, body, deadline)
 
 
 @_endpoint

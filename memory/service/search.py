@@ -203,15 +203,21 @@ async def search(svc: MemoryService, org: str, body: SearchBody, deadline: float
     are lifted, and the composite ranks them; the few just under the line are sent beside the
     answer (``memory.search.cutoff``). Neither the query's embedding nor the engine's search starts after
     ``deadline`` (``memory.service.deadline``).
+
+    The embedding has its own fair queue (``memory.service.querybatch``); a search slot
+    (``memory.service.fair_slots``) is for the engine's search and the ranking, so it is taken once
+    the vector is known: a slot held through another org's wait for its embedding would keep this
+    org's search waiting too.
     """
     text = svc.query_text(body.query)
     query_vec = np.asarray(await svc.query_vector(org, text, deadline), dtype=np.float32)
-    check(deadline, "the search")
-    started = time.monotonic()
-    try:
-        return await _searched(svc, org, body, text, query_vec)
-    finally:
-        svc.note_search(time.monotonic() - started)
+    async with svc.read_slots.hold(org, deadline):
+        check(deadline, "the search")
+        started = time.monotonic()
+        try:
+            return await _searched(svc, org, body, text, query_vec)
+        finally:
+            svc.note_search(time.monotonic() - started)
 
 
 async def _searched(svc: MemoryService, org: str, body: SearchBody, text: str, query_vec: Vectors) -> Response:
