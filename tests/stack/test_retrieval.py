@@ -245,13 +245,15 @@ async def test_expired_request_stops_before_any_stage(make: Any) -> None:
 
 
 async def test_deadline_bounds_the_wall(make: Any, memory: Any) -> None:
-    """With a generous wall, the request's own deadline (minus the reply reserve) binds."""
+    """With a generous wall, the request's own deadline (minus the reply reserve) binds. The deadline
+    is a third of the wall (and of the memory service's delay): far enough from both that a loaded
+    machine's scheduling delays cannot carry an answer cut at the deadline past it."""
     memory.set_fault("all", latency_ms=1000)
     a = make(retrieval_timeout_ms=1000, context_deadline_ms=1000, hot_timeout_ms=1000, cold_timeout_ms=1000)
     t0 = time.perf_counter()
-    resp = await _run(a, deadline_s=0.08)
+    resp = await _run(a, deadline_s=0.3)
     elapsed_ms = (time.perf_counter() - t0) * 1000
-    assert elapsed_ms < 80, elapsed_ms  # answered before the deadline, not at the wall
+    assert elapsed_ms < 300, elapsed_ms  # answered before the deadline, not at the wall
     assert resp.branches["hot"].status == "timeout" and resp.branches["cold"].status == "timeout"
 
 
