@@ -45,13 +45,12 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from .deadline import DeadlinePassed, Horizon
 from .http import ApiError
-from .write_threads import lower_this_thread
+from .write_threads import WriteThreads
 
 R = TypeVar("R")  # what the batch function gives per query (a vector, or a vector and its token states)
 EWMA = 0.2  # weight of one batch in the measured batch time
@@ -90,8 +89,7 @@ class Lane:
     def __init__(self, name: str, nice: int = 0) -> None:
         self.name = name
         self.nice = nice
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"query-{name}",
-                                       initializer=lower_this_thread, initargs=(nice,))
+        self.thread = WriteThreads(1, nice, name=f"query-{name}")
         self.pending: list[_Waiting] = []  # a heap on (tag, seq)
         self.drainer: asyncio.Task[None] | None = None
         self.running_since: float | None = None  # monotonic start of the batch being embedded
@@ -163,7 +161,7 @@ class QueryBatcher(Generic[R]):
     def lane_for(self, org: str, now: float) -> Lane:
         """The urgent lane for an org alone, or one using under ``LIGHT_SHARE`` of its weighted
         share of one embedding thread; the bulk lane otherwise (module doc)."""
-        active = {o: u for o, u in self._usage.items() if u.in_batcher or u.decayed(now) >= USAGE_SEEN_S}
+        active = self._active(now)
         if org not in active or len(active) < 2:
             return self.urgent
         usage = active[org]
@@ -215,7 +213,11 @@ class QueryBatcher(Generic[R]):
 
     def _forget(self, now: float) -> None:
         """Drop the orgs no longer active, so the table stays bounded."""
-        self._usage = {o: u for o, u in self._usage.items() if u.in_batcher or u.decayed(now) >= USAGE_SEEN_S}
+        self._usage = self._active(now)
+
+    def _active(self, now: float) -> dict[str, _Usage]:
+        """The orgs with questions in, or whose decayed embedding time is at least ``USAGE_SEEN_S``."""
+        return {o: u for o, u in self._usage.items() if u.in_batcher or u.decayed(now) >= USAGE_SEEN_S}
 
     def _next_batch(self, lane: Lane) -> list[_Waiting]:
         """Up to ``batch_cap()`` waiting queries someone still waits for, lowest tags first; the
@@ -241,8 +243,7 @@ class QueryBatcher(Generic[R]):
         lane.queries += len(batch)
         lane.running_since = started = time.monotonic()
         try:
-            rows = list(await asyncio.get_running_loop().run_in_executor(
-                lane.pool, self._embed_many, [w.text for w in batch]))
+            rows = list(await lane.thread.run(self._embed_many, [w.text for w in batch]))
         except Exception as exc:  # each waiting call fails the way a lone embedding would
             for w in batch:
                 if not w.fut.done():

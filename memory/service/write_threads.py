@@ -37,11 +37,12 @@ def lower_this_thread(nice: int) -> bool:
 
 
 class WriteThreads:
-    """A pool of ``threads`` threads at nice ``nice`` (0: the process's priority) for write embeddings."""
+    """A pool of ``threads`` threads at nice ``nice`` (0: the process's priority), named ``name``:
+    the write embeddings' pool, and each query-batcher lane's thread (``memory.service.querybatch``)."""
 
-    def __init__(self, threads: int, nice: int) -> None:
+    def __init__(self, threads: int, nice: int, name: str = "memory-write") -> None:
         self.nice = nice
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="memory-write",
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name,
                                         initializer=lower_this_thread, initargs=(nice,))
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
