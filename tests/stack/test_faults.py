@@ -32,14 +32,17 @@ from ibex_context.shared.wire.models import AssembleResponse
 from ibex_context.shared.wire.protocol import Envelope, pack_header
 from tests.helpers import client_clock, http, start_stack
 
-# Memory admission and the broker's dispatch rate off: these tests hold a burst in flight behind a
-# slowed memory service, which the memory gate (worker.memgate) would answer at once beyond a limit
-# that earlier faults here lower, and which a rate the broker learned from the fault before would
-# pace (the burst's tail refused on receipt). The gate under a slowed memory service is tested in
-# tests/stack/test_memory_admission.py, the rate in tests/stack/test_admission_rate.py.
+# Admission control off: these tests hold bursts in flight behind a faulty memory service, and
+# what admission learns from one fault would refuse part of the next test's burst: the memory gate
+# (worker.memgate) lowers its limit, the dispatch rate is cut, the service time a slow fault taught
+# makes a fast-degrading burst's slots held (IBEX_ADMISSION_HOLD) and its tail shed on receipt
+# (IBEX_ADMISSION_QUEUE_MS), and the adaptive limit shrinks the workers' slots. Each is tested
+# under faults where it is the subject: tests/stack/test_memory_admission.py, test_admission_rate.py,
+# test_admission.py, test_admission_hold.py.
 ENV = {"IBEX_HEARTBEAT_INTERVAL_MS": "200", "IBEX_WORKER_CONCURRENCY": "16", "IBEX_DIRECTIVE_TIMEOUT_MS": "300",
        "IBEX_HOT_TIMEOUT_MS": "600", "IBEX_COLD_TIMEOUT_MS": "600", "IBEX_CONTEXT_TIMEOUT": "800",
-       "IBEX_CONTEXT_DEADLINE_MS": "800", "IBEX_MEMORY_ADMISSION": "false", "IBEX_ADMISSION_RATE": "false"}
+       "IBEX_CONTEXT_DEADLINE_MS": "800", "IBEX_MEMORY_ADMISSION": "false", "IBEX_ADMISSION_RATE": "false",
+       "IBEX_ADMISSION_QUEUE_MS": "0", "IBEX_ADMISSION_HOLD": "false", "IBEX_ADAPTIVE_LIMIT": "false"}
 RESPONSE_SLACK_S = 0.005  # between the client's re-check of the clock and its last clock read
 ERROR_SLACK_S = 0.25  # a loaded CI box can stall this process's event loop
 
@@ -177,7 +180,7 @@ async def test_redis_stopped_degrades_without_losing_requests(stack: LocalStack)
     once it is down, every assembly degrades and none fails. A slow search keeps the burst in
     flight until the stop (a stop after a fixed delay raced the burst: on a fast run all of it
     finished first). The burst fits the workers' slots (2 x 16), so none waits in the broker's
-    queue, where a loaded machine's longer service times would have it shed as OVERLOADED."""
+    queue."""
     assert stack.embedded is not None
     fault(stack, endpoint="search", latency_ms=300)
     during = await load(stack, 24, timeout=3.0, inject=stack.embedded.stop, when=in_flight(24))
