@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -31,6 +32,7 @@ from ibex_context.ops.stack import LocalStack
 from ibex_context.pipeline.budget.catalog import Catalog
 from ibex_context.pipeline.budget.usable import response_reserve
 from ibex_context.shared.config.settings import ClientSettings
+from ibex_context.shared.security.tenancy import mint_org_token
 from ibex_context.shared.stores.keys import memory_key, summary_key
 from ibex_context.shared.stores.summaries import decode_summary
 from ibex_context.worker.summaries import memory_id
@@ -186,7 +188,19 @@ def test_a_long_session_is_compacted_without_gaps_and_remembered(rig: Rig) -> No
     body = next(r for r in rig.upstream.received() if not r.get("summary"))["body"]
     memories = [m["content"] for m in body["messages"] if "<memories nonce=" in str(m.get("content"))]
     assert memories and "FACT-3 " in memories[0] and "Conversation summary (" in memories[0], (
-        raw.headers.get("x-ibex-context-reason"), [str(m.get("content"))[:300] for m in body["messages"]])
+        {k: v for k, v in raw.headers.items() if k.startswith("x-ibex")},
+        [str(m.get("content"))[:300] for m in body["messages"]],
+        _search_now(rig, fresh[0]["content"]))
+
+
+def _search_now(rig: Rig, question: str) -> object:
+    """What the memory service's search answers for ``question`` now (a failure's diagnosis)."""
+    token = mint_org_token(rig.stack.secret, "acme")
+    r = httpx.post(rig.stack.memory_url + "/v1/memories/search", headers={"authorization": f"Bearer {token}"},
+                   json={"query": question, "agent_id": "long-bot", "limit": 5}, timeout=10)
+    doc = r.json()
+    return [{k: m.get(k) for k in ("memory_id", "relevance", "text_score", "vector_score")}
+            for m in doc.get("memories", [])], doc.get("below_cutoff")
 
 
 def test_a_failing_or_hanging_summary_model_changes_nothing_on_the_call_path(rig: Rig) -> None:
