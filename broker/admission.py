@@ -450,6 +450,15 @@ class MemoryCost:
         self.by_org[org] = x if c is None else c + COST_EWMA * (x - c)
 
 
+def tokens_taken(cost: float, *, light: bool, headroom: float) -> float:
+    """The tokens a dispatched request takes from the rate: its cost, and for a light org beside a
+    queued one (``LightOrgs.light``) ``headroom`` times it more, which the heavier orgs go without.
+    At the rate the memory service's machine is busy to the edge, and a light org's call waits on
+    the CPU behind the flood's; the extra tokens keep that much of the machine idle while, and only
+    while, a light org is there to use it."""
+    return cost * (1.0 + headroom) if light and cost > 0 else cost
+
+
 class LightOrgs:
     """Per org, the dispatch tokens it took, decayed with ``LIGHT_TAU_NS``: an org using under
     ``LIGHT_SHARE`` of its share of the dispatch rate is *light*, and its request goes without

@@ -80,6 +80,7 @@ from .admission import (
     expected_wait_ns,
     hold_until_ns,
     shed,
+    tokens_taken,
 )
 from .fairqueue import FairQueue
 from .org_counts import TopCounts, org_snapshot
@@ -495,11 +496,16 @@ class Broker:
         return nxt
 
     def _took(self, rate: DispatchRate, org: str, now_ns: int) -> None:
-        """A request of ``org`` was dispatched: its tokens taken (ahead of them, for a light org)."""
+        """A request of ``org`` was dispatched: its tokens taken (ahead of them, for a light org, and
+        ``IBEX_ADMISSION_LIGHT_HEADROOM`` more, which the heavier orgs go without)."""
         cost = self.cost.cost(org)
         if rate.limited and not rate.allows(cost):
             self.stats["rate_lent"] += 1
-        rate.take(cost, now_ns)
+        s = self.settings
+        light = rate.limited and cost > 0 and s.admission_light and s.admission_light_headroom > 0 and self._light(org)
+        rate.take(tokens_taken(cost, light=light, headroom=s.admission_light_headroom), now_ns)
+        if light:
+            self.stats["rate_headroom"] += 1
         self.light.took(org, cost, now_ns)
 
     def _light(self, org: str) -> bool:

@@ -24,6 +24,7 @@ from ibex_context.broker.admission import (
     DispatchRate,
     LightOrgs,
     MemoryCost,
+    tokens_taken,
 )
 from ibex_context.broker.broker import _Unpaced
 from ibex_context.broker.fairqueue import FairQueue
@@ -357,3 +358,35 @@ def test_a_light_org_goes_ahead_of_its_token_and_the_pace_stays_the_rate() -> No
             assert max(waits) >= 10 * MS  # a token's interval is 20 ms
     assert light.used("light", 2 * S) < LIGHT_SHARE * rate * 0.5
     assert not light.light("light", rate, 1.0, 2 * S)  # alone: no other org's pace to lend it
+
+
+def test_a_light_orgs_request_leaves_headroom_the_flood_goes_without() -> None:
+    """With headroom 1, each of the light org's requests beside the flood takes its token and one
+    more: over two seconds the flood sends that many fewer (the machine stays that much idle for
+    the light org's calls); the light org still goes at once. With 0 the pace is the rate."""
+    rate = 50.0
+    for headroom in (1.0, 0.0):
+        cost, light = MemoryCost(), LightOrgs()
+        for org in ("flood", "light"):
+            cost.observe(org, True)
+        q: FairQueue[int] = FairQueue()
+        for i in range(2000):
+            q.push("flood", i)
+        r, sent, waits, arrived = limited(rate), [], [], {}
+        for now in range(0, 2 * S, MS):
+            if now % (200 * MS) == 0:
+                q.push("light", now)
+                arrived[now] = now
+            r.last_overload_ns = r.last_clean_ns = now
+            r.refill(now)
+            skip = _Unpaced(set(), r, cost, functools.partial(is_light, light, r, q, now))
+            while (nxt := q.pop((), skip)) is not None:
+                org, item = nxt
+                sent.append(org)
+                if org == "light":
+                    waits.append(now - arrived[item])
+                r.take(tokens_taken(cost.cost(org), light=is_light(light, r, q, now, org), headroom=headroom), now)
+                light.took(org, cost.cost(org), now)
+        assert sent.count("light") == 10 and max(waits) == 0
+        flood = sent.count("flood")
+        assert abs(flood - (2 * rate - 10 * (1 + headroom))) <= 3, (headroom, flood)
