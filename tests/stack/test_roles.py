@@ -48,8 +48,9 @@ def _cli(*args: str, env: dict[str, str], timeout_s: float = 120) -> subprocess.
 def _main(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """The command's ``main()`` in this process (``cli_in_process``): ~0.7 s of CPU less than a
     process importing the CLI, for the steps whose process exit is not what a test holds (the
-    launchers of the deployment and the first refused host stay real processes). SLOW_BOX's deprecated
-    IBEX_CONTEXT_TIMEOUT warns, which a real process does not show either."""
+    broker host's and one workers host's launchers and the first refused host stay real
+    processes). SLOW_BOX's deprecated IBEX_CONTEXT_TIMEOUT warns, which a real process does not
+    show either."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return cli_in_process(*args, env=env)
@@ -129,8 +130,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         a = d.host("host-a")
         out = a.up("--role", "broker,memory,redis")
         assert out.returncode == 0, out.stdout + out.stderr + _logs(a.run_dir)
-        for name in ("host-b", "host-c"):
-            host, out = d.worker_host(name)
+        for name in ("host-b", "host-c"):  # the second launcher by up's main() here (supervisord and its programs real)
+            host, out = d.worker_host(name, here=name == "host-c")
             assert out.returncode == 0, out.stdout + out.stderr + _logs(host.run_dir)
         yield d
     finally:
