@@ -17,6 +17,9 @@ knows nothing of indexes, so every slot moves in five steps:
    gets one per embedder in use;
 5. ``CLUSTER SETSLOT S NODE <target>`` on the target, the source, then every other primary.
 
+Consecutive slots of one source move as a group (``GROUP``): each step goes to its node as one
+pipeline for the whole group, so a slot without keys (most of them) costs no round trips of its own.
+
 Resuming: each step is read back from the cluster, so the same command run again after an
 interruption continues where it stopped. A slot the target already owns is skipped; a slot left
 open towards the same target is finished (an index that exists is kept; keys already moved are no
@@ -44,6 +47,7 @@ from ..shared.stores.connect import key_slot
 from ..shared.stores.keys import memory_index
 
 SLOTS = 16384
+GROUP = 64  # slots whose steps go to a node as one pipeline (``SlotMover.move_group``)
 MEET_TIMEOUT_S = 30.0  # a bound on gossip spreading a new node, not a speed claim
 _INDEX = re.compile(r"^ibex:mem:([^:{}]+):\{([^:{}]+):([^:{}]+)\}$")
 _AGENT_KEY = re.compile(r"^(?:mem|memids|hot):\{([^:{}]+):([^:{}]+)\}")
@@ -218,6 +222,20 @@ def _cmd(client: redis.Redis, *args: Any) -> Any:
     return client.execute_command(*args)  # type: ignore[no-untyped-call]
 
 
+def _each(client: redis.Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Raw commands to one node as one pipeline (no transaction), their answers in order; the
+    first error raised."""
+    pipe = client.pipeline(transaction=False)
+    for args in commands:
+        pipe.execute_command(*args)  # type: ignore[no-untyped-call]
+    return list(pipe.execute())
+
+
+def _ranges(slots: list[int]) -> str:
+    """``5-9`` for slots 5 to 9, ``5`` for one."""
+    return f"{slots[0]}-{slots[-1]}" if len(slots) > 1 else str(slots[0])
+
+
 def _call(what: str, fn: Callable[[], Any]) -> Any:
     """Run one Redis call, a connection failure as ``Unreachable`` naming ``what``."""
     try:
@@ -380,7 +398,7 @@ def _stderr(line: str) -> None:
 
 @dataclass
 class SlotMover:
-    """Moves slots to ``target`` one at a time, each slot's memory indexes created there first."""
+    """Moves slots to ``target`` a group at a time (``move_group``), each slot's memory indexes created there first."""
 
     cluster: Cluster
     target: Node
@@ -487,46 +505,61 @@ class SlotMover:
 
     def move(self, slot: int) -> tuple[int, int]:
         """Move one slot (or finish its open move); (keys moved, indexes created)."""
-        source = self.cluster.owner(slot)
+        return self.move_group([slot])
+
+    def move_group(self, slots: list[int]) -> tuple[int, int]:
+        """Move slots of one source (or finish their open moves), each step of every slot sent to
+        a node as one pipeline: a slot without keys costs no round trip of its own. (keys moved,
+        indexes created)."""
+        source = self.cluster.owner(slots[0])
         if source is None:
-            raise ReshardError(f"no primary serves slot {slot}: fix the cluster first")
+            raise ReshardError(f"no primary serves slot {slots[0]}: fix the cluster first")
+        if any(self.cluster.owner(s) is not source for s in slots):
+            raise ValueError("move_group: slots of one source only")
         src, tgt = self.cluster.client(source), self.cluster.client(self.target)
-        _cmd(tgt, "CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
-        created = sum(self.ensure(n) for n in self._indexes.get(slot, []))
-        _cmd(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", self.target.node_id)
+        _each(tgt, [("CLUSTER", "SETSLOT", s, "IMPORTING", source.node_id) for s in slots])
+        created = sum(self.ensure(n) for s in slots for n in self._indexes.get(s, []))
+        _each(src, [("CLUSTER", "SETSLOT", s, "MIGRATING", self.target.node_id) for s in slots])
         moved = 0
-        while keys := [str(k) for k in _cmd(src, "CLUSTER", "GETKEYSINSLOT", slot, self.batch)]:
-            created += self._ensure_agents(keys)
-            self._migrate(slot, source, keys)
-            moved += len(keys)
-        self._built(slot)
-        self._assign(slot, source)
+        first = _each(src, [("CLUSTER", "GETKEYSINSLOT", s, self.batch) for s in slots])
+        for slot, found in zip(slots, first, strict=True):
+            keys = [str(k) for k in found]
+            while keys:
+                created += self._ensure_agents(keys)
+                self._migrate(slot, source, keys)
+                moved += len(keys)
+                keys = [str(k) for k in _cmd(src, "CLUSTER", "GETKEYSINSLOT", slot, self.batch)]
+        self._built(slots)
+        self._assign(slots, source)
         return moved, created
 
-    def _built(self, slot: int) -> None:
-        """Wait until the indexes created for ``slot`` have indexed the keys that reached the target
-        before them (a move resumed after an interruption): the slot is handed over complete."""
+    def _built(self, slots: list[int]) -> None:
+        """Wait until the indexes created for ``slots`` have indexed the keys that reached the target
+        before them (a move resumed after an interruption): the slots are handed over complete."""
         names, self._created = self._created, []
         for name in names:
             wait_until(partial(self._indexed, name),
-                       f"index {name} on {self.target.address} did not finish indexing slot {slot}'s keys")
+                       f"index {name} on {self.target.address} did not finish indexing the keys of slot "
+                       f"{key_slot(name)}")
 
     def _indexed(self, name: str) -> bool:
         return not still_indexing(self._ask("FT.INFO", name))
 
-    def _assign(self, slot: int, source: Node) -> None:
+    def _assign(self, slots: list[int], source: Node) -> None:
         """``SETSLOT NODE`` on the target, the source, then the other primaries (gossip would tell
         them too; telling them now spares callers a ``MOVED`` round)."""
         others = [n for n in self.cluster.primaries if n not in (self.target, source)]
         for node in [self.target, source, *others]:
             try:
-                _cmd(self.cluster.client(node), "CLUSTER", "SETSLOT", slot, "NODE", self.target.node_id)
+                _each(self.cluster.client(node), [("CLUSTER", "SETSLOT", s, "NODE", self.target.node_id)
+                                                  for s in slots])
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if node in (self.target, source):
                     raise
-                _stderr(f"warning: {node.address} did not take slot {slot}'s new owner ({exc}); gossip will tell it")
-        source.slots.discard(slot)
-        self.target.slots.add(slot)
+                _stderr(f"warning: {node.address} did not take the new owner of slots {_ranges(slots)} ({exc}); "
+                        "gossip will tell it")
+        source.slots.difference_update(slots)
+        self.target.slots.update(slots)
 
     def close(self) -> None:
         if self._asking is not None:
@@ -556,6 +589,19 @@ def _check_ok(cluster: Cluster) -> None:
             raise ReshardError(f"the cluster is not ok on {node.address} (cluster_state:fail): fix it first")
 
 
+def _groups(cluster: Cluster, slots: list[int]) -> list[list[int]]:
+    """``slots`` (sorted) cut into runs of consecutive slots of one owner, at most ``GROUP`` each."""
+    out: list[list[int]] = []
+    for slot in slots:
+        last = out[-1] if out else None
+        if (last is not None and len(last) < GROUP and slot == last[-1] + 1
+                and cluster.owner(slot) is cluster.owner(last[0])):
+            last.append(slot)
+        else:
+            out.append([slot])
+    return out
+
+
 def move_slots(cluster: Cluster, slots: list[int], target: Node, *, source: Node | None = None,
                batch: int = 100, migrate_timeout_ms: int = 10_000, progress: Progress = _stderr) -> MoveReport:
     """Move ``slots`` to the primary ``target``, each with its memory indexes created there first.
@@ -580,16 +626,18 @@ def move_slots(cluster: Cluster, slots: list[int], target: Node, *, source: Node
     start = last = time.monotonic()
     try:
         mover.prepare(todo)
-        for i, slot in enumerate(todo, 1):
+        i = 0
+        for group in _groups(cluster, todo):
             try:
-                keys, created = mover.move(slot)
+                keys, created = mover.move_group(group)
             except redis.RedisError as exc:
-                raise ReshardError(f"slot {slot} to {target.address}: {exc}; rerun the same command to "
+                raise ReshardError(f"slot {_ranges(group)} to {target.address}: {exc}; rerun the same command to "
                                    "continue") from None
+            i += len(group)
             report.slots_moved, report.keys, report.indexes = i, report.keys + keys, report.indexes + created
             if time.monotonic() - last >= 1.0 or i == len(todo):
                 last = time.monotonic()
-                progress(f"{i}/{len(todo)} slots ({slot} last), {report.keys} keys, "
+                progress(f"{i}/{len(todo)} slots ({group[-1]} last), {report.keys} keys, "
                          f"{report.indexes} indexes created, {last - start:.1f}s")
     finally:
         mover.close()

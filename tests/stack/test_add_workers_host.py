@@ -62,7 +62,8 @@ def _cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProc
 def _main(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """The command's ``main()`` in this process (``cli_in_process``), in ``cwd``: ~0.7 s of CPU less
     than a process importing the CLI, where the step's own process exit is not what a test holds
-    (the documented blocks and the commands whose answer a test holds stay real processes)."""
+    (the documented blocks stay real processes, and so does one command of each kind of answer a
+    test holds: a refusal's one line and exit status)."""
     with contextlib.chdir(cwd):
         return cli_in_process(*args, env=env)
 
@@ -100,7 +101,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
     try:
         out = _bash(first, cwd=tmp, env=s.env)
         assert out.returncode == 0, out.stdout + out.stderr + _logs(tmp / ".run")
-        seeded = _cli("seed", "--file", str(DEMO_DATA), env=s.env, cwd=tmp)
+        seeded = _main("seed", "--file", str(DEMO_DATA), env=s.env, cwd=tmp)  # the seed CLI has tests of its own
         assert seeded.returncode == 0, seeded.stderr
         s.run_dirs.append(tmp / ".run-extra")
         out = _bash(second, cwd=tmp, env=s.env)
@@ -148,7 +149,8 @@ async def test_assemblies_are_served_by_the_added_workers(stacks: Stacks) -> Non
 
 
 def test_up_with_more_workers_on_the_running_stack_says_how(stacks: Stacks) -> None:
-    out = _cli("up", "--workers", "3", env={**stacks.env, "IBEX_RUN_DIR": str(stacks.tmp / ".run")}, cwd=stacks.tmp)
+    # ``up``'s main() here: a real ``up`` process refusing with one line and exit 2 is the refused host's below.
+    out = _main("up", "--workers", "3", env={**stacks.env, "IBEX_RUN_DIR": str(stacks.tmp / ".run")}, cwd=stacks.tmp)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
     assert "--workers 3 does not change a running stack" in out.stderr
     assert "ibex-context down && ibex-context up --workers 3" in out.stderr and "Adding a workers host" in out.stderr

@@ -14,7 +14,7 @@ import pytest
 from ibex_context.memory.embedded_redis.cluster import EmbeddedCluster
 from ibex_context.memory.embedders.embed import load_embedder
 from ibex_context.memory.search.index import index_name, total_results
-from ibex_context.ops.reshard import connect, move_slots
+from ibex_context.ops.reshard import GROUP, Access, Cluster, Node, _groups, connect, move_slots
 from ibex_context.shared.stores.connect import key_slot, sync_client
 from ibex_context.shared.stores.keys import agent_tag, directive_key, summary_key
 from ibex_context.worker import rawredis
@@ -120,3 +120,15 @@ async def test_the_workers_directive_get_follows_ask_and_moved(cluster: Embedded
         assert await conn.mget(key, summary_key("org7", "bot", "c1")) == [b"v7", None]
     finally:
         conn.close()
+
+
+def test_slots_move_in_groups_of_one_source_and_consecutive_slots() -> None:
+    """``move_slots`` cuts its slots into runs of consecutive slots of one owner, ``GROUP`` at most
+    (each run's steps one pipeline per node): a gap, a change of owner or a full group starts a new one."""
+    a = Node("a" * 40, "127.0.0.1", 1, True, False, set(range(0, 200)))
+    b = Node("b" * 40, "127.0.0.1", 2, True, False, set(range(200, 400)))
+    cluster = Cluster(access=Access(), entry="127.0.0.1:1", nodes=[a, b])
+    slots = [*range(10, 10 + GROUP + 3), 150, 151, 198, 199, 200, 201]
+    assert _groups(cluster, slots) == [list(range(10, 10 + GROUP)), list(range(10 + GROUP, 10 + GROUP + 3)),
+                                       [150, 151], [198, 199], [200, 201]]
+    assert _groups(cluster, [5]) == [[5]] and _groups(cluster, []) == []

@@ -48,8 +48,9 @@ def _cli(*args: str, env: dict[str, str], timeout_s: float = 120) -> subprocess.
 def _main(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """The command's ``main()`` in this process (``cli_in_process``): ~0.7 s of CPU less than a
     process importing the CLI, for the steps whose process exit is not what a test holds (the
-    launchers of the deployment and the refused hosts stay real processes). SLOW_BOX's deprecated
-    IBEX_CONTEXT_TIMEOUT warns, which a real process does not show either."""
+    broker host's and one workers host's launchers and the first refused host stay real
+    processes). SLOW_BOX's deprecated IBEX_CONTEXT_TIMEOUT warns, which a real process does not
+    show either."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return cli_in_process(*args, env=env)
@@ -107,9 +108,12 @@ class Deployment:
         self.hosts.append(host)
         return host
 
-    def worker_host(self, name: str, **extra: str) -> tuple[Host, subprocess.CompletedProcess[str]]:
+    def worker_host(self, name: str, *, here: bool = False,
+                    **extra: str) -> tuple[Host, subprocess.CompletedProcess[str]]:
+        """A workers host's ``up``: a real process, or with ``here`` its ``main()`` in this process."""
         host = self.host(name, IBEX_BROKER_ENDPOINTS=self.frontend, **extra)
-        return host, host.up("--role", "workers", "--workers", "1", "--name", name, "--connect", self.backend)
+        args = ("up", "--role", "workers", "--workers", "1", "--name", name, "--connect", self.backend)
+        return host, (_main if here else _cli)(*args, env=host.env)
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +130,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         a = d.host("host-a")
         out = a.up("--role", "broker,memory,redis")
         assert out.returncode == 0, out.stdout + out.stderr + _logs(a.run_dir)
-        for name in ("host-b", "host-c"):
-            host, out = d.worker_host(name)
+        for name in ("host-b", "host-c"):  # the second launcher by up's main() here (supervisord and its programs real)
+            host, out = d.worker_host(name, here=name == "host-c")
             assert out.returncode == 0, out.stdout + out.stderr + _logs(host.run_dir)
         yield d
     finally:
@@ -172,7 +176,8 @@ def test_a_worker_host_with_another_secret_is_refused(deployment: Deployment) ->
     host, out = deployment.worker_host("host-d", IBEX_NONCE_SECRET="x" * 40)
     _assert_one_line(out, 2, "IBEX_NONCE_SECRET differs", "set the same IBEX_NONCE_SECRET on every host")
     assert not (host.run_dir / "supervisord.pid").exists()  # nothing started
-    host, out = deployment.worker_host("host-e", IBEX_MEMORY_SECRET="y" * 40)
+    # The second refusal by ``up``'s main() here: the real process above exits 2 with its one line.
+    host, out = deployment.worker_host("host-e", here=True, IBEX_MEMORY_SECRET="y" * 40)
     _assert_one_line(out, 2, "IBEX_MEMORY_SECRET", "refuses tokens")
     assert not (host.run_dir / "supervisord.pid").exists()
     with redis.Redis.from_url(deployment.shared["IBEX_REDIS_URL"]) as r:  # the lease is the running hosts'
