@@ -90,9 +90,15 @@ def _erf(x: Array) -> Array:
 
 
 def _layer_norm(x: Array, w: Array, b: Array) -> Array:
+    """``(x - mu) / sqrt(var + eps) * w + b`` over the last axis, in that order, in one new array
+    (the expression's same bits without its temporaries)."""
     mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return np.asarray((x - mu) / np.sqrt(var + _EPS) * w + b, dtype=np.float32)
+    d: Array = np.asarray(x - mu, dtype=np.float32)
+    var = np.square(d).mean(-1, keepdims=True)
+    d /= np.sqrt(var + _EPS)
+    d *= w
+    d += b
+    return d
 
 
 def right_padded(ids: Sequence[Sequence[int]], mask_dtype: type[np.generic]) -> tuple[NDArray[np.int64], NDArray[Any]]:
@@ -168,7 +174,11 @@ class MiniLM:
         w, p = self.w, f"encoder.layer.{i}."
         n, length, _ = x.shape
         x = x.reshape(n * length, HIDDEN)  # 2-D: one GEMM per matmul, not one per sequence
-        qkv = (x @ self._qkv[i] + self._qkv_b[i]).reshape(n, length, 3 * HIDDEN)
+        # Each bias and residual is added in place, in the order the expressions had: the same bits
+        # without a new array per sum (a batch of long texts' FFN activations are ~50 MB).
+        qkv = x @ self._qkv[i]
+        qkv += self._qkv_b[i]
+        qkv = qkv.reshape(n, length, 3 * HIDDEN)
         q, k, v = (qkv[..., j * HIDDEN:(j + 1) * HIDDEN].reshape(n, length, HEADS, -1).transpose(0, 2, 1, 3)
                    for j in range(3))
         # Attention and GELU are many passes over their arrays, each row's independent of the others'
@@ -185,18 +195,22 @@ class MiniLM:
             np.exp(scores, out=scores)
             scores /= scores.sum(-1, keepdims=True)
             ctx[part] = scores @ v[part]
-        attn = ctx.transpose(0, 2, 1, 3).reshape(n * length, HIDDEN) @ w[p + "attention.output.dense.weight"].T \
-            + w[p + "attention.output.dense.bias"]
-        x = _layer_norm(attn + x, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
-        h = x @ w[p + "intermediate.dense.weight"].T + w[p + "intermediate.dense.bias"]
+        attn = ctx.transpose(0, 2, 1, 3).reshape(n * length, HIDDEN) @ w[p + "attention.output.dense.weight"].T
+        attn += w[p + "attention.output.dense.bias"]
+        attn += x
+        x = _layer_norm(attn, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
+        h = x @ w[p + "intermediate.dense.weight"].T
+        h += w[p + "intermediate.dense.bias"]
         for s in range(0, n * length, _GELU_ROWS):  # GELU: (0.5 * h) * (1 + erf(h / sqrt 2)), in place
             rows = h[s:s + _GELU_ROWS]
             gelu = _erf(rows / np.float32(np.sqrt(2.0)))
             gelu += np.float32(1.0)
             rows *= np.float32(0.5)
             np.multiply(rows, gelu, out=rows)
-        out = np.asarray(h @ w[p + "output.dense.weight"].T + w[p + "output.dense.bias"], dtype=np.float32)
-        x = _layer_norm(out + x, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
+        out: Array = np.asarray(h @ w[p + "output.dense.weight"].T, dtype=np.float32)
+        out += w[p + "output.dense.bias"]
+        out += x
+        x = _layer_norm(out, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
         return x.reshape(n, length, HIDDEN)
 
     def encode_query(self, text: str) -> Array:

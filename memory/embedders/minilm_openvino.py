@@ -87,7 +87,10 @@ class OpenVinoSession:
     and longer texts run on the dynamic model.
     """
 
-    def __init__(self, model: str | bytes, precision: str | None = None) -> None:
+    def __init__(self, model: str | bytes, precision: str | None = None, *,
+                 static: Mapping[int, Any] | None = None) -> None:
+        """``static``: buckets' models compiled already (``faster_graph``'s for ``PROBE_TOKENS``), as
+        this would compile them: from ``model``, in ``precision``."""
         import openvino as ov
 
         precision = precision or native_precision()
@@ -95,8 +98,10 @@ class OpenVinoSession:
         core = ov.Core()
         graph = _read(core, model)
         self.compiled = core.compile_model(graph, "CPU", _config(precision))
-        self.static: dict[int, Any] = {}
+        self.static: dict[int, Any] = {n: static[n] for n in BUCKETS if static and n in static}
         for n in BUCKETS:  # each compiled clone holds its own copy of the weights
+            if n in self.static:
+                continue
             fixed = graph.clone()
             fixed.reshape({"input_ids": [1, n], "attention_mask": [1, n]})
             self.static[n] = core.compile_model(fixed, "CPU", _config(precision))
@@ -130,10 +135,13 @@ PROBE_PASSES = 24  # per graph, taking turns, after 4 to warm up: ~0.1 s in all
 Name = TypeVar("Name", bound=str)
 
 
-def faster_graph(graphs: Mapping[Name, str | bytes], precision: str | None = None) -> tuple[Name, dict[Name, float]]:
+def faster_graph(graphs: Mapping[Name, str | bytes], precision: str | None = None, *,
+                 compiled: dict[Name, Any] | None = None) -> tuple[Name, dict[Name, float]]:
     """The name of the graph that answers one question with the least CPU here, and each one's
     median CPU ms: each compiled for ``PROBE_TOKENS`` tokens as ``OpenVinoSession`` compiles a
     question's shape, timed in turns on this thread (the pass runs on the caller's thread).
+    ``compiled``, if given, receives each graph's compiled model: the winner's is its session's
+    bucket of ``PROBE_TOKENS`` (one compile fewer at load).
 
     Whether int8 weights beat bfloat16 ones depends on the CPU and the OpenVINO release: the int8
     kernel quantises activations on the fly, the bfloat16 one reads twice the weight bytes.
@@ -146,7 +154,10 @@ def faster_graph(graphs: Mapping[Name, str | bytes], precision: str | None = Non
     for name, model in graphs.items():
         graph = _read(core, model)
         graph.reshape({"input_ids": [1, PROBE_TOKENS], "attention_mask": [1, PROBE_TOKENS]})
-        requests[name] = core.compile_model(graph, "CPU", config).create_infer_request()
+        probe = core.compile_model(graph, "CPU", config)
+        requests[name] = probe.create_infer_request()
+        if compiled is not None:
+            compiled[name] = probe
     ids = np.array([[101, *range(2000, 2000 + PROBE_TOKENS - 2), 102]], dtype=np.int64)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     samples: dict[Name, list[float]] = {name: [] for name in requests}
@@ -175,33 +186,35 @@ def _read(core: Any, model: str | bytes) -> Any:
 
 
 def load_session(zip_path: Path | None = None, *, weights: Weights = "fp32", cache_dir: Path | None = None,
-                 precision: str | None = None) -> tuple[OpenVinoSession, Any, bool]:
-    """``(session, tokenizer, built)`` over ``graph_file``'s graph; a damaged cached file is rebuilt."""
+                 precision: str | None = None,
+                 static: Mapping[int, Any] | None = None) -> tuple[OpenVinoSession, Any, bool]:
+    """``(session, tokenizer, built)`` over ``graph_file``'s graph; a damaged cached file is rebuilt.
+    ``static``: buckets' models compiled already from the cached file (``OpenVinoSession``)."""
 
-    def session(model: str | bytes) -> OpenVinoSession:
-        return OpenVinoSession(model, precision)
+    def session(model: str | bytes, static: Mapping[int, Any] | None = None) -> OpenVinoSession:
+        return OpenVinoSession(model, precision, static=static)
 
     with zipfile.ZipFile(zip_path or model_zip()) as z:
         tokenizer = load_tokenizer(z.read("tokenizer.json").decode("utf-8"))
         model, built = graph_file(z, weights, cache_dir)
         if not built:
             try:
-                return session(model), tokenizer, False
+                return session(model, static), tokenizer, False
             except Exception as exc:  # a damaged cache file is rebuilt, not fatal
                 log.warning("minilm: rebuilding the cached graph %s: %s", model, exc)
             model, built = graph_file(z, weights, cache_dir, rebuild=True)
     return session(model), tokenizer, built
 
 
-def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None,
-                   precision: str | None = None) -> tuple[Weights, dict[Weights, float]]:
+def faster_weights(zip_path: Path | None = None, cache_dir: Path | None = None, precision: str | None = None, *,
+                   compiled: dict[Weights, Any] | None = None) -> tuple[Weights, dict[Weights, float]]:
     """The weights OpenVINO runs faster on this CPU, ``fp32`` or ``int8-groups``, and each one's
-    median CPU ms for a question (``faster_graph``): which wins depends on the CPU and the OpenVINO
-    release (docs/selection-quality.md)."""
+    median CPU ms for a question (``faster_graph``, which fills ``compiled``): which wins depends on
+    the CPU and the OpenVINO release (docs/selection-quality.md)."""
     candidates: tuple[Weights, ...] = ("fp32", "int8-groups")
     with zipfile.ZipFile(zip_path or model_zip()) as z:
         graphs = {w: graph_file(z, w, cache_dir)[0] for w in candidates}
-    return faster_graph(graphs, precision)
+    return faster_graph(graphs, precision, compiled=compiled)
 
 
 class OpenVinoMiniLM(MiniLM):
@@ -250,17 +263,22 @@ class MiniLMOpenVinoEmbedder(MiniLMEmbedder):
     def _make_model(self) -> OpenVinoMiniLM:
         """Load (or build and cache) the graph; ``load`` calls it from a worker thread at start."""
         started = time.perf_counter()
+        probes: dict[Weights, Any] = {}
+        static: dict[int, Any] = {}
         if self.weights is None:
             try:
-                self.weights, times = faster_weights(cache_dir=self._cache_dir, precision=self.precision)
+                self.weights, times = faster_weights(cache_dir=self._cache_dir, precision=self.precision,
+                                                     compiled=probes)
             except Exception as exc:  # a probe that fails costs the choice, not the service
                 log.warning("minilm: could not time the weights on openvino (%s); using fp32", exc)
                 self.weights = "fp32"
             else:
                 log.info("minilm: openvino weights %s, measured faster here (CPU ms per question: %s)", self.weights,
                          ", ".join(f"{w} {ms:.2f}" for w, ms in times.items()))
+                static = {PROBE_TOKENS: probes.pop(self.weights)}  # the winner's probe: that bucket's model
+            probes.clear()  # the other form's, before this one's models are compiled
         session, tokenizer, built = load_session(weights=self.weights, cache_dir=self._cache_dir,
-                                                 precision=self.precision)
+                                                 precision=self.precision, static=static)
         log.info("minilm: openvino graph (%s weights, %s inference) %s in %.2f s", self.weights, session.precision,
                  "built" if built else "loaded", time.perf_counter() - started)
         return OpenVinoMiniLM(session, tokenizer)

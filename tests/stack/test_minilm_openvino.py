@@ -7,11 +7,13 @@ the weights measured faster at load."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import threading
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,9 @@ from ibex_context.memory.embedders.minilm_openvino import (
     faster_weights,
     load_session,
 )
+from ibex_context.memory.service import server
 from ibex_context.memory.service.config import MemoryConfig
+from tests.helpers import main_in_process
 from tests.stack.test_minilm_graph import BOUND, _conversation_sample, _cosines, _demo_texts, _eval_questions
 
 
@@ -42,6 +46,22 @@ def ov_emb(cache: Path) -> MiniLMOpenVinoEmbedder:
     emb = MiniLMOpenVinoEmbedder(cache_dir=cache)
     emb.load()
     return emb
+
+
+@pytest.fixture(scope="module")
+def with_weights(cache: Path, ov_emb: MiniLMOpenVinoEmbedder) -> Callable[[Weights], MiniLMOpenVinoEmbedder]:
+    """The embedder with the given weights at the native precision over the module's cache, loaded
+    once for the module (``ov_emb`` for the weights it chose): each load compiles five models."""
+    assert ov_emb.weights is not None
+    loaded = {ov_emb.weights: ov_emb}
+
+    def get(weights: Weights) -> MiniLMOpenVinoEmbedder:
+        if weights not in loaded:
+            loaded[weights] = MiniLMOpenVinoEmbedder(cache_dir=cache, weights=weights)
+            loaded[weights].load()
+        return loaded[weights]
+
+    return get
 
 
 @pytest.mark.timeout(300)
@@ -109,26 +129,31 @@ def test_auto_takes_openvino_in_bfloat16_only_where_it_is_native(monkeypatch: py
     assert emb.model.session.precision == ("bf16" if bf16_native() else "f32")
 
 
-@pytest.mark.parametrize("runtime", ["tensorrt", "onnxruntime"])
-def test_an_unknown_runtime_is_refused_by_name(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", runtime)
-    with pytest.raises(ValueError, match="IBEX_MEMORY_MINILM_RUNTIME"):
-        MemoryConfig()
-    out = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.server", "--port", "0"],
-                         capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.splitlines() == [
-        "error: IBEX_MEMORY_MINILM_RUNTIME: Input should be 'auto', 'openvino' or 'numpy'"], out.stderr
+def test_an_unknown_runtime_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service refuses the setting at start, naming it. The first runtime's refusal is a real
+    process's exit; the second one's is the same ``main()`` in this process (``main_in_process``)."""
+    for runtime in ("tensorrt", "onnxruntime"):
+        monkeypatch.setenv("IBEX_MEMORY_MINILM_RUNTIME", runtime)
+        with pytest.raises(ValueError, match="IBEX_MEMORY_MINILM_RUNTIME"):
+            MemoryConfig()
+        if runtime == "tensorrt":
+            out = subprocess.run([sys.executable, "-m", "ibex_context.memory.service.server", "--port", "0"],
+                                 capture_output=True, text=True, timeout=60, check=False)
+        else:
+            out = main_in_process(server.main, "--port", "0", env=dict(os.environ))
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr.splitlines() == [
+            "error: IBEX_MEMORY_MINILM_RUNTIME: Input should be 'auto', 'openvino' or 'numpy'"], out.stderr
 
 
 @pytest.mark.parametrize(("weights", "bound"), [("fp32", 0.99999), ("int8-groups", 0.9995)])
-def test_a_query_on_a_fixed_shape_model_gets_the_dynamic_models_vector(weights: Weights, bound: float,
-                                                                      cache: Path) -> None:
+def test_a_query_on_a_fixed_shape_model_gets_the_dynamic_models_vector(
+        weights: Weights, bound: float, with_weights: Callable[[Weights], MiniLMOpenVinoEmbedder]) -> None:
     """Around every bucket's edge, one query padded to its bucket's fixed shape gives the vector
     the dynamic model gives it unpadded. With fp32 weights (held as bfloat16) the two agree to
     1e-5; with int8 weights up to the weights' rounding, which the two shapes' kernels do in their
     own order (activations quantised per group of 32 on the fly)."""
-    session, _, _ = load_session(cache_dir=cache, weights=weights)
+    session = with_weights(weights).model.session
     assert isinstance(session, OpenVinoSession) and sorted(session.static) == list(BUCKETS)
     dynamic = session.compiled.create_infer_request()
     for n in sorted({2, 3, *(b + d for b in BUCKETS for d in (-1, 0, 1)), 64}):
@@ -157,6 +182,7 @@ def test_auto_weights_are_the_faster_of_the_two_timed_at_load(cache: Path, caplo
 
 
 def test_a_weights_probe_that_fails_keeps_fp32_and_serves(cache: Path, tmp_path: Path,
+                                                          with_weights: Callable[[Weights], MiniLMOpenVinoEmbedder],
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A damaged cached int8 graph makes the timing fail: the embedder says so, takes fp32 and
     still gives the reference's vectors."""
@@ -169,5 +195,5 @@ def test_a_weights_probe_that_fails_keeps_fp32_and_serves(cache: Path, tmp_path:
         vec = emb.embed_query("When are Acme Backup invoices sent out?")
     assert emb.weights == "fp32"
     assert any("could not time the weights" in r.getMessage() for r in caplog.records)
-    ref = MiniLMOpenVinoEmbedder(cache_dir=cache, weights="fp32")
+    ref = with_weights("fp32")
     assert float(np.dot(vec, ref.embed_query("When are Acme Backup invoices sent out?"))) >= 0.99999

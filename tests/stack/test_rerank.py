@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from redis.asyncio import Redis
@@ -34,7 +34,7 @@ from ibex_context.shared.stores.connect import async_client
 from ibex_context.shared.stores.keys import memory_key, states_field
 from tests.fixtures_services import MemoryServiceHandle, flush_redis
 from tests.forkserver import fork_server
-from tests.helpers import start_stack
+from tests.helpers import cli_in_process, http, start_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,9 +132,8 @@ def _redis(url: str, fn: Any) -> Any:
 
 
 def _search(memory: MemoryServiceHandle, query: str) -> list[dict[str, Any]]:
-    with httpx.Client(base_url=memory.url, timeout=30.0) as http:
-        got = http.post("/v1/memories/search", headers=memory.headers("acme"),
-                        json={"agent_id": "chat", "query": query, "min_similarity": 0.0})
+    got = http().post(f"{memory.url}/v1/memories/search", headers=memory.headers("acme"), timeout=30.0,
+                      json={"agent_id": "chat", "query": query, "min_similarity": 0.0})
     assert got.status_code == 200, got.text
     hits: list[dict[str, Any]] = got.json()["memories"]
     return hits
@@ -149,8 +148,7 @@ def test_a_write_stores_token_states_and_charges_them(services: dict[str, Memory
     memory = services["on"]
     body = {"agent_id": "chat", "memory_id": "w1", "content": "Priya: my sister moved to Porto for a new job.",
             "category": "note", "created_at": "2024-03-01T10:00:00Z"}
-    with httpx.Client(base_url=memory.url, timeout=30.0) as http:
-        wrote = http.post("/v1/memories", headers=memory.headers("acme"), json=body)
+    wrote = http().post(f"{memory.url}/v1/memories", headers=memory.headers("acme"), json=body, timeout=30.0)
     assert wrote.status_code == 201, wrote.text
     key = memory_key("acme", "chat", "w1")
     raw, rec, charged = _redis(redis_of, lambda r: r.hmget(key, [states_field(EMBEDDER), "rec", "q"]))
@@ -252,17 +250,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def test_explain_shows_the_rerank_score(stack: LocalStack) -> None:
-    def assemble(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", "assemble", "--endpoint", stack.frontend,
-                               "--org", "acme", "--agent", "chat", "--model", "gpt-4o", "--query",
-                               "What did the rabbit break?", "--timeout-ms", "15000", *extra],
-                              capture_output=True, text=True, cwd=ROOT, timeout=90, check=False)
-
-    out = assemble("--json")
+    """The JSON from a real process; the table from the same command's ``main()`` in this process
+    (``cli_in_process``): what it prints."""
+    args = ["assemble", "--endpoint", stack.frontend, "--org", "acme", "--agent", "chat", "--model", "gpt-4o",
+            "--query", "What did the rabbit break?", "--timeout-ms", "15000"]
+    out = subprocess.run([sys.executable, "-m", "ibex_context.ops.cli", *args, "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=90, check=False)
     assert out.returncode == 0, out.stderr
     packed = [d for d in json.loads(out.stdout)["decisions"] if d["decision"] == "packed" and d["source"] == "cold"]
     assert packed and all(0.0 <= d["retrieval"]["rerank"] <= 1.0 for d in packed)
-    table = assemble("--explain")
+    table = cli_in_process(*args, "--explain", env=dict(os.environ))
     assert table.returncode == 0, table.stderr
     assert "rerank score" in table.stdout
 
@@ -286,9 +283,8 @@ def test_every_runtime_gives_the_references_token_states() -> None:
 
 def _search_body(memory: MemoryServiceHandle, query: str) -> dict[str, Any]:
     """The whole search answer at the embedder's own cosine cutoff (minilm 0.20)."""
-    with httpx.Client(base_url=memory.url, timeout=30.0) as http:
-        got = http.post("/v1/memories/search", headers=memory.headers("acme"),
-                        json={"agent_id": "chat", "query": query})
+    got = http().post(f"{memory.url}/v1/memories/search", headers=memory.headers("acme"), timeout=30.0,
+                      json={"agent_id": "chat", "query": query})
     assert got.status_code == 200, got.text
     body: dict[str, Any] = got.json()
     return body
