@@ -251,8 +251,8 @@ class BrokerSettings(_LinkSettings):
         1.0, ge=0, le=10, description="Under a limited dispatch rate, while another org has requests queued, each "
                                       "request of a light org (IBEX_ADMISSION_LIGHT) also takes this many tokens "
                                       "more from the rate, which the heavier orgs then go without: the flood leaves "
-                                      "the machine that much idle for the light org's calls (docs/architecture.md "
-                                      "\"Admission control\"); 0 = none.")
+                                      "the machine that much idle for the light org's calls "
+                                      "(docs/architecture.md \"Admission control\"); 0 = none.")
     admission_rate: bool = Field(
         True, description="Requests whose assemblies embed a question at the memory service are dispatched no "
                           "faster than an adaptive rate learned from the replies (cut when they come back degraded, "
