@@ -322,6 +322,35 @@ def is_light(light: LightOrgs, r: DispatchRate, q: FairQueue[int], now_ns: int, 
     return light.light(org, r.rate, q.share(org), now_ns)  # as ``Broker._light``
 
 
+def _light_beside_flood(rate: float, *, lend: bool, headroom: float = 0.0) -> tuple[list[str], list[int], LightOrgs]:
+    """Two seconds of a flood that takes every token as it comes beside an org sending 5 a second
+    (a fifth of its half of the rate), dispatched as ``Broker._next`` and ``Broker._took`` do:
+    (orgs in dispatch order, the light org's waits, its ``LightOrgs``)."""
+    cost, light = MemoryCost(), LightOrgs()
+    for org in ("flood", "light"):
+        cost.observe(org, True)
+    q: FairQueue[int] = FairQueue()
+    for i in range(2000):
+        q.push("flood", i)
+    r, sent, waits, arrived = limited(rate), [], [], {}
+    for now in range(0, 2 * S, MS):
+        if now % (200 * MS) == 0:
+            q.push("light", now)
+            arrived[now] = now
+        r.last_overload_ns = r.last_clean_ns = now
+        r.refill(now)
+        skip = _Unpaced(set(), r, cost, functools.partial(is_light, light, r, q, now) if lend else None)
+        while (nxt := q.pop((), skip)) is not None:
+            org, item = nxt
+            sent.append(org)
+            if org == "light":
+                waits.append(now - arrived[item])
+            lit = lend and is_light(light, r, q, now, org)
+            r.take(tokens_taken(cost.cost(org), light=lit, headroom=headroom), now)
+            light.took(org, cost.cost(org), now)
+    return sent, waits, light
+
+
 def test_a_light_org_goes_ahead_of_its_token_and_the_pace_stays_the_rate() -> None:
     """Beside a flood that takes every token as it comes, an org sending a fifth of its share goes
     in the same loop turn as it arrives (ahead of its token); the bucket's debt makes the flood's
@@ -329,27 +358,7 @@ def test_a_light_org_goes_ahead_of_its_token_and_the_pace_stays_the_rate() -> No
     org waits for a token."""
     rate = 50.0
     for lend in (True, False):
-        cost, light = MemoryCost(), LightOrgs()
-        for org in ("flood", "light"):
-            cost.observe(org, True)
-        q: FairQueue[int] = FairQueue()
-        for i in range(2000):
-            q.push("flood", i)
-        r, sent, waits, arrived = limited(rate), [], [], {}
-        for now in range(0, 2 * S, MS):
-            if now % (200 * MS) == 0:  # 5 a second: a fifth of its half of the rate
-                q.push("light", now)
-                arrived[now] = now
-            r.last_overload_ns = r.last_clean_ns = now
-            r.refill(now)
-            skip = _Unpaced(set(), r, cost, functools.partial(is_light, light, r, q, now) if lend else None)
-            while (nxt := q.pop((), skip)) is not None:
-                org, item = nxt
-                sent.append(org)
-                if org == "light":
-                    waits.append(now - arrived[item])
-                r.take(cost.cost(org), now)
-                light.took(org, cost.cost(org), now)
+        sent, waits, light = _light_beside_flood(rate, lend=lend)
         assert sent.count("light") == 10
         if lend:
             assert max(waits) == 0 and not light.light("flood", rate, 0.5, 2 * S)
@@ -366,27 +375,7 @@ def test_a_light_orgs_request_leaves_headroom_the_flood_goes_without() -> None:
     the light org's calls); the light org still goes at once. With 0 the pace is the rate."""
     rate = 50.0
     for headroom in (1.0, 0.0):
-        cost, light = MemoryCost(), LightOrgs()
-        for org in ("flood", "light"):
-            cost.observe(org, True)
-        q: FairQueue[int] = FairQueue()
-        for i in range(2000):
-            q.push("flood", i)
-        r, sent, waits, arrived = limited(rate), [], [], {}
-        for now in range(0, 2 * S, MS):
-            if now % (200 * MS) == 0:
-                q.push("light", now)
-                arrived[now] = now
-            r.last_overload_ns = r.last_clean_ns = now
-            r.refill(now)
-            skip = _Unpaced(set(), r, cost, functools.partial(is_light, light, r, q, now))
-            while (nxt := q.pop((), skip)) is not None:
-                org, item = nxt
-                sent.append(org)
-                if org == "light":
-                    waits.append(now - arrived[item])
-                r.take(tokens_taken(cost.cost(org), light=is_light(light, r, q, now, org), headroom=headroom), now)
-                light.took(org, cost.cost(org), now)
+        sent, waits, _ = _light_beside_flood(rate, lend=True, headroom=headroom)
         assert sent.count("light") == 10 and max(waits) == 0
         flood = sent.count("flood")
         assert abs(flood - (2 * rate - 10 * (1 + headroom))) <= 3, (headroom, flood)
