@@ -230,20 +230,23 @@ class AsyncClient:
         return scaled_timeout(request, self.default_timeout, self.settings)
 
     def _encode(self, request: AssembleRequest | None, fields: dict[str, Any],
-                timeout: object) -> tuple[Outgoing, list[bytes], float]:
+                timeout: object) -> tuple[Outgoing, list[bytes], float, float]:
         """(the call's request as made and as sent, its frames, its timeout in seconds: ``timeout``,
-        else ``call_timeout``'s); the deadline is stamped now. A payload over the size limit is
-        refused here: the broker's ZMQ_MAXMSGSIZE would drop the whole connection, failing every
-        request in flight on it, and only the client can keep one big request from doing that."""
+        else ``call_timeout``'s, and its end on this process's monotonic clock); the deadline is
+        stamped now, and the end is read at the same instant, so a reply is never handed back later
+        than the deadline the request carries, however long encoding or a stalled loop took. A
+        payload over the size limit is refused here: the broker's ZMQ_MAXMSGSIZE would drop the whole
+        connection, failing every request in flight on it, and only the client can keep one big
+        request from doing that."""
         seconds = self.default_timeout if timeout is None else check_timeout(timeout, "timeout")
-        now_ns = time.time_ns()
+        now_ns, now_s = time.time_ns(), time.monotonic()
         out = outgoing(build(request, fields, now_ns + int(seconds * 1e9)))  # images as stubs (client.wire)
         if timeout is None:
             seconds = self.call_timeout(out.sent)
         _, header, payload = encode_request(out.sent, {}, now_ns + int(seconds * 1e9))
         if len(payload) > self.max_request_bytes:
             raise too_large(out.sent, len(payload), self.max_request_bytes)
-        return out, P.request_frames(header, payload), seconds
+        return out, P.request_frames(header, payload), seconds, now_s + seconds
 
     async def assemble(self, request: AssembleRequest | None = None, *, timeout: float | None = None,
                        **fields: Any) -> AssembleResponse:
@@ -254,12 +257,13 @@ class AsyncClient:
         (``.field`` names the field) before anything is sent.
         """
         self._check_open()
-        out, frames, seconds = self._encode(request, fields, timeout)
-        resp = await self._throttled(out.sent.org_id, out.sent.request_id, frames, seconds)
+        out, frames, seconds, end = self._encode(request, fields, timeout)
+        resp = await self._throttled(out.sent.org_id, out.sent.request_id, frames, seconds, end)
         self._directives.keep(out.sent, resp)
         return out.restore(resp)
 
-    async def _throttled(self, org: str, rid: str, frames: list[bytes], timeout: float) -> AssembleResponse:
+    async def _throttled(self, org: str, rid: str, frames: list[bytes], timeout: float,
+                         end: float) -> AssembleResponse:
         """``_send`` behind the client's adaptive throttle (``client.throttle``): refused here, at
         once and typed, while the service refuses most of ``org``'s calls."""
         throttle = self._throttle
@@ -268,17 +272,16 @@ class AsyncClient:
             raise Overloaded(f"refused by this client's adaptive throttle: the service refused most of org {org!r}'s "
                              f"calls in the last {self.settings.client_throttle_window_s:g} s", request_id=rid)
         try:
-            resp = await self._send(rid, frames, timeout)
+            resp = await self._send(rid, frames, timeout, end)
         except IbexError as exc:
             throttle.answered(org, time.monotonic(), accepted=exc.code is not ErrorCode.OVERLOADED)
             raise
         throttle.answered(org, time.monotonic(), accepted=True)
         return resp
 
-    async def _send(self, rid: str, frames: list[bytes], timeout: float) -> AssembleResponse:
-        """The reply to ``frames``, from the first broker that answers in time (failing over)."""
+    async def _send(self, rid: str, frames: list[bytes], timeout: float, end: float) -> AssembleResponse:
+        """The reply to ``frames``, from the first broker that answers by ``end`` (monotonic; failing over)."""
         await self.start()
-        end = time.monotonic() + timeout
         tried: set[int] = set()
         last: ErrorReply | None = None
         unsent = False  # every attempt so far failed to send (not connected yet, or reconnecting)
@@ -397,11 +400,9 @@ class AsyncClient:
         if fallback_directive is not None and not isinstance(fallback_directive, str):
             raise InvalidRequest(f"fallback_directive must be a str or None, got {type(fallback_directive).__name__}",
                                  field="fallback_directive")
-        start = time.monotonic()
-        out, frames, seconds = self._encode(request, fields, timeout)
-        end = start + seconds
+        out, frames, seconds, end = self._encode(request, fields, timeout)
         try:
-            resp = await self._throttled(out.sent.org_id, out.sent.request_id, frames, seconds)
+            resp = await self._throttled(out.sent.org_id, out.sent.request_id, frames, seconds, end)
             self._directives.keep(out.sent, resp)
             return out.restore(resp)
         except IbexError as exc:
