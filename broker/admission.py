@@ -456,7 +456,7 @@ def tokens_taken(cost: float, *, light: bool, headroom: float) -> float:
     At the rate the memory service's machine is busy to the edge, and a light org's call waits on
     the CPU behind the flood's; the extra tokens keep that much of the machine idle while, and only
     while, a light org is there to use it."""
-    return cost * (1.0 + headroom) if light and cost > 0 else cost
+    return cost * (1.0 + headroom) if light else cost
 
 
 class LightOrgs:
