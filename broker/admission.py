@@ -75,6 +75,10 @@ import collections
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 MIN_LIMIT = 2.0  # a worker keeps two in flight: one on the CPU while one waits on I/O
 BACKOFF = 0.75  # multiplicative decrease on an overload signal
@@ -450,9 +454,20 @@ class MemoryCost:
         self.by_org[org] = x if c is None else c + COST_EWMA * (x - c)
 
 
+def takes_headroom(org: str, fullest: str | None, light: Callable[[str], bool]) -> bool:
+    """Whether a dispatched request of ``org`` takes headroom (``tokens_taken``): ``org`` is light and
+    the org with most queued work (``fullest``, ``FairQueue.fullest_org``) is another one that is not, so
+    a heavier org is there to go without the extra tokens. When every org with work is light (the
+    dispatch rate binds, each org's share of it is small, or something else holds the dispatches
+    back), headroom would only slow everyone: each light dispatch taking twice its tokens halves the
+    pace, so each org uses less and stays light, and goodput falls to about half the rate."""
+    return fullest is not None and fullest != org and light(org) and not light(fullest)
+
+
 def tokens_taken(cost: float, *, light: bool, headroom: float) -> float:
     """The tokens a dispatched request takes from the rate: its cost, and for a light org beside a
-    queued one (``LightOrgs.light``) ``headroom`` times it more, which the heavier orgs go without.
+    heavier one with queued work (``takes_headroom``) ``headroom`` times it more, which the heavier
+    orgs go without.
     At the rate the memory service's machine is busy to the edge, and a light org's call waits on
     the CPU behind the flood's; the extra tokens keep that much of the machine idle while, and only
     while, a light org is there to use it."""

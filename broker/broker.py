@@ -80,6 +80,7 @@ from .admission import (
     expected_wait_ns,
     hold_until_ns,
     shed,
+    takes_headroom,
     tokens_taken,
 )
 from .fairqueue import FairQueue
@@ -497,12 +498,13 @@ class Broker:
 
     def _took(self, rate: DispatchRate, org: str, now_ns: int) -> None:
         """A request of ``org`` was dispatched: its tokens taken (ahead of them, for a light org, and
-        ``IBEX_ADMISSION_LIGHT_HEADROOM`` more, which the heavier orgs go without)."""
+        ``IBEX_ADMISSION_LIGHT_HEADROOM`` more while a heavier org has work queued, which it goes without)."""
         cost = self.cost.cost(org)
         if rate.limited and not rate.allows(cost):
             self.stats["rate_lent"] += 1
         s = self.settings
-        light = rate.limited and cost > 0 and s.admission_light and s.admission_light_headroom > 0 and self._light(org)
+        light = rate.limited and cost > 0 and s.admission_light and s.admission_light_headroom > 0 \
+            and takes_headroom(org, self.queue.fullest_org(), self._light)
         rate.take(tokens_taken(cost, light=light, headroom=s.admission_light_headroom), now_ns)
         if light:
             self.stats["rate_headroom"] += 1

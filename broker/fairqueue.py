@@ -89,6 +89,10 @@ class FairQueue(Generic[T]):
         w = self.weight(org)
         return w / (self.active_weight + (0.0 if self.queued(org) else w))
 
+    def fullest_org(self) -> str | None:
+        """The org with most live items per weight, None with nothing queued; O(log orgs)."""
+        return self._fullest()
+
     def queued_by_org(self) -> Iterator[tuple[str, int]]:
         """(org, live items) for every org with work; O(orgs), for snapshots."""
         return ((org, q.live) for org, q in self.orgs.items() if q.live)

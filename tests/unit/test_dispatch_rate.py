@@ -4,6 +4,7 @@ out the rate's tokens (``broker.broker._Unpaced``). No process, no socket."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -24,6 +25,7 @@ from ibex_context.broker.admission import (
     DispatchRate,
     LightOrgs,
     MemoryCost,
+    takes_headroom,
     tokens_taken,
 )
 from ibex_context.broker.broker import _Unpaced
@@ -345,7 +347,7 @@ def _light_beside_flood(rate: float, *, lend: bool, headroom: float = 0.0) -> tu
             sent.append(org)
             if org == "light":
                 waits.append(now - arrived[item])
-            lit = lend and is_light(light, r, q, now, org)
+            lit = lend and takes_headroom(org, q.fullest_org(), functools.partial(is_light, light, r, q, now))
             r.take(tokens_taken(cost.cost(org), light=lit, headroom=headroom), now)
             light.took(org, cost.cost(org), now)
     return sent, waits, light
@@ -379,3 +381,40 @@ def test_a_light_orgs_request_leaves_headroom_the_flood_goes_without() -> None:
         assert sent.count("light") == 10 and max(waits) == 0
         flood = sent.count("flood")
         assert abs(flood - (2 * rate - 10 * (1 + headroom))) <= 3, (headroom, flood)
+
+
+def test_orgs_that_all_flood_take_no_headroom_and_get_the_whole_rate() -> None:
+    """Two orgs flooding alike, each light at first (nothing used yet): no org is heavier than the
+    other, so none takes headroom, and over two seconds what went is the rate. Were each light
+    dispatch to take twice its tokens, the pace would halve, each org would use under half its
+    share and stay light, and about half the rate would go."""
+    rate, cost, light = 50.0, MemoryCost(), LightOrgs()
+    q: FairQueue[int] = FairQueue()
+    for org in ("a", "b"):
+        cost.observe(org, True)
+        for i in range(2000):
+            q.push(org, i)
+    r, sent, headroom_taken = limited(rate), collections.Counter[str](), 0
+    for now in range(0, 2 * S, MS):
+        r.last_overload_ns = r.last_clean_ns = now
+        r.refill(now)
+        lit = functools.partial(is_light, light, r, q, now)
+        while (nxt := q.pop((), _Unpaced(set(), r, cost, lit))) is not None:
+            org, _ = nxt
+            sent[org] += 1
+            extra = takes_headroom(org, q.fullest_org(), lit)
+            headroom_taken += extra
+            r.take(tokens_taken(cost.cost(org), light=extra, headroom=1.0), now)
+            light.took(org, cost.cost(org), now)
+    assert headroom_taken == 0
+    assert abs(sum(sent.values()) - 2 * rate) <= 3, sent
+    assert abs(sent["a"] - sent["b"]) <= 2, sent
+
+
+def test_headroom_needs_a_heavier_org_with_work() -> None:
+    light = {"victim": True, "flood": False, "other": True}.__getitem__
+    assert takes_headroom("victim", "flood", light)
+    assert not takes_headroom("victim", "other", light)  # every org with work is light
+    assert not takes_headroom("victim", "victim", light)  # the light org's own queue is the fullest
+    assert not takes_headroom("victim", None, light)
+    assert not takes_headroom("flood", "flood", light)
