@@ -454,14 +454,14 @@ class MemoryCost:
         self.by_org[org] = x if c is None else c + COST_EWMA * (x - c)
 
 
-def takes_headroom(org: str, fullest: str | None, light: Callable[[str], bool]) -> bool:
-    """Whether a dispatched request of ``org`` takes headroom (``tokens_taken``): ``org`` is light and
-    the org with most queued work (``fullest``, ``FairQueue.fullest_org``) is another one that is not, so
-    a heavier org is there to go without the extra tokens. When every org with work is light (the
-    dispatch rate binds, each org's share of it is small, or something else holds the dispatches
-    back), headroom would only slow everyone: each light dispatch taking twice its tokens halves the
-    pace, so each org uses less and stays light, and goodput falls to about half the rate."""
-    return fullest is not None and fullest != org and light(org) and not light(fullest)
+def takes_headroom(org: str, fullest: str | None, light: Callable[[str], bool], use: Callable[[str], float]) -> bool:
+    """Whether a dispatched request of ``org`` takes headroom (``tokens_taken``): ``org`` is light,
+    and the org with most queued work (``fullest``, ``FairQueue.fullest_org``) is another one that
+    uses (``use``: tokens lately, per weight) more than 1 / ``LIGHT_SHARE`` times what ``org`` uses,
+    so a heavier org is there to go without the extra tokens. Orgs that send alike take none: when
+    every org's dispatches fall under half the rate, each is light, and headroom would feed on itself
+    (each dispatch taking twice its tokens halves the pace, so each org uses less and stays light)."""
+    return fullest is not None and fullest != org and light(org) and use(org) < LIGHT_SHARE * use(fullest)
 
 
 def tokens_taken(cost: float, *, light: bool, headroom: float) -> float:

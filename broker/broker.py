@@ -46,6 +46,7 @@ a poller has no locks and no scheduling surprises.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import logging
 import os
@@ -504,7 +505,7 @@ class Broker:
             self.stats["rate_lent"] += 1
         s = self.settings
         light = rate.limited and cost > 0 and s.admission_light and s.admission_light_headroom > 0 \
-            and takes_headroom(org, self.queue.fullest_org(), self._light)
+            and takes_headroom(org, self.queue.fullest_org(), self._light, functools.partial(self._use, now_ns))
         rate.take(tokens_taken(cost, light=light, headroom=s.admission_light_headroom), now_ns)
         if light:
             self.stats["rate_headroom"] += 1
@@ -513,6 +514,10 @@ class Broker:
     def _light(self, org: str) -> bool:
         """Whether ``org`` uses under ``LIGHT_SHARE`` of its share of the dispatch rate (``admission.LightOrgs``)."""
         return self.light.light(org, self.rate.rate, self.queue.share(org), time.monotonic_ns())
+
+    def _use(self, now_ns: int, org: str) -> float:
+        """The dispatch tokens ``org`` took lately, per unit of its weight."""
+        return self.light.used(org, now_ns) / self.queue.weight(org)
 
     def _held_back(self) -> set[str]:
         """The orgs whose own held slots (``broker.admission.Holds``) take every free slot now:

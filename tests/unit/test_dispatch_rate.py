@@ -324,6 +324,10 @@ def is_light(light: LightOrgs, r: DispatchRate, q: FairQueue[int], now_ns: int, 
     return light.light(org, r.rate, q.share(org), now_ns)  # as ``Broker._light``
 
 
+def used(light: LightOrgs, now_ns: int, org: str) -> float:
+    return light.used(org, now_ns)  # as ``Broker._use``, every weight 1
+
+
 def _light_beside_flood(rate: float, *, lend: bool, headroom: float = 0.0) -> tuple[list[str], list[int], LightOrgs]:
     """Two seconds of a flood that takes every token as it comes beside an org sending 5 a second
     (a fifth of its half of the rate), dispatched as ``Broker._next`` and ``Broker._took`` do:
@@ -347,7 +351,8 @@ def _light_beside_flood(rate: float, *, lend: bool, headroom: float = 0.0) -> tu
             sent.append(org)
             if org == "light":
                 waits.append(now - arrived[item])
-            lit = lend and takes_headroom(org, q.fullest_org(), functools.partial(is_light, light, r, q, now))
+            lit = lend and takes_headroom(org, q.fullest_org(), functools.partial(is_light, light, r, q, now),
+                                          functools.partial(used, light, now))
             r.take(tokens_taken(cost.cost(org), light=lit, headroom=headroom), now)
             light.took(org, cost.cost(org), now)
     return sent, waits, light
@@ -402,7 +407,7 @@ def test_orgs_that_all_flood_take_no_headroom_and_get_the_whole_rate() -> None:
         while (nxt := q.pop((), _Unpaced(set(), r, cost, lit))) is not None:
             org, _ = nxt
             sent[org] += 1
-            extra = takes_headroom(org, q.fullest_org(), lit)
+            extra = takes_headroom(org, q.fullest_org(), lit, functools.partial(used, light, now))
             headroom_taken += extra
             r.take(tokens_taken(cost.cost(org), light=extra, headroom=1.0), now)
             light.took(org, cost.cost(org), now)
@@ -412,9 +417,14 @@ def test_orgs_that_all_flood_take_no_headroom_and_get_the_whole_rate() -> None:
 
 
 def test_headroom_needs_a_heavier_org_with_work() -> None:
-    light = {"victim": True, "flood": False, "other": True}.__getitem__
-    assert takes_headroom("victim", "flood", light)
-    assert not takes_headroom("victim", "other", light)  # every org with work is light
-    assert not takes_headroom("victim", "victim", light)  # the light org's own queue is the fullest
-    assert not takes_headroom("victim", None, light)
-    assert not takes_headroom("flood", "flood", light)
+    """Headroom is taken by a light org beside an org with more queued work that uses more than
+    twice as much (``LIGHT_SHARE``): not beside orgs that are light too or about as busy."""
+    light = {"victim": True, "flood": False, "other": True, "peer": True}.__getitem__
+    use = {"victim": 5.0, "flood": 40.0, "other": 6.0, "peer": 7.0}.__getitem__
+    assert takes_headroom("victim", "flood", light, use)
+    assert not takes_headroom("victim", "other", light, use)  # about as busy: nobody to go without
+    assert not takes_headroom("victim", "victim", light, use)  # the light org's own queue is the fullest
+    assert not takes_headroom("victim", None, light, use)
+    assert not takes_headroom("flood", "victim", light, use)  # the flood is not light
+    # Two orgs sending 3 : 4 while the dispatches go under half the rate: both light, neither heavier.
+    assert not takes_headroom("peer", "flood", light, {"peer": 30.0, "flood": 40.0}.__getitem__)
