@@ -504,10 +504,10 @@ class Broker:
         if rate.limited and not rate.allows(cost):
             self.stats["rate_lent"] += 1
         s = self.settings
-        light = rate.limited and cost > 0 and s.admission_light and s.admission_light_headroom > 0 \
+        headroom = rate.limited and cost > 0 and s.admission_light and s.admission_light_headroom > 0 \
             and takes_headroom(org, self.queue.fullest_org(), self._light, functools.partial(self._use, now_ns))
-        rate.take(tokens_taken(cost, light=light, headroom=s.admission_light_headroom), now_ns)
-        if light:
+        rate.take(tokens_taken(cost, light=headroom, headroom=s.admission_light_headroom), now_ns)
+        if headroom:
             self.stats["rate_headroom"] += 1
         self.light.took(org, cost, now_ns)
 
